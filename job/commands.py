@@ -1,0 +1,71 @@
+"""Core subcommands: ``config-help``, ``train`` and ``eval``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    from job.cli import add_config_arguments
+
+    help_parser = subparsers.add_parser("config-help", help="print every config key with its type, default and help")
+    help_parser.set_defaults(func=_config_help)
+
+    train = subparsers.add_parser("train", help="train embeddings (resumes from the last checkpoint if any)")
+    add_config_arguments(train)
+    train.add_argument(
+        "--edge-read-mode", choices=("stage", "stream"), default=None,
+        help="how to read edge files from object stores (overrides the config key edge_read_mode)",
+    )
+    train.set_defaults(func=_train)
+
+    evaluate = subparsers.add_parser("eval", help="rank held-out edges: MRR, Hits@1/10/50, AUC, mean rank")
+    add_config_arguments(evaluate)
+    evaluate.add_argument("--filter", action="append", default=[], metavar="EDGE_DIR",
+                          help="directories of true edges removed from the candidates (filtered ranks); repeatable")
+    evaluate.add_argument("--candidates", choices=("sampled", "all"), default="sampled",
+                          help="rank against sampled negatives (as during training) or every entity of the type")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
+    evaluate.add_argument("--version", type=int, default=None, help="checkpoint version (default: the latest)")
+    evaluate.set_defaults(func=_eval)
+
+
+def _config_help(args: argparse.Namespace) -> int:
+    from job.config import config_help
+
+    print(config_help())
+    return 0
+
+
+def _load(args: argparse.Namespace):  # noqa: ANN202 - returns ConfigSchema
+    from job.cli import overrides_of
+    from job.config import load_config
+
+    extra = []
+    if getattr(args, "edge_read_mode", None):
+        extra.append(f"edge_read_mode={args.edge_read_mode}")
+    return load_config(args.config, overrides_of(args) + extra)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from job.train import train
+
+    train(_load(args))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from job.evaluation import evaluate_command
+
+    metrics = evaluate_command(
+        _load(args), filter_paths=args.filter, candidates=args.candidates, version=args.version
+    )
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        for key, value in metrics.items():
+            print(f"{key:>10}: {value:.6g}" if isinstance(value, float) else f"{key:>10}: {value}", file=sys.stdout)
+    return 0

@@ -1,0 +1,7 @@
+"""Placeholder: the `demo` command is being written."""
+
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    pass

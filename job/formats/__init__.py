@@ -1,0 +1,1 @@
+"""On-disk formats shared with PyTorch-BigGraph: input v1, checkpoints, and the legacy format."""

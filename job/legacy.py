@@ -1,0 +1,7 @@
+"""Placeholder: the `legacy` command is being written."""
+
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    pass
