@@ -597,7 +597,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         tp = _schema_type_at(path)
         value = _parse_override_value(text, tp, key)
         node: Any = raw
-        for i, part in enumerate(path[:-1]):
+        for part in path[:-1]:
             if isinstance(node, list):
                 index = int(part)
                 if index >= len(node):
