@@ -69,9 +69,9 @@ class EntitySchema:
 
     def __post_init__(self) -> None:
         if self.num_partitions < 1:
-            raise ConfigError("num_partitions must be a positive integer")
+            raise ConfigError("num_partitions: must be a positive integer")
         if self.dimension is not None and self.dimension < 1:
-            raise ConfigError("dimension must be a positive integer")
+            raise ConfigError("dimension: must be a positive integer")
 
 
 @dataclass
@@ -362,8 +362,17 @@ class ConfigSchema:
                     f"config key 'relations[{rel_idx}].operator': complex_diagonal needs an even dimension, "
                     f"got {self.dimension}"
                 )
-        if self.bias and self.comparator in ("l2", "squared_l2") and self.dimension < 2:
-            raise ConfigError("config key 'bias': needs dimension >= 2")
+        if self.bias and self.dimension < 2:
+            raise ConfigError("config key 'bias': needs dimension >= 2 (the first dimension becomes the bias)")
+        if self.num_batch_negs > 0 and self.batch_size % self.num_batch_negs != 0:
+            raise ConfigError(
+                f"config key 'batch_size': {self.batch_size} must be a multiple of num_batch_negs ({self.num_batch_negs})"
+            )
+        if self.dynamic_relations and self.global_emb:
+            raise ConfigError(
+                "config key 'global_emb': per-type global embeddings cannot be used with dynamic_relations "
+                "(set global_emb=False, as PBG's dynamic-relation examples do)"
+            )
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)
@@ -391,6 +400,35 @@ class ConfigSchema:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=4)
+
+    def to_pbg_dict(self) -> dict[str, Any]:
+        """``to_dict()`` without the keys PBG 1.0.0's ``ConfigSchema`` lacks.
+
+        PBG's ``ConfigSchema.from_dict`` rejects unknown keys, so a ``config.json`` holding our
+        additions (``seed``, ``device``...) or keys of later PBG versions (``regularization_coef``,
+        ``num_gpus``...) cannot be read by PBG 1.0.0's ``CheckpointManager.read_config``. The
+        dropped values must be kept elsewhere (e.g. the ``config/json`` metadata attribute).
+        """
+        plain = self.to_dict()
+        out = {k: v for k, v in plain.items() if k not in NON_PBG_1_0_KEYS}
+        out["entities"] = {
+            name: {k: v for k, v in entity.items() if k not in NON_PBG_1_0_ENTITY_KEYS}
+            for name, entity in plain["entities"].items()
+        }
+        return out
+
+    def to_pbg_json(self) -> str:
+        """What ``config.json`` must hold for PBG 1.0.0 to read the checkpoint's config."""
+        return json.dumps(self.to_pbg_dict(), indent=4)
+
+
+# Keys of ours (or of PBG versions after 1.0.0) that PBG 1.0.0's from_dict refuses.
+NON_PBG_1_0_KEYS = frozenset({
+    "regularization_coef", "regularizer", "early_stopping", "num_gpus", "num_groups_for_partition_server",
+    "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision",
+    "seed", "device", "edge_read_mode", "storage_options",
+})
+NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension"})
 
 
 def _to_plain(value: Any) -> Any:
@@ -496,11 +534,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 def _from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names, key=str)  # YAML may give non-string keys
     if unknown:
         import difflib
 
-        key = unknown[0]
+        key = str(unknown[0])
         close = difflib.get_close_matches(key, names, n=1)
         hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
         raise ConfigError(f"config key '{prefix}{key}': unknown key{hint}")

@@ -1,0 +1,329 @@
+"""``biggraph eval``: ranking metrics of a checkpoint on a set of edges.
+
+Two candidate sets:
+
+- ``sampled`` (PBG's ``torchbiggraph_eval``): each positive is ranked against the batch
+  and uniform negatives of its bucket (eval_num_batch_negs / eval_num_uniform_negs).
+- ``all``: each positive is ranked against every entity of the corrupted side's type,
+  across all of its partitions (streamed one partition and one block at a time, so
+  memory stays bounded). ``--filter`` directories hold the known true edges, which are
+  removed from the candidates (the standard "filtered" setting of link prediction;
+  PBG's filtered evaluator only supports one unpartitioned type, this one does not
+  have that limit).
+
+Ranks count candidates scoring at least the positive (ties count against, as PBG
+does). Each edge gives two ranks (corrupting lhs and rhs) unless a side's negatives are
+disabled. Metrics: MRR, Hits@1/10/50, AUC (fraction of candidates scored below the
+positive), mean rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from job.config import ConfigSchema
+from job.errors import CheckpointError, UserError
+from job.formats import edges as edge_format
+from job.formats.checkpoint import CheckpointStorage
+from job.train.batching import EdgeTensors, process_edges
+from job.train.loop import bucket_grid, read_entity_counts
+from job.train.model import Model, Table
+from job.train.step import BatchContext, BatchStats
+
+logger = logging.getLogger("biggraph")
+
+CANDIDATE_BLOCK = 65536
+
+
+class CheckpointReader:
+    """Loads a committed checkpoint's model and partitions on demand (a small LRU of partitions)."""
+
+    def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
+        import storage_adapters as storage
+        from job.formats import entities as entity_format
+
+        storage.set_storage_options(config.storage_options)
+        self.config = config
+        self.checkpoint = CheckpointStorage(config.checkpoint_path)
+        latest = self.checkpoint.load_version()
+        if latest == 0:
+            raise CheckpointError(f"{config.checkpoint_path}: no committed checkpoint (checkpoint_version.txt missing)")
+        self.version = latest if version is None else version
+        if not self.checkpoint.has_model(self.version):
+            raise CheckpointError(f"{self.checkpoint.model_file(self.version)}: missing (no checkpoint version {self.version})")
+        self.counts = read_entity_counts(config)
+        num_dynamic = entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
+        self.model = Model(config, num_dynamic)
+        params, _, _ = self.checkpoint.load_model(self.version)
+        self.model.load_public_state_dict(params, self.checkpoint.model_file(self.version))
+        self.model.eval()
+        self._cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        self._max_resident = max_resident
+
+    def partition(self, entity_type: str, part: int) -> torch.Tensor:
+        key = (entity_type, part)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        array, _ = self.checkpoint.load_entity_partition(self.version, entity_type, part)
+        expected = self.counts[entity_type][part]
+        if array.shape[0] != expected:
+            raise CheckpointError(
+                f"{self.checkpoint.partition_file(self.version, entity_type, part)}: {array.shape[0]} rows but "
+                f"entity_count_{entity_type}_{part}.txt says {expected}"
+            )
+        tensor = torch.from_numpy(array)
+        self._cache[key] = tensor
+        while len(self._cache) > self._max_resident:
+            self._cache.popitem(last=False)
+        return tensor
+
+    def part_of(self, entity_type: str, bucket_part: int) -> int:
+        return bucket_part if self.config.entities[entity_type].num_partitions > 1 else 0
+
+
+def _finalise(stats: BatchStats, elapsed: float) -> dict[str, Any]:
+    metrics: dict[str, Any] = dict(stats.ranking_metrics())
+    metrics["count"] = stats.count
+    metrics["num_ranks"] = stats.num_ranks
+    metrics["seconds"] = round(elapsed, 3)
+    return metrics
+
+
+def evaluate_command(
+    config: ConfigSchema,
+    filter_paths: Optional[list[str]] = None,
+    candidates: str = "sampled",
+    version: Optional[int] = None,
+) -> dict[str, Any]:
+    """Evaluate the checkpoint of ``config`` on the edges of ``config.edge_paths``."""
+    started = time.perf_counter()
+    filter_paths = filter_paths or []
+    if filter_paths and candidates != "all":
+        raise UserError("--filter needs --candidates all (filtered ranks are defined against every entity)")
+    reader = CheckpointReader(config, version)
+    if candidates == "all":
+        stats = _evaluate_all(reader, filter_paths)
+    else:
+        stats = _evaluate_sampled(reader)
+    metrics = _finalise(stats, time.perf_counter() - started)
+    logger.info("eval of checkpoint version %d over %d edges: MRR %.4f, hits@10 %.4f", reader.version,
+                stats.count, metrics["mrr"], metrics["hits@10"])
+    return metrics
+
+
+def _iter_bucket_edges(config: ConfigSchema):  # noqa: ANN202 - generator of (bucket, EdgeTensors)
+    nparts_lhs, nparts_rhs = bucket_grid(config)
+    for edge_path in config.edge_paths:
+        for lhs in range(nparts_lhs):
+            for rhs in range(nparts_rhs):
+                arrays = edge_format.read_edges(edge_format.edges_file(edge_path, lhs, rhs))
+                if len(arrays) == 0:
+                    continue
+                yield (lhs, rhs), EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs),
+                                              torch.from_numpy(arrays.rhs))
+
+
+def _evaluate_sampled(reader: CheckpointReader) -> BatchStats:
+    config = reader.config
+    total = BatchStats()
+    generator = torch.Generator()
+    generator.manual_seed(config.seed or 0)
+    for (lhs_part, rhs_part), edges in _iter_bucket_edges(config):
+        lhs_tables = {}
+        rhs_tables = {}
+        for rel_idx, relation in enumerate(config.relations):
+            lhs_tables[rel_idx] = Table(reader.partition(relation.lhs, reader.part_of(relation.lhs, lhs_part)), None)
+            rhs_tables[rel_idx] = Table(reader.partition(relation.rhs, reader.part_of(relation.rhs, rhs_part)), None)
+        ctx = BatchContext(config, reader.model, None, lhs_tables, rhs_tables, config.eval_num_batch_negs,
+                           config.eval_num_uniform_negs)
+        total.add(process_edges(ctx, edges, torch.arange(len(edges)), config.batch_size, config.dynamic_relations,
+                                generator, False))
+    return total
+
+
+class TrueEdgeIndex:
+    """Known true edges keyed by (relation, anchor entity) for filtered ranking, in global entity ids."""
+
+    def __init__(self, anchors: np.ndarray, targets: np.ndarray) -> None:
+        order = np.argsort(anchors, kind="stable")
+        self.keys = anchors[order]
+        self.values = targets[order]
+
+    def lookup(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row of the query, target) pairs for every stored edge matching each query key."""
+        lo = np.searchsorted(self.keys, queries, side="left")
+        hi = np.searchsorted(self.keys, queries, side="right")
+        lengths = hi - lo
+        rows = np.repeat(np.arange(len(queries)), lengths)
+        starts = np.repeat(lo - np.cumsum(lengths) + lengths, lengths)
+        positions = np.arange(int(lengths.sum())) + starts
+        return rows, self.values[positions]
+
+
+def _global_offsets(reader: CheckpointReader) -> dict[str, np.ndarray]:
+    return {t: np.concatenate(([0], np.cumsum(c)[:-1])).astype(np.int64) for t, c in reader.counts.items()}
+
+
+def _build_filters(reader: CheckpointReader, filter_paths: list[str]) -> tuple[Optional[TrueEdgeIndex], Optional[TrueEdgeIndex]]:
+    """Indexes for corrupting rhs (key: rel, lhs -> rhs) and lhs (key: rel, rhs -> lhs)."""
+    if not filter_paths:
+        return None, None
+    config = reader.config
+    offsets = _global_offsets(reader)
+    totals = {t: int(sum(c)) for t, c in reader.counts.items()}
+    span = max(totals.values()) + 1
+    rhs_keys, rhs_values, lhs_keys, lhs_values = [], [], [], []
+    nparts_lhs, nparts_rhs = bucket_grid(config)
+    for path in filter_paths:
+        for lhs_part in range(nparts_lhs):
+            for rhs_part in range(nparts_rhs):
+                arrays = edge_format.read_edges(edge_format.edges_file(path, lhs_part, rhs_part))
+                if len(arrays) == 0:
+                    continue
+                rel = arrays.rel
+                lhs_global = np.empty_like(arrays.lhs)
+                rhs_global = np.empty_like(arrays.rhs)
+                for rel_idx, relation in enumerate(config.relations):
+                    selected = np.ones(len(rel), bool) if config.dynamic_relations else rel == rel_idx
+                    lp = reader.part_of(relation.lhs, lhs_part)
+                    rp = reader.part_of(relation.rhs, rhs_part)
+                    lhs_global[selected] = arrays.lhs[selected] + offsets[relation.lhs][lp]
+                    rhs_global[selected] = arrays.rhs[selected] + offsets[relation.rhs][rp]
+                rhs_keys.append(rel * span + lhs_global)
+                rhs_values.append(rhs_global)
+                lhs_keys.append(rel * span + rhs_global)
+                lhs_values.append(lhs_global)
+    if not rhs_keys:
+        return None, None
+    return (TrueEdgeIndex(np.concatenate(rhs_keys), np.concatenate(rhs_values)),
+            TrueEdgeIndex(np.concatenate(lhs_keys), np.concatenate(lhs_values)))
+
+
+def _prepared(model: Model, rows: torch.Tensor, entity_type: str, operator: Any = None,
+              rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+    x = rows
+    g = model.global_emb(entity_type)
+    if g is not None:
+        x = x + g
+    if operator is not None:
+        x = operator(x, rel) if model.num_dynamic_rels > 0 else operator(x)
+    return model.comparator.prepare(x)
+
+
+@torch.no_grad()
+def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchStats:
+    config = reader.config
+    model = reader.model
+    dynamic = model.num_dynamic_rels > 0
+    offsets = _global_offsets(reader)
+    totals = {t: int(sum(c)) for t, c in reader.counts.items()}
+    span = max(totals.values()) + 1
+    rhs_filter, lhs_filter = _build_filters(reader, filter_paths)
+    total = BatchStats()
+    for (lhs_part, rhs_part), edges in _iter_bucket_edges(config):
+        groups = [(0, torch.arange(len(edges)))] if dynamic else [
+            (int(r), torch.nonzero(edges.rel == r).flatten()) for r in torch.unique(edges.rel)
+        ]
+        for rel_idx, selection in groups:
+            if rel_idx >= len(config.relations):
+                raise UserError(f"edge relation index {rel_idx} out of range ({len(config.relations)} relation types)")
+            relation = config.relations[rel_idx]
+            lp = reader.part_of(relation.lhs, lhs_part)
+            rp = reader.part_of(relation.rhs, rhs_part)
+            for start in range(0, selection.numel(), config.batch_size):
+                index = selection[start:start + config.batch_size]
+                lhs_ids, rhs_ids, rel = edges.lhs[index], edges.rhs[index], edges.rel[index]
+                lhs_rows = reader.partition(relation.lhs, lp)[lhs_ids]
+                rhs_rows = reader.partition(relation.rhs, rp)[rhs_ids]
+                lhs_global = lhs_ids.numpy() + offsets[relation.lhs][lp]
+                rhs_global = rhs_ids.numpy() + offsets[relation.rhs][rp]
+                rhs_op = model.rhs_operators[rel_idx]
+                lhs_op = model.lhs_operators[rel_idx]
+                lhs_vec = _prepared(model, lhs_rows, relation.lhs)
+                rhs_vec = _prepared(model, rhs_rows, relation.rhs)
+                if dynamic:
+                    rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op, rel)
+                    lhs_transformed = _prepared(model, lhs_rows, relation.lhs, lhs_op, rel)
+                    # corrupt lhs: c(u', h_r(v)); corrupt rhs: c(g_r(u), v')
+                    sides = [("lhs", rhs_transformed, lhs_vec, relation.lhs, None, lhs_global, rhs_global, lhs_filter),
+                             ("rhs", lhs_transformed, rhs_vec, relation.rhs, None, rhs_global, lhs_global, rhs_filter)]
+                else:
+                    rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op)
+                    sides = [("lhs", rhs_transformed, lhs_vec, relation.lhs, None, lhs_global, rhs_global, lhs_filter),
+                             ("rhs", lhs_vec, rhs_transformed, relation.rhs, rhs_op, rhs_global, lhs_global, rhs_filter)]
+                batch = BatchStats(count=int(index.numel()))
+                for side, anchor, positive, cand_type, cand_op, true_global, anchor_global, true_index in sides:
+                    if (side == "lhs" and config.disable_lhs_negs) or (side == "rhs" and config.disable_rhs_negs):
+                        continue
+                    pos = model.comparator.pos(anchor, positive)
+                    filtered = None
+                    if true_index is not None:
+                        rows, targets = true_index.lookup(rel.numpy() * span + anchor_global)
+                        keep = targets != true_global[rows]
+                        filtered = (rows[keep], targets[keep])
+                    _rank_against_all(reader, model, cand_type, cand_op, rel if dynamic else None, anchor, pos,
+                                      true_global, filtered, offsets[cand_type], batch)
+                total.add(batch)
+    return total
+
+
+def _rank_against_all(
+    reader: CheckpointReader,
+    model: Model,
+    cand_type: str,
+    cand_op: Any,
+    rel: Optional[torch.Tensor],
+    anchor: torch.Tensor,
+    pos: torch.Tensor,
+    true_global: np.ndarray,
+    filtered: Optional[tuple[np.ndarray, np.ndarray]],
+    type_offsets: np.ndarray,
+    out: BatchStats,
+) -> None:
+    """Count, per positive, candidates of ``cand_type`` scoring >= / < the positive, excluding itself and filtered ones."""
+    num = anchor.shape[0]
+    at_least = torch.zeros(num, dtype=torch.float64)
+    below = torch.zeros(num, dtype=torch.float64)
+    ties = torch.zeros(num, dtype=torch.float64)
+    candidates_total = torch.zeros(num, dtype=torch.float64)
+    true_t = torch.from_numpy(true_global)
+    for part, count in enumerate(reader.counts[cand_type]):
+        if count == 0:
+            continue
+        table = reader.partition(cand_type, part)
+        base = int(type_offsets[part])
+        for block_start in range(0, count, CANDIDATE_BLOCK):
+            block_end = min(count, block_start + CANDIDATE_BLOCK)
+            vecs = _prepared(model, table[block_start:block_end], cand_type, cand_op)
+            scores = model.comparator.pairwise(anchor, vecs)  # (num, block)
+            valid = torch.ones_like(scores, dtype=torch.bool)
+            # the positive itself is not a candidate
+            own = true_t - (base + block_start)
+            inside = (own >= 0) & (own < block_end - block_start)
+            valid[torch.nonzero(inside).flatten(), own[inside]] = False
+            if filtered is not None and len(filtered[0]):
+                rows, targets = filtered
+                local = targets - (base + block_start)
+                sel = (local >= 0) & (local < block_end - block_start)
+                if sel.any():
+                    valid[torch.from_numpy(rows[sel]), torch.from_numpy(local[sel])] = False
+            p = pos.unsqueeze(1)
+            at_least += ((scores >= p) & valid).sum(1).double()
+            below += ((scores < p) & valid).sum(1).double()
+            ties += ((scores == p) & valid).sum(1).double()
+            candidates_total += valid.sum(1).double()
+    ranks = at_least + 1
+    out.rank_sum += float(ranks.sum())
+    out.reciprocal_rank_sum += float(ranks.reciprocal().sum())
+    out.hits1 += float((ranks <= 1).sum())
+    out.hits10 += float((ranks <= 10).sum())
+    out.hits50 += float((ranks <= 50).sum())
+    out.auc_sum += float(((below + 0.5 * ties) / candidates_total.clamp_min(1)).sum())
+    out.num_ranks += num

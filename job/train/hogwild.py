@@ -1,0 +1,128 @@
+"""Hogwild! worker processes that live for the whole run.
+
+PBG forks a pool per bucket; we start ``workers`` processes once (spawn: safe beside
+the threads fsspec and torch start) and hand them, per bucket, shared-memory handles
+to the bucket's embedding tables and edges. Each worker runs one intra-op thread, so
+W workers on W cores do not oversubscribe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from job.config import ConfigSchema
+from job.train.batching import EdgeTensors, process_edges
+from job.train.model import Model, Table
+from job.train.step import BatchContext, BatchStats, RelationAdagrad
+
+logger = logging.getLogger("biggraph")
+
+
+def _worker_main(
+    worker_id: int,
+    config: ConfigSchema,
+    model: Model,
+    relation_sums: list[torch.Tensor],
+    relation_steps: torch.Tensor,
+    tasks: Any,
+    results: Any,
+) -> None:
+    torch.set_num_threads(1)
+    relation_optimizer = RelationAdagrad(list(model.parameters()), config.relation_lr or config.lr)
+    relation_optimizer.sums = relation_sums
+    relation_optimizer.steps = relation_steps
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        task_id = task["id"]
+        try:
+            if task.get("delay"):
+                time.sleep(task["delay"])
+            generator = torch.Generator()
+            generator.manual_seed(task["seed"])
+            ctx = BatchContext(
+                config=config,
+                model=model,
+                relation_optimizer=relation_optimizer if task["train"] else None,
+                lhs_tables=task["lhs_tables"],
+                rhs_tables=task["rhs_tables"],
+                num_batch_negs=task["num_batch_negs"],
+                num_uniform_negs=task["num_uniform_negs"],
+            )
+            stats = process_edges(ctx, task["edges"], task["indices"], config.batch_size,
+                                  config.dynamic_relations, generator, task["train"])
+            results.put((task_id, worker_id, stats, None))
+        except BaseException:  # reported to the parent, which fails the run with it
+            results.put((task_id, worker_id, None, traceback.format_exc()))
+
+
+class WorkerPool:
+    def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad) -> None:
+        context = mp.get_context("spawn")
+        self.tasks = context.Queue()
+        self.results = context.Queue()
+        self.processes = []
+        self._next_id = 0
+        for worker_id in range(num_workers):
+            process = context.Process(
+                target=_worker_main,
+                args=(worker_id, config, model, relation_optimizer.sums, relation_optimizer.steps, self.tasks, self.results),
+                daemon=True,
+                name=f"biggraph-hogwild-{worker_id}",
+            )
+            process.start()
+            self.processes.append(process)
+
+    def run(
+        self,
+        edges: EdgeTensors,
+        index_slices: list[torch.Tensor],
+        lhs_tables: dict[int, Table],
+        rhs_tables: dict[int, Table],
+        seeds: list[int],
+        train: bool,
+        num_batch_negs: int,
+        num_uniform_negs: int,
+        delays: Optional[list[float]] = None,
+    ) -> BatchStats:
+        """Process each slice of edges on its own worker; wait for all and sum their stats."""
+        pending = set()
+        for i, indices in enumerate(index_slices):
+            self._next_id += 1
+            pending.add(self._next_id)
+            self.tasks.put({
+                "id": self._next_id, "edges": edges, "indices": indices.share_memory_(), "lhs_tables": lhs_tables,
+                "rhs_tables": rhs_tables, "seed": seeds[i], "train": train, "num_batch_negs": num_batch_negs,
+                "num_uniform_negs": num_uniform_negs, "delay": delays[i] if delays else 0.0,
+            })
+        total = BatchStats()
+        while pending:
+            try:
+                task_id, worker_id, stats, error = self.results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"worker(s) died: {', '.join(dead)} (out of memory? is /dev/shm big enough?)") from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"Hogwild worker {worker_id} failed:\n{error}")
+            pending.discard(task_id)
+            total.add(stats)
+        return total
+
+    def close(self) -> None:
+        for _ in self.processes:
+            self.tasks.put(None)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        self.processes = []

@@ -1,0 +1,371 @@
+"""The training loop (``Trainer``): iteration state, buckets, eval split, checkpoint commits, stats."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.errors import CheckpointError, UserError
+from job.formats import edges as edge_format
+from job.formats import entities as entity_format
+from job.formats.checkpoint import CheckpointStorage
+from job.train.batching import EdgeTensors, process_edges
+from job.train.buckets import Bucket, order_buckets
+from job.train.hogwild import WorkerPool
+from job.train.model import Model, Table
+from job.train.partitions import PartitionStore
+from job.train.step import BatchContext, BatchStats, RelationAdagrad
+
+logger = logging.getLogger("biggraph")
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One pass over all buckets: an (epoch, edge set, edge chunk) triple; its index is the checkpoint version it makes."""
+
+    index: int
+    epoch: int
+    edge_path_idx: int
+    chunk_idx: int
+
+
+def pick_device(config: ConfigSchema) -> torch.device:
+    want_cuda = config.device == "cuda" or (config.device == "auto" and config.num_gpus > 0)
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"config asks for a GPU (device={config.device!r}, num_gpus={config.num_gpus}) but CUDA is not available "
+                "on this machine; set num_gpus=0 / device=cpu"
+            )
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def read_entity_counts(config: ConfigSchema) -> dict[str, list[int]]:
+    return {
+        entity_type: entity_format.read_entity_counts(config.entity_path, entity_type, entity.num_partitions)
+        for entity_type, entity in config.entities.items()
+    }
+
+
+def bucket_grid(config: ConfigSchema) -> tuple[int, int]:
+    """Number of lhs and rhs partitions that buckets range over (1 when a side's types are all unpartitioned)."""
+    lhs = max(config.entities[r.lhs].num_partitions for r in config.relations)
+    rhs = max(config.entities[r.rhs].num_partitions for r in config.relations)
+    return lhs, rhs
+
+
+def count_edge_chunks(config: ConfigSchema) -> int:
+    if config.num_edge_chunks is not None:
+        return config.num_edge_chunks
+    nparts_lhs, nparts_rhs = bucket_grid(config)
+    most = 0
+    for edge_path in config.edge_paths:
+        for lhs in range(nparts_lhs):
+            for rhs in range(nparts_rhs):
+                url = edge_format.edges_file(edge_path, lhs, rhs)
+                # an edge takes at least 3 bytes, so small files need no opening
+                if storage.size(url) // 3 <= config.max_edges_per_chunk:
+                    continue
+                most = max(most, edge_format.count_edges(url))
+    return max(1, math.ceil(most / config.max_edges_per_chunk))
+
+
+def _split_almost_equally(n: int, parts: int) -> list[slice]:
+    size = math.ceil(n / parts) if parts else n
+    return [slice(i * size, min(n, (i + 1) * size)) for i in range(parts) if i * size < n]
+
+
+class Trainer:
+    """Owns the model, the partitions in memory, the worker pool and the checkpoint directory."""
+
+    def __init__(self, config: ConfigSchema) -> None:
+        from job.validate import validate_cheap
+
+        self.config = config
+        storage.set_storage_options(config.storage_options)
+        from storage_adapters.edge_reader import set_edge_read_mode
+
+        set_edge_read_mode(config.edge_read_mode)
+        validate_cheap(config)
+        self.device = pick_device(config)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.entity_counts = read_entity_counts(config)
+        self.num_dynamic_rels = (
+            entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
+        )
+        self.checkpoint = CheckpointStorage(config.checkpoint_path)
+        self.checkpoint.prepare()
+        self.version = self.checkpoint.load_version()
+        self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
+        # leftovers of a pass that crashed before its commit are garbage
+        self.checkpoint.drop_uncommitted(self.version, self.all_keys)
+        self.model = Model(config, self.num_dynamic_rels).to(self.device)
+        self.relation_optimizer = RelationAdagrad(list(self.model.parameters()), config.relation_lr or config.lr)
+        self._load_model()
+        if self.device.type == "cpu":
+            self.model.share_memory()
+            self.relation_optimizer.share_memory()
+        self.num_chunks = count_edge_chunks(config)
+        self.iterations = [
+            Iteration(i, epoch, path_idx, chunk_idx)
+            for i, (epoch, path_idx, chunk_idx) in enumerate(
+                (e, p, c)
+                for e in range(config.num_epochs)
+                for p in range(len(config.edge_paths))
+                for c in range(self.num_chunks)
+            )
+        ]
+        self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
+        self.pool: Optional[WorkerPool] = None
+        self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
+        self.nparts_lhs, self.nparts_rhs = bucket_grid(config)
+
+    # model and checkpoint ----------------------------------------------------------------------
+    def _load_model(self) -> None:
+        if self.version > 0:
+            if not self.checkpoint.has_model(self.version):
+                raise CheckpointError(
+                    f"{self.checkpoint.model_file(self.version)}: missing although checkpoint_version.txt names "
+                    f"version {self.version}"
+                )
+            params, optim_state, _ = self.checkpoint.load_model(self.version)
+            self.model.load_public_state_dict(params, self.checkpoint.model_file(self.version))
+            self.relation_optimizer.load_state_dict(optim_state, self.checkpoint.model_file(self.version))
+            logger.info("resuming from checkpoint version %d in %s", self.version, self.config.checkpoint_path)
+        elif self.config.init_path:
+            init = CheckpointStorage(self.config.init_path)
+            init_version = init.load_version()
+            if init.has_model(init_version):
+                params, _, _ = init.load_model(init_version)
+                self.model.load_public_state_dict(params, init.model_file(init_version))
+            logger.info("initialising embeddings from %s", self.config.init_path)
+
+    def _metadata(self, iteration: Iteration) -> dict[str, Any]:
+        return {
+            "config/json": self.config.to_json(),
+            "iteration/num_epochs": self.config.num_epochs,
+            "iteration/epoch_idx": iteration.epoch,
+            "iteration/num_edge_paths": len(self.config.edge_paths),
+            "iteration/edge_path_idx": iteration.edge_path_idx,
+            "iteration/edge_path": self.config.edge_paths[iteration.edge_path_idx],
+            "iteration/num_edge_chunks": self.num_chunks,
+            "iteration/edge_chunk_idx": iteration.chunk_idx,
+        }
+
+    # main loop -------------------------------------------------------------------------------
+    def run(self, stop_after_iterations: Optional[int] = None) -> dict:
+        config = self.config
+        self.checkpoint.save_config(config.to_json())
+        todo = self.iterations[self.version:]
+        if not todo:
+            logger.info("training already complete: checkpoint version %d covers all %d passes",
+                        self.version, len(self.iterations))
+            return {"version": self.version, "passes": 0}
+        if self.workers > 1 and self.pool is None:
+            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
+        started = time.perf_counter()
+        total_edges = 0
+        last_eval: Optional[float] = None
+        summary: dict[str, Any] = {}
+        for done, iteration in enumerate(todo):
+            if stop_after_iterations is not None and done >= stop_after_iterations:
+                break
+            pass_stats = self._run_pass(iteration)
+            total_edges += pass_stats["train_edges"]
+            summary = pass_stats
+            last_pass_of_epoch = (iteration.index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
+            if last_pass_of_epoch and config.early_stopping and pass_stats.get("eval_mrr") is not None:
+                if last_eval is not None and pass_stats["eval_mrr"] < last_eval:
+                    logger.info("early stopping: eval MRR fell from %.4f to %.4f", last_eval, pass_stats["eval_mrr"])
+                    break
+                last_eval = pass_stats["eval_mrr"]
+        elapsed = time.perf_counter() - started
+        summary.update({"version": self.version, "train_edges": total_edges, "seconds": elapsed,
+                        "edges_per_sec": total_edges / elapsed if elapsed > 0 else 0.0})
+        logger.info("training finished: checkpoint version %d in %s (%.1f s, %.0f edges/s)",
+                    self.version, config.checkpoint_path, elapsed, summary["edges_per_sec"])
+        return summary
+
+    def _run_pass(self, iteration: Iteration) -> dict[str, Any]:
+        config = self.config
+        edge_path = config.edge_paths[iteration.edge_path_idx]
+        self.store.start_pass(self.version)
+        self.store.metadata = self._metadata(iteration)
+        seed_base = config.seed if config.seed is not None else random.randrange(2**31)
+        rng = random.Random(seed_base * 7919 + iteration.index)
+        buckets = order_buckets(self.nparts_lhs, self.nparts_rhs, config.bucket_order, rng)
+        records: list[dict[str, Any]] = []
+        pass_started = time.perf_counter()
+        train_total = BatchStats()
+        eval_total = BatchStats()
+        train_seconds = 0.0
+        for bucket_idx, bucket in enumerate(buckets):
+            record, train_stats, eval_stats, seconds = self._run_bucket(
+                iteration, bucket, bucket_idx, edge_path, seed_base, first=(iteration.index == 0 and bucket_idx == 0)
+            )
+            records.append(record)
+            train_total.add(train_stats)
+            eval_total.add(eval_stats)
+            train_seconds += seconds
+        self._commit(iteration)
+        elapsed = time.perf_counter() - pass_started
+        summary_record = {
+            "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
+            "edge_chunk_idx": iteration.chunk_idx, "index": iteration.index, "pass_summary": True,
+            "stats": {"count": train_total.count, "metrics": train_total.training_metrics()},
+            "edges_per_sec": train_total.count / train_seconds if train_seconds > 0 else 0.0,
+            "time": elapsed, "checkpoint_version": self.version,
+        }
+        if eval_total.num_ranks:
+            summary_record["eval_stats_after"] = {"count": eval_total.count, "metrics": eval_total.ranking_metrics()}
+        self.checkpoint.append_stats(records + [summary_record])
+        eval_mrr = eval_total.ranking_metrics()["mrr"] if eval_total.num_ranks else None
+        message = (f"epoch {iteration.epoch + 1}/{config.num_epochs} edge path {iteration.edge_path_idx + 1}/"
+                   f"{len(config.edge_paths)} chunk {iteration.chunk_idx + 1}/{self.num_chunks}: "
+                   f"{train_total.count} edges, {summary_record['edges_per_sec']:.0f} edges/s, "
+                   f"loss {train_total.training_metrics()['loss']:.4f}")
+        if eval_mrr is not None:
+            message += f", eval MRR {eval_mrr:.4f} (hits@10 {eval_total.ranking_metrics()['hits@10']:.4f})"
+        logger.info(message, extra={"fields": {k: v for k, v in summary_record.items() if k != "stats"}})
+        return {"train_edges": train_total.count, "eval_mrr": eval_mrr, "loss": train_total.training_metrics()["loss"],
+                "edges_per_sec_pass": summary_record["edges_per_sec"]}
+
+    def _tables_for(self, bucket: Bucket) -> tuple[dict[int, Table], dict[int, Table]]:
+        config = self.config
+        keys: set[tuple[str, int]] = set()
+        lhs_keys: dict[int, tuple[str, int]] = {}
+        rhs_keys: dict[int, tuple[str, int]] = {}
+        for rel_idx, relation in enumerate(config.relations):
+            lhs_part = bucket.lhs if config.entities[relation.lhs].num_partitions > 1 else 0
+            rhs_part = bucket.rhs if config.entities[relation.rhs].num_partitions > 1 else 0
+            lhs_keys[rel_idx] = (relation.lhs, lhs_part)
+            rhs_keys[rel_idx] = (relation.rhs, rhs_part)
+            keys.update((lhs_keys[rel_idx], rhs_keys[rel_idx]))
+        self.store.hold_only(keys)
+        return ({r: self.store.get(k) for r, k in lhs_keys.items()}, {r: self.store.get(k) for r, k in rhs_keys.items()})
+
+    def _read_bucket_chunk(self, edge_path: str, bucket: Bucket, chunk_idx: int) -> EdgeTensors:
+        url = edge_format.edges_file(edge_path, bucket.lhs, bucket.rhs)
+        with edge_format.open_h5(url) as handle:
+            num_edges = edge_format.check_edge_file(handle, url)
+            begin, end = edge_format.chunk_bounds(num_edges, chunk_idx, self.num_chunks)
+            arrays = edge_format.read_edges_from_handle(handle, url, begin, end)
+        edges = EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs), torch.from_numpy(arrays.rhs))
+        return edges
+
+    def _run_bucket(
+        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool
+    ) -> tuple[dict[str, Any], BatchStats, BatchStats, float]:
+        config = self.config
+        io_before = self.store.io_seconds
+        swap_started = time.perf_counter()
+        lhs_tables, rhs_tables = self._tables_for(bucket)
+        edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
+        if self.device.type == "cuda":
+            edges = EdgeTensors(edges.rel.to(self.device), edges.lhs.to(self.device), edges.rhs.to(self.device))
+        io_seconds = time.perf_counter() - swap_started
+        num_edges = len(edges)
+        # the held-out edges depend only on where they are, so they are the same every epoch
+        split_generator = torch.Generator()
+        split_generator.manual_seed(zlib.crc32(f"{iteration.edge_path_idx}/{iteration.chunk_idx}/{bucket}".encode())
+                                    + (config.seed or 0))
+        num_eval = int(num_edges * config.eval_fraction)
+        permutation = torch.randperm(num_edges, generator=split_generator)
+        eval_indices = permutation[num_edges - num_eval:] if num_eval else permutation[:0]
+        train_indices = permutation[: num_edges - num_eval]
+        shuffle_generator = torch.Generator()
+        shuffle_generator.manual_seed(seed_base * 1_000_003 + iteration.index * 10_007 + bucket_idx)
+        train_indices = train_indices[torch.randperm(train_indices.numel(), generator=shuffle_generator)]
+        train_indices = train_indices.to(self.device)
+        eval_indices = eval_indices.to(self.device)
+
+        eval_before = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, shuffle_generator) if num_eval else None
+        compute_started = time.perf_counter()
+        train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, shuffle_generator, first)
+        compute_seconds = time.perf_counter() - compute_started
+        eval_after = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, shuffle_generator) if num_eval else None
+        record: dict[str, Any] = {
+            "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
+            "edge_chunk_idx": iteration.chunk_idx, "lhs_partition": bucket.lhs, "rhs_partition": bucket.rhs,
+            "index": iteration.index * self.nparts_lhs * self.nparts_rhs + bucket_idx,
+            "stats": {"count": train_stats.count, "metrics": train_stats.training_metrics()},
+            "edges_per_sec": train_stats.count / compute_seconds if compute_seconds > 0 else 0.0,
+            "time": compute_seconds, "io_time": io_seconds, "swap_time": self.store.io_seconds - io_before,
+        }
+        eval_after_stats = BatchStats()
+        if eval_before is not None and eval_after is not None:
+            record["eval_stats_before"] = {"count": eval_before.count, "metrics": eval_before.ranking_metrics()}
+            record["eval_stats_after"] = {"count": eval_after.count, "metrics": eval_after.ranking_metrics()}
+            eval_after_stats = eval_after
+        logger.debug("bucket %s: %s", bucket, json.dumps(record))
+        return record, train_stats, eval_after_stats, compute_seconds
+
+    def _context(self, lhs_tables: dict[int, Table], rhs_tables: dict[int, Table], train: bool) -> BatchContext:
+        config = self.config
+        return BatchContext(
+            config=config, model=self.model, relation_optimizer=self.relation_optimizer if train else None,
+            lhs_tables=lhs_tables, rhs_tables=rhs_tables,
+            num_batch_negs=config.num_batch_negs if train else config.eval_num_batch_negs,
+            num_uniform_negs=config.num_uniform_negs if train else config.eval_num_uniform_negs,
+        )
+
+    def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
+               rhs_tables: dict[int, Table], generator: torch.Generator, first: bool) -> BatchStats:
+        config = self.config
+        if self.pool is None or indices.numel() < 2 * config.batch_size:
+            return process_edges(self._context(lhs_tables, rhs_tables, True), edges, indices, config.batch_size,
+                                 config.dynamic_relations, generator, True)
+        slices = [indices[s].clone() for s in _split_almost_equally(indices.numel(), self.workers)]
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
+        delays = [0.0] + [config.hogwild_delay if first else 0.0] * (len(slices) - 1)
+        edges.share_memory_()
+        return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
+                             config.num_uniform_negs, delays)
+
+    def _evaluate(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
+                  rhs_tables: dict[int, Table], generator: torch.Generator) -> BatchStats:
+        config = self.config
+        eval_tables_l = {r: Table(t.weight, None) for r, t in lhs_tables.items()}
+        eval_tables_r = {r: Table(t.weight, None) for r, t in rhs_tables.items()}
+        return process_edges(self._context(eval_tables_l, eval_tables_r, False), edges, indices, config.batch_size,
+                             config.dynamic_relations, generator, False)
+
+    def _commit(self, iteration: Iteration) -> None:
+        """Write the whole next version, then move the marker, then drop the old version."""
+        config = self.config
+        new_version = self.version + 1
+        self.store.finish_pass()
+        state = self.model.public_state_dict()
+        self.checkpoint.save_model(
+            new_version,
+            {name: (private, tensor.cpu().numpy()) for name, (private, tensor) in state.items()},
+            self.relation_optimizer.state_dict(),
+            self._metadata(iteration),
+        )
+        self.checkpoint.save_version(new_version)  # the commit point
+        old_version = self.version
+        self.version = new_version
+        end_of_epoch = (iteration.index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
+        interval = config.checkpoint_preservation_interval
+        if end_of_epoch and interval is not None and (iteration.epoch + 1) % interval == 0:
+            self.checkpoint.preserve(new_version, iteration.epoch, self.all_keys)
+        if old_version > 0:
+            self.checkpoint.drop_version(old_version, self.all_keys)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+

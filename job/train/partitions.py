@@ -1,0 +1,172 @@
+"""Which embedding partitions are in memory, and swapping them through checkpoint storage.
+
+Only the partitions of the current bucket (plus unpartitioned types) are held. A
+partition leaving memory is written into the *next*, uncommitted checkpoint version,
+exactly as PBG does: the committed version stays intact until the pass ends and the
+version marker moves, so a crash at any moment leaves a loadable checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Optional
+
+import numpy as np
+import torch
+
+from job.config import ConfigSchema
+from job.formats.checkpoint import CheckpointStorage
+from job.train.model import Table
+from job.train.step import row_adagrad_state
+
+logger = logging.getLogger("biggraph")
+
+Key = tuple[str, int]  # (entity type, partition)
+
+
+class PartitionStore:
+    def __init__(
+        self,
+        config: ConfigSchema,
+        checkpoint: CheckpointStorage,
+        committed_version: int,
+        entity_counts: dict[str, list[int]],
+        metadata: dict,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.checkpoint = checkpoint
+        self.committed = committed_version
+        self.counts = entity_counts
+        self.metadata = metadata
+        self.device = device
+        self.init_storage = CheckpointStorage(config.init_path) if config.init_path else None
+        self._init_version: Optional[int] = None
+        self.loaded: dict[Key, Table] = {}
+        self.steps: dict[Key, int] = {}
+        self.written: set[Key] = set()
+        self.io_seconds = 0.0
+        self.io_bytes = 0
+
+    @property
+    def next_version(self) -> int:
+        return self.committed + 1
+
+    def all_keys(self) -> list[Key]:
+        return [(t, p) for t, e in self.config.entities.items() for p in range(e.num_partitions)]
+
+    # loading ------------------------------------------------------------------------------------
+    def get(self, key: Key) -> Table:
+        table = self.loaded.get(key)
+        if table is None:
+            table = self._load(key)
+            self.loaded[key] = table
+        return table
+
+    def _load(self, key: Key) -> Table:
+        entity_type, part = key
+        count = self.counts[entity_type][part]
+        dim = self.config.entity_dimension(entity_type)
+        started = time.perf_counter()
+        weight = torch.empty((count, dim), dtype=torch.float32)
+        optim_sum: Optional[torch.Tensor] = None
+        source = None
+        if key in self.written:
+            source = (self.checkpoint, self.next_version)
+        elif self.committed > 0 and self.checkpoint.has_entity_partition(self.committed, entity_type, part):
+            source = (self.checkpoint, self.committed)
+        elif self.init_storage is not None:
+            version = self._init_storage_version()
+            if self.init_storage.has_entity_partition(version, entity_type, part):
+                source = (self.init_storage, version)
+        if source is not None:
+            storage, version = source
+            array, state = storage.load_entity_partition(version, entity_type, part, out=weight.numpy())
+            optim_sum, step = _sum_from_state(state, count)
+            if storage is self.init_storage:
+                optim_sum, step = None, 0  # init_path provides values, not optimizer history
+            self.io_bytes += array.nbytes
+        else:
+            generator = torch.Generator()
+            generator.manual_seed(_stable_seed(self.config.seed, entity_type, part))
+            weight.normal_(0.0, 1.0, generator=generator).mul_(self.config.init_scale)
+            step = 0
+        if optim_sum is None:
+            optim_sum = torch.zeros(count, dtype=torch.float32)
+        self.steps[key] = step
+        weight = weight.to(self.device)
+        optim_sum = optim_sum.to(self.device)
+        if self.device.type == "cpu":
+            weight.share_memory_()
+            optim_sum.share_memory_()
+        self.io_seconds += time.perf_counter() - started
+        return Table(weight=weight, optim_sum=optim_sum)
+
+    def _init_storage_version(self) -> int:
+        if self._init_version is None:
+            assert self.init_storage is not None
+            # PBG's init_path may be a plain directory of unversioned files or a checkpoint directory.
+            self._init_version = self.init_storage.load_version()
+        return self._init_version
+
+    # writing ------------------------------------------------------------------------------------
+    def evict(self, key: Key) -> None:
+        table = self.loaded.pop(key)
+        self._write(key, table)
+
+    def _write(self, key: Key, table: Table) -> None:
+        entity_type, part = key
+        started = time.perf_counter()
+        weight = table.weight.detach().cpu().numpy()
+        optim_sum = table.optim_sum.detach().cpu() if table.optim_sum is not None else None
+        state = row_adagrad_state(optim_sum, self.config.lr, self.steps.get(key, 0)) if optim_sum is not None else None
+        self.checkpoint.save_entity_partition(self.next_version, entity_type, part, weight, state, self.metadata)
+        self.written.add(key)
+        self.io_bytes += weight.nbytes
+        self.io_seconds += time.perf_counter() - started
+
+    def hold_only(self, keys: set[Key]) -> None:
+        """Make exactly ``keys`` resident: write out the others, load the missing ones."""
+        for key in [k for k in self.loaded if k not in keys]:
+            self.evict(key)
+        for key in sorted(keys):
+            self.get(key)
+
+    def finish_pass(self) -> None:
+        """Write every partition into the next version so that it is complete on its own.
+
+        Resident partitions stay in memory: the next pass usually starts with some of them.
+        """
+        for key, table in self.loaded.items():
+            self._write(key, table)
+        for key in self.all_keys():
+            if key not in self.written:
+                # never touched by this pass (an entity type no relation uses): carry it over
+                self._write(key, self._load(key))
+
+    def start_pass(self, committed_version: int) -> None:
+        self.committed = committed_version
+        self.written.clear()
+
+
+def _sum_from_state(state: Optional[dict], count: int) -> tuple[Optional[torch.Tensor], int]:
+    """The row-wise Adagrad sums of a saved partition (PBG's RowAdagrad layout), if usable."""
+    if not isinstance(state, dict):
+        return None, 0
+    entry = state.get("state", {}).get(0) if isinstance(state.get("state"), dict) else None
+    if not isinstance(entry, dict) or "sum" not in entry:
+        return None, 0
+    value = torch.as_tensor(entry["sum"], dtype=torch.float32)
+    if value.shape != (count,):
+        return None, 0
+    step = entry.get("step", 0)
+    return value.clone(), int(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+def _stable_seed(seed: Optional[int], entity_type: str, part: int) -> int:
+    base = 0 if seed is None else int(seed)
+    if seed is None:
+        base = int(np.random.SeedSequence().entropy % (2**31))
+    return (base * 1_000_003 + zlib.crc32(f"{entity_type}/{part}".encode())) % (2**63)

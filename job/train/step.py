@@ -1,0 +1,282 @@
+"""One batch: gather unique rows, score, loss, backward, and the two Adagrad updates.
+
+This is the hot path of training and of sampled evaluation. It runs unchanged in the
+main process (workers=1) and in each Hogwild worker; all tensors it updates live in
+shared memory, and updates are unsynchronised by design (Hogwild!).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from job.config import ConfigSchema
+from job.train.model import Model, SideScores, Table, compute_loss
+
+ADAGRAD_EPS = 1e-10
+
+
+@dataclass
+class BatchStats:
+    """Sums over a set of batches; averaged only when reported (like PBG's Stats)."""
+
+    count: int = 0
+    loss: float = 0.0
+    reg: float = 0.0
+    violators_lhs: int = 0
+    violators_rhs: int = 0
+    rank_sum: float = 0.0
+    reciprocal_rank_sum: float = 0.0
+    hits1: float = 0.0
+    hits10: float = 0.0
+    hits50: float = 0.0
+    auc_sum: float = 0.0
+    num_ranks: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def add(self, other: BatchStats) -> None:
+        for name in ("count", "loss", "reg", "violators_lhs", "violators_rhs", "rank_sum", "reciprocal_rank_sum",
+                     "hits1", "hits10", "hits50", "auc_sum", "num_ranks"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def training_metrics(self) -> dict[str, float]:
+        n = max(self.count, 1)
+        return {"loss": self.loss / n, "reg": self.reg / n, "violators_lhs": self.violators_lhs / n,
+                "violators_rhs": self.violators_rhs / n}
+
+    def ranking_metrics(self) -> dict[str, float]:
+        r = max(self.num_ranks, 1)
+        return {"mrr": self.reciprocal_rank_sum / r, "hits@1": self.hits1 / r, "hits@10": self.hits10 / r,
+                "hits@50": self.hits50 / r, "auc": self.auc_sum / r, "mean_rank": self.rank_sum / r}
+
+
+class RelationAdagrad:
+    """Dense Adagrad over the model's shared parameters (relation operators, global embeddings).
+
+    The sums live in shared memory so that every Hogwild worker accumulates into the
+    same state; its ``state_dict`` has torch.optim.Adagrad's layout, as PBG saves it.
+    """
+
+    def __init__(self, params: list[Tensor], lr: float) -> None:
+        self.params = params
+        self.lr = lr
+        self.sums = [torch.zeros_like(p.detach()) for p in params]
+        self.steps = torch.zeros(1, dtype=torch.float64)
+
+    def share_memory(self) -> None:
+        for s in self.sums:
+            s.share_memory_()
+        self.steps.share_memory_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for p, s in zip(self.params, self.sums):
+            grad = p.grad
+            if grad is None:
+                continue
+            s.addcmul_(grad, grad)
+            p.addcdiv_(grad, s.sqrt().add_(ADAGRAD_EPS), value=-self.lr)
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        step = float(self.steps.item())
+        return {
+            "state": {i: {"step": torch.tensor(step), "sum": s.clone()} for i, s in enumerate(self.sums)},
+            "param_groups": [{
+                "lr": self.lr, "lr_decay": 0, "weight_decay": 0, "initial_accumulator_value": 0, "eps": ADAGRAD_EPS,
+                "foreach": None, "maximize": False, "differentiable": False, "fused": None,
+                "params": list(range(len(self.sums))),
+            }],
+        }
+
+    def load_state_dict(self, state: Optional[dict], where: str) -> None:
+        from job.errors import CheckpointError
+
+        if not state:
+            return
+        entries = state.get("state", {}) if isinstance(state, dict) else {}
+        for i, s in enumerate(self.sums):
+            entry = entries.get(i) or entries.get(str(i))
+            if entry is None:
+                continue
+            value = torch.as_tensor(entry["sum"])
+            if value.shape != s.shape:
+                raise CheckpointError(f"{where}: optimizer state {i} has shape {tuple(value.shape)}, expected {tuple(s.shape)}")
+            s.copy_(value)
+            step = entry.get("step", 0)
+            self.steps.fill_(float(step.item() if isinstance(step, Tensor) else step))
+
+
+def row_adagrad_state(optim_sum: Tensor, lr: float, step: int = 0) -> dict:
+    """PBG's RowAdagrad state_dict layout for one partition."""
+    return {"state": {0: {"step": step, "sum": optim_sum}},
+            "param_groups": [{"lr": lr, "lr_decay": 0, "weight_decay": 0, "params": [0]}]}
+
+
+@dataclass
+class BatchContext:
+    """What a batch needs besides its edges; built once per bucket."""
+
+    config: ConfigSchema
+    model: Model
+    relation_optimizer: Optional[RelationAdagrad]
+    lhs_tables: dict[int, Table]  # relation index -> table of its lhs entity type in this bucket
+    rhs_tables: dict[int, Table]
+    num_batch_negs: int
+    num_uniform_negs: int
+
+
+def _renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
+    """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG."""
+    rows = weight.index_select(0, ids)
+    norms = rows.norm(2, dim=1)
+    too_long = norms > max_norm
+    if bool(too_long.any()):
+        scale = (max_norm / (norms[too_long] + 1e-7)).unsqueeze(1)
+        weight.index_copy_(0, ids[too_long], rows[too_long] * scale)
+
+
+def run_batch(
+    ctx: BatchContext,
+    rel_idx: int,
+    lhs_ids: Tensor,
+    rhs_ids: Tensor,
+    rel_ids: Optional[Tensor],
+    generator: Optional[torch.Generator],
+    train: bool,
+) -> BatchStats:
+    """Train on (or evaluate) one batch of edges of relation ``rel_idx`` (or of dynamic relations ``rel_ids``)."""
+    config = ctx.config
+    relation = config.relations[rel_idx]
+    lhs_table = ctx.lhs_tables[rel_idx]
+    rhs_table = ctx.rhs_tables[rel_idx]
+    same_table = lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr()
+    num_pos = int(lhs_ids.shape[0])
+    all_negs = relation.all_negs
+    num_batch_negs = ctx.num_batch_negs
+    num_uniform = 0 if all_negs else ctx.num_uniform_negs
+    chunk = num_batch_negs if num_batch_negs > 0 else (num_uniform or num_pos)
+    num_chunks = (num_pos + chunk - 1) // chunk
+    device = lhs_table.weight.device
+
+    def sample(count: int, disabled: bool) -> Optional[Tensor]:
+        if disabled or num_uniform == 0 or count == 0:
+            return None
+        return torch.randint(0, count, (num_chunks, num_uniform), generator=generator, device=device)
+
+    lhs_count = lhs_table.weight.shape[0]
+    rhs_count = rhs_table.weight.shape[0]
+    lhs_neg = sample(lhs_count, config.disable_lhs_negs)
+    rhs_neg = sample(rhs_count, config.disable_rhs_negs)
+
+    # unique rows per table ----------------------------------------------------------------------
+    if all_negs:
+        lhs_uniq = torch.arange(lhs_count, device=device)
+        rhs_uniq = lhs_uniq if same_table else torch.arange(rhs_count, device=device)
+        lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv = lhs_ids, rhs_ids, None, None
+    elif same_table:
+        pieces = [lhs_ids, rhs_ids] + [n.reshape(-1) for n in (lhs_neg, rhs_neg) if n is not None]
+        lhs_uniq, inverse = torch.unique(torch.cat(pieces), return_inverse=True)
+        rhs_uniq = lhs_uniq
+        lhs_inv, rhs_inv = inverse[:num_pos], inverse[num_pos : 2 * num_pos]
+        offset = 2 * num_pos
+        lhs_neg_inv = rhs_neg_inv = None
+        if lhs_neg is not None:
+            lhs_neg_inv = inverse[offset : offset + lhs_neg.numel()].view_as(lhs_neg)
+            offset += lhs_neg.numel()
+        if rhs_neg is not None:
+            rhs_neg_inv = inverse[offset : offset + rhs_neg.numel()].view_as(rhs_neg)
+    else:
+        def uniq_of(ids: Tensor, neg: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+            joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
+            uniq, inverse = torch.unique(joined, return_inverse=True)
+            neg_inv = None if neg is None else inverse[num_pos:].view_as(neg)
+            return uniq, inverse[:num_pos], neg_inv
+
+        lhs_uniq, lhs_inv, lhs_neg_inv = uniq_of(lhs_ids, lhs_neg)
+        rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg)
+
+    if config.max_norm is not None and train:
+        _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
+        if not same_table:
+            _renorm_rows(rhs_table.weight, rhs_uniq, config.max_norm)
+
+    with torch.set_grad_enabled(train):
+        lhs_rows = lhs_table.weight.index_select(0, lhs_uniq)
+        if train:
+            lhs_rows.requires_grad_(True)
+        if same_table:
+            rhs_rows = lhs_rows
+        else:
+            rhs_rows = rhs_table.weight.index_select(0, rhs_uniq)
+            if train:
+                rhs_rows.requires_grad_(True)
+        lhs_scores, rhs_scores, lhs_raw, rhs_raw = ctx.model.score_batch(
+            rel_idx, rel_ids, lhs_rows, rhs_rows, relation.lhs, relation.rhs, lhs_inv, rhs_inv,
+            lhs_neg_inv, rhs_neg_inv, same_table, num_batch_negs, all_negs,
+            config.disable_lhs_negs, config.disable_rhs_negs,
+        )
+        stats = BatchStats(count=num_pos)
+        if train:
+            loss = compute_loss(config.loss_fn, config.margin, lhs_scores.pos, lhs_scores.neg)
+            loss = loss + compute_loss(config.loss_fn, config.margin, rhs_scores.pos, rhs_scores.neg)
+            loss = relation.weight * loss
+            total = loss
+            if config.regularization_coef > 0:
+                reg = lhs_raw.abs().pow(3).sum() + rhs_raw.abs().pow(3).sum()
+                for param in _operator_params(ctx.model, rel_idx):
+                    reg = reg + param.abs().pow(3).sum()
+                reg = config.regularization_coef * reg
+                total = total + reg
+                stats.reg = float(reg.detach())
+            total.backward()
+            stats.loss = float(loss.detach())
+            _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
+            if not same_table:
+                _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
+            if ctx.relation_optimizer is not None:
+                ctx.relation_optimizer.step()
+        with torch.no_grad():
+            for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
+                if side_scores.neg.shape[1] == 0:
+                    continue
+                violators = int((side_scores.neg > side_scores.pos.unsqueeze(1)).sum())
+                setattr(stats, f"violators_{name}", violators)
+                if not train:
+                    _add_ranks(stats, side_scores)
+    return stats
+
+
+def _operator_params(model: Model, rel_idx: int) -> list[Tensor]:
+    return list(model.rhs_operators[rel_idx].parameters()) + list(model.lhs_operators[rel_idx].parameters())
+
+
+@torch.no_grad()
+def _row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) -> None:
+    """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients."""
+    if grad is None or table.optim_sum is None:
+        return
+    table.optim_sum.index_add_(0, uniq, grad.pow(2).mean(1))
+    std = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS)
+    table.weight.index_add_(0, uniq, grad.div_(std.unsqueeze(1)).mul_(-lr))
+
+
+def _add_ranks(stats: BatchStats, scores: SideScores) -> None:
+    """Ranks as PBG counts them: 1 + negatives scoring at least the positive (ties count against)."""
+    pos = scores.pos.unsqueeze(1)
+    neg = scores.neg
+    valid = neg > -1e8  # masked entries are not candidates
+    ranks = ((neg >= pos) & valid).sum(1) + 1
+    num_valid = valid.sum(1).clamp_min(1)
+    below = ((neg < pos) & valid).sum(1).float() + 0.5 * ((neg == pos) & valid).sum(1).float()
+    stats.rank_sum += float(ranks.sum())
+    stats.reciprocal_rank_sum += float(ranks.float().reciprocal().sum())
+    stats.hits1 += float((ranks <= 1).sum())
+    stats.hits10 += float((ranks <= 10).sum())
+    stats.hits50 += float((ranks <= 50).sum())
+    stats.auc_sum += float((below / num_valid).sum())
+    stats.num_ranks += int(ranks.shape[0])
