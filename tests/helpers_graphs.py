@@ -1,0 +1,120 @@
+"""Small, valid v1 graph directories for tests (entity counts, bucket files and a JSON config).
+
+Tests of ``validate``, ``train`` and friends need a graph on disk that is correct in every
+respect, so that each test can break exactly one thing and check the message about it.
+The graph is deterministic (seeded) and tiny, so writing it costs a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from job.formats.edges import edges_file, write_edges
+from job.formats.entities import write_dynamic_rel_count, write_entity_count
+
+
+@dataclass
+class SmallGraph:
+    """Where a written graph lives and what it holds (to compute expected values in tests)."""
+
+    root: Path
+    config_path: Path
+    config: dict[str, Any]
+    entity_path: Path
+    edge_path: Path
+    counts: dict[str, list[int]]
+    edges: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def bucket_file(self, lhs: int, rhs: int) -> Path:
+        return Path(edges_file(str(self.edge_path), lhs, rhs))
+
+    def count_file(self, entity_type: str, partition: int) -> Path:
+        return self.entity_path / f"entity_count_{entity_type}_{partition}.txt"
+
+    def write_config(self, **changes: Any) -> Path:
+        """Rewrite the config file with some top-level keys changed."""
+        self.config.update(changes)
+        self.config_path.write_text(json.dumps(self.config, indent=2))
+        return self.config_path
+
+
+def base_config(root: Path, entities: dict[str, int], relations: list[tuple[str, str, str]], **extra: Any) -> dict[str, Any]:
+    """A PBG-style config dict for entity types {name: num_partitions} and (name, lhs, rhs) relations."""
+    config: dict[str, Any] = {
+        "entities": {name: {"num_partitions": parts} for name, parts in entities.items()},
+        "relations": [{"name": name, "lhs": lhs, "rhs": rhs, "operator": "none"} for name, lhs, rhs in relations],
+        "dimension": 4,
+        "entity_path": str(root / "entities"),
+        "edge_paths": [str(root / "edges")],
+        "checkpoint_path": str(root / "checkpoints"),
+        "num_epochs": 1,
+        "workers": 1,
+    }
+    config.update(extra)
+    return config
+
+
+def make_graph(
+    root: Path,
+    *,
+    entities: dict[str, int] | None = None,
+    relations: list[tuple[str, str, str]] | None = None,
+    counts: dict[str, list[int]] | None = None,
+    edges_per_bucket: int = 20,
+    dynamic_rel_count: int | None = None,
+    seed: int = 0,
+    **config_extra: Any,
+) -> SmallGraph:
+    """Write a valid graph under ``root`` and return where everything is.
+
+    Defaults: ``user`` (2 partitions) and ``item`` (2 partitions), relations ``buys``
+    (user -> item) and ``follows`` (user -> user), 20 edges per bucket. With
+    ``dynamic_rel_count`` set, the config uses dynamic relations over the single
+    first relation and rel ids range over that count.
+    """
+    entities = entities or {"user": 2, "item": 2}
+    relations = relations or [("buys", "user", "item"), ("follows", "user", "user")]
+    if dynamic_rel_count is not None:
+        relations = relations[:1]
+        config_extra.setdefault("dynamic_relations", True)
+        config_extra.setdefault("global_emb", False)
+    rng = np.random.default_rng(seed)
+    if counts is None:
+        counts = {name: [int(rng.integers(3, 9)) for _ in range(parts)] for name, parts in entities.items()}
+    config = base_config(root, entities, relations, **config_extra)
+    entity_path = root / "entities"
+    edge_path = root / "edges"
+    entity_path.mkdir(parents=True, exist_ok=True)
+    edge_path.mkdir(parents=True, exist_ok=True)
+    for name, per_part in counts.items():
+        for part, count in enumerate(per_part):
+            write_entity_count(str(entity_path), name, part, count)
+    if dynamic_rel_count is not None:
+        write_dynamic_rel_count(str(entity_path), dynamic_rel_count)
+
+    def side_parts(side: int) -> int:
+        parts = {entities[rel[side]] for rel in relations} - {1}
+        return max(parts, default=1)
+
+    graph = SmallGraph(root, root / "config.json", config, entity_path, edge_path, counts)
+    num_rel_ids = dynamic_rel_count if dynamic_rel_count is not None else len(relations)
+    for lhs_part in range(side_parts(1)):
+        for rhs_part in range(side_parts(2)):
+            rel = rng.integers(0, max(num_rel_ids, 1), size=edges_per_bucket)
+            lhs = np.empty(edges_per_bucket, dtype=np.int64)
+            rhs = np.empty(edges_per_bucket, dtype=np.int64)
+            for i, rel_id in enumerate(rel):
+                _, lhs_type, rhs_type = relations[0 if dynamic_rel_count is not None else int(rel_id)]
+                lhs_limit = counts[lhs_type][lhs_part if entities[lhs_type] > 1 else 0]
+                rhs_limit = counts[rhs_type][rhs_part if entities[rhs_type] > 1 else 0]
+                lhs[i] = rng.integers(0, lhs_limit)
+                rhs[i] = rng.integers(0, rhs_limit)
+            write_edges(edges_file(str(edge_path), lhs_part, rhs_part), rel, lhs, rhs)
+            graph.edges[(lhs_part, rhs_part)] = (rel, lhs, rhs)
+    graph.write_config()
+    return graph
