@@ -94,7 +94,8 @@ def _read_optimizer(handle: h5py.File) -> bytes | None:
 def _check_version_attr(handle: h5py.File, url: str) -> None:
     version = handle.attrs.get(FORMAT_VERSION_ATTR, None)
     if version is None or int(np.asarray(version).reshape(-1)[0]) != FORMAT_VERSION:
-        raise InputFormatError(url, f"format_version is {version!r}", expected=f"format_version = {FORMAT_VERSION}")
+        shown = np.asarray(version).tolist()
+        raise InputFormatError(url, f"format_version is {shown!r}", expected=f"format_version = {FORMAT_VERSION}")
 
 
 class CheckpointStorage:

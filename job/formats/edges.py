@@ -87,7 +87,8 @@ def check_edge_file(handle: h5py.File, url: str) -> int:
     if version is None:
         raise InputFormatError(url, f"no '{FORMAT_VERSION_ATTR}' attribute", expected=f"format_version = {FORMAT_VERSION}")
     if int(np.asarray(version).reshape(-1)[0]) != FORMAT_VERSION:
-        raise InputFormatError(url, f"format_version is {version!r}", expected=f"format_version = {FORMAT_VERSION}")
+        shown = np.asarray(version).tolist()
+        raise InputFormatError(url, f"format_version is {shown!r}", expected=f"format_version = {FORMAT_VERSION}")
     lengths: dict[str, int] = {}
     for name in EDGE_DATASETS:
         if name not in handle:
