@@ -319,11 +319,6 @@ def test_trainer_checkpoint_read_by_pbg_and_exported_identically(trained: Any) -
     assert (out / "relation_types_parameters.tsv").read_text() == pbg_relations.getvalue()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the trainer writes config.json with ConfigSchema.to_json(), whose extra keys PBG 1.0.0 refuses; "
-    "job/train/loop.py should write to_pbg_json() (and keep the full config in the config/json attribute)",
-)
 def test_trainer_config_json_read_by_pbg(trained: Any) -> None:
     _, config = trained
     assert CheckpointManager(config.checkpoint_path).read_config().dimension == config.dimension

@@ -167,7 +167,7 @@ class Trainer:
     # main loop -------------------------------------------------------------------------------
     def run(self, stop_after_iterations: Optional[int] = None) -> dict:
         config = self.config
-        self.checkpoint.save_config(config.to_json())
+        self.checkpoint.save_config(config.to_pbg_json())  # PBG rejects keys it does not know
         todo = self.iterations[self.version:]
         if not todo:
             logger.info("training already complete: checkpoint version %d covers all %d passes",

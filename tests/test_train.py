@@ -1,0 +1,433 @@
+"""Training: every operator/comparator/loss learns, bucket orders, partition swapping, resume, eval metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from job.config import BucketOrder, parse_config
+from job.evaluation import evaluate_command
+from job.formats.checkpoint import CheckpointStorage
+from job.formats.edges import edges_file, write_edges
+from job.formats.entities import write_dynamic_rel_count, write_entity_count
+from job.train import Trainer, train
+from job.train.buckets import Bucket, all_buckets, order_buckets, swaps_needed
+from job.train.model import Comparator, Operator, compute_loss
+
+
+def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 1, num_relations: int = 2,
+                      dynamic: bool = False, **config: Any) -> dict[str, Any]:
+    """A learnable graph: relation r links entity i to i + r + 1 (mod n); spread over partitions at random."""
+    rng = np.random.default_rng(0)
+    part_of = rng.integers(0, num_partitions, num_entities)
+    offset_of = np.zeros(num_entities, dtype=np.int64)
+    counts = [0] * num_partitions
+    for entity in range(num_entities):
+        offset_of[entity] = counts[part_of[entity]]
+        counts[part_of[entity]] += 1
+    entity_path = root / "entities"
+    edge_path = root / "edges"
+    for part, count in enumerate(counts):
+        write_entity_count(str(entity_path), "node", part, count)
+    if dynamic:
+        write_dynamic_rel_count(str(entity_path), num_relations)
+    heads = np.repeat(np.arange(num_entities), num_relations)
+    rels = np.tile(np.arange(num_relations), num_entities)
+    tails = (heads + rels + 1) % num_entities
+    for lhs_part in range(num_partitions):
+        for rhs_part in range(num_partitions):
+            sel = (part_of[heads] == lhs_part) & (part_of[tails] == rhs_part)
+            write_edges(edges_file(str(edge_path), lhs_part, rhs_part), rels[sel], offset_of[heads[sel]], offset_of[tails[sel]])
+    relations = [{"name": "all", "lhs": "node", "rhs": "node", "operator": "translation"}] if dynamic else [
+        {"name": f"r{r}", "lhs": "node", "rhs": "node", "operator": "translation"} for r in range(num_relations)
+    ]
+    raw: dict[str, Any] = {
+        "entities": {"node": {"num_partitions": num_partitions}},
+        "relations": relations,
+        "dynamic_relations": dynamic,
+        "global_emb": not dynamic,
+        "dimension": 16,
+        "entity_path": str(entity_path),
+        "edge_paths": [str(edge_path)],
+        "checkpoint_path": str(root / "checkpoints"),
+        "num_epochs": 10,
+        "batch_size": 20,
+        "num_batch_negs": 10,
+        "num_uniform_negs": 10,
+        "lr": 0.1,
+        "eval_fraction": 0.0,
+        "workers": 1,
+        "seed": 3,
+        "init_scale": 0.1,
+        "hogwild_delay": 0,
+    }
+    raw.update(config)
+    return raw
+
+
+def pass_losses(checkpoint_path: str) -> list[float]:
+    stats = CheckpointStorage(checkpoint_path).load_stats()
+    return [s["stats"]["metrics"]["loss"] for s in stats if s.get("pass_summary")]
+
+
+# model pieces ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["none", "diagonal", "translation", "linear", "affine", "complex_diagonal"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_operator_shapes_gradients_and_identity_at_init(kind: str, dynamic: bool) -> None:
+    operator = Operator(kind, 8, num_operations=3 if dynamic else 0)
+    x = torch.randn(5, 8, requires_grad=True)
+    rel = torch.tensor([0, 1, 2, 0, 1]) if dynamic else None
+    y = operator(x, rel)
+    assert y.shape == x.shape
+    # PBG initialises every operator to the identity (complex_diagonal: 1 + 0i)
+    assert torch.allclose(y, x)
+    y.pow(2).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for param in operator.parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["dot", "cos", "l2", "squared_l2"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_comparator_pairwise_matches_elementwise(kind: str, bias: bool) -> None:
+    comparator = Comparator(kind, bias)
+    x = comparator.prepare(torch.randn(2, 3, 6))
+    y = comparator.prepare(torch.randn(2, 4, 6))
+    pairwise = comparator.pairwise(x, y)
+    assert pairwise.shape == (2, 3, 4)
+    for c in range(2):
+        for i in range(3):
+            for j in range(4):
+                expected = comparator.pos(x[c, i], y[c, j])
+                assert torch.allclose(pairwise[c, i, j], expected, atol=1e-4), (c, i, j)
+
+
+def test_cos_comparator_scores_are_cosines() -> None:
+    comparator = Comparator("cos", False)
+    x = comparator.prepare(torch.tensor([[3.0, 4.0]]))
+    y = comparator.prepare(torch.tensor([[6.0, 8.0]]))
+    assert torch.allclose(comparator.pos(x, y), torch.tensor([1.0]))
+
+
+def test_losses_match_hand_computed_values() -> None:
+    pos = torch.tensor([1.0, 0.0])
+    neg = torch.tensor([[0.5, 1.5], [-1.0, 0.0]])
+    # ranking: sum(max(0, margin - pos + neg))
+    assert compute_loss("ranking", 0.1, pos, neg).item() == pytest.approx((0.0 + 0.6) + (0.0 + 0.1))
+    # softmax: sum(logsumexp([pos, negs]) - pos)
+    expected = sum(float(torch.logsumexp(torch.cat((pos[i:i + 1], neg[i])), 0) - pos[i]) for i in range(2))
+    assert compute_loss("softmax", 0.1, pos, neg).item() == pytest.approx(expected, rel=1e-6)
+    # logistic: BCE(pos, 1) + mean over negatives of BCE(neg, 0), summed over rows
+    sig = torch.nn.functional.softplus
+    expected = float(sig(-pos).sum() + sig(neg).sum() / 2)
+    assert compute_loss("logistic", 0.1, pos, neg).item() == pytest.approx(expected, rel=1e-6)
+
+
+# learning ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"comparator": "dot", "loss_fn": "softmax"},
+        {"comparator": "cos", "loss_fn": "ranking"},
+        {"comparator": "l2", "loss_fn": "logistic"},
+        {"comparator": "squared_l2", "loss_fn": "ranking", "margin": 1.0},
+        {"comparator": "dot", "loss_fn": "logistic", "bias": True},
+        {"comparator": "dot", "loss_fn": "softmax", "operator": "diagonal"},
+        {"comparator": "dot", "loss_fn": "softmax", "operator": "linear"},
+        {"comparator": "dot", "loss_fn": "softmax", "operator": "affine"},
+        {"comparator": "dot", "loss_fn": "softmax", "operator": "complex_diagonal"},
+        {"comparator": "dot", "loss_fn": "softmax", "operator": "none"},
+        {"comparator": "dot", "loss_fn": "softmax", "num_batch_negs": 0},
+        {"comparator": "dot", "loss_fn": "softmax", "num_uniform_negs": 0},
+        {"comparator": "dot", "loss_fn": "softmax", "disable_lhs_negs": True},
+        {"comparator": "dot", "loss_fn": "softmax", "all_negs": True},
+        {"comparator": "cos", "loss_fn": "softmax", "max_norm": 1.0},
+        {"comparator": "dot", "loss_fn": "softmax", "regularization_coef": 1e-3},
+        {"comparator": "dot", "loss_fn": "softmax", "dynamic": True, "operator": "complex_diagonal"},
+        {"comparator": "dot", "loss_fn": "softmax", "dynamic": True, "operator": "linear"},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_loss_decreases_and_gradients_stay_finite(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    overrides = dict(overrides)
+    operator = overrides.pop("operator", None)
+    all_negs = overrides.pop("all_negs", False)
+    dynamic = overrides.pop("dynamic", False)
+    raw = write_cycle_graph(tmp_path, dynamic=dynamic, **overrides)
+    for relation in raw["relations"]:
+        if operator:
+            relation["operator"] = operator
+        relation["all_negs"] = all_negs
+    config = parse_config(raw)
+    train(config)
+    losses = pass_losses(config.checkpoint_path)
+    assert len(losses) == config.num_epochs
+    assert all(np.isfinite(losses))
+    assert losses[-1] < losses[0] * 0.9, losses
+    storage = CheckpointStorage(config.checkpoint_path)
+    embeddings, _ = storage.load_entity_partition(storage.load_version(), "node", 0)
+    assert np.isfinite(embeddings).all()
+
+
+def test_training_learns_the_graph(tmp_path: Path) -> None:
+    raw = write_cycle_graph(tmp_path, num_epochs=30, loss_fn="softmax", comparator="dot")
+    config = parse_config(raw)
+    train(config)
+    metrics = evaluate_command(config, filter_paths=[raw["edge_paths"][0]], candidates="all")
+    assert metrics["count"] == 80
+    # random scores would give MRR ~ H(40)/40 = 0.11 and hits@10 = 0.25
+    assert metrics["mrr"] > 0.25, metrics
+    assert metrics["hits@10"] > 0.8, metrics
+
+
+# buckets ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", list(BucketOrder))
+@pytest.mark.parametrize("shape", [(1, 1), (4, 4), (3, 1), (1, 3), (5, 5)])
+def test_every_bucket_exactly_once(order: BucketOrder, shape: tuple[int, int]) -> None:
+    for seed in range(5):
+        buckets = order_buckets(*shape, order, random.Random(seed))
+        assert sorted(buckets) == sorted(all_buckets(*shape))
+
+
+def test_inside_out_and_outside_in_layers() -> None:
+    for seed in range(5):
+        inside_out = order_buckets(5, 5, BucketOrder.INSIDE_OUT, random.Random(seed))
+        layers = [min(b) for b in inside_out]
+        assert layers == sorted(layers, reverse=True)
+        outside_in = order_buckets(5, 5, BucketOrder.OUTSIDE_IN, random.Random(seed))
+        layers = [min(b) for b in outside_in]
+        assert layers == sorted(layers)
+        # a bucket and its transpose are adjacent
+        for i, bucket in enumerate(outside_in):
+            if bucket.lhs != bucket.rhs:
+                neighbours = outside_in[max(0, i - 1):i + 2]
+                assert Bucket(bucket.rhs, bucket.lhs) in neighbours
+
+
+def test_affinity_needs_fewer_swaps_than_random() -> None:
+    affinity = sum(swaps_needed(order_buckets(8, 8, BucketOrder.AFFINITY, random.Random(s))) for s in range(10))
+    rand = sum(swaps_needed(order_buckets(8, 8, BucketOrder.RANDOM, random.Random(s))) for s in range(10))
+    assert affinity < rand
+    for seed in range(5):
+        order = order_buckets(6, 6, BucketOrder.AFFINITY, random.Random(seed))
+        shared = sum(1 for a, b in zip(order, order[1:]) if {a.lhs, a.rhs} & {b.lhs, b.rhs})
+        assert shared >= 0.8 * (len(order) - 1)  # nearly every step keeps a partition
+
+
+# partitions, checkpoints, resume -------------------------------------------------------------------------
+
+
+def test_partitioned_training_holds_one_bucket_and_writes_every_partition(tmp_path: Path, monkeypatch) -> None:
+    raw = write_cycle_graph(tmp_path, num_entities=60, num_partitions=4, num_epochs=2, bucket_order="affinity")
+    config = parse_config(raw)
+    trainer = Trainer(config)
+    resident: list[int] = []
+    original = trainer.store.hold_only
+
+    def spy(keys: set) -> None:
+        original(keys)
+        resident.append(len(trainer.store.loaded))
+
+    monkeypatch.setattr(trainer.store, "hold_only", spy)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert len(resident) == 2 * 16  # every bucket of both epochs
+    assert max(resident) <= 2
+    stats = CheckpointStorage(config.checkpoint_path).load_stats()
+    per_epoch = {}
+    for record in stats:
+        if "lhs_partition" in record:
+            per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
+    assert {e: sorted(b) for e, b in per_epoch.items()} == {e: sorted(all_buckets(4, 4)) for e in (0, 1)}
+    storage = CheckpointStorage(config.checkpoint_path)
+    assert storage.load_version() == 2
+    names = sorted(p.name for p in Path(config.checkpoint_path).iterdir())
+    assert names == sorted(
+        [f"embeddings_node_{p}.v2.h5" for p in range(4)] + ["model.v2.h5", "checkpoint_version.txt", "config.json",
+                                                             "training_stats.json"]
+    )
+
+
+def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    straight = write_cycle_graph(tmp_path / "a", num_partitions=2, num_epochs=4)
+    train(parse_config(straight))
+    resumed = write_cycle_graph(tmp_path / "b", num_partitions=2, num_epochs=4)
+    config = parse_config(resumed)
+    train(config, stop_after_iterations=2)
+    assert CheckpointStorage(config.checkpoint_path).load_version() == 2
+    train(config)  # a new process would do exactly this: read version 2 and go on
+    a = CheckpointStorage(straight["checkpoint_path"])
+    b = CheckpointStorage(resumed["checkpoint_path"])
+    assert a.load_version() == b.load_version() == 4
+    for part in range(2):
+        emb_a, state_a = a.load_entity_partition(4, "node", part)
+        emb_b, state_b = b.load_entity_partition(4, "node", part)
+        np.testing.assert_array_equal(emb_a, emb_b)
+        torch.testing.assert_close(state_a["state"][0]["sum"], state_b["state"][0]["sum"])
+    params_a, _, _ = a.load_model(4)
+    params_b, _, _ = b.load_model(4)
+    assert params_a.keys() == params_b.keys()
+    for name in params_a:
+        np.testing.assert_array_equal(params_a[name], params_b[name])
+
+
+def test_uncommitted_leftovers_are_dropped_on_resume(tmp_path: Path) -> None:
+    raw = write_cycle_graph(tmp_path, num_epochs=2)
+    config = parse_config(raw)
+    train(config, stop_after_iterations=1)
+    # a crash while writing version 2: half a file exists, the marker still says 1
+    (Path(config.checkpoint_path) / "embeddings_node_0.v2.h5").write_bytes(b"\x89HDF\r\n\x1a\n garbage")
+    train(config)
+    assert CheckpointStorage(config.checkpoint_path).load_version() == 2
+    with h5py.File(Path(config.checkpoint_path) / "embeddings_node_0.v2.h5") as handle:
+        assert handle["embeddings"].shape == (40, 16)
+
+
+def test_checkpoint_layout_and_metadata_follow_pbg(tmp_path: Path) -> None:
+    raw = write_cycle_graph(tmp_path, num_epochs=1)
+    config = parse_config(raw)
+    train(config)
+    root = Path(config.checkpoint_path)
+    assert (root / "checkpoint_version.txt").read_text().strip() == "1"
+    assert json.loads((root / "config.json").read_text())["dimension"] == 16
+    with h5py.File(root / "model.v1.h5") as handle:
+        assert handle.attrs["format_version"] == 1
+        assert json.loads(handle.attrs["config/json"])["relations"][0]["name"] == "r0"
+        assert handle.attrs["iteration/epoch_idx"] == 0
+        names: list[str] = []
+        handle["model"].visit(names.append)
+        assert "relations/0/operator/rhs/translation" in names
+        assert "entities/node/global_embedding" in names
+        assert handle["model/relations/1/operator/rhs/translation"].attrs["state_dict_key"] == "rhs_operators.1.translation"
+        assert "optimizer/state_dict" in handle
+    with h5py.File(root / "embeddings_node_0.v1.h5") as handle:
+        assert handle["embeddings"].shape == (40, 16)
+        assert handle["embeddings"].dtype == np.float32
+
+
+def test_preservation_interval_keeps_epoch_snapshots(tmp_path: Path) -> None:
+    raw = write_cycle_graph(tmp_path, num_epochs=4, checkpoint_preservation_interval=2)
+    config = parse_config(raw)
+    train(config)
+    root = Path(config.checkpoint_path)
+    for epoch, version in ((1, 2), (3, 4)):
+        snapshot = CheckpointStorage(str(root / f"epoch_{epoch}"))
+        assert snapshot.load_version() == version
+        embeddings, _ = snapshot.load_entity_partition(version, "node", 0)
+        assert embeddings.shape == (40, 16)
+    assert not (root / "model.v3.h5").exists()
+
+
+def test_init_path_starts_from_given_embeddings(tmp_path: Path) -> None:
+    first = write_cycle_graph(tmp_path / "first", num_epochs=3)
+    train(parse_config(first))
+    second = write_cycle_graph(tmp_path / "second", num_epochs=1, init_path=first["checkpoint_path"], lr=1e-9)
+    train(parse_config(second))
+    a, _ = CheckpointStorage(first["checkpoint_path"]).load_entity_partition(3, "node", 0)
+    b, _ = CheckpointStorage(second["checkpoint_path"]).load_entity_partition(1, "node", 0)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_seeded_single_worker_runs_are_reproducible(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        train(parse_config(write_cycle_graph(tmp_path / name, num_epochs=2)))
+    a, _ = CheckpointStorage(str(tmp_path / "a" / "checkpoints")).load_entity_partition(2, "node", 0)
+    b, _ = CheckpointStorage(str(tmp_path / "b" / "checkpoints")).load_entity_partition(2, "node", 0)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error case cannot happen")
+    from job.cli import main
+
+    raw = write_cycle_graph(tmp_path, num_gpus=1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    assert main(["train", str(path)]) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+def test_trains_on_cuda(tmp_path: Path) -> None:
+    raw = write_cycle_graph(tmp_path, num_epochs=5, device="cuda")
+    config = parse_config(raw)
+    train(config)
+    losses = pass_losses(config.checkpoint_path)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_hogwild_workers_train_together(tmp_path: Path) -> None:
+    raw = write_cycle_graph(tmp_path, num_entities=400, num_relations=3, num_epochs=4, workers=2, batch_size=50,
+                            num_batch_negs=10)
+    config = parse_config(raw)
+    train(config)
+    losses = pass_losses(config.checkpoint_path)
+    assert losses[-1] < losses[0] * 0.9
+    stats = CheckpointStorage(config.checkpoint_path).load_stats()
+    assert sum(s["stats"]["count"] for s in stats if s.get("pass_summary")) == 4 * 1200
+
+
+# eval metrics against a hand-computed case ----------------------------------------------------------------
+
+
+def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
+    """Three entities on a line, dot comparator, no operator: ranks can be worked out by hand."""
+    entity_path = tmp_path / "entities"
+    edge_path = tmp_path / "edges"
+    write_entity_count(str(entity_path), "e", 0, 3)
+    write_edges(edges_file(str(edge_path), 0, 0), np.array([0, 0]), np.array([0, 1]), np.array([1, 2]))
+    raw = {
+        "entities": {"e": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "e", "rhs": "e"}],
+        "dimension": 1, "global_emb": False, "comparator": "dot",
+        "entity_path": str(entity_path), "edge_paths": [str(edge_path)], "checkpoint_path": str(tmp_path / "ckpt"),
+    }
+    config = parse_config(raw)
+    storage = CheckpointStorage(config.checkpoint_path)
+    storage.prepare()
+    storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
+    storage.save_model(1, {})
+    storage.save_version(1)
+    metrics = evaluate_command(config, candidates="all")
+    # edge (0 -> 1), score 1*2 = 2.
+    #   corrupt rhs: candidates 0 (1*1=1), 2 (1*3=3): one scores >= 2 -> rank 2
+    #   corrupt lhs: candidates 1 (2*2=4), 2 (3*2=6): both >= 2 -> rank 3
+    # edge (1 -> 2), score 2*3 = 6.
+    #   corrupt rhs: 0 (2), 1 (4): none >= 6 -> rank 1
+    #   corrupt lhs: 0 (1*3=3), 2 (3*3=9): one -> rank 2
+    ranks = [2, 3, 1, 2]
+    assert metrics["count"] == 2
+    assert metrics["mean_rank"] == pytest.approx(np.mean(ranks))
+    assert metrics["mrr"] == pytest.approx(np.mean([1 / r for r in ranks]))
+    assert metrics["hits@1"] == pytest.approx(0.25)
+    assert metrics["hits@10"] == pytest.approx(1.0)
+    # AUC: fraction of the 2 candidates below the positive, per rank: 1/2, 0, 1, 1/2
+    assert metrics["auc"] == pytest.approx(np.mean([0.5, 0.0, 1.0, 0.5]))
+    # filtered: removing the true edge (1 -> 2) from the candidates of edge (0 -> 1)'s lhs side...
+    filtered = evaluate_command(config, filter_paths=[str(edge_path)], candidates="all")
+    # edge (0->1) corrupt lhs: candidate 1 would form (1 -> 1)? not a true edge; candidate 2: (2 -> 1) no.
+    # edge (1->2) corrupt lhs: candidate 0 forms (0 -> 2)? no. corrupt rhs of (0->1): candidate 2 forms (0->2)? no.
+    # edge (1->2) corrupt rhs: candidate 1 forms (1 -> 1)? no. So nothing is filtered here:
+    assert filtered["mrr"] == pytest.approx(metrics["mrr"])
+    # now add (0 -> 2) as a known edge: it filters candidate 2 for (0 -> 1)'s rhs side (rank 2 -> 1)
+    # and candidate 0 for (1 -> 2)'s lhs side (which scored below the positive: rank stays 2)
+    known = tmp_path / "known"
+    write_edges(edges_file(str(known), 0, 0), np.array([0]), np.array([0]), np.array([2]))
+    filtered = evaluate_command(config, filter_paths=[str(edge_path), str(known)], candidates="all")
+    assert filtered["mean_rank"] == pytest.approx(np.mean([1, 3, 1, 2]))
