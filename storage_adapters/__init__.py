@@ -1,10 +1,19 @@
 """Every path is a URL: one thin layer over fsspec used by all of biggraph's I/O.
 
 Plain paths and ``file://`` go to the local filesystem (and h5py opens them
-directly); any other scheme (``s3://``, ``memory://``, ``gs://`` ...) goes through
-the fsspec backend registered for it, imported lazily so that a missing optional
-package is reported with the name of what to install. URLs are joined as strings,
-never through ``pathlib.Path`` (which would turn ``s3://b/k`` into ``s3:/b/k``).
+directly); any other scheme (``s3://``, ``memory://``, ``gs://``, ``az://`` ...) goes
+through the fsspec backend registered for it, imported lazily so that a missing
+optional package is reported with the name of what to install. URLs are joined as
+strings, never through ``pathlib.Path`` (which would turn ``s3://b/k`` into ``s3:/b/k``).
+
+Remote calls go through :func:`storage_adapters.retry.call_with_retry`: transient
+failures (timeouts, dropped connections, 5xx, throttling) are retried with backoff for a
+bounded time; permanent ones (no such bucket, access denied) raise ``StorageError`` at
+once, naming the URL. ``FileNotFoundError`` for a missing object passes through.
+
+Extra filesystem arguments come from the config key ``storage_options``: either one
+mapping for every remote scheme (``{"endpoint_url": "http://minio:9000"}``) or one per
+scheme (``{"s3": {...}, "gs": {...}}``). They are never logged or put in messages.
 """
 
 from __future__ import annotations
@@ -29,21 +38,50 @@ _SCHEME_PACKAGES = {
     "abfs": "adlfs",
     "abfss": "adlfs",
     "hdfs": "pyarrow",
+    "http": "aiohttp",
+    "https": "aiohttp",
 }
+# Object stores: no directories, the first path component is a bucket/container that must exist.
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+_LOCAL_SCHEMES = ("", "file", "local")
 
 _storage_options: dict[str, Any] = {}
 _options_lock = threading.Lock()
 
 
 class StorageError(UserError):
-    """A URL cannot be used: unknown scheme, missing backend package, or access refused."""
+    """A URL cannot be used: unknown scheme, missing backend package, access refused, or retries exhausted."""
 
 
-def set_storage_options(options: dict[str, Any]) -> None:
+def set_storage_options(options: dict[str, Any] | None) -> None:
     """Process-wide extra arguments for remote filesystems (config key ``storage_options``)."""
     with _options_lock:
         _storage_options.clear()
-        _storage_options.update(options)
+        _storage_options.update(options or {})
+
+
+def _per_scheme(options: dict[str, Any]) -> bool:
+    return bool(options) and all(
+        isinstance(v, dict) and (k in _SCHEME_PACKAGES or k == "memory") for k, v in options.items()
+    )
+
+
+def storage_options_for(url: str) -> dict[str, Any]:
+    """The keyword arguments for the fsspec filesystem of ``url`` (a copy; do not log it)."""
+    scheme = scheme_of(url)
+    if scheme in _LOCAL_SCHEMES or scheme == "memory":
+        options: dict[str, Any] = {}
+    else:
+        with _options_lock:
+            raw = dict(_storage_options)
+        if _per_scheme(raw):
+            options = dict(raw.get(scheme) or raw.get({"s3a": "s3", "gcs": "gs", "abfss": "abfs"}.get(scheme, ""), {}))
+        else:
+            options = raw
+    if scheme in ("s3", "s3a"):
+        # Another process (a reader, a second worker) may change the bucket at any time: never trust a cached listing.
+        options.setdefault("use_listings_cache", False)
+    return options
 
 
 def scheme_of(url: str) -> str:
@@ -55,7 +93,7 @@ def scheme_of(url: str) -> str:
 
 
 def is_local(url: str) -> bool:
-    return scheme_of(url) in ("", "file", "local")
+    return scheme_of(url) in _LOCAL_SCHEMES
 
 
 def local_path(url: str) -> str:
@@ -84,54 +122,94 @@ def get_filesystem(url: str) -> tuple[Any, str]:
     scheme = scheme_of(url)
     if is_local(url):
         return fsspec.filesystem("file"), os.path.abspath(local_path(url))
+    package = _SCHEME_PACKAGES.get(scheme)
     try:
         cls = fsspec.get_filesystem_class(scheme)
     except (ImportError, ValueError) as err:
-        package = _SCHEME_PACKAGES.get(scheme)
         hint = f"; install it with: pip install {package}" if package else ""
-        raise StorageError(f"{url}: no filesystem backend for scheme '{scheme}://'{hint} ({err})") from None
-    options = dict(_storage_options) if scheme not in ("memory",) else {}
-    fs = cls(**options)
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise StorageError(f"{url}: no filesystem backend for scheme '{scheme}://'{hint} ({reason})") from None
+    try:
+        fs = cls(**storage_options_for(url))
+    except ImportError as err:
+        hint = f"; install it with: pip install {package}" if package else ""
+        raise StorageError(f"{url}: the backend for '{scheme}://' cannot be loaded{hint} ({err})") from None
+    except TypeError as err:
+        # the message names the offending key, never its value
+        raise StorageError(f"{url}: config key 'storage_options' not accepted by {cls.__name__}: {err}") from None
     return fs, fs._strip_protocol(url)
+
+
+def _call(url: str, operation: str, func: Any) -> Any:
+    if is_local(url):
+        try:
+            return func()
+        except PermissionError as err:
+            raise StorageError(f"{url}: {operation} failed: permission denied ({err.strerror})") from None
+    from storage_adapters.retry import call_with_retry
+
+    return call_with_retry(url, operation, func)
 
 
 def exists(url: str) -> bool:
     fs, path = get_filesystem(url)
-    return bool(fs.exists(path))
+    return bool(_call(url, "exists", lambda: fs.exists(path)))
 
 
 def isdir(url: str) -> bool:
     fs, path = get_filesystem(url)
-    return bool(fs.isdir(path))
+    return bool(_call(url, "isdir", lambda: fs.isdir(path)))
 
 
 def listdir(url: str) -> list[str]:
     """Base names of the entries directly under ``url`` (empty if it does not exist)."""
     fs, path = get_filesystem(url)
-    try:
-        entries = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
-    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def ls() -> list[str]:
+        try:
+            return list(fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+
+    entries = _call(url, "list", ls)
+    prefix = path.rstrip("/")
+    names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix}
+    return sorted(names)
+
+
+def _check_bucket(url: str, fs: Any, path: str) -> None:
+    bucket = path.split("/", 1)[0]
+    if not bucket:
+        raise StorageError(f"{url}: no bucket name in the URL")
+    if not _call(url, "bucket check", lambda: fs.exists(bucket)):
+        raise StorageError(f"{url}: the bucket '{bucket}' does not exist (or these credentials cannot see it)")
 
 
 def makedirs(url: str) -> None:
+    """Create a directory; on object stores (no directories) check that the bucket exists instead."""
     fs, path = get_filesystem(url)
-    fs.makedirs(path, exist_ok=True)
+    if scheme_of(url) in _OBJECT_STORES:
+        _check_bucket(url, fs, path)
+        return
+    _call(url, "makedirs", lambda: fs.makedirs(path, exist_ok=True))
 
 
 def remove(url: str, missing_ok: bool = True) -> None:
     fs, path = get_filesystem(url)
-    try:
-        fs.rm(path, recursive=fs.isdir(path))
-    except FileNotFoundError:
-        if not missing_ok:
-            raise
+
+    def rm() -> None:
+        try:
+            fs.rm(path, recursive=fs.isdir(path))
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    _call(url, "remove", rm)
 
 
 def read_bytes(url: str) -> bytes:
     fs, path = get_filesystem(url)
-    return fs.cat_file(path)
+    return _call(url, "read", lambda: fs.cat_file(path))
 
 
 def read_text(url: str) -> str:
@@ -139,7 +217,7 @@ def read_text(url: str) -> str:
 
 
 def write_bytes(url: str, data: bytes) -> None:
-    """Write a whole object; local files are replaced atomically (temp file + rename)."""
+    """Write a whole object; local files are replaced atomically (temp file + rename), remote ones in one PUT."""
     if is_local(url):
         path = local_path(url)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -156,7 +234,7 @@ def write_bytes(url: str, data: bytes) -> None:
             raise
         return
     fs, path = get_filesystem(url)
-    fs.pipe_file(path, data)
+    _call(url, "write", lambda: fs.pipe_file(path, data))
 
 
 def write_text(url: str, text: str) -> None:
@@ -164,13 +242,57 @@ def write_text(url: str, text: str) -> None:
 
 
 def open_file(url: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
+    """An fsspec file object (the opening is retried; reads and writes on it are the backend's own)."""
     fs, path = get_filesystem(url)
-    return fs.open(path, mode, **kwargs)
+    return _call(url, "open", lambda: fs.open(path, mode, **kwargs))
 
 
 def size(url: str) -> int:
     fs, path = get_filesystem(url)
-    return int(fs.size(path))
+    return int(_call(url, "size", lambda: fs.size(path)))
+
+
+def info(url: str) -> dict[str, Any]:
+    """The backend's metadata of one object (size, ETag/mtime where it has them)."""
+    fs, path = get_filesystem(url)
+    return dict(_call(url, "info", lambda: fs.info(path)))
+
+
+def get_file(url: str, local: str) -> None:
+    """Download ``url`` to the local path ``local`` (retried; a failed try leaves no file behind)."""
+    fs, path = get_filesystem(url)
+
+    def get() -> None:
+        try:
+            fs.get_file(path, local)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(local)
+            raise
+
+    _call(url, "download", get)
+
+
+def put_file(local: str, url: str) -> None:
+    """Upload the local file ``local`` to ``url`` in one step (retried)."""
+    fs, path = get_filesystem(url)
+    _call(url, "upload", lambda: fs.put_file(local, path))
+
+
+def copy(src: str, dst: str) -> None:
+    """Copy one object; on the same remote filesystem the store copies it server-side (retried)."""
+    if is_local(src) and is_local(dst):
+        os.makedirs(os.path.dirname(os.path.abspath(local_path(dst))), exist_ok=True)
+        shutil.copyfile(local_path(src), local_path(dst))
+        return
+    if scheme_of(src) == scheme_of(dst):
+        fs, src_path = get_filesystem(src)
+        _, dst_path = get_filesystem(dst)
+        _call(src, f"copy to {dst}", lambda: fs.copy(src_path, dst_path))
+        return
+    with local_copy_for_reading(src) as local:
+        with local_file_for_writing(dst) as tmp:
+            shutil.copyfile(local, tmp)
 
 
 @contextlib.contextmanager
@@ -179,11 +301,10 @@ def local_copy_for_reading(url: str) -> Iterator[str]:
     if is_local(url):
         yield local_path(url)
         return
-    fs, path = get_filesystem(url)
     tmpdir = tempfile.mkdtemp(prefix="biggraph-stage-")
     try:
-        target = os.path.join(tmpdir, os.path.basename(path) or "object")
-        fs.get_file(path, target)
+        target = os.path.join(tmpdir, url.rstrip("/").rsplit("/", 1)[-1] or "object")
+        get_file(url, target)
         yield target
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -209,11 +330,18 @@ def local_file_for_writing(url: str) -> Iterator[str]:
                 os.unlink(tmp)
             raise
         return
-    fs, path = get_filesystem(url)
     tmpdir = tempfile.mkdtemp(prefix="biggraph-upload-")
     try:
-        tmp = os.path.join(tmpdir, os.path.basename(path) or "object")
+        tmp = os.path.join(tmpdir, url.rstrip("/").rsplit("/", 1)[-1] or "object")
         yield tmp
-        fs.put_file(tmp, path)
+        put_file(tmp, url)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+__all__ = [
+    "StorageError", "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
+    "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
+    "read_bytes", "read_text", "remove", "scheme_of", "set_storage_options", "size", "storage_options_for",
+    "write_bytes", "write_text",
+]

@@ -16,15 +16,29 @@ Layout of ``checkpoint_path`` (identical to PBG 1.x, so each side reads the othe
 
 Optimizer blobs are only ever read with ``torch.load(weights_only=True)``: a checkpoint
 directory is untrusted input.
+
+On object stores (``s3://``...) the HDF5 files of a version are built locally and
+uploaded in the background, several at a time; ``save_version`` waits for every upload
+of the version to succeed before it writes the marker, so the marker is always the last
+object written and no rename is needed. Each object appears whole (one PUT or one
+completed multipart upload). A reader that finds a file of the version it was told
+missing has lost a race with the deletion of that old version: it should read the
+marker again (``read_committed`` does exactly that).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import h5py
 import numpy as np
@@ -41,6 +55,12 @@ OPTIMIZER_DATASET = "optimizer/state_dict"
 VERSION_FILE = "checkpoint_version.txt"
 CONFIG_FILE = "config.json"
 STATS_FILE = "training_stats.json"
+
+UPLOAD_THREADS = 8  # uploads of one version in flight at once
+MAX_PENDING_UPLOADS = 16  # files built locally and not yet uploaded (bounds the local disk used)
+_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "signature", "sas")
+
+T = TypeVar("T")
 
 _PARTITION_RE = re.compile(r"^embeddings_(?P<type>.+)_(?P<part>\d+)\.v(?P<version>\d+)\.h5$")
 _MODEL_RE = re.compile(r"^model\.v(?P<version>\d+)\.h5$")
@@ -74,9 +94,36 @@ def deserialize_optimizer_state(blob: bytes | None, where: str) -> dict[str, Any
         ) from None
 
 
+def redact_secrets(value: Any) -> Any:
+    """``value`` with every credential-like entry of its mappings replaced by "***" (recursively)."""
+    if isinstance(value, dict):
+        return {
+            k: ("***" if isinstance(k, str) and any(w in k.lower() for w in _SECRET_WORDS) and v not in (None, "")
+                else redact_secrets(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [redact_secrets(v) for v in value]
+    return value
+
+
+def redact_config_json(text: str) -> str:
+    """A config JSON with the credentials in ``storage_options`` hidden (never stored in a checkpoint)."""
+    try:
+        config = json.loads(text)
+    except (TypeError, ValueError):
+        return text
+    if not isinstance(config, dict) or not config.get("storage_options"):
+        return text
+    config["storage_options"] = redact_secrets(config["storage_options"])
+    return json.dumps(config, indent=4)
+
+
 def _write_metadata(handle: h5py.File, metadata: dict[str, Any]) -> None:
     handle.attrs[FORMAT_VERSION_ATTR] = FORMAT_VERSION
     for key, value in metadata.items():
+        if key == "config/json" and isinstance(value, str):
+            value = redact_config_json(value)
         handle.attrs[key] = value if value is not None else ""
 
 
@@ -103,6 +150,70 @@ class CheckpointStorage:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/") if url not in ("/",) else url
+        self._remote = not storage.is_local(self.url)
+        self._pending: dict[str, Future] = {}
+        self._pending_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    # background uploads (remote directories only) ------------------------------------------------
+    @contextlib.contextmanager
+    def _h5_writer(self, url: str) -> Iterator[str]:
+        """A local path to build the HDF5 file in; it becomes ``url`` (locally at once, remotely in the background)."""
+        if not self._remote:
+            with storage.local_file_for_writing(url) as tmp:
+                yield tmp
+            return
+        self._wait(url)
+        while len(self._pending) >= MAX_PENDING_UPLOADS:
+            oldest = next(iter(self._pending))
+            self._wait(oldest)
+        tmpdir = tempfile.mkdtemp(prefix="biggraph-upload-")
+        tmp = os.path.join(tmpdir, url.rsplit("/", 1)[-1])
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+
+        def upload() -> None:
+            try:
+                storage.put_file(tmp, url)
+            finally:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="biggraph-upload")
+        with self._pending_lock:
+            self._pending[url] = self._executor.submit(upload)
+
+    def _wait(self, url: str) -> None:
+        """Wait for a background upload of ``url`` (if any); raise its error."""
+        with self._pending_lock:
+            future = self._pending.pop(url, None)
+        if future is not None:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for every background upload; raise the first error (after all have finished)."""
+        with self._pending_lock:
+            futures = list(self._pending.values())
+            self._pending.clear()
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                error = error or err
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
 
     # names ---------------------------------------------------------------------------
     def version_file(self, base: str | None = None) -> str:
@@ -145,8 +256,25 @@ class CheckpointStorage:
         return version
 
     def save_version(self, version: int) -> None:
-        """Commit ``version``: everything it needs must already be written."""
+        """Commit ``version``: wait until all its files are stored, then write the marker (the last object)."""
+        self.flush()
         storage.write_text(self.version_file(), f"{version}\n")
+
+    def read_committed(self, read: Callable[[int], T], attempts: int = 5) -> T:
+        """``read(version)`` on the committed version, again on the new one if a writer moved on meanwhile.
+
+        A concurrent trainer deletes version N-1 right after committing N; a reader that read
+        the marker just before may then miss a file of N-1. That is the only way a committed
+        version's file can be missing, so it is retried; any other error is raised.
+        """
+        for attempt in range(attempts):
+            version = self.load_version()
+            try:
+                return read(version)
+            except (CheckpointError, FileNotFoundError):
+                if attempt == attempts - 1 or self.load_version() == version:
+                    raise
+        raise AssertionError("unreachable")
 
     # embeddings --------------------------------------------------------------------------
     def save_entity_partition(
@@ -161,7 +289,7 @@ class CheckpointStorage:
     ) -> None:
         url = self.partition_file(version, entity_type, partition, base)
         blob = serialize_optimizer_state(optimizer_state)
-        with storage.local_file_for_writing(url) as tmp:
+        with self._h5_writer(url) as tmp:
             with h5py.File(tmp, "w") as handle:
                 _write_metadata(handle, metadata or {})
                 handle.create_dataset(EMBEDDING_DATASET, data=np.ascontiguousarray(embeddings, dtype=np.float32))
@@ -172,6 +300,7 @@ class CheckpointStorage:
     ) -> tuple[np.ndarray, dict[str, Any] | None]:
         """Embeddings (float32, count x dim) and optimizer state; ``out`` receives them in place if given."""
         url = self.partition_file(version, entity_type, partition, base)
+        self._wait(url)
         with _open_for_reading(url) as handle:
             _check_version_attr(handle, url)
             if EMBEDDING_DATASET not in handle:
@@ -189,7 +318,9 @@ class CheckpointStorage:
         return out, deserialize_optimizer_state(blob, url)
 
     def has_entity_partition(self, version: int, entity_type: str, partition: int, base: str | None = None) -> bool:
-        return storage.exists(self.partition_file(version, entity_type, partition, base))
+        url = self.partition_file(version, entity_type, partition, base)
+        self._wait(url)
+        return storage.exists(url)
 
     # model ---------------------------------------------------------------------------------
     def save_model(
@@ -202,7 +333,7 @@ class CheckpointStorage:
         """``state_dict`` maps public names (relations/0/operator/rhs/real) to (private name, array)."""
         url = self.model_file(version)
         blob = serialize_optimizer_state(optimizer_state)
-        with storage.local_file_for_writing(url) as tmp:
+        with self._h5_writer(url) as tmp:
             with h5py.File(tmp, "w") as handle:
                 _write_metadata(handle, metadata or {})
                 group = handle.create_group(MODEL_GROUP, track_order=True)
@@ -214,6 +345,7 @@ class CheckpointStorage:
     def load_model(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, Any] | None, dict[str, Any]]:
         """Public name -> array, the optimizer state and the root metadata attributes."""
         url = self.model_file(version)
+        self._wait(url)
         params: dict[str, np.ndarray] = {}
         with _open_for_reading(url) as handle:
             _check_version_attr(handle, url)
@@ -229,6 +361,7 @@ class CheckpointStorage:
         return params, deserialize_optimizer_state(blob, url), metadata
 
     def has_model(self, version: int) -> bool:
+        self._wait(self.model_file(version))
         return storage.exists(self.model_file(version))
 
     # config and stats ------------------------------------------------------------------------
@@ -251,8 +384,6 @@ class CheckpointStorage:
         new_text = "".join(json.dumps(r) + "\n" for r in records)
         url = self.stats_file()
         if storage.is_local(url):
-            import os
-
             path = storage.local_path(url)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "a", encoding="utf-8") as handle:
@@ -290,6 +421,7 @@ class CheckpointStorage:
 
     def drop_version(self, version: int, partitions: list[tuple[str, int]]) -> None:
         urls = [self.partition_file(version, t, p) for t, p in partitions] + [self.model_file(version)]
+        self.flush()
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(storage.remove, urls))
 
@@ -302,6 +434,7 @@ class CheckpointStorage:
     def preserve(self, version: int, epoch: int, partitions: list[tuple[str, int]]) -> None:
         """Copy a committed version into ``epoch_{epoch}/`` with its own version marker."""
         snapshot = self.snapshot_dir(epoch)
+        self.flush()
         storage.makedirs(snapshot)
         pairs = [(self.partition_file(version, t, p), self.partition_file(version, t, p, snapshot)) for t, p in partitions]
         pairs.append((self.model_file(version), self.model_file(version, snapshot)))
@@ -313,16 +446,20 @@ class CheckpointStorage:
 
 def _copy(src: str, dst: str) -> None:
     if storage.is_local(src) and storage.is_local(dst):
-        import os
-        import shutil
-
         dst_path = storage.local_path(dst)
         try:
             os.link(storage.local_path(src), dst_path)  # same data, no copy; the original is never modified
         except OSError:
             shutil.copyfile(storage.local_path(src), dst_path)
         return
-    storage.write_bytes(dst, storage.read_bytes(src))
+    if storage.scheme_of(src) == storage.scheme_of(dst) and storage.scheme_of(src) in ("s3", "s3a", "gs", "gcs"):
+        storage.copy(src, dst)  # server-side copy: no bytes through this machine
+        return
+    with storage.local_copy_for_reading(src) as local:
+        if storage.is_local(dst):
+            shutil.copyfile(local, storage.local_path(dst))
+        else:
+            storage.put_file(local, dst)
 
 
 def _attr_value(value: Any) -> Any:
@@ -341,8 +478,6 @@ class _open_for_reading:
         self._stack: Any = None
 
     def __enter__(self) -> h5py.File:
-        import contextlib
-
         self._stack = contextlib.ExitStack()
         try:
             path = self._stack.enter_context(storage.local_copy_for_reading(self.url))
