@@ -1,0 +1,61 @@
+# syntax=docker/dockerfile:1
+# biggraph trainer image.
+#   docker build -t biggraph:0.1.0-cpu .
+#   docker build --build-arg TORCH_VARIANT=cu124 -t biggraph:0.1.0-cu124 .
+# The CUDA variant bundles the CUDA runtime through torch's nvidia-* wheels: nodes need only the
+# NVIDIA driver and device plugin (nvidia.com/gpu), not a CUDA base image.
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# ---- builder: a venv with torch from the matching PyTorch index and the biggraph wheel ----------
+FROM ${PYTHON_IMAGE} AS builder
+ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN case "${TORCH_VARIANT}" in cpu|cu[0-9]*) ;; \
+      *) echo "TORCH_VARIANT must be cpu or cuXYZ (e.g. cu124), not '${TORCH_VARIANT}'" >&2; exit 1 ;; \
+    esac \
+ && python -m venv /opt/venv \
+ && pip install --no-cache-dir --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+# only what the wheel needs (see .dockerignore): metadata first, then the packages
+COPY pyproject.toml README.md ./
+COPY job ./job
+COPY storage_adapters ./storage_adapters
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+ && whl=$(ls /wheels/biggraph-*.whl) \
+ && pip install --no-cache-dir "${whl}[s3,k8s]" \
+ && python -c "import job, storage_adapters, torch; print('biggraph', job.__version__, 'torch', torch.__version__)"
+
+# ---- runtime: slim python + the venv, non-root, read-only-root friendly ------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ARG TORCH_VARIANT=cpu
+LABEL org.opencontainers.image.title="biggraph" \
+      org.opencontainers.image.description="PyTorch-BigGraph-compatible graph embedding trainer (torchrun entrypoint)" \
+      org.opencontainers.image.licenses="BSD-3-Clause" \
+      io.biggraph.torch-variant="${TORCH_VARIANT}"
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    BIGGRAPH_CHART=/opt/biggraph/charts/biggraph
+RUN groupadd --gid 10001 biggraph \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin biggraph
+COPY --from=builder /opt/venv /opt/venv
+# the chart and plain manifests, so that `biggraph submit` also works from inside the image
+COPY charts /opt/biggraph/charts
+COPY k8s /opt/biggraph/k8s
+# file mode 0755 is kept from the repository
+COPY docker/entrypoint.sh /usr/local/bin/biggraph-entrypoint
+USER 10001:10001
+WORKDIR /tmp
+# A batch job, not a service: there is nothing to probe. Health is the entrypoint's log lines
+# (start, rank, exit code) and the container's exit status, which the Kubernetes Job acts on.
+HEALTHCHECK NONE
+ENTRYPOINT ["/usr/local/bin/biggraph-entrypoint"]
+# arguments are torchrun's (a single node by default); a first argument that is not an option is
+# run as a command instead, e.g. `docker run IMAGE biggraph export ...`
+CMD ["--nnodes=1", "--nproc-per-node=1", "-m", "job", "train", "/etc/biggraph/config.yaml"]

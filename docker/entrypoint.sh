@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# biggraph container entrypoint: `torchrun ARGS` with health logging.
+#
+#   entrypoint.sh --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d ... -m job train CONFIG
+#   entrypoint.sh biggraph status ...      (a first argument that is not an option is exec'd as is)
+#
+# Logs one line at start (host, completion index, rendezvous), one at exit (exit code, duration).
+# Environment:
+#   JOB_COMPLETION_INDEX       set by Kubernetes for Indexed Jobs (the pod's replica number)
+#   BIGGRAPH_RDZV_HOST_INDEX   the index that hosts the c10d rendezvous store: that pod gets
+#                              is_host=true in --rdzv-conf, the others is_host=false (torchrun's own
+#                              guess compares DNS answers, which lag while the headless Service fills)
+#   BIGGRAPH_CONFIG            config to check before torchrun starts (`biggraph preflight`): a bad
+#                              config exits 2 at once, which the Job's podFailurePolicy treats as fatal
+#   BIGGRAPH_TORCHRUN          the launcher (default: torchrun)
+set -uo pipefail
+
+log() { printf '%s biggraph-entrypoint: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
+
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+    exec "$@"
+fi
+
+index=${JOB_COMPLETION_INDEX:-}
+args=("$@")
+is_host=""
+if [ -n "${BIGGRAPH_RDZV_HOST_INDEX:-}" ] && [ -n "$index" ]; then
+    if [ "$index" = "$BIGGRAPH_RDZV_HOST_INDEX" ]; then is_host=true; else is_host=false; fi
+    merged=0
+    for i in "${!args[@]}"; do
+        case "${args[$i]}" in
+            --rdzv-conf=*|--rdzv_conf=*)
+                case "${args[$i]}" in *is_host=*) ;; *) args[i]="${args[$i]},is_host=$is_host" ;; esac
+                merged=1 ;;
+        esac
+    done
+    [ "$merged" = 1 ] || args=("--rdzv-conf=is_host=$is_host" "${args[@]}")
+fi
+
+log "start host=$(hostname) pod=${POD_NAME:-?} index=${index:-none} rdzv_host=${is_host:-auto} uid=$(id -u)" \
+    "cmd=${BIGGRAPH_TORCHRUN:-torchrun} ${args[*]}"
+
+if [ -n "${BIGGRAPH_CONFIG:-}" ] && [ "${BIGGRAPH_PREFLIGHT:-1}" != 0 ]; then
+    python -m job preflight "$BIGGRAPH_CONFIG"
+    rc=$?
+    if [ "$rc" != 0 ]; then
+        log "exit code=$rc reason=preflight config=$BIGGRAPH_CONFIG"
+        exit "$rc"
+    fi
+fi
+
+started=$(date +%s)
+${BIGGRAPH_TORCHRUN:-torchrun} "${args[@]}" &
+child=$!
+forward() { log "signal $1: stopping torchrun (pid $child)"; kill -s "$1" "$child" 2>/dev/null; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+# wait returns early (>128) when a trapped signal arrives: keep waiting for torchrun itself
+while true; do
+    wait "$child"
+    rc=$?
+    kill -0 "$child" 2>/dev/null || break
+done
+log "exit code=$rc seconds=$(( $(date +%s) - started )) index=${index:-none}"
+exit "$rc"
