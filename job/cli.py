@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "job.exporter",
     "job.legacy",
     "job.demo",
+    "job.k8s_cli",
 )
 
 logger = logging.getLogger("biggraph")
