@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "job.legacy",
     "job.demo",
     "job.k8s_cli",
+    "job.archive_cli",
 )
 
 logger = logging.getLogger("biggraph")
