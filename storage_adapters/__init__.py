@@ -198,6 +198,8 @@ def remove(url: str, missing_ok: bool = True) -> None:
     fs, path = get_filesystem(url)
 
     def rm() -> None:
+        if not missing_ok and scheme_of(url) in _OBJECT_STORES and not fs.exists(path):
+            raise FileNotFoundError(url)  # deleting a missing key is not an error for S3 itself
         try:
             fs.rm(path, recursive=fs.isdir(path))
         except FileNotFoundError:

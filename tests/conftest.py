@@ -1,0 +1,86 @@
+"""Shared fixtures: a real S3 endpoint (moto's threaded server on 127.0.0.1).
+
+- ``moto_endpoint`` (session): starts one moto server for the whole run on a free port and
+  points the AWS_* variables at harmless test values (so no real credentials or profile can
+  ever be used), restoring them at the end.
+- ``s3_endpoint``: the same endpoint, with moto reset to empty before the test and
+  ``storage_adapters.set_storage_options({"endpoint_url": ...})`` in force during it.
+- ``s3_bucket``: a fresh bucket on it, as ``s3://name``.
+
+Tests using them start a server, so mark them ``@pytest.mark.slow``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+TEST_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+# Variables that could make boto find real credentials or another endpoint.
+CLEARED_AWS_ENV = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                   "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in (*TEST_AWS_ENV, *CLEARED_AWS_ENV)}
+    os.environ.update(TEST_AWS_ENV)
+    for key in CLEARED_AWS_ENV:
+        os.environ.pop(key, None)
+    os.environ["AWS_CONFIG_FILE"] = os.devnull
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def reset_moto(endpoint: str) -> None:
+    import requests
+
+    requests.post(f"{endpoint}/moto-api/reset", timeout=30).raise_for_status()
+
+
+@pytest.fixture
+def s3_endpoint(moto_endpoint: str) -> Iterator[str]:
+    import storage_adapters as storage
+
+    reset_moto(moto_endpoint)
+    storage.set_storage_options({"endpoint_url": moto_endpoint})
+    try:
+        yield moto_endpoint
+    finally:
+        storage.set_storage_options({})
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    import s3fs
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).mkdir(name)
+    return f"s3://{name}"
