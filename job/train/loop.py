@@ -11,6 +11,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 import storage_adapters as storage
@@ -20,7 +21,17 @@ from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage
 from job.train.batching import EdgeTensors, process_edges
-from job.train.buckets import Bucket, order_buckets
+from job.train.buckets import Bucket, all_buckets, order_buckets
+from job.train.distributed import (
+    PROGRESS_FILE,
+    LockClient,
+    LockServer,
+    LockState,
+    SharedParameters,
+    init_distributed,
+    leave,
+    wait_all,
+)
 from job.train.hogwild import WorkerPool
 from job.train.model import Model, Table
 from job.train.partitions import PartitionStore
@@ -105,12 +116,21 @@ class Trainer:
         self.num_dynamic_rels = (
             entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
         )
+        self.dist = init_distributed()
+        self.rank = self.dist.rank if self.dist else 0
         self.checkpoint = CheckpointStorage(config.checkpoint_path)
-        self.checkpoint.prepare()
-        self.version = self.checkpoint.load_version()
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
-        # leftovers of a pass that crashed before its commit are garbage
-        self.checkpoint.drop_uncommitted(self.version, self.all_keys)
+        if self.rank == 0:
+            self.checkpoint.prepare()
+        if self.dist is not None:
+            wait_all(self.dist, f"prepared-{self.dist.restart_count}")
+        self.version = self.checkpoint.load_version()
+        self.progress: Optional[dict[str, Any]] = self._read_progress() if self.dist is not None else None
+        if self.rank == 0 and self.progress is None:
+            # leftovers of a pass that crashed before its commit are garbage
+            self.checkpoint.drop_uncommitted(self.version, self.all_keys)
+        if self.dist is not None:
+            wait_all(self.dist, f"cleaned-{self.dist.restart_count}")
         self.model = Model(config, self.num_dynamic_rels).to(self.device)
         self.relation_optimizer = RelationAdagrad(list(self.model.parameters()), config.relation_lr or config.lr)
         self._load_model()
@@ -127,10 +147,30 @@ class Trainer:
                 for c in range(self.num_chunks)
             )
         ]
+        self.finished_ok = False
         self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
         self.pool: Optional[WorkerPool] = None
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
         self.nparts_lhs, self.nparts_rhs = bucket_grid(config)
+        self.shared: Optional[SharedParameters] = None
+        if self.dist is not None:
+            # relation parameters, global embeddings and unpartitioned tables are the same on every trainer
+            tables = self.store.load_unpartitioned()
+            self.shared = SharedParameters(list(self.model.parameters()) + [t.weight for t in tables])
+
+    def _progress_url(self) -> str:
+        return storage.join(self.config.checkpoint_path, PROGRESS_FILE)
+
+    def _read_progress(self) -> Optional[dict[str, Any]]:
+        """The lock server's persisted progress, if it belongs to the pass after the committed version."""
+        try:
+            data = json.loads(storage.read_text(self._progress_url()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return data if data.get("version") == self.version + 1 else None
+
+    def _write_progress(self, state: dict[str, Any]) -> None:
+        storage.write_text(self._progress_url(), json.dumps(state))
 
     # model and checkpoint ----------------------------------------------------------------------
     def _load_model(self) -> None:
@@ -167,9 +207,11 @@ class Trainer:
     # main loop -------------------------------------------------------------------------------
     def run(self, stop_after_iterations: Optional[int] = None) -> dict:
         config = self.config
-        self.checkpoint.save_config(config.to_pbg_json())  # PBG rejects keys it does not know
+        if self.rank == 0:
+            self.checkpoint.save_config(config.to_pbg_json())  # PBG rejects keys it does not know
         todo = self.iterations[self.version:]
         if not todo:
+            self.finished_ok = True
             logger.info("training already complete: checkpoint version %d covers all %d passes",
                         self.version, len(self.iterations))
             return {"version": self.version, "passes": 0}
@@ -182,7 +224,7 @@ class Trainer:
         for done, iteration in enumerate(todo):
             if stop_after_iterations is not None and done >= stop_after_iterations:
                 break
-            pass_stats = self._run_pass(iteration)
+            pass_stats = self._run_pass(iteration) if self.dist is None else self._run_pass_distributed(iteration)
             total_edges += pass_stats["train_edges"]
             summary = pass_stats
             last_pass_of_epoch = (iteration.index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
@@ -191,10 +233,11 @@ class Trainer:
                     logger.info("early stopping: eval MRR fell from %.4f to %.4f", last_eval, pass_stats["eval_mrr"])
                     break
                 last_eval = pass_stats["eval_mrr"]
+        self.finished_ok = True
         elapsed = time.perf_counter() - started
         summary.update({"version": self.version, "train_edges": total_edges, "seconds": elapsed,
                         "edges_per_sec": total_edges / elapsed if elapsed > 0 else 0.0})
-        logger.info("training finished: checkpoint version %d in %s (%.1f s, %.0f edges/s)",
+        logger.info("training finished: checkpoint version %d in %s (%.1f s, %.0f edges/s on this trainer)",
                     self.version, config.checkpoint_path, elapsed, summary["edges_per_sec"])
         return summary
 
@@ -242,7 +285,115 @@ class Trainer:
         return {"train_edges": train_total.count, "eval_mrr": eval_mrr, "loss": train_total.training_metrics()["loss"],
                 "edges_per_sec_pass": summary_record["edges_per_sec"]}
 
-    def _tables_for(self, bucket: Bucket) -> tuple[dict[int, Table], dict[int, Table]]:
+    def _bucket_keys(self) -> dict[Bucket, frozenset]:
+        """The partitioned (type, partition) keys each bucket locks."""
+        config = self.config
+        out = {}
+        for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs):
+            keys = set()
+            for relation in config.relations:
+                if config.entities[relation.lhs].num_partitions > 1:
+                    keys.add((relation.lhs, bucket.lhs))
+                if config.entities[relation.rhs].num_partitions > 1:
+                    keys.add((relation.rhs, bucket.rhs))
+            out[bucket] = frozenset(keys)
+        return out
+
+    def _run_pass_distributed(self, iteration: Iteration) -> dict[str, Any]:
+        """One pass shared by all ranks: buckets come from the lock server on rank 0; rank 0 commits."""
+        config = self.config
+        ctx = self.dist
+        assert ctx is not None and self.shared is not None
+        round_tag = f"{ctx.restart_count}-{iteration.index}"
+        edge_path = config.edge_paths[iteration.edge_path_idx]
+        self.store.start_pass(self.version)
+        self.store.metadata = self._metadata(iteration)
+        seed_base = (config.seed if config.seed is not None else random.randrange(2**31)) + 104_729 * self.rank
+        server: Optional[LockServer] = None
+        if self.rank == 0:
+            state = LockState(self.nparts_lhs, self.nparts_rhs, self._bucket_keys(),
+                              tree_init_order=config.distributed_tree_init_order and self.version == 0,
+                              version=self.version + 1)
+            if self.progress is not None and self.progress.get("version") == self.version + 1:
+                state.restore(self.progress)
+                state.forget_rank_locks()
+                logger.info("resuming pass %d: %d of %d buckets already done, %d to redo", iteration.index + 1,
+                            len(state.done), state.total, state.redone)
+            self.progress = None
+            server = LockServer(ctx.store, state, self._write_progress, self.shared.flatten(), seed_base)
+        wait_all(ctx, f"pass-start-{round_tag}")
+        client = LockClient(ctx.store, self.rank)
+        self.shared.assign(client.sync(np.zeros_like(self.shared.synced)))
+        train_total = BatchStats()
+        eval_total = BatchStats()
+        train_seconds = 0.0
+        finished: Optional[Bucket] = None
+        record: Optional[dict[str, Any]] = None
+        bucket_idx = 0
+        waits = 0
+        while True:
+            ctx.check_peers()
+            kind, bucket, dirty = client.next_bucket(self.store.resident_partitioned(), finished, record)
+            finished, record = None, None
+            self.store.written = set(dirty)
+            if kind == "done":
+                break
+            if kind == "wait" or bucket is None:
+                # give our partitions back so that nobody waits on us, then ask again
+                released = self.store.evict_partitioned()
+                if released:
+                    client.release(released)
+                waits += 1
+                time.sleep(min(0.05 * waits, 0.5))
+                continue
+            waits = 0
+            record, train_stats, eval_stats, seconds = self._run_bucket(
+                iteration, bucket, bucket_idx, edge_path, seed_base, first=False, on_evicted=client.release
+            )
+            record["rank"] = self.rank
+            bucket_idx += 1
+            train_total.add(train_stats)
+            eval_total.add(eval_stats)
+            train_seconds += seconds
+            self.shared.sync(client)
+            finished = bucket
+        released = self.store.evict_partitioned()
+        if released:
+            client.release(released)
+        self.shared.sync(client)
+        wait_all(ctx, f"pass-written-{round_tag}")
+        if server is not None:
+            self.shared.assign(server.shared)
+            self.store.written = set(server.state.dirty)
+            records = server.take_records()
+            summary = {
+                "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
+                "edge_chunk_idx": iteration.chunk_idx, "index": iteration.index, "pass_summary": True,
+                "world_size": ctx.world_size, "buckets_redone": server.state.redone,
+                "buckets_trained": len(records), "restart_count": ctx.restart_count,
+            }
+            counts = sum(r["stats"]["count"] for r in records)
+            metrics: dict[str, float] = {}
+            for r in records:
+                for k, v in r["stats"]["metrics"].items():
+                    metrics[k] = metrics.get(k, 0.0) + v * r["stats"]["count"]
+            summary["stats"] = {"count": counts, "metrics": {k: v / max(counts, 1) for k, v in metrics.items()}}
+            server.stop()
+            self._commit(iteration)
+            self.checkpoint.append_stats(records + [summary])
+            storage.remove(self._progress_url())
+        wait_all(ctx, f"pass-committed-{round_tag}")
+        if self.rank != 0:
+            self.version += 1
+        eval_mrr = eval_total.ranking_metrics()["mrr"] if eval_total.num_ranks else None
+        edges_per_sec = train_total.count / train_seconds if train_seconds > 0 else 0.0
+        logger.info("epoch %d/%d chunk %d/%d: this trainer did %d buckets, %d edges, %.0f edges/s, loss %.4f",
+                    iteration.epoch + 1, config.num_epochs, iteration.chunk_idx + 1, self.num_chunks, bucket_idx,
+                    train_total.count, edges_per_sec, train_total.training_metrics()["loss"])
+        return {"train_edges": train_total.count, "eval_mrr": eval_mrr, "loss": train_total.training_metrics()["loss"],
+                "edges_per_sec_pass": edges_per_sec}
+
+    def _tables_for(self, bucket: Bucket) -> tuple[dict[int, Table], dict[int, Table], list[tuple[str, int]]]:
         config = self.config
         keys: set[tuple[str, int]] = set()
         lhs_keys: dict[int, tuple[str, int]] = {}
@@ -253,8 +404,12 @@ class Trainer:
             lhs_keys[rel_idx] = (relation.lhs, lhs_part)
             rhs_keys[rel_idx] = (relation.rhs, rhs_part)
             keys.update((lhs_keys[rel_idx], rhs_keys[rel_idx]))
-        self.store.hold_only(keys)
-        return ({r: self.store.get(k) for r, k in lhs_keys.items()}, {r: self.store.get(k) for r, k in rhs_keys.items()})
+        evicted = self.store.hold_only(keys)
+        return (
+            {r: self.store.get(k) for r, k in lhs_keys.items()},
+            {r: self.store.get(k) for r, k in rhs_keys.items()},
+            evicted,
+        )
 
     def _read_bucket_chunk(self, edge_path: str, bucket: Bucket, chunk_idx: int) -> EdgeTensors:
         url = edge_format.edges_file(edge_path, bucket.lhs, bucket.rhs)
@@ -266,12 +421,15 @@ class Trainer:
         return edges
 
     def _run_bucket(
-        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool
+        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
+        on_evicted: Any = None,
     ) -> tuple[dict[str, Any], BatchStats, BatchStats, float]:
         config = self.config
         io_before = self.store.io_seconds
         swap_started = time.perf_counter()
-        lhs_tables, rhs_tables = self._tables_for(bucket)
+        lhs_tables, rhs_tables, evicted = self._tables_for(bucket)
+        if on_evicted is not None and evicted:
+            on_evicted(evicted)
         edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
         if self.device.type == "cuda":
             edges = EdgeTensors(edges.rel.to(self.device), edges.lhs.to(self.device), edges.rhs.to(self.device))
@@ -365,6 +523,11 @@ class Trainer:
             self.checkpoint.drop_version(old_version, self.all_keys)
 
     def close(self) -> None:
+        if self.dist is not None:
+            if self.finished_ok:
+                leave(self.dist)
+            elif self.dist.heartbeat is not None:
+                self.dist.heartbeat.stop()  # failing: exit now so that torchrun restarts the group
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -127,12 +127,30 @@ class PartitionStore:
         self.io_bytes += weight.nbytes
         self.io_seconds += time.perf_counter() - started
 
-    def hold_only(self, keys: set[Key]) -> None:
-        """Make exactly ``keys`` resident: write out the others, load the missing ones."""
-        for key in [k for k in self.loaded if k not in keys]:
+    def hold_only(self, keys: set[Key]) -> list[Key]:
+        """Make exactly ``keys`` resident: write out the others, load the missing ones; return those written out."""
+        evicted = [k for k in self.loaded if k not in keys]
+        for key in evicted:
             self.evict(key)
         for key in sorted(keys):
             self.get(key)
+        return evicted
+
+    def is_partitioned(self, key: Key) -> bool:
+        return self.config.entities[key[0]].num_partitions > 1
+
+    def resident_partitioned(self) -> set[Key]:
+        return {k for k in self.loaded if self.is_partitioned(k)}
+
+    def evict_partitioned(self) -> list[Key]:
+        """Write out every resident partitioned partition (distributed: before giving up their locks)."""
+        keys = sorted(self.resident_partitioned())
+        for key in keys:
+            self.evict(key)
+        return keys
+
+    def load_unpartitioned(self) -> list[Table]:
+        return [self.get((t, 0)) for t, e in self.config.entities.items() if e.num_partitions == 1]
 
     def finish_pass(self) -> None:
         """Write every partition into the next version so that it is complete on its own.

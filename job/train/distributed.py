@@ -1,0 +1,400 @@
+"""Distributed training under torchrun: the bucket lock server on rank 0, and shared-parameter sync.
+
+Everything travels through the rendezvous TCPStore that ``init_process_group`` already
+connected every rank to (``queue_push``/``queue_pop`` give a request queue without any
+socket code of ours), so only members of the job's rendezvous can talk to the server.
+
+- ``LockState`` is the pure scheduling logic (unit-tested on its own): it hands a trainer
+  a bucket none of whose partitions another trainer holds, prefers buckets that reuse the
+  partitions the trainer already holds, honours the initialised-partition rule on the
+  first pass, and tracks which buckets are done and which partitions were written into the
+  next (uncommitted) checkpoint version.
+- ``LockServer`` runs it in a thread on rank 0 and persists its progress into checkpoint
+  storage at every bucket boundary; after a lost pod torchrun restarts the group, the new
+  rank 0 reads that file and the pass goes on, redoing only the buckets in flight.
+- Shared parameters (relation operators, global embeddings, unpartitioned entity tables)
+  are kept by the server as one flat vector; trainers push the change they made since
+  their last sync and pull the sum at every bucket boundary (staleness: one bucket).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from job.train.buckets import Bucket, all_buckets
+
+logger = logging.getLogger("biggraph")
+
+PartKey = tuple[str, int]
+PROGRESS_FILE = "distributed_progress.json"
+
+
+# scheduling logic ------------------------------------------------------------------------------
+
+
+@dataclass
+class LockState:
+    """Which buckets are done, which partitions are locked by whom, and what is already written this pass."""
+
+    nparts_lhs: int
+    nparts_rhs: int
+    bucket_keys: dict[Bucket, frozenset]  # partitioned (type, partition) keys each bucket needs
+    tree_init_order: bool = False  # first pass of a fresh run: grow out from partition 0
+    version: int = 0  # the checkpoint version this pass will commit
+    done: set = field(default_factory=set)
+    in_flight: dict = field(default_factory=dict)  # rank -> bucket
+    locks: dict = field(default_factory=dict)  # key -> rank
+    dirty: set = field(default_factory=set)  # keys written into `version` during this pass
+    trained_parts: set = field(default_factory=set)  # partition numbers trained this pass
+    redone: int = 0
+    acquired: int = 0
+    records: list = field(default_factory=list)  # training_stats.json lines of the finished buckets
+
+    @property
+    def total(self) -> int:
+        return self.nparts_lhs * self.nparts_rhs
+
+    def finished(self) -> bool:
+        return len(self.done) == self.total and not self.in_flight
+
+    def _eligible(self, bucket: Bucket) -> bool:
+        if not self.tree_init_order or self.total == 1:
+            return True
+        return 0 in (bucket.lhs, bucket.rhs) or bool({bucket.lhs, bucket.rhs} & self.trained_parts)
+
+    def next_bucket(self, rank: int, held: set, finished: Optional[Bucket], rng: Any) -> tuple[str, Optional[Bucket]]:
+        """Finish ``finished`` (if any) and pick the next bucket for ``rank``: ("bucket", b), ("wait", None) or ("done", None)."""
+        if finished is not None and self.in_flight.get(rank) == finished:
+            self.done.add(finished)
+            self.trained_parts.update((finished.lhs, finished.rhs))
+            del self.in_flight[rank]
+        self.in_flight.pop(rank, None)
+        candidates = []
+        busy = {b for r, b in self.in_flight.items() if r != rank}
+        for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs):
+            if bucket in self.done or bucket in busy:
+                continue
+            if any(self.locks.get(key, rank) != rank for key in self.bucket_keys[bucket]):
+                continue
+            if not self._eligible(bucket):
+                continue
+            candidates.append(bucket)
+        if not candidates:
+            remaining = self.total - len(self.done)
+            return ("done", None) if remaining == 0 else ("wait", None)
+        # affinity: the most partitions already held, then random
+        best = max(len(self.bucket_keys[b] & held) for b in candidates)
+        choice = rng.choice([b for b in candidates if len(self.bucket_keys[b] & held) == best])
+        for key in self.bucket_keys[choice]:
+            self.locks[key] = rank
+        self.in_flight[rank] = choice
+        self.acquired += 1
+        return "bucket", choice
+
+    def release(self, rank: int, keys: list, written: bool = True) -> None:
+        """``rank`` wrote ``keys`` into the next version and gives up their locks."""
+        for key in keys:
+            key = tuple(key)
+            if self.locks.get(key) == rank:
+                del self.locks[key]
+            if written:
+                self.dirty.add(key)
+
+    def forget_rank_locks(self) -> None:
+        """After a restart nobody holds anything: in-flight buckets will be redone."""
+        self.redone += len(self.in_flight)
+        self.in_flight.clear()
+        self.locks.clear()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "done": sorted(list(b) for b in self.done),
+            "in_flight": {str(r): list(b) for r, b in self.in_flight.items()},
+            "dirty": sorted([list(k) for k in self.dirty]), "trained_parts": sorted(self.trained_parts),
+            "redone": self.redone, "acquired": self.acquired, "records": self.records,
+        }
+
+    def restore(self, data: dict[str, Any]) -> None:
+        self.done = {Bucket(*b) for b in data.get("done", [])}
+        self.in_flight = {int(r): Bucket(*b) for r, b in data.get("in_flight", {}).items()}
+        self.dirty = {(k[0], int(k[1])) for k in data.get("dirty", [])}
+        self.trained_parts = set(data.get("trained_parts", []))
+        self.redone = int(data.get("redone", 0))
+        self.acquired = int(data.get("acquired", 0))
+        self.records = list(data.get("records", []))
+
+
+# the server on rank 0 ----------------------------------------------------------------------------
+
+
+REQUESTS = "biggraph/lock/requests"
+
+
+def _response_queue(rank: int) -> str:
+    return f"biggraph/lock/response/{rank}"
+
+
+class LockServer:
+    """Serves ``LockState`` and the shared-parameter vector to every rank over the store's queues."""
+
+    def __init__(self, store: Any, state: LockState, progress_writer: Any, shared: np.ndarray, seed: int) -> None:
+        import random
+
+        self.store = store.clone()
+        # a long blocking pop; stop() wakes it with a message of its own
+        self.store.set_timeout(datetime.timedelta(hours=24))
+        self._stopper = store.clone()
+        self.state = state
+        self.progress_writer = progress_writer
+        self.shared = shared.astype(np.float32, copy=True)
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="biggraph-lock-server", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw = self.store.queue_pop(REQUESTS, block=True)
+            except Exception:  # the store went away (job ending): nothing left to serve
+                if not self._stop.is_set():
+                    logger.warning("lock server: request queue closed")
+                return
+            if self._stop.is_set():
+                return
+            try:
+                self._handle(raw)
+            except Exception:
+                logger.exception("lock server: bad request")
+
+    def _handle(self, raw: bytes) -> None:
+        header_len = int.from_bytes(raw[:4], "little")
+        request = json.loads(raw[4:4 + header_len])
+        payload = raw[4 + header_len:]
+        rank = int(request["rank"])
+        op = request["op"]
+        reply: dict[str, Any] = {"ok": True}
+        body = b""
+        with self.lock:
+            if op == "next":
+                finished = Bucket(*request["finished"]) if request.get("finished") else None
+                if request.get("record"):
+                    self.state.records.append(request["record"])
+                held = {tuple(k) for k in request.get("held", [])}
+                kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
+                reply.update(kind=kind, bucket=list(bucket) if bucket else None,
+                             dirty=[list(k) for k in self.state.dirty])
+                self._persist()
+            elif op == "release":
+                self.state.release(rank, request["keys"], written=request.get("written", True))
+                self._persist()
+            elif op == "sync":
+                delta = np.frombuffer(payload, dtype=np.float32)
+                if delta.shape == self.shared.shape:
+                    self.shared += delta
+                body = self.shared.tobytes()
+            elif op == "status":
+                reply["state"] = self.state.to_json()
+        self.store.queue_push(_response_queue(rank), _pack(reply, body))
+
+    def _persist(self) -> None:
+        self.progress_writer(self.state.to_json())
+
+    def take_records(self) -> list[dict]:
+        with self.lock:
+            records, self.state.records = self.state.records, []
+            return records
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._stopper.queue_push(REQUESTS, _pack({"op": "stop", "rank": -1}))
+        self.thread.join(timeout=5)
+
+
+def _pack(header: dict[str, Any], body: bytes = b"") -> bytes:
+    encoded = json.dumps(header).encode()
+    return len(encoded).to_bytes(4, "little") + encoded + body
+
+
+def _unpack(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    header_len = int.from_bytes(raw[:4], "little")
+    return json.loads(raw[4:4 + header_len]), raw[4 + header_len:]
+
+
+class LockClient:
+    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0) -> None:
+        self.store = store.clone()
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self.rank = rank
+
+    def _call(self, request: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        request = dict(request, rank=self.rank)
+        self.store.queue_push(REQUESTS, _pack(request, payload))
+        return _unpack(self.store.queue_pop(_response_queue(self.rank), block=True))
+
+    def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
+        reply, _ = self._call({"op": "next", "held": [list(k) for k in held],
+                               "finished": list(finished) if finished else None, "record": record})
+        bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
+        return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
+
+    def release(self, keys: list, written: bool = True) -> None:
+        self._call({"op": "release", "keys": [list(k) for k in keys], "written": written})
+
+    def sync(self, delta: np.ndarray) -> np.ndarray:
+        _, body = self._call({"op": "sync"}, delta.astype(np.float32).tobytes())
+        return np.frombuffer(body, dtype=np.float32).copy()
+
+    def status(self) -> dict[str, Any]:
+        reply, _ = self._call({"op": "status"})
+        return reply["state"]
+
+
+# shared parameters ------------------------------------------------------------------------------
+
+
+class SharedParameters:
+    """The tensors every trainer updates (a flat view for the server's push/pull)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.synced = self.flatten()
+
+    def flatten(self) -> np.ndarray:
+        if not self.tensors:
+            return np.zeros(0, dtype=np.float32)
+        return torch.cat([t.detach().reshape(-1).float().cpu() for t in self.tensors]).numpy().copy()
+
+    def assign(self, flat: np.ndarray) -> None:
+        offset = 0
+        with torch.no_grad():
+            for tensor in self.tensors:
+                n = tensor.numel()
+                tensor.copy_(torch.from_numpy(flat[offset:offset + n]).view_as(tensor))
+                offset += n
+        self.synced = flat.copy()
+
+    def sync(self, client: LockClient) -> None:
+        current = self.flatten()
+        self.assign(client.sync(current - self.synced))
+
+
+@dataclass
+class DistributedContext:
+    rank: int
+    world_size: int
+    store: Any
+    restart_count: int
+    heartbeat: Optional[Heartbeat] = None
+
+    def check_peers(self) -> None:
+        """Raise when a peer stopped: torchrun then restarts the group and training resumes from progress."""
+        if self.heartbeat is not None and self.heartbeat.dead_rank is not None:
+            raise RuntimeError(
+                f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.dead_after:.0f} s; "
+                "exiting so that torchrun re-forms the group without it"
+            )
+
+
+class Heartbeat:
+    """Every rank bumps a counter in the store; rank 0 notices a rank whose counter stops moving.
+
+    torchrun's agents do not restart survivors when a node dies and no collective is pending (our
+    trainers only talk to the store), so without this the survivors would wait for its bucket forever.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, dead_after: float = 15.0) -> None:
+        self.store = store.clone()
+        self.rank = rank
+        self.world_size = world_size
+        self.interval = interval
+        self.dead_after = dead_after
+        self.dead_rank: Optional[int] = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        last_value: dict[int, int] = {}
+        last_change: dict[int, float] = {}
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"biggraph/heartbeat/{self.rank}", 1)
+                if self.rank != 0:
+                    continue
+                now = time.monotonic()
+                for peer in range(1, self.world_size):
+                    value = int(self.store.add(f"biggraph/heartbeat/{peer}", 0))
+                    if last_value.get(peer) != value:
+                        last_value[peer] = value
+                        last_change[peer] = now
+                    elif now - last_change[peer] > self.dead_after:
+                        self.dead_rank = peer
+            except Exception:  # the store is gone: the main thread will fail on its next call
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def init_distributed() -> Optional[DistributedContext]:
+    """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1)."""
+    import os
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun even a group of one uses the lock server: an elastic job that shrinks to one node
+    # must resume its pass from the persisted progress, and grow again later.
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if world_size <= 1 and not launched_by_torchrun:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and os.environ.get("BIGGRAPH_BACKEND") == "nccl" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dead_after = float(os.environ.get("BIGGRAPH_PEER_TIMEOUT", "15"))
+    return DistributedContext(
+        rank=rank, world_size=world_size, store=store,
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        heartbeat=Heartbeat(store, rank, world_size, dead_after=dead_after),
+    )
+
+
+def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) -> None:
+    """A store-based barrier (each name used once per rendezvous round)."""
+    key = f"biggraph/barrier/{name}"
+    context.store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(context.store.add(key, 0)) < context.world_size:
+        context.check_peers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name}: not every rank arrived in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def leave(context: DistributedContext, timeout_s: float = 60.0) -> None:
+    """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise)."""
+    try:
+        context.store.add("biggraph/left", 1)
+        if context.rank == 0:
+            deadline = time.monotonic() + timeout_s
+            while int(context.store.add("biggraph/left", 0)) < context.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception:  # a peer or the store is already gone; nothing more to coordinate
+        pass
+    if context.heartbeat is not None:
+        context.heartbeat.stop()

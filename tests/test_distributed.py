@@ -1,0 +1,338 @@
+"""Distributed training: the lock server's rules, and real torchrun agents on 127.0.0.1 (gloo, c10d)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from job.train.buckets import Bucket, all_buckets
+from job.train.distributed import LockState
+
+# the scheduling rules -------------------------------------------------------------------------------
+
+
+def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
+    return {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(nparts, nparts)}
+
+
+def test_lock_server_hands_out_each_bucket_once_and_never_shares_a_partition() -> None:
+    rng = random.Random(0)
+    state = LockState(4, 4, partition_keys(4))
+    held: dict[int, set] = {0: set(), 1: set(), 2: set()}
+    current: dict[int, Bucket | None] = {0: None, 1: None, 2: None}
+    handed: list[Bucket] = []
+    for _ in range(200):
+        rank = rng.randrange(3)
+        kind, bucket = state.next_bucket(rank, held[rank], current[rank], rng)
+        current[rank] = None
+        if kind == "done":
+            break
+        if kind == "wait":
+            state.release(rank, sorted(held[rank]))
+            held[rank] = set()
+            continue
+        assert bucket is not None
+        handed.append(bucket)
+        needed = state.bucket_keys[bucket]
+        state.release(rank, sorted(held[rank] - needed))
+        held[rank] = set(needed)
+        current[rank] = bucket
+        # no partition is held by two ranks at once
+        owners = [k for r in held for k in held[r]]
+        assert len(owners) == len(set(owners))
+    for rank in held:  # the last buckets are finished by the ranks' next call
+        if current[rank] is not None:
+            state.next_bucket(rank, held[rank], current[rank], rng)
+    assert sorted(handed) == sorted(all_buckets(4, 4))
+    assert state.finished()
+
+
+def test_lock_server_prefers_buckets_that_reuse_held_partitions() -> None:
+    state = LockState(4, 4, partition_keys(4))
+    kind, bucket = state.next_bucket(0, set(), None, random.Random(1))
+    assert kind == "bucket"
+    for seed in range(10):
+        kind, nxt = state.next_bucket(0, set(state.bucket_keys[bucket]), bucket, random.Random(seed))
+        assert kind == "bucket" and nxt is not None
+        assert {nxt.lhs, nxt.rhs} & {bucket.lhs, bucket.rhs}
+        bucket = nxt
+
+
+def test_initialised_partition_rule_on_the_first_pass() -> None:
+    state = LockState(4, 4, partition_keys(4), tree_init_order=True)
+    rng = random.Random(0)
+    kind, first = state.next_bucket(0, set(), None, rng)
+    assert 0 in (first.lhs, first.rhs)
+    trained = {first.lhs, first.rhs}
+    previous = first
+    while True:
+        kind, bucket = state.next_bucket(0, set(state.bucket_keys[previous]), previous, rng)
+        if kind != "bucket":
+            break
+        assert 0 in (bucket.lhs, bucket.rhs) or {bucket.lhs, bucket.rhs} & trained
+        trained |= {bucket.lhs, bucket.rhs}
+        previous = bucket
+    assert kind == "done"
+
+
+def test_progress_round_trip_counts_in_flight_buckets_as_redone() -> None:
+    state = LockState(2, 2, partition_keys(2), version=3)
+    rng = random.Random(0)
+    _, a = state.next_bucket(0, set(), None, rng)
+    _, b = state.next_bucket(1, set(), None, rng)
+    state.next_bucket(0, set(), a, rng)  # a done; rank 0 gets another bucket or waits for rank 1
+    state.release(0, [("node", a.lhs)])
+    in_flight = len(state.in_flight)
+    assert in_flight >= 1  # rank 1 still trains b
+    saved = json.loads(json.dumps(state.to_json()))
+    restored = LockState(2, 2, partition_keys(2), version=3)
+    restored.restore(saved)
+    restored.forget_rank_locks()
+    assert a in restored.done
+    assert restored.redone == in_flight
+    assert ("node", a.lhs) in restored.dirty
+    assert not restored.locks and not restored.in_flight
+
+
+# real torchrun agents --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def umls_p4(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """UMLS (a small real knowledge graph) imported into 4 partitions."""
+    from job.cli import main
+    from job.datasets import dataset_dir
+
+    root = tmp_path_factory.mktemp("umls_p4")
+    source = dataset_dir("umls")
+    config = {
+        "entity_path": str(root / "data"),
+        "edge_paths": [str(root / "data" / s) for s in ("train", "valid", "test")],
+        "checkpoint_path": str(root / "unused"),
+        "entities": {"all": {"num_partitions": 4}},
+        "relations": [{"name": "all_edges", "lhs": "all", "rhs": "all", "operator": "complex_diagonal"}],
+        "dynamic_relations": True, "dimension": 64, "global_emb": False, "comparator": "dot",
+        "num_uniform_negs": 100, "loss_fn": "softmax", "lr": 0.1, "batch_size": 200, "eval_fraction": 0.0,
+        "num_epochs": 8, "workers": 1, "seed": 0, "bucket_order": "affinity",
+    }
+    path = root / "config.json"
+    path.write_text(json.dumps(config))
+    files = [os.path.join(source, f"{s}.txt") for s in ("train", "valid", "test")]
+    assert main(["import", str(path), *files, "-l", "0", "--rel-col", "1", "-r", "2"]) == 0
+    return {"root": root, "config": config}
+
+
+def write_run_config(graph: dict, name: str, **changes: object) -> Path:
+    config = dict(graph["config"], **changes)
+    config["edge_paths"] = [graph["config"]["edge_paths"][0]]
+    config["checkpoint_path"] = str(graph["root"] / name)
+    path = graph["root"] / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def filtered_mrr(graph: dict, config_path: Path) -> float:
+    from job.config import load_config
+    from job.evaluation import evaluate_command
+
+    data = graph["root"] / "data"
+    config = load_config(str(config_path), [f"edge_paths={data / 'test'}"])
+    metrics = evaluate_command(config, filter_paths=[str(data / s) for s in ("train", "valid", "test")], candidates="all")
+    return metrics["mrr"]
+
+
+class Agents:
+    """torchrun agents started like pods: each in its own session, killable together with its worker."""
+
+    def __init__(self, config_path: Path, nnodes: str, log_dir: Path) -> None:
+        self.config_path = config_path
+        self.nnodes = nnodes
+        self.port = free_port()
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                   BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=biggraph-test",
+             "--rdzv-conf=join_timeout=120,last_call_timeout=3", "--max-restarts=3", "--monitor-interval=1",
+             "-m", "job", "train", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL the agent and its workers at once, as a lost pod would."""
+        agent = self.procs[name]
+        children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        for pid in [agent.pid, *map(int, children)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        agent.wait()
+
+    def wait(self, names: list[str], timeout: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            try:
+                codes[name] = self.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise AssertionError(f"agent {name} still running after {timeout:.0f} s; logs: {self.tail()}") from None
+        return codes
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            if self.procs[name].poll() is None:
+                self.kill_node(name)
+
+
+def bucket_records(checkpoint_path: str) -> list[dict]:
+    from job.formats.checkpoint import CheckpointStorage
+
+    return CheckpointStorage(checkpoint_path).load_stats()
+
+
+def assert_each_bucket_once_per_epoch(records: list[dict], epochs: int) -> None:
+    per_epoch: dict[int, list] = {}
+    for record in records:
+        if "lhs_partition" in record:
+            per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, buckets in per_epoch.items():
+        assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
+
+
+@pytest.fixture(scope="module")
+def single_machine_mrr(umls_p4: dict) -> float:
+    from job.config import load_config
+    from job.train import train
+
+    path = write_run_config(umls_p4, "single")
+    train(load_config(str(path)))
+    return filtered_mrr(umls_p4, path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_nodes_train_every_bucket_once_with_mrr_close_to_one_machine(
+    umls_p4: dict, single_machine_mrr: float, nodes: int, tmp_path: Path
+) -> None:
+    path = write_run_config(umls_p4, f"dist{nodes}")
+    agents = Agents(path, str(nodes), tmp_path)
+    try:
+        for i in range(nodes):
+            agents.start(f"node{i}")
+        codes = agents.wait([f"node{i}" for i in range(nodes)], timeout=300)
+    finally:
+        agents.stop()
+    assert set(codes.values()) == {0}, agents.tail()
+    records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
+    assert_each_bucket_once_per_epoch(records, 8)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert all(s["world_size"] == nodes for s in summaries)
+    assert len({r["rank"] for r in records if "rank" in r}) > 1  # the work really was shared
+    mrr = filtered_mrr(umls_p4, path)
+    assert mrr == pytest.approx(single_machine_mrr, abs=0.06), (mrr, single_machine_mrr)
+
+
+@pytest.mark.slow
+def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4: dict, tmp_path: Path) -> None:
+    from job.formats.checkpoint import CheckpointStorage
+
+    path = write_run_config(umls_p4, "killed", num_epochs=40)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    storage = CheckpointStorage(checkpoint_path)
+    agents = Agents(path, "1:2", tmp_path)
+    versions_seen: list[int] = []
+    try:
+        agents.start("a")
+        time.sleep(0.5)
+        agents.start("b")
+        deadline = time.monotonic() + 180
+        # kill b in the middle of a pass: the lock server's progress file names finished buckets
+        while time.monotonic() < deadline:
+            if storage.load_version() >= 3 and (Path(checkpoint_path) / "distributed_progress.json").exists():
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("training never got going: " + agents.tail())
+        versions_seen.append(storage.load_version())
+        agents.kill_node("b")
+        while agents.procs["a"].poll() is None and time.monotonic() < deadline + 240:
+            version = storage.load_version()
+            assert version >= versions_seen[-1], "a committed checkpoint went backwards"
+            versions_seen.append(version)
+            # every committed version stays loadable while training goes on
+            storage.load_entity_partition(version, "all", 0) if version else None
+            time.sleep(0.2)
+        codes = agents.wait(["a"], timeout=60)
+    finally:
+        agents.stop()
+    assert codes["a"] == 0, agents.tail()
+    assert storage.load_version() == 40
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert len(summaries) == 40
+    assert max(s["restart_count"] for s in summaries) >= 1  # the group was re-formed after the kill
+    assert summaries[-1]["world_size"] == 1
+    redone = sum(s["buckets_redone"] for s in summaries)
+    assert 0 <= redone <= 2  # at most what the two trainers had in flight
+    # epochs away from the kill show every bucket exactly once (around it, a bucket may have run twice)
+    killed_at = versions_seen[0]
+    calm = [r for r in records if "lhs_partition" in r and r["epoch_idx"] not in (killed_at, killed_at + 1)]
+    per_epoch: dict[int, list] = {}
+    for record in calm:
+        per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
+    assert len(per_epoch) >= 38
+    for buckets in per_epoch.values():
+        assert sorted(buckets) == sorted(all_buckets(4, 4))
+
+
+@pytest.mark.slow
+def test_a_node_added_during_training_joins_and_takes_buckets(umls_p4: dict, tmp_path: Path) -> None:
+    from job.formats.checkpoint import CheckpointStorage
+
+    path = write_run_config(umls_p4, "scaleup", num_epochs=30)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    storage = CheckpointStorage(checkpoint_path)
+    agents = Agents(path, "1:2", tmp_path)
+    try:
+        agents.start("a")
+        deadline = time.monotonic() + 180
+        while storage.load_version() < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert storage.load_version() >= 2, agents.tail()
+        agents.start("b")
+        codes = agents.wait(["a", "b"], timeout=300)
+    finally:
+        agents.stop()
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    assert storage.load_version() == 30
+    summaries = [r for r in bucket_records(checkpoint_path) if r.get("pass_summary")]
+    assert summaries[0]["world_size"] == 1
+    assert summaries[-1]["world_size"] == 2
+    late = [r for r in bucket_records(checkpoint_path) if "rank" in r and r["epoch_idx"] >= summaries[-1]["epoch_idx"]]
+    assert {r["rank"] for r in late} == {0, 1}
