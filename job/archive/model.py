@@ -327,7 +327,10 @@ class ArchiveModel:
         else:
             _, rel_idx, _ = self._relation(relation)
             rel = self.graph.relation_types[rel_idx]
-            lhs_type, row = self.locate(entity_name, entity_type or rel.lhs)
+            if entity_type is None and entity_name not in self._row_of(rel.lhs):
+                lhs_type, row = self.locate(entity_name)  # unknown everywhere, or of another type
+            else:
+                lhs_type, row = self.locate(entity_name, entity_type or rel.lhs)
             if lhs_type != rel.lhs:
                 raise QueryError(f"relation '{relation}' takes lhs entities of type '{rel.lhs}', not '{lhs_type}'")
             cand_type = rel.rhs
