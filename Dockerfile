@@ -24,6 +24,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY job ./job
 COPY storage_adapters ./storage_adapters
+# DL3013: this installs the local wheel file; its dependencies are bounded by pyproject.toml
+# hadolint ignore=DL3013
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && whl=$(ls /wheels/biggraph-*.whl) \
  && pip install --no-cache-dir "${whl}[s3,k8s]" \
