@@ -492,10 +492,11 @@ def test_version_from_epoch_snapshot(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_trained_model_metrics_match_biggraph_eval(tmp_path: Path) -> None:
+    from test_train import write_cycle_graph
+
     from job.evaluation import evaluate_command
     from job.formats.edges import edges_file, read_edges
     from job.train import train
-    from tests.test_train import write_cycle_graph
 
     raw = write_cycle_graph(tmp_path, num_entities=30, num_partitions=2, num_epochs=3, comparator="l2", bias=True)
     train(parse_config(raw))
