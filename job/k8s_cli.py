@@ -501,8 +501,10 @@ def _logs(args: argparse.Namespace) -> int:
         return 0
     for pod in pods:
         with cluster.errors(f"reading the log of pod {pod.metadata.name}"):
-            text = cluster.core.read_namespaced_pod_log(pod.metadata.name, cluster.namespace, container="trainer",
-                                                        tail_lines=args.tail, _request_timeout=60)
+            response = cluster.core.read_namespaced_pod_log(pod.metadata.name, cluster.namespace, container="trainer",
+                                                            tail_lines=args.tail, _request_timeout=60,
+                                                            _preload_content=False)  # raw bytes, not guessed JSON
+            text = response.data.decode("utf-8", "replace")
         prefix = f"[{_pod_index(pod)}] " if len(pods) > 1 else ""
         for line in (text or "").splitlines():
             print(f"{prefix}{line}")

@@ -1,0 +1,326 @@
+"""biggraph submit/status/logs/cancel against kmock (an HTTP-level fake of the Kubernetes API server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from job.cli import main
+from job.formats.checkpoint import CheckpointStorage
+
+kmock = pytest.importorskip("kmock", reason="pip install kmock (the fake API server these tests use)")
+kubernetes = pytest.importorskip("kubernetes")
+
+NS = "team-a"
+
+
+def _patch_watch_query() -> None:
+    """kmock treats only ?watch=true (lowercase) as a watch; kubernetes-client <37 sends watch=True."""
+    from kmock._internal import parsing
+
+    if getattr(parsing.guess_k8s, "_biggraph_shim", False):
+        return
+    original = parsing.guess_k8s
+
+    def guess_k8s(k8s: Any, method: Any, query: dict[str, str]) -> Any:
+        if "watch" in query:
+            query = {**query, "watch": query["watch"].lower()}
+        return original(k8s, method, query)
+
+    guess_k8s._biggraph_shim = True  # type: ignore[attr-defined]
+    parsing.guess_k8s = guess_k8s
+
+
+class FakeCluster:
+    def __init__(self, emulator: Any, url: str, kubeconfig: Path) -> None:
+        self.emulator = emulator
+        self.url = url
+        self.kubeconfig = kubeconfig
+        configuration = kubernetes.client.Configuration()
+        configuration.host = url
+        api = kubernetes.client.ApiClient(configuration)
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.batch = kubernetes.client.BatchV1Api(api)
+
+    def cli(self, *args: str) -> list[str]:
+        return [*args, "--kubeconfig", str(self.kubeconfig)]
+
+    def names(self, kind: str) -> set[str]:
+        lister = {"Job": self.batch.list_namespaced_job, "ConfigMap": self.core.list_namespaced_config_map,
+                  "Service": self.core.list_namespaced_service, "Pod": self.core.list_namespaced_pod}[kind]
+        return {item.metadata.name for item in lister(NS).items}
+
+    def add_pod(self, job: str, index: int, phase: str = "Running", log: str = "") -> None:
+        name = f"{job}-{index}-abcde"
+        self.core.create_namespaced_pod(NS, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"job-name": job, "batch.kubernetes.io/job-name": job},
+                         "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}},
+            "spec": {"containers": [{"name": "trainer", "image": "x"}], "nodeName": f"node-{index}"},
+            "status": {"phase": phase, "containerStatuses": [
+                {"name": "trainer", "ready": True, "restartCount": index, "image": "x", "imageID": "",
+                 "state": {"running": {}}}]},
+        })
+        if log:
+            self.emulator[kmock.path(re.compile(rf".*/pods/{name}/log$"))] << log.encode()
+
+
+def write_kubeconfig(path: Path, server: str, namespace: str = NS) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": server}}],
+        "users": [{"name": "me", "user": {"token": "t0ken"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": namespace}}],
+    }))
+    return path
+
+
+@pytest.fixture()
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCluster]:
+    _patch_watch_query()
+    for name in ("aiohttp.access", "aiohttp.server", "aiohttp.web"):  # the fake server's request log
+        monkeypatch.setattr(logging.getLogger(name), "disabled", True)
+    ready = threading.Event()
+    state: dict[str, Any] = {}
+
+    def serve() -> None:
+        async def run() -> None:
+            async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+                state["emulator"], state["url"] = emulator, str(server.url).rstrip("/")
+                for resource in ("v1/pods", "v1/configmaps", "v1/services", "batch/v1/jobs"):
+                    emulator.resources[resource] = {}  # listable while still empty, as on a real server
+                emulator[kmock.path(re.compile(r".*/namespaces/forbidden-ns/.*"))] << 403 << {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                    "message": 'jobs.batch is forbidden: User "me" cannot create resource "jobs"'}
+                ready.set()
+                while not state.get("stop"):
+                    await asyncio.sleep(0.02)
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(15), "kmock did not start"
+    try:
+        yield FakeCluster(state["emulator"], state["url"], write_kubeconfig(tmp_path / "kubeconfig", state["url"]))
+    finally:
+        state["stop"] = True
+        thread.join(5)
+
+
+@pytest.fixture()
+def user_config(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    raw = {
+        "entities": {"node": {"num_partitions": 2}},
+        "relations": [{"name": "r0", "lhs": "node", "rhs": "node", "operator": "translation"}],
+        "dimension": 8, "num_epochs": 3,
+        "entity_path": str(tmp_path / "graph" / "entities"), "edge_paths": [str(tmp_path / "graph" / "edges")],
+        "checkpoint_path": str(tmp_path / "graph" / "checkpoints"),
+    }
+    path = tmp_path / "mygraph.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path, raw
+
+
+def created_job(cluster: FakeCluster, name: str) -> Any:
+    return cluster.batch.read_namespaced_job(name, NS)
+
+
+# submit ----------------------------------------------------------------------------------------------
+
+
+def check_submitted(cluster: FakeCluster, name: str, raw: dict[str, Any], replicas: int, image: str) -> None:
+    job = created_job(cluster, name)
+    assert job.spec.completion_mode == "Indexed"
+    assert job.spec.completions == job.spec.parallelism == replicas
+    container = job.spec.template.spec.containers[0]
+    assert container.image == image
+    assert f"--nnodes={replicas}:{replicas}" in container.args
+    assert f"--rdzv-endpoint={name}-0.{name}:29400" in container.args and f"--rdzv-id={name}" in container.args
+    config_map = cluster.core.read_namespaced_config_map(job.metadata.annotations["biggraph.io/config-map"], NS)
+    assert yaml.safe_load(config_map.data["config.yaml"]) == raw
+    service = cluster.core.read_namespaced_service(job.metadata.annotations["biggraph.io/service"], NS)
+    assert service.spec.cluster_ip == "None" and job.spec.template.spec.subdomain == service.metadata.name
+
+
+@pytest.mark.slow
+def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster, user_config: Any, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_chart import helm_binary, helm_env
+
+    helm = helm_binary()
+    monkeypatch.setattr("os.environ", helm_env(tmp_path))
+    path, raw = user_config
+    values = tmp_path / "more-values.yaml"
+    values.write_text(yaml.safe_dump({"backoffLimit": 7, "replicas": 5}))
+    code = main(cluster.cli("submit", str(path), "--name", "emb1", "--replicas", "3", "--image", "reg.io:5000/bg:v2",
+                            "--helm", helm, "-f", str(values), "--set", "torchrun.maxRestarts=9"))
+    assert code == 0
+    assert "submitted job emb1 to namespace team-a: 3 pod(s)" in capsys.readouterr().out
+    check_submitted(cluster, "emb1", raw, replicas=3, image="reg.io:5000/bg:v2")  # --replicas beats the values file
+    job = created_job(cluster, "emb1")
+    assert job.spec.backoff_limit == 7 and "--max-restarts=9" in job.spec.template.spec.containers[0].args
+    assert cluster.names("Pod") == set()  # the helm test pod is not submitted
+
+
+def test_submit_without_helm_uses_the_plain_manifests(cluster: FakeCluster, user_config: Any,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = user_config
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb2", "--replicas", "2")) == 0
+    check_submitted(cluster, "emb2", raw, replicas=2, image="ghcr.io/biggraph/biggraph:0.1.0-cpu")
+    assert cluster.names("ConfigMap") == {"emb2-config"} and cluster.names("Service") == {"emb2"}
+    # the same name again: a clear conflict, and nothing half-created left behind by the failed attempt
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb2")) == 2
+    err = capsys.readouterr().err
+    assert "already exists in namespace team-a" in err and len(err.strip().splitlines()) == 1
+    assert cluster.names("Job") == {"emb2"}
+
+
+def test_submit_default_name_and_dry_run_need_no_cluster(user_config: Any, capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path) -> None:
+    path, raw = user_config
+    code = main(["submit", str(path), "--no-helm", "--dry-run", "--kubeconfig", str(tmp_path / "missing")])
+    assert code == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Job"]
+    name = docs[2]["metadata"]["name"]
+    assert re.fullmatch(r"biggraph-mygraph-[0-9a-f]{6}", name)
+    assert yaml.safe_load(docs[0]["data"]["config.yaml"]) == raw
+    assert all(d["metadata"]["namespace"] == "default" for d in docs)
+
+
+def test_submit_rejects_a_bad_config_before_touching_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"entities": {"n": {"num_partitions": 1}}, "relations": [], "dimensoin": 3}))
+    assert main(["submit", str(bad), "--no-helm", "--kubeconfig", str(tmp_path / "missing")]) == 2
+    assert "dimensoin" in capsys.readouterr().err
+
+
+# status / logs / cancel ------------------------------------------------------------------------------
+
+
+def test_status_reports_pods_and_progress_from_the_checkpoint(cluster: FakeCluster, user_config: Any,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = user_config
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb3", "--replicas", "2")) == 0
+    cluster.add_pod("emb3", 1)
+    cluster.add_pod("emb3", 0)
+    cluster.add_pod("other-job", 0)
+    cluster.batch.patch_namespaced_job_status("emb3", NS, {"status": {"active": 2}})
+    checkpoint = CheckpointStorage(raw["checkpoint_path"])
+    checkpoint.prepare()
+    checkpoint.append_stats([
+        {"epoch_idx": 0, "edge_path_idx": 0, "edge_chunk_idx": 0, "lhs_partition": 0, "rhs_partition": 1, "rank": 0,
+         "index": 0, "edges_per_sec": 120.0, "stats": {"count": 10, "metrics": {"loss": 2.0}}},
+        {"epoch_idx": 0, "edge_path_idx": 0, "edge_chunk_idx": 0, "index": 0, "pass_summary": True,
+         "stats": {"count": 20, "metrics": {"loss": 1.5}}},
+        {"epoch_idx": 1, "edge_path_idx": 0, "edge_chunk_idx": 0, "lhs_partition": 1, "rhs_partition": 0, "rank": 1,
+         "index": 5, "edges_per_sec": 80.0, "stats": {"count": 10, "metrics": {"loss": 1.0}}},
+    ])
+    checkpoint.save_version(1)
+    capsys.readouterr()
+    assert main(cluster.cli("status", "emb3", "--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "Running" and report["replicas"] == 2 and report["active"] == 2
+    assert [(p["index"], p["name"], p["phase"], p["restarts"]) for p in report["pods"]] == [
+        (0, "emb3-0-abcde", "Running", 0), (1, "emb3-1-abcde", "Running", 1)]
+    progress = report["progress"]
+    assert progress["available"] and progress["version"] == 1 and progress["num_epochs"] == 3
+    assert progress["workers"]["0"]["bucket"] == [0, 1] and progress["workers"]["0"]["epoch"] == 1
+    assert progress["workers"]["1"]["bucket"] == [1, 0] and progress["workers"]["1"]["epoch"] == 2
+    assert progress["last_pass"] == {"epoch": 1, "loss": 1.5}
+    assert main(cluster.cli("status", "emb3")) == 0
+    text = capsys.readouterr().out
+    assert "job emb3 (team-a): Running; 2 replica(s)" in text
+    assert "worker 1: epoch 2/3, bucket (1, 0)" in text and "checkpoint version 1" in text
+    cluster.batch.patch_namespaced_job_status("emb3", NS, {"status": {"active": 0, "succeeded": 2, "conditions": [
+        {"type": "Complete", "status": "True"}]}})
+    assert main(cluster.cli("status", "emb3", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "Complete"
+
+
+def test_status_without_reachable_checkpoint_still_reports_the_job(cluster: FakeCluster, user_config: Any, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = user_config
+    path.write_text(yaml.safe_dump({**raw, "checkpoint_path": "nosuchscheme://bucket/ck"}))
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb4")) == 0
+    capsys.readouterr()
+    assert main(cluster.cli("status", "emb4")) == 0
+    out = capsys.readouterr().out
+    assert "Pending" in out and "progress: unavailable" in out and "nosuchscheme" in out
+
+
+def test_logs_of_one_index_and_of_all(cluster: FakeCluster, user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = user_config
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb5", "--replicas", "2")) == 0
+    cluster.add_pod("emb5", 0, log="rank 0 says hi\n")
+    cluster.add_pod("emb5", 1, log="rank 1 says hi\n")
+    capsys.readouterr()
+    assert main(cluster.cli("logs", "emb5")) == 0
+    assert capsys.readouterr().out == "[0] rank 0 says hi\n[1] rank 1 says hi\n"
+    assert main(cluster.cli("logs", "emb5", "--index", "1")) == 0
+    assert capsys.readouterr().out == "rank 1 says hi\n"
+    assert main(cluster.cli("logs", "emb5", "--follow")) == 0  # index 0 by default
+    assert capsys.readouterr().out == "rank 0 says hi\n"
+    assert main(cluster.cli("logs", "emb5", "--index", "7")) == 2
+    assert "no pods with index 7" in capsys.readouterr().err
+
+
+def test_cancel_deletes_job_configmap_and_service(cluster: FakeCluster, user_config: Any,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = user_config
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb6")) == 0
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "keep")) == 0
+    capsys.readouterr()
+    assert main(cluster.cli("cancel", "emb6")) == 0
+    assert "deleted Job emb6, ConfigMap emb6-config, Service emb6" in capsys.readouterr().out
+    assert cluster.names("Job") == {"keep"} and cluster.names("ConfigMap") == {"keep-config"}
+    assert cluster.names("Service") == {"keep"}
+    deletes = [r for r in cluster.emulator._requests if r.method == "DELETE" and str(r.url.path).endswith("/jobs/emb6")]
+    policy = deletes[0].params.get("propagationPolicy") or (deletes[0].data or {}).get("propagationPolicy")
+    assert policy == "Background"  # the pods go too
+    assert main(cluster.cli("cancel", "emb6")) == 2
+    assert capsys.readouterr().err.strip() == "biggraph cancel: error: job emb6 not found in namespace team-a"
+
+
+# errors ----------------------------------------------------------------------------------------------
+
+
+def test_forbidden_is_one_line_and_exit_2(cluster: FakeCluster, user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = user_config
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb7", "-n", "forbidden-ns")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("biggraph submit: error: creating ConfigMap emb7-config in namespace forbidden-ns: "
+                          "forbidden (HTTP 403)")
+    assert 'User "me" cannot create' in err and "\n" not in err
+    assert main(cluster.cli("status", "x", "-n", "forbidden-ns")) == 2
+    assert "forbidden (HTTP 403)" in capsys.readouterr().err
+
+
+def test_no_cluster_reachable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+    assert main(["status", "emb", "--kubeconfig", str(kubeconfig)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"biggraph status: error: reading job emb: cannot reach the Kubernetes API at http://127.0.0.1:{port}")
+    assert "\n" not in err
+
+
+def test_no_kubeconfig(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["cancel", "emb", "--kubeconfig", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("biggraph cancel: error: no Kubernetes cluster configured") and "\n" not in err
