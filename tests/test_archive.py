@@ -492,7 +492,10 @@ def test_version_from_epoch_snapshot(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_trained_model_metrics_match_biggraph_eval(tmp_path: Path) -> None:
-    from test_train import write_cycle_graph
+    try:
+        from test_train import write_cycle_graph
+    except ImportError:  # tests/ collected as a package
+        from tests.test_train import write_cycle_graph
 
     from job.evaluation import evaluate_command
     from job.formats.edges import edges_file, read_edges
