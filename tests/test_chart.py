@@ -349,7 +349,10 @@ def free_port() -> int:
 
 
 def write_tiny_graph(root: Path, **config: Any) -> dict[str, Any]:
-    from test_train import write_cycle_graph
+    try:
+        from test_train import write_cycle_graph
+    except ImportError:  # tests/ is a package
+        from tests.test_train import write_cycle_graph
 
     return write_cycle_graph(root, num_entities=30, num_partitions=2, num_relations=1,
                              **{"num_epochs": 2, "dimension": 8, **config})

@@ -157,7 +157,10 @@ def check_submitted(cluster: FakeCluster, name: str, raw: dict[str, Any], replic
 def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster, user_config: Any, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_chart import helm_binary, helm_env
+    try:
+        from test_chart import helm_binary, helm_env
+    except ImportError:  # tests/ is a package
+        from tests.test_chart import helm_binary, helm_env
 
     helm = helm_binary()
     monkeypatch.setattr("os.environ", helm_env(tmp_path))
