@@ -126,9 +126,11 @@ class Trainer:
             wait_all(self.dist, f"prepared-{self.dist.restart_count}")
         self.version = self.checkpoint.load_version()
         self.progress: Optional[dict[str, Any]] = self._read_progress() if self.dist is not None else None
-        if self.rank == 0 and self.progress is None:
-            # leftovers of a pass that crashed before its commit are garbage
-            self.checkpoint.drop_uncommitted(self.version, self.all_keys)
+        if self.rank == 0:
+            self._remove_temporary_files()
+            if self.progress is None:
+                # leftovers of a pass that crashed before its commit are garbage
+                self.checkpoint.drop_uncommitted(self.version, self.all_keys)
         if self.dist is not None:
             wait_all(self.dist, f"cleaned-{self.dist.restart_count}")
         self.model = Model(config, self.num_dynamic_rels).to(self.device)
@@ -157,6 +159,12 @@ class Trainer:
             # relation parameters, global embeddings and unpartitioned tables are the same on every trainer
             tables = self.store.load_unpartitioned()
             self.shared = SharedParameters(list(self.model.parameters()) + [t.weight for t in tables])
+
+    def _remove_temporary_files(self) -> None:
+        """Files a killed writer left under their temporary names are never part of any version."""
+        for name in storage.listdir(self.config.checkpoint_path):
+            if name.startswith(".tmp-"):
+                storage.remove(storage.join(self.config.checkpoint_path, name))
 
     def _progress_url(self) -> str:
         return storage.join(self.config.checkpoint_path, PROGRESS_FILE)
@@ -237,7 +245,7 @@ class Trainer:
         elapsed = time.perf_counter() - started
         summary.update({"version": self.version, "train_edges": total_edges, "seconds": elapsed,
                         "edges_per_sec": total_edges / elapsed if elapsed > 0 else 0.0})
-        logger.info("training finished: checkpoint version %d in %s (%.1f s, %.0f edges/s on this trainer)",
+        logger.info("training finished: checkpoint version %d in %s (%.1f s, %.0f edges/s)",
                     self.version, config.checkpoint_path, elapsed, summary["edges_per_sec"])
         return summary
 
