@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train import write_cycle_graph
 
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage
-
-from test_train import write_cycle_graph
 
 EPOCHS = 12
 
