@@ -150,6 +150,11 @@ class Trainer:
             )
         ]
         self.finished_ok = False
+        from job.reporting import make_reporter
+
+        # progress display, TensorBoard, Pushgateway: whatever the environment and config ask for
+        self.reporter = make_reporter(config, rank=self.rank, total_passes=len(self.iterations),
+                                      buckets_per_pass=bucket_grid(config)[0] * bucket_grid(config)[1])
         self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
         self.pool: Optional[WorkerPool] = None
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
@@ -267,6 +272,7 @@ class Trainer:
                 iteration, bucket, bucket_idx, edge_path, seed_base, first=(iteration.index == 0 and bucket_idx == 0)
             )
             records.append(record)
+            self.reporter.on_bucket(record)
             train_total.add(train_stats)
             eval_total.add(eval_stats)
             train_seconds += seconds
@@ -282,6 +288,7 @@ class Trainer:
         if eval_total.num_ranks:
             summary_record["eval_stats_after"] = {"count": eval_total.count, "metrics": eval_total.ranking_metrics()}
         self.checkpoint.append_stats(records + [summary_record])
+        self.reporter.on_pass(summary_record)
         eval_mrr = eval_total.ranking_metrics()["mrr"] if eval_total.num_ranks else None
         message = (f"epoch {iteration.epoch + 1}/{config.num_epochs} edge path {iteration.edge_path_idx + 1}/"
                    f"{len(config.edge_paths)} chunk {iteration.chunk_idx + 1}/{self.num_chunks}: "
@@ -359,6 +366,7 @@ class Trainer:
                 iteration, bucket, bucket_idx, edge_path, seed_base, first=False, on_evicted=client.release
             )
             record["rank"] = self.rank
+            self.reporter.on_bucket(record)
             bucket_idx += 1
             train_total.add(train_stats)
             eval_total.add(eval_stats)
@@ -389,6 +397,7 @@ class Trainer:
             server.stop()
             self._commit(iteration)
             self.checkpoint.append_stats(records + [summary])
+            self.reporter.on_pass(summary)
             storage.remove(self._progress_url())
         wait_all(ctx, f"pass-committed-{round_tag}")
         if self.rank != 0:
@@ -531,6 +540,7 @@ class Trainer:
             self.checkpoint.drop_version(old_version, self.all_keys)
 
     def close(self) -> None:
+        self.reporter.close()
         if self.dist is not None:
             if self.finished_ok:
                 leave(self.dist)
