@@ -296,6 +296,20 @@ class ConfigSchema:
         "MinIO/Ceph, or a profile name). Credentials belong in the environment, not here.",
         default_factory=dict,
     )
+    tensorboard_dir: str | None = _help(
+        "If set, a directory (local path) where TensorBoard scalars are written: loss, eval MRR/Hits, edges/s "
+        "and swap time per bucket, and per pass (needs the 'tensorboard' extra: pip install 'biggraph[tensorboard]').",
+        default=None,
+    )
+    pushgateway_url: str | None = _help(
+        "If set, the URL of a Prometheus Pushgateway (e.g. http://pushgateway:9091) to which every trainer pushes "
+        "its metrics at the end of each pass; a failed push is logged as a warning and never stops training.",
+        default=None,
+    )
+    pushgateway_job: str = _help(
+        "The job label of the Pushgateway grouping key ({pushgateway_url}/metrics/job/{job}/instance/{rank}).",
+        default="biggraph",
+    )
 
     def __post_init__(self) -> None:
         if not self.edge_paths:
@@ -427,6 +441,7 @@ NON_PBG_1_0_KEYS = frozenset({
     "regularization_coef", "regularizer", "early_stopping", "num_gpus", "num_groups_for_partition_server",
     "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision",
     "seed", "device", "edge_read_mode", "storage_options",
+    "tensorboard_dir", "pushgateway_url", "pushgateway_job",
 })
 NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension"})
 

@@ -31,6 +31,7 @@ from job.config import ConfigSchema
 from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage
+from job.reporting import task_progress
 from job.train.batching import EdgeTensors, process_edges
 from job.train.loop import bucket_grid, read_entity_counts
 from job.train.model import Model, Table
@@ -120,14 +121,15 @@ def evaluate_command(
 
 def _iter_bucket_edges(config: ConfigSchema):  # noqa: ANN202 - generator of (bucket, EdgeTensors)
     nparts_lhs, nparts_rhs = bucket_grid(config)
-    for edge_path in config.edge_paths:
-        for lhs in range(nparts_lhs):
-            for rhs in range(nparts_rhs):
-                arrays = edge_format.read_edges(edge_format.edges_file(edge_path, lhs, rhs))
-                if len(arrays) == 0:
-                    continue
-                yield (lhs, rhs), EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs),
-                                              torch.from_numpy(arrays.rhs))
+    with task_progress("eval", total=len(config.edge_paths) * nparts_lhs * nparts_rhs, unit=" buckets") as bar:
+        for edge_path in config.edge_paths:
+            for lhs in range(nparts_lhs):
+                for rhs in range(nparts_rhs):
+                    arrays = edge_format.read_edges(edge_format.edges_file(edge_path, lhs, rhs))
+                    if len(arrays) > 0:
+                        yield (lhs, rhs), EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs),
+                                                      torch.from_numpy(arrays.rhs))
+                    bar.update(1)
 
 
 def _evaluate_sampled(reader: CheckpointReader) -> BatchStats:

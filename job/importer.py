@@ -40,6 +40,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import InputFormatError, UserError
+from job.reporting import task_progress
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -731,6 +732,7 @@ class _Importer:
             spill["rhs"].write(rhs_ids.astype(_ID_DTYPE).tobytes())
             spill["rel"].write(rel.astype(_ID_DTYPE).tobytes())
             self.spilled[file_index] += len(rel)
+            self._bar.update(n)
             if self.summary.edges_read >= next_report:
                 elapsed = time.monotonic() - started
                 logger.info(
@@ -960,6 +962,7 @@ class _Importer:
             logger.info("import: pass 1, reading %s", url)
             with contextlib.ExitStack() as stack:
                 spill = {name: stack.enter_context(open(os.path.join(spill_dir, name), "wb")) for name in ("lhs", "rhs", "rel")}
+                self._bar = stack.enter_context(task_progress(f"import {os.path.basename(url)}", unit=" edges"))
                 self._pass1_file(file_index, url, spill, started)
         pass1 = time.monotonic() - started
         logger.info(
