@@ -371,6 +371,11 @@ class ConfigSchema:
                     "are not supported by the relation operators"
                 )
         for rel_idx, relation in enumerate(self.relations):
+            if relation.all_negs and (self.entities[relation.lhs].featurized or self.entities[relation.rhs].featurized):
+                raise ConfigError(
+                    f"config key 'relations[{rel_idx}].all_negs': featurized entity types cannot list all their "
+                    "entities (PBG has the same limit)"
+                )
             if relation.operator == "complex_diagonal" and self.dimension % 2:
                 raise ConfigError(
                     f"config key 'relations[{rel_idx}].operator': complex_diagonal needs an even dimension, "

@@ -32,8 +32,8 @@ from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage
 from job.reporting import task_progress
-from job.train.batching import EdgeTensors, process_edges
-from job.train.loop import bucket_grid, read_entity_counts
+from job.train.batching import process_edges
+from job.train.loop import bucket_grid, edge_tensors, read_entity_counts
 from job.train.model import Model, Table
 from job.train.step import BatchContext, BatchStats
 
@@ -110,6 +110,10 @@ def evaluate_command(
         raise UserError("--filter needs --candidates all (filtered ranks are defined against every entity)")
     reader = CheckpointReader(config, version)
     if candidates == "all":
+        featurized = sorted(t for t, e in config.entities.items() if e.featurized)
+        if featurized:
+            raise UserError(f"--candidates all cannot rank featurized entity types ({', '.join(featurized)}): their "
+                            "entities are bags of features, not rows; use --candidates sampled")
         stats = _evaluate_all(reader, filter_paths)
     else:
         stats = _evaluate_sampled(reader)
@@ -127,8 +131,7 @@ def _iter_bucket_edges(config: ConfigSchema):  # noqa: ANN202 - generator of (bu
                 for rhs in range(nparts_rhs):
                     arrays = edge_format.read_edges(edge_format.edges_file(edge_path, lhs, rhs))
                     if len(arrays) > 0:
-                        yield (lhs, rhs), EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs),
-                                                      torch.from_numpy(arrays.rhs))
+                        yield (lhs, rhs), edge_tensors(arrays)
                     bar.update(1)
 
 

@@ -431,3 +431,58 @@ def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     write_edges(edges_file(str(known), 0, 0), np.array([0]), np.array([0]), np.array([2]))
     filtered = evaluate_command(config, filter_paths=[str(edge_path), str(known)], candidates="all")
     assert filtered["mean_rank"] == pytest.approx(np.mean([1, 3, 1, 2]))
+
+
+# featurized entities -----------------------------------------------------------------------------------
+
+
+def write_featurized_graph(root: Path, num_features: int = 30, num_items: int = 40, num_edges: int = 600) -> dict[str, Any]:
+    """Users are bags of 1-3 features (PBG's lhsd tensor lists); an edge goes to the item of its first feature."""
+    rng = np.random.default_rng(1)
+    entity_path = root / "entities"
+    write_entity_count(str(entity_path), "user", 0, num_features)
+    write_entity_count(str(entity_path), "item", 0, num_items)
+    lengths = rng.integers(1, 4, num_edges)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    data = rng.integers(0, num_features, int(offsets[-1]))
+    rhs = data[offsets[:-1]] % num_items
+    write_edges(edges_file(str(root / "edges"), 0, 0), np.zeros(num_edges, np.int64), np.full(num_edges, -1),
+                rhs, lhsd=(offsets, data))
+    return {
+        "entities": {"user": {"num_partitions": 1, "featurized": True}, "item": {"num_partitions": 1}},
+        "relations": [{"name": "likes", "lhs": "user", "rhs": "item", "operator": "diagonal"}],
+        "dimension": 16, "comparator": "dot", "loss_fn": "softmax", "entity_path": str(entity_path),
+        "edge_paths": [str(root / "edges")], "checkpoint_path": str(root / "ckpt"), "num_epochs": 15,
+        "batch_size": 50, "num_batch_negs": 10, "num_uniform_negs": 10, "lr": 0.1, "eval_fraction": 0.1,
+        "workers": 1, "seed": 2, "init_scale": 0.1,
+    }
+
+
+def test_featurized_entities_train_as_the_mean_of_their_features(tmp_path: Path) -> None:
+    raw = write_featurized_graph(tmp_path)
+    config = parse_config(raw)
+    train(config)
+    losses = pass_losses(config.checkpoint_path)
+    assert losses[-1] < losses[0] * 0.8, losses
+    storage = CheckpointStorage(config.checkpoint_path)
+    features, state = storage.load_entity_partition(storage.load_version(), "user", 0)
+    assert features.shape == (30, 16)  # one row per feature, not per entity
+    assert float(state["state"][0]["sum"].sum()) > 0  # the feature rows were optimised
+    metrics = evaluate_command(config, candidates="sampled")
+    assert metrics["count"] == 600 and 0 < metrics["mrr"] <= 1
+    from job.errors import UserError
+
+    with pytest.raises(UserError, match="featurized"):
+        evaluate_command(config, candidates="all")
+
+
+def test_featurized_batches_use_the_mean_of_feature_rows() -> None:
+    from job.train.batching import select_features, slice_features
+
+    offsets = torch.tensor([0, 2, 3, 6])
+    data = torch.tensor([4, 5, 6, 7, 8, 9])
+    picked_offsets, picked_data = select_features((offsets, data), torch.tensor([2, 0]))
+    assert picked_offsets.tolist() == [0, 3, 5]
+    assert picked_data.tolist() == [7, 8, 9, 4, 5]
+    window_offsets, window_data = slice_features((offsets, data), 1, 3)
+    assert window_offsets.tolist() == [0, 1, 4] and window_data.tolist() == [6, 7, 8, 9]

@@ -8,28 +8,69 @@ relation with probability proportional to its edges left, then takes the next
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from job.train.step import BatchContext, BatchStats, run_batch
 
+Features = tuple[Tensor, Tensor]  # (offsets of length E + 1, feature ids): PBG's tensor lists
+
+
+def select_features(features: Optional[Features], indices: Tensor) -> Optional[Features]:
+    """The feature lists of the edges ``indices``, in that order (vectorised ragged gather)."""
+    if features is None:
+        return None
+    offsets, data = features
+    lengths = offsets[1:] - offsets[:-1]
+    picked = lengths[indices]
+    new_offsets = torch.zeros(indices.numel() + 1, dtype=torch.long)
+    torch.cumsum(picked, 0, out=new_offsets[1:])
+    total = int(new_offsets[-1])
+    if total == 0:
+        return new_offsets, data[:0]
+    starts = torch.repeat_interleave(offsets[:-1][indices], picked)
+    within = torch.arange(total) - torch.repeat_interleave(new_offsets[:-1], picked)
+    return new_offsets, data[starts + within]
+
+
+def slice_features(features: Optional[Features], start: int, end: int) -> Optional[Features]:
+    if features is None:
+        return None
+    offsets, data = features
+    window = offsets[start:end + 1]
+    return window - window[0], data[int(window[0]):int(window[-1])]
+
 
 @dataclass
 class EdgeTensors:
-    """A bucket chunk's edges (int64), shared with Hogwild workers."""
+    """A bucket chunk's edges (int64), shared with Hogwild workers; feature lists for featurized sides."""
 
     rel: Tensor
     lhs: Tensor
     rhs: Tensor
+    lhs_features: Optional[Features] = None
+    rhs_features: Optional[Features] = None
 
     def __len__(self) -> int:
         return int(self.rel.shape[0])
 
     def share_memory_(self) -> EdgeTensors:
-        for t in (self.rel, self.lhs, self.rhs):
+        tensors = [self.rel, self.lhs, self.rhs]
+        for features in (self.lhs_features, self.rhs_features):
+            if features is not None:
+                tensors.extend(features)
+        for t in tensors:
             t.share_memory_()
         return self
+
+    def to(self, device: torch.device) -> EdgeTensors:
+        def move(f: Optional[Features]) -> Optional[Features]:
+            return None if f is None else (f[0].to(device), f[1].to(device))
+
+        return EdgeTensors(self.rel.to(device), self.lhs.to(device), self.rhs.to(device),
+                           move(self.lhs_features), move(self.rhs_features))
 
 
 def process_edges(
@@ -46,33 +87,37 @@ def process_edges(
     if indices.numel() == 0:
         return total
     rel = edges.rel[indices]
+    if not dynamic:
+        # group by relation, keeping the shuffled order within each group
+        order = torch.argsort(rel, stable=True)
+        indices = indices[order]
+        rel = rel[order]
     lhs = edges.lhs[indices]
     rhs = edges.rhs[indices]
+    lhs_features = select_features(edges.lhs_features, indices.cpu()) if edges.lhs_features is not None else None
+    rhs_features = select_features(edges.rhs_features, indices.cpu()) if edges.rhs_features is not None else None
+
+    def batch(rel_idx: int, start: int, end: int, rel_ids: Optional[Tensor]) -> BatchStats:
+        return run_batch(ctx, rel_idx, lhs[start:end], rhs[start:end], rel_ids, generator, train,
+                         lhs_features=slice_features(lhs_features, start, end),
+                         rhs_features=slice_features(rhs_features, start, end))
+
     if dynamic:
         for start in range(0, rel.shape[0], batch_size):
-            end = start + batch_size
-            total.add(run_batch(ctx, 0, lhs[start:end], rhs[start:end], rel[start:end], generator, train))
+            end = min(start + batch_size, rel.shape[0])
+            total.add(batch(0, start, end, rel[start:end]))
         return total
-    # group by relation, keeping the shuffled order within each group
-    order = torch.argsort(rel, stable=True)
-    sorted_rel = rel[order]
-    rel_values, counts = torch.unique_consecutive(sorted_rel, return_counts=True)
+    rel_values, counts = torch.unique_consecutive(rel.cpu(), return_counts=True)
     offsets = torch.cumsum(counts, 0) - counts
-    lhs_sorted = lhs[order]
-    rhs_sorted = rhs[order]
     left = counts.clone()
     while True:
         remaining = int(left.sum())
         if remaining == 0:
             break
-        if len(left) == 1:
-            group = 0
-        else:
-            group = int(torch.multinomial(left.double(), 1, generator=generator))
+        group = 0 if len(left) == 1 else int(torch.multinomial(left.double(), 1, generator=generator))
         taken = int(counts[group] - left[group])
         size = min(batch_size, int(left[group]))
         start = int(offsets[group]) + taken
-        total.add(run_batch(ctx, int(rel_values[group]), lhs_sorted[start:start + size], rhs_sorted[start:start + size],
-                            None, generator, train))
+        total.add(batch(int(rel_values[group]), start, start + size, None))
         left[group] -= size
     return total

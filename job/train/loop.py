@@ -92,6 +92,14 @@ def count_edge_chunks(config: ConfigSchema) -> int:
     return max(1, math.ceil(most / config.max_edges_per_chunk))
 
 
+def edge_tensors(arrays: edge_format.EdgeArrays) -> EdgeTensors:
+    def features(pair: Optional[tuple[Any, Any]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return None if pair is None else (torch.from_numpy(pair[0]), torch.from_numpy(pair[1]))
+
+    return EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs), torch.from_numpy(arrays.rhs),
+                       features(arrays.lhs_features), features(arrays.rhs_features))
+
+
 def _split_almost_equally(n: int, parts: int) -> list[slice]:
     size = math.ceil(n / parts) if parts else n
     return [slice(i * size, min(n, (i + 1) * size)) for i in range(parts) if i * size < n]
@@ -434,8 +442,7 @@ class Trainer:
             num_edges = edge_format.check_edge_file(handle, url)
             begin, end = edge_format.chunk_bounds(num_edges, chunk_idx, self.num_chunks)
             arrays = edge_format.read_edges_from_handle(handle, url, begin, end)
-        edges = EdgeTensors(torch.from_numpy(arrays.rel), torch.from_numpy(arrays.lhs), torch.from_numpy(arrays.rhs))
-        return edges
+        return edge_tensors(arrays)
 
     def _run_bucket(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
@@ -449,7 +456,7 @@ class Trainer:
             on_evicted(evicted)
         edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
         if self.device.type == "cuda":
-            edges = EdgeTensors(edges.rel.to(self.device), edges.lhs.to(self.device), edges.rhs.to(self.device))
+            edges = edges.to(self.device)
         io_seconds = time.perf_counter() - swap_started
         num_edges = len(edges)
         # the held-out edges depend only on where they are, so they are the same every epoch

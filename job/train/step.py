@@ -148,12 +148,17 @@ def run_batch(
     rel_ids: Optional[Tensor],
     generator: Optional[torch.Generator],
     train: bool,
+    lhs_features: Optional[tuple[Tensor, Tensor]] = None,
+    rhs_features: Optional[tuple[Tensor, Tensor]] = None,
 ) -> BatchStats:
     """Train on (or evaluate) one batch of edges of relation ``rel_idx`` (or of dynamic relations ``rel_ids``)."""
     config = ctx.config
     relation = config.relations[rel_idx]
     lhs_table = ctx.lhs_tables[rel_idx]
     rhs_table = ctx.rhs_tables[rel_idx]
+    if config.entities[relation.lhs].featurized or config.entities[relation.rhs].featurized:
+        return _run_featurized_batch(ctx, rel_idx, lhs_ids, rhs_ids, rel_ids, generator, train, lhs_features,
+                                     rhs_features)
     same_table = lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr()
     num_pos = int(lhs_ids.shape[0])
     all_negs = relation.all_negs
@@ -248,6 +253,108 @@ def run_batch(
                 setattr(stats, f"violators_{name}", violators)
                 if not train:
                     _add_ranks(stats, side_scores)
+    return stats
+
+
+def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores: SideScores, lhs_raw: Tensor,
+            rhs_raw: Tensor, num_pos: int, train: bool) -> tuple[BatchStats, Optional[Tensor]]:
+    """Loss (and its backward) plus statistics, shared by plain and featurized batches."""
+    config = ctx.config
+    relation = config.relations[rel_idx]
+    stats = BatchStats(count=num_pos)
+    if train:
+        loss = compute_loss(config.loss_fn, config.margin, lhs_scores.pos, lhs_scores.neg)
+        loss = relation.weight * (loss + compute_loss(config.loss_fn, config.margin, rhs_scores.pos, rhs_scores.neg))
+        total = loss
+        if config.regularization_coef > 0:
+            reg = lhs_raw.abs().pow(3).sum() + rhs_raw.abs().pow(3).sum()
+            for param in _operator_params(ctx.model, rel_idx):
+                reg = reg + param.abs().pow(3).sum()
+            reg = config.regularization_coef * reg
+            total = total + reg
+            stats.reg = float(reg.detach())
+        total.backward()
+        stats.loss = float(loss.detach())
+    with torch.no_grad():
+        for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
+            if side_scores.neg.shape[1] == 0:
+                continue
+            setattr(stats, f"violators_{name}", int((side_scores.neg > side_scores.pos.unsqueeze(1)).sum()))
+            if not train:
+                _add_ranks(stats, side_scores)
+    return stats, None
+
+
+def _run_featurized_batch(
+    ctx: BatchContext,
+    rel_idx: int,
+    lhs_ids: Tensor,
+    rhs_ids: Tensor,
+    rel_ids: Optional[Tensor],
+    generator: Optional[torch.Generator],
+    train: bool,
+    lhs_features: Optional[tuple[Tensor, Tensor]],
+    rhs_features: Optional[tuple[Tensor, Tensor]],
+) -> BatchStats:
+    """A batch where a side's entities are bags of features (mean of their feature embeddings, as PBG).
+
+    A featurized side has no uniform negatives (PBG cannot sample bags either) and is scored
+    per edge rather than per unique row; its gradients reach the unique feature rows.
+    """
+    import torch.nn.functional as F
+
+    config = ctx.config
+    relation = config.relations[rel_idx]
+    num_pos = int(lhs_ids.shape[0])
+    sides = {}
+    leaves: list[tuple[Table, Tensor, Tensor]] = []
+    for side, ids, features, table, entity_type in (
+        ("lhs", lhs_ids, lhs_features, ctx.lhs_tables[rel_idx], relation.lhs),
+        ("rhs", rhs_ids, rhs_features, ctx.rhs_tables[rel_idx], relation.rhs),
+    ):
+        if config.entities[entity_type].featurized:
+            if features is None:
+                raise ValueError(f"entity type {entity_type} is featurized but the edges carry no {side}d feature lists")
+            offsets, data = features
+            uniq, inverse = torch.unique(data, return_inverse=True)
+            if config.max_norm is not None and train:
+                _renorm_rows(table.weight, uniq, config.max_norm)
+            leaf = table.weight.index_select(0, uniq)
+            if train:
+                leaf.requires_grad_(True)
+            with torch.set_grad_enabled(train):
+                rows = F.embedding_bag(inverse, leaf, offsets[:-1], mode="mean")
+            leaves.append((table, uniq, leaf))
+            sides[side] = (rows, torch.arange(num_pos), None)
+        else:
+            num_uniform = ctx.num_uniform_negs
+            chunk = ctx.num_batch_negs if ctx.num_batch_negs > 0 else (num_uniform or num_pos)
+            num_chunks = (num_pos + chunk - 1) // chunk
+            disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
+            neg = None
+            if num_uniform and not disabled and table.weight.shape[0]:
+                neg = torch.randint(0, table.weight.shape[0], (num_chunks, num_uniform), generator=generator)
+            joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
+            uniq, inverse = torch.unique(joined, return_inverse=True)
+            leaf = table.weight.index_select(0, uniq)
+            if train:
+                leaf.requires_grad_(True)
+            leaves.append((table, uniq, leaf))
+            sides[side] = (leaf, inverse[:num_pos], None if neg is None else inverse[num_pos:].view_as(neg))
+    with torch.set_grad_enabled(train):
+        lhs_rows, lhs_inv, lhs_neg_inv = sides["lhs"]
+        rhs_rows, rhs_inv, rhs_neg_inv = sides["rhs"]
+        lhs_scores, rhs_scores, lhs_raw, rhs_raw = ctx.model.score_batch(
+            rel_idx, rel_ids, lhs_rows, rhs_rows, relation.lhs, relation.rhs, lhs_inv, rhs_inv,
+            lhs_neg_inv, rhs_neg_inv, False, ctx.num_batch_negs, False,
+            config.disable_lhs_negs, config.disable_rhs_negs,
+        )
+        stats, _ = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+    if train:
+        for table, uniq, leaf in leaves:
+            _row_adagrad(table, uniq, leaf.grad, config.lr)
+        if ctx.relation_optimizer is not None:
+            ctx.relation_optimizer.step()
     return stats
 
 
