@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "job.demo",
     "job.k8s_cli",
     "job.archive_cli",
+    "job.report",
 )
 
 logger = logging.getLogger("biggraph")

@@ -108,4 +108,5 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  metrics:     {os.path.join(out, 'test_metrics.json')}")
     print(f"  next: biggraph eval {config_path} -p edge_paths={test_dir} --candidates all "
           f"--filter {train_dir} --filter {valid_dir} --filter {test_dir}")
+    print(f"  report: biggraph report {os.path.join(out, 'checkpoints')} --metrics {os.path.join(out, 'test_metrics.json')}")
     return 0
