@@ -11,6 +11,7 @@ $PIP install -e '.[test]'
 # PyTorch-BigGraph 1.0.0 itself, for tests/test_pbg_compat.py (checked both ways)
 $PIP install torchbiggraph==1.0.0 'setuptools<81' || echo "warning: torchbiggraph unavailable; PBG compatibility tests will be skipped"
 tests/k8s_tools.sh  # helm into .cache/bin for the chart tests (they skip, saying why, without it)
+command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: chromium unavailable; report browser test will be skipped"
 "$VENV/bin/ruff" check job storage_adapters tests bench
 "$VENV/bin/python" -m pytest -q -m "not slow" "$@"
 "$VENV/bin/python" -m pytest -q -m slow "$@" || [ $? -eq 5 ]  # 5: no slow tests selected
