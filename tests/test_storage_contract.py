@@ -398,7 +398,14 @@ def test_train_remote_to_remote_matches_local(remote: str, mode: str, local_refe
     for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3", "h5py", "werkzeug"):
         caplog.set_level(logging.WARNING, logger=noisy)
     checkpoints = storage.join(root, "run", "checkpoints")
-    cp = _train(raw, storage.join(root, "data"), checkpoints, edge_read_mode=mode, storage_options=options)
+    caplog.set_level(logging.DEBUG, logger="biggraph")
+    biggraph_logger = logging.getLogger("biggraph")
+    biggraph_logger.disabled = False
+    biggraph_logger.addHandler(caplog.handler)  # whatever earlier tests did to levels and propagation
+    try:
+        cp = _train(raw, storage.join(root, "data"), checkpoints, edge_read_mode=mode, storage_options=options)
+    finally:
+        biggraph_logger.removeHandler(caplog.handler)
     got = _embeddings(cp)
     assert set(got) == set(expected)
     for name, array in expected.items():
@@ -407,7 +414,7 @@ def test_train_remote_to_remote_matches_local(remote: str, mode: str, local_refe
     assert CheckpointStorage(cp.snapshot_dir(1)).load_version() == 2  # preserved by checkpoint_preservation_interval
     assert len([s for s in cp.load_stats() if s.get("pass_summary")]) == 3
     if secret_key is not None:
-        texts = {"log": caplog.text, "config.json": storage.read_text(cp.config_file()),
+        texts = {"log": caplog.handler.stream.getvalue(), "config.json": storage.read_text(cp.config_file()),
                  "training_stats.json": storage.read_text(cp.stats_file())}
         for version_url in (cp.model_file(3), cp.partition_file(3, "node", 0)):
             with storage.local_copy_for_reading(version_url) as local, h5py.File(local, "r") as handle:
@@ -415,7 +422,7 @@ def test_train_remote_to_remote_matches_local(remote: str, mode: str, local_refe
         with pytest.raises(storage.StorageError) as info:
             storage.write_text("s3://no-such-bucket-here/x", "1")
         texts["error"] = str(info.value)
-        assert "training finished" in caplog.text  # the log was captured
+        assert "training finished" in texts["log"]  # the log was captured
         for where, text in texts.items():
             assert secret_key not in text, f"the access key leaked into {where}"
         assert "wJalrSECRET" not in "".join(texts.values())

@@ -423,7 +423,7 @@ def test_transient_errors_give_up_after_the_time_bound(s3_endpoint: str, s3_buck
         with pytest.raises(storage.StorageError, match=rf"{s3_bucket}/k: write still failing after \d+ attempts"):
             storage.write_text(f"{s3_bucket}/k", "1")
         assert 1.0 < time.monotonic() - started < 15
-        assert len(proxy.log) >= 3
+        assert len(proxy.log) >= 2  # retried, then given up
 
 
 def _free_port() -> int:
