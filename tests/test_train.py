@@ -351,7 +351,7 @@ def test_seeded_single_worker_runs_are_reproducible(tmp_path: Path) -> None:
     np.testing.assert_array_equal(a, b)
 
 
-def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path) -> None:
+def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the error case cannot happen")
     from job.cli import main
@@ -359,7 +359,10 @@ def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path) -> None:
     raw = write_cycle_graph(tmp_path, num_gpus=1)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
-    assert main(["train", str(path)]) == 2
+    code = main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "CUDA is not available" in err and "num_gpus=1" in err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
