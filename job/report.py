@@ -306,7 +306,7 @@ def collect(checkpoint_url: str, sample: int = 2000, edges: Optional[str] = None
         data.mrr_note = "training_stats.json is missing or empty"
     elif not any(r.mrr is not None for r in rows):
         data.mrr_note = (f"not recorded: eval_fraction is {raw_config.get('eval_fraction')} in this run's config, so no "
-                         "edges were held out during training (see the per-relation MRR below, computed now)")
+                         "edges were held out during training; `biggraph eval` results can be added with --metrics")
     try:
         config = parse_config(raw_config)
         storage.set_storage_options(config.storage_options)
@@ -325,12 +325,17 @@ def collect(checkpoint_url: str, sample: int = 2000, edges: Optional[str] = None
         data.relation_note = "not computed (--relation-edges 0)"
     else:
         try:
+            logger.info("report: per-relation MRR on at most %d edges of %s", relation_edges, edge_path)
             data.relation_mrr = relation_mrr(config, edge_path, relation_edges, seed)
             n = sum(c for _, _, c in data.relation_mrr)
             data.relation_note = (f"computed now from checkpoint version {version} on {n:,} edges of {edge_path} "
                                   f"(at most {relation_edges:,}; sampled negatives: {config.eval_num_batch_negs} from the "
-                                  f"batch + {config.eval_num_uniform_negs} uniform, as `biggraph eval`). "
-                                  "Training edges give optimistic numbers; pass --edges DIR for a held-out split.")
+                                  f"batch + {config.eval_num_uniform_negs} uniform, unfiltered, as `biggraph eval` "
+                                  "without --candidates all). Sampled ranks count every negative that scores above the "
+                                  "true entity, repeats and other true edges included, so on small graphs they are far "
+                                  "below the filtered all-candidate MRR; compare relations with each other, not with "
+                                  "`biggraph eval --candidates all --filter`. Training edges give optimistic numbers; pass "
+                                  "--edges DIR for a held-out split.")
         except Exception as err:  # noqa: BLE001 - the rest of the report is still worth writing
             logger.warning("report: per-relation MRR not computed: %s", err)
             data.relation_note = f"not computed: {err}"
@@ -394,8 +399,16 @@ def _frame(title: str, body: str, height: int = H) -> str:
 
 
 def svg_empty(title: str, note: str) -> str:
-    return _frame(title, f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" font-size="13" fill="#777">'
-                         f"{_esc(note[:90])}</text>", height=120)
+    lines, line = [], ""
+    for word in note.split():  # wrap: SVG text does not
+        if len(line) + len(word) > 80:
+            lines.append(line)
+            line = ""
+        line = f"{line} {word}".strip()
+    lines.append(line)
+    body = "".join(f'<text x="{W / 2}" y="{56 + 17 * i}" text-anchor="middle" font-size="13" fill="#777">{_esc(text)}</text>'
+                   for i, text in enumerate(lines[:6]))
+    return _frame(title, body, height=70 + 17 * min(len(lines), 6))
 
 
 def _axes(xt: list[float], yt: list[float], sx: Any, sy: Any, xlabel: str, ylabel: str, x_labels: Any = None) -> str:
@@ -568,7 +581,8 @@ def charts(data: ReportData) -> dict[str, str]:
         "time": svg_stacked_bars("Where the time went", labels,
                                  [(name, values, color) for (name, color), values in zip(TIME_PARTS, time_values)],
                                  "seconds"),
-        "relations": svg_hbars("MRR per relation", data.relation_mrr, "MRR", data.relation_note),
+        "relations": svg_hbars("MRR per relation (sampled negatives, unfiltered)", data.relation_mrr, "MRR",
+                               data.relation_note),
         "projection": svg_scatter("Embeddings (PCA, coloured by entity type)", data.projection,
                                   data.projection_names, data.projection_note),
     }
@@ -615,7 +629,7 @@ def render_html(data: ReportData) -> str:
     if data.relation_mrr:
         n = sum(c for _, _, c in data.relation_mrr)
         overall = sum(v * c for _, v, c in data.relation_mrr) / max(n, 1)
-        headline.append(("MRR over the per-relation sample", _f(overall)))
+        headline.append(("sampled MRR (per-relation sample)", _f(overall)))
     rows = "".join(
         f"<tr><td>{r.epoch}</td><td>{r.edges:,}</td><td>{_f(r.loss)}</td><td>{_f(r.mrr)}</td><td>{_f(r.hits10)}</td>"
         f"<td>{_f(r.edges_per_sec, 0)}</td><td>{r.compute:.2f}</td><td>{r.swap:.2f}</td><td>{r.edge_io:.2f}</td>"
