@@ -417,8 +417,11 @@ class ConfigSchema:
         """A JSON-serialisable dict with PBG's key names (what config.json holds)."""
         return _to_plain(self)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=4)
+    def to_json(self, exclude: tuple[str, ...] = ()) -> str:
+        data = self.to_dict()
+        for key in exclude:
+            data.pop(key, None)
+        return json.dumps(data, indent=4)
 
     def to_pbg_dict(self) -> dict[str, Any]:
         """``to_dict()`` without the keys PBG 1.0.0's ``ConfigSchema`` lacks.

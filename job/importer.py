@@ -420,7 +420,7 @@ class _Source:
             return storage.local_path(self.url)
         import fsspec
 
-        return fsspec.open(self.url, "rb", compression="infer", **storage._storage_options).open()
+        return fsspec.open(self.url, "rb", compression="infer", **storage.storage_options_for(self.url)).open()
 
     def batches(self) -> Iterator[_Batch]:
         if self.format == "parquet":

@@ -22,7 +22,8 @@ class JsonFormatter(logging.Formatter):
             payload["rank"] = int(rank)
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):
-            payload.update(extra)
+            for key, value in extra.items():
+                payload.setdefault(key, value)  # never overwrite the record's own time/level/message
         return json.dumps(payload)
 
 

@@ -354,6 +354,9 @@ def valid_configs(draw: st.DrawFn) -> ConfigSchema:
         }
         for _ in range(1 if dynamic else draw(st.integers(1, 3)))
     ]
+    for relation in relations:  # featurized types cannot list all their entities
+        if entities[relation["lhs"]]["featurized"] or entities[relation["rhs"]]["featurized"]:
+            relation["all_negs"] = False
     num_batch_negs = draw(st.sampled_from([0, 10, 50]))
     disable = draw(st.sampled_from([(False, False), (True, False), (False, True)]))
     raw = {

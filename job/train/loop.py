@@ -36,6 +36,7 @@ from job.train.hogwild import WorkerPool
 from job.train.model import Model, Table
 from job.train.partitions import PartitionStore
 from job.train.step import BatchContext, BatchStats, RelationAdagrad
+from storage_adapters.edge_reader import prefetch
 
 logger = logging.getLogger("biggraph")
 
@@ -215,7 +216,7 @@ class Trainer:
 
     def _metadata(self, iteration: Iteration) -> dict[str, Any]:
         return {
-            "config/json": self.config.to_json(),
+            "config/json": self.config.to_json(exclude=("storage_options",)),  # may hold credentials
             "iteration/num_epochs": self.config.num_epochs,
             "iteration/epoch_idx": iteration.epoch,
             "iteration/num_edge_paths": len(self.config.edge_paths),
@@ -276,6 +277,9 @@ class Trainer:
         eval_total = BatchStats()
         train_seconds = 0.0
         for bucket_idx, bucket in enumerate(buckets):
+            if bucket_idx + 1 < len(buckets):  # object stores: download the next bucket while this one trains
+                following = buckets[bucket_idx + 1]
+                prefetch(edge_format.edges_file(edge_path, following.lhs, following.rhs))
             record, train_stats, eval_stats, seconds = self._run_bucket(
                 iteration, bucket, bucket_idx, edge_path, seed_base, first=(iteration.index == 0 and bucket_idx == 0)
             )
@@ -548,6 +552,7 @@ class Trainer:
 
     def close(self) -> None:
         self.reporter.close()
+        self.checkpoint.close()  # flush and stop background uploads on every exit path
         if self.dist is not None:
             if self.finished_ok:
                 leave(self.dist)
