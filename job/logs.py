@@ -27,11 +27,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (tests and progress bars swap it)."""
+
+    def __init__(self) -> None:
+        self._override = None
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return self._override if self._override is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        # a progress bar may redirect us for a while; setting stderr back means "follow sys.stderr" again
+        self._override = None if value is None or value is sys.stderr else value
+
+
 def configure_logging(level: int = logging.INFO, log_format: str = "text") -> None:
+    """Install our one handler on the root logger (replacing only a previous one of ours)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
-        root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+        if isinstance(handler, _StderrHandler):
+            root.removeHandler(handler)
+    handler = _StderrHandler()
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
