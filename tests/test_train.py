@@ -489,3 +489,39 @@ def test_featurized_batches_use_the_mean_of_feature_rows() -> None:
     assert picked_data.tolist() == [7, 8, 9, 4, 5]
     window_offsets, window_data = slice_features((offsets, data), 1, 3)
     assert window_offsets.tolist() == [0, 1, 4] and window_data.tolist() == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("loss_fn", ["ranking", "logistic", "softmax"])
+def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, loss_fn: str) -> None:
+    """Few candidates, many samples: scoring each candidate once with its draw count must give PBG's sums."""
+    from job.train.model import Model
+    from job.train.step import BatchStats, _add_ranks
+
+    config = parse_config(write_cycle_graph(tmp_path, loss_fn=loss_fn, comparator="dot"))
+    model = Model(config)
+    generator = torch.Generator().manual_seed(0)
+    anchor = torch.randn(7, 16, generator=generator)
+    positives = torch.randn(7, 16, generator=generator)
+    candidates = torch.randn(5, 16, generator=generator)
+    neg_inv = torch.randint(0, 5, (2, 9), generator=generator)  # 2 chunks of 4, 9 draws each > 5 candidates
+    weighted = model._side_scores(anchor, positives, candidates, neg_inv, torch.arange(7), 4, False, False)
+    assert weighted.weight is not None  # the counted path was taken
+    # the same negatives, one column per draw, as PBG lays them out
+    padded_anchor = torch.cat((anchor, torch.zeros(1, 16))).view(2, 4, 16)
+    padded_pos = torch.cat((positives, torch.zeros(1, 16))).view(2, 4, 16)
+    batch = padded_anchor @ padded_pos.transpose(1, 2)
+    mask = torch.eye(4, dtype=torch.bool).expand(2, 4, 4).clone()
+    mask[-1, :, 3:] = True
+    batch = batch.masked_fill(mask, -1e9)
+    uniform = padded_anchor @ candidates[neg_inv].transpose(1, 2)
+    explicit = torch.cat((batch, uniform), dim=2).reshape(8, -1)[:7]
+    expected = compute_loss(loss_fn, 0.1, weighted.pos, explicit)
+    got = compute_loss(loss_fn, 0.1, weighted.pos, weighted.neg, weighted.weight, weighted.num_neg)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    from job.train.model import SideScores
+
+    ranks_weighted, ranks_explicit = BatchStats(), BatchStats()
+    _add_ranks(ranks_weighted, weighted)
+    _add_ranks(ranks_explicit, SideScores(weighted.pos, explicit))
+    assert ranks_weighted.rank_sum == pytest.approx(ranks_explicit.rank_sum)
+    assert ranks_weighted.auc_sum == pytest.approx(ranks_explicit.auc_sum)

@@ -75,7 +75,7 @@ class Operator(nn.Module):
 
     def _get(self, name: str, rel: Optional[Tensor]) -> Tensor:
         param = getattr(self, name + ("s" if self.dynamic else ""))
-        return param[rel] if self.dynamic else param
+        return _rows(param, rel) if self.dynamic else param
 
     def forward(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
         """Apply to rows ``x`` (..., dim); ``rel`` gives the relation of each row when dynamic."""
@@ -97,8 +97,8 @@ class Operator(nn.Module):
             return out
         # complex_diagonal
         half = self.dim // 2
-        real_b = self.real[rel] if self.dynamic else self.real
-        imag_b = self.imag[rel] if self.dynamic else self.imag
+        real_b = _rows(self.real, rel) if self.dynamic else self.real
+        imag_b = _rows(self.imag, rel) if self.dynamic else self.imag
         real_a, imag_a = x[..., :half], x[..., half:]
         return torch.cat((real_a * real_b - imag_a * imag_b, real_a * imag_b + imag_a * real_b), dim=-1)
 
@@ -155,21 +155,27 @@ class Comparator:
 # Losses ---------------------------------------------------------------------------------------
 
 
-def compute_loss(kind: str, margin: float, pos: Tensor, neg: Tensor) -> Tensor:
-    """PBG's losses, summed over the batch. ``pos``: (B,), ``neg``: (B, N)."""
-    num_pos, num_neg = neg.shape
-    if num_pos == 0 or num_neg == 0:
+def compute_loss(kind: str, margin: float, pos: Tensor, neg: Tensor, weight: Optional[Tensor] = None,
+                 num_neg: Optional[int] = None) -> Tensor:
+    """PBG's losses, summed over the batch. ``pos``: (B,), ``neg``: (B, K); ``weight`` counts each column."""
+    num_pos, width = neg.shape
+    if num_neg is None:
+        num_neg = width
+    if num_pos == 0 or width == 0:
         if kind == "logistic" and num_pos:
             return F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="sum")
         return pos.sum() * 0.0
     if kind == "ranking":
-        return (margin - pos.unsqueeze(1) + neg).clamp_min(0).sum()
+        violation = (margin - pos.unsqueeze(1) + neg).clamp_min(0)
+        return (violation * weight).sum() if weight is not None else violation.sum()
     if kind == "logistic":
         pos_loss = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="sum")
-        neg_loss = F.binary_cross_entropy_with_logits(neg, torch.zeros_like(neg), reduction="sum")
+        neg_terms = F.softplus(neg)  # = BCE with logits against 0
+        neg_loss = (neg_terms * weight).sum() if weight is not None else neg_terms.sum()
         return pos_loss + neg_loss / num_neg
     if kind == "softmax":
-        return (torch.logsumexp(torch.cat((pos.unsqueeze(1), neg), dim=1), dim=1) - pos).sum()
+        logits = neg if weight is None else neg + weight.log()
+        return (torch.logsumexp(torch.cat((pos.unsqueeze(1), logits), dim=1), dim=1) - pos).sum()
     raise ValueError(f"unknown loss {kind}")
 
 
@@ -187,7 +193,10 @@ class Table:
 @dataclass
 class SideScores:
     pos: Tensor  # (B,)
-    neg: Tensor  # (B, N) with masked entries at MASKED_SCORE
+    neg: Tensor  # (B, K) with masked entries at MASKED_SCORE
+    # how many times each column counts (None: once); masked entries weigh 0
+    weight: Optional[Tensor] = None
+    num_neg: Optional[int] = None  # negatives per positive as sampled (the width of the unweighted view)
 
 
 class Model(nn.Module):
@@ -293,10 +302,10 @@ class Model(nn.Module):
         lhs_op = self.lhs_operators[rel_idx]
         if dynamic:
             rhs_prepared = comparator.prepare(rhs_base)
-            lhs_pos_raw = lhs_base[lhs_inv]
-            rhs_pos_raw = rhs_base[rhs_inv]
+            lhs_pos_raw = _rows(lhs_base, lhs_inv)
+            rhs_pos_raw = _rows(rhs_base, rhs_inv)
             # "forward": c(u, h_r(v)) against lhs negatives u'
-            lhs_pos_vec = lhs_prepared[lhs_inv]
+            lhs_pos_vec = _rows(lhs_prepared, lhs_inv)
             rhs_pos_transformed = comparator.prepare(rhs_op(rhs_pos_raw, rel))
             lhs_scores = self._side_scores(
                 anchor=rhs_pos_transformed, positives=lhs_pos_vec, candidates=lhs_prepared,
@@ -304,7 +313,7 @@ class Model(nn.Module):
                 all_negs=all_negs, disabled=disable_lhs,
             )
             # "reverse": c(g_r(u), v) against rhs negatives v'
-            rhs_pos_vec = rhs_prepared[rhs_inv]
+            rhs_pos_vec = _rows(rhs_prepared, rhs_inv)
             lhs_pos_transformed = comparator.prepare(lhs_op(lhs_pos_raw, rel))
             rhs_scores = self._side_scores(
                 anchor=lhs_pos_transformed, positives=rhs_pos_vec, candidates=rhs_prepared,
@@ -313,8 +322,8 @@ class Model(nn.Module):
             )
             return lhs_scores, rhs_scores, lhs_pos_raw, rhs_pos_raw
         rhs_prepared = comparator.prepare(rhs_op(rhs_base))
-        lhs_pos_vec = lhs_prepared[lhs_inv]
-        rhs_pos_vec = rhs_prepared[rhs_inv]
+        lhs_pos_vec = _rows(lhs_prepared, lhs_inv)
+        rhs_pos_vec = _rows(rhs_prepared, rhs_inv)
         lhs_scores = self._side_scores(
             anchor=rhs_pos_vec, positives=lhs_pos_vec, candidates=lhs_prepared,
             neg_inv=lhs_neg_inv, own=lhs_inv, num_batch_negs=num_batch_negs,
@@ -325,7 +334,7 @@ class Model(nn.Module):
             neg_inv=rhs_neg_inv, own=rhs_inv, num_batch_negs=num_batch_negs,
             all_negs=all_negs, disabled=disable_rhs,
         )
-        return lhs_scores, rhs_scores, lhs_base[lhs_inv], rhs_base[rhs_inv]
+        return lhs_scores, rhs_scores, _rows(lhs_base, lhs_inv), _rows(rhs_base, rhs_inv)
 
     def _side_scores(
         self,
@@ -362,21 +371,40 @@ class Model(nn.Module):
             batch_scores = comparator.pairwise(anchor_chunks, pos_chunks)  # (C, chunk, chunk)
             batch_scores = batch_scores.masked_fill(_batch_mask(num_chunks, chunk, num_pos, anchor.device), MASKED_SCORE)
             parts.append(batch_scores)
+        weight_parts: list[Tensor] = []
         if neg_inv is not None and neg_inv.numel():
             num_uniform = neg_inv.shape[1]
-            if candidates.shape[0] <= num_uniform:
-                # few distinct candidates: score against each once, then pick per chunk
+            if candidates.shape[0] < num_uniform:
+                # Fewer distinct candidates than samples (small vocabularies): score each candidate once and
+                # weight it by how often it was drawn for the chunk. Every loss and rank is a sum over the
+                # sampled negatives, so this is the same sum without a (chunks x samples) tensor.
                 all_scores = comparator.pairwise(anchor_chunks, candidates.unsqueeze(0))  # (C, chunk, U)
-                index = neg_inv[:num_chunks].unsqueeze(1).expand(num_chunks, chunk, num_uniform)
-                parts.append(torch.gather(all_scores, 2, index))
+                draws = torch.zeros((num_chunks, candidates.shape[0]), dtype=all_scores.dtype, device=all_scores.device)
+                draws.scatter_add_(1, neg_inv[:num_chunks], torch.ones_like(neg_inv[:num_chunks], dtype=draws.dtype))
+                parts.append(all_scores)
+                weight_parts.append(draws.unsqueeze(1).expand(num_chunks, chunk, -1))
             else:
-                neg_vecs = candidates[neg_inv[:num_chunks]]  # (C, N, d)
+                neg_vecs = _rows(candidates, neg_inv[:num_chunks])  # (C, N, d)
                 parts.append(comparator.pairwise(anchor_chunks, neg_vecs))
         if not parts:
             return SideScores(pos, pos.new_empty((num_pos, 0)))
         neg = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         neg = neg.reshape(padded, -1)[:num_pos]
-        return SideScores(pos, neg)
+        if not weight_parts:
+            return SideScores(pos, neg)
+        weights = []
+        if num_batch_negs > 0:
+            weights.append((~_batch_mask(num_chunks, chunk, num_pos, anchor.device)).to(neg.dtype))
+        weights.extend(weight_parts)
+        weight = torch.cat(weights, dim=2).reshape(padded, -1)[:num_pos]
+        return SideScores(pos, neg, weight, num_neg=(chunk if num_batch_negs > 0 else 0) + neg_inv.shape[1])
+
+
+def _rows(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` through index_select: its backward is an index_add, not the much slower
+    accumulating index_put that advanced indexing differentiates to on the CPU."""
+    flat = table.index_select(0, index.reshape(-1))
+    return flat.view(tuple(index.shape) + tuple(table.shape[1:]))
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:

@@ -130,6 +130,21 @@ class BatchContext:
     num_uniform_negs: int
 
 
+def _unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """``torch.unique(ids, return_inverse=True)``, by a presence bitmap when the id range is small.
+
+    Small partitions (knowledge graphs with a few thousand entities) are touched by many more ids per
+    batch than they have rows; marking rows beats sorting the ids there.
+    """
+    if count <= 8 * ids.numel():
+        present = torch.zeros(count, dtype=torch.bool, device=ids.device)
+        present[ids] = True
+        uniq = torch.nonzero(present).flatten()
+        position = torch.cumsum(present, 0) - 1
+        return uniq, position[ids]
+    return torch.unique(ids, return_inverse=True)
+
+
 def _renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
     """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG."""
     rows = weight.index_select(0, ids)
@@ -185,7 +200,7 @@ def run_batch(
         lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv = lhs_ids, rhs_ids, None, None
     elif same_table:
         pieces = [lhs_ids, rhs_ids] + [n.reshape(-1) for n in (lhs_neg, rhs_neg) if n is not None]
-        lhs_uniq, inverse = torch.unique(torch.cat(pieces), return_inverse=True)
+        lhs_uniq, inverse = _unique_inverse(torch.cat(pieces), lhs_count)
         rhs_uniq = lhs_uniq
         lhs_inv, rhs_inv = inverse[:num_pos], inverse[num_pos : 2 * num_pos]
         offset = 2 * num_pos
@@ -196,14 +211,14 @@ def run_batch(
         if rhs_neg is not None:
             rhs_neg_inv = inverse[offset : offset + rhs_neg.numel()].view_as(rhs_neg)
     else:
-        def uniq_of(ids: Tensor, neg: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        def uniq_of(ids: Tensor, neg: Optional[Tensor], count: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
             joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
-            uniq, inverse = torch.unique(joined, return_inverse=True)
+            uniq, inverse = _unique_inverse(joined, count)
             neg_inv = None if neg is None else inverse[num_pos:].view_as(neg)
             return uniq, inverse[:num_pos], neg_inv
 
-        lhs_uniq, lhs_inv, lhs_neg_inv = uniq_of(lhs_ids, lhs_neg)
-        rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg)
+        lhs_uniq, lhs_inv, lhs_neg_inv = uniq_of(lhs_ids, lhs_neg, lhs_count)
+        rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg, rhs_count)
 
     if config.max_norm is not None and train:
         _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
@@ -225,34 +240,13 @@ def run_batch(
             lhs_neg_inv, rhs_neg_inv, same_table, num_batch_negs, all_negs,
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
-        stats = BatchStats(count=num_pos)
-        if train:
-            loss = compute_loss(config.loss_fn, config.margin, lhs_scores.pos, lhs_scores.neg)
-            loss = loss + compute_loss(config.loss_fn, config.margin, rhs_scores.pos, rhs_scores.neg)
-            loss = relation.weight * loss
-            total = loss
-            if config.regularization_coef > 0:
-                reg = lhs_raw.abs().pow(3).sum() + rhs_raw.abs().pow(3).sum()
-                for param in _operator_params(ctx.model, rel_idx):
-                    reg = reg + param.abs().pow(3).sum()
-                reg = config.regularization_coef * reg
-                total = total + reg
-                stats.reg = float(reg.detach())
-            total.backward()
-            stats.loss = float(loss.detach())
-            _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
-            if not same_table:
-                _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
-            if ctx.relation_optimizer is not None:
-                ctx.relation_optimizer.step()
-        with torch.no_grad():
-            for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
-                if side_scores.neg.shape[1] == 0:
-                    continue
-                violators = int((side_scores.neg > side_scores.pos.unsqueeze(1)).sum())
-                setattr(stats, f"violators_{name}", violators)
-                if not train:
-                    _add_ranks(stats, side_scores)
+        stats, _ = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+    if train:
+        _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
+        if not same_table:
+            _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
+        if ctx.relation_optimizer is not None:
+            ctx.relation_optimizer.step()
     return stats
 
 
@@ -263,8 +257,7 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
     relation = config.relations[rel_idx]
     stats = BatchStats(count=num_pos)
     if train:
-        loss = compute_loss(config.loss_fn, config.margin, lhs_scores.pos, lhs_scores.neg)
-        loss = relation.weight * (loss + compute_loss(config.loss_fn, config.margin, rhs_scores.pos, rhs_scores.neg))
+        loss = relation.weight * (_side_loss(config, lhs_scores) + _side_loss(config, rhs_scores))
         total = loss
         if config.regularization_coef > 0:
             reg = lhs_raw.abs().pow(3).sum() + rhs_raw.abs().pow(3).sum()
@@ -279,7 +272,8 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
         for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
             if side_scores.neg.shape[1] == 0:
                 continue
-            setattr(stats, f"violators_{name}", int((side_scores.neg > side_scores.pos.unsqueeze(1)).sum()))
+            setattr(stats, f"violators_{name}", _weighted_count(side_scores.neg > side_scores.pos.unsqueeze(1),
+                                                                 side_scores.weight))
             if not train:
                 _add_ranks(stats, side_scores)
     return stats, None
@@ -358,6 +352,14 @@ def _run_featurized_batch(
     return stats
 
 
+def _side_loss(config: ConfigSchema, scores: SideScores) -> Tensor:
+    return compute_loss(config.loss_fn, config.margin, scores.pos, scores.neg, scores.weight, scores.num_neg)
+
+
+def _weighted_count(mask: Tensor, weight: Optional[Tensor]) -> int:
+    return int((mask * weight).sum()) if weight is not None else int(mask.sum())
+
+
 def _operator_params(model: Model, rel_idx: int) -> list[Tensor]:
     return list(model.rhs_operators[rel_idx].parameters()) + list(model.lhs_operators[rel_idx].parameters())
 
@@ -376,10 +378,12 @@ def _add_ranks(stats: BatchStats, scores: SideScores) -> None:
     """Ranks as PBG counts them: 1 + negatives scoring at least the positive (ties count against)."""
     pos = scores.pos.unsqueeze(1)
     neg = scores.neg
-    valid = neg > -1e8  # masked entries are not candidates
-    ranks = ((neg >= pos) & valid).sum(1) + 1
+    valid = (neg > -1e8).to(neg.dtype)  # masked entries are not candidates
+    if scores.weight is not None:
+        valid = valid * scores.weight  # a candidate drawn k times counts k times
+    ranks = ((neg >= pos) * valid).sum(1) + 1
     num_valid = valid.sum(1).clamp_min(1)
-    below = ((neg < pos) & valid).sum(1).float() + 0.5 * ((neg == pos) & valid).sum(1).float()
+    below = ((neg < pos) * valid).sum(1) + 0.5 * ((neg == pos) * valid).sum(1)
     stats.rank_sum += float(ranks.sum())
     stats.reciprocal_rank_sum += float(ranks.float().reciprocal().sum())
     stats.hits1 += float((ranks <= 1).sum())
