@@ -38,6 +38,7 @@ def _worker_main(
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.relation_lr or config.lr)
     relation_optimizer.sums = relation_sums
     relation_optimizer.steps = relation_steps
+    results.put(("ready", worker_id, None, None))
     while True:
         task = tasks.get()
         if task is None:
@@ -80,6 +81,18 @@ class WorkerPool:
             )
             process.start()
             self.processes.append(process)
+        # Wait until every worker has imported torch and unpickled the model: starting up costs seconds
+        # of CPU, which would otherwise be taken from the first buckets' training.
+        ready = 0
+        while ready < num_workers:
+            try:
+                message = self.results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"Hogwild worker(s) died while starting: {', '.join(dead)}") from None
+                continue
+            ready += message[0] == "ready"
 
     def run(
         self,

@@ -237,8 +237,6 @@ class Trainer:
             logger.info("training already complete: checkpoint version %d covers all %d passes",
                         self.version, len(self.iterations))
             return {"version": self.version, "passes": 0}
-        if self.workers > 1 and self.pool is None:
-            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
         started = time.perf_counter()
         total_edges = 0
         last_eval: Optional[float] = None
@@ -510,6 +508,9 @@ class Trainer:
     def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
                rhs_tables: dict[int, Table], generator: torch.Generator, first: bool) -> BatchStats:
         config = self.config
+        if self.workers > 1 and self.pool is None and indices.numel() >= 2 * config.batch_size:
+            # started on first need: small graphs never pay for it
+            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
         if self.pool is None or indices.numel() < 2 * config.batch_size:
             return process_edges(self._context(lhs_tables, rhs_tables, True), edges, indices, config.batch_size,
                                  config.dynamic_relations, generator, True)
