@@ -96,11 +96,21 @@ class Operator(nn.Module):
                 out = out + self._get("translation", rel)
             return out
         # complex_diagonal
-        half = self.dim // 2
+        # (a + ib)(c + id) laid out as [real | imag]: x * [c, c] + swap(x) * [-d, d], where swap exchanges the
+        # halves (an index_select, the cheapest swap forward and backward on the CPU). Two broadcast
+        # products instead of four, and no slices (whose backward allocates full-size zeros per slice).
         real_b = _rows(self.real, rel) if self.dynamic else self.real
         imag_b = _rows(self.imag, rel) if self.dynamic else self.imag
-        real_a, imag_a = x[..., :half], x[..., half:]
-        return torch.cat((real_a * real_b - imag_a * imag_b, real_a * imag_b + imag_a * real_b), dim=-1)
+        swapped = x.index_select(-1, self._swap_halves(x.device))
+        return x * torch.cat((real_b, real_b), dim=-1) + swapped * torch.cat((-imag_b, imag_b), dim=-1)
+
+    def _swap_halves(self, device: torch.device) -> Tensor:
+        cached = getattr(self, "_swap_index", None)
+        if cached is None or cached.device != device:
+            half = self.dim // 2
+            cached = torch.cat((torch.arange(half, self.dim), torch.arange(half))).to(device)
+            self._swap_index = cached
+        return cached
 
 
 # Comparators --------------------------------------------------------------------------------
@@ -334,7 +344,9 @@ class Model(nn.Module):
             neg_inv=rhs_neg_inv, own=rhs_inv, num_batch_negs=num_batch_negs,
             all_negs=all_negs, disabled=disable_rhs,
         )
-        return lhs_scores, rhs_scores, _rows(lhs_base, lhs_inv), _rows(rhs_base, rhs_inv)
+        if self.config.regularization_coef > 0:  # only the regulariser needs the raw positive embeddings
+            return lhs_scores, rhs_scores, _rows(lhs_base, lhs_inv), _rows(rhs_base, rhs_inv)
+        return lhs_scores, rhs_scores, lhs_base, rhs_base
 
     def _side_scores(
         self,
@@ -389,14 +401,18 @@ class Model(nn.Module):
         if not parts:
             return SideScores(pos, pos.new_empty((num_pos, 0)))
         neg = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-        neg = neg.reshape(padded, -1)[:num_pos]
+        neg = neg.reshape(padded, -1)
+        if padded != num_pos:
+            neg = neg[:num_pos]
         if not weight_parts:
             return SideScores(pos, neg)
         weights = []
         if num_batch_negs > 0:
             weights.append((~_batch_mask(num_chunks, chunk, num_pos, anchor.device)).to(neg.dtype))
         weights.extend(weight_parts)
-        weight = torch.cat(weights, dim=2).reshape(padded, -1)[:num_pos]
+        weight = torch.cat(weights, dim=2).reshape(padded, -1)
+        if padded != num_pos:
+            weight = weight[:num_pos]
         return SideScores(pos, neg, weight, num_neg=(chunk if num_batch_negs > 0 else 0) + neg_inv.shape[1])
 
 

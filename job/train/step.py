@@ -174,8 +174,12 @@ def run_batch(
     if config.entities[relation.lhs].featurized or config.entities[relation.rhs].featurized:
         return _run_featurized_batch(ctx, rel_idx, lhs_ids, rhs_ids, rel_ids, generator, train, lhs_features,
                                      rhs_features)
-    same_table = lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr()
+    shared_storage = lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr()
     num_pos = int(lhs_ids.shape[0])
+    # One gather for both sides pays when they touch mostly the same rows (small tables). On large tables
+    # each side gathers its own rows, so the operator and the comparator's preparation run only on the
+    # rows that side needs; the two gradients are merged before the one Adagrad update per row.
+    same_table = shared_storage and (relation.all_negs or lhs_table.weight.shape[0] <= 8 * num_pos)
     all_negs = relation.all_negs
     num_batch_negs = ctx.num_batch_negs
     num_uniform = 0 if all_negs else ctx.num_uniform_negs
@@ -242,9 +246,16 @@ def run_batch(
         )
         stats, _ = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
-        _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
-        if not same_table:
-            _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
+        if shared_storage and not same_table:
+            union, inverse = torch.unique(torch.cat((lhs_uniq, rhs_uniq)), return_inverse=True)
+            grad = lhs_rows.new_zeros((union.shape[0], lhs_rows.shape[1]))
+            grad.index_add_(0, inverse[: lhs_uniq.shape[0]], lhs_rows.grad)
+            grad.index_add_(0, inverse[lhs_uniq.shape[0]:], rhs_rows.grad)
+            _row_adagrad(lhs_table, union, grad, config.lr)
+        else:
+            _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
+            if not same_table:
+                _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
         if ctx.relation_optimizer is not None:
             ctx.relation_optimizer.step()
     return stats
@@ -369,7 +380,8 @@ def _row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) 
     """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients."""
     if grad is None or table.optim_sum is None:
         return
-    table.optim_sum.index_add_(0, uniq, grad.pow(2).mean(1))
+    # mean of squared gradients per row, as a fused norm (half the time of grad.pow(2).mean(1))
+    table.optim_sum.index_add_(0, uniq, torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
     std = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS)
     table.weight.index_add_(0, uniq, grad.div_(std.unsqueeze(1)).mul_(-lr))
 
