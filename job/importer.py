@@ -398,6 +398,7 @@ class _Source:
         self.delimiter = _delimiter(self.format, options.delimiter) if self.format != "parquet" else ""
         self.first_malformed: str | None = None
         self._malformed = 0
+        self._terminate = False  # read through _NewlineTerminated (see _text_batches)
         self.columns = [options.lhs_col, options.rhs_col] + ([options.rel_col] if options.rel_col is not None else [])
 
     def _check_columns(self, num_columns: int) -> None:
@@ -450,6 +451,17 @@ class _Source:
             self.first_malformed = str(row.text)
         return "skip"
 
+    def _text_input(self) -> Any:
+        """What pyarrow reads: the file itself, or (``_terminate``) its decompressed bytes plus a final newline."""
+        source = self._open_binary()
+        if not self._terminate:
+            return source
+        if isinstance(source, str):
+            import pyarrow as pa
+
+            source = pa.input_stream(source, compression="detect")
+        return io.BufferedReader(_NewlineTerminated(source))
+
     def _text_reader(self, block_size: int, num_columns: int | None) -> Any:
         import pyarrow as pa
         import pyarrow.csv as pacsv
@@ -465,7 +477,7 @@ class _Source:
         else:
             names = [f"f{c}" for c in dict.fromkeys(self.columns)]
             convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, include_columns=names)
-        return pacsv.open_csv(self._open_binary(), read_options=read, parse_options=parse, convert_options=convert)
+        return pacsv.open_csv(self._text_input(), read_options=read, parse_options=parse, convert_options=convert)
 
     def _text_batches(self) -> Iterator[_Batch]:
         import pyarrow as pa
@@ -474,10 +486,17 @@ class _Source:
             try:
                 peek = self._text_reader(1 << 20, None)
             except pa.ArrowInvalid as err:
-                if "Empty CSV file" in str(err):
-                    logger.warning("%s is empty", self.url)
-                    return
-                raise
+                if "Empty CSV file" not in str(err):
+                    raise
+                # pyarrow also says so of a file holding one line without a final newline: read it newline-terminated
+                self._terminate = True
+                try:
+                    peek = self._text_reader(1 << 20, None)
+                except pa.ArrowInvalid as again:
+                    if "Empty CSV file" in str(again):
+                        logger.warning("%s is empty", self.url)
+                        return
+                    raise
             self._check_columns(len(peek.schema))
             self._malformed = 0
             self.first_malformed = None
@@ -530,6 +549,33 @@ class _Source:
                 if problem is not None:
                     return reader.line_num, problem
         return None
+
+
+class _NewlineTerminated(io.RawIOBase):
+    """A binary stream followed by one b"\\n"."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._done or not len(buffer):
+            return 0
+        data = self._raw.read(len(buffer))
+        if not data:
+            self._done = True
+            buffer[0:1] = b"\n"
+            return 1
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._raw.close()
+        super().close()
 
 
 def _as_strings(column: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -406,6 +406,7 @@ def _check_edge_file(
 ) -> int:
     """Check one bucket file; returns its number of edges (0 when unreadable)."""
     import storage_adapters as storage
+    from job.formats.edges import HDF5_READ_ERRORS
 
     if not storage.exists(url):
         collect.error(InputFormatError(url, "missing", expected="one edges_{l}_{r}.h5 file per bucket (an empty one is fine)"))
@@ -421,7 +422,7 @@ def _check_edge_file(
         if collect.fail_fast:
             raise
         per_file.error(err)
-    except OSError as err:  # HDF5 errors past opening: metadata cut off by truncation
+    except HDF5_READ_ERRORS as err:  # HDF5 errors past opening: metadata damaged or cut off by truncation
         per_file.error(InputFormatError(url, f"not a readable HDF5 file ({_first_line(err)})", expected="a complete HDF5 file"))
     problems = per_file.report.problems
     if len(problems) > MAX_PROBLEMS_PER_FILE:

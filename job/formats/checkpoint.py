@@ -493,5 +493,9 @@ class _open_for_reading:
             self._stack.close()
             raise InputFormatError(self.url, f"not a readable HDF5 file ({err})", expected="an HDF5 checkpoint file") from None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._stack.close()
+        from job.formats.edges import HDF5_READ_ERRORS, _short
+
+        if isinstance(exc, HDF5_READ_ERRORS):  # h5py's errors from reading a damaged file
+            raise InputFormatError(self.url, f"damaged HDF5 file ({_short(exc)})", expected="an HDF5 checkpoint file") from None

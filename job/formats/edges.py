@@ -54,6 +54,19 @@ def _smallest_int_dtype(*arrays: np.ndarray) -> np.dtype:
     return np.dtype(np.int64)
 
 
+# What h5py raises while reading a damaged file that did open (it maps HDF5's error classes onto these).
+HDF5_READ_ERRORS = (OSError, KeyError, RuntimeError, ValueError, TypeError, IndexError)
+
+
+@contextlib.contextmanager
+def damaged_file_errors(url: str, expected: str = "an HDF5 edge file") -> Iterator[None]:
+    """Turn h5py's errors from reading a damaged file into an InputFormatError naming it."""
+    try:
+        yield
+    except HDF5_READ_ERRORS as err:
+        raise InputFormatError(url, f"damaged HDF5 file ({_short(err)})", expected=expected) from None
+
+
 @contextlib.contextmanager
 def open_h5(url: str, mode: str = "r") -> Iterator[h5py.File]:
     """Open an HDF5 file at a URL for reading, turning HDF5's errors into clear ones."""
@@ -67,12 +80,12 @@ def open_h5(url: str, mode: str = "r") -> Iterator[h5py.File]:
             raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
         except OSError as err:
             raise InputFormatError(url, f"not a readable HDF5 file ({_short(err)})", expected="an HDF5 file") from None
-        with handle:
+        with handle, damaged_file_errors(url):
             yield handle
         return
     from storage_adapters.edge_reader import open_remote_h5
 
-    with open_remote_h5(url) as handle:
+    with open_remote_h5(url) as handle, damaged_file_errors(url):
         yield handle
 
 
