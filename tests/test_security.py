@@ -224,3 +224,67 @@ def test_checkpoint_config_json_is_parsed_not_imported(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="invalid JSON"):
         storage.load_config_dict()
     assert not marker.exists()
+
+
+# dependency pinning and audit -----------------------------------------------------------------------------
+
+
+def test_lock_file_pins_every_declared_dependency() -> None:
+    """requirements.lock pins (==) every dependency of pyproject.toml, at a version its specifier allows."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pins = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not an exact pin: {line}"
+            pins[canonicalize_name(name)] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["dependencies"]]
+    declared += [Requirement(r) for extra in ("s3", "k8s", "report", "test") for r in project["optional-dependencies"][extra]]
+    for req in declared:
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not pinned in requirements.lock (run tests/audit.sh --lock)"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} does not satisfy {req}"
+    assert "biggraph" not in pins and "torchbiggraph" not in pins
+
+
+FAKE_AUDIT = """#!/bin/sh
+# a stand-in for pip-audit: writes the report given in $FAKE_REPORT (if any), prints $FAKE_STDERR, exits $FAKE_RC
+out=""
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+[ -n "$FAKE_REPORT" ] && printf '%s' "$FAKE_REPORT" > "$out"
+printf '%s\\n' "$FAKE_STDERR" >&2
+exit $FAKE_RC
+"""
+
+
+@pytest.mark.parametrize("report,stderr,rc,exit_code,says", [
+    ({"dependencies": [{"name": "pyyaml", "version": "5.3", "vulns": [{"id": "PYSEC-2021-142", "fix_versions": ["5.4"]}]},
+                       {"name": "numpy", "version": "2.4.6", "vulns": []}], "fixes": []}, "", 1, 1, "FAILED: 1 known"),
+    ({"dependencies": [{"name": "numpy", "version": "2.4.6", "vulns": []}], "fixes": []}, "", 0, 0, "ok: no known"),
+    ({"dependencies": [{"name": "numpy", "skip_reason": "Dependency not found on PyPI"}], "fixes": []}, "", 0, 0,
+     "SKIPPED: the vulnerability database could not be reached"),
+    (None, "requests.exceptions.ConnectionError: HTTPSConnectionPool(host='api.osv.dev'): Max retries exceeded", 1, 0,
+     "SKIPPED: the vulnerability database could not be reached"),
+    (None, "ERROR: invalid requirement: 'numpy=2'", 1, 2, "FAILED: pip-audit exited 1 without a report"),
+])
+def test_audit_script_tells_vulnerabilities_from_network_errors(tmp_path: Path, report: dict | None, stderr: str, rc: int,
+                                                                exit_code: int, says: str) -> None:
+    import os
+
+    venv = tmp_path / "audit-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "pip-audit").write_text(FAKE_AUDIT)
+    (venv / "bin" / "pip-audit").chmod(0o755)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    env = dict(os.environ, AUDIT_VENV=str(venv), FAKE_REPORT=json.dumps(report) if report else "", FAKE_STDERR=stderr,
+               FAKE_RC=str(rc))
+    result = subprocess.run(["bash", str(REPO / "tests" / "audit.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == exit_code, result.stdout + result.stderr
+    assert says in result.stdout, result.stdout
+    if exit_code == 1:
+        assert "VULNERABLE pyyaml==5.3: PYSEC-2021-142 (fixed in: 5.4)" in result.stdout

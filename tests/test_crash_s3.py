@@ -1,0 +1,130 @@
+"""Crash consistency on S3: SIGKILL training with checkpoint_path on ``s3://`` (moto), resume, finish.
+
+As tests/test_crash.py, but the checkpoint files of a version are built locally and uploaded in
+background threads, and checkpoint_version.txt is written only after every upload of the version
+succeeded. Kills land at random moments and, on purpose, while uploads are in flight (a
+``biggraph-upload-*`` staging directory exists in the trainer's TMPDIR). After every kill the
+committed version must load completely through CheckpointStorage; the resumed run must finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_train import write_cycle_graph
+
+from job.config import parse_config
+from job.formats.checkpoint import CheckpointStorage
+
+EPOCHS = 10
+ATTEMPTS = 8
+
+
+def check_loadable(raw: dict) -> int:
+    config = parse_config(raw)
+    storage = CheckpointStorage(config.checkpoint_path)
+    version = storage.load_version()
+    if version == 0:
+        return 0
+    for part in range(config.entities["node"].num_partitions):
+        embeddings, state = storage.load_entity_partition(version, "node", part)
+        assert embeddings.shape == (storage_count(raw, part), config.dimension)
+        assert state is not None and "sum" in state["state"][0]
+    params, _, metadata = storage.load_model(version)
+    assert metadata["iteration/epoch_idx"] == version - 1
+    assert "relations/0/operator/rhs/translation" in params
+    return version
+
+
+def storage_count(raw: dict, part: int) -> int:
+    return int((Path(raw["entity_path"]) / f"entity_count_node_{part}.txt").read_text())
+
+
+def start(config_path: Path, log: Path, tmpdir: Path) -> subprocess.Popen:
+    env = dict(os.environ, TMPDIR=str(tmpdir))  # the AWS_* test values set by the moto fixture come along
+    return subprocess.Popen([sys.executable, "-m", "job", "train", str(config_path)], stdout=log.open("a"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def uploads_in_flight(tmpdir: Path, before: set[str]) -> bool:
+    return any(n.startswith("biggraph-upload-") and n not in before for n in os.listdir(tmpdir))
+
+
+def wait_for_upload(tmpdir: Path, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    """Poll until the trainer stages a checkpoint file for upload (a new biggraph-upload-* directory)."""
+    before = set(os.listdir(tmpdir))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if uploads_in_flight(tmpdir, before):
+            return True
+        time.sleep(0.001)
+    return False
+
+
+@pytest.mark.slow
+def test_sigkill_during_s3_uploads_never_loses_a_committed_checkpoint(tmp_path: Path, s3_endpoint: str,
+                                                                      s3_bucket: str) -> None:
+    raw = write_cycle_graph(tmp_path, num_entities=30_000, num_partitions=2, num_epochs=EPOCHS, dimension=32,
+                            batch_size=1000, num_batch_negs=50, num_uniform_negs=50, seed=11)
+    raw["checkpoint_path"] = f"{s3_bucket}/run/checkpoints"
+    raw["storage_options"] = {"endpoint_url": s3_endpoint}
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(raw))
+    log = tmp_path / "train.log"
+    tmpdir = tmp_path / "trainer-tmp"
+    tmpdir.mkdir()
+    rng = random.Random(7)
+    kills = kills_mid_upload = 0
+    versions = []
+    last_version = 0
+    for attempt in range(ATTEMPTS):
+        proc = start(config_path, log, tmpdir)
+        if attempt % 2 == 0:
+            hit = wait_for_upload(tmpdir, proc)
+            time.sleep(rng.uniform(0.0, 0.05))  # somewhere inside the build + PUT of that file
+            hit = hit and proc.poll() is None
+        else:
+            time.sleep(rng.uniform(1.0, 6.0))
+            hit = uploads_in_flight(tmpdir, set())
+        if proc.poll() is not None:
+            break  # finished before we could kill it
+        kill(proc)
+        kills += 1
+        kills_mid_upload += hit
+        version = check_loadable(raw)
+        assert version >= last_version, "a committed checkpoint was lost"
+        versions.append(version)
+        last_version = version
+        if version == EPOCHS:
+            break
+    final = start(config_path, log, tmpdir)
+    assert final.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert check_loadable(raw) == EPOCHS
+    assert kills >= 5, versions
+    assert kills_mid_upload >= 2
+    checkpoint = CheckpointStorage(raw["checkpoint_path"])
+    assert checkpoint.list_versions() == {EPOCHS}  # every uncommitted or superseded version was dropped
+    import storage_adapters as storage
+
+    leftovers = [n for n in storage.listdir(raw["checkpoint_path"]) if ".v" in n and f".v{EPOCHS}." not in n]
+    assert leftovers == []
+    summaries = [r for r in checkpoint.load_stats() if r.get("pass_summary")]
+    assert sorted({r["index"] for r in summaries}) == list(range(EPOCHS))
+    staging_left = [n for n in os.listdir(tmpdir) if n.startswith("biggraph-upload-")]
+    result = {"kills": kills, "mid_upload": kills_mid_upload, "versions_after_kills": versions,
+              "lost_checkpoints": 0, "local_staging_dirs_left_by_kills": len(staging_left)}
+    print(json.dumps(result))
+    (tmp_path / "kills.json").write_text(json.dumps(result))
