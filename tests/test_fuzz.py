@@ -556,3 +556,23 @@ def test_hdf5_fuzz_inputs_are_restored(h5_inputs: Path) -> None:
     from job.formats.edges import read_edges
 
     assert len(read_edges(str(h5_inputs / "data" / "edges" / "edges_0_0.h5"))) == 200
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_tsv_single_line_without_final_newline_is_imported(tmp_path: Path, suffix: str) -> None:
+    """pyarrow calls such a file empty ("cannot infer number of columns"); found by the fuzzer: 0 edges were imported."""
+    import gzip
+
+    from test_importer import read_back, write_config
+
+    from job.config import load_config
+    from job.importer import ImportOptions, import_edges
+
+    config_path = write_config(tmp_path, {"node": 2, "item": 1}, [("r0", "node", "node"), ("r1", "node", "item")])
+    source = tmp_path / f"input.tsv{suffix}"
+    data = "a\tr1\té".encode()
+    source.write_bytes(gzip.compress(data) if suffix else data)
+    summary = import_edges(load_config(str(config_path)), [str(source)], ImportOptions(lhs_col=0, rhs_col=2, rel_col=1))
+    assert summary.edges_written == 1 and read_back(config_path) == [("a", "r1", "é")]
+    source.write_bytes(gzip.compress(b"\n\r\n") if suffix else b"\n\r\n")  # really empty: still 0 edges, no error
+    assert import_edges(load_config(str(config_path)), [str(source)], ImportOptions(0, 2, 1)).edges_written == 0
