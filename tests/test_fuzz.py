@@ -207,7 +207,7 @@ def run_tsv_fuzz(examples: int) -> collections.Counter:
 # pyarrow ("Exception ignored in _on_invalid_row"), and the file is then reported as not UTF-8: a clean error.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_tsv_import_fuzz() -> None:
-    outcomes = run_tsv_fuzz(100)
+    outcomes = run_tsv_fuzz(80)
     record("tsv_import", sum(outcomes.values()), **outcomes)
     assert outcomes["ok"] and outcomes["error"]
 
@@ -383,7 +383,7 @@ def run_archive_fuzz(original: bytes, examples: int, workdir: Path) -> collectio
 
 def test_archive_fuzz(archive_bytes: bytes, tmp_path: Path) -> None:
     assert exercise_archive_bytes(archive_bytes, tmp_path) == "ok"  # the unmutated archive works
-    outcomes = run_archive_fuzz(archive_bytes, 300, tmp_path)
+    outcomes = run_archive_fuzz(archive_bytes, 200, tmp_path)
     record("archive", sum(outcomes.values()), **outcomes)
     assert sum(v for k, v in outcomes.items() if k.endswith(":error")) > 0
 
@@ -538,7 +538,7 @@ def run_h5_fuzz(work: Path, target: str, cases: int, seed: int) -> dict[str, Any
     return summary
 
 
-@pytest.mark.parametrize("target,cases", [("edges", 250), ("checkpoint", 250), ("validate", 120)])
+@pytest.mark.parametrize("target,cases", [("edges", 200), ("checkpoint", 200), ("validate", 100)])
 def test_hdf5_corrupt_bytes(h5_inputs: Path, target: str, cases: int) -> None:
     summary = run_h5_fuzz(h5_inputs, target, cases, seed=1)
     assert summary["counts"]["error"] > 0
