@@ -11,7 +11,8 @@ within one run, as bench/RESULTS.md requires.
 
 Throughput is "compute" edges/s (training time per bucket, I/O and eval excluded; PBG logs the same
 quantity as "Processed N edges in T s") and "wall" edges/s (the whole command, start-up included).
-Peak RSS is the maximum over time of the summed RSS of the trainer and its worker processes.
+Peak memory is the maximum over time of the summed PSS (proportional set size: shared pages split among
+the processes mapping them) of the trainer and its worker processes, for both systems.
 """
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ def run_measured(command: list[str], env: dict[str, str] | None = None, log: Pat
     parent = psutil.Process(proc.pid)
     while proc.poll() is None:
         try:
-            total = parent.memory_info().rss + sum(c.memory_info().rss for c in parent.children(recursive=True))
+            # PSS: shared-memory embeddings mapped by every Hogwild worker are counted once, not per process
+            processes = [parent, *parent.children(recursive=True)]
+            total = sum(_pss(p) for p in processes)
             peak = max(peak, total)
         except psutil.Error:
             pass
-        time.sleep(0.1)
+        time.sleep(0.2)
     reader.join()
     wall = time.perf_counter() - started
     text = "".join(output)
@@ -66,6 +69,17 @@ def run_measured(command: list[str], env: dict[str, str] | None = None, log: Pat
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{text[-3000:]}")
     return {"wall": wall, "peak_rss_mib": peak / 2**20, "output": text}
+
+
+def _pss(process: psutil.Process) -> int:
+    try:
+        with open(f"/proc/{process.pid}/smaps_rollup") as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return process.memory_info().rss
 
 
 def write_py_config(path: Path, config: dict[str, Any]) -> None:

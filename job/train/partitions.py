@@ -71,6 +71,10 @@ class PartitionStore:
         dim = self.config.entity_dimension(entity_type)
         started = time.perf_counter()
         weight = torch.empty((count, dim), dtype=torch.float32)
+        if self.device.type == "cpu":
+            # Into shared memory before any page is touched: sharing a filled tensor copies it, which
+            # doubles the peak memory of a partition for a moment.
+            weight.share_memory_()
         optim_sum: Optional[torch.Tensor] = None
         source = None
         if key in self.written:
