@@ -336,3 +336,61 @@ def test_a_node_added_during_training_joins_and_takes_buckets(umls_p4: dict, tmp
     assert summaries[-1]["world_size"] == 2
     late = [r for r in bucket_records(checkpoint_path) if "rank" in r and r["epoch_idx"] >= summaries[-1]["epoch_idx"]]
     assert {r["rank"] for r in late} == {0, 1}
+
+
+@pytest.fixture
+def two_hosts() -> list[tuple[str, str, str]]:
+    """Two network namespaces joined by a veth pair: (namespace, address, interface) each."""
+    tag = f"{os.getpid() % 10000}"
+    hosts = [(f"bg{tag}a", "10.201.0.1", f"bgv{tag}a"), (f"bg{tag}b", "10.201.0.2", f"bgv{tag}b")]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        for ns, _, _ in hosts:
+            ip("netns", "add", ns)
+        ip("link", "add", hosts[0][2], "type", "veth", "peer", "name", hosts[1][2])
+        for ns, address, iface in hosts:
+            ip("link", "set", iface, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", iface)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", iface, "up")
+    except (FileNotFoundError, subprocess.CalledProcessError) as err:
+        for ns, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        detail = getattr(err, "stderr", None) or str(err)
+        pytest.skip(f"cannot create network namespaces here (needs iproute2 and CAP_NET_ADMIN): {detail.strip()}")
+    yield hosts
+    for ns, _, _ in hosts:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_hosts_in_separate_network_namespaces_train_together(umls_p4: dict, two_hosts: list, tmp_path: Path) -> None:
+    path = write_run_config(umls_p4, "netns", num_epochs=3)
+    port = free_port()
+    procs = []
+    for index, (ns, address, iface) in enumerate(two_hosts):
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=iface,
+                   PYTHONUNBUFFERED="1")
+        log = open(tmp_path / f"{ns}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={two_hosts[0][1]}:{port}", "--rdzv-id=biggraph-netns",
+             f"--local-addr={address}", f"--rdzv-conf=is_host={'true' if index == 0 else 'false'},join_timeout=120",
+             "-m", "job", "train", str(path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        ))
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join(f.read_text()[-2000:] for f in tmp_path.glob("*.log"))
+    assert codes == [0, 0], logs
+    records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
+    assert_each_bucket_once_per_epoch(records, 3)
+    assert {r["rank"] for r in records if "rank" in r} == {0, 1}
+    assert all(r["world_size"] == 2 for r in records if r.get("pass_summary"))
