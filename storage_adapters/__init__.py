@@ -28,6 +28,16 @@ from typing import IO, Any
 
 from job.errors import UserError
 
+
+def _default_file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file under the current umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_FILE_MODE = _default_file_mode()
+
 # Which package provides each well-known scheme, for the "please install" message.
 _SCHEME_PACKAGES = {
     "s3": "s3fs",
@@ -224,6 +234,7 @@ def write_bytes(url: str, data: bytes) -> None:
         path = local_path(url)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+        os.fchmod(fd, _FILE_MODE)  # mkstemp makes 0600; outputs get the usual umask-derived mode
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
@@ -323,6 +334,7 @@ def local_file_for_writing(url: str) -> Iterator[str]:
         final = os.path.abspath(local_path(url))
         os.makedirs(os.path.dirname(final), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(final), prefix=".tmp-", suffix=os.path.basename(final))
+        os.fchmod(fd, _FILE_MODE)
         os.close(fd)
         try:
             yield tmp
