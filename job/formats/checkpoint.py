@@ -86,7 +86,7 @@ def deserialize_optimizer_state(blob: bytes | None, where: str) -> dict[str, Any
 
     try:
         return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+    except (pickle.UnpicklingError, Exception) as err:  # noqa: BLE001 - untrusted bytes: any decode failure (IndexError...)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputFormatError(
             where, f"optimizer state cannot be loaded safely ({first_line})", dataset=OPTIMIZER_DATASET,
@@ -306,6 +306,8 @@ class CheckpointStorage:
             if EMBEDDING_DATASET not in handle:
                 raise InputFormatError(url, "missing", dataset=EMBEDDING_DATASET, expected="a 2-D float dataset")
             dataset = handle[EMBEDDING_DATASET]
+            if not isinstance(dataset, h5py.Dataset):  # a damaged header can make it a group or a named type
+                raise InputFormatError(url, f"is a {type(dataset).__name__}", dataset=EMBEDDING_DATASET, expected="a 2-D dataset")
             if dataset.ndim != 2:
                 raise InputFormatError(url, f"has shape {dataset.shape}", dataset=EMBEDDING_DATASET, expected="2-D")
             if out is None:
