@@ -167,13 +167,17 @@ class Agents:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str) -> None:
+        # The first agent hosts the c10d rendezvous store (torchrun's single point of failure, see
+        # docs/kubernetes.md); said explicitly, since on one machine every agent would otherwise race for it.
+        is_host = "true" if not self.procs else "false"
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                    BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=biggraph-test",
-             "--rdzv-conf=join_timeout=120,last_call_timeout=3", "--max-restarts=3", "--monitor-interval=1",
+             f"--rdzv-conf=join_timeout=120,last_call_timeout=3,is_host={is_host}", "--max-restarts=3",
+             "--monitor-interval=1",
              "-m", "job", "train", str(self.config_path)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
