@@ -130,6 +130,17 @@ class BatchContext:
     num_uniform_negs: int
 
 
+def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: int, disabled: bool,
+                    generator: Optional[torch.Generator]) -> Optional[Tensor]:
+    """``num_uniform`` entity ids per chunk of positives (PBG draws a fresh sample for every chunk)."""
+    if disabled or num_uniform == 0 or count == 0:
+        return None
+    chunk = ctx.num_batch_negs if ctx.num_batch_negs > 0 else num_uniform
+    num_chunks = (num_pos + chunk - 1) // chunk
+    device = next(iter(ctx.lhs_tables.values())).weight.device
+    return torch.randint(0, count, (num_chunks, num_uniform), generator=generator, device=device)
+
+
 def _unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
     """``torch.unique(ids, return_inverse=True)``, by a presence bitmap when the id range is small.
 
@@ -183,19 +194,11 @@ def run_batch(
     all_negs = relation.all_negs
     num_batch_negs = ctx.num_batch_negs
     num_uniform = 0 if all_negs else ctx.num_uniform_negs
-    chunk = num_batch_negs if num_batch_negs > 0 else (num_uniform or num_pos)
-    num_chunks = (num_pos + chunk - 1) // chunk
     device = lhs_table.weight.device
-
-    def sample(count: int, disabled: bool) -> Optional[Tensor]:
-        if disabled or num_uniform == 0 or count == 0:
-            return None
-        return torch.randint(0, count, (num_chunks, num_uniform), generator=generator, device=device)
-
     lhs_count = lhs_table.weight.shape[0]
     rhs_count = rhs_table.weight.shape[0]
-    lhs_neg = sample(lhs_count, config.disable_lhs_negs)
-    rhs_neg = sample(rhs_count, config.disable_rhs_negs)
+    lhs_neg = _sample_uniform(ctx, num_pos, num_uniform, lhs_count, config.disable_lhs_negs, generator)
+    rhs_neg = _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator)
 
     # unique rows per table ----------------------------------------------------------------------
     if all_negs:
@@ -244,7 +247,7 @@ def run_batch(
             lhs_neg_inv, rhs_neg_inv, same_table, num_batch_negs, all_negs,
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
-        stats, _ = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+        stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
         if shared_storage and not same_table:
             union, inverse = torch.unique(torch.cat((lhs_uniq, rhs_uniq)), return_inverse=True)
@@ -262,7 +265,7 @@ def run_batch(
 
 
 def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores: SideScores, lhs_raw: Tensor,
-            rhs_raw: Tensor, num_pos: int, train: bool) -> tuple[BatchStats, Optional[Tensor]]:
+            rhs_raw: Tensor, num_pos: int, train: bool) -> BatchStats:
     """Loss (and its backward) plus statistics, shared by plain and featurized batches."""
     config = ctx.config
     relation = config.relations[rel_idx]
@@ -287,7 +290,7 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
                                                                  side_scores.weight))
             if not train:
                 _add_ranks(stats, side_scores)
-    return stats, None
+    return stats
 
 
 def _run_featurized_batch(
@@ -332,13 +335,8 @@ def _run_featurized_batch(
             leaves.append((table, uniq, leaf))
             sides[side] = (rows, torch.arange(num_pos), None)
         else:
-            num_uniform = ctx.num_uniform_negs
-            chunk = ctx.num_batch_negs if ctx.num_batch_negs > 0 else (num_uniform or num_pos)
-            num_chunks = (num_pos + chunk - 1) // chunk
             disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
-            neg = None
-            if num_uniform and not disabled and table.weight.shape[0]:
-                neg = torch.randint(0, table.weight.shape[0], (num_chunks, num_uniform), generator=generator)
+            neg = _sample_uniform(ctx, num_pos, ctx.num_uniform_negs, table.weight.shape[0], disabled, generator)
             joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
             uniq, inverse = torch.unique(joined, return_inverse=True)
             leaf = table.weight.index_select(0, uniq)
@@ -354,7 +352,7 @@ def _run_featurized_batch(
             lhs_neg_inv, rhs_neg_inv, False, ctx.num_batch_negs, False,
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
-        stats, _ = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+        stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
         for table, uniq, leaf in leaves:
             _row_adagrad(table, uniq, leaf.grad, config.lr)
