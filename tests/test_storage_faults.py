@@ -42,7 +42,12 @@ _ERRORS = {
 class FaultProxy:
     """An HTTP/1.1 proxy to ``upstream``; ``decide(method, path)`` returns None (forward) or a fault:
     "500", "503", "403", "drop" (close without answering), "cut" (half the body, then close),
-    "delay:<seconds>" (then forward) or "hold" (wait for ``release`` before forwarding)."""
+    "delay:<seconds>" (forward, then wait before answering) or "hold" (wait for ``release`` before forwarding).
+
+    A delay happens after the upstream has the whole request: a client that times out and closes its end
+    before the server received the body never has that write committed, so the realistic slow request is
+    one whose answer is late (and whose retry repeats an idempotent write), not one that lands late.
+    """
 
     def __init__(self, upstream: str, decide: Callable[[str, str], str | None]) -> None:
         self.upstream = upstream.split("://", 1)[1]
@@ -76,8 +81,6 @@ class FaultProxy:
                 if action == "drop":
                     self.close_connection = True
                     return
-                if action and action.startswith("delay:"):
-                    time.sleep(float(action.split(":", 1)[1]))
                 if action == "hold":
                     proxy.held.set()
                     proxy.release.wait(60)
@@ -89,6 +92,8 @@ class FaultProxy:
                     data = response.read()
                 finally:
                     upstream.close()
+                if action and action.startswith("delay:"):
+                    time.sleep(float(action.split(":", 1)[1]))
                 self.send_response(response.status)
                 for key, value in response.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
@@ -233,7 +238,7 @@ def _cycle_faults(every: int, kinds: list[str], methods: tuple[str, ...], burst_
     ``delay_every``-th waits 3 s (past the client's read timeout). The first GET of each edge file is cut short
     and the second dropped."""
     lock = threading.Lock()
-    state = {"n": 0, "burst": 0, "kind": 0}
+    state: dict[str, Any] = {"n": 0, "burst": 0, "burst_key": None, "kind": 0}
     edge_gets: dict[str, int] = {}
 
     def decide(method: str, path: str) -> str | None:
@@ -241,17 +246,19 @@ def _cycle_faults(every: int, kinds: list[str], methods: tuple[str, ...], burst_
             return None
         with lock:
             state["n"] += 1
+            # A burst follows the request that started it: its retries fail too, whatever other requests run
+            # concurrently, so botocore gives up deterministically and our own layer must retry.
+            if state["burst"] > 0 and state["burst_key"] == (method, path):
+                state["burst"] -= 1
+                return "500"
             if method == "GET" and "/data/edges/edges_" in path:
                 seen = edge_gets[path.split("?")[0]] = edge_gets.get(path.split("?")[0], 0) + 1
                 if seen <= 2:
                     return ["cut", "drop"][seen - 1]
             if delay_every and state["n"] % delay_every == 0:
                 return "delay:3"
-            if state["burst"] > 0:
-                state["burst"] -= 1
-                return "500"
-            if burst_every and state["n"] % burst_every == 0:
-                state["burst"] = burst - 1
+            if burst_every and state["burst"] == 0 and state["n"] % burst_every == 0:
+                state["burst"], state["burst_key"] = burst - 1, (method, path)
                 return "500"
             if state["n"] % every == 0:
                 kind = kinds[state["kind"] % len(kinds)]
