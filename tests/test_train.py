@@ -504,7 +504,8 @@ def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, 
     positives = torch.randn(7, 16, generator=generator)
     candidates = torch.randn(5, 16, generator=generator)
     neg_inv = torch.randint(0, 5, (2, 9), generator=generator)  # 2 chunks of 4, 9 draws each > 5 candidates
-    weighted = model._side_scores(anchor, positives, candidates, neg_inv, torch.arange(7), 4, False, False)
+    with torch.no_grad():  # the scoring used by evaluation; training's fused twin is held to it in test_fused.py
+        weighted = model._side_scores(anchor, positives, candidates, neg_inv, torch.arange(7), 4, False, False)
     assert weighted.weight is not None  # the counted path was taken
     # the same negatives, one column per draw, as PBG lays them out
     padded_anchor = torch.cat((anchor, torch.zeros(1, 16))).view(2, 4, 16)

@@ -284,6 +284,9 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
         stats.loss = float(loss.detach())
     with torch.no_grad():
         for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
+            if side_scores.violators is not None:
+                setattr(stats, f"violators_{name}", int(side_scores.violators))
+                continue
             if side_scores.neg.shape[1] == 0:
                 continue
             setattr(stats, f"violators_{name}", _weighted_count(side_scores.neg > side_scores.pos.unsqueeze(1),
@@ -362,6 +365,8 @@ def _run_featurized_batch(
 
 
 def _side_loss(config: ConfigSchema, scores: SideScores) -> Tensor:
+    if scores.loss is not None:
+        return scores.loss
     return compute_loss(config.loss_fn, config.margin, scores.pos, scores.neg, scores.weight, scores.num_neg)
 
 

@@ -1,0 +1,100 @@
+"""The hand-differentiated hot path gives autograd's losses and gradients.
+
+``job.train.fused`` (negative scoring + loss) and the complex-diagonal operator replace autograd
+for speed; each batch here is run twice from the same state, once through them and once through
+the autograd path, in float64, and every updated embedding and operator gradient is compared.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from job.config import parse_config
+from job.train.model import Model, Table, _ComplexDiagonal
+from job.train.step import BatchContext, run_batch
+
+DIM = 8
+
+
+def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool, fused: bool) -> tuple:
+    raw = {
+        "entities": {"node": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": config_overrides.pop("operator")}],
+        "dimension": DIM, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x", "batch_size": 60,
+        "lr": 0.1, "dynamic_relations": dynamic, "global_emb": not dynamic, **config_overrides,
+    }
+    config = parse_config(raw)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = Model(config, 3 if dynamic else 0)
+        assert model.fused == (config.comparator in ("dot", "cos") and not config.bias)
+        model.fused = fused
+        for param in model.parameters():
+            param.data.normal_()
+        weight = torch.randn(num_entities, DIM)
+        table = Table(weight, torch.zeros(num_entities))
+        ctx = BatchContext(config, model, None, {0: table}, {0: table}, config.num_batch_negs, config.num_uniform_negs)
+        generator = torch.Generator().manual_seed(1)
+        lhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
+        rhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
+        rel = torch.randint(0, 3, (num_pos,), generator=generator) if dynamic else None
+        stats = run_batch(ctx, 0, lhs, rhs, rel, generator, True)
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    finally:
+        torch.set_default_dtype(previous)
+    return weight, table.optim_sum, grads, stats
+
+
+CASES = list(itertools.product(
+    ["softmax", "ranking", "logistic"], ["dot", "cos"], [(10, 10), (0, 7), (10, 0), (10, 200)], [30, 5000],
+    [False, True], ["complex_diagonal", "linear", "translation"],
+))
+
+
+@pytest.mark.parametrize("loss_fn,comparator,negs,num_entities,dynamic,operator", CASES)
+def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tuple[int, int], num_entities: int,
+                                        dynamic: bool, operator: str) -> None:
+    num_batch_negs, num_uniform_negs = negs
+    overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": num_batch_negs,
+                 "num_uniform_negs": num_uniform_negs, "operator": operator,
+                 "regularization_coef": 0.01 if operator == "linear" else 0.0}
+    num_pos = 57  # not a multiple of the chunk: padding is exercised
+    ref_weight, ref_sum, ref_grads, ref_stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=False)
+    weight, optim_sum, grads, stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=True)
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(optim_sum, ref_sum, rtol=1e-9, atol=1e-9)
+    for got, want in zip(grads, ref_grads):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
+    assert stats.loss == pytest.approx(ref_stats.loss, rel=1e-9)
+    assert stats.reg == pytest.approx(ref_stats.reg, rel=1e-9)
+    # violators can differ on exact ties only (a positive scored by the product it is part of, or not)
+    tolerance = 0.1 if num_entities < 100 else 0.03
+    assert stats.violators_lhs == pytest.approx(ref_stats.violators_lhs, rel=tolerance, abs=3)
+    assert stats.violators_rhs == pytest.approx(ref_stats.violators_rhs, rel=tolerance, abs=3)
+
+
+def test_fused_path_is_taken_and_has_a_fallback() -> None:
+    raw = {"entities": {"n": {"num_partitions": 1}}, "relations": [{"name": "r", "lhs": "n", "rhs": "n"}],
+           "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x"}
+    assert Model(parse_config({**raw, "comparator": "dot"})).fused
+    assert not Model(parse_config({**raw, "comparator": "l2"})).fused
+    assert not Model(parse_config({**raw, "comparator": "dot", "bias": True})).fused
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_complex_diagonal_operator_gradients(per_row: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    shape = (7, 3) if per_row else (3,)
+    real = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    imag = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_ComplexDiagonal.apply, (x, real, imag))
+    product = torch.complex(x[:, :3], x[:, 3:]) * torch.complex(real, imag)
+    torch.testing.assert_close(_ComplexDiagonal.apply(x, real, imag), torch.cat((product.real, product.imag), 1))
