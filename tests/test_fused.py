@@ -98,3 +98,39 @@ def test_complex_diagonal_operator_gradients(per_row: bool) -> None:
     assert torch.autograd.gradcheck(_ComplexDiagonal.apply, (x, real, imag))
     product = torch.complex(x[:, :3], x[:, 3:]) * torch.complex(real, imag)
     torch.testing.assert_close(_ComplexDiagonal.apply(x, real, imag), torch.cat((product.real, product.imag), 1))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_on_both_sides_get_one_merged_adagrad_step(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    """Per-side gathers (large tables) must update a row used by both sides exactly as one joint gather does."""
+    from job.train import step
+
+    raw = {"entities": {"node": {"num_partitions": 1}},
+           "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}],
+           "dimension": DIM, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x", "batch_size": 60,
+           "num_batch_negs": 10, "num_uniform_negs": 10, "lr": 0.1}
+    config = parse_config(raw)
+    results = []
+    for rows_per_edge in (0, 10**9):  # per-side gathers, then one joint gather
+        monkeypatch.setattr(step, "JOINT_GATHER_ROWS_PER_EDGE", rows_per_edge)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            torch.manual_seed(0)
+            model = Model(config)
+            model.fused = fused
+            weight = torch.randn(5000, DIM)
+            table = Table(weight, torch.zeros(5000))
+            ctx = BatchContext(config, model, None, {0: table}, {0: table}, 10, 10)
+            generator = torch.Generator().manual_seed(1)
+            # positives from 40 rows: most rows are on both sides; uniform negatives reach the rest
+            lhs = torch.randint(0, 40, (57,), generator=generator)
+            rhs = torch.randint(0, 40, (57,), generator=generator)
+            run_batch(ctx, 0, lhs, rhs, None, generator, True)
+        finally:
+            torch.set_default_dtype(previous)
+        results.append((weight, table.optim_sum))
+    (split_weight, split_sum), (joint_weight, joint_sum) = results
+    assert not torch.equal(split_weight, torch.zeros_like(split_weight))
+    torch.testing.assert_close(split_sum, joint_sum, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(split_weight, joint_weight, rtol=1e-9, atol=1e-12)
