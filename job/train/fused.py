@@ -73,143 +73,146 @@ class SideResult:
     d_batch: Optional[Tensor] = None
 
 
-def loss_and_score_grad(kind: str, margin: float, scores: Tensor, weight: Optional[Tensor], num_neg: int,
-                        num_pos: int) -> tuple[Tensor, Tensor]:
-    """Loss over the first ``num_pos`` rows of ``scores`` (column 0 the positive, then the negatives) and
-    its gradient with respect to ``scores`` (same shape; rows past ``num_pos``, chunk padding, get zero).
+def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[tuple[Tensor, Optional[Tensor]]],
+                   num_neg: int, num_pos: int) -> tuple[Tensor, Tensor, list[Tensor], float]:
+    """PBG's loss over [positive | negatives] held as separate blocks, and its gradient.
 
-    The same sums as ``model.compute_loss``; ``weight`` (without the positive's column) counts each negative.
-    ``scores`` is overwritten where the gradient can reuse its memory.
+    ``pos`` (R,): positive scores; ``blocks``: (scores (R x k), weight broadcastable to it or None) for each
+    group of negatives, masked entries at a very negative score. Rows past ``num_pos`` (chunk padding) are
+    left out of the loss and get zero gradient. The same sums as ``model.compute_loss``, without
+    concatenating the blocks into one matrix. The blocks are overwritten with their gradients.
+    Returns (loss, d pos, d blocks, violators: weighted count of negatives scoring above their positive).
     """
-    rows = scores[:num_pos]
-    pos = rows[:, 0].clone()
-    padded = scores.shape[0] != num_pos
+    rows = pos.shape[0]
+    column = pos.unsqueeze(1)
+    violators = 0.0
+    for block, weight in blocks:
+        above = block[:num_pos].sub(column[:num_pos]).gt_(0)
+        violators += float((above.mul_(weight[:num_pos]) if weight is not None else above).sum())
     if kind == "softmax":
-        if weight is not None:
-            rows[:, 1:] += weight.log()
-        top = rows.amax(1, keepdim=True)
-        probs = rows.sub_(top).exp_()  # in place: the scores are not needed any more
-        total = probs.sum(1)
-        loss = (top.squeeze(1) + total.log() - pos).sum()
-        probs.div_(total.unsqueeze(1))
-        probs[:, 0] -= 1
-        if padded:
-            scores[num_pos:] = 0
-        return loss, scores
-    grad = scores.new_zeros(scores.shape)
-    neg = rows[:, 1:]
-    if kind == "ranking":
-        violation = neg + (margin - pos).unsqueeze(1)
-        active = (violation > 0).to(scores.dtype)
-        if weight is not None:
-            active.mul_(weight)
-        loss = (violation.clamp_min_(0) * active).sum() if weight is not None else violation.clamp_min_(0).sum()
-        grad[:num_pos, 1:] = active
-        grad[:num_pos, 0] = -active.sum(1)
+        top = pos.clone()
+        for block, weight in blocks:
+            if weight is not None:
+                block.add_(weight.log())
+            torch.maximum(top, block.amax(1), out=top)
+        top_column = top.unsqueeze(1)
+        d_pos = torch.exp(pos - top)
+        total = d_pos.clone()
+        for block, _ in blocks:
+            total += block.sub_(top_column).exp_().sum(1)
+        loss = (top + total.log() - pos)[:num_pos].sum()
+        d_pos.div_(total).sub_(1)
+        inverse_total = total.reciprocal_().unsqueeze(1)
+        for block, _ in blocks:
+            block.mul_(inverse_total)
+    elif kind == "ranking":
+        loss = pos.new_zeros(())
+        d_pos = torch.zeros_like(pos)
+        threshold = (margin - pos).unsqueeze(1)
+        for block, weight in blocks:
+            violation = block.add_(threshold)
+            active = (violation > 0).to(pos.dtype)
+            if weight is not None:
+                active.mul_(weight)
+            loss = loss + (violation.clamp_min_(0) * active)[:num_pos].sum()
+            d_pos -= active.sum(1)
+            block.copy_(active)
     elif kind == "logistic":
-        loss = F.softplus(-pos).sum()
-        grad[:num_pos, 0] = -torch.sigmoid(-pos)
-        if neg.shape[1]:
-            terms = F.softplus(neg)
-            neg_sum = (terms * weight).sum() if weight is not None else terms.sum()
-            loss = loss + neg_sum / num_neg
-            neg_grad = torch.sigmoid(neg).div_(num_neg)
-            grad[:num_pos, 1:] = neg_grad * weight if weight is not None else neg_grad
+        loss = F.softplus(-pos)[:num_pos].sum()
+        d_pos = torch.sigmoid(-pos).neg_()
+        for block, weight in blocks:
+            terms = F.softplus(block)
+            if weight is not None:
+                terms.mul_(weight)
+            loss = loss + terms[:num_pos].sum() / num_neg
+            block.sigmoid_().div_(num_neg)
+            if weight is not None:
+                block.mul_(weight)
     else:
         raise ValueError(f"unknown loss {kind}")
-    return loss, grad
+    if num_pos < rows:
+        d_pos[num_pos:] = 0
+        for block, _ in blocks:
+            block[num_pos:] = 0
+    return loss, d_pos, [block for block, _ in blocks], violators
 
 
 def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
-               batch_mask: Optional[Tensor], d_cand: Tensor, batch_product: Optional[Tensor] = None,
-               defer_batch: bool = False) -> SideResult:
+               d_cand: Tensor, batch_product: Optional[Tensor] = None, defer_batch: bool = False) -> SideResult:
     """One side's loss and gradients, all without autograd.
 
     ``a`` (B x d): the other side's prepared positives (the anchor); ``positives`` (B x d): this side's;
     ``cand`` (U x d): this side's prepared unique rows, ``neg_inv`` (chunks x N) the uniform negatives'
     rows in it. The negatives' gradient is added to ``d_cand``; the anchor's and positives' are returned.
-    ``batch_product`` (chunks x chunk x chunk) is the anchors-by-positives product when the caller has it;
-    ``defer_batch`` returns its gradient instead of multiplying it out (the caller shares the product).
+    ``batch_product`` (chunks x chunk x chunk, contiguous, overwritten) is the anchors-by-positives
+    product when the caller has it; ``defer_batch`` returns its gradient instead of multiplying it out.
     """
     num_pos, dim = a.shape
     num_batch_negs = setup.num_batch_negs
     num_uniform = neg_inv.shape[1] if neg_inv is not None and neg_inv.numel() else 0
+    empty = a.new_empty((num_pos, 0))
     if num_batch_negs == 0 and num_uniform == 0:
         pos = (a * positives).sum(1)
-        loss, grad = loss_and_score_grad(setup.loss_fn, setup.margin, pos.unsqueeze(1).clone(), None, 1, num_pos)
-        d_pos = grad[:, :1]
-        return SideResult(loss, pos, pos.new_empty((num_pos, 0)), None, 0, 0.0, positives * d_pos, a * d_pos)
+        loss, d_pos, _, _ = blockwise_loss(setup.loss_fn, setup.margin, pos, [], 1, num_pos)
+        d_pos = d_pos.unsqueeze(1)
+        return SideResult(loss, pos, empty, None, 0, 0.0, positives * d_pos, a * d_pos)
     chunk = num_batch_negs if num_batch_negs > 0 else num_uniform
-    a_chunks, p_chunks, padded = chunk_rows(a, chunk), chunk_rows(positives, chunk), chunk_rows.padded(num_pos, chunk)
-    num_chunks = padded // chunk
+    a_chunks, p_chunks = chunk_rows(a, chunk), chunk_rows(positives, chunk)
+    num_chunks, padded = a_chunks.shape[0], a_chunks.shape[0] * chunk
+    blocks: list[tuple[Tensor, Optional[Tensor]]] = []
     weighted = 0 < cand.shape[0] < num_uniform  # fewer distinct rows than draws: score each row once, weighted
-    uniform_width = cand.shape[0] if weighted else num_uniform
-    batch_width = chunk if num_batch_negs > 0 else 0
-    width = 1 + batch_width + uniform_width
-    # one (padded x width) matrix: [positive | batch negatives | uniform negatives], filled in place
-    scores = a.new_empty((num_chunks, chunk, width))
-    batch_view = scores[:, :, 1 : 1 + batch_width]
-    uniform_view = scores[:, :, 1 + batch_width :]
     if num_batch_negs > 0:
-        batch_view.copy_(batch_product if batch_product is not None else torch.bmm(a_chunks, p_chunks.transpose(1, 2)))
-        # a positive's score is its own entry of the batch product: the diagonal the mask hides
-        scores[:, :, 0] = batch_view.diagonal(dim1=1, dim2=2)
-        batch_view.masked_fill_(batch_mask, setup.masked_score)
+        batch = batch_product if batch_product is not None else torch.bmm(a_chunks, p_chunks.transpose(1, 2))
+        # a positive's score is its own entry of the batch product: the diagonal that is masked out
+        pos_padded = batch.diagonal(dim1=1, dim2=2).reshape(padded).clone()
+        batch.diagonal(dim1=1, dim2=2).fill_(setup.masked_score)
+        if padded != num_pos:
+            batch[-1, :, chunk - (padded - num_pos) :] = setup.masked_score
+        blocks.append((batch.view(padded, chunk), None))
     else:
-        scores[:, :, 0] = (a_chunks * p_chunks).sum(2)
+        pos_padded = (a_chunks * p_chunks).sum(2).view(padded)
     neg_vecs = None
-    draws = None
     if weighted:
-        uniform_view.copy_(torch.matmul(a_chunks, cand.t()))
+        uniform = torch.matmul(a_chunks, cand.t())  # (chunks, chunk, U)
         draws = torch.zeros((num_chunks, cand.shape[0]), dtype=a.dtype, device=a.device)
         draws.scatter_add_(1, neg_inv[:num_chunks], torch.ones_like(neg_inv[:num_chunks], dtype=a.dtype))
+        # each chunk's counts, repeated for its rows
+        weight = draws.unsqueeze(1).expand(num_chunks, chunk, cand.shape[0]).reshape(padded, cand.shape[0])
+        blocks.append((uniform.view(padded, cand.shape[0]), weight))
     elif num_uniform:
         neg_vecs = cand.index_select(0, neg_inv[:num_chunks].reshape(-1)).view(num_chunks, num_uniform, dim)
-        uniform_view.copy_(torch.bmm(a_chunks, neg_vecs.transpose(1, 2)))
-    flat = scores.view(padded, width)
-    pos = flat[:num_pos, 0].clone()
-    weight = None
-    if weighted:
-        weight_full = a.new_empty((num_chunks, chunk, width - 1))
-        if batch_width:
-            weight_full[:, :, :batch_width] = (~batch_mask).to(a.dtype)
-        weight_full[:, :, batch_width:] = draws.unsqueeze(1)
-        weight = weight_full.view(padded, width - 1)[:num_pos]
-        violators = float(flat[:num_pos, 1:].sub(pos.unsqueeze(1)).gt_(0).mul_(weight).sum())
-    else:
-        # the positive's own column compares equal, so counting over the whole row counts the negatives
-        violators = float(flat[:num_pos].sub(pos.unsqueeze(1)).gt_(0).sum())
-    num_neg = batch_width + num_uniform if weighted else width - 1
-    neg = flat[:num_pos, 1:]
-    loss, d_flat = loss_and_score_grad(setup.loss_fn, setup.margin, flat, weight, num_neg, num_pos)
-    d_chunks = d_flat.view(num_chunks, chunk, width)
+        blocks.append((torch.bmm(a_chunks, neg_vecs.transpose(1, 2)).view(padded, num_uniform), None))
+    num_neg = (chunk if num_batch_negs > 0 else 0) + num_uniform
+    loss, d_pos, d_blocks, violators = blockwise_loss(setup.loss_fn, setup.margin, pos_padded, blocks, num_neg,
+                                                      num_pos)
     d_a: Optional[Tensor] = None
     d_p: Optional[Tensor] = None
     d_batch: Optional[Tensor] = None
+    next_block = 0
     if num_batch_negs > 0:
-        d_batch = d_chunks[:, :, 1 : 1 + batch_width]
+        d_batch = d_blocks[0].view(num_chunks, chunk, chunk)
+        next_block = 1
         # masked entries have zero gradient; the positives' gradient goes on the diagonal
-        d_batch.diagonal(dim1=1, dim2=2).copy_(d_chunks[:, :, 0])
-        d_batch = d_batch.contiguous()
+        d_batch.diagonal(dim1=1, dim2=2).copy_(d_pos.view(num_chunks, chunk))
         if not defer_batch:
             d_a = torch.bmm(d_batch, p_chunks)
             d_p = torch.bmm(d_batch.transpose(1, 2), a_chunks)
             d_batch = None
     else:
-        d_pos = d_chunks[:, :, 0:1]
-        d_a = p_chunks * d_pos
-        d_p = a_chunks * d_pos
+        d_pos_chunks = d_pos.view(num_chunks, chunk, 1)
+        d_a = p_chunks * d_pos_chunks
+        d_p = a_chunks * d_pos_chunks
     if weighted:
-        d_uniform = d_chunks[:, :, 1 + batch_width :]
+        d_uniform = d_blocks[next_block].view(num_chunks, chunk, -1)
         uniform_part = torch.matmul(d_uniform, cand)
         d_a = uniform_part if d_a is None else d_a.add_(uniform_part)
-        d_cand.addmm_(d_uniform.reshape(padded, -1).t(), a_chunks.view(padded, dim))
+        d_cand.addmm_(d_blocks[next_block].t(), a_chunks.view(padded, dim))
     elif num_uniform:
-        d_uniform = d_chunks[:, :, 1 + batch_width :]
+        d_uniform = d_blocks[next_block].view(num_chunks, chunk, num_uniform)
         d_a = torch.bmm(d_uniform, neg_vecs) if d_a is None else d_a.baddbmm_(d_uniform, neg_vecs)
         d_neg = torch.bmm(d_uniform.transpose(1, 2), a_chunks)
         d_cand.index_add_(0, neg_inv[:num_chunks].reshape(-1), d_neg.view(-1, dim))
-    return SideResult(loss, pos, neg, weight, num_neg, violators,
+    return SideResult(loss, pos_padded[:num_pos], empty, None, num_neg, violators,
                       None if d_a is None else d_a.view(padded, dim), None if d_p is None else d_p.view(padded, dim),
                       d_batch)
 
@@ -231,14 +234,14 @@ class _ChunkRows:
 chunk_rows = _ChunkRows()
 
 
-def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Tensor, neg_inv: Optional[Tensor],
-               batch_mask: Optional[Tensor]) -> tuple[Tensor, SideResult]:
+def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Tensor,
+               neg_inv: Optional[Tensor]) -> tuple[Tensor, SideResult]:
     """One side whose anchor is its own tensor (dynamic relations transform each positive separately)."""
     num_pos = anchor.shape[0]
     with torch.no_grad():
         cand = candidates.detach()
         d_cand = torch.zeros_like(cand)
-        result = score_side(setup, anchor.detach(), cand.index_select(0, own), cand, neg_inv, batch_mask, d_cand)
+        result = score_side(setup, anchor.detach(), cand.index_select(0, own), cand, neg_inv, d_cand)
         d_cand.index_add_(0, own, result.d_positives[:num_pos])
         d_anchor = result.d_anchor[:num_pos].contiguous()
     loss = _AttachGradients.apply(anchor, candidates, result.loss, d_anchor, d_cand)
@@ -246,8 +249,8 @@ def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Ten
 
 
 def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, rhs_inv: Tensor,
-               lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], batch_mask: Optional[Tensor],
-               disable_lhs: bool, disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
+               lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool,
+               disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
     """Both sides of a static relation: each side's positives are the other's anchors.
 
     ``lhs`` / ``rhs``: the prepared unique rows of each side (rhs after the operator). The lhs side's
@@ -262,15 +265,15 @@ def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, r
         d_left, d_right = torch.zeros_like(left), torch.zeros_like(right)
         off = ScoringSetup(setup.loss_fn, setup.margin, 0, setup.masked_score)
         share = setup.num_batch_negs > 0 and not disable_lhs and not disable_rhs
-        product = None
+        product = transposed = None
         if share:
             chunk = setup.num_batch_negs
             product = torch.bmm(chunk_rows(right_pos, chunk), chunk_rows(left_pos, chunk).transpose(1, 2))
+            transposed = product.transpose(1, 2).contiguous()  # each side overwrites its own
         lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, left,
-                              None if disable_lhs else lhs_neg_inv, batch_mask, d_left, product, share)
+                              None if disable_lhs else lhs_neg_inv, d_left, product, share)
         rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, right,
-                              None if disable_rhs else rhs_neg_inv, batch_mask, d_right,
-                              None if product is None else product.transpose(1, 2), share)
+                              None if disable_rhs else rhs_neg_inv, d_right, transposed, share)
         d_left_pos = _sum_grads(lhs_side.d_positives, rhs_side.d_anchor)
         d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
         if share:

@@ -374,7 +374,7 @@ class Model(nn.Module):
         if self._use_fused(all_negs) and num_pos > 0:
             loss, lhs_result, rhs_result = fused_pair(
                 self._scoring_setup(num_batch_negs), lhs_prepared, rhs_prepared, lhs_inv, rhs_inv, lhs_neg_inv,
-                rhs_neg_inv, _fused_mask(num_pos, num_batch_negs, lhs_prepared.device), disable_lhs, disable_rhs,
+                rhs_neg_inv, disable_lhs, disable_rhs,
             )
             lhs_scores = _side_scores_of(lhs_result, loss)
             rhs_scores = _side_scores_of(rhs_result, loss.new_zeros(()))
@@ -420,8 +420,7 @@ class Model(nn.Module):
         comparator = self.comparator
         num_pos = anchor.shape[0]
         if self._use_fused(all_negs) and not disabled and num_pos > 0:
-            loss, result = fused_side(self._scoring_setup(num_batch_negs), anchor, candidates, own, neg_inv,
-                                      _fused_mask(num_pos, num_batch_negs, anchor.device))
+            loss, result = fused_side(self._scoring_setup(num_batch_negs), anchor, candidates, own, neg_inv)
             return _side_scores_of(result, loss)
         pos = comparator.pos(anchor, positives)
         if disabled or num_pos == 0:
@@ -471,12 +470,6 @@ class Model(nn.Module):
         if padded != num_pos:
             weight = weight[:num_pos]
         return SideScores(pos, neg, weight, num_neg=(chunk if num_batch_negs > 0 else 0) + neg_inv.shape[1])
-
-
-def _fused_mask(num_pos: int, num_batch_negs: int, device: torch.device) -> Optional[Tensor]:
-    if num_batch_negs == 0:
-        return None
-    return _batch_mask((num_pos + num_batch_negs - 1) // num_batch_negs, num_batch_negs, num_pos, device)
 
 
 def _side_scores_of(result: SideResult, loss: Tensor) -> SideScores:
