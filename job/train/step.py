@@ -7,6 +7,7 @@ shared memory, and updates are unsynchronised by design (Hogwild!).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -179,12 +180,13 @@ def _overlap(first: Tensor, second: Tensor, count: int) -> tuple[Tensor, Tensor]
     return candidate.index_select(0, in_second), in_second
 
 
-_SCRATCH: dict[str, Tensor] = {}
+_SCRATCH: dict[tuple[str, int], Tensor] = {}
 
 
 def _scratch(count: int, device: torch.device) -> Tensor:
-    """A reusable id -> int32 array of at least ``count`` entries; its contents are never read before written."""
-    key = str(device)
+    """A reusable id -> int32 array of at least ``count`` entries, one per thread and device (a batch and an
+    evaluation may run in different threads); its contents are never read before written."""
+    key = (str(device), threading.get_ident())
     slots = _SCRATCH.get(key)
     if slots is None or slots.shape[0] < count:
         slots = torch.empty(count, dtype=torch.int32, device=device)
