@@ -427,8 +427,9 @@ def _row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) 
         return
     # mean of squared gradients per row, as a fused norm (half the time of grad.pow(2).mean(1))
     table.optim_sum.index_add_(0, uniq, torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
-    std = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS)
-    table.weight.index_add_(0, uniq, grad.div_(std.unsqueeze(1)).mul_(-lr))
+    # -lr / (sqrt(sum) + eps) per row, then one pass over the gradient
+    step = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
+    table.weight.index_add_(0, uniq, grad.mul_(step.unsqueeze(1)))
 
 
 def _add_ranks(stats: BatchStats, scores: SideScores) -> None:
