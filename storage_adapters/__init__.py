@@ -344,7 +344,7 @@ def local_file_for_writing(url: str) -> Iterator[str]:
                 os.unlink(tmp)
             raise
         return
-    tmpdir = tempfile.mkdtemp(prefix="biggraph-upload-")
+    tmpdir = upload_staging_dir()
     try:
         tmp = os.path.join(tmpdir, url.rstrip("/").rsplit("/", 1)[-1] or "object")
         yield tmp
@@ -353,8 +353,57 @@ def local_file_for_writing(url: str) -> Iterator[str]:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+UPLOAD_DIR_PREFIX = "biggraph-upload-"
+
+
+def upload_staging_dir() -> str:
+    """A new local directory to build a file in before it is uploaded, named after this process so that a
+    later run can tell a killed process's leftovers from a live one's (``remove_stale_upload_dirs``)."""
+    return tempfile.mkdtemp(prefix=f"{UPLOAD_DIR_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_upload_dirs(root: str | None = None) -> list[str]:
+    """Delete staging directories of processes that no longer exist (killed before they cleaned up).
+
+    Only this user's directories whose owner PID is gone are touched; a directory of a live process, or
+    one whose name carries no PID, is left alone. Returns the paths removed.
+    """
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(UPLOAD_DIR_PREFIX):
+            continue
+        pid_text = name[len(UPLOAD_DIR_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _process_exists(int(pid_text)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 __all__ = [
-    "StorageError", "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
+    "StorageError", "UPLOAD_DIR_PREFIX", "remove_stale_upload_dirs", "upload_staging_dir",
+    "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
     "read_bytes", "read_text", "remove", "scheme_of", "set_storage_options", "size", "storage_options_for",
     "write_bytes", "write_text",

@@ -128,6 +128,8 @@ def test_sigkill_during_s3_uploads_never_loses_a_committed_checkpoint(tmp_path: 
     assert kills_mid_upload >= 2
     assert versions[-1] > 0  # kills landed after commits too, and those commits survived
     assert checkpoint.list_versions() == {EPOCHS}  # every uncommitted or superseded version was dropped
+    # each restart deleted the local staging copies its killed predecessors left behind
+    assert [n for n in os.listdir(tmpdir) if n.startswith("biggraph-upload-")] == []
     import storage_adapters as storage
 
     leftovers = [n for n in storage.listdir(raw["checkpoint_path"]) if ".v" in n and f".v{EPOCHS}." not in n]

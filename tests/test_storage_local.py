@@ -139,3 +139,38 @@ def test_storage_options_are_not_passed_to_memory_or_local(tmp_path: Path) -> No
         storage.remove(f"memory://{name}")
     finally:
         storage.set_storage_options({})
+
+
+def test_stale_upload_staging_dirs_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    """A trainer SIGKILLed during an upload leaves its staging copy; the next start deletes it, and only it."""
+    import subprocess
+    import sys
+
+    from storage_adapters import UPLOAD_DIR_PREFIX, remove_stale_upload_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"{UPLOAD_DIR_PREFIX}{dead_pid}-abc"
+    (stale / "inner").mkdir(parents=True)
+    (stale / "embeddings_node_0.v3.h5").write_bytes(b"x" * 100)
+    live = tmp_path / f"{UPLOAD_DIR_PREFIX}{os.getpid()}-def"  # this process: still uploading
+    live.mkdir()
+    unnamed = tmp_path / f"{UPLOAD_DIR_PREFIX}old-layout"  # no PID in the name: not ours to judge
+    unnamed.mkdir()
+    other = tmp_path / "something-else"
+    other.mkdir()
+    assert remove_stale_upload_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists()
+    assert live.exists() and unnamed.exists() and other.exists()
+
+
+def test_upload_staging_dir_names_its_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from storage_adapters import UPLOAD_DIR_PREFIX, upload_staging_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = upload_staging_dir()
+    assert os.path.basename(made).startswith(f"{UPLOAD_DIR_PREFIX}{os.getpid()}-")
+    assert os.path.isdir(made)

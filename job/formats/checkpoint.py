@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -167,7 +166,7 @@ class CheckpointStorage:
         while len(self._pending) >= MAX_PENDING_UPLOADS:
             oldest = next(iter(self._pending))
             self._wait(oldest)
-        tmpdir = tempfile.mkdtemp(prefix="biggraph-upload-")
+        tmpdir = storage.upload_staging_dir()
         tmp = os.path.join(tmpdir, url.rsplit("/", 1)[-1])
         try:
             yield tmp

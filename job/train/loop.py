@@ -175,7 +175,10 @@ class Trainer:
             self.shared = SharedParameters(list(self.model.parameters()) + [t.weight for t in tables])
 
     def _remove_temporary_files(self) -> None:
-        """Files a killed writer left under their temporary names are never part of any version."""
+        """Files a killed writer left under their temporary names are never part of any version; local
+        staging copies of uploads a killed trainer never finished are only wasted disk."""
+        for path in storage.remove_stale_upload_dirs():
+            logger.info("removed %s (left by a trainer that was killed during an upload)", path)
         for name in storage.listdir(self.config.checkpoint_path):
             if name.startswith(".tmp-"):
                 storage.remove(storage.join(self.config.checkpoint_path, name))
