@@ -62,10 +62,10 @@ class ScoringSetup:
 class SideResult:
     loss: Tensor  # 0-dim, no gradient attached yet
     pos: Tensor  # (B,)
-    neg: Tensor  # (B, K); for the softmax loss only its shape is kept (its memory holds the gradient)
-    weight: Optional[Tensor]  # (B, K) draw counts, or None
+    neg: Tensor  # (B, 0): the score blocks' memory holds their gradients; statistics come as ``violators``
+    weight: Optional[Tensor]  # always None here (draw counts are applied inside)
     num_neg: int
-    violators: float
+    violators: float  # weighted count of negatives scoring above their positive
     # gradients with respect to the (padded) anchor and positive rows; None where nothing flowed
     d_anchor: Optional[Tensor]  # (padded, d)
     d_positives: Optional[Tensor]  # (padded, d)
