@@ -24,15 +24,17 @@ from job.formats.checkpoint import CheckpointStorage
 EPOCHS = 12
 
 
-def check_loadable(config_path: Path) -> int:
-    config = parse_config(json.loads(config_path.read_text()))
+def check_loadable(raw: dict) -> int:
+    """The committed version of the run configured by ``raw`` loads whole: every partition and the model."""
+    config = parse_config(raw)
     storage = CheckpointStorage(config.checkpoint_path)
     version = storage.load_version()
     if version == 0:
         return 0
     for part in range(config.entities["node"].num_partitions):
         embeddings, state = storage.load_entity_partition(version, "node", part)
-        assert embeddings.shape[1] == config.dimension
+        count = int((Path(config.entity_path) / f"entity_count_node_{part}.txt").read_text())
+        assert embeddings.shape == (count, config.dimension)
         assert state is not None and "sum" in state["state"][0]
     params, _, metadata = storage.load_model(version)
     assert metadata["iteration/epoch_idx"] == version - 1
@@ -40,9 +42,9 @@ def check_loadable(config_path: Path) -> int:
     return version
 
 
-def start(config_path: Path, log: Path) -> subprocess.Popen:
+def start(config_path: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "job", "train", str(config_path)], stdout=log.open("a"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -87,14 +89,14 @@ def test_sigkill_at_many_moments_never_loses_a_committed_checkpoint(tmp_path: Pa
         kill(proc)
         kills += 1
         kills_mid_write += hit
-        version = check_loadable(config_path)
+        version = check_loadable(json.loads(config_path.read_text()))
         assert version >= last_version, "a committed checkpoint was lost"
         last_version = version
         if version == EPOCHS:
             break
     final = start(config_path, log)
     assert final.wait(timeout=600) == 0, log.read_text()[-3000:]
-    assert check_loadable(config_path) == EPOCHS
+    assert check_loadable(json.loads(config_path.read_text())) == EPOCHS
     assert kills >= 5
     assert kills_mid_write >= 2
     leftovers = [n for n in os.listdir(checkpoint) if n.startswith(".tmp-") or ".v" in n and f".v{EPOCHS}." not in n]

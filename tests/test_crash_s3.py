@@ -12,51 +12,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_crash import check_loadable, kill
+from test_crash import start as start_trainer
 from test_train import write_cycle_graph
 
-from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage
 
 EPOCHS = 6
 ATTEMPTS = 6
 
 
-def check_loadable(raw: dict) -> int:
-    config = parse_config(raw)
-    storage = CheckpointStorage(config.checkpoint_path)
-    version = storage.load_version()
-    if version == 0:
-        return 0
-    for part in range(config.entities["node"].num_partitions):
-        embeddings, state = storage.load_entity_partition(version, "node", part)
-        assert embeddings.shape == (storage_count(raw, part), config.dimension)
-        assert state is not None and "sum" in state["state"][0]
-    params, _, metadata = storage.load_model(version)
-    assert metadata["iteration/epoch_idx"] == version - 1
-    assert "relations/0/operator/rhs/translation" in params
-    return version
-
-
-def storage_count(raw: dict, part: int) -> int:
-    return int((Path(raw["entity_path"]) / f"entity_count_node_{part}.txt").read_text())
-
-
 def start(config_path: Path, log: Path, tmpdir: Path) -> subprocess.Popen:
     env = dict(os.environ, TMPDIR=str(tmpdir))  # the AWS_* test values set by the moto fixture come along
-    return subprocess.Popen([sys.executable, "-m", "job", "train", str(config_path)], stdout=log.open("a"),
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
-
-
-def kill(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    return start_trainer(config_path, log, env)
 
 
 def uploads_in_flight(tmpdir: Path, before: set[str]) -> bool:

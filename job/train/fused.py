@@ -62,8 +62,6 @@ class ScoringSetup:
 class SideResult:
     loss: Tensor  # 0-dim, no gradient attached yet
     pos: Tensor  # (B,)
-    neg: Tensor  # (B, 0): the score blocks' memory holds their gradients; statistics come as ``violators``
-    weight: Optional[Tensor]  # always None here (draw counts are applied inside)
     num_neg: int
     violators: float  # weighted count of negatives scoring above their positive
     # gradients with respect to the (padded) anchor and positive rows; None where nothing flowed
@@ -150,12 +148,11 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
     num_pos, dim = a.shape
     num_batch_negs = setup.num_batch_negs
     num_uniform = neg_inv.shape[1] if neg_inv is not None and neg_inv.numel() else 0
-    empty = a.new_empty((num_pos, 0))
     if num_batch_negs == 0 and num_uniform == 0:
         pos = (a * positives).sum(1)
         loss, d_pos, _, _ = blockwise_loss(setup.loss_fn, setup.margin, pos, [], 1, num_pos)
         d_pos = d_pos.unsqueeze(1)
-        return SideResult(loss, pos, empty, None, 0, 0.0, positives * d_pos, a * d_pos)
+        return SideResult(loss, pos, 0, 0.0, positives * d_pos, a * d_pos)
     chunk = num_batch_negs if num_batch_negs > 0 else num_uniform
     a_chunks, p_chunks = chunk_rows(a, chunk), chunk_rows(positives, chunk)
     num_chunks, padded = a_chunks.shape[0], a_chunks.shape[0] * chunk
@@ -212,7 +209,7 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
         d_a = torch.bmm(d_uniform, neg_vecs) if d_a is None else d_a.baddbmm_(d_uniform, neg_vecs)
         d_neg = torch.bmm(d_uniform.transpose(1, 2), a_chunks)
         d_cand.index_add_(0, neg_inv[:num_chunks].reshape(-1), d_neg.view(-1, dim))
-    return SideResult(loss, pos_padded[:num_pos], empty, None, num_neg, violators,
+    return SideResult(loss, pos_padded[:num_pos], num_neg, violators,
                       None if d_a is None else d_a.view(padded, dim), None if d_p is None else d_p.view(padded, dim),
                       d_batch)
 

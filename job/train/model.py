@@ -352,19 +352,17 @@ class Model(nn.Module):
             rhs_prepared = comparator.prepare(rhs_base)
             lhs_pos_raw = _rows(lhs_base, lhs_inv)
             rhs_pos_raw = _rows(rhs_base, rhs_inv)
-            # "forward": c(u, h_r(v)) against lhs negatives u'
-            lhs_pos_vec = _rows(lhs_prepared, lhs_inv)
+            # "forward": c(u, h_r(v)) against lhs negatives u' (positives gathered from candidates[own])
             rhs_pos_transformed = comparator.prepare(rhs_op(rhs_pos_raw, rel))
             lhs_scores = self._side_scores(
-                anchor=rhs_pos_transformed, positives=lhs_pos_vec, candidates=lhs_prepared,
+                anchor=rhs_pos_transformed, positives=None, candidates=lhs_prepared,
                 neg_inv=lhs_neg_inv, own=lhs_inv, num_batch_negs=num_batch_negs,
                 all_negs=all_negs, disabled=disable_lhs,
             )
             # "reverse": c(g_r(u), v) against rhs negatives v'
-            rhs_pos_vec = _rows(rhs_prepared, rhs_inv)
             lhs_pos_transformed = comparator.prepare(lhs_op(lhs_pos_raw, rel))
             rhs_scores = self._side_scores(
-                anchor=lhs_pos_transformed, positives=rhs_pos_vec, candidates=rhs_prepared,
+                anchor=lhs_pos_transformed, positives=None, candidates=rhs_prepared,
                 neg_inv=rhs_neg_inv, own=rhs_inv, num_batch_negs=num_batch_negs,
                 all_negs=all_negs, disabled=disable_rhs,
             )
@@ -404,7 +402,7 @@ class Model(nn.Module):
     def _side_scores(
         self,
         anchor: Tensor,
-        positives: Tensor,
+        positives: Optional[Tensor],
         candidates: Tensor,
         neg_inv: Optional[Tensor],
         own: Tensor,
@@ -422,6 +420,8 @@ class Model(nn.Module):
         if self._use_fused(all_negs) and not disabled and num_pos > 0:
             loss, result = fused_side(self._scoring_setup(num_batch_negs), anchor, candidates, own, neg_inv)
             return _side_scores_of(result, loss)
+        if positives is None:  # the fused path gathers its own; only this one needs them as a tensor
+            positives = _rows(candidates, own)
         pos = comparator.pos(anchor, positives)
         if disabled or num_pos == 0:
             return SideScores(pos, pos.new_empty((num_pos, 0)))
@@ -473,7 +473,9 @@ class Model(nn.Module):
 
 
 def _side_scores_of(result: SideResult, loss: Tensor) -> SideScores:
-    return SideScores(result.pos, result.neg, result.weight, result.num_neg, loss, result.violators)
+    # the score blocks' memory now holds their gradients: no negative scores, statistics as ``violators``
+    return SideScores(result.pos, result.pos.new_empty((result.pos.shape[0], 0)), None, result.num_neg, loss,
+                      result.violators)
 
 
 def _rows(table: Tensor, index: Tensor) -> Tensor:
