@@ -39,7 +39,12 @@ PYTHON = sys.executable
 
 def pbg_train_command() -> list[str] | None:
     exe = Path(PYTHON).parent / "torchbiggraph_train"
-    return [str(exe)] if exe.exists() else None
+    if exe.exists():
+        return [str(exe)]
+    import importlib.util
+
+    # installed without its console script (pip install --target): the same entry point as a module
+    return [PYTHON, "-m", "torchbiggraph.train"] if importlib.util.find_spec("torchbiggraph") else None
 
 
 def run_measured(command: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> dict[str, Any]:
@@ -139,7 +144,18 @@ def kg_config(root: Path, epochs: int, workers: int) -> dict[str, Any]:
     }
 
 
-def bench_dataset(name: str, epochs: int, workers: int, work: Path, with_pbg: bool) -> dict[str, Any]:
+def trainer_runs(devices: tuple[str, ...], with_pbg: bool) -> list[tuple[str, list[str], list[str]]]:
+    """(label, command, arguments after the config file): biggraph on each device ("biggraph" is the CPU), then PBG."""
+    runs = [("biggraph" if device == "cpu" else f"biggraph-{device}", [PYTHON, "-m", "job", "train"],
+             ["-p", f"device={device}"]) for device in devices]
+    pbg = pbg_train_command()
+    if with_pbg and pbg:
+        runs.append(("pbg", pbg, []))
+    return runs
+
+
+def bench_dataset(name: str, epochs: int, workers: int, work: Path, with_pbg: bool,
+                  devices: tuple[str, ...] = ("cpu",)) -> dict[str, Any]:
     from job.cli import main as cli_main
     from job.datasets import dataset_dir
 
@@ -157,16 +173,13 @@ def bench_dataset(name: str, epochs: int, workers: int, work: Path, with_pbg: bo
     filters = [str(root / "data" / s) for s in ("train", "valid", "test")]
     test_dir = str(root / "data" / "test")
     result: dict[str, Any] = {"dataset": name, "epochs": epochs, "workers": workers}
-    runs = [("biggraph", [PYTHON, "-m", "job", "train"])]
-    pbg = pbg_train_command()
-    if with_pbg and pbg:
-        runs.append(("pbg", pbg))
-    for label, command in runs:
+    runs = trainer_runs(devices, with_pbg)
+    for label, command, extra in runs:
         config = kg_config(root, epochs, workers)
         config["checkpoint_path"] = str(root / f"ckpt_{label}")
         path = root / f"config_{label}.py"
         write_py_config(path, config)
-        measured = run_measured(command + [str(path)], log=root / f"{label}.log")
+        measured = run_measured(command + [str(path)] + extra, log=root / f"{label}.log")
         if label == "pbg":
             edges, seconds = pbg_compute_rate(measured["output"])
         else:
@@ -229,7 +242,8 @@ def generated_config(root: Path, partitions: int, workers: int, dimension: int, 
 
 
 def bench_generated(num_entities: int, num_edges: int, partitions: list[int], workers: int, dimension: int,
-                    work: Path, with_pbg: bool, repeats: int = 1) -> list[dict[str, Any]]:
+                    work: Path, with_pbg: bool, repeats: int = 1,
+                    devices: tuple[str, ...] = ("cpu",)) -> list[dict[str, Any]]:
     results = []
     for p in partitions:
         root = work / f"generated_{num_entities}_{num_edges}_p{p}"
@@ -237,18 +251,15 @@ def bench_generated(num_entities: int, num_edges: int, partitions: list[int], wo
         root.mkdir(parents=True)
         write_generated_graph(root, num_entities, num_edges, p)
         result: dict[str, Any] = {"entities": num_entities, "edges": num_edges, "partitions": p, "dimension": dimension}
-        runs = [("biggraph", [PYTHON, "-m", "job", "train"])]
-        pbg = pbg_train_command()
-        if with_pbg and pbg:
-            runs.append(("pbg", pbg))
+        runs = trainer_runs(devices, with_pbg)
         # The trainers alternate (A B A B ...): this VM's speed drifts by +-20% over minutes, so each
         # system's best run is compared with the other's best taken in the same stretch of time.
         for repeat in range(repeats):
-            for label, command in runs:
+            for label, command, extra in runs:
                 config = generated_config(root, p, workers, dimension, label)
                 path = root / f"config_{label}.py"
                 write_py_config(path, config)
-                measured = run_measured(command + [str(path)], log=root / f"{label}.log")
+                measured = run_measured(command + [str(path)] + extra, log=root / f"{label}.log")
                 edges, seconds = (pbg_compute_rate(measured["output"]) if label == "pbg"
                                   else ours_compute_rate(config["checkpoint_path"]))
                 run = {"compute_edges_per_s": edges / seconds if seconds else 0.0,
@@ -283,18 +294,22 @@ def main() -> None:
     parser.add_argument("--no-pbg", action="store_true", help="skip the PBG baseline")
     parser.add_argument("--repeats", type=int, default=1,
                         help="generated graph: alternate the two trainers this many times, report each one's best")
+    parser.add_argument("--devices", default="cpu",
+                        help="comma-separated devices biggraph trains on (cpu, cuda), each next to the same PBG run")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="biggraph-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+    devices = tuple(d for d in args.devices.split(",") if d)
     for name in [d for d in args.datasets.split(",") if d]:
-        results.setdefault("datasets", []).append(bench_dataset(name, args.epochs, args.workers, work, not args.no_pbg))
+        results.setdefault("datasets", []).append(bench_dataset(name, args.epochs, args.workers, work, not args.no_pbg,
+                                                                devices))
         print(json.dumps(results["datasets"][-1]), flush=True)
     partitions = [int(p) for p in args.partitions.split(",")]
     if args.generated:
         results["generated"] = bench_generated(args.entities, args.edges, partitions, args.workers, args.dimension, work,
-                                               not args.no_pbg, args.repeats)
+                                               not args.no_pbg, args.repeats, devices)
         print(json.dumps(results["generated"]), flush=True)
     if args.memory:
         results["memory"] = bench_generated(args.entities, args.edges, partitions, args.workers, args.dimension, work,

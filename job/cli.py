@@ -75,6 +75,7 @@ def setup_logging(verbose: bool, log_format: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a command may re-launch itself (one process per GPU)
     setup_logging(args.verbose, args.log_format)
     try:
         return int(args.func(args) or 0)

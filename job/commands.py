@@ -51,10 +51,43 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns ConfigSchema
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
     from job.train import train
 
-    train(_load(args))
+    config = _load(args)
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)
+    if processes > 1:
+        return _train_one_process_per_gpu(processes, args.argv)
+    train(config)
     return 0
+
+
+def gpu_processes(num_gpus: int, device: str, cards: int, launched_by_torchrun: bool) -> int:
+    """How many trainer processes ``biggraph train`` starts on this machine: one per GPU, as PBG's GPU trainer.
+
+    The processes are an ordinary single-node torchrun group, so they share buckets through the same
+    lock server as a multi-node job (each holds disjoint partitions, which is PBG's sub-bucket rule).
+    Under torchrun the launcher already chose the processes; on the CPU there is one (Hogwild workers
+    inside it).
+    """
+    if launched_by_torchrun or device == "cpu" or num_gpus <= 1:
+        return 1
+    return max(1, min(num_gpus, cards))
+
+
+def _train_one_process_per_gpu(processes: int, argv: list[str]) -> int:
+    import logging
+    import subprocess
+
+    logging.getLogger("biggraph").info("training with %d processes, one per GPU (torchrun --standalone)", processes)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "job", *argv]
+    return subprocess.call(command)
 
 
 def _eval(args: argparse.Namespace) -> int:

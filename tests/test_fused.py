@@ -8,6 +8,7 @@ the autograd path, in float64, and every updated embedding and operator gradient
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -17,9 +18,12 @@ from job.train.model import Model, Table, _ComplexDiagonal
 from job.train.step import BatchContext, run_batch
 
 DIM = 8
+# BIGGRAPH_TEST_DEVICE=cuda runs the comparisons on the GPU (the ids are drawn on the CPU either way)
+TEST_DEVICE = torch.device(os.environ.get("BIGGRAPH_TEST_DEVICE", "cpu"))
 
 
-def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool, fused: bool) -> tuple:
+def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool, fused: bool,
+         device: torch.device = TEST_DEVICE) -> tuple:
     raw = {
         "entities": {"node": {"num_partitions": 1}},
         "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": config_overrides.pop("operator")}],
@@ -36,18 +40,20 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
         model.fused = fused
         for param in model.parameters():
             param.data.normal_()
-        weight = torch.randn(num_entities, DIM)
-        table = Table(weight, torch.zeros(num_entities))
+        model.to(device)
+        weight = torch.randn(num_entities, DIM).to(device)
+        table = Table(weight, torch.zeros(num_entities, device=device))
         ctx = BatchContext(config, model, None, {0: table}, {0: table}, config.num_batch_negs, config.num_uniform_negs)
         generator = torch.Generator().manual_seed(1)
-        lhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
-        rhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
-        rel = torch.randint(0, 3, (num_pos,), generator=generator) if dynamic else None
+        lhs = torch.randint(0, num_entities, (num_pos,), generator=generator).to(device)
+        rhs = torch.randint(0, num_entities, (num_pos,), generator=generator).to(device)
+        rel = torch.randint(0, 3, (num_pos,), generator=generator).to(device) if dynamic else None
         stats = run_batch(ctx, 0, lhs, rhs, rel, generator, True)
-        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        grads = [None if p.grad is None else p.grad.clone().cpu() for p in model.parameters()]
+        weight, optim_sum = weight.cpu(), table.optim_sum.cpu()
     finally:
         torch.set_default_dtype(previous)
-    return weight, table.optim_sum, grads, stats
+    return weight, optim_sum, grads, stats
 
 
 CASES = list(itertools.product(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ from job.formats.entities import write_dynamic_rel_count, write_entity_count
 from job.train import Trainer, train
 from job.train.buckets import Bucket, all_buckets, order_buckets, swaps_needed
 from job.train.model import Comparator, Operator, compute_loss
+
+# BIGGRAPH_TEST_DEVICE=cuda trains the graphs of these tests on the GPU (tests/test_cuda.py: the CUDA-only tests)
+TEST_DEVICE = os.environ.get("BIGGRAPH_TEST_DEVICE", "auto")
 
 
 def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 1, num_relations: int = 2,
@@ -67,6 +71,7 @@ def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 
         "seed": 3,
         "init_scale": 0.1,
         "hogwild_delay": 0,
+        "device": TEST_DEVICE,
     }
     raw.update(config)
     return raw
@@ -356,22 +361,13 @@ def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path, capsys: pytes
         pytest.skip("this machine has CUDA; the error case cannot happen")
     from job.cli import main
 
-    raw = write_cycle_graph(tmp_path, num_gpus=1)
+    raw = write_cycle_graph(tmp_path, num_gpus=1, device="auto")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
     code = main(["train", str(path)])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "CUDA is not available" in err and "num_gpus=1" in err
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
-def test_trains_on_cuda(tmp_path: Path) -> None:
-    raw = write_cycle_graph(tmp_path, num_epochs=5, device="cuda")
-    config = parse_config(raw)
-    train(config)
-    losses = pass_losses(config.checkpoint_path)
-    assert losses[-1] < losses[0]
 
 
 @pytest.mark.slow
@@ -457,7 +453,7 @@ def write_featurized_graph(root: Path, num_features: int = 30, num_items: int = 
         "dimension": 16, "comparator": "dot", "loss_fn": "softmax", "entity_path": str(entity_path),
         "edge_paths": [str(root / "edges")], "checkpoint_path": str(root / "ckpt"), "num_epochs": 15,
         "batch_size": 50, "num_batch_negs": 10, "num_uniform_negs": 10, "lr": 0.1, "eval_fraction": 0.1,
-        "workers": 1, "seed": 2, "init_scale": 0.1,
+        "workers": 1, "seed": 2, "init_scale": 0.1, "device": TEST_DEVICE,
     }
 
 
@@ -526,3 +522,14 @@ def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, 
     _add_ranks(ranks_explicit, SideScores(weighted.pos, explicit))
     assert ranks_weighted.rank_sum == pytest.approx(ranks_explicit.rank_sum)
     assert ranks_weighted.auc_sum == pytest.approx(ranks_explicit.auc_sum)
+
+
+def test_train_starts_one_process_per_gpu_only_when_asked_and_present() -> None:
+    from job.commands import gpu_processes
+
+    assert gpu_processes(4, "auto", 8, False) == 4
+    assert gpu_processes(8, "auto", 2, False) == 2  # no more processes than cards
+    assert gpu_processes(4, "auto", 0, False) == 1  # no card: the trainer's clean "CUDA is not available" error
+    assert gpu_processes(4, "auto", 4, True) == 1  # under torchrun the launcher chose the processes
+    assert gpu_processes(4, "cpu", 4, False) == 1
+    assert gpu_processes(1, "cuda", 4, False) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 import zlib
@@ -59,7 +60,11 @@ def pick_device(config: ConfigSchema) -> torch.device:
                 f"config asks for a GPU (device={config.device!r}, num_gpus={config.num_gpus}) but CUDA is not available "
                 "on this machine; set num_gpus=0 / device=cpu"
             )
-        return torch.device("cuda")
+        # one process per GPU: under torchrun each local rank takes its own card (several share one when
+        # there are more processes than cards, which is slower but correct)
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -142,7 +142,9 @@ def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: in
     chunk = ctx.num_batch_negs if ctx.num_batch_negs > 0 else num_uniform
     num_chunks = (num_pos + chunk - 1) // chunk
     device = next(iter(ctx.lhs_tables.values())).weight.device
-    return torch.randint(0, count, (num_chunks, num_uniform), generator=generator, device=device)
+    # drawn by the CPU generator on every device: a seeded run samples the same negatives on CPU and CUDA
+    ids = torch.randint(0, count, (num_chunks, num_uniform), generator=generator)
+    return ids if device.type == "cpu" else ids.to(device, non_blocking=True)
 
 
 def _unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
@@ -368,7 +370,8 @@ def _run_featurized_batch(
         if config.entities[entity_type].featurized:
             if features is None:
                 raise ValueError(f"entity type {entity_type} is featurized but the edges carry no {side}d feature lists")
-            offsets, data = features
+            device = table.weight.device
+            offsets, data = features[0].to(device), features[1].to(device)
             uniq, inverse = torch.unique(data, return_inverse=True)
             if config.max_norm is not None and train:
                 _renorm_rows(table.weight, uniq, config.max_norm)
@@ -378,7 +381,7 @@ def _run_featurized_batch(
             with torch.set_grad_enabled(train):
                 rows = F.embedding_bag(inverse, leaf, offsets[:-1], mode="mean")
             leaves.append((table, uniq, leaf))
-            sides[side] = (rows, torch.arange(num_pos), None)
+            sides[side] = (rows, torch.arange(num_pos, device=device), None)
         else:
             disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
             neg = _sample_uniform(ctx, num_pos, ctx.num_uniform_negs, table.weight.shape[0], disabled, generator)

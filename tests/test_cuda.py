@@ -1,0 +1,86 @@
+"""CUDA: the GPU trainer computes what the CPU trainer computes, and trains one process per GPU.
+
+These need a GPU. On a machine with one, the training suites also run on it:
+``BIGGRAPH_TEST_DEVICE=cuda pytest tests/test_train.py tests/test_fused.py tests/test_cuda.py``
+(every operator/comparator/loss, resume, featurized entities, the fused path against autograd).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train import pass_losses, write_cycle_graph
+
+from job.config import parse_config
+from job.formats.checkpoint import CheckpointStorage
+from job.train import Trainer, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
+
+
+def _complex_graph(root: Path, **config: object) -> dict:
+    raw = write_cycle_graph(root, num_entities=60, **config)
+    for relation in raw["relations"]:
+        relation["operator"] = "complex_diagonal"
+    return raw
+
+
+def test_a_seeded_cuda_run_matches_the_cpu_run(tmp_path: Path) -> None:
+    """Same seed, same negatives (drawn on the CPU for both): only float rounding may differ."""
+    results = []
+    for device in ("cpu", "cuda"):
+        raw = _complex_graph(tmp_path / device, num_partitions=2, num_epochs=3, device=device)
+        train(parse_config(raw))
+        storage = CheckpointStorage(raw["checkpoint_path"])
+        assert storage.load_version() == 3
+        results.append([storage.load_entity_partition(3, "node", part)[0] for part in range(2)])
+    for cpu, cuda in zip(*results):
+        assert np.abs(cpu).max() > 0.05  # trained, not the initial 0.1-scaled noise left alone
+        np.testing.assert_allclose(cuda, cpu, rtol=1e-3, atol=1e-4)
+
+
+def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer(parse_config(write_cycle_graph(tmp_path, num_gpus=1, device="auto")))
+    try:
+        assert trainer.device.type == "cuda"
+        assert trainer.workers == 1  # Hogwild processes are a CPU scheme
+    finally:
+        trainer.close()
+    from job.train.loop import pick_device
+
+    cards = torch.cuda.device_count()
+    monkeypatch.setenv("LOCAL_RANK", str(cards + 1))
+    assert pick_device(parse_config(write_cycle_graph(tmp_path / "b", device="cuda"))) == torch.device("cuda", 1 % cards)
+
+
+def test_num_gpus_2_trains_one_process_per_gpu(tmp_path: Path) -> None:
+    """``biggraph train`` with num_gpus=2 starts a torchrun group of two trainers sharing the buckets.
+
+    The parent is made to see two cards; the two children then share however many the machine has
+    (LOCAL_RANK modulo the card count), so this runs on a one-GPU machine too.
+    """
+    raw = _complex_graph(tmp_path, num_partitions=4, num_epochs=3, num_gpus=2, device="auto", workers=1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    script = ("import sys, torch; torch.cuda.device_count = lambda: 2; from job.cli import main; "
+              f"sys.exit(main(['train', {str(path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "one per GPU" in output
+    storage = CheckpointStorage(raw["checkpoint_path"])
+    assert {record.get("rank") for record in storage.load_stats() if "lhs_partition" in record} == {0, 1}
+    assert storage.load_version() == 3
+    for part in range(4):
+        embeddings, _ = storage.load_entity_partition(3, "node", part)
+        assert np.isfinite(embeddings).all()
+    losses = pass_losses(raw["checkpoint_path"])
+    assert losses and losses[-1] < losses[0], losses
