@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from job.config import parse_config
+from job.train import step
 from job.train.model import Model, Table, _ComplexDiagonal
 from job.train.step import BatchContext, run_batch
 
@@ -23,7 +24,7 @@ TEST_DEVICE = torch.device(os.environ.get("BIGGRAPH_TEST_DEVICE", "cpu"))
 
 
 def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool, fused: bool,
-         device: torch.device = TEST_DEVICE) -> tuple:
+         device: torch.device = TEST_DEVICE, static: bool = False) -> tuple:
     raw = {
         "entities": {"node": {"num_partitions": 1}},
         "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": config_overrides.pop("operator")}],
@@ -33,11 +34,12 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
     config = parse_config(raw)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
+    step.STATIC_SHAPES_ON_CPU = static
     try:
         torch.manual_seed(0)
         model = Model(config, 3 if dynamic else 0)
         assert model.fused == (config.comparator in ("dot", "cos") and not config.bias)
-        model.fused = fused
+        model.fused = fused and model.fused
         for param in model.parameters():
             param.data.normal_()
         model.to(device)
@@ -53,6 +55,7 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
         weight, optim_sum = weight.cpu(), table.optim_sum.cpu()
     finally:
         torch.set_default_dtype(previous)
+        step.STATIC_SHAPES_ON_CPU = False
     return weight, optim_sum, grads, stats
 
 
@@ -84,6 +87,33 @@ def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tup
     tolerance = 0.1 if num_entities < 100 else 0.03
     assert stats.violators_lhs == pytest.approx(ref_stats.violators_lhs, rel=tolerance, abs=3)
     assert stats.violators_rhs == pytest.approx(ref_stats.violators_rhs, rel=tolerance, abs=3)
+
+
+STATIC_CASES = [case for case in CASES if case[2] in ((10, 10), (10, 200))] + [
+    ("ranking", "l2", (10, 10), 5000, False, "complex_diagonal"),
+    ("logistic", "squared_l2", (10, 10), 30, True, "translation"),
+    ("softmax", "dot", (10, 10), 5000, False, "linear", {"bias": True}),
+    ("softmax", "cos", (10, 10), 30, False, "complex_diagonal", {"max_norm": 1.5}),
+    ("softmax", "dot", (10, 10), 5000, False, "complex_diagonal", {"max_norm": 1.5}),
+]
+
+
+@pytest.mark.parametrize("case", STATIC_CASES, ids=str)
+def test_static_shape_path_matches_the_unique_row_path(case: tuple) -> None:
+    """The GPU's path (every occurrence gathered, repeated rows summed inside the Adagrad step) updates
+    the tables exactly as deduplicating first does; run here on the CPU."""
+    loss_fn, comparator, (num_batch_negs, num_uniform_negs), num_entities, dynamic, operator, *extra = case
+    overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": num_batch_negs,
+                 "num_uniform_negs": num_uniform_negs, "operator": operator, **(extra[0] if extra else {})}
+    ref_weight, ref_sum, ref_grads, ref_stats = _run(dict(overrides), num_entities, 57, dynamic, fused=True)
+    weight, optim_sum, grads, stats = _run(dict(overrides), num_entities, 57, dynamic, fused=True, static=True)
+    assert not torch.equal(weight, torch.zeros_like(weight))
+    torch.testing.assert_close(optim_sum, ref_sum, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-9, atol=1e-12)
+    for got, want in zip(grads, ref_grads):
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    assert float(stats.loss) == pytest.approx(float(ref_stats.loss), rel=1e-9)
 
 
 def test_fused_path_is_taken_and_has_a_fallback() -> None:

@@ -66,11 +66,10 @@ class EdgeTensors:
         return self
 
     def to(self, device: torch.device) -> EdgeTensors:
-        def move(f: Optional[Features]) -> Optional[Features]:
-            return None if f is None else (f[0].to(device), f[1].to(device))
-
+        # feature lists stay on the CPU, where each batch's lists are cut out (ragged indexing); a
+        # featurized batch moves its own lists to the table's device
         return EdgeTensors(self.rel.to(device), self.lhs.to(device), self.rhs.to(device),
-                           move(self.lhs_features), move(self.rhs_features))
+                           self.lhs_features, self.rhs_features)
 
 
 def process_edges(

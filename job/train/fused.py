@@ -63,7 +63,7 @@ class SideResult:
     loss: Tensor  # 0-dim, no gradient attached yet
     pos: Tensor  # (B,)
     num_neg: int
-    violators: float  # weighted count of negatives scoring above their positive
+    violators: Tensor | float  # weighted count of negatives scoring above their positive (0-dim tensor)
     # gradients with respect to the (padded) anchor and positive rows; None where nothing flowed
     d_anchor: Optional[Tensor]  # (padded, d)
     d_positives: Optional[Tensor]  # (padded, d)
@@ -72,7 +72,7 @@ class SideResult:
 
 
 def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[tuple[Tensor, Optional[Tensor]]],
-                   num_neg: int, num_pos: int) -> tuple[Tensor, Tensor, list[Tensor], float]:
+                   num_neg: int, num_pos: int) -> tuple[Tensor, Tensor, list[Tensor], Tensor | float]:
     """PBG's loss over [positive | negatives] held as separate blocks, and its gradient.
 
     ``pos`` (R,): positive scores; ``blocks``: (scores (R x k), weight broadcastable to it or None) for each
@@ -83,10 +83,10 @@ def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[tuple[Ten
     """
     rows = pos.shape[0]
     column = pos.unsqueeze(1)
-    violators = 0.0
+    violators: Tensor | float = 0.0  # a tensor: a GPU must not wait for it batch after batch
     for block, weight in blocks:
         above = block[:num_pos].sub(column[:num_pos]).gt_(0)
-        violators += float((above.mul_(weight[:num_pos]) if weight is not None else above).sum())
+        violators = violators + (above.mul_(weight[:num_pos]) if weight is not None else above).sum()
     if kind == "softmax":
         top = pos.clone()
         for block, weight in blocks:

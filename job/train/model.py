@@ -242,7 +242,7 @@ class SideScores:
     weight: Optional[Tensor] = None
     num_neg: Optional[int] = None  # negatives per positive as sampled (the width of the unweighted view)
     loss: Optional[Tensor] = None  # already computed (with its gradients attached) by job.train.fused
-    violators: Optional[float] = None  # already counted by job.train.fused (then ``neg`` holds no scores)
+    violators: Optional[Tensor | float] = None  # already counted by job.train.fused (then ``neg`` holds no scores)
 
 
 class Model(nn.Module):

@@ -48,8 +48,9 @@ class BatchStats:
 
     def training_metrics(self) -> dict[str, float]:
         n = max(self.count, 1)
-        return {"loss": self.loss / n, "reg": self.reg / n, "violators_lhs": self.violators_lhs / n,
-                "violators_rhs": self.violators_rhs / n}
+        # on a GPU the sums are 0-dim device tensors until here (read once per bucket, not once per batch)
+        return {"loss": float(self.loss) / n, "reg": float(self.reg) / n, "violators_lhs": float(self.violators_lhs) / n,
+                "violators_rhs": float(self.violators_rhs) / n}
 
     def ranking_metrics(self) -> dict[str, float]:
         r = max(self.num_ranks, 1)
@@ -196,6 +197,68 @@ def _scratch(count: int, device: torch.device) -> Tensor:
     return slots[:count]
 
 
+# Tests run the GPU's static-shape path on the CPU by setting this.
+STATIC_SHAPES_ON_CPU = False
+
+
+def _every_occurrence(ids: Tensor, neg: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """A side's rows without deduplication: (ids, positives' positions, negatives' positions)."""
+    num_pos = ids.shape[0]
+    if neg is None:
+        return ids, _positions(0, num_pos, ids.device), None
+    return (torch.cat((ids, neg.reshape(-1))), _positions(0, num_pos, ids.device),
+            _positions(num_pos, num_pos + neg.numel(), ids.device).view_as(neg))
+
+
+_POSITIONS: dict[tuple[str, int], Tensor] = {}
+
+
+def _positions(begin: int, end: int, device: torch.device) -> Tensor:
+    key = (str(device), end)
+    cached = _POSITIONS.get(key)
+    if cached is None:
+        cached = _POSITIONS[key] = torch.arange(end, device=device)
+    return cached[begin:]
+
+
+def _cat_grads(lhs_rows: Tensor, rhs_rows: Tensor) -> Optional[Tensor]:
+    if lhs_rows.grad is None and rhs_rows.grad is None:
+        return None
+    lhs_grad = lhs_rows.grad if lhs_rows.grad is not None else torch.zeros_like(lhs_rows)
+    rhs_grad = rhs_rows.grad if rhs_rows.grad is not None else torch.zeros_like(rhs_rows)
+    return torch.cat((lhs_grad, rhs_grad))
+
+
+@torch.no_grad()
+def _row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: float) -> None:
+    """``_row_adagrad`` for ids that may repeat: each distinct row gets one step with its summed gradient.
+
+    Each occurrence finds a representative occurrence of its id (the one whose position survives in the
+    scratch array), the gradients are summed there and read back by every occurrence, so all
+    occurrences of a row compute the same new values and the duplicate writes agree. Nothing here
+    depends on how many distinct rows there are: no host synchronisation.
+    """
+    if grad is None or table.optim_sum is None:
+        return
+    slots = _scratch(table.weight.shape[0], ids.device)
+    slots.scatter_(0, ids, _positions(0, ids.numel(), ids.device).to(torch.int32))
+    representative = slots.index_select(0, ids).long()
+    summed = torch.zeros_like(grad).index_add_(0, representative, grad).index_select(0, representative)
+    optim_sum = table.optim_sum.index_select(0, ids).add_(
+        torch.linalg.vector_norm(summed, dim=1).square_().div_(grad.shape[1]))
+    table.optim_sum.index_copy_(0, ids, optim_sum)
+    step = optim_sum.sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
+    table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step.unsqueeze(1))))
+
+
+def _renorm_rows_repeated(weight: Tensor, ids: Tensor, max_norm: float) -> None:
+    """``_renorm_rows`` without asking the device whether any row is too long (repeated ids agree)."""
+    rows = weight.index_select(0, ids)
+    norms = rows.norm(2, dim=1)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+    weight.index_copy_(0, ids, rows.mul_(scale.unsqueeze(1)))
+
+
 def _renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
     """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG."""
     rows = weight.index_select(0, ids)
@@ -241,7 +304,16 @@ def run_batch(
     rhs_neg = _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator)
 
     # unique rows per table ----------------------------------------------------------------------
-    if all_negs:
+    static = train and not all_negs and (device.type != "cpu" or STATIC_SHAPES_ON_CPU)
+    if static:
+        # On a GPU finding the unique rows costs more than it saves: the number of unique rows is only
+        # known after waiting for the device. Every occurrence is gathered instead (a few thousand rows
+        # are nothing to a GPU), the shapes depend only on the batch size, and the Adagrad step sums the
+        # gradients of repeated rows itself (``_row_adagrad_repeated``): the same update, no waiting.
+        same_table = False
+        lhs_uniq, lhs_inv, lhs_neg_inv = _every_occurrence(lhs_ids, lhs_neg)
+        rhs_uniq, rhs_inv, rhs_neg_inv = _every_occurrence(rhs_ids, rhs_neg)
+    elif all_negs:
         lhs_uniq = torch.arange(lhs_count, device=device)
         rhs_uniq = lhs_uniq if same_table else torch.arange(rhs_count, device=device)
         lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv = lhs_ids, rhs_ids, None, None
@@ -268,9 +340,10 @@ def run_batch(
         rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg, rhs_count)
 
     if config.max_norm is not None and train:
-        _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
+        renorm = _renorm_rows_repeated if static else _renorm_rows
+        renorm(lhs_table.weight, lhs_uniq, config.max_norm)
         if not same_table:
-            _renorm_rows(rhs_table.weight, rhs_uniq, config.max_norm)
+            renorm(rhs_table.weight, rhs_uniq, config.max_norm)
 
     with torch.set_grad_enabled(train):
         lhs_rows = lhs_table.weight.index_select(0, lhs_uniq)
@@ -288,7 +361,15 @@ def run_batch(
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
         stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
-    if train:
+    if train and static:
+        if shared_storage:
+            _row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), _cat_grads(lhs_rows, rhs_rows), config.lr)
+        else:
+            _row_adagrad_repeated(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
+            _row_adagrad_repeated(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
+        if ctx.relation_optimizer is not None:
+            ctx.relation_optimizer.step()
+    elif train:
         if shared_storage and not same_table and lhs_rows.grad is not None and rhs_rows.grad is not None:
             # One Adagrad step per row, as with a merged sparse gradient: a row on both sides (rare in a
             # large table) gets its rhs gradient added to its lhs one and a zero rhs gradient, which
@@ -323,18 +404,19 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
                 reg = reg + param.abs().pow(3).sum()
             reg = config.regularization_coef * reg
             total = total + reg
-            stats.reg = float(reg.detach())
+            stats.reg = _statistic(reg)
         total.backward()
-        stats.loss = float(loss.detach())
+        stats.loss = _statistic(loss)
     with torch.no_grad():
         for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
             if side_scores.violators is not None:
-                setattr(stats, f"violators_{name}", int(side_scores.violators))
+                setattr(stats, f"violators_{name}", _statistic(side_scores.violators))
                 continue
             if side_scores.neg.shape[1] == 0:
                 continue
-            setattr(stats, f"violators_{name}", _weighted_count(side_scores.neg > side_scores.pos.unsqueeze(1),
-                                                                 side_scores.weight))
+            above = side_scores.neg > side_scores.pos.unsqueeze(1)
+            setattr(stats, f"violators_{name}",
+                    _statistic((above * side_scores.weight).sum() if side_scores.weight is not None else above.sum()))
             if not train:
                 _add_ranks(stats, side_scores)
     return stats
@@ -415,8 +497,12 @@ def _side_loss(config: ConfigSchema, scores: SideScores) -> Tensor:
     return compute_loss(config.loss_fn, config.margin, scores.pos, scores.neg, scores.weight, scores.num_neg)
 
 
-def _weighted_count(mask: Tensor, weight: Optional[Tensor]) -> int:
-    return int((mask * weight).sum()) if weight is not None else int(mask.sum())
+def _statistic(value: Tensor | float) -> Tensor | float:
+    """A per-batch sum: a Python number on the CPU; on a GPU the 0-dim tensor itself, which the bucket's
+    totals read once (``BatchStats.training_metrics``): converting it here would wait for the GPU every batch."""
+    if isinstance(value, Tensor):
+        return float(value.detach()) if value.device.type == "cpu" else value.detach()
+    return value
 
 
 def _operator_params(model: Model, rel_idx: int) -> list[Tensor]:
