@@ -46,6 +46,24 @@ def test_a_seeded_cuda_run_matches_the_cpu_run(tmp_path: Path) -> None:
         np.testing.assert_allclose(cuda, cpu, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cuda_graphs_replay_the_same_steps(tmp_path: Path, dynamic: bool) -> None:
+    from job.train.graphs import GraphedSteps
+
+    results, replays = [], []
+    for graphs in (False, True):
+        GraphedSteps.replays = 0
+        raw = _complex_graph(tmp_path / str(graphs), num_epochs=4, device="cuda", cuda_graphs=graphs, dynamic=dynamic,
+                             max_norm=2.0)
+        train(parse_config(raw))
+        storage = CheckpointStorage(raw["checkpoint_path"])
+        results.append(storage.load_entity_partition(4, "node", 0)[0])
+        replays.append(GraphedSteps.replays)
+        assert GraphedSteps.disabled_reason is None
+    assert replays[0] == 0 and replays[1] > 0, replays
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
 def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = Trainer(parse_config(write_cycle_graph(tmp_path, num_gpus=1, device="auto")))
     try:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from job.train.graphs import GraphedSteps
 from job.train.step import BatchContext, BatchStats, run_batch
 
 Features = tuple[Tensor, Tensor]  # (offsets of length E + 1, feature ids): PBG's tensor lists
@@ -96,7 +97,13 @@ def process_edges(
     lhs_features = select_features(edges.lhs_features, indices.cpu()) if edges.lhs_features is not None else None
     rhs_features = select_features(edges.rhs_features, indices.cpu()) if edges.rhs_features is not None else None
 
+    graphs = None
+    if GraphedSteps.applies(ctx, train):
+        graphs = GraphedSteps(ctx)
+
     def batch(rel_idx: int, start: int, end: int, rel_ids: Optional[Tensor]) -> BatchStats:
+        if graphs is not None:
+            return graphs.run(rel_idx, lhs[start:end], rhs[start:end], rel_ids, generator)
         return run_batch(ctx, rel_idx, lhs[start:end], rhs[start:end], rel_ids, generator, train,
                          lhs_features=slice_features(lhs_features, start, end),
                          rhs_features=slice_features(rhs_features, start, end))

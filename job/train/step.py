@@ -148,6 +148,17 @@ def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: in
     return ids if device.type == "cpu" else ids.to(device, non_blocking=True)
 
 
+def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
+                   generator: Optional[torch.Generator]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A batch's uniform negatives (lhs, rhs), each (chunks x num_uniform_negs) or None."""
+    config = ctx.config
+    num_uniform = 0 if config.relations[rel_idx].all_negs else ctx.num_uniform_negs
+    lhs_count = ctx.lhs_tables[rel_idx].weight.shape[0]
+    rhs_count = ctx.rhs_tables[rel_idx].weight.shape[0]
+    return (_sample_uniform(ctx, num_pos, num_uniform, lhs_count, config.disable_lhs_negs, generator),
+            _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator))
+
+
 def _unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
     """``torch.unique(ids, return_inverse=True)`` without sorting (the rows come out in no particular order).
 
@@ -279,8 +290,13 @@ def run_batch(
     train: bool,
     lhs_features: Optional[tuple[Tensor, Tensor]] = None,
     rhs_features: Optional[tuple[Tensor, Tensor]] = None,
+    negatives: Optional[tuple[Optional[Tensor], Optional[Tensor]]] = None,
 ) -> BatchStats:
-    """Train on (or evaluate) one batch of edges of relation ``rel_idx`` (or of dynamic relations ``rel_ids``)."""
+    """Train on (or evaluate) one batch of edges of relation ``rel_idx`` (or of dynamic relations ``rel_ids``).
+
+    ``negatives``: the uniform negatives as ``draw_negatives`` returns them, when the caller drew them
+    (a captured CUDA graph reads them from fixed buffers); otherwise drawn here from ``generator``.
+    """
     config = ctx.config
     relation = config.relations[rel_idx]
     lhs_table = ctx.lhs_tables[rel_idx]
@@ -296,12 +312,10 @@ def run_batch(
     same_table = shared_storage and (relation.all_negs or lhs_table.weight.shape[0] <= JOINT_GATHER_ROWS_PER_EDGE * num_pos)
     all_negs = relation.all_negs
     num_batch_negs = ctx.num_batch_negs
-    num_uniform = 0 if all_negs else ctx.num_uniform_negs
     device = lhs_table.weight.device
     lhs_count = lhs_table.weight.shape[0]
     rhs_count = rhs_table.weight.shape[0]
-    lhs_neg = _sample_uniform(ctx, num_pos, num_uniform, lhs_count, config.disable_lhs_negs, generator)
-    rhs_neg = _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator)
+    lhs_neg, rhs_neg = negatives if negatives is not None else draw_negatives(ctx, rel_idx, num_pos, generator)
 
     # unique rows per table ----------------------------------------------------------------------
     static = train and not all_negs and (device.type != "cpu" or STATIC_SHAPES_ON_CPU)
