@@ -81,12 +81,12 @@ def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tup
         assert (got is None) == (want is None)
         if got is not None:
             torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
-    assert stats.loss == pytest.approx(ref_stats.loss, rel=1e-9)
-    assert stats.reg == pytest.approx(ref_stats.reg, rel=1e-9)
+    assert float(stats.loss) == pytest.approx(float(ref_stats.loss), rel=1e-9)
+    assert float(stats.reg) == pytest.approx(float(ref_stats.reg), rel=1e-9)
     # violators can differ on exact ties only (a positive scored by the product it is part of, or not)
     tolerance = 0.1 if num_entities < 100 else 0.03
-    assert stats.violators_lhs == pytest.approx(ref_stats.violators_lhs, rel=tolerance, abs=3)
-    assert stats.violators_rhs == pytest.approx(ref_stats.violators_rhs, rel=tolerance, abs=3)
+    assert float(stats.violators_lhs) == pytest.approx(float(ref_stats.violators_lhs), rel=tolerance, abs=3)
+    assert float(stats.violators_rhs) == pytest.approx(float(ref_stats.violators_rhs), rel=tolerance, abs=3)
 
 
 STATIC_CASES = [case for case in CASES if case[2] in ((10, 10), (10, 200))] + [
