@@ -77,6 +77,15 @@ def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 
     return raw
 
 
+def assert_same_run(a: np.ndarray, b: np.ndarray) -> None:
+    """Two runs that must compute the same: bit for bit on the CPU; on a GPU up to the order of its atomic
+    additions (index_add_ sums a row's gradients in whatever order the threads arrive)."""
+    if TEST_DEVICE == "cuda":
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
 def pass_losses(checkpoint_path: str) -> list[float]:
     stats = CheckpointStorage(checkpoint_path).load_stats()
     return [s["stats"]["metrics"]["loss"] for s in stats if s.get("pass_summary")]
@@ -282,13 +291,13 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path: Path) ->
     for part in range(2):
         emb_a, state_a = a.load_entity_partition(4, "node", part)
         emb_b, state_b = b.load_entity_partition(4, "node", part)
-        np.testing.assert_array_equal(emb_a, emb_b)
+        assert_same_run(emb_a, emb_b)
         torch.testing.assert_close(state_a["state"][0]["sum"], state_b["state"][0]["sum"])
     params_a, _, _ = a.load_model(4)
     params_b, _, _ = b.load_model(4)
     assert params_a.keys() == params_b.keys()
     for name in params_a:
-        np.testing.assert_array_equal(params_a[name], params_b[name])
+        assert_same_run(params_a[name], params_b[name])
 
 
 def test_uncommitted_leftovers_are_dropped_on_resume(tmp_path: Path) -> None:
@@ -353,7 +362,7 @@ def test_seeded_single_worker_runs_are_reproducible(tmp_path: Path) -> None:
         train(parse_config(write_cycle_graph(tmp_path / name, num_epochs=2)))
     a, _ = CheckpointStorage(str(tmp_path / "a" / "checkpoints")).load_entity_partition(2, "node", 0)
     b, _ = CheckpointStorage(str(tmp_path / "b" / "checkpoints")).load_entity_partition(2, "node", 0)
-    np.testing.assert_array_equal(a, b)
+    assert_same_run(a, b)
 
 
 def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

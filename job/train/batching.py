@@ -98,7 +98,7 @@ def process_edges(
     rhs_features = select_features(edges.rhs_features, indices.cpu()) if edges.rhs_features is not None else None
 
     graphs = None
-    if GraphedSteps.applies(ctx, train):
+    if GraphedSteps.applies(ctx, train) and lhs_features is None and rhs_features is None:
         graphs = GraphedSteps(ctx)
 
     def batch(rel_idx: int, start: int, end: int, rel_ids: Optional[Tensor]) -> BatchStats:
