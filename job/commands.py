@@ -61,6 +61,11 @@ def _train(args: argparse.Namespace) -> int:
     launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
     processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)
+    if 0 < cards < config.num_gpus and not launched_by_torchrun and config.device != "cpu":
+        import logging
+
+        logging.getLogger("biggraph").warning("num_gpus=%d but this machine has %d GPU(s): training with %d",
+                                              config.num_gpus, cards, cards)
     if processes > 1:
         return _train_one_process_per_gpu(processes, args.argv)
     train(config)

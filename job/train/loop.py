@@ -124,6 +124,8 @@ class Trainer:
         set_edge_read_mode(config.edge_read_mode)
         validate_cheap(config)
         self.device = pick_device(config)
+        if config.half_precision:
+            logger.warning("half_precision is accepted for PBG configs but not implemented: training in float32")
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.entity_counts = read_entity_counts(config)
