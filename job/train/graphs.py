@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from job.train.step import BatchContext, BatchStats, draw_negatives, run_batch
+from job.train.step import BatchContext, BatchStats, cached_tensors, draw_negatives, run_batch
 
 logger = logging.getLogger("biggraph")
 
@@ -39,6 +39,7 @@ class _Graph:
     lhs_neg: Optional[Tensor]
     rhs_neg: Optional[Tensor]
     stats: BatchStats  # its tensor fields are the graph's outputs, overwritten by every replay
+    keepalive: list[Tensor]  # the cached tensors the graph reads and writes (see step.cached_tensors)
 
 
 class GraphedSteps:
@@ -128,5 +129,6 @@ class GraphedSteps:
         finally:
             if optimizer is not None and steps_before is not None:
                 optimizer.steps.copy_(steps_before)
-        self.graphs[key] = _Graph(graph, static_lhs, static_rhs, static_rel, static_neg[0], static_neg[1], outputs)
+        self.graphs[key] = _Graph(graph, static_lhs, static_rhs, static_rel, static_neg[0], static_neg[1], outputs,
+                                  cached_tensors())
         return stats

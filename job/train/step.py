@@ -224,6 +224,17 @@ def _every_occurrence(ids: Tensor, neg: Optional[Tensor]) -> tuple[Tensor, Tenso
 _POSITIONS: dict[tuple[str, int], Tensor] = {}
 
 
+def cached_tensors() -> list[Tensor]:
+    """Every tensor the batch code keeps between batches (scratch arrays, position ranges, batch masks).
+
+    A captured CUDA graph holds their addresses, not references: it keeps this list alive so that a cache
+    that grows or is cleared later cannot hand the memory to something else while the graph still uses it.
+    """
+    from job.train.model import _MASK_CACHE
+
+    return [*_SCRATCH.values(), *_POSITIONS.values(), *_MASK_CACHE.values()]
+
+
 def _positions(begin: int, end: int, device: torch.device) -> Tensor:
     key = (str(device), end)
     cached = _POSITIONS.get(key)
