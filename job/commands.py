@@ -67,6 +67,11 @@ def _train(args: argparse.Namespace) -> int:
         logging.getLogger("biggraph").warning("num_gpus=%d but this machine has %d GPU(s): training with %d",
                                               config.num_gpus, cards, cards)
     if processes > 1:
+        advice = partition_advice(config, processes)
+        if advice:
+            import logging
+
+            logging.getLogger("biggraph").warning(advice)
         return _train_one_process_per_gpu(processes, args.argv)
     train(config)
     return 0
@@ -83,6 +88,16 @@ def gpu_processes(num_gpus: int, device: str, cards: int, launched_by_torchrun: 
     if launched_by_torchrun or device == "cpu" or num_gpus <= 1:
         return 1
     return max(1, min(num_gpus, cards))
+
+
+def partition_advice(config: Any, processes: int) -> str:
+    """Why some of ``processes`` trainers would wait: a bucket locks its partitions, so with P partitions at
+    most about P/2 buckets train at once (PBG's GPU trainer asks for 2 partitions per GPU for the same reason)."""
+    most = max((e.num_partitions for e in config.entities.values()), default=1)
+    if most >= 2 * processes:
+        return ""
+    return (f"{processes} GPU processes but at most {most} partitions per entity type: buckets hold their partitions, "
+            f"so some GPUs will wait; use num_partitions >= {2 * processes}")
 
 
 def _train_one_process_per_gpu(processes: int, argv: list[str]) -> int:

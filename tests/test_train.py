@@ -542,3 +542,14 @@ def test_train_starts_one_process_per_gpu_only_when_asked_and_present() -> None:
     assert gpu_processes(4, "auto", 4, True) == 1  # under torchrun the launcher chose the processes
     assert gpu_processes(4, "cpu", 4, False) == 1
     assert gpu_processes(1, "cuda", 4, False) == 1
+
+
+def test_gpu_processes_need_two_partitions_each() -> None:
+    from job.commands import partition_advice
+
+    raw = {"entities": {"node": {"num_partitions": 4}}, "relations": [{"name": "r", "lhs": "node", "rhs": "node"}],
+           "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x"}
+    assert partition_advice(parse_config(raw), 2) == ""
+    assert "num_partitions >= 6" in partition_advice(parse_config(raw), 3)
+    raw["entities"]["node"]["num_partitions"] = 1
+    assert "some GPUs will wait" in partition_advice(parse_config(raw), 2)
