@@ -300,6 +300,47 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(tmp_path: Path) ->
         assert_same_run(params_a[name], params_b[name])
 
 
+def test_prefetching_partitions_changes_nothing_but_when_they_are_read(tmp_path: Path) -> None:
+    runs = {}
+    for prefetch in (False, True):
+        raw = write_cycle_graph(tmp_path / str(prefetch), num_partitions=4, num_epochs=3, prefetch_partitions=prefetch,
+                                bucket_order="random")
+        config = parse_config(raw)
+        trainer = Trainer(config)
+        try:
+            trainer.run()
+            runs[prefetch] = trainer.store.prefetched_reads
+        finally:
+            trainer.close()
+    assert runs[False] == 0 and runs[True] > 0, runs
+    a = CheckpointStorage(str(tmp_path / "False" / "checkpoints"))
+    b = CheckpointStorage(str(tmp_path / "True" / "checkpoints"))
+    for part in range(4):
+        emb_a, state_a = a.load_entity_partition(3, "node", part)
+        emb_b, state_b = b.load_entity_partition(3, "node", part)
+        assert_same_run(emb_a, emb_b)
+        torch.testing.assert_close(state_a["state"][0]["sum"], state_b["state"][0]["sum"])
+
+
+def test_a_failed_prefetch_fails_the_run_when_its_partition_is_needed(tmp_path: Path, monkeypatch) -> None:
+    from job.train.partitions import PartitionStore
+
+    raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
+    read = PartitionStore._read
+
+    def failing_read(self, key):  # noqa: ANN001, ANN202
+        import threading
+
+        if threading.current_thread().name.startswith("biggraph-prefetch"):
+            raise OSError(f"simulated read failure of {key}")
+        return read(self, key)
+
+    monkeypatch.setattr(PartitionStore, "_read", failing_read)
+    with pytest.raises(OSError, match="simulated read failure"):
+        train(parse_config(raw))
+    assert CheckpointStorage(raw["checkpoint_path"]).load_version() == 0  # nothing committed, nothing half-written
+
+
 def test_uncommitted_leftovers_are_dropped_on_resume(tmp_path: Path) -> None:
     raw = write_cycle_graph(tmp_path, num_epochs=2)
     config = parse_config(raw)

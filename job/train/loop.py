@@ -289,7 +289,8 @@ class Trainer:
                 following = buckets[bucket_idx + 1]
                 prefetch(edge_format.edges_file(edge_path, following.lhs, following.rhs))
             record, train_stats, eval_stats, seconds = self._run_bucket(
-                iteration, bucket, bucket_idx, edge_path, seed_base, first=(iteration.index == 0 and bucket_idx == 0)
+                iteration, bucket, bucket_idx, edge_path, seed_base, first=(iteration.index == 0 and bucket_idx == 0),
+                following=buckets[bucket_idx + 1] if bucket_idx + 1 < len(buckets) else None,
             )
             records.append(record)
             self.reporter.on_bucket(record)
@@ -430,9 +431,9 @@ class Trainer:
         return {"train_edges": train_total.count, "eval_mrr": eval_mrr, "loss": train_total.training_metrics()["loss"],
                 "edges_per_sec_pass": edges_per_sec}
 
-    def _tables_for(self, bucket: Bucket) -> tuple[dict[int, Table], dict[int, Table], list[tuple[str, int]]]:
+    def _keys_for(self, bucket: Bucket) -> tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]]:
+        """Per relation, the (entity type, partition) of its lhs and rhs tables in ``bucket``."""
         config = self.config
-        keys: set[tuple[str, int]] = set()
         lhs_keys: dict[int, tuple[str, int]] = {}
         rhs_keys: dict[int, tuple[str, int]] = {}
         for rel_idx, relation in enumerate(config.relations):
@@ -440,8 +441,11 @@ class Trainer:
             rhs_part = bucket.rhs if config.entities[relation.rhs].num_partitions > 1 else 0
             lhs_keys[rel_idx] = (relation.lhs, lhs_part)
             rhs_keys[rel_idx] = (relation.rhs, rhs_part)
-            keys.update((lhs_keys[rel_idx], rhs_keys[rel_idx]))
-        evicted = self.store.hold_only(keys)
+        return lhs_keys, rhs_keys
+
+    def _tables_for(self, bucket: Bucket) -> tuple[dict[int, Table], dict[int, Table], list[tuple[str, int]]]:
+        lhs_keys, rhs_keys = self._keys_for(bucket)
+        evicted = self.store.hold_only(set(lhs_keys.values()) | set(rhs_keys.values()))
         return (
             {r: self.store.get(k) for r, k in lhs_keys.items()},
             {r: self.store.get(k) for r, k in rhs_keys.items()},
@@ -458,7 +462,7 @@ class Trainer:
 
     def _run_bucket(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
-        on_evicted: Any = None,
+        on_evicted: Any = None, following: Optional[Bucket] = None,
     ) -> tuple[dict[str, Any], BatchStats, BatchStats, float]:
         config = self.config
         io_before = self.store.io_seconds
@@ -466,6 +470,10 @@ class Trainer:
         lhs_tables, rhs_tables, evicted = self._tables_for(bucket)
         if on_evicted is not None and evicted:
             on_evicted(evicted)
+        if following is not None and config.prefetch_partitions:
+            # read the next bucket's missing partitions while this one trains (they are not resident now)
+            lhs_keys, rhs_keys = self._keys_for(following)
+            self.store.prefetch(set(lhs_keys.values()) | set(rhs_keys.values()))
         edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
         if self.device.type == "cuda":
             edges = edges.to(self.device)
@@ -562,6 +570,7 @@ class Trainer:
             self.checkpoint.drop_version(old_version, self.all_keys)
 
     def close(self) -> None:
+        self.store.discard_prefetched()
         self.reporter.close()
         self.checkpoint.close()  # flush and stop background uploads on every exit path
         if self.dist is not None:

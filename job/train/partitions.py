@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -24,6 +26,17 @@ from job.train.step import row_adagrad_state
 logger = logging.getLogger("biggraph")
 
 Key = tuple[str, int]  # (entity type, partition)
+
+
+@dataclass
+class _Read:
+    """A partition read into host memory, not yet placed on the training device."""
+
+    weight: torch.Tensor
+    optim_sum: Optional[torch.Tensor]
+    step: int
+    seconds: float
+    nbytes: int
 
 
 class PartitionStore:
@@ -49,6 +62,9 @@ class PartitionStore:
         self.written: set[Key] = set()
         self.io_seconds = 0.0
         self.io_bytes = 0
+        self.pending: dict[Key, Future[_Read]] = {}  # prefetched reads not yet taken by ``get``
+        self._prefetcher: Optional[ThreadPoolExecutor] = None
+        self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
 
     @property
     def next_version(self) -> int:
@@ -61,11 +77,42 @@ class PartitionStore:
     def get(self, key: Key) -> Table:
         table = self.loaded.get(key)
         if table is None:
-            table = self._load(key)
+            pending = self.pending.pop(key, None)
+            self.prefetched_reads += pending is not None
+            table = self._place(key, pending.result() if pending is not None else self._read(key))
             self.loaded[key] = table
         return table
 
+    def prefetch(self, keys: set[Key]) -> None:
+        """Start reading the partitions among ``keys`` that are not resident, in a background thread.
+
+        Used (``prefetch_partitions``) with the next bucket's partitions while the current bucket trains:
+        those are not resident, so nothing writes them meanwhile and their source (this pass's version,
+        the committed one, ``init_path`` or random) cannot change before ``get`` takes them. They are read
+        into host memory; moving to a GPU happens in ``get``, on the training thread.
+        """
+        for key in sorted(keys):
+            if key in self.loaded or key in self.pending:
+                continue
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="biggraph-prefetch")
+            self.pending[key] = self._prefetcher.submit(self._read, key)
+
+    def discard_prefetched(self) -> None:
+        """Drop reads that will not be used (the run stops): nothing was written, so nothing to undo."""
+        for future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
+
     def _load(self, key: Key) -> Table:
+        return self._place(key, self._read(key))
+
+    def _read(self, key: Key) -> _Read:
+        """A partition's values and optimizer state in host memory; changes no state of the store (it may run
+        in the prefetch thread)."""
         entity_type, part = key
         count = self.counts[entity_type][part]
         dim = self.config.entity_dimension(entity_type)
@@ -77,6 +124,7 @@ class PartitionStore:
             weight.share_memory_()
         optim_sum: Optional[torch.Tensor] = None
         source = None
+        nbytes = 0
         if key in self.written:
             source = (self.checkpoint, self.next_version)
         elif self.committed > 0 and self.checkpoint.has_entity_partition(self.committed, entity_type, part):
@@ -91,21 +139,25 @@ class PartitionStore:
             optim_sum, step = _sum_from_state(state, count)
             if storage is self.init_storage:
                 optim_sum, step = None, 0  # init_path provides values, not optimizer history
-            self.io_bytes += array.nbytes
+            nbytes = array.nbytes
         else:
             generator = torch.Generator()
             generator.manual_seed(_stable_seed(self.config.seed, entity_type, part))
             weight.normal_(0.0, 1.0, generator=generator).mul_(self.config.init_scale)
             step = 0
-        if optim_sum is None:
-            optim_sum = torch.zeros(count, dtype=torch.float32)
-        self.steps[key] = step
-        weight = weight.to(self.device)
+        return _Read(weight, optim_sum, step, time.perf_counter() - started, nbytes)
+
+    def _place(self, key: Key, read: _Read) -> Table:
+        started = time.perf_counter()
+        optim_sum = read.optim_sum if read.optim_sum is not None else torch.zeros(read.weight.shape[0])
+        self.steps[key] = read.step
+        weight = read.weight.to(self.device)
         optim_sum = optim_sum.to(self.device)
         if self.device.type == "cpu":
             weight.share_memory_()
             optim_sum.share_memory_()
-        self.io_seconds += time.perf_counter() - started
+        self.io_bytes += read.nbytes
+        self.io_seconds += read.seconds + time.perf_counter() - started
         return Table(weight=weight, optim_sum=optim_sum)
 
     def _init_storage_version(self) -> int:
