@@ -7,6 +7,8 @@ about real S3; the ratio to local files in the same run is the figure to look at
 
     .venv/bin/python bench/storage_bench.py                       # defaults below
     .venv/bin/python bench/storage_bench.py --edges 2000000 --json out.json
+    .venv/bin/python bench/storage_bench.py --entities 1000000 --dim 32 --partitions 4 --edges 500000 --repeats 2
+        (partition I/O matters: s3-stage-prefetch against s3-stage shows what prefetch_partitions hides)
 """
 
 from __future__ import annotations
@@ -140,18 +142,21 @@ def main() -> int:
         from storage_adapters import edge_reader
 
         results: dict[str, Any] = {"config": vars(args), "edge_bytes": data_bytes, "date": time.strftime("%Y-%m-%d")}
-        runs = [("local", str(tmp / "data"), str(tmp / "ckpt-local"), "stage"),
-                ("s3-stage", "s3://bench/data", "s3://bench/ckpt-stage", "stage"),
-                ("s3-stream", "s3://bench/data", "s3://bench/ckpt-stream", "stream")]
+        runs = [("local", str(tmp / "data"), str(tmp / "ckpt-local"), "stage", False),
+                ("s3-stage", "s3://bench/data", "s3://bench/ckpt-stage", "stage", False),
+                ("s3-stream", "s3://bench/data", "s3://bench/ckpt-stream", "stream", False),
+                # the next bucket's partitions read from S3 while the current one trains
+                ("s3-stage-prefetch", "s3://bench/data", "s3://bench/ckpt-prefetch", "stage", True)]
         for repeat in range(args.repeats):  # interleaved and rotated, so that load and warm-up hurt every variant alike
-            for name, data, checkpoints, mode in runs[repeat % 3:] + runs[: repeat % 3]:
+            shift = repeat % len(runs)
+            for name, data, checkpoints, mode, prefetch in runs[shift:] + runs[:shift]:
                 edge_reader.configure_cache(str(tmp / f"cache-{name}-{repeat}"), 2 * 2**30)
                 run = train_once(data, f"{checkpoints}-{repeat}", args, edge_read_mode=mode,
-                                 storage_options={"endpoint_url": endpoint})
+                                 storage_options={"endpoint_url": endpoint}, prefetch_partitions=prefetch)
                 print(f"train {name:10s} {run['edges_per_sec']:>12,.0f} edges/s ({run['seconds']:.1f} s)", flush=True)
                 if name not in results or run["edges_per_sec"] > results[name]["edges_per_sec"]:
                     results[name] = run
-        for name in ("s3-stage", "s3-stream"):
+        for name in ("s3-stage", "s3-stream", "s3-stage-prefetch"):
             results[name]["ratio_vs_local"] = results[name]["edges_per_sec"] / results["local"]["edges_per_sec"]
         results["checkpoint_local"] = checkpoint_io(str(tmp / "ckio"), args.checkpoint_mb, 4)
         results["checkpoint_s3"] = checkpoint_io("s3://bench/ckio", args.checkpoint_mb, 4)
