@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -62,15 +63,11 @@ def _train(args: argparse.Namespace) -> int:
     cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
     processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)
     if 0 < cards < config.num_gpus and not launched_by_torchrun and config.device != "cpu":
-        import logging
-
         logging.getLogger("biggraph").warning("num_gpus=%d but this machine has %d GPU(s): training with %d",
                                               config.num_gpus, cards, cards)
     if processes > 1:
         advice = partition_advice(config, processes)
         if advice:
-            import logging
-
             logging.getLogger("biggraph").warning(advice)
         return _train_one_process_per_gpu(processes, args.argv)
     train(config)
@@ -101,7 +98,6 @@ def partition_advice(config: Any, processes: int) -> str:
 
 
 def _train_one_process_per_gpu(processes: int, argv: list[str]) -> int:
-    import logging
     import subprocess
 
     logging.getLogger("biggraph").info("training with %d processes, one per GPU (torchrun --standalone)", processes)
