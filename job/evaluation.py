@@ -33,7 +33,7 @@ from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage
 from job.reporting import task_progress
 from job.train.batching import process_edges
-from job.train.loop import bucket_grid, edge_tensors, read_entity_counts
+from job.train.loop import bucket_grid, edge_tensors, pick_device, read_entity_counts
 from job.train.model import Model, Table
 from job.train.step import BatchContext, BatchStats
 
@@ -60,9 +60,12 @@ class CheckpointReader:
             raise CheckpointError(f"{self.checkpoint.model_file(self.version)}: missing (no checkpoint version {self.version})")
         self.counts = read_entity_counts(config)
         num_dynamic = entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
+        # the training device (`device`, `num_gpus`): ranking against every entity is matrix products
+        self.device = pick_device(config)
         self.model = Model(config, num_dynamic)
         params, _, _ = self.checkpoint.load_model(self.version)
         self.model.load_public_state_dict(params, self.checkpoint.model_file(self.version))
+        self.model.to(self.device)
         self.model.eval()
         self._cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self._max_resident = max_resident
@@ -79,7 +82,7 @@ class CheckpointReader:
                 f"{self.checkpoint.partition_file(self.version, entity_type, part)}: {array.shape[0]} rows but "
                 f"entity_count_{entity_type}_{part}.txt says {expected}"
             )
-        tensor = torch.from_numpy(array)
+        tensor = torch.from_numpy(array).to(self.device)
         self._cache[key] = tensor
         while len(self._cache) > self._max_resident:
             self._cache.popitem(last=False)
@@ -148,8 +151,8 @@ def _evaluate_sampled(reader: CheckpointReader) -> BatchStats:
             rhs_tables[rel_idx] = Table(reader.partition(relation.rhs, reader.part_of(relation.rhs, rhs_part)), None)
         ctx = BatchContext(config, reader.model, None, lhs_tables, rhs_tables, config.eval_num_batch_negs,
                            config.eval_num_uniform_negs)
-        total.add(process_edges(ctx, edges, torch.arange(len(edges)), config.batch_size, config.dynamic_relations,
-                                generator, False))
+        total.add(process_edges(ctx, edges.to(reader.device), torch.arange(len(edges), device=reader.device),
+                                config.batch_size, config.dynamic_relations, generator, False))
     return total
 
 
@@ -245,8 +248,9 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
             for start in range(0, selection.numel(), config.batch_size):
                 index = selection[start:start + config.batch_size]
                 lhs_ids, rhs_ids, rel = edges.lhs[index], edges.rhs[index], edges.rel[index]
-                lhs_rows = reader.partition(relation.lhs, lp)[lhs_ids]
-                rhs_rows = reader.partition(relation.rhs, rp)[rhs_ids]
+                lhs_rows = reader.partition(relation.lhs, lp)[lhs_ids.to(reader.device)]
+                rhs_rows = reader.partition(relation.rhs, rp)[rhs_ids.to(reader.device)]
+                rel_on_device = rel.to(reader.device)
                 lhs_global = lhs_ids.numpy() + offsets[relation.lhs][lp]
                 rhs_global = rhs_ids.numpy() + offsets[relation.rhs][rp]
                 rhs_op = model.rhs_operators[rel_idx]
@@ -254,8 +258,8 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
                 lhs_vec = _prepared(model, lhs_rows, relation.lhs)
                 rhs_vec = _prepared(model, rhs_rows, relation.rhs)
                 if dynamic:
-                    rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op, rel)
-                    lhs_transformed = _prepared(model, lhs_rows, relation.lhs, lhs_op, rel)
+                    rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op, rel_on_device)
+                    lhs_transformed = _prepared(model, lhs_rows, relation.lhs, lhs_op, rel_on_device)
                     # corrupt lhs: c(u', h_r(v)); corrupt rhs: c(g_r(u), v')
                     sides = [("lhs", rhs_transformed, lhs_vec, relation.lhs, None, lhs_global, rhs_global, lhs_filter),
                              ("rhs", lhs_transformed, rhs_vec, relation.rhs, None, rhs_global, lhs_global, rhs_filter)]
@@ -273,8 +277,8 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
                         rows, targets = true_index.lookup(rel.numpy() * span + anchor_global)
                         keep = targets != true_global[rows]
                         filtered = (rows[keep], targets[keep])
-                    _rank_against_all(reader, model, cand_type, cand_op, rel if dynamic else None, anchor, pos,
-                                      true_global, filtered, offsets[cand_type], batch)
+                    _rank_against_all(reader, model, cand_type, cand_op, rel_on_device if dynamic else None, anchor,
+                                      pos, true_global, filtered, offsets[cand_type], batch)
                 total.add(batch)
     return total
 
@@ -294,11 +298,12 @@ def _rank_against_all(
 ) -> None:
     """Count, per positive, candidates of ``cand_type`` scoring >= / < the positive, excluding itself and filtered ones."""
     num = anchor.shape[0]
-    at_least = torch.zeros(num, dtype=torch.float64)
-    below = torch.zeros(num, dtype=torch.float64)
-    ties = torch.zeros(num, dtype=torch.float64)
-    candidates_total = torch.zeros(num, dtype=torch.float64)
-    true_t = torch.from_numpy(true_global)
+    device = anchor.device
+    at_least = torch.zeros(num, dtype=torch.float64, device=device)
+    below = torch.zeros(num, dtype=torch.float64, device=device)
+    ties = torch.zeros(num, dtype=torch.float64, device=device)
+    candidates_total = torch.zeros(num, dtype=torch.float64, device=device)
+    true_t = torch.from_numpy(true_global).to(device)
     for part, count in enumerate(reader.counts[cand_type]):
         if count == 0:
             continue
@@ -318,7 +323,7 @@ def _rank_against_all(
                 local = targets - (base + block_start)
                 sel = (local >= 0) & (local < block_end - block_start)
                 if sel.any():
-                    valid[torch.from_numpy(rows[sel]), torch.from_numpy(local[sel])] = False
+                    valid[torch.from_numpy(rows[sel]).to(device), torch.from_numpy(local[sel]).to(device)] = False
             p = pos.unsqueeze(1)
             at_least += ((scores >= p) & valid).sum(1).double()
             below += ((scores < p) & valid).sum(1).double()

@@ -106,6 +106,24 @@ def test_cuda_graphs_with_tables_of_different_sizes(tmp_path: Path, comparator: 
         np.testing.assert_allclose(replayed, eager, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_eval_on_the_gpu_gives_the_cpu_metrics(tmp_path: Path, dynamic: bool) -> None:
+    from job.evaluation import evaluate_command
+
+    raw = _complex_graph(tmp_path, num_epochs=3, device="cpu", dynamic=dynamic)
+    train(parse_config(raw))
+    metrics = {}
+    for device in ("cpu", "cuda"):
+        config = parse_config({**raw, "device": device})
+        metrics[device, "all"] = evaluate_command(config, filter_paths=[raw["edge_paths"][0]], candidates="all")
+        metrics[device, "sampled"] = evaluate_command(config, candidates="sampled")
+    for candidates in ("all", "sampled"):
+        cpu, cuda = metrics["cpu", candidates], metrics["cuda", candidates]
+        assert cpu["count"] == cuda["count"] > 0
+        for key in ("mrr", "hits@1", "hits@10", "hits@50", "auc", "mean_rank"):
+            assert cuda[key] == pytest.approx(cpu[key], rel=1e-4, abs=1e-6), (candidates, key)
+
+
 def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = Trainer(parse_config(write_cycle_graph(tmp_path, num_gpus=1, device="auto")))
     try:
