@@ -117,11 +117,13 @@ def test_eval_on_the_gpu_gives_the_cpu_metrics(tmp_path: Path, dynamic: bool) ->
         config = parse_config({**raw, "device": device})
         metrics[device, "all"] = evaluate_command(config, filter_paths=[raw["edge_paths"][0]], candidates="all")
         metrics[device, "sampled"] = evaluate_command(config, candidates="sampled")
-    for candidates in ("all", "sampled"):
+    # Sampled negatives include the positive entity itself (60 entities, 1000 draws), whose score ties the
+    # positive's only up to each device's rounding, and ties count against a rank: close, not equal.
+    for candidates, tolerance in (("all", 1e-4), ("sampled", 0.05)):
         cpu, cuda = metrics["cpu", candidates], metrics["cuda", candidates]
         assert cpu["count"] == cuda["count"] > 0
         for key in ("mrr", "hits@1", "hits@10", "hits@50", "auc", "mean_rank"):
-            assert cuda[key] == pytest.approx(cpu[key], rel=1e-4, abs=1e-6), (candidates, key)
+            assert cuda[key] == pytest.approx(cpu[key], rel=tolerance, abs=1e-6), (candidates, key)
 
 
 def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
