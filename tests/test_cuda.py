@@ -25,8 +25,8 @@ from job.train import Trainer, train
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)")
 
 
-def _complex_graph(root: Path, **config: object) -> dict:
-    raw = write_cycle_graph(root, num_entities=60, **config)
+def _complex_graph(root: Path, num_entities: int = 60, **config: object) -> dict:
+    raw = write_cycle_graph(root, num_entities=num_entities, **config)
     for relation in raw["relations"]:
         relation["operator"] = "complex_diagonal"
     return raw
@@ -108,22 +108,25 @@ def test_cuda_graphs_with_tables_of_different_sizes(tmp_path: Path, comparator: 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_eval_on_the_gpu_gives_the_cpu_metrics(tmp_path: Path, dynamic: bool) -> None:
+    """All-candidate ranks are the same numbers. Sampled ones are compared where a negative is rarely the
+    positive entity itself: such a tie holds only up to each device's rounding, and ties count against a
+    rank. (With dynamic relations the edges are batched in file order, where an entity's other edge is in
+    the same chunk: its own row is then always among the batch negatives, so only the static case.)"""
     from job.evaluation import evaluate_command
 
-    raw = _complex_graph(tmp_path, num_epochs=3, device="cpu", dynamic=dynamic)
-    train(parse_config(raw))
-    metrics = {}
-    for device in ("cpu", "cuda"):
-        config = parse_config({**raw, "device": device})
-        metrics[device, "all"] = evaluate_command(config, filter_paths=[raw["edge_paths"][0]], candidates="all")
-        metrics[device, "sampled"] = evaluate_command(config, candidates="sampled")
-    # Sampled negatives include the positive entity itself (60 entities, 1000 draws), whose score ties the
-    # positive's only up to each device's rounding, and ties count against a rank: close, not equal.
-    for candidates, tolerance in (("all", 1e-4), ("sampled", 0.05)):
-        cpu, cuda = metrics["cpu", candidates], metrics["cuda", candidates]
+    cases = {"all": _complex_graph(tmp_path / "all", num_epochs=3, device="cpu", dynamic=dynamic)}
+    if not dynamic:
+        cases["sampled"] = _complex_graph(tmp_path / "sampled", num_entities=2000, num_epochs=2, device="cpu",
+                                          eval_num_uniform_negs=50, eval_num_batch_negs=50)
+    for candidates, raw in cases.items():
+        train(parse_config(raw))
+        filters = [raw["edge_paths"][0]] if candidates == "all" else []
+        cpu, cuda = (evaluate_command(parse_config({**raw, "device": device}), filter_paths=filters,
+                                      candidates=candidates) for device in ("cpu", "cuda"))
         assert cpu["count"] == cuda["count"] > 0
         for key in ("mrr", "hits@1", "hits@10", "hits@50", "auc", "mean_rank"):
-            assert cuda[key] == pytest.approx(cpu[key], rel=tolerance, abs=1e-6), (candidates, key)
+            assert cuda[key] == pytest.approx(cpu[key], rel=1e-4 if candidates == "all" else 0.02, abs=1e-6), \
+                (candidates, key)
 
 
 def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
