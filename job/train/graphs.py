@@ -4,8 +4,8 @@ At PBG's batch sizes a GPU step is a few hundred microseconds of device work beh
 milliseconds of Python and ~150 kernel launches (bench/RESULTS.md has the profile). The static-shape
 path of ``step.run_batch`` makes every full batch of a relation the same kernels on the same shapes
 with no host synchronisation, so it can be captured into a CUDA graph: afterwards a batch is a copy
-of its ids into fixed buffers and one replay. Partial batches (the last of each relation's edges),
-featurized sides and ``all_negs`` relations run eagerly.
+of its ids into fixed buffers and one replay. Partial batches (the last of each relation's edges) and
+``all_negs`` relations run eagerly; batches with feature lists never come here.
 
 A ``GraphedSteps`` lives for one bucket: the graphs point at that bucket's partitions, which are
 swapped out afterwards. Capturing is an optimisation only: if it fails, training goes on eagerly.
@@ -66,8 +66,8 @@ class GraphedSteps:
         config = ctx.config
         relation = config.relations[rel_idx]
         num_pos = int(lhs.shape[0])
-        eager = (num_pos != config.batch_size or relation.all_negs or GraphedSteps.disabled_reason is not None
-                 or config.entities[relation.lhs].featurized or config.entities[relation.rhs].featurized)
+        # (featurized sides never get here: process_edges keeps batches with feature lists off this path)
+        eager = num_pos != config.batch_size or relation.all_negs or GraphedSteps.disabled_reason is not None
         # drawn here, in run_batch's order, so that graphs and eager steps consume the generator alike
         negatives = draw_negatives(ctx, rel_idx, num_pos, generator)
         if eager:

@@ -273,20 +273,19 @@ def _row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr:
     table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step.unsqueeze(1))))
 
 
-def _renorm_rows_repeated(weight: Tensor, ids: Tensor, max_norm: float) -> None:
-    """``_renorm_rows`` without asking the device whether any row is too long (repeated ids agree)."""
-    rows = weight.index_select(0, ids)
-    norms = rows.norm(2, dim=1)
-    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
-    weight.index_copy_(0, ids, rows.mul_(scale.unsqueeze(1)))
-
-
 def _renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
-    """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG."""
+    """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG.
+
+    ``ids`` may repeat (every occurrence then writes the same row). On the CPU only the rows that change are
+    written back; a GPU would have to be waited for to learn which those are, so it rewrites them all.
+    """
     rows = weight.index_select(0, ids)
     norms = rows.norm(2, dim=1)
     too_long = norms > max_norm
-    if bool(too_long.any()):
+    if weight.device.type != "cpu":
+        scale = torch.where(too_long, max_norm / (norms + 1e-7), torch.ones_like(norms))
+        weight.index_copy_(0, ids, rows.mul_(scale.unsqueeze(1)))
+    elif bool(too_long.any()):
         scale = (max_norm / (norms[too_long] + 1e-7)).unsqueeze(1)
         weight.index_copy_(0, ids[too_long], rows[too_long] * scale)
 
@@ -365,10 +364,9 @@ def run_batch(
         rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg, rhs_count)
 
     if config.max_norm is not None and train:
-        renorm = _renorm_rows_repeated if static else _renorm_rows
-        renorm(lhs_table.weight, lhs_uniq, config.max_norm)
+        _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
         if not same_table:
-            renorm(rhs_table.weight, rhs_uniq, config.max_norm)
+            _renorm_rows(rhs_table.weight, rhs_uniq, config.max_norm)
 
     with torch.set_grad_enabled(train):
         lhs_rows = lhs_table.weight.index_select(0, lhs_uniq)
