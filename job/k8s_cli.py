@@ -6,6 +6,11 @@ training config in the ConfigMap, and creates the objects through the ``kubernet
 chart writes the names of its ConfigMap and Service into annotations of the Job, which is how
 ``status`` finds the config (to read progress from ``checkpoint_path``) and ``cancel`` what to
 delete. Every failure a user can fix (no cluster, 403, an unknown job) is a one-line ``UserError``.
+
+Both renderings follow the cluster's Kubernetes minor (``--kube-version``, else the server's
+``/version``): the chart through ``helm template --kube-version`` (its ``.Capabilities`` checks), the
+plain manifests by adding in Python what the chart adds on newer minors (``k8s/base`` is the chart
+rendered for the oldest supported one, 1.31).
 """
 
 from __future__ import annotations
@@ -29,9 +34,18 @@ from job.errors import UserError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MAP_ANNOTATION = "biggraph.io/config-map"
 SERVICE_ANNOTATION = "biggraph.io/service"
+NETWORK_POLICY_ANNOTATION = "biggraph.io/network-policy"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 BASE_NAME = "biggraph-job"  # the name used throughout k8s/base
-CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "Job")
+# the NetworkPolicy before the Job, so that no pod runs unprotected
+CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job")
+# Kubernetes minors (charts/biggraph/Chart.yaml kubeVersion and the capability checks in its job.yaml)
+MIN_KUBE_MINOR = 31  # podFailurePolicy GA
+PER_INDEX_MINOR = 33  # backoffLimitPerIndex GA
+POD_REPLACEMENT_MINOR = 34  # podReplacementPolicy GA
+BACKOFF_LIMIT_PER_INDEX = 3  # the chart's default backoffLimitPerIndex
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 def register(subparsers: Any) -> None:
@@ -40,6 +54,10 @@ def register(subparsers: Any) -> None:
     submit.add_argument("--name", help="job name (default: biggraph-<config name>-<random>)")
     submit.add_argument("--replicas", type=int, help="pods (torchrun nodes)")
     submit.add_argument("--image", help="trainer image, REPO[:TAG]")
+    submit.add_argument("--queue", help="Kueue LocalQueue: the Job is created suspended and starts once Kueue admits it")
+    submit.add_argument("--kube-version", metavar="X.Y",
+                        help="render for this Kubernetes version (default: the cluster's; with --dry-run and no "
+                             "cluster: helm's default, or k8s/base as it is)")
     submit.add_argument("-f", "--values", action="append", default=[], metavar="FILE", help="Helm values file (repeatable)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Helm value (repeatable)")
     submit.add_argument("--dry-run", action="store_true", help="print the manifests instead of creating them")
@@ -63,7 +81,7 @@ def register(subparsers: Any) -> None:
     _cluster_arguments(logs)
     logs.set_defaults(func=_logs)
 
-    cancel = subparsers.add_parser("cancel", help="delete a Kubernetes job, its pods, ConfigMap and Service")
+    cancel = subparsers.add_parser("cancel", help="delete a Kubernetes job, its pods, ConfigMap, Service and NetworkPolicy")
     cancel.add_argument("job", help="job name")
     _cluster_arguments(cancel)
     cancel.set_defaults(func=_cancel)
@@ -115,6 +133,16 @@ class Cluster:
         api = client.ApiClient(configuration)
         self.core = client.CoreV1Api(api)
         self.batch = client.BatchV1Api(api)
+        self.networking = client.NetworkingV1Api(api)
+        self.version = client.VersionApi(api)
+
+    def kube_version(self) -> tuple[int, int] | None:
+        """The API server's (major, minor), or None when it does not say (a best effort: rendering goes on)."""
+        try:
+            info = self.version.get_code(_request_timeout=10)
+            return int(re.sub(r"\D", "", info.major)), int(re.sub(r"\D", "", info.minor))  # GKE/EKS say "34+"
+        except Exception:  # any failure: render without a version rather than refuse to submit
+            return None
 
     @contextlib.contextmanager
     def errors(self, what: str, not_found: str | None = None) -> Iterator[None]:
@@ -203,6 +231,20 @@ def _find_chart(args: argparse.Namespace) -> Path:
     raise UserError("the biggraph Helm chart was not found: pass --chart DIR or set BIGGRAPH_CHART")
 
 
+def parse_kube_version(text: str) -> tuple[int, int]:
+    """``1.34``, ``v1.34.2`` or ``1.34.2-eks-1`` as (1, 34)."""
+    match = re.fullmatch(r"v?(\d+)\.(\d+)(\.\d+)?([-+].*)?", text.strip())
+    if not match:
+        raise UserError(f"--kube-version {text}: expected MAJOR.MINOR, e.g. 1.34")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _check_kube_version(version: tuple[int, int] | None) -> None:
+    if version is not None and version < (1, MIN_KUBE_MINOR):
+        raise UserError(f"Kubernetes {version[0]}.{version[1]} is not supported: biggraph needs 1.{MIN_KUBE_MINOR} "
+                        "or newer (Job podFailurePolicy)")
+
+
 def _split_image(image: str) -> tuple[str, str]:
     repository, _, tag = image.rpartition(":")
     if not repository or "/" in tag:
@@ -211,7 +253,7 @@ def _split_image(image: str) -> tuple[str, str]:
 
 
 def render_with_helm(helm: str, chart: Path, name: str, namespace: str, config: dict[str, Any],
-                     args: argparse.Namespace) -> list[dict[str, Any]]:
+                     args: argparse.Namespace, kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     import yaml
 
     values: dict[str, Any] = {"fullnameOverride": name, "config": config}
@@ -220,10 +262,14 @@ def render_with_helm(helm: str, chart: Path, name: str, namespace: str, config: 
     if args.image:
         repository, tag = _split_image(args.image)
         values["image"] = {"repository": repository, "tag": tag}
+    if args.queue:
+        values["kueue"] = {"queueName": args.queue}
     with tempfile.TemporaryDirectory(prefix="biggraph-submit-") as tmp:
         generated = Path(tmp) / "submit-values.yaml"
         generated.write_text(yaml.safe_dump(values, sort_keys=False))
         command = [helm, "template", name, str(chart), "--namespace", namespace, "--skip-tests"]
+        if kube_version is not None:  # the chart's capability checks see the cluster's version
+            command += ["--kube-version", f"{kube_version[0]}.{kube_version[1]}.0"]
         for file in args.values:
             command += ["--values", file]
         command += ["--values", str(generated)]  # the CLI's own flags win over the files ...
@@ -239,8 +285,10 @@ def render_with_helm(helm: str, chart: Path, name: str, namespace: str, config: 
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
-def render_plain(name: str, config: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``k8s/base`` with its fixed name replaced and replicas, image and config filled in."""
+def render_plain(name: str, config: dict[str, Any], args: argparse.Namespace,
+                 kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """``k8s/base`` with its fixed name replaced, replicas, image, queue and config filled in, and the Job
+    fields the chart adds on newer Kubernetes minors (tests/test_chart.py compares the two on every minor)."""
     import yaml
 
     if args.values or args.set:
@@ -271,9 +319,26 @@ def render_plain(name: str, config: dict[str, Any], args: argparse.Namespace) ->
             if args.image:
                 repository, tag = _split_image(args.image)
                 container["image"] = f"{repository}:{tag}" if tag else repository
+            if args.queue:
+                labels[QUEUE_LABEL] = args.queue
+                spec["suspend"] = True  # Kueue resumes it on admission
+            _newer_job_fields(spec, kube_version)
         if obj["kind"] == "Service":
             obj["spec"]["selector"]["app.kubernetes.io/instance"] = name
     return objects
+
+
+def _newer_job_fields(spec: dict[str, Any], kube_version: tuple[int, int] | None) -> None:
+    """What charts/biggraph/templates/job.yaml adds where a minor has it GA (the plain manifests are fixed-size:
+    no index may fail for good)."""
+    if kube_version is None:
+        return
+    if kube_version >= (1, PER_INDEX_MINOR):
+        spec.pop("backoffLimit", None)
+        spec["backoffLimitPerIndex"] = BACKOFF_LIMIT_PER_INDEX
+        spec["maxFailedIndexes"] = 0
+    if kube_version >= (1, POD_REPLACEMENT_MINOR):
+        spec["podReplacementPolicy"] = "Failed"
 
 
 def _create(cluster: Cluster, obj: dict[str, Any]) -> None:
@@ -284,6 +349,7 @@ def _create(cluster: Cluster, obj: dict[str, Any]) -> None:
         "Service": cluster.core.create_namespaced_service,
         "ServiceAccount": cluster.core.create_namespaced_service_account,
         "PersistentVolumeClaim": cluster.core.create_namespaced_persistent_volume_claim,
+        "NetworkPolicy": cluster.networking.create_namespaced_network_policy,
     }
     if kind not in methods:
         raise UserError(f"submit: the chart rendered a {kind}, which submit cannot create")
@@ -302,6 +368,7 @@ def _delete(cluster: Cluster, kind: str, name: str) -> bool:
         "Service": cluster.core.delete_namespaced_service,
         "ServiceAccount": cluster.core.delete_namespaced_service_account,
         "PersistentVolumeClaim": cluster.core.delete_namespaced_persistent_volume_claim,
+        "NetworkPolicy": cluster.networking.delete_namespaced_network_policy,
     }
     with cluster.errors(f"deleting {kind} {name}"):
         try:
@@ -318,15 +385,21 @@ def _submit(args: argparse.Namespace) -> int:
 
     if args.replicas is not None and args.replicas < 1:
         raise UserError(f"--replicas {args.replicas}: must be at least 1")
+    if args.queue is not None and not LABEL_VALUE.fullmatch(args.queue):
+        raise UserError(f"--queue '{args.queue}': a LocalQueue name (letters, digits, '-', '_', '.'; at most 63)")
+    kube_version = parse_kube_version(args.kube_version) if args.kube_version else None
     config = _plain_config(args.config)
     name = _job_name(args)
     helm = _find_helm(args)
     cluster = None if args.dry_run else Cluster(args)
     namespace = cluster.namespace if cluster else (args.namespace or "default")
+    if kube_version is None and cluster is not None:
+        kube_version = cluster.kube_version()
+    _check_kube_version(kube_version)
     if helm:
-        objects = render_with_helm(helm, _find_chart(args), name, namespace, config, args)
+        objects = render_with_helm(helm, _find_chart(args), name, namespace, config, args, kube_version)
     else:
-        objects = render_plain(name, config, args)
+        objects = render_plain(name, config, args, kube_version)
     objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
     if cluster is None:
         for obj in objects:
@@ -354,6 +427,9 @@ def _submit(args: argparse.Namespace) -> int:
     job = next(o for o in objects if o["kind"] == "Job")
     print(f"submitted job {job['metadata']['name']} to namespace {namespace}: {job['spec']['parallelism']} pod(s), "
           f"checkpoints to {config.get('checkpoint_path')}")
+    queue = (job["metadata"].get("labels") or {}).get(QUEUE_LABEL)
+    if queue:
+        print(f"  queued in Kueue LocalQueue {queue}: the pods start once it is admitted")
     print(f"  biggraph status {name} -n {namespace}    biggraph logs {name} -n {namespace} --follow")
     return 0
 
@@ -363,11 +439,13 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _job_state(job: Any) -> str:
     status = job.status
+    # a suspended Job with a Kueue queue is waiting for admission, not stopped by someone
+    suspended = "Queued" if (job.metadata.labels or {}).get(QUEUE_LABEL) else "Suspended"
     for condition in (status.conditions or []) if status else []:
         if condition.status == "True" and condition.type in ("Complete", "Failed", "Suspended", "FailureTarget"):
-            return {"FailureTarget": "Failing"}.get(condition.type, condition.type)
+            return {"FailureTarget": "Failing", "Suspended": suspended}.get(condition.type, condition.type)
     if job.spec and job.spec.suspend:
-        return "Suspended"
+        return suspended
     if status and status.active:
         return "Running"
     return "Pending"
@@ -436,6 +514,9 @@ def _status(args: argparse.Namespace) -> int:
         "succeeded": (status.succeeded or 0) if status else 0, "failed": (status.failed or 0) if status else 0,
         "pods": pods,
     }
+    queue = (job.metadata.labels or {}).get(QUEUE_LABEL)
+    if queue:
+        report["queue"] = queue
     config_map = (job.metadata.annotations or {}).get(CONFIG_MAP_ANNOTATION)
     if config_map:
         with cluster.errors(f"reading ConfigMap {config_map}", f"ConfigMap {config_map} of job {args.job} not found"):
@@ -453,7 +534,8 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     print(f"job {args.job} ({cluster.namespace}): {report['state']}; {report['replicas']} replica(s): "
-          f"{report['active']} active, {report['succeeded']} succeeded, {report['failed']} failed")
+          f"{report['active']} active, {report['succeeded']} succeeded, {report['failed']} failed"
+          + (f"; Kueue LocalQueue {queue}" if queue else ""))
     for pod in pods:
         extra = f", {pod['detail']}" if pod["detail"] else ""
         print(f"  [{pod['index']}] {pod['name']}: {pod['phase']}{extra}, restarts {pod['restarts']}"
@@ -517,7 +599,8 @@ def _cancel(args: argparse.Namespace) -> int:
     annotations = job.metadata.annotations or {}
     _delete(cluster, "Job", args.job)
     removed = [f"Job {args.job}"]
-    for kind, annotation in (("ConfigMap", CONFIG_MAP_ANNOTATION), ("Service", SERVICE_ANNOTATION)):
+    for kind, annotation in (("ConfigMap", CONFIG_MAP_ANNOTATION), ("Service", SERVICE_ANNOTATION),
+                             ("NetworkPolicy", NETWORK_POLICY_ANNOTATION)):
         name = annotations.get(annotation)
         if name and _delete(cluster, kind, name):
             removed.append(f"{kind} {name}")

@@ -67,15 +67,29 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository $tag -}}
 {{- end -}}
 
-{{/* torchrun's --nnodes: MIN:MAX, MIN from elastic.minReplicas (0: fixed size). */}}
-{{- define "biggraph.nnodes" -}}
+{{/* The smallest number of pods training goes on with: elastic.minReplicas, 0 meaning "replicas" (fixed size). */}}
+{{- define "biggraph.minReplicas" -}}
 {{- $max := int .Values.replicas -}}
 {{- $min := int .Values.elastic.minReplicas -}}
 {{- if eq $min 0 -}}{{- $min = $max -}}{{- end -}}
 {{- if gt $min $max -}}
 {{- fail (printf "elastic.minReplicas (%d) must not exceed replicas (%d)" $min $max) -}}
 {{- end -}}
-{{- printf "%d:%d" $min $max -}}
+{{- $min -}}
+{{- end -}}
+
+{{/* torchrun's --nnodes: MIN:MAX. */}}
+{{- define "biggraph.nnodes" -}}
+{{- printf "%s:%d" (include "biggraph.minReplicas" .) (int .Values.replicas) -}}
+{{- end -}}
+
+{{/* Indexes that may run out of retries while training goes on: the pods an elastic job can lose. */}}
+{{- define "biggraph.maxFailedIndexes" -}}
+{{- sub (int .Values.replicas) (int (include "biggraph.minReplicas" .)) -}}
+{{- end -}}
+
+{{- define "biggraph.networkPolicyName" -}}
+{{- include "biggraph.fullname" . -}}
 {{- end -}}
 
 {{- define "biggraph.rdzvEndpoint" -}}
