@@ -176,6 +176,7 @@ def listdir(url: str) -> list[str]:
     fs, path = get_filesystem(url)
 
     def ls() -> list[str]:
+        fs.invalidate_cache(path)  # other processes write here too (a cached listing would miss their files)
         try:
             return list(fs.ls(path, detail=False))
         except FileNotFoundError:

@@ -147,8 +147,11 @@ def test_preserve_snapshots_a_committed_version_marker_last(tmp_path: Path, monk
     monkeypatch.setattr(checkpoint_module, "_copy", lambda src, dst: (events.append(dst), real_copy(src, dst))[1])
     monkeypatch.setattr(storage_adapters, "write_text", lambda url, text: (events.append(url), real_write_text(url, text))[1])
     store.preserve(4, 10, PARTITIONS)
-    assert events[-1].endswith("epoch_10/checkpoint_version.txt") and len(events) == len(PARTITIONS) + 3
+    # partitions, model, config and the checksum manifest, then the marker
+    assert events[-1].endswith("epoch_10/checkpoint_version.txt") and len(events) == len(PARTITIONS) + 4
+    assert any(e.endswith("epoch_10/checksums.v4.json") for e in events)
     snapshot = CheckpointStorage(str(tmp_path / "epoch_10"))
+    assert snapshot.manifest(4) is not None
     assert snapshot.load_version() == 4
     assert snapshot.load_config_dict() == {"dimension": 4}
     for (entity_type, part), emb in saved.items():
@@ -181,7 +184,11 @@ def test_malicious_optimizer_blob_is_refused_without_running(tmp_path: Path, mon
     store.save_entity_partition(1, "user", 0, np.zeros((2, 4), np.float32))
     with h5py.File(tmp_path / "embeddings_user_0.v1.h5", "a") as handle:
         handle.create_dataset("optimizer/state_dict", data=np.frombuffer(blob, dtype=np.dtype("V1")))
+    # a reader with no checksum for the file (as for files written by PBG) gets as far as the blob
     with pytest.raises(InputFormatError, match="optimizer state cannot be loaded safely"):
+        CheckpointStorage(str(tmp_path)).load_entity_partition(1, "user", 0)
+    # the writer itself knows the file changed after it wrote it
+    with pytest.raises(InputFormatError, match="damaged"):
         store.load_entity_partition(1, "user", 0)
     assert not marker.exists()
     # Sanity check that the blob really runs code when loaded unsafely.
@@ -197,8 +204,9 @@ def test_wrong_format_version_and_missing_files(tmp_path: Path) -> None:
     store.save_entity_partition(1, "user", 0, np.zeros((2, 4), np.float32))
     with h5py.File(tmp_path / "embeddings_user_0.v1.h5", "a") as handle:
         handle.attrs["format_version"] = 2
+    reader = CheckpointStorage(str(tmp_path))  # no record of the write: checks the format itself
     with pytest.raises(InputFormatError, match="format_version is 2"):
-        store.load_entity_partition(1, "user", 0)
+        reader.load_entity_partition(1, "user", 0)
     (tmp_path / "model.v1.h5").write_bytes(b"not hdf5")
     with pytest.raises(InputFormatError, match="not a readable HDF5 file"):
         store.load_model(1)

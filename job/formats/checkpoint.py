@@ -24,6 +24,11 @@ object written and no rename is needed. Each object appears whole (one PUT or on
 completed multipart upload). A reader that finds a file of the version it was told
 missing has lost a race with the deletion of that old version: it should read the
 marker again (``read_committed`` does exactly that).
+
+Every file this class writes has its size and CRC-32 recorded (``sums``); ``save_version``
+writes them as ``checksums.v{N}.json`` before the marker, and every read of a version
+verifies the file against that manifest (or against the record of the process that wrote
+it, for files of the pass in progress). See :mod:`job.formats.checksums`.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError
+from job.formats.checksums import Manifest, build_manifest, checksum_file, read_manifest, verify_local, write_manifest
 
 FORMAT_VERSION_ATTR = "format_version"
 FORMAT_VERSION = 1
@@ -63,6 +69,58 @@ T = TypeVar("T")
 
 _PARTITION_RE = re.compile(r"^embeddings_(?P<type>.+)_(?P<part>\d+)\.v(?P<version>\d+)\.h5$")
 _MODEL_RE = re.compile(r"^model\.v(?P<version>\d+)\.h5$")
+_MANIFEST_RE = re.compile(r"^checksums\.v(?P<version>\d+)\.json$")
+
+Entry = tuple[int, str]  # (size, crc32) of one file
+
+
+class SumRegistry:
+    """Size and checksum of the files this trainer wrote, by URL; the latest write of a URL wins.
+
+    Distributed trainers replace it with one that also shares the records between ranks
+    (a partition written by one rank is read and rewritten by others within a pass).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()
+
+    def record(self, url: str, entry: Entry) -> None:
+        with self._lock:
+            self._entries[url] = entry
+
+    def get(self, url: str) -> Entry | None:
+        with self._lock:
+            return self._entries.get(url)
+
+
+class SharedSumRegistry(SumRegistry):
+    """Records also kept in a key-value store every rank reaches (torch.distributed's store: ``set``,
+    ``get``, ``check``), so that a rank reading or committing a file another rank wrote can verify it.
+
+    A rank releases a partition only after its upload finished and its record was set, so a reader
+    that got the partition's lock always finds the latest record. Records of a trainer killed
+    earlier in the pass are absent: such files are read unverified and checksummed at the commit.
+    """
+
+    def __init__(self, store: Any, namespace: str) -> None:
+        super().__init__()
+        self.store = store
+        self.namespace = namespace
+
+    def _key(self, url: str) -> str:
+        return f"biggraph/sums/{self.namespace}/{url}"
+
+    def record(self, url: str, entry: Entry) -> None:
+        super().record(url, entry)
+        self.store.set(self._key(url), f"{entry[0]} {entry[1]}")
+
+    def get(self, url: str) -> Entry | None:
+        key = self._key(url)
+        if self.store.check([key]):
+            size, digest = self.store.get(key).decode().split()
+            return int(size), digest
+        return super().get(url)
 
 
 def serialize_optimizer_state(state: dict[str, Any] | None) -> bytes | None:
@@ -153,6 +211,8 @@ class CheckpointStorage:
         self._pending: dict[str, Future] = {}
         self._pending_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self.sums = SumRegistry()
+        self._manifests: dict[tuple[str, int], Manifest] = {}
 
     # background uploads (remote directories only) ------------------------------------------------
     @contextlib.contextmanager
@@ -161,6 +221,8 @@ class CheckpointStorage:
         if not self._remote:
             with storage.local_file_for_writing(url) as tmp:
                 yield tmp
+                entry = checksum_file(tmp)  # from the page cache, before the rename publishes it
+            self.sums.record(url, entry)
             return
         self._wait(url)
         while len(self._pending) >= MAX_PENDING_UPLOADS:
@@ -173,6 +235,7 @@ class CheckpointStorage:
         except BaseException:
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
+        self.sums.record(url, checksum_file(tmp))
 
         def upload() -> None:
             try:
@@ -254,10 +317,48 @@ class CheckpointStorage:
             raise CheckpointError(f"{url}: negative version {version}")
         return version
 
+    def manifest_file(self, version: int, base: str | None = None) -> str:
+        return storage.join(base or self.url, f"checksums.v{version}.json")
+
     def save_version(self, version: int) -> None:
-        """Commit ``version``: wait until all its files are stored, then write the marker (the last object)."""
+        """Commit ``version``: wait until all its files are stored, write their checksum manifest, then the
+        marker (the last object)."""
         self.flush()
+        names = [n for n in storage.listdir(self.url) if _version_of(n, data_only=True) == version]
+        known = {n: e for n in names if (e := self.sums.get(storage.join(self.url, n))) is not None}
+        manifest = build_manifest(self.url, names, known, version)  # files of other writers are read back
+        write_manifest(self.manifest_file(version), manifest)
+        self._manifests[(self.url, version)] = manifest
         storage.write_text(self.version_file(), f"{version}\n")
+
+    def manifest(self, version: int, base: str | None = None) -> Manifest | None:
+        """The checksum manifest of a committed version (None: written by PBG or an older biggraph)."""
+        key = (base or self.url, version)
+        found = self._manifests.get(key)
+        if found is None:
+            found = read_manifest(self.manifest_file(version, base))
+            if found is not None:
+                self._manifests[key] = found
+        return found
+
+    def expected_entry(self, version: int, url: str, base: str | None = None) -> Entry | None:
+        """What ``url`` (a file of ``version``) must hold: this trainer's own record of writing it, else the
+        version's manifest; None when neither exists (nothing to verify against)."""
+        entry = self.sums.get(url)
+        if entry is not None:
+            return entry
+        manifest = self.manifest(version, base)
+        if manifest is None:
+            return None
+        name = url.rsplit("/", 1)[-1]
+        if name not in manifest.files:
+            raise CheckpointError(f"{url}: not listed in {self.manifest_file(version, base)} (expected every file of "
+                                  f"version {version} there; the checkpoint directory was changed after the commit)")
+        return manifest.files[name]
+
+    def listed_in_manifest(self, version: int, url: str, base: str | None = None) -> bool:
+        manifest = self.manifest(version, base)
+        return manifest is not None and url.rsplit("/", 1)[-1] in manifest.files
 
     def read_committed(self, read: Callable[[int], T], attempts: int = 5) -> T:
         """``read(version)`` on the committed version, again on the new one if a writer moved on meanwhile.
@@ -300,7 +401,7 @@ class CheckpointStorage:
         """Embeddings (float32, count x dim) and optimizer state; ``out`` receives them in place if given."""
         url = self.partition_file(version, entity_type, partition, base)
         self._wait(url)
-        with _open_for_reading(url) as handle:
+        with _open_for_reading(url, self.expected_entry(version, url, base)) as handle:
             _check_version_attr(handle, url)
             if EMBEDDING_DATASET not in handle:
                 raise InputFormatError(url, "missing", dataset=EMBEDDING_DATASET, expected="a 2-D float dataset")
@@ -319,9 +420,17 @@ class CheckpointStorage:
         return out, deserialize_optimizer_state(blob, url)
 
     def has_entity_partition(self, version: int, entity_type: str, partition: int, base: str | None = None) -> bool:
+        """Whether the version holds this partition. A file its manifest lists counts even when it is gone:
+        reading it then fails, instead of the caller silently starting that partition afresh."""
         url = self.partition_file(version, entity_type, partition, base)
         self._wait(url)
-        return storage.exists(url)
+        return self.listed_in_manifest(version, url, base) or storage.exists(url)
+
+    def open_partition(self, version: int, entity_type: str, partition: int) -> _open_for_reading:
+        """An h5py handle on a verified partition file (for readers that take a sample of rows)."""
+        url = self.partition_file(version, entity_type, partition)
+        self._wait(url)
+        return _open_for_reading(url, self.expected_entry(version, url))
 
     # model ---------------------------------------------------------------------------------
     def save_model(
@@ -348,7 +457,7 @@ class CheckpointStorage:
         url = self.model_file(version)
         self._wait(url)
         params: dict[str, np.ndarray] = {}
-        with _open_for_reading(url) as handle:
+        with _open_for_reading(url, self.expected_entry(version, url)) as handle:
             _check_version_attr(handle, url)
             if MODEL_GROUP in handle:
 
@@ -362,8 +471,9 @@ class CheckpointStorage:
         return params, deserialize_optimizer_state(blob, url), metadata
 
     def has_model(self, version: int) -> bool:
-        self._wait(self.model_file(version))
-        return storage.exists(self.model_file(version))
+        url = self.model_file(version)
+        self._wait(url)
+        return self.listed_in_manifest(version, url) or storage.exists(url)
 
     # config and stats ------------------------------------------------------------------------
     def save_config(self, config_json: str) -> None:
@@ -413,18 +523,27 @@ class CheckpointStorage:
 
     # housekeeping ---------------------------------------------------------------------------
     def list_versions(self) -> set[int]:
-        versions = set()
-        for name in storage.listdir(self.url):
-            match = _PARTITION_RE.match(name) or _MODEL_RE.match(name)
-            if match:
-                versions.add(int(match.group("version")))
-        return versions
+        """Versions with any file (data or manifest) in the directory."""
+        return {v for name in storage.listdir(self.url) if (v := _version_of(name)) is not None}
 
     def drop_version(self, version: int, partitions: list[tuple[str, int]]) -> None:
+        # the manifest first: a crash half-way leaves files without a manifest (garbage), never a manifest
+        # whose files are half gone
+        storage.remove(self.manifest_file(version))
+        self._manifests.pop((self.url, version), None)
         urls = [self.partition_file(version, t, p) for t, p in partitions] + [self.model_file(version)]
         self.flush()
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(storage.remove, urls))
+
+    def drop_uncommitted_manifests(self, committed: int) -> None:
+        """Remove manifests of versions after the committed one (a crash between manifest and marker): the
+        pass that redoes that version must not be checked against them."""
+        for name in storage.listdir(self.url):
+            match = _MANIFEST_RE.match(name)
+            if match and int(match.group("version")) > committed:
+                storage.remove(storage.join(self.url, name))
+                self._manifests.pop((self.url, int(match.group("version"))), None)
 
     def drop_uncommitted(self, committed: int, partitions: list[tuple[str, int]]) -> None:
         """Remove the leftovers of versions newer than the committed one (a crash mid-write)."""
@@ -440,9 +559,17 @@ class CheckpointStorage:
         pairs = [(self.partition_file(version, t, p), self.partition_file(version, t, p, snapshot)) for t, p in partitions]
         pairs.append((self.model_file(version), self.model_file(version, snapshot)))
         pairs.append((self.config_file(), storage.join(snapshot, CONFIG_FILE)))
+        if self.manifest(version) is not None:
+            pairs.append((self.manifest_file(version), self.manifest_file(version, snapshot)))
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(lambda pair: _copy(*pair), pairs))
         storage.write_text(self.version_file(snapshot), f"{version}\n")
+
+
+def _version_of(name: str, data_only: bool = False) -> int | None:
+    """The version a checkpoint file name belongs to (None for other files)."""
+    match = _PARTITION_RE.match(name) or _MODEL_RE.match(name) or (None if data_only else _MANIFEST_RE.match(name))
+    return int(match.group("version")) if match else None
 
 
 def _copy(src: str, dst: str) -> None:
@@ -472,10 +599,12 @@ def _attr_value(value: Any) -> Any:
 
 
 class _open_for_reading:
-    """Context manager: an h5py handle on a checkpoint file at any URL."""
+    """Context manager: an h5py handle on a checkpoint file at any URL, verified against ``expected``
+    (size, crc32) first when given."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, expected: Entry | None = None) -> None:
         self.url = url
+        self.expected = expected
         self._stack: Any = None
 
     def __enter__(self) -> h5py.File:
@@ -486,7 +615,12 @@ class _open_for_reading:
             self._stack.close()
             raise CheckpointError(f"{self.url}: missing (expected a checkpoint file)") from None
         try:
+            if self.expected is not None:
+                verify_local(self.url, path, self.expected)
             return self._stack.enter_context(h5py.File(path, "r"))
+        except InputFormatError:
+            self._stack.close()
+            raise
         except FileNotFoundError:
             self._stack.close()
             raise CheckpointError(f"{self.url}: missing (expected a checkpoint file)") from None

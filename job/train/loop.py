@@ -20,7 +20,7 @@ from job.config import ConfigSchema
 from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
-from job.formats.checkpoint import CheckpointStorage
+from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.train.batching import EdgeTensors, process_edges
 from job.train.buckets import Bucket, all_buckets, order_buckets
 from job.train.distributed import (
@@ -142,8 +142,12 @@ class Trainer:
             wait_all(self.dist, f"prepared-{self.dist.restart_count}")
         self.version = self.checkpoint.load_version()
         self.progress: Optional[dict[str, Any]] = self._read_progress() if self.dist is not None else None
+        if self.dist is not None:
+            # a partition written by one rank is read by others: they verify it against the writer's record
+            self.checkpoint.sums = SharedSumRegistry(self.dist.store, str(self.dist.restart_count))
         if self.rank == 0:
             self._remove_temporary_files()
+            self.checkpoint.drop_uncommitted_manifests(self.version)
             if self.progress is None:
                 # leftovers of a pass that crashed before its commit are garbage
                 self.checkpoint.drop_uncommitted(self.version, self.all_keys)
@@ -378,13 +382,13 @@ class Trainer:
                 # give our partitions back so that nobody waits on us, then ask again
                 released = self.store.evict_partitioned()
                 if released:
-                    client.release(released)
+                    self._release(client, released)
                 waits += 1
                 time.sleep(min(0.05 * waits, 0.5))
                 continue
             waits = 0
             record, train_stats, eval_stats, seconds = self._run_bucket(
-                iteration, bucket, bucket_idx, edge_path, seed_base, first=False, on_evicted=client.release
+                iteration, bucket, bucket_idx, edge_path, seed_base, first=False, on_evicted=lambda keys: self._release(client, keys)
             )
             record["rank"] = self.rank
             self.reporter.on_bucket(record)
@@ -396,7 +400,7 @@ class Trainer:
             finished = bucket
         released = self.store.evict_partitioned()
         if released:
-            client.release(released)
+            self._release(client, released)
         self.shared.sync(client)
         wait_all(ctx, f"pass-written-{round_tag}")
         if server is not None:
@@ -430,6 +434,12 @@ class Trainer:
                     train_total.count, edges_per_sec, train_total.training_metrics()["loss"])
         return {"train_edges": train_total.count, "eval_mrr": eval_mrr, "loss": train_total.training_metrics()["loss"],
                 "edges_per_sec_pass": edges_per_sec}
+
+    def _release(self, client: LockClient, keys: list) -> None:
+        """Give partitions back once their files are stored: on object stores uploads run in the background,
+        and the next holder (another rank) must read what we wrote, not an older file or none."""
+        self.checkpoint.flush()
+        client.release(keys)
 
     def _keys_for(self, bucket: Bucket) -> tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]]:
         """Per relation, the (entity type, partition) of its lhs and rhs tables in ``bucket``."""
