@@ -273,7 +273,7 @@ def test_partitioned_training_holds_one_bucket_and_writes_every_partition(tmp_pa
     names = sorted(p.name for p in Path(config.checkpoint_path).iterdir())
     assert names == sorted(
         [f"embeddings_node_{p}.v2.h5" for p in range(4)] + ["model.v2.h5", "checkpoint_version.txt", "config.json",
-                                                             "training_stats.json"]
+                                                             "training_stats.json", "checksums.v2.json"]
     )
 
 
