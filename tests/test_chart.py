@@ -1,14 +1,19 @@
-"""The Helm chart, rendered by the real helm binary and validated against Kubernetes 1.37's OpenAPI schemas
-(kubernetes-validate, offline); k8s/ kept in step with it; and the pod's command line run locally, which trains."""
+"""The Helm chart, rendered by the real helm binary for every supported Kubernetes minor (1.31-1.37) and
+validated strictly against that minor's OpenAPI schemas (kubernetes-validate, in-process, offline); the
+schema's refusals; the NetworkPolicy's reach; k8s/ (base, overlays and `biggraph submit --no-helm`'s
+rendering) kept in step with it; and the pod's command line run locally, which trains."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +48,17 @@ def run_helm(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([helm_binary(), *args], capture_output=True, text=True, env=helm_env(tmp), timeout=60)
 
 
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: helm output for 7 minors parses 5x faster
+# podFailurePolicy is GA from 1.31 (the chart's kubeVersion); kubernetes-validate ships schemas up to 1.37
+KUBE_MINORS = [f"1.{minor}" for minor in range(31, 38)]
+
+
 def render(tmp: Path, *, values: list[Path] = (), sets: list[str] = (), release: str = "rel",
-           extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+           extra: dict[str, Any] | None = None, kube: str | None = None) -> list[dict[str, Any]]:
+    """``helm template``; ``kube`` (e.g. "1.33") sets the version the chart's .Capabilities checks see."""
     args = ["template", release, str(CHART)]
+    if kube is not None:
+        args += ["--kube-version", f"{kube}.0"]
     for file in values:
         args += ["-f", str(file)]
     if extra is not None:
@@ -56,7 +69,7 @@ def render(tmp: Path, *, values: list[Path] = (), sets: list[str] = (), release:
         args += ["--set", item]
     done = run_helm(tmp, *args)
     assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return [doc for doc in yaml.load_all(done.stdout, Loader=SAFE_LOADER) if doc]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -77,12 +90,65 @@ CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 VENV_BIN = Path(sys.executable).parent
 
 
-def validate(doc: dict[str, Any]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+@functools.cache
+def kubernetes_validate_module() -> Any:
+    """kubernetes_validate, with its parsed schema files kept: validate() re-reads the 1.5 MB definitions file
+    of a minor on every call, which is most of the time of validating ~250 objects (if that helper is gone in a
+    later version, validation is only slower)."""
+    module = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    utils = getattr(module, "utils", None)
+    if callable(getattr(utils, "schema_contents", None)):
+        utils.schema_contents = functools.cache(utils.schema_contents)
+    return module
+
+
+def schema_errors(doc: dict[str, Any], kube: str) -> list[str]:
+    """Strict validation against ``kube``'s schemas (unknown fields are errors too); [] when valid."""
+    kubernetes_validate = kubernetes_validate_module()
     try:
-        kubernetes_validate.validate(doc, "1.37", strict=True)
+        validated = kubernetes_validate.validate(doc, kube, strict=True)
     except kubernetes_validate.ValidationError as err:
-        raise AssertionError(f"{doc['kind']} {doc['metadata'].get('name')}: {err.message} at {list(err.path)}") from None
+        return [f"{kube} {doc['kind']} {doc['metadata'].get('name')}: {err.message} at {list(err.path)}"]
+    assert validated == kube, f"no {kube} schemas in this kubernetes-validate (validated against {validated})"
+    return []
+
+
+def validate(doc: dict[str, Any], kube: str = KUBE_MINORS[-1]) -> None:
+    errors = schema_errors(doc, kube)
+    assert not errors, errors[0]
+
+
+def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes LabelSelector (matchLabels and matchExpressions) applied to a pod's labels."""
+    if any(labels.get(key) != value for key, value in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def may_connect(policies: list[dict[str, Any]], source: dict[str, str], target: dict[str, str], port: int) -> bool:
+    """Whether a pod labelled ``source`` (same namespace) may open ``port`` on a pod labelled ``target``, by the
+    NetworkPolicy rules: a pod no Ingress policy selects accepts anything; else some rule must admit it."""
+    selecting = [p for p in policies if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and matches(p["spec"]["podSelector"], target)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            peers = rule.get("from")
+            ports = rule.get("ports")
+            peer_ok = peers is None or any("podSelector" in peer and "namespaceSelector" not in peer
+                                           and matches(peer["podSelector"], source) for peer in peers)
+            port_ok = ports is None or any(
+                "port" not in item or item["port"] <= port <= item.get("endPort", item["port"]) for item in ports)
+            if peer_ok and port_ok:
+                return True
+    return False
 
 
 def trainer(job: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +167,64 @@ def arg_value(args: list[str], flag: str) -> str:
 
 
 def test_ci_values_files_cover_the_deployments() -> None:
-    assert {p.name for p in CI_VALUES} == {f"{k}-values.yaml" for k in ("cpu", "gpu", "s3", "pvc", "elastic")}
+    assert {p.name for p in CI_VALUES} == {f"{k}-values.yaml" for k in ("cpu", "gpu", "s3", "pvc", "elastic", "kueue")}
+
+
+@pytest.mark.slow
+def test_every_ci_rendering_validates_strictly_on_every_supported_minor(tmp_path: Path) -> None:
+    """helm template --kube-version 1.3x for each ci values file, validated against that minor's schemas."""
+    jobs = [(values, kube) for values in CI_VALUES for kube in KUBE_MINORS]
+    with ThreadPoolExecutor(max_workers=4) as pool:  # helm processes overlap; validation stays in this process
+        renders = list(pool.map(lambda job: render(tmp_path / f"{job[0].stem}-{job[1]}", values=[job[0]],
+                                                   kube=job[1]), jobs))
+    errors, validated = [], 0
+    for (values, kube), docs in zip(jobs, renders):
+        for doc in docs:
+            errors += [f"{values.name}: {e}" for e in schema_errors(doc, kube)]
+            validated += 1
+    assert not errors, "\n".join(errors)
+    assert validated >= len(CI_VALUES) * len(KUBE_MINORS) * 5  # ConfigMap, Service, NetworkPolicy, Job, test Pod
+
+
+def test_strict_validation_tells_the_minors_apart() -> None:
+    """The per-minor check is not vacuous: before 1.35 an onPodConditions pattern needs its status (what the
+    chart lacked), and a field no minor knows is refused by every one."""
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": {
+        "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+        "template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "i"}]}}}}
+    assert [k for k in KUBE_MINORS if schema_errors(job, k)] == ["1.31", "1.32", "1.33", "1.34"]
+    assert "'status' is a required property" in schema_errors(job, "1.33")[0]
+    job["spec"]["backoffLimitPerIndx"] = 1
+    assert all(schema_errors(job, k) for k in KUBE_MINORS)
+
+
+def test_kubernetes_older_than_1_31_is_refused(tmp_path: Path) -> None:
+    done = run_helm(tmp_path, "template", "rel", str(CHART), "-f", str(CHART / "ci" / "cpu-values.yaml"),
+                    "--kube-version", "1.30.0")
+    assert done.returncode != 0
+    assert "kubeVersion: >=1.31.0-0" in done.stderr and "v1.30.0" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("kube", ["1.31", "1.32", "1.33", "1.34", "1.37"])
+def test_retry_fields_follow_the_kubernetes_minor(kube: str, tmp_path: Path) -> None:
+    fixed = one(render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"], kube=kube), "Job")["spec"]
+    elastic = one(render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"], kube=kube), "Job")["spec"]
+    minor = int(kube.split(".")[1])
+    if minor >= 33:  # backoffLimitPerIndex GA: counted per index, no job-wide limit that one incident uses up
+        assert "backoffLimit" not in fixed and "backoffLimit" not in elastic
+        assert fixed["backoffLimitPerIndex"] == elastic["backoffLimitPerIndex"] == 3
+        assert fixed["maxFailedIndexes"] == 0  # fixed size: an index out of retries fails the Job at once
+        assert elastic["maxFailedIndexes"] == 2  # 4 replicas, training goes on with 2
+    else:
+        assert "backoffLimitPerIndex" not in fixed and "maxFailedIndexes" not in fixed
+        assert fixed["backoffLimit"] == 3 and elastic["backoffLimit"] == 8
+    if minor >= 34:  # podReplacementPolicy GA: never two pods of one index at once
+        assert fixed["podReplacementPolicy"] == elastic["podReplacementPolicy"] == "Failed"
+    else:
+        assert "podReplacementPolicy" not in fixed
+    legacy = one(render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"], sets=["backoffLimitPerIndex=null"],
+                        kube=kube), "Job")["spec"]
+    assert legacy["backoffLimit"] == 3 and "backoffLimitPerIndex" not in legacy
 
 
 @pytest.mark.slow
@@ -111,8 +234,6 @@ def test_chart_lints_renders_and_validates(values: Path, tmp_path: Path) -> None
     assert lint.returncode == 0, lint.stdout + lint.stderr
     assert "0 chart(s) failed" in lint.stdout
     docs = render(tmp_path, values=[values])
-    for doc in docs:
-        validate(doc)
     given = yaml.safe_load(values.read_text())
     job = one(docs, "Job")
     service = one(docs, "Service")
@@ -148,6 +269,12 @@ def test_chart_lints_renders_and_validates(values: Path, tmp_path: Path) -> None
     assert mounts["config"] == "/etc/biggraph" and volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
     assert mounts["dshm"] == "/dev/shm" and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert mounts["tmp"] == "/tmp" and "emptyDir" in volumes["tmp"]
+    # the NetworkPolicy protects exactly these pods, and lets them reach each other
+    policy = one(docs, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert any(matches(rule_from["podSelector"], pod_labels) for rule in policy["spec"]["ingress"]
+               for rule_from in rule["from"])
+    assert job["metadata"]["annotations"]["biggraph.io/network-policy"] == policy["metadata"]["name"]
     # hardening
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -219,12 +346,52 @@ def test_elastic_values_irsa_service_account_and_rdzv_conf(tmp_path: Path) -> No
     assert arg_value(args, "--nnodes") == "2:4"
     assert arg_value(args, "--max-restarts") == "10"
     assert arg_value(args, "--rdzv-conf") == "join_timeout=600,last_call_timeout=30"
-    assert job["spec"]["backoffLimit"] == 8
+    assert one(render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"], kube="1.32"),
+               "Job")["spec"]["backoffLimit"] == 8
     etcd = render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"],
                   sets=["torchrun.rdzvBackend=etcd-v2", "torchrun.rdzvEndpoint=etcd.infra:2379"])
     container = trainer(one(etcd, "Job"))
     assert arg_value(container["args"], "--rdzv-endpoint") == "etcd.infra:2379"
     assert "BIGGRAPH_RDZV_HOST_INDEX" not in env_of(container)  # no store host with etcd
+
+
+def test_kueue_values_queue_the_job_suspended(tmp_path: Path) -> None:
+    job = one(render(tmp_path, values=[CHART / "ci" / "kueue-values.yaml"]), "Job")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-queue"
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "batch-low"
+    assert job["spec"]["suspend"] is True  # Kueue resumes it once admitted
+    assert job["spec"]["parallelism"] == job["spec"]["completions"] == 3
+    assert job["spec"]["backoffLimitPerIndex"] == 2
+    # without a queue: no Kueue label, and the Job starts at once
+    plain = one(render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"]), "Job")
+    assert not [k for k in plain["metadata"]["labels"] if k.startswith("kueue.x-k8s.io/")]
+    assert "suspend" not in plain["spec"]
+
+
+def test_network_policy_admits_only_the_release_pods(tmp_path: Path) -> None:
+    docs = render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"], release="emb")
+    other = render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"], release="other")
+    policies = by_kind(docs, "NetworkPolicy") + by_kind(other, "NetworkPolicy")
+    pod = one(docs, "Job")["spec"]["template"]["metadata"]["labels"]
+    test_pod = one(docs, "Pod", hook=True)["metadata"]["labels"]
+    other_pod = one(other, "Job")["spec"]["template"]["metadata"]["labels"]
+    rdzv = one(docs, "Service")["spec"]["ports"][0]["port"]
+    assert policies[0]["spec"]["policyTypes"] == ["Ingress"]  # egress (S3, etcd, DNS) stays open
+    for port in (rdzv, 29500, 45123):  # the rendezvous; MASTER_PORT, gloo and NCCL ports are picked at run time
+        assert may_connect(policies, pod, pod, port)  # the job's pods reach each other
+        assert may_connect(policies, test_pod, pod, port)  # and the helm test pod reaches them
+        assert not may_connect(policies, other_pod, pod, port)  # another biggraph job does not
+        assert not may_connect(policies, {"app": "curl"}, pod, port)  # nor any other pod
+        assert may_connect(policies, other_pod, other_pod, port)
+    # extraIngress adds rules; networkPolicy.enabled=false removes the policy and the Job's annotation
+    scraper = {"from": [{"podSelector": {"matchLabels": {"app": "prometheus"}}}], "ports": [{"port": 9090}]}
+    extra = render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"], release="emb",
+                   extra={"networkPolicy": {"extraIngress": [scraper]}})
+    assert may_connect(by_kind(extra, "NetworkPolicy"), {"app": "prometheus"}, pod, 9090)
+    assert not may_connect(by_kind(extra, "NetworkPolicy"), {"app": "prometheus"}, pod, rdzv)
+    off = render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"], sets=["networkPolicy.enabled=false"])
+    assert not by_kind(off, "NetworkPolicy")
+    assert "biggraph.io/network-policy" not in one(off, "Job")["metadata"]["annotations"]
 
 
 @pytest.mark.slow
@@ -253,10 +420,39 @@ BAD_VALUES = {
     "rdzv-backend": (["torchrun.rdzvBackend=static"], "rdzvBackend"),
     "nproc-zero": (["torchrun.nprocPerNode=0"], "nprocPerNode"),
     "min-over-max": (["elastic.minReplicas=5"], "minReplicas"),
-    "etcd-without-endpoint": (["torchrun.rdzvBackend=etcd-v2"], "rdzvEndpoint"),
     "bad-quantity": (["shm.sizeLimit=lots"], "sizeLimit"),
     "bad-endpoint-url": (["s3.endpointUrl=minio:9000"], "endpointUrl"),
     "bad-access-mode": (["persistence.accessModes={ReadWriteSometimes}"], "accessModes"),
+    "bad-queue-name": (["kueue.queueName=team a"], "queueName"),
+    "bad-per-index": (["backoffLimitPerIndex=-1"], "backoffLimitPerIndex"),
+    "network-policy-typo": (["networkPolicy.enable=false"], "enable"),
+    # combinations that render but cannot work in a cluster
+    "gpus-with-cpu-device": (["gpu.count=2", "config.device=cpu"], "/config/device"),
+    "gpus-with-auto-device-and-no-num-gpus": (["gpu.count=1"], "num_gpus"),
+    "cuda-without-gpus": (["config.device=cuda"], "/config/device"),
+    "num-gpus-without-gpus": (["config.num_gpus=2"], "/config/num_gpus"),
+    "etcd-v2-without-endpoint": (["torchrun.rdzvBackend=etcd-v2"], "/torchrun/rdzvEndpoint"),
+    "etcd-without-endpoint": (["torchrun.rdzvBackend=etcd"], "/torchrun/rdzvEndpoint"),
+    "session-token-without-secret": (["s3.sessionTokenKey=AWS_SESSION_TOKEN"], "/s3/existingSecret"),
+    "irsa-annotation-without-service-account": (
+        ["serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:aws:iam::1:role/r"], "/serviceAccount/create"),
+    "read-write-once-pod-with-two-replicas": (
+        ["persistence.enabled=true", "persistence.accessModes={ReadWriteOncePod}"], "/replicas"),
+}
+
+# the same combinations are fine the other way round (so the rules above refuse only what cannot work)
+GOOD_VALUES = {
+    "gpus-with-cuda": ["gpu.count=2", "config.device=cuda"],
+    "gpus-with-auto-and-num-gpus": ["gpu.count=2", "config.num_gpus=2"],
+    "cpu-device-with-num-gpus": ["config.device=cpu", "config.num_gpus=2"],
+    "cuda-with-a-gpu-limit": ["config.device=cuda", "resources.limits.nvidia\\.com/gpu=1"],
+    "etcd-v2-with-endpoint": ["torchrun.rdzvBackend=etcd-v2", "torchrun.rdzvEndpoint=etcd:2379"],
+    "session-token-with-secret": ["s3.sessionTokenKey=T", "s3.existingSecret=s"],
+    "irsa-with-service-account": ["serviceAccount.create=true", "serviceAccount.annotations.a=b"],
+    "read-write-once-pod-with-one-replica": ["replicas=1", "persistence.enabled=true",
+                                             "persistence.accessModes={ReadWriteOncePod}"],
+    "read-write-once-pod-existing-claim": ["persistence.enabled=true", "persistence.existingClaim=mine",
+                                           "persistence.accessModes={ReadWriteOncePod}"],
 }
 
 
@@ -270,6 +466,14 @@ def test_bad_values_are_rejected(case: str, tmp_path: Path) -> None:
     done = run_helm(tmp_path, *args)
     assert done.returncode != 0, f"{sets} was accepted"
     assert key in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(GOOD_VALUES))
+def test_working_combinations_are_accepted(case: str, tmp_path: Path) -> None:
+    sets = [item for pair in GOOD_VALUES[case] for item in ("--set", pair)]
+    done = run_helm(tmp_path, "template", "rel", str(CHART), "-f", str(CHART / "ci" / "cpu-values.yaml"), *sets)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.slow
@@ -291,52 +495,113 @@ def test_missing_config_is_rejected(missing: str, tmp_path: Path) -> None:
 
 # k8s/: the plain manifests --------------------------------------------------------------------------
 
+BASE = REPO / "k8s" / "base"
+OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+
 
 def load_base() -> dict[str, dict[str, Any]]:
-    base = REPO / "k8s" / "base"
-    resources = yaml.safe_load((base / "kustomization.yaml").read_text())["resources"]
-    docs = [d for r in resources for d in yaml.safe_load_all((base / r).read_text()) if d]
+    resources = yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"]
+    docs = [d for r in resources for d in yaml.safe_load_all((BASE / r).read_text()) if d]
     return {d["kind"]: d for d in docs}
 
 
+def base_config() -> dict[str, Any]:
+    return yaml.safe_load(load_base()["ConfigMap"]["data"]["config.yaml"])
+
+
+def plain_render(name: str, kube: str | None, replicas: int | None = None, queue: str | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """What `biggraph submit --no-helm` creates (job.k8s_cli.render_plain), by kind."""
+    from job.k8s_cli import parse_kube_version, render_plain
+
+    args = argparse.Namespace(values=[], set=[], replicas=replicas, image=None, queue=queue)
+    objects = render_plain(name, base_config(), args, parse_kube_version(kube) if kube else None)
+    assert len({o["kind"] for o in objects}) == len(objects)
+    return {o["kind"]: o for o in objects}
+
+
+def assert_same_as_chart(plain: dict[str, dict[str, Any]], chart: list[dict[str, Any]]) -> None:
+    """The objects the plain manifests give equal the chart's, but for Helm's own labels and annotations."""
+    assert set(plain) == {"ConfigMap", "Service", "NetworkPolicy", "Job"}
+    chart_job, plain_job = one(chart, "Job"), plain["Job"]
+    assert {**plain_job["spec"], "template": None} == {**chart_job["spec"], "template": None}
+    assert plain_job["spec"]["template"]["spec"] == chart_job["spec"]["template"]["spec"]
+    assert plain_job["spec"]["template"]["metadata"]["labels"] == chart_job["spec"]["template"]["metadata"]["labels"]
+    assert plain_job["metadata"]["annotations"] == chart_job["metadata"]["annotations"]
+    kueue = {k: v for k, v in chart_job["metadata"]["labels"].items() if k.startswith("kueue.x-k8s.io/")}
+    assert kueue.items() <= plain_job["metadata"]["labels"].items()
+    for kind in ("Service", "NetworkPolicy"):
+        assert plain[kind]["spec"] == one(chart, kind)["spec"], kind
+        assert plain[kind]["metadata"]["name"] == one(chart, kind)["metadata"]["name"]
+    assert yaml.safe_load(plain["ConfigMap"]["data"]["config.yaml"]) == yaml.safe_load(
+        one(chart, "ConfigMap")["data"]["config.yaml"])
+
+
 @pytest.mark.slow
-def test_k8s_base_matches_the_chart(tmp_path: Path) -> None:
+def test_k8s_base_is_the_chart_for_the_oldest_minor(tmp_path: Path) -> None:
+    """k8s/base as written = the chart rendered for 1.31 (so it suits every supported minor), valid on each."""
     base = load_base()
-    config = yaml.safe_load(base["ConfigMap"]["data"]["config.yaml"])
-    docs = render(tmp_path, release="biggraph-job", extra={"fullnameOverride": "biggraph-job", "config": config})
-    chart_job, base_job = one(docs, "Job"), base["Job"]
-    for doc in base.values():
-        validate(doc)
-    assert base_job["spec"] == {**chart_job["spec"], "template": base_job["spec"]["template"]}
-    chart_pod, base_pod = chart_job["spec"]["template"]["spec"], base_job["spec"]["template"]["spec"]
-    assert base_pod == chart_pod
-    assert base["Service"]["spec"] == one(docs, "Service")["spec"]
-    assert base_job["metadata"]["annotations"] == chart_job["metadata"]["annotations"]
+    docs = render(tmp_path, release="biggraph-job", kube=KUBE_MINORS[0],
+                  extra={"fullnameOverride": "biggraph-job", "config": base_config()})
+    assert_same_as_chart(base, docs)
+    errors = [e for kube in KUBE_MINORS for doc in base.values() for e in schema_errors(doc, kube)]
+    assert not errors, "\n".join(errors)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
-def test_kustomize_overlays_build_and_validate(overlay: str) -> None:
-    kubectl = next((p for p in ("/usr/bin/kubectl", str(VENV_BIN / "kubectl")) if os.access(p, os.X_OK)), None)
+def test_submit_without_helm_renders_what_the_chart_does_on_every_minor(tmp_path: Path) -> None:
+    """`biggraph submit --no-helm` adds the newer minors' Job fields in Python: the same as the chart's checks."""
+    errors = []
+    for kube in KUBE_MINORS:
+        plain = plain_render("emb", kube, replicas=3, queue="team-a")
+        chart = render(tmp_path, release="emb", kube=kube, extra={
+            "fullnameOverride": "emb", "config": base_config(), "replicas": 3, "kueue": {"queueName": "team-a"}})
+        assert_same_as_chart(plain, chart)
+        assert plain["Job"]["spec"]["suspend"] is True
+        errors += [e for doc in plain.values() for e in schema_errors(doc, kube)]
+    assert not errors, "\n".join(errors)
+    assert plain_render("emb", None, replicas=3)["Job"]["spec"]["backoffLimit"] == 3  # version unknown: k8s/base's
+    assert "suspend" not in plain_render("emb", "1.37")["Job"]["spec"]
+
+
+def kubectl_binary() -> str | None:
+    candidates = (REPO / ".cache" / "bin" / "kubectl", VENV_BIN / "kubectl", Path("/usr/bin/kubectl"))
+    return next((str(p) for p in candidates if os.access(p, os.X_OK)), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_overlays_build_and_validate_on_every_minor(overlay: str) -> None:
+    kubectl = kubectl_binary()
     if kubectl is None:
-        pytest.skip("kubectl (for `kubectl kustomize`) is not installed")
+        pytest.skip("no kubectl for `kubectl kustomize` (k8s/base itself is checked through render_plain)")
     done = subprocess.run([kubectl, "kustomize", str(REPO / "k8s" / "overlays" / overlay)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "KUBECONFIG": "/dev/null"})
     assert done.returncode == 0, done.stderr
     docs = {d["kind"]: d for d in yaml.safe_load_all(done.stdout) if d}
-    assert set(docs) == {"ConfigMap", "Service", "Job"}
+    assert set(docs) == {"ConfigMap", "Service", "NetworkPolicy", "Job"}
+    errors = [e for kube in KUBE_MINORS for doc in docs.values() for e in schema_errors(doc, kube)]
+    assert not errors, "\n".join(errors)
     for doc in docs.values():
-        validate(doc)
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "biggraph"
-    container = trainer(docs["Job"])
+    job = docs["Job"]
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert matches(docs["NetworkPolicy"]["spec"]["podSelector"], pod_labels)  # labels did not break the selector
+    assert may_connect([docs["NetworkPolicy"]], pod_labels, pod_labels, 29400)
+    container = trainer(job)
     if overlay == "gpu":
         assert container["image"].endswith(":0.1.0-cu124")
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        dshm = next(v for v in docs["Job"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+        dshm = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
         assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     else:
         assert container["image"].endswith(":0.1.0-cpu")
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    if overlay == "kueue":
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "user-queue"
+        assert job["spec"]["suspend"] is True
+    else:
+        assert "suspend" not in job["spec"]
 
 
 # the rendered pod, run as local processes -----------------------------------------------------------
