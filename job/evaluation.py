@@ -33,7 +33,8 @@ from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage
 from job.reporting import task_progress
 from job.train.batching import process_edges
-from job.train.loop import bucket_grid, edge_tensors, pick_device, read_entity_counts
+from job.train.buckets import Bucket
+from job.train.loop import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
 from job.train.model import Model, Table
 from job.train.step import BatchContext, BatchStats
 
@@ -60,6 +61,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.checkpoint.model_file(self.version)}: missing (no checkpoint version {self.version})")
         self.counts = read_entity_counts(config)
         num_dynamic = entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
+        self.num_dynamic = num_dynamic
         # the training device (`device`, `num_gpus`): ranking against every entity is matrix products
         self.device = pick_device(config)
         self.model = Model(config, num_dynamic)
@@ -126,13 +128,23 @@ def evaluate_command(
     return metrics
 
 
-def _iter_bucket_edges(config: ConfigSchema):  # noqa: ANN202 - generator of (bucket, EdgeTensors)
+def read_checked_edges(reader: CheckpointReader, edge_path: str, lhs: int, rhs: int, begin: int = 0,
+                       end: Optional[int] = None) -> edge_format.EdgeArrays:
+    """A bucket's edges [begin, end), bounds-checked against the entity and relation counts."""
+    url = edge_format.edges_file(edge_path, lhs, rhs)
+    arrays = edge_format.read_edges(url, begin, end)
+    edge_limits(reader.config, reader.counts, reader.num_dynamic, Bucket(lhs, rhs)).check(arrays, url, begin)
+    return arrays
+
+
+def _iter_bucket_edges(reader: CheckpointReader):  # noqa: ANN202 - generator of (bucket, EdgeTensors)
+    config = reader.config
     nparts_lhs, nparts_rhs = bucket_grid(config)
     with task_progress("eval", total=len(config.edge_paths) * nparts_lhs * nparts_rhs, unit=" buckets") as bar:
         for edge_path in config.edge_paths:
             for lhs in range(nparts_lhs):
                 for rhs in range(nparts_rhs):
-                    arrays = edge_format.read_edges(edge_format.edges_file(edge_path, lhs, rhs))
+                    arrays = read_checked_edges(reader, edge_path, lhs, rhs)
                     if len(arrays) > 0:
                         yield (lhs, rhs), edge_tensors(arrays)
                     bar.update(1)
@@ -143,7 +155,7 @@ def _evaluate_sampled(reader: CheckpointReader) -> BatchStats:
     total = BatchStats()
     generator = torch.Generator()
     generator.manual_seed(config.seed or 0)
-    for (lhs_part, rhs_part), edges in _iter_bucket_edges(config):
+    for (lhs_part, rhs_part), edges in _iter_bucket_edges(reader):
         lhs_tables = {}
         rhs_tables = {}
         for rel_idx, relation in enumerate(config.relations):
@@ -192,7 +204,7 @@ def _build_filters(reader: CheckpointReader, filter_paths: list[str]) -> tuple[O
     for path in filter_paths:
         for lhs_part in range(nparts_lhs):
             for rhs_part in range(nparts_rhs):
-                arrays = edge_format.read_edges(edge_format.edges_file(path, lhs_part, rhs_part))
+                arrays = read_checked_edges(reader, path, lhs_part, rhs_part)
                 if len(arrays) == 0:
                     continue
                 rel = arrays.rel
@@ -235,7 +247,7 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
     span = max(totals.values()) + 1
     rhs_filter, lhs_filter = _build_filters(reader, filter_paths)
     total = BatchStats()
-    for (lhs_part, rhs_part), edges in _iter_bucket_edges(config):
+    for (lhs_part, rhs_part), edges in _iter_bucket_edges(reader):
         groups = [(0, torch.arange(len(edges)))] if dynamic else [
             (int(r), torch.nonzero(edges.rel == r).flatten()) for r in torch.unique(edges.rel)
         ]

@@ -953,10 +953,12 @@ class _Importer:
     # Writing ----------------------------------------------------------------------------------
 
     def _write_buckets(self, edge_path: str, bucket_dir: str, bucket_counts: np.ndarray, written: list[str]) -> None:
-        from job.formats.edges import edges_file, write_edges
+        from job.formats.checksums import EDGE_MANIFEST
+        from job.formats.edges import edges_file, write_edge_manifest, write_edges
 
         storage.makedirs(edge_path)
         plan = self.plan
+        entries: dict[str, tuple[int, str]] = {}
         for lhs_part in range(plan.parts_lhs):
             for rhs_part in range(plan.parts_rhs):
                 b = lhs_part * plan.parts_rhs + rhs_part
@@ -967,12 +969,15 @@ class _Importer:
                     arrays.append(np.memmap(path, dtype=_ID_DTYPE, mode="r") if bucket_counts[b] else np.zeros(0, _ID_DTYPE))
                 url = edges_file(edge_path, lhs_part, rhs_part)
                 written.append(url)
-                write_edges(url, arrays[0], arrays[1], arrays[2])
+                entries[url.rsplit("/", 1)[-1]] = write_edges(url, arrays[0], arrays[1], arrays[2])
                 del arrays
                 for name in ("rel", "lhs", "rhs"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(bucket_dir, f"{b}.{name}"))
                 self.summary.edges_written += int(bucket_counts[b])
+        # after every file it lists, so a manifest never names a file that is not there yet
+        written.append(storage.join(edge_path, EDGE_MANIFEST))
+        write_edge_manifest(edge_path, entries)
 
     def _write_entities(self, members: list[list[np.ndarray]], relation_names: list[str] | None, written: list[str]) -> None:
         from job.formats import entities as ent

@@ -190,7 +190,7 @@ def relation_mrr(config: Any, edge_path: str, budget: int, seed: int) -> list[tu
     """Sampled-negative MRR per relation (as ``biggraph eval --candidates sampled``) on at most ``budget`` edges."""
     import torch
 
-    from job.evaluation import CheckpointReader
+    from job.evaluation import CheckpointReader, read_checked_edges
     from job.formats import edges as edge_format
     from job.train.batching import EdgeTensors, process_edges
     from job.train.loop import bucket_grid
@@ -210,7 +210,7 @@ def relation_mrr(config: Any, edge_path: str, budget: int, seed: int) -> list[tu
         count = edge_format.count_edges(url)
         if count == 0:
             continue
-        arrays = edge_format.read_edges(url, 0, min(count, per_bucket))
+        arrays = read_checked_edges(reader, edge_path, lhs_part, rhs_part, 0, min(count, per_bucket))
         edges = EdgeTensors(torch.from_numpy(arrays.rel.astype(np.int64)), torch.from_numpy(arrays.lhs.astype(np.int64)),
                             torch.from_numpy(arrays.rhs.astype(np.int64)))
         lhs_tables = {i: Table(reader.partition(r.lhs, reader.part_of(r.lhs, lhs_part)), None)

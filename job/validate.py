@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from job.errors import InputFormatError, UserError
+from job.formats.edges import EdgeLimits, verify_edge_file
 
 if TYPE_CHECKING:
     import h5py
@@ -257,60 +258,8 @@ class _BadRows:
     count: int = 0
 
 
-class _ScanContext:
-    """Per-bucket lookup tables: for each relation id, the valid range of lhs and rhs."""
-
-    def __init__(
-        self, config: ConfigSchema, counts: dict[str, list[int | None]], num_rel_ids: int, bucket: tuple[int, int]
-    ) -> None:
-        import numpy as np
-
-        self.num_rel_ids = num_rel_ids
-        self.dynamic = config.dynamic_relations
-        relations = config.relations
-        # With dynamic relations every id uses the single relation's entity types.
-        per_id = [relations[0]] * num_rel_ids if config.dynamic_relations else list(relations)
-        self.limits: dict[str, np.ndarray] = {}
-        self.checked: dict[str, np.ndarray] = {}
-        self.labels: dict[str, list[tuple[str, int, str]]] = {}
-        for side, part in (("lhs", bucket[0]), ("rhs", bucket[1])):
-            limits = np.empty(len(per_id), dtype=np.int64)
-            checked = np.ones(len(per_id), dtype=bool)
-            labels = []
-            for rel_id, relation in enumerate(per_id):
-                entity_type = getattr(relation, side)
-                schema = config.entities[entity_type]
-                type_part = part if schema.num_partitions > 1 else 0
-                count = counts.get(entity_type, [])[type_part] if type_part < len(counts.get(entity_type, [])) else None
-                # Unknown counts were reported already: only negatives are checked then.
-                limits[rel_id] = np.iinfo(np.int64).max if count is None else count
-                checked[rel_id] = not schema.featurized  # featurized ids are -1 by design
-                labels.append((entity_type, type_part, relation.name))
-            self.limits[side] = limits
-            self.checked[side] = checked
-            self.labels[side] = labels
-
-
-def _describe(ctx: _ScanContext, dataset: str, kind: str, value: int, rel_id: int) -> tuple[str, str]:
-    """The problem and expectation for the first bad row of one kind (rel_id is that row's relation)."""
-    if dataset == "rel":
-        what = "dynamic relations" if ctx.dynamic else "relation types"
-        return f"relation id {value} out of range", f"0 <= rel < {ctx.num_rel_ids}, the number of {what}"
-    entity_type, part, relation = ctx.labels[dataset][rel_id]
-    limit = int(ctx.limits[dataset][rel_id])
-    expected = f"0 <= {dataset} < {limit}, the count of '{entity_type}' partition {part}"
-    if kind == "negative":
-        return f"negative index {value} for entity type '{entity_type}' (relation '{relation}')", expected
-    if kind == "empty":
-        return (
-            f"edge points into entity type '{entity_type}' partition {part}, which has 0 entities (relation '{relation}')",
-            f"no edges into an empty partition, or a positive count in entity_count_{entity_type}_{part}.txt",
-        )
-    return f"index {value} out of range for entity type '{entity_type}' partition {part} (relation '{relation}')", expected
-
-
 def _scan_values(
-    handle: h5py.File, url: str, num_edges: int, ctx: _ScanContext, chunk_rows: int,
+    handle: h5py.File, url: str, num_edges: int, ctx: EdgeLimits, chunk_rows: int,
     collect: _Collector, empty_referenced: set[tuple[str, int]],
 ) -> None:
     """Range-check rel/lhs/rhs, ``chunk_rows`` rows at a time; report the first bad row of each kind."""
@@ -325,7 +274,7 @@ def _scan_values(
         first = int(np.argmax(bad))
         entry = found.get((dataset, kind))
         if entry is None:
-            problem, expected = _describe(ctx, dataset, kind, int(values[first]), int(rel[first]))
+            problem, expected = ctx.describe(dataset, kind, int(values[first]), int(rel[first]))
             entry = found[(dataset, kind)] = _BadRows(begin + first, int(values[first]), problem, expected)
         entry.count += int(bad.sum())
 
@@ -345,24 +294,11 @@ def _scan_values(
                 )
                 return
             arrays[name] = out
-        rel = arrays["rel"]
-        bad_rel = (rel < 0) | (rel >= ctx.num_rel_ids)
-        note("rel", "range", bad_rel, rel, rel, begin)
-        if ctx.num_rel_ids == 0:
-            continue
-        good_rows = ~bad_rel
-        safe_rel = np.where(good_rows, rel, 0)
-        for side in ("lhs", "rhs"):
-            values = arrays[side]
-            limits = ctx.limits[side][safe_rel]
-            checked = good_rows & ctx.checked[side][safe_rel]
-            too_big = checked & (values >= limits)
-            into_empty = too_big & (limits == 0)
-            note(side, "negative", checked & (values < 0), values, safe_rel, begin)
-            note(side, "range", too_big & (limits != 0), values, safe_rel, begin)
-            note(side, "empty", into_empty, values, safe_rel, begin)
-            for rel_id in np.unique(safe_rel[into_empty]):
-                empty_referenced.add(ctx.labels[side][int(rel_id)][:2])
+        for dataset, kind, bad, rel_ids in ctx.bad_rows(arrays["rel"], arrays):
+            note(dataset, kind, bad, arrays[dataset], rel_ids, begin)
+            if kind == "empty":
+                for rel_id in np.unique(rel_ids[bad]):
+                    empty_referenced.add(ctx.labels[dataset][int(rel_id)][:2])
 
     for (dataset, _kind), entry in sorted(found.items(), key=lambda item: item[1].row):
         more = f"; {entry.count} bad rows in all" if entry.count > 1 else ""
@@ -401,7 +337,7 @@ def _open_edge_file(url: str) -> Iterator[h5py.File]:
 
 
 def _check_edge_file(
-    url: str, collect: _Collector, full: bool, ctx: _ScanContext | None, chunk_rows: int,
+    url: str, collect: _Collector, full: bool, ctx: EdgeLimits | None, chunk_rows: int,
     empty_referenced: set[tuple[str, int]],
 ) -> int:
     """Check one bucket file; returns its number of edges (0 when unreadable)."""
@@ -414,6 +350,8 @@ def _check_edge_file(
     per_file = _Collector(ValidationReport(), collect.fail_fast)
     num_edges: int | None = None
     try:
+        if full:  # the importer's checksum manifest, when the directory has one
+            verify_edge_file(url, storage.local_path(url) if storage.is_local(url) else None)
         with _open_edge_file(url) as handle:
             num_edges = _check_structure(handle, url, per_file)
             if full and num_edges and ctx is not None:
@@ -462,7 +400,7 @@ def run_validation(
             for rhs_part in range(nparts[1]):
                 ctx = None
                 if full and num_rel_ids is not None and counts:
-                    ctx = _ScanContext(config, counts, num_rel_ids, (lhs_part, rhs_part))
+                    ctx = EdgeLimits.for_bucket(config, counts, num_rel_ids, (lhs_part, rhs_part))
                 url = edges_file(edge_path, lhs_part, rhs_part)
                 total += _check_edge_file(url, collect, full, ctx, chunk_rows, empty_referenced)
                 report.edge_files += 1

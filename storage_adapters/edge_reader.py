@@ -18,7 +18,7 @@ import contextlib
 import io
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -99,8 +99,12 @@ def _open_h5(source: Any, url: str) -> h5py.File:
 
 
 @contextlib.contextmanager
-def open_remote_h5(url: str) -> Iterator[h5py.File]:
+def open_remote_h5(url: str, verify: Callable[[str | None], None] | None = None) -> Iterator[h5py.File]:
+    """An h5py handle on a remote edge file; ``verify`` is called first with the staged local copy's path
+    (stage mode) or None (stream mode: it must read the object itself)."""
     if _mode == "stream":
+        if verify is not None:
+            verify(None)
         try:
             raw = RetryingFile(url, block_size=STREAM_BLOCK_SIZE)
         except FileNotFoundError:
@@ -114,6 +118,8 @@ def open_remote_h5(url: str) -> Iterator[h5py.File]:
     except FileNotFoundError:
         raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
     try:
+        if verify is not None:
+            verify(path)
         with _open_h5(path, url) as handle:
             yield handle
     finally:

@@ -8,12 +8,20 @@ tensor lists, as PBG does.
 We write exact-size contiguous datasets in the smallest integer type holding the
 values (PBG reads any integer type through HDF5's conversion); PBG's own importer
 pre-allocates chunked int64 datasets, which is why its files are so large.
+
+Reading is defensive twice over: a directory written by ``biggraph import`` has a checksum
+manifest (``checksums.json``) and every file is verified against it once per process
+before its values are used; and every chunk read for training or evaluation is
+bounds-checked against the entity counts of its bucket (``EdgeLimits``), so an edited or
+foreign file fails naming its first bad row instead of training on wrapped-around rows.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +30,17 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import InputFormatError
+from job.formats.checksums import (
+    EDGE_MANIFEST,
+    Manifest,
+    checksum_file,
+    checksum_stream,
+    mismatch_error,
+    read_manifest,
+    verify_local,
+    write_manifest,
+)
+from storage_adapters.edge_reader import open_remote_h5
 
 FORMAT_VERSION_ATTR = "format_version"
 FORMAT_VERSION = 1
@@ -67,13 +86,87 @@ def damaged_file_errors(url: str, expected: str = "an HDF5 edge file") -> Iterat
         raise InputFormatError(url, f"damaged HDF5 file ({_short(err)})", expected=expected) from None
 
 
+# Checksum manifests of edge directories, and the files already verified, per process. A manifest is
+# re-read when its local file changes; remote ones are read once (write_edge_manifest refreshes them).
+_manifests: dict[str, tuple[Any, Manifest | None]] = {}
+_verified: set[tuple[Any, ...]] = set()
+_lock = threading.Lock()
+
+
+def _manifest_of(directory: str) -> Manifest | None:
+    url = storage.join(directory, EDGE_MANIFEST)
+    if storage.is_local(url):
+        try:
+            stat = os.stat(storage.local_path(url))
+            identity: Any = (stat.st_size, stat.st_mtime_ns)
+        except FileNotFoundError:
+            return None
+    else:
+        identity = "remote"
+    with _lock:
+        cached = _manifests.get(directory)
+    if cached is not None and cached[0] == identity:
+        return cached[1]
+    manifest = read_manifest(url)
+    with _lock:
+        _manifests[directory] = (identity, manifest)
+    return manifest
+
+
+def expected_edge_entry(url: str) -> tuple[int, str] | None:
+    """The (size, crc32) the importer recorded for an edge file; None without a manifest or entry."""
+    directory, _, name = url.rstrip("/").rpartition("/")
+    manifest = _manifest_of(directory)
+    return None if manifest is None else manifest.files.get(name)
+
+
+def verify_edge_file(url: str, path: str | None) -> None:
+    """Check an edge file (its local copy ``path``, or the object itself when None) against its manifest,
+    once per process and file version."""
+    expected = expected_edge_entry(url)
+    if expected is None:
+        return
+    if path is not None:
+        stat = os.stat(path)
+        key: tuple[Any, ...] = (path, stat.st_size, stat.st_mtime_ns, expected)
+    else:
+        key = (url, expected)
+    if key in _verified:
+        return
+    try:
+        if path is not None:
+            verify_local(url, path, expected)
+        else:
+            with storage.open_file(url, "rb") as handle:
+                got = checksum_stream(handle)
+            if got != expected:
+                raise mismatch_error(url, expected, got)
+    except InputFormatError as err:
+        raise InputFormatError(url, err.problem, expected=f"the bytes `biggraph import` wrote (listed in {EDGE_MANIFEST}; "
+                               "if another tool rewrote the edge files, delete that manifest)") from None
+    _verified.add(key)
+
+
+def write_edge_manifest(edge_path: str, entries: dict[str, tuple[int, str]]) -> None:
+    """Record the edge files just written into ``edge_path`` (file name -> (size, crc32))."""
+    write_manifest(storage.join(edge_path, EDGE_MANIFEST), Manifest(dict(entries)))
+    with _lock:
+        _manifests.pop(edge_path.rstrip("/"), None)
+        _manifests.pop(edge_path, None)
+
+
 @contextlib.contextmanager
 def open_h5(url: str, mode: str = "r") -> Iterator[h5py.File]:
-    """Open an HDF5 file at a URL for reading, turning HDF5's errors into clear ones."""
+    """Open an HDF5 file at a URL for reading (verified against its manifest), turning HDF5's errors into
+    clear ones."""
     if mode != "r":
         raise ValueError("open_h5 only reads; write through write_edges")
     if storage.is_local(url):
         path = storage.local_path(url)
+        try:
+            verify_edge_file(url, path)
+        except FileNotFoundError:
+            raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
         try:
             handle = h5py.File(path, "r")
         except FileNotFoundError:
@@ -83,9 +176,7 @@ def open_h5(url: str, mode: str = "r") -> Iterator[h5py.File]:
         with handle, damaged_file_errors(url):
             yield handle
         return
-    from storage_adapters.edge_reader import open_remote_h5
-
-    with open_remote_h5(url) as handle, damaged_file_errors(url):
+    with open_remote_h5(url, lambda path: verify_edge_file(url, path)) as handle, damaged_file_errors(url):
         yield handle
 
 
@@ -180,10 +271,112 @@ def write_edges(
     rhs: np.ndarray,
     lhsd: tuple[np.ndarray, np.ndarray] | None = None,
     rhsd: tuple[np.ndarray, np.ndarray] | None = None,
-) -> None:
-    """Write one bucket file; it appears at ``url`` only once complete."""
+) -> tuple[int, str]:
+    """Write one bucket file; it appears at ``url`` only once complete. Returns its (size, crc32) for the
+    directory's manifest (``write_edge_manifest``)."""
     if not (len(rel) == len(lhs) == len(rhs)):
         raise ValueError("rel, lhs and rhs must have the same length")
     features = {k: v for k, v in (("lhsd", lhsd), ("rhsd", rhsd)) if v is not None}
     with storage.local_file_for_writing(url) as tmp:
         write_edges_to_local(tmp, np.asarray(rel), np.asarray(lhs), np.asarray(rhs), **features)
+        entry = checksum_file(tmp)  # before the rename/upload publishes it, from the page cache
+    return entry
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """The ids one bucket's edges may hold: per relation id, the entity count of its lhs and rhs type's
+    partition in the bucket (int64 max where unknown), and which sides are checked (featurized types
+    store -1 by design)."""
+
+    num_rel_ids: int
+    limits: dict[str, np.ndarray]
+    checked: dict[str, np.ndarray]
+    labels: dict[str, list[tuple[str, int, str]]]  # (entity type, partition, relation name) per id
+    dynamic: bool
+
+    @classmethod
+    def for_bucket(cls, config: Any, counts: dict[str, Sequence[int | None]], num_rel_ids: int,
+                   bucket: tuple[int, int]) -> EdgeLimits:
+        relations = config.relations
+        # with dynamic relations every id uses the single relation's entity types
+        per_id = [relations[0]] * num_rel_ids if config.dynamic_relations else list(relations)
+        limits, checked, labels = {}, {}, {}
+        for side, part in (("lhs", bucket[0]), ("rhs", bucket[1])):
+            side_limits = np.empty(len(per_id), dtype=np.int64)
+            side_checked = np.ones(len(per_id), dtype=bool)
+            side_labels = []
+            for rel_id, relation in enumerate(per_id):
+                entity_type = getattr(relation, side)
+                schema = config.entities[entity_type]
+                type_part = part if schema.num_partitions > 1 else 0
+                known = counts.get(entity_type, [])
+                count = known[type_part] if type_part < len(known) else None
+                side_limits[rel_id] = np.iinfo(np.int64).max if count is None else count
+                side_checked[rel_id] = not schema.featurized
+                side_labels.append((entity_type, type_part, relation.name))
+            limits[side], checked[side], labels[side] = side_limits, side_checked, side_labels
+        return cls(num_rel_ids, limits, checked, labels, bool(config.dynamic_relations))
+
+    def describe(self, dataset: str, kind: str, value: int, rel_id: int) -> tuple[str, str]:
+        """(problem, expected) for a bad value of one kind ("range", "negative", "empty")."""
+        if dataset == "rel":
+            what = "dynamic relations" if self.dynamic else "relation types"
+            return f"relation id {value} out of range", f"0 <= rel < {self.num_rel_ids}, the number of {what}"
+        entity_type, part, relation = self.labels[dataset][rel_id]
+        limit = int(self.limits[dataset][rel_id])
+        expected = f"0 <= {dataset} < {limit}, the count of '{entity_type}' partition {part}"
+        if kind == "negative":
+            return f"negative index {value} for entity type '{entity_type}' (relation '{relation}')", expected
+        if kind == "empty":
+            return (
+                f"edge points into entity type '{entity_type}' partition {part}, which has 0 entities (relation '{relation}')",
+                f"no edges into an empty partition, or a positive count in entity_count_{entity_type}_{part}.txt",
+            )
+        return f"index {value} out of range for entity type '{entity_type}' partition {part} (relation '{relation}')", expected
+
+    def bad_rows(self, rel: np.ndarray, values: dict[str, np.ndarray]) -> Iterator[tuple[str, str, np.ndarray, np.ndarray]]:
+        """(dataset, kind, mask of bad rows, relation id per row) for every kind of bad value present."""
+        bad_rel = (rel < 0) | (rel >= self.num_rel_ids)
+        yield "rel", "range", bad_rel, rel
+        if self.num_rel_ids == 0:
+            return
+        good = ~bad_rel
+        safe_rel = np.where(good, rel, 0)
+        for side in ("lhs", "rhs"):
+            side_values = values[side]
+            limits = self.limits[side][safe_rel]
+            checked = good & self.checked[side][safe_rel]
+            too_big = checked & (side_values >= limits)
+            yield side, "negative", checked & (side_values < 0), safe_rel
+            yield side, "range", too_big & (limits != 0), safe_rel
+            yield side, "empty", too_big & (limits == 0), safe_rel
+
+    def check(self, arrays: EdgeArrays, url: str, first_row: int) -> None:
+        """Raise for the first row (counted from the file's start) whose ids do not fit this bucket.
+
+        A min/max per dataset first: a valid chunk (the usual case) costs three reductions per side.
+        """
+        if not len(arrays):
+            return
+        fits = (int(arrays.rel.min()) >= 0 and int(arrays.rel.max()) < self.num_rel_ids)
+        if fits and self.num_rel_ids:
+            for side in ("lhs", "rhs"):
+                values = getattr(arrays, side)
+                # featurized sides hold -1 by design: such buckets take the exact path below
+                fits = (fits and bool(self.checked[side].all()) and int(values.min()) >= 0
+                        and int(values.max()) < int(self.limits[side].min()))
+        if fits:
+            return
+        first: tuple[int, str, str, np.ndarray, np.ndarray] | None = None
+        values = {"lhs": arrays.lhs, "rhs": arrays.rhs, "rel": arrays.rel}
+        for dataset, kind, bad, rel_ids in self.bad_rows(arrays.rel, values):
+            if bad.any():
+                row = int(np.argmax(bad))
+                if first is None or row < first[0]:
+                    first = (row, dataset, kind, values[dataset], rel_ids)
+        if first is None:
+            return
+        row, dataset, kind, column, rel_ids = first
+        problem, expected = self.describe(dataset, kind, int(column[row]), int(rel_ids[row]))
+        raise InputFormatError(url, problem, dataset=dataset, row=first_row + row, expected=expected)

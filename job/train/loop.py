@@ -98,6 +98,13 @@ def count_edge_chunks(config: ConfigSchema) -> int:
     return max(1, math.ceil(most / config.max_edges_per_chunk))
 
 
+def edge_limits(config: ConfigSchema, counts: dict[str, list[int]], num_dynamic_rels: int,
+                bucket: Bucket) -> edge_format.EdgeLimits:
+    """The ids a bucket's edge files may hold (relation count, entity counts of its partitions)."""
+    num_rel_ids = num_dynamic_rels if config.dynamic_relations else len(config.relations)
+    return edge_format.EdgeLimits.for_bucket(config, counts, num_rel_ids, (bucket.lhs, bucket.rhs))
+
+
 def edge_tensors(arrays: edge_format.EdgeArrays) -> EdgeTensors:
     def features(pair: Optional[tuple[Any, Any]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         return None if pair is None else (torch.from_numpy(pair[0]), torch.from_numpy(pair[1]))
@@ -388,7 +395,8 @@ class Trainer:
                 continue
             waits = 0
             record, train_stats, eval_stats, seconds = self._run_bucket(
-                iteration, bucket, bucket_idx, edge_path, seed_base, first=False, on_evicted=lambda keys: self._release(client, keys)
+                iteration, bucket, bucket_idx, edge_path, seed_base, first=False,
+                on_evicted=lambda keys: self._release(client, keys),
             )
             record["rank"] = self.rank
             self.reporter.on_bucket(record)
@@ -468,6 +476,8 @@ class Trainer:
             num_edges = edge_format.check_edge_file(handle, url)
             begin, end = edge_format.chunk_bounds(num_edges, chunk_idx, self.num_chunks)
             arrays = edge_format.read_edges_from_handle(handle, url, begin, end)
+        # before any update: an id beyond the partition would index another row (or wrap around)
+        edge_limits(self.config, self.entity_counts, self.num_dynamic_rels, bucket).check(arrays, url, begin)
         return edge_tensors(arrays)
 
     def _run_bucket(
