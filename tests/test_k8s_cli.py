@@ -41,23 +41,37 @@ def _patch_watch_query() -> None:
     parsing.guess_k8s = guess_k8s
 
 
+def version_info(minor: str) -> dict[str, str]:
+    """The API server's /version answer (managed clusters report minors such as "34+")."""
+    return {"major": "1", "minor": minor, "gitVersion": f"v1.{minor.rstrip('+')}.2", "gitCommit": "0" * 40,
+            "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
+            "compiler": "gc", "platform": "linux/amd64"}
+
+
 class FakeCluster:
-    def __init__(self, emulator: Any, url: str, kubeconfig: Path) -> None:
+    def __init__(self, emulator: Any, url: str, kubeconfig: Path, state: dict[str, Any]) -> None:
         self.emulator = emulator
         self.url = url
         self.kubeconfig = kubeconfig
+        self.state = state
         configuration = kubernetes.client.Configuration()
         configuration.host = url
         api = kubernetes.client.ApiClient(configuration)
         self.core = kubernetes.client.CoreV1Api(api)
         self.batch = kubernetes.client.BatchV1Api(api)
+        self.networking = kubernetes.client.NetworkingV1Api(api)
+
+    def set_kube_minor(self, minor: str | None) -> None:
+        """What /version answers from now on; None: 404, as from a server that does not say."""
+        self.state["minor"] = minor
 
     def cli(self, *args: str) -> list[str]:
         return [*args, "--kubeconfig", str(self.kubeconfig)]
 
     def names(self, kind: str) -> set[str]:
         lister = {"Job": self.batch.list_namespaced_job, "ConfigMap": self.core.list_namespaced_config_map,
-                  "Service": self.core.list_namespaced_service, "Pod": self.core.list_namespaced_pod}[kind]
+                  "Service": self.core.list_namespaced_service, "Pod": self.core.list_namespaced_pod,
+                  "NetworkPolicy": self.networking.list_namespaced_network_policy}[kind]
         return {item.metadata.name for item in lister(NS).items}
 
     def add_pod(self, job: str, index: int, phase: str = "Running", log: str = "") -> None:
@@ -91,14 +105,21 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClu
     for name in ("aiohttp.access", "aiohttp.server", "aiohttp.web"):  # the fake server's request log
         monkeypatch.setattr(logging.getLogger(name), "disabled", True)
     ready = threading.Event()
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"minor": "31"}  # the oldest supported minor: k8s/base as written
 
     def serve() -> None:
         async def run() -> None:
             async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
                 state["emulator"], state["url"] = emulator, str(server.url).rstrip("/")
-                for resource in ("v1/pods", "v1/configmaps", "v1/services", "batch/v1/jobs"):
+                for resource in ("v1/pods", "v1/configmaps", "v1/services", "batch/v1/jobs",
+                                 "networking.k8s.io/v1/networkpolicies"):
                     emulator.resources[resource] = {}  # listable while still empty, as on a real server
+
+                def version() -> Any:
+                    minor = state.get("minor")
+                    return version_info(minor) if minor else kmock.KubernetesEndpointNotFoundError()
+
+                emulator[kmock.path(re.compile(r"^/version/?$"))] << version
                 emulator[kmock.path(re.compile(r".*/namespaces/forbidden-ns/.*"))] << 403 << {
                     "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
                     "message": 'jobs.batch is forbidden: User "me" cannot create resource "jobs"'}
@@ -112,7 +133,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClu
     thread.start()
     assert ready.wait(15), "kmock did not start"
     try:
-        yield FakeCluster(state["emulator"], state["url"], write_kubeconfig(tmp_path / "kubeconfig", state["url"]))
+        yield FakeCluster(state["emulator"], state["url"], write_kubeconfig(tmp_path / "kubeconfig", state["url"]),
+                          state)
     finally:
         state["stop"] = True
         thread.join(5)
@@ -151,6 +173,15 @@ def check_submitted(cluster: FakeCluster, name: str, raw: dict[str, Any], replic
     assert yaml.safe_load(config_map.data["config.yaml"]) == raw
     service = cluster.core.read_namespaced_service(job.metadata.annotations["biggraph.io/service"], NS)
     assert service.spec.cluster_ip == "None" and job.spec.template.spec.subdomain == service.metadata.name
+    # the NetworkPolicy guarding the rendezvous: it selects the Job's pods and admits those same pods
+    policy = cluster.networking.read_namespaced_network_policy(job.metadata.annotations["biggraph.io/network-policy"],
+                                                               NS)
+    pod_labels = job.spec.template.metadata.labels
+    assert policy.spec.pod_selector.match_labels.items() <= pod_labels.items()
+    assert policy.spec.policy_types == ["Ingress"]
+    [rule] = policy.spec.ingress
+    assert rule.ports is None and rule._from[0].pod_selector.match_labels.items() <= pod_labels.items()
+    assert rule._from[0].pod_selector.match_labels["app.kubernetes.io/instance"] == name
 
 
 @pytest.mark.slow
@@ -166,7 +197,7 @@ def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster
     monkeypatch.setattr("os.environ", helm_env(tmp_path))
     path, raw = user_config
     values = tmp_path / "more-values.yaml"
-    values.write_text(yaml.safe_dump({"backoffLimit": 7, "replicas": 5}))
+    values.write_text(yaml.safe_dump({"backoffLimit": 7, "backoffLimitPerIndex": 5, "replicas": 5}))
     code = main(cluster.cli("submit", str(path), "--name", "emb1", "--replicas", "3", "--image", "reg.io:5000/bg:v2",
                             "--helm", helm, "-f", str(values), "--set", "torchrun.maxRestarts=9"))
     assert code == 0
@@ -174,7 +205,18 @@ def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster
     check_submitted(cluster, "emb1", raw, replicas=3, image="reg.io:5000/bg:v2")  # --replicas beats the values file
     job = created_job(cluster, "emb1")
     assert job.spec.backoff_limit == 7 and "--max-restarts=9" in job.spec.template.spec.containers[0].args
+    assert job.spec.backoff_limit_per_index is None  # the cluster says 1.31: no per-index retries yet
     assert cluster.names("Pod") == set()  # the helm test pod is not submitted
+    # a 1.33 cluster (as GKE/EKS say it: "33+"): helm renders for it, and --queue goes through Kueue
+    cluster.set_kube_minor("33+")
+    assert main(cluster.cli("submit", str(path), "--name", "emb1q", "--replicas", "2", "--queue", "team-a-q",
+                            "--helm", helm, "-f", str(values))) == 0
+    assert "queued in Kueue LocalQueue team-a-q" in capsys.readouterr().out
+    check_submitted(cluster, "emb1q", raw, replicas=2, image="ghcr.io/biggraph/biggraph:0.1.0-cpu")
+    job = created_job(cluster, "emb1q")
+    assert job.spec.backoff_limit_per_index == 5 and job.spec.max_failed_indexes == 0
+    assert job.spec.backoff_limit is None and job.spec.pod_replacement_policy is None  # the latter from 1.34
+    assert job.metadata.labels["kueue.x-k8s.io/queue-name"] == "team-a-q" and job.spec.suspend is True
 
 
 def test_submit_without_helm_uses_the_plain_manifests(cluster: FakeCluster, user_config: Any,
@@ -183,6 +225,10 @@ def test_submit_without_helm_uses_the_plain_manifests(cluster: FakeCluster, user
     assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb2", "--replicas", "2")) == 0
     check_submitted(cluster, "emb2", raw, replicas=2, image="ghcr.io/biggraph/biggraph:0.1.0-cpu")
     assert cluster.names("ConfigMap") == {"emb2-config"} and cluster.names("Service") == {"emb2"}
+    assert cluster.names("NetworkPolicy") == {"emb2"}
+    job = created_job(cluster, "emb2")
+    assert job.spec.backoff_limit == 3 and job.spec.backoff_limit_per_index is None  # 1.31: k8s/base as written
+    assert not job.spec.suspend and "kueue.x-k8s.io/queue-name" not in job.metadata.labels
     # the same name again: a clear conflict, and nothing half-created left behind by the failed attempt
     assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb2")) == 2
     err = capsys.readouterr().err
@@ -196,11 +242,74 @@ def test_submit_default_name_and_dry_run_need_no_cluster(user_config: Any, capsy
     code = main(["submit", str(path), "--no-helm", "--dry-run", "--kubeconfig", str(tmp_path / "missing")])
     assert code == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Job"]
-    name = docs[2]["metadata"]["name"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]  # the policy before the pods
+    name = docs[3]["metadata"]["name"]
     assert re.fullmatch(r"biggraph-mygraph-[0-9a-f]{6}", name)
     assert yaml.safe_load(docs[0]["data"]["config.yaml"]) == raw
     assert all(d["metadata"]["namespace"] == "default" for d in docs)
+
+
+@pytest.mark.parametrize(("minor", "per_index", "replacement"), [("32", None, None), ("33", 3, None),
+                                                                  ("34+", 3, "Failed"), ("37", 3, "Failed")])
+def test_submit_without_helm_follows_the_cluster_version(cluster: FakeCluster, user_config: Any, minor: str,
+                                                         per_index: int | None, replacement: str | None) -> None:
+    path, raw = user_config
+    cluster.set_kube_minor(minor)
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb8", "--replicas", "3")) == 0
+    check_submitted(cluster, "emb8", raw, replicas=3, image="ghcr.io/biggraph/biggraph:0.1.0-cpu")
+    spec = created_job(cluster, "emb8").spec
+    assert spec.backoff_limit_per_index == per_index and spec.pod_replacement_policy == replacement
+    assert spec.backoff_limit == (None if per_index else 3)  # per index: no job-wide budget one incident uses up
+    assert spec.max_failed_indexes == (0 if per_index else None)
+
+
+def test_submit_version_unknown_old_or_given(cluster: FakeCluster, user_config: Any, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = user_config
+    cluster.set_kube_minor(None)  # /version 404: k8s/base as it is (the oldest minor's manifests work everywhere)
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb9")) == 0
+    assert created_job(cluster, "emb9").spec.backoff_limit == 3
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb10", "--kube-version", "v1.35.1")) == 0
+    assert created_job(cluster, "emb10").spec.pod_replacement_policy == "Failed"  # --kube-version wins
+    cluster.set_kube_minor("30")
+    capsys.readouterr()
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb11")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "biggraph submit: error: Kubernetes 1.30 is not supported: biggraph needs 1.31 or newer (Job podFailurePolicy)"
+    assert "emb11" not in cluster.names("Job") and "emb11" not in cluster.names("NetworkPolicy")
+    assert main(["submit", str(path), "--no-helm", "--dry-run", "--kube-version", "1.x"]) == 2
+    assert "--kube-version 1.x: expected MAJOR.MINOR" in capsys.readouterr().err
+
+
+def test_submit_to_a_kueue_queue_waits_suspended(cluster: FakeCluster, user_config: Any,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = user_config
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb12", "--replicas", "2",
+                            "--queue", "team-a-q")) == 0
+    assert "queued in Kueue LocalQueue team-a-q: the pods start once it is admitted" in capsys.readouterr().out
+    job = created_job(cluster, "emb12")
+    assert job.metadata.labels["kueue.x-k8s.io/queue-name"] == "team-a-q" and job.spec.suspend is True
+    cluster.batch.patch_namespaced_job_status("emb12", NS, {"status": {"conditions": [
+        {"type": "Suspended", "status": "True", "reason": "JobSuspended"}]}})
+    assert main(cluster.cli("status", "emb12", "--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "Queued" and report["queue"] == "team-a-q"
+    assert main(cluster.cli("status", "emb12")) == 0
+    assert "emb12 (team-a): Queued; 2 replica(s)" in capsys.readouterr().out
+    # Kueue admits it: resumed, the controller starts the pods
+    cluster.batch.patch_namespaced_job("emb12", NS, {"spec": {"suspend": False}})
+    cluster.batch.patch_namespaced_job_status("emb12", NS, {"status": {"active": 2, "conditions": [
+        {"type": "Suspended", "status": "False", "reason": "JobResumed"}]}})
+    assert main(cluster.cli("status", "emb12", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "Running"
+    # a suspended Job without a queue was stopped by someone, not queued
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb13")) == 0
+    cluster.batch.patch_namespaced_job("emb13", NS, {"spec": {"suspend": True}})
+    capsys.readouterr()
+    assert main(cluster.cli("status", "emb13", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "Suspended"
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb14", "--queue", "team a")) == 2
+    assert "--queue 'team a'" in capsys.readouterr().err and "emb14" not in cluster.names("Job")
 
 
 def test_submit_rejects_a_bad_config_before_touching_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -287,9 +396,9 @@ def test_cancel_deletes_job_configmap_and_service(cluster: FakeCluster, user_con
     assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "keep")) == 0
     capsys.readouterr()
     assert main(cluster.cli("cancel", "emb6")) == 0
-    assert "deleted Job emb6, ConfigMap emb6-config, Service emb6" in capsys.readouterr().out
+    assert "deleted Job emb6, ConfigMap emb6-config, Service emb6, NetworkPolicy emb6" in capsys.readouterr().out
     assert cluster.names("Job") == {"keep"} and cluster.names("ConfigMap") == {"keep-config"}
-    assert cluster.names("Service") == {"keep"}
+    assert cluster.names("Service") == {"keep"} and cluster.names("NetworkPolicy") == {"keep"}
     deletes = [r for r in cluster.emulator._requests if r.method == "DELETE" and str(r.url.path).endswith("/jobs/emb6")]
     policy = deletes[0].params.get("propagationPolicy") or (deletes[0].data or {}).get("propagationPolicy")
     assert policy == "Background"  # the pods go too
