@@ -8,8 +8,10 @@ strings, never through ``pathlib.Path`` (which would turn ``s3://b/k`` into ``s3
 
 Remote calls go through :func:`storage_adapters.retry.call_with_retry`: transient
 failures (timeouts, dropped connections, 5xx, throttling) are retried with backoff for a
-bounded time; permanent ones (no such bucket, access denied) raise ``StorageError`` at
-once, naming the URL. ``FileNotFoundError`` for a missing object passes through.
+bounded time, each retry logged; permanent ones (no such bucket, access denied) and an
+endpoint that cannot be reached at all (DNS, refused, TLS: a mistyped ``endpoint_url``)
+raise ``StorageError`` at once, naming the URL. ``FileNotFoundError`` for a missing object
+passes through.
 
 Extra filesystem arguments come from the config key ``storage_options``: either one
 mapping for every remote scheme (``{"endpoint_url": "http://minio:9000"}``) or one per
@@ -147,6 +149,14 @@ def get_filesystem(url: str) -> tuple[Any, str]:
     except TypeError as err:
         # the message names the offending key, never its value
         raise StorageError(f"{url}: config key 'storage_options' not accepted by {cls.__name__}: {err}") from None
+    if scheme in ("s3", "s3a"):
+        from storage_adapters.retry import instrument_s3
+
+        try:
+            instrument_s3(fs)  # creates the botocore client: no request is sent, so any failure is configuration
+        except Exception as err:  # noqa: BLE001 - e.g. "Invalid endpoint: minio:9000" (no http://), unknown profile
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise StorageError(f"{url}: cannot set up the S3 client from storage_options: {reason}") from None
     return fs, fs._strip_protocol(url)
 
 
@@ -192,7 +202,15 @@ def _check_bucket(url: str, fs: Any, path: str) -> None:
     bucket = path.split("/", 1)[0]
     if not bucket:
         raise StorageError(f"{url}: no bucket name in the URL")
+    from storage_adapters.retry import unreachable_marker, unreachable_since
+
+    marker = unreachable_marker()
     if not _call(url, "bucket check", lambda: fs.exists(bucket)):
+        # s3fs answers False for a bucket whatever went wrong: an endpoint that could not be reached is not
+        # a missing bucket
+        unreachable = unreachable_since(marker)
+        if unreachable:
+            raise StorageError(f"{url}: bucket check failed: {unreachable}")
         raise StorageError(f"{url}: the bucket '{bucket}' does not exist (or these credentials cannot see it)")
 
 

@@ -12,6 +12,7 @@ import io
 import itertools
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -49,12 +50,14 @@ class FaultProxy:
     one whose answer is late (and whose retry repeats an idempotent write), not one that lands late.
     """
 
-    def __init__(self, upstream: str, decide: Callable[[str, str], str | None]) -> None:
+    def __init__(self, upstream: str, decide: Callable[[str, str], str | None], port: int = 0) -> None:
         self.upstream = upstream.split("://", 1)[1]
         self.decide = decide
         self.release = threading.Event()
         self.held = threading.Event()
         self.log: list[tuple[str, str, str | None]] = []
+        self.connections: list[socket.socket] = []
+        self.stopped = False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -113,10 +116,16 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
         class Server(ThreadingHTTPServer):
+            def get_request(self) -> tuple[socket.socket, Any]:
+                conn, address = super().get_request()
+                proxy.connections.append(conn)  # so that stop() can drop the client's kept-alive connections
+                return conn, address
+
             def handle_error(self, request: Any, client_address: Any) -> None:
                 pass  # clients that gave up (timeouts) close their end: expected here
 
-        self.server = Server(("127.0.0.1", 0), Handler)
+        # ThreadingHTTPServer sets SO_REUSEADDR: a proxy can take over the port of one just stopped (a restart)
+        self.server = Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -129,9 +138,21 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Go away like a gateway being restarted: nothing listens on the port, open connections are cut."""
+        if self.stopped:
+            return
+        self.stopped = True
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+        for conn in self.connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by its handler
 
     def faults(self) -> list[str]:
         return [action for _, _, action in self.log if action]
@@ -433,17 +454,39 @@ def test_transient_errors_give_up_after_the_time_bound(s3_endpoint: str, s3_buck
         assert len(proxy.log) >= 2  # retried, then given up
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_unreachable_endpoint_is_retried_then_reported(s3_endpoint: str, quick_retries: None) -> None:
+def test_a_gateway_restarting_mid_run_is_retried(s3_endpoint: str, s3_bucket: str, quick_retries: None,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Refused connections after the endpoint has answered are a restart, not a typo: retried (and said)."""
     from storage_adapters import retry
 
-    retry.set_retry_policy(total_seconds=1.0, first_delay=0.1, max_delay=0.2)
-    storage.set_storage_options(proxy_options(f"http://127.0.0.1:{_free_port()}", attempts=1))
-    with pytest.raises(storage.StorageError, match=r"s3://some-bucket/k: read still failing after \d+ attempts"):
-        storage.read_bytes("s3://some-bucket/k")
+    retry.forget_endpoints()
+    url = f"{s3_bucket}/k"
+    caplog.set_level(logging.WARNING, logger="biggraph.storage")
+    restarted: list[FaultProxy] = []
+
+    class RestartOnFirstRetry(logging.Handler):
+        """Brings the gateway back on its port once the first retry has been announced (no timing guesses)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if not restarted and "connection refused" in record.getMessage():
+                restarted.append(FaultProxy(s3_endpoint, lambda method, path: None, port=port).__enter__())
+
+    handler = RestartOnFirstRetry(logging.WARNING)
+    with FaultProxy(s3_endpoint, lambda method, path: None) as first:
+        port = first.server.server_address[1]
+        storage.set_storage_options(proxy_options(first.endpoint, attempts=2))
+        storage.write_text(url, "before the restart")  # the endpoint has answered: a run is under way
+        first.stop()
+        logging.getLogger("biggraph.storage").addHandler(handler)
+        try:
+            assert storage.read_text(url) == "before the restart"
+        finally:
+            logging.getLogger("biggraph.storage").removeHandler(handler)
+            for proxy in restarted:
+                proxy.stop()
+    assert restarted and restarted[0].log, "the read was not answered by the restarted gateway"
+    refused = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
+    # botocore's retries say so (3 attempts: proxy_options' max_attempts=2 retries), naming the request and endpoint
+    assert refused and re.search(r"(Head|Get)Object failed on attempt \d of 3 \(EndpointConnectionError: ", refused[0]), refused
+    assert f"http://127.0.0.1:{port}/{url.split('://', 1)[1]}" in refused[0], refused
