@@ -9,9 +9,11 @@
   random bytes, edited tags.txt/params.txt). ``load``/``verify`` and a few queries either
   work or raise a ``UserError``; each example runs under a ``signal.alarm`` hang guard.
 - HDF5 inputs (seeded loop in a subprocess, so a segfault or a hang in the HDF5 C library is
-  reported with its case number): a valid ``edges_0_0.h5`` and checkpoint embeddings file
-  with flipped bytes / truncation, read by ``read_edges``, ``CheckpointStorage.load_entity_partition``
-  and ``run_validation`` (what ``biggraph validate`` runs).
+  reported with its case number): a valid ``edges_0_0.h5`` (with the importer's checksum
+  manifest) and a committed checkpoint embeddings file with flipped bytes / truncation, read by
+  ``read_edges``, ``CheckpointStorage.load_entity_partition`` and ``run_validation`` (what
+  ``biggraph validate`` runs). Every damaged file must be an error: none may read back as
+  other data, and validate may accept none.
 
 The fast tests run a few hundred cases in total; ``-m slow`` runs ten times more. Every test
 prints the number of cases it ran (``pytest -s``), and appends it to ``$BIGGRAPH_FUZZ_COUNTS``
@@ -454,6 +456,7 @@ H5_CHILD = textwrap.dedent(
     expected = read()
     rng = random.Random(seed)
     counts = {"error": 0, "same": 0, "different": 0} if target != "validate" else {"error": 0, "accepted": 0}
+    counts["unchanged"] = 0  # a zeroed range that was zero already: not damage
     failures = []
     for case in range(cases):
         data = bytearray(original)
@@ -466,6 +469,9 @@ H5_CHILD = textwrap.dedent(
         if mode == "zero":
             start = rng.randrange(len(data))
             data[start:start + rng.randint(1, 64)] = bytes(len(data[start:start + 64]))
+        if bytes(data) == original:
+            counts["unchanged"] += 1
+            continue
         victim.write_bytes(bytes(data))
         progress.write(f"{case} {mode}\n")
         signal.alarm(20)
@@ -495,7 +501,7 @@ def h5_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
     from job.formats.checkpoint import CheckpointStorage
-    from job.formats.edges import edges_file, write_edges
+    from job.formats.edges import edges_file, write_edge_manifest, write_edges
     from job.formats.entities import write_entity_count
     from job.train.step import row_adagrad_state
 
@@ -503,8 +509,9 @@ def h5_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(0)
     write_entity_count(str(work / "data"), "node", 0, 50)
     n = 200
-    write_edges(edges_file(str(work / "data" / "edges"), 0, 0), rng.integers(0, 2, n), rng.integers(0, 50, n),
-                rng.integers(0, 50, n))
+    entry = write_edges(edges_file(str(work / "data" / "edges"), 0, 0), rng.integers(0, 2, n), rng.integers(0, 50, n),
+                        rng.integers(0, 50, n))
+    write_edge_manifest(str(work / "data" / "edges"), {"edges_0_0.h5": entry})  # as `biggraph import` does
     config = {"entities": {"node": {"num_partitions": 1}},
               "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node"} for i in range(2)], "dimension": 8,
               "entity_path": str(work / "data"), "edge_paths": [str(work / "data" / "edges")],
@@ -535,6 +542,8 @@ def run_h5_fuzz(work: Path, target: str, cases: int, seed: int) -> dict[str, Any
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     record(f"hdf5_{target}", cases, seed=seed, **summary["counts"])
     assert summary["num_failures"] == 0, json.dumps(summary["failures"], indent=1)
+    # checksums: no damaged file reads back as other data, and validate accepts none
+    assert summary["counts"].get("different", 0) == 0 and summary["counts"].get("accepted", 0) == 0, summary["counts"]
     return summary
 
 
