@@ -56,9 +56,10 @@ def test_hadolint_does_flag_a_bad_dockerfile(tmp_path: Path) -> None:
 def test_multi_stage_slim_non_root_batch_image() -> None:
     steps = instructions()
     froms = [rest for keyword, rest in steps if keyword == "FROM"]
-    assert froms == ["${PYTHON_IMAGE} AS builder", "${PYTHON_IMAGE} AS runtime"]
+    assert froms == ["scratch AS torch-wheels", "${PYTHON_IMAGE} AS builder", "${PYTHON_IMAGE} AS runtime"]
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in DOCKERFILE.read_text()
-    runtime = steps[[i for i, (k, _) in enumerate(steps) if k == "FROM"][1]:]
+    runtime = steps[steps.index(("FROM", "${PYTHON_IMAGE} AS runtime")):]
+    assert [r for k, r in runtime if k == "COPY" and r.startswith("--from")] == ["--from=builder /opt/venv /opt/venv"]
     assert ("USER", "10001:10001") in runtime
     assert ("HEALTHCHECK", "NONE") in runtime
     assert any(k == "RUN" and "useradd --uid 10001" in r for k, r in runtime)
@@ -69,13 +70,47 @@ def test_multi_stage_slim_non_root_batch_image() -> None:
     assert "ARG TORCH_VARIANT=cpu" in DOCKERFILE.read_text() and "ARG TORCH_VERSION=2.13.0" in DOCKERFILE.read_text()
 
 
-def test_torch_variant_guard_accepts_cpu_and_cuda_only() -> None:
+def torch_install_step() -> str:
+    """The builder's torch RUN step, without its --mount flag (the shell command only)."""
     run = next(r for k, r in instructions() if k == "RUN" and "TORCH_VARIANT" in r)
-    guard = run.split("&&")[0]
+    assert run.startswith("--mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels ")
+    return re.sub(r"^(--mount=\S+\s+)+", "", run)
+
+
+def test_torch_variant_guard_accepts_cpu_and_cuda_only() -> None:
+    guard = torch_install_step().split("&&")[0]
     for variant, ok in (("cpu", True), ("cu124", True), ("rocm6", False), ("", False)):
         done = subprocess.run(["bash", "-o", "pipefail", "-c", guard], env={"TORCH_VARIANT": variant, "PATH": "/usr/bin:/bin"},
                               capture_output=True, text=True)
         assert (done.returncode == 0) == ok, (variant, done.stderr)
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cu124"])
+def test_torch_comes_from_the_index_unless_a_matching_wheel_is_supplied(tmp_path: Path, variant: str) -> None:
+    """The default branch is what users build and no test here can reach the PyTorch index: run the
+    step's shell with a fake pip and python that record their arguments, with and without a wheel."""
+    fakes = tmp_path / "bin"
+    fakes.mkdir()
+    for tool in ("pip", "python"):
+        (fakes / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {tmp_path}/calls\n")
+        (fakes / tool).chmod(0o755)
+    wheels = tmp_path / "torch-wheels"
+    wheels.mkdir()
+    step = torch_install_step().replace("/tmp/torch-wheels", str(wheels))
+    env = {"TORCH_VARIANT": variant, "TORCH_VERSION": "2.13.0", "PATH": f"{fakes}:/usr/bin:/bin"}
+
+    def pip_call() -> str:
+        (tmp_path / "calls").unlink(missing_ok=True)
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", step], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("pip ")][0]
+
+    index = f"pip install --no-cache-dir --no-compile --index-url https://download.pytorch.org/whl/{variant} torch==2.13.0"
+    assert pip_call() == index
+    (wheels / "torch-2.13.0+cu999-cp311-cp311-linux_x86_64.whl").touch()  # another variant's wheel: ignored
+    assert pip_call() == index
+    (wheels / f"torch-2.13.0+{variant}-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    assert pip_call() == f"pip install --no-cache-dir --no-compile --find-links {wheels} torch==2.13.0+{variant}"
 
 
 def dockerignored(path: str) -> bool:
