@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from job.errors import UserError
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import LockState
+from job.train.distributed import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, LockState, peer_timing
 
 # the scheduling rules -------------------------------------------------------------------------------
 
@@ -101,6 +102,46 @@ def test_progress_round_trip_counts_in_flight_buckets_as_redone() -> None:
     assert restored.redone == in_flight
     assert ("node", a.lhs) in restored.dirty
     assert not restored.locks and not restored.in_flight
+
+
+# heartbeats ------------------------------------------------------------------------------------------
+
+
+def test_peer_timing_defaults_and_overrides() -> None:
+    assert peer_timing({}) == (DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S)
+    # the timeout bounds the recovery time after a lost pod (bench/elastic_bench.py); keep it short
+    assert DEFAULT_PEER_TIMEOUT_S <= 6
+    assert peer_timing({"BIGGRAPH_PEER_TIMEOUT": "8"}) == (DEFAULT_PEER_INTERVAL_S, 8.0)
+    assert peer_timing({"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "3"}) == (0.5, 3.0)
+    for env in ({"BIGGRAPH_PEER_TIMEOUT": "soon"}, {"BIGGRAPH_PEER_TIMEOUT": "0"}, {"BIGGRAPH_PEER_INTERVAL": "-1"},
+                {"BIGGRAPH_PEER_INTERVAL": "2", "BIGGRAPH_PEER_TIMEOUT": "3"}):
+        with pytest.raises(UserError):
+            peer_timing(env)
+
+
+def test_heartbeat_names_the_peer_that_went_silent_after_the_timeout() -> None:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    interval, dead_after = 0.05, 0.6
+    watcher = Heartbeat(store, 0, 3, interval=interval, dead_after=dead_after)
+    alive = Heartbeat(store, 1, 3, interval=interval, dead_after=dead_after)
+    silent = Heartbeat(store, 2, 3, interval=interval, dead_after=dead_after)
+    try:
+        time.sleep(0.5)
+        assert watcher.dead_rank is None
+        silent.stop()
+        stopped = time.monotonic()
+        while watcher.dead_rank is None and time.monotonic() < stopped + 5:
+            time.sleep(0.01)
+        noticed = time.monotonic() - stopped
+        assert watcher.dead_rank == 2  # and never the peer that kept beating
+        assert dead_after <= noticed + interval and noticed < dead_after + 1.0, noticed
+    finally:
+        for beat in (watcher, alive, silent):
+            beat.stop()
 
 
 # real torchrun agents --------------------------------------------------------------------------------

@@ -37,6 +37,15 @@ logger = logging.getLogger("biggraph")
 PartKey = tuple[str, int]
 PROGRESS_FILE = "distributed_progress.json"
 
+# How fast rank 0 gives up on a silent peer (env BIGGRAPH_PEER_INTERVAL / BIGGRAPH_PEER_TIMEOUT). The timeout
+# is the first term of the recovery time after a lost pod (bench/elastic_bench.py: 15 s of a 47 s recovery
+# before). 6 s is six missed beats: a beat comes from its own thread and only needs the GIL for a moment,
+# so it survives partition writes and training (measured: torch.save of a 400 MB optimizer state holds the
+# GIL for 0.4 s, h5py reads and writes and torch kernels release it). A false alarm costs a group restart
+# (about 20 s) and the in-flight buckets, never data.
+DEFAULT_PEER_INTERVAL_S = 1.0
+DEFAULT_PEER_TIMEOUT_S = 6.0
+
 
 # scheduling logic ------------------------------------------------------------------------------
 
@@ -313,7 +322,8 @@ class Heartbeat:
     trainers only talk to the store), so without this the survivors would wait for its bucket forever.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0, dead_after: float = 15.0) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = DEFAULT_PEER_INTERVAL_S,
+                 dead_after: float = DEFAULT_PEER_TIMEOUT_S) -> None:
         self.store = store.clone()
         self.rank = rank
         self.world_size = world_size
@@ -366,12 +376,34 @@ def init_distributed() -> Optional[DistributedContext]:
 
     store = distributed_c10d._get_default_store()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    dead_after = float(os.environ.get("BIGGRAPH_PEER_TIMEOUT", "15"))
+    interval, dead_after = peer_timing(os.environ)
     return DistributedContext(
         rank=rank, world_size=world_size, store=store,
         restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        heartbeat=Heartbeat(store, rank, world_size, dead_after=dead_after),
+        heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after),
     )
+
+
+def peer_timing(env: Any) -> tuple[float, float]:
+    """(heartbeat interval, dead-peer timeout) in seconds from BIGGRAPH_PEER_INTERVAL / BIGGRAPH_PEER_TIMEOUT."""
+    from job.errors import UserError
+
+    values = []
+    for name, default in (("BIGGRAPH_PEER_INTERVAL", DEFAULT_PEER_INTERVAL_S), ("BIGGRAPH_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT_S)):
+        text = env.get(name, "")
+        try:
+            value = float(text) if text.strip() else default
+        except ValueError:
+            raise UserError(f"{name}={text!r}: expected a number of seconds") from None
+        if not value > 0:
+            raise UserError(f"{name}={text!r}: must be more than 0 seconds")
+        values.append(value)
+    interval, timeout = values
+    if timeout < 2 * interval:
+        # one late beat would already count as a dead peer
+        raise UserError(f"BIGGRAPH_PEER_TIMEOUT ({timeout:g} s) must be at least twice BIGGRAPH_PEER_INTERVAL "
+                        f"({interval:g} s)")
+    return interval, timeout
 
 
 def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) -> None:
