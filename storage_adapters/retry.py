@@ -413,7 +413,7 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
                     f"{url}: {operation} still failing after {attempt} attempts in {spent:.1f} s: {describe(err)}"
                 ) from None
             pause = delay * (0.5 + random.random() / 2)
-            logger.warning("%s: %s failed on attempt %d of %d (%s: %s); retrying in %.1f s",
+            logger.warning("%s: %s failed on attempt %d of %d (%s: %s); retrying in %.2f s",
                            url, operation, attempt, limit, type(err).__name__, describe(err), pause)
             sleep(pause)
             delay = min(policy.max_delay, delay * policy.multiplier)
