@@ -328,8 +328,17 @@ def test_import_with_a_closed_port_fails_at_once(aws_env: None, tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_a_burst_of_server_errors_is_retried_and_said(s3_endpoint: str, s3_bucket: str,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("fault", "reason", "sends", "retries"), [
+    # (fault, how botocore's retry names it, requests per botocore attempt, retries said by each layer)
+    ("500", "InternalError (HTTP 500)", 1, 2),
+    ("503", "SlowDown (HTTP 503)", 1, 2),  # s3fs' own loop would retry this one silently: it is off
+    # aiohttp re-sends a request whose connection dropped once, at once (RFC 9112), below botocore: each attempt
+    # is two requests, so the four faults are one botocore retry and one of ours
+    ("drop", "ConnectionClosedError: Connection was closed", 2, 1),
+])
+def test_a_burst_of_errors_is_retried_and_every_retry_said(fault: str, reason: str, sends: int, retries: int,
+                                                           s3_endpoint: str, s3_bucket: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     from test_storage_faults import FaultProxy
 
     retry.forget_endpoints()
@@ -338,11 +347,11 @@ def test_a_burst_of_server_errors_is_retried_and_said(s3_endpoint: str, s3_bucke
     failures = itertools.count()
     url = f"{s3_bucket}/k"
 
-    def four_500s_on_put(method: str, path: str) -> str | None:
-        return "500" if method == "PUT" and path.endswith("/k") and next(failures) < 4 else None
+    def four_faults_on_put(method: str, path: str) -> str | None:
+        return fault if method == "PUT" and path.endswith("/k") and next(failures) < 4 else None
 
     try:
-        with FaultProxy(s3_endpoint, four_500s_on_put) as proxy:
+        with FaultProxy(s3_endpoint, four_faults_on_put) as proxy:
             options = dict(_options(proxy.endpoint), config_kwargs={"retries": {"max_attempts": 1, "mode": "legacy"}})
             storage.set_storage_options(options)
             storage.write_text(url, "written through the burst")
@@ -351,13 +360,21 @@ def test_a_burst_of_server_errors_is_retried_and_said(s3_endpoint: str, s3_bucke
         retry.set_retry_policy(previous.total_seconds, previous.first_delay, previous.max_delay, previous.max_attempts)
         storage.set_storage_options({})
     puts = [action for method, path, action in proxy.log if method == "PUT" and path.endswith("/k")]
-    assert puts == ["500", "500", "500", "500", None]  # 2 botocore attempts per call: 2 calls failed, the 3rd won
+    assert puts == [fault] * 4 + [None]
     lines = [r.getMessage() for r in caplog.records]
     request_url = f"{proxy.endpoint}/{url.split('://', 1)[1]}"
-    botocore_lines = [line for line in lines if "botocore retries it" in line]
+    botocore_lines = [line for line in lines if line.endswith("; botocore retries it")]
     ours = [line for line in lines if line.startswith(f"{url}: write failed on attempt")]
-    assert botocore_lines == [f"{request_url}: PutObject failed on attempt 1 of 2 (InternalError (HTTP 500)); "
-                              "botocore retries it"] * 2, lines
-    assert [line.split(" (")[0] for line in ours] == [f"{url}: write failed on attempt {n} of 6" for n in (1, 2)], lines
-    assert "InternalError" in ours[0] and "retrying in" in ours[0]
+    # botocore makes 2 attempts per call (max_attempts=1 retry): each call that failed is one botocore retry and
+    # one of ours, until the call that went through
+    assert len(botocore_lines) == retries and all(
+        line.startswith(f"{request_url}: PutObject failed on attempt 1 of 2 ({reason}") for line in botocore_lines), lines
+    assert [line.split(" (")[0] for line in ours] == [f"{url}: write failed on attempt {n} of 6"
+                                                      for n in range(1, retries + 1)], lines
+    assert all("; retrying in " in line for line in ours)
+    # every request sent is accounted for: the first of each of our attempts, or a retry botocore announced
+    # (a layer retrying in silence, such as s3fs' own loop, would send requests nobody announced); each failed
+    # attempt went out ``sends`` times, the last one, answered, once
+    announced = (len(ours) + 1) + len(botocore_lines)
+    assert len(puts) == (announced - 1) * sends + 1
     assert not any(KEY in line or SECRET in line for line in lines)
