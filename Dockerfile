@@ -46,11 +46,12 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && pip install --no-cache-dir --no-compile "${whl}[s3,k8s]" \
  && python -c "import job, storage_adapters, s3fs, kubernetes, torch; print('biggraph', job.__version__, 'torch', torch.__version__)"
 # What only building needs goes before the COPY into the runtime stage: torch's C++ headers, protoc
-# and C++ test binaries (torch_shm_manager stays: torch.multiprocessing uses it), and the packages'
-# own test suites. pip itself stays: `biggraph demo` downloads its graphs with it.
+# and C++ test binaries (torch_shm_manager stays: torch.multiprocessing uses it), the packages' own
+# test suites, and the bytecode ensurepip compiled for pip and setuptools. pip itself stays:
+# `biggraph demo` downloads its graphs with it.
 RUN site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
  && rm -rf "${site}/torch/include" "${site}"/torch/bin/protoc* "${site}"/torch/bin/test_* "${site}"/torch/bin/*Test \
- && find /opt/venv -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} + \
+ && find /opt/venv -depth -type d \( -name __pycache__ -o -name tests -path '*/site-packages/*' \) -exec rm -rf {} + \
  && python -c "import job.cli, torch.distributed.run, numpy, h5py, pyarrow, s3fs, kubernetes"
 
 # ---- runtime: slim python + the venv, non-root, read-only-root friendly ------------------------

@@ -9,9 +9,10 @@
 #   tests/image.sh build [TAG]           builds Dockerfile, torch from the local CPU wheel; prints
 #                                        build_seconds=, size_bytes=, image=
 #   tests/image.sh mount IMAGE           a working container of IMAGE; prints its root directory
-#   tests/image.sh run IMAGE ROOT [-e K=V]... [-v HOST:CTR[:ro]]... [--name N] [--] [ARGS...]
-#                                        runs IMAGE's entrypoint with ARGS (its CMD when none) in ROOT
-#   tests/image.sh clean                 removes the test storage (every container and image in it)
+#   tests/image.sh run IMAGE ROOT [-e K=V]... [-v HOST:CTR[:ro]]... [--tmp DIR] [--name N] [--] [ARGS...]
+#                                        runs IMAGE's entrypoint with ARGS (its CMD when none) in ROOT;
+#                                        /tmp is a fresh tmpfs, or DIR (an emptyDir you can look into)
+#   tests/image.sh clean [--all]         removes every container and image but the base (--all: the store)
 #
 # Environment: IMAGE_TEST_STORE  buildah storage root (default .cache/image-test/storage): a private
 #              store, so that the test never touches /var/lib/containers and is removed in one go;
@@ -113,12 +114,13 @@ run() {
     local image=$1 root=$2
     shift 2
     local -a extra_env=() volumes=() args=()
-    local name=biggraph
+    local name=biggraph tmp_dir=
     while [ $# -gt 0 ]; do
         case $1 in
             -e) extra_env+=("$2"); shift 2 ;;
             -v) volumes+=("$2"); shift 2 ;;
             --name) name=$2; shift 2 ;;
+            --tmp) tmp_dir=$2; shift 2 ;;
             --) shift; args=("$@"); break ;;
             *) args=("$@"); break ;;
         esac
@@ -152,13 +154,13 @@ run() {
     env -i "${image_env[@]}" HOSTNAME="$name" "${extra_env[@]}" \
         unshare --mount --propagation private -- bash -c '
         set -e
-        mnt=$1 root=$2 uid=$3 gid=$4 workdir=$5 nvol=$6; shift 6
+        mnt=$1 root=$2 uid=$3 gid=$4 workdir=$5 tmp_dir=$6 nvol=$7; shift 7
         mount --bind "$root" "$mnt"
         mount -o remount,bind,ro "$mnt"
         mount --rbind /dev "$mnt/dev"
         mount -t tmpfs -o size=1g,mode=1777 shm "$mnt/dev/shm"
         mount -t proc proc "$mnt/proc"
-        mount -t tmpfs -o size=2g,mode=1777 tmp "$mnt/tmp"
+        if [ -n "$tmp_dir" ]; then mount --bind "$tmp_dir" "$mnt/tmp"; else mount -t tmpfs -o size=2g,mode=1777 tmp "$mnt/tmp"; fi
         mount --bind /etc/hosts "$mnt/etc/hosts"
         mount --bind /etc/resolv.conf "$mnt/etc/resolv.conf"
         for _ in $(seq "$nvol"); do
@@ -168,18 +170,25 @@ run() {
         done
         # no_new_privs as allowPrivilegeEscalation: false; the uid switch drops every capability
         exec setpriv --no-new-privs unshare --root="$mnt" --wd="$workdir" --setgid "$gid" --setuid "$uid" -- "$@"
-    ' bash "$mnt" "$root" "$uid" "$gid" "$workdir" "${#volumes[@]}" "${volumes[@]}" "${entrypoint[@]}" "${args[@]}" \
+    ' bash "$mnt" "$root" "$uid" "$gid" "$workdir" "$tmp_dir" "${#volumes[@]}" "${volumes[@]}" "${entrypoint[@]}" "${args[@]}" \
         || rc=$?
     rmdir "$mnt"
     return "$rc"
 }
 
 clean() {
-    if [ -d "$STORE" ]; then
-        bah rm --all >/dev/null 2>&1 || true
-        bah rmi --all --force >/dev/null 2>&1 || true
+    [ -d "$STORE" ] || return 0
+    bah rm --all >/dev/null
+    if [ "${1:-}" = --all ]; then
         rm -rf "$STORE"
+        return 0
     fi
+    # everything but the base image, which a re-run would only import again
+    local id base_id
+    base_id=$(bah inspect --type image --format '{{.FromImageID}}' "$BASE_IMAGE" 2>/dev/null || true)
+    for id in $(bah images --all --quiet --no-trunc); do
+        [ "${id#sha256:}" = "${base_id#sha256:}" ] || bah rmi --force "$id" >/dev/null 2>&1 || true
+    done
 }
 
 cmd=${1:-}
@@ -190,6 +199,6 @@ case $cmd in
     build) deps; base; build "$@" ;;
     mount) mount_image "$@" ;;
     run) run "$@" ;;
-    clean) clean ;;
+    clean) clean "$@" ;;
     *) sed -n '2,21p' "$0" >&2; exit 2 ;;
 esac
