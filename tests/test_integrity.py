@@ -216,3 +216,30 @@ def test_edge_manifest_written_by_the_api_round_trips(tmp_path: Path) -> None:
 
     with pytest.raises(InputFormatError, match="damaged"):
         read_edges(url)
+
+
+def test_ranks_verify_partitions_other_ranks_wrote(tmp_path: Path) -> None:
+    """Two trainers sharing records through a real TCPStore: B verifies what A wrote, and the latest write wins."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from job.errors import InputFormatError
+    from job.formats.checkpoint import SharedSumRegistry
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    writer, reader = CheckpointStorage(str(tmp_path)), CheckpointStorage(str(tmp_path))
+    writer.sums, reader.sums = SharedSumRegistry(store, "0"), SharedSumRegistry(store, "0")
+    writer.prepare()
+    first = np.ones((3, 4), np.float32)
+    writer.save_entity_partition(2, "node", 0, first)
+    np.testing.assert_array_equal(reader.load_entity_partition(2, "node", 0)[0], first)
+    reader.save_entity_partition(2, "node", 0, first * 2)  # B rewrites it; A must now expect B's bytes
+    np.testing.assert_array_equal(writer.load_entity_partition(2, "node", 0)[0], first * 2)
+    flip_byte(Path(writer.partition_file(2, "node", 0)))
+    with pytest.raises(InputFormatError, match="damaged"):
+        writer.load_entity_partition(2, "node", 0)
+    # a new round (after an elastic restart) has no records: unverified, and the commit checksums the file
+    fresh = CheckpointStorage(str(tmp_path))
+    fresh.sums = SharedSumRegistry(store, "1")
+    assert fresh.sums.get(fresh.partition_file(2, "node", 0)) is None
