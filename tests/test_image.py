@@ -101,7 +101,8 @@ def script(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess
 def image() -> Iterator[Image]:
     if not sys.platform.startswith("linux"):
         pytest.skip("the image test needs Linux (buildah, mount namespaces, chroot)")
-    env = dict(os.environ, IMAGE_TEST_STORE=str(CACHE / "storage"))
+    # PYTHON: the pip that finds the CPU torch wheel (with this run's pip configuration)
+    env = dict(os.environ, IMAGE_TEST_STORE=str(CACHE / "storage"), PYTHON=sys.executable)
     script("clean", env=env, timeout=300)  # what a killed earlier run may have left
     started = time.monotonic()
     built = script("build", TAG, env=env, timeout=900)
