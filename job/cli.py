@@ -19,6 +19,7 @@ from job.errors import UserError
 COMMAND_MODULES = (
     "job.commands",
     "job.importer",
+    "job.growing.cli",
     "job.validate",
     "job.exporter",
     "job.legacy",

@@ -47,6 +47,8 @@ COMPARATORS = ("dot", "cos", "l2", "squared_l2")
 LOSS_FUNCTIONS = ("ranking", "logistic", "softmax")
 REGULARIZERS = ("N3",)
 EDGE_READ_MODES = ("stage", "stream")
+GROW_INITS = ("random", "neighbours")
+GROW_NUM_EPOCHS_DEFAULT = 5
 
 
 @dataclass
@@ -65,6 +67,13 @@ class EntitySchema:
     dimension: int | None = _help(
         "Dimension of this type's embeddings; defaults to the global `dimension`.",
         default=None,
+    )
+    frozen: bool = _help(
+        "Keep this type's embeddings and their row-wise Adagrad state fixed while training (PBG issue #270): "
+        "its rows are still scored and drawn as negatives, but never updated, and neither is its global "
+        "embedding. Typical use: a trained catalogue stays exactly as it is while new entities of other types "
+        "are fitted to it (`biggraph grow`).",
+        default=False,
     )
 
     def __post_init__(self) -> None:
@@ -321,6 +330,25 @@ class ConfigSchema:
         "The job label of the Pushgateway grouping key ({pushgateway_url}/metrics/job/{job}/instance/{rank}).",
         default="biggraph",
     )
+    grow_init: str = _help(
+        "How `biggraph grow` initialises the rows of new entities: 'random' (normal with standard deviation "
+        "init_scale, as a fresh run does) or 'neighbours' (the mean of the trained embeddings of the entities "
+        "each one is linked to by the new edges, mapped through the relation operator; entities reached only "
+        "through other new entities are filled in later rounds, and those with no trained neighbour at all "
+        "start at random).",
+        default="neighbours",
+    )
+    grow_num_epochs: int = _help(
+        "How many passes over the new edges (plus the replayed old ones) `biggraph grow` trains after it has "
+        "committed the grown checkpoint; 0 only grows the checkpoint.",
+        default=GROW_NUM_EPOCHS_DEFAULT,
+    )
+    grow_replay_fraction: float = _help(
+        "The fraction of the old edges that each pass of `biggraph grow`'s training replays beside the new ones "
+        "(a fresh uniform sample per pass and bucket, read from the same edge files: no second copy), so that "
+        "old embeddings keep fitting the old graph; 0 trains on the new edges only, 1 on all edges.",
+        default=0.1,
+    )
 
     def __post_init__(self) -> None:
         if not self.edge_paths:
@@ -356,6 +384,11 @@ class ConfigSchema:
         self._check_choice("regularizer", REGULARIZERS)
         self._check_choice("edge_read_mode", EDGE_READ_MODES)
         self._check_choice("device", ("auto", "cpu", "cuda"))
+        self._check_choice("grow_init", GROW_INITS)
+        if not 0.0 <= self.grow_replay_fraction <= 1.0:
+            raise ConfigError(f"config key 'grow_replay_fraction': must be in [0, 1], got {self.grow_replay_fraction}")
+        if self.grow_num_epochs < 0:
+            raise ConfigError(f"config key 'grow_num_epochs': must be >= 0, got {self.grow_num_epochs}")
         for name in ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config key '{name}': must be a positive integer, got {getattr(self, name)}")
@@ -460,9 +493,9 @@ NON_PBG_1_0_KEYS = frozenset({
     "regularization_coef", "regularizer", "early_stopping", "num_gpus", "num_groups_for_partition_server",
     "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision",
     "seed", "device", "cuda_graphs", "prefetch_partitions", "edge_read_mode", "storage_options",
-    "tensorboard_dir", "pushgateway_url", "pushgateway_job",
+    "tensorboard_dir", "pushgateway_url", "pushgateway_job", "grow_init", "grow_num_epochs", "grow_replay_fraction",
 })
-NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension"})
+NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension", "frozen"})
 
 
 def _to_plain(value: Any) -> Any:

@@ -49,9 +49,11 @@ class CheckpointReader:
     def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
         import storage_adapters as storage
         from job.formats import entities as entity_format
+        from job.growing.journal import finish_committed_grow
 
         storage.set_storage_options(config.storage_options)
         self.config = config
+        finish_committed_grow(config.checkpoint_path)  # a grown version's input, if a crash left it unpublished
         self.checkpoint = CheckpointStorage(config.checkpoint_path)
         latest = self.checkpoint.load_version()
         if latest == 0:

@@ -73,6 +73,12 @@ def register(subparsers: Any) -> None:
     )
     add_config_arguments(parser)
     parser.add_argument("files", nargs="+", metavar="FILE", help="input edge list(s): paths or URLs, .gz etc. allowed")
+    add_import_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_import_arguments(parser: argparse.ArgumentParser) -> None:
+    """The column and parsing options of ``biggraph import`` (``biggraph grow`` reads new edges with the same ones)."""
     parser.add_argument("-l", "--lhs-col", type=int, required=True, help="0-based column of the source entity")
     parser.add_argument("-r", "--rhs-col", type=int, required=True, help="0-based column of the target entity")
     parser.add_argument(
@@ -103,7 +109,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--progress-every", type=float, default=5.0, metavar="MILLIONS", help="log progress every this many million edges"
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +116,14 @@ def run(args: argparse.Namespace) -> int:
     from job.config import load_config
 
     config = load_config(args.config, overrides_of(args))
-    options = ImportOptions(
+    summary = import_edges(config, args.files, import_options(args))
+    print(summary.describe())
+    return 0
+
+
+def import_options(args: argparse.Namespace) -> ImportOptions:
+    """The ``ImportOptions`` of parsed ``add_import_arguments`` flags."""
+    return ImportOptions(
         lhs_col=args.lhs_col,
         rhs_col=args.rhs_col,
         rel_col=args.rel_col,
@@ -126,9 +138,6 @@ def run(args: argparse.Namespace) -> int:
         tmp_dir=args.tmp_dir,
         progress_every=max(1, int(args.progress_every * 1_000_000)),
     )
-    summary = import_edges(config, args.files, options)
-    print(summary.describe())
-    return 0
 
 
 @dataclass
@@ -309,6 +318,34 @@ class EntityTable:
         self.name_chunks: list[pa.Array] = []
         self.counts = np.zeros(0, dtype=np.int64)
         self.size = 0
+
+    def preload(self, names: pa.Array) -> np.ndarray:
+        """Make ``names`` the ids 0..n-1, in order (``biggraph grow``: an existing model's entities keep their ids).
+
+        Returns the positions of names that repeat an earlier one (empty when all are distinct): the
+        caller decides whether that is an error. Their counts start at 0, so ``counts`` afterwards
+        counts only the occurrences in edges encoded later.
+        """
+        import pyarrow as pa
+
+        hashes, _ = hash_strings(names)
+        order = np.argsort(hashes, kind="stable")
+        ordered = hashes[order]
+        repeated = np.zeros(len(ordered), dtype=bool)
+        if len(ordered) > 1:
+            np.equal(ordered[1:], ordered[:-1], out=repeated[1:])
+        self.sorted_hashes = ordered[~repeated]
+        self.sorted_ids = order[~repeated].astype(np.int64)
+        self.name_chunks = [names.cast(pa.large_string())] if len(names) else []
+        self.size = len(names)
+        self.counts = np.zeros(max(self.size, 1), dtype=np.int64)
+        return np.sort(order[repeated])
+
+    def hashes_of(self, ids: np.ndarray) -> np.ndarray:
+        """The hashes of dense ids (the inverse of the lookup table, for the ids given)."""
+        by_id = np.empty(self.size, dtype=np.uint64)
+        by_id[self.sorted_ids] = self.sorted_hashes
+        return by_id[ids]
 
     def encode(self, hashes: np.ndarray, names_at: Callable[[np.ndarray], pa.Array]) -> np.ndarray:
         """Dense ids of ``hashes``; ``names_at(positions)`` gives the strings at those positions (for new ids)."""
@@ -692,6 +729,10 @@ class _Importer:
         else:
             self.dynamic_counts[: len(counts)] += counts
 
+    def _unknown_relation(self, name: str) -> str:
+        """The problem reported for an edge whose relation type the config lacks."""
+        return f"has relation type '{name}', which is not in the config"
+
     def _bad_row_rule(self) -> Callable[[list[str]], str | None]:
         options = self.options
         known = self.plan.relation_ids
@@ -701,7 +742,7 @@ class _Importer:
                 if col is not None and col < len(fields) and fields[col] == "":
                     return f"has an empty {flag} id in column {col}"
             if options.rel_col is not None and not self.plan.dynamic and fields[options.rel_col] not in known:
-                return f"has relation type '{fields[options.rel_col]}', which is not in the config"
+                return self._unknown_relation(fields[options.rel_col])
             return None
 
         return is_bad
@@ -752,7 +793,7 @@ class _Importer:
                         name = batch.rel[first].as_py() if batch.rel is not None else ""
                         raise InputFormatError(
                             url,
-                            f"has relation type '{name}', which is not in the config",
+                            self._unknown_relation(name),
                             row=rows_before + first + 1,
                             expected=f"one of the config's relation names ({', '.join(plan.relation_ids)}); "
                             "or pass --skip-bad-rows",
@@ -979,10 +1020,13 @@ class _Importer:
         written.append(storage.join(edge_path, EDGE_MANIFEST))
         write_edge_manifest(edge_path, entries)
 
-    def _write_entities(self, members: list[list[np.ndarray]], relation_names: list[str] | None, written: list[str]) -> None:
+    def _write_entities(
+        self, members: list[list[np.ndarray]], relation_names: list[str] | None, written: list[str],
+        entity_path: str | None = None,
+    ) -> None:
         from job.formats import entities as ent
 
-        entity_path = self.config.entity_path
+        entity_path = entity_path or self.config.entity_path
         storage.makedirs(entity_path)
         # Names first and counts last: a count file is what marks a partition as present.
         for name, table, parts in zip(self.plan.type_names, self.tables, members):
@@ -1004,8 +1048,8 @@ class _Importer:
             written.append(ent.dynamic_rel_count_file(entity_path))
             ent.write_dynamic_rel_count(entity_path, len(relation_names))
 
-    def run(self) -> ImportSummary:
-        started = time.monotonic()
+    def _pass1(self, started: float) -> None:
+        """Read every input file: dense ids per type, relation ids, integer edges spilled to the work directory."""
         for file_index, url in enumerate(self.files):
             spill_dir = os.path.join(self.workdir, f"spill_{file_index}")
             os.makedirs(spill_dir)
@@ -1023,6 +1067,10 @@ class _Importer:
             f"{self.summary.edges_read / max(pass1, 1e-9):,.0f}",
             ", ".join(f"{n}={t.size:,}" for n, t in zip(self.plan.type_names, self.tables)),
         )
+
+    def run(self) -> ImportSummary:
+        started = time.monotonic()
+        self._pass1(started)
         parts_of, offsets_of, members = self._assign()
         rel_map: np.ndarray | None = None
         relation_names: list[str] | None = None

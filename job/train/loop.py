@@ -129,6 +129,11 @@ class Trainer:
         from storage_adapters.edge_reader import set_edge_read_mode
 
         set_edge_read_mode(config.edge_read_mode)
+        from job.growing.journal import finish_committed_grow
+
+        # a grown version whose input a crash left unpublished is completed before the input is checked; the
+        # leftovers of an uncommitted grow go, like those of an uncommitted pass
+        finish_committed_grow(config.checkpoint_path, clean_uncommitted=os.environ.get("RANK", "0") == "0")
         validate_cheap(config)
         self.device = pick_device(config)
         if config.half_precision:
@@ -161,12 +166,19 @@ class Trainer:
         if self.dist is not None:
             wait_all(self.dist, f"cleaned-{self.dist.restart_count}")
         self.model = Model(config, self.num_dynamic_rels).to(self.device)
+        for entity_type, entity in config.entities.items():
+            frozen_global = self.model.global_emb(entity_type) if entity.frozen else None
+            if frozen_global is not None:
+                frozen_global.requires_grad_(False)  # no gradient: RelationAdagrad leaves it as it is
         self.relation_optimizer = RelationAdagrad(list(self.model.parameters()), config.relation_lr or config.lr)
         self._load_model()
         if self.device.type == "cpu":
             self.model.share_memory()
             self.relation_optimizer.share_memory()
         self.num_chunks = count_edge_chunks(config)
+        # the checkpoint version the first pass of this run commits minus one (biggraph grow trains on after
+        # the version it committed, so its passes start there)
+        self.first_index = 0
         self.iterations = [
             Iteration(i, epoch, path_idx, chunk_idx)
             for i, (epoch, path_idx, chunk_idx) in enumerate(
@@ -252,7 +264,7 @@ class Trainer:
         config = self.config
         if self.rank == 0:
             self.checkpoint.save_config(config.to_pbg_json())  # PBG rejects keys it does not know
-        todo = self.iterations[self.version:]
+        todo = [iteration for iteration in self.iterations if iteration.index >= self.version]
         if not todo:
             self.finished_ok = True
             logger.info("training already complete: checkpoint version %d covers all %d passes",
@@ -268,7 +280,7 @@ class Trainer:
             pass_stats = self._run_pass(iteration) if self.dist is None else self._run_pass_distributed(iteration)
             total_edges += pass_stats["train_edges"]
             summary = pass_stats
-            last_pass_of_epoch = (iteration.index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
+            last_pass_of_epoch = (iteration.index - self.first_index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
             if last_pass_of_epoch and config.early_stopping and pass_stats.get("eval_mrr") is not None:
                 if last_eval is not None and pass_stats["eval_mrr"] < last_eval:
                     logger.info("early stopping: eval MRR fell from %.4f to %.4f", last_eval, pass_stats["eval_mrr"])
@@ -300,7 +312,8 @@ class Trainer:
                 following = buckets[bucket_idx + 1]
                 prefetch(edge_format.edges_file(edge_path, following.lhs, following.rhs))
             record, train_stats, eval_stats, seconds = self._run_bucket(
-                iteration, bucket, bucket_idx, edge_path, seed_base, first=(iteration.index == 0 and bucket_idx == 0),
+                iteration, bucket, bucket_idx, edge_path, seed_base,
+                first=(iteration.index == self.first_index and bucket_idx == 0),
                 following=buckets[bucket_idx + 1] if bucket_idx + 1 < len(buckets) else None,
             )
             records.append(record)
@@ -465,10 +478,16 @@ class Trainer:
         lhs_keys, rhs_keys = self._keys_for(bucket)
         evicted = self.store.hold_only(set(lhs_keys.values()) | set(rhs_keys.values()))
         return (
-            {r: self.store.get(k) for r, k in lhs_keys.items()},
-            {r: self.store.get(k) for r, k in rhs_keys.items()},
+            {r: self._training_view(k) for r, k in lhs_keys.items()},
+            {r: self._training_view(k) for r, k in rhs_keys.items()},
             evicted,
         )
+
+    def _training_view(self, key: tuple[str, int]) -> Table:
+        """The resident table of ``key`` as batches see it: without its optimizer state when the type is frozen,
+        which makes the step leave its rows (and that state, still held by the store) untouched."""
+        table = self.store.get(key)
+        return Table(table.weight, None) if self.config.entities[key[0]].frozen else table
 
     def _read_bucket_chunk(self, edge_path: str, bucket: Bucket, chunk_idx: int) -> EdgeTensors:
         url = edge_format.edges_file(edge_path, bucket.lhs, bucket.rhs)
@@ -582,7 +601,7 @@ class Trainer:
         self.checkpoint.save_version(new_version)  # the commit point
         old_version = self.version
         self.version = new_version
-        end_of_epoch = (iteration.index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
+        end_of_epoch = (iteration.index - self.first_index + 1) % (len(config.edge_paths) * self.num_chunks) == 0
         interval = config.checkpoint_preservation_interval
         if end_of_epoch and interval is not None and (iteration.epoch + 1) % interval == 0:
             self.checkpoint.preserve(new_version, iteration.epoch, self.all_keys)

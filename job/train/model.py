@@ -231,7 +231,8 @@ class Table:
     """One embedding table taking part in a batch: a partition's rows and its row-wise Adagrad sums."""
 
     weight: Tensor  # (count, dim), shared memory during training
-    optim_sum: Optional[Tensor]  # (count,), None when evaluating
+    # (count,); None makes the rows read-only: evaluation, and the training view of a frozen entity type
+    optim_sum: Optional[Tensor]
 
 
 @dataclass

@@ -364,8 +364,10 @@ def run_batch(
         rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg, rhs_count)
 
     if config.max_norm is not None and train:
-        _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
-        if not same_table:
+        # a table without optimizer state is read-only (a frozen entity type): not even renormalised
+        if lhs_table.optim_sum is not None:
+            _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
+        if not same_table and rhs_table.optim_sum is not None:
             _renorm_rows(rhs_table.weight, rhs_uniq, config.max_norm)
 
     with torch.set_grad_enabled(train):
@@ -478,7 +480,7 @@ def _run_featurized_batch(
             device = table.weight.device
             offsets, data = features[0].to(device), features[1].to(device)
             uniq, inverse = torch.unique(data, return_inverse=True)
-            if config.max_norm is not None and train:
+            if config.max_norm is not None and train and table.optim_sum is not None:
                 _renorm_rows(table.weight, uniq, config.max_norm)
             leaf = table.weight.index_select(0, uniq)
             if train:

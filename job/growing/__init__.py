@@ -1,0 +1,212 @@
+"""``biggraph grow``: add new entities, relation types and edges to a trained model, then train on.
+
+What a grow does, in order (each step's reasons are in its module):
+
+1. checks: the checkpoint (``--into``, default ``checkpoint_path``) has a committed version whose
+   config fits this one (``model_state.check_compatible``); the new edge files parse, their relation
+   types are known, no new name collides with another type (``ingest``). Any failure: one line,
+   exit 2, nothing written.
+2. reads the new edges into the trained id space: known entities keep id, partition and row; new ones
+   are appended to partitions, balanced (``ingest``).
+3. writes the new input (bucket files = old edges then new ones; counts and names) into staging
+   directories, the grown checkpoint version N+1 (trained rows bit-identical, new rows initialised by
+   ``rows``, the model with rows for new relation types) and the journal, then commits N+1 and
+   publishes the staged input (``journal``).
+4. trains ``grow_num_epochs`` passes over the new edges plus a replayed sample of the old ones
+   (``training``).
+
+Run again with the same files after a crash, it resumes: an uncommitted grow is discarded and redone,
+a committed one is published and its training continued from the last committed pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.formats.checkpoint import CheckpointStorage
+from job.growing.journal import (
+    GrowRecord,
+    describe_files,
+    finish_committed_grow,
+    journal_file,
+    latest_record,
+    publish,
+    staging_dir,
+    write_record,
+)
+from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
+from job.importer import ImportOptions, _check_request
+
+logger = logging.getLogger("biggraph")
+
+__all__ = ["GrowError", "GrowSummary", "grow"]
+
+
+@dataclass
+class GrowSummary:
+    """What a grow did (printed by the command, returned by ``job.grow``)."""
+
+    version: int = 0  # the grown checkpoint version
+    from_version: int = 0
+    new_entities: dict[str, int] = field(default_factory=dict)
+    entities: dict[str, int] = field(default_factory=dict)
+    new_relations: list[str] = field(default_factory=list)
+    new_edges: int = 0
+    skipped_rows: int = 0
+    from_neighbours: int = 0
+    init: str = ""
+    grow_seconds: float = 0.0
+    resumed: bool = False
+    training: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        new = ", ".join(f"{name}=+{count:,}" for name, count in self.new_entities.items())
+        text = (f"grew checkpoint version {self.from_version} into {self.version}"
+                f"{' (resumed: already committed)' if self.resumed else ''}: {self.new_edges:,} new edges, new entities "
+                f"{new or 'none'}, new relation types {len(self.new_relations)}")
+        if not self.resumed:
+            text += f"; {self.from_neighbours:,} new rows from neighbours ({self.init}); {self.grow_seconds:.1f} s"
+        if self.skipped_rows:
+            text += f"; skipped {self.skipped_rows:,} bad rows"
+        if self.training is not None:
+            text += (f"; trained to version {self.training.get('version')} "
+                     f"({self.training.get('seconds', 0.0):.1f} s)")
+        return text
+
+
+def _options_record(options: ImportOptions) -> dict[str, Any]:
+    """The options that decide what the new edges mean (a re-run with other ones is another grow)."""
+    keys = ("lhs_col", "rhs_col", "rel_col", "input_format", "delimiter", "header", "skip_bad_rows", "seed",
+            "entity_min_count", "relation_type_min_count")
+    return {k: getattr(options, k) for k in keys}
+
+
+def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into: str | None = None,
+         train: bool = True) -> GrowSummary:
+    """Grow the model at ``into`` (default ``config.checkpoint_path``) with the edges of ``files`` (the i-th into
+    ``config.edge_paths[i]``), commit it as the next version, then train ``grow_num_epochs`` passes on it."""
+    if into is not None:
+        config = dataclasses.replace(config, checkpoint_path=into)
+    storage.set_storage_options(config.storage_options)
+    _check_request(config, files, options)
+    checkpoint = CheckpointStorage(config.checkpoint_path)
+    finish_committed_grow(config.checkpoint_path, clean_uncommitted=True)
+    version = checkpoint.load_version()
+    if version == 0:
+        raise GrowError(f"--into {config.checkpoint_path}: no committed checkpoint there (train a model first)")
+    keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
+    checkpoint.drop_uncommitted_manifests(version)
+    checkpoint.drop_uncommitted(version, keys)  # a run killed before its commit left these
+    described, options_record = describe_files(files), _options_record(options)
+    record = latest_record(config.checkpoint_path, version)
+    if record is not None and record.same_input(described, options_record):
+        logger.info("grow: these files were already grown into version %d: resuming its training", record.version)
+        summary = GrowSummary(record.version, record.from_version, dict(record.new_entities), {}, list(record.new_relations),
+                              record.new_edges, init=record.init, resumed=True)
+    else:
+        record, summary = _grow_once(config, files, options, checkpoint, version, described, options_record)
+    if train and config.grow_num_epochs > 0:
+        from job.growing.training import GrowTrainer
+
+        trainer = GrowTrainer(config, record)
+        try:
+            summary.training = trainer.run()
+        finally:
+            trainer.close()
+    return summary
+
+
+def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, checkpoint: CheckpointStorage,
+               version: int, described: list[dict[str, Any]], options_record: dict[str, Any]) -> tuple[GrowRecord, GrowSummary]:
+    from job.growing.ingest import GrowImporter, read_trained_names, write_merged_edges
+    from job.growing.rows import initial_rows, write_grown_partitions
+
+    started = time.monotonic()
+    into = config.checkpoint_path
+    params, optimizer, metadata = checkpoint.load_model(version)
+    old_config = committed_config(checkpoint, metadata)
+    check_compatible(old_config, config, into)
+    counts, names, relations = read_trained_names(config)
+    old_num_rels = len(relations) if relations is not None else 0
+    new_version = version + 1
+    workdir = tempfile.mkdtemp(prefix="biggraph-grow-", dir=options.tmp_dir)
+    staged: list[str] = []
+    try:
+        importer = GrowImporter(config, files, options, workdir, counts, names, relations)
+        members, relation_names, spills = importer.ingest()
+        # every check passed: from here on output is written (staged, then committed, then published)
+        model, model_state, model_optimizer = grown_model(
+            old_config, old_num_rels, config, len(relation_names or []), params, optimizer)
+        old_counts = {(t, p): counts[t][p] for t, p in _keys(config)}
+        added = {(t, p): int(importer.added[t][p]) for t, p in _keys(config)}
+        grid = (importer.plan.parts_lhs, importer.plan.parts_rhs)
+        rows = initial_rows(config, model, checkpoint, version, new_version, old_counts, added, spills, grid)
+        moves: list[list[str]] = []
+        boundaries: list[list[int]] = []
+        for edge_path, (bucket_dir, _) in zip(config.edge_paths, spills):
+            target = staging_dir(edge_path, new_version)
+            staged.append(target)
+            bounds, written = write_merged_edges(edge_path, target, grid, bucket_dir, workdir)
+            boundaries.append(bounds)
+            moves += [[url, storage.join(edge_path, url.rsplit("/", 1)[-1])] for url in written]
+        entity_target = staging_dir(config.entity_path, new_version)
+        staged.append(entity_target)
+        written = importer.write_entities(members, relation_names, entity_target)
+        moves += [[url, storage.join(config.entity_path, url.rsplit("/", 1)[-1])] for url in written]
+        grown_metadata = dict(metadata)
+        grown_metadata["config/json"] = config.to_json(exclude=("storage_options",))
+        write_grown_partitions(config, checkpoint, version, new_version, rows, grown_metadata)
+        checkpoint.save_model(new_version, model_state, model_optimizer, grown_metadata)
+        new_entities = {t: int(importer.added[t].sum()) for t in config.entities}
+        new_relations = (relation_names[old_num_rels:] if relation_names is not None
+                         else [r.name for r in config.relations[len(old_config.relations):]])
+        record = GrowRecord(
+            version=new_version, from_version=version, files=described, options=options_record, moves=moves,
+            staging_dirs=staged, config_json=config.to_pbg_json(), boundaries=boundaries, new_entities=new_entities,
+            new_relations=new_relations, new_edges=int(sum(int(c.sum()) for _, c in spills)), init=config.grow_init,
+        )
+        write_record(into, record)
+        checkpoint.save_version(new_version)  # the commit point
+    except BaseException:
+        _discard(checkpoint, version, new_version, staged, _keys(config))
+        raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    publish(into, record)
+    checkpoint.drop_version(version, _keys(config))
+    summary = GrowSummary(
+        new_version, version, record.new_entities, dict(importer.summary.entities), record.new_relations,
+        record.new_edges, importer.summary.skipped_rows, sum(r.from_neighbours for r in rows.values()),
+        config.grow_init, time.monotonic() - started,
+    )
+    logger.info("grow: %s", summary.describe())
+    return record, summary
+
+
+def _keys(config: ConfigSchema) -> list[tuple[str, int]]:
+    return [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
+
+
+def _discard(checkpoint: CheckpointStorage, committed: int, new_version: int, staged: list[str],
+             keys: list[tuple[str, int]]) -> None:
+    """Undo an uncommitted grow that failed while writing (the files are garbage either way; a clean directory
+    is easier to reason about)."""
+    try:
+        if checkpoint.load_version() != committed:
+            return  # committed after all: publishing will finish it
+        for directory in staged:
+            storage.remove(directory)
+        storage.remove(journal_file(checkpoint.url, new_version))
+        checkpoint.drop_uncommitted_manifests(committed)
+        checkpoint.drop_uncommitted(committed, keys)
+    except Exception as err:  # noqa: BLE001 - the original error matters more; leftovers are removed next run
+        logger.warning("grow: could not remove the files of the failed grow (%s); the next grow or train will", err)
+
