@@ -24,17 +24,21 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /src
+# Every dependency at the version requirements.lock pins, the versions the tests ran with and
+# tests/audit.sh audits; torch's own pin is left out, so that TORCH_VERSION decides it.
+COPY requirements.lock ./
 RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
     case "${TORCH_VARIANT}" in cpu|cu[0-9]*) ;; \
       *) echo "TORCH_VARIANT must be cpu or cuXYZ (e.g. cu124), not '${TORCH_VARIANT}'" >&2; exit 1 ;; \
     esac \
+ && grep -v '^torch==' requirements.lock > /src/constraints.txt \
  && python -m venv /opt/venv \
  && if ls /tmp/torch-wheels/torch-"${TORCH_VERSION}+${TORCH_VARIANT}"-*.whl >/dev/null 2>&1; then \
-      pip install --no-cache-dir --no-compile --find-links /tmp/torch-wheels "torch==${TORCH_VERSION}+${TORCH_VARIANT}"; \
+      pip install --no-cache-dir --no-compile -c /src/constraints.txt --find-links /tmp/torch-wheels "torch==${TORCH_VERSION}+${TORCH_VARIANT}"; \
     else \
-      pip install --no-cache-dir --no-compile --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"; \
+      pip install --no-cache-dir --no-compile -c /src/constraints.txt --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"; \
     fi
-WORKDIR /src
 # only what the wheel needs (see .dockerignore): metadata first, then the packages
 COPY pyproject.toml README.md ./
 COPY job ./job
@@ -43,7 +47,7 @@ COPY storage_adapters ./storage_adapters
 # hadolint ignore=DL3013
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && whl=$(ls /wheels/biggraph-*.whl) \
- && pip install --no-cache-dir --no-compile "${whl}[s3,k8s]" \
+ && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s]" \
  && python -c "import job, storage_adapters, s3fs, kubernetes, torch; print('biggraph', job.__version__, 'torch', torch.__version__)"
 # What only building needs goes before the COPY into the runtime stage: torch's C++ headers, protoc
 # and C++ test binaries (torch_shm_manager stays: torch.multiprocessing uses it), the packages' own

@@ -96,21 +96,26 @@ def test_torch_comes_from_the_index_unless_a_matching_wheel_is_supplied(tmp_path
         (fakes / tool).chmod(0o755)
     wheels = tmp_path / "torch-wheels"
     wheels.mkdir()
-    step = torch_install_step().replace("/tmp/torch-wheels", str(wheels))
+    constraints = tmp_path / "constraints.txt"
+    step = torch_install_step().replace("/tmp/torch-wheels", str(wheels)).replace("/src/constraints.txt", str(constraints))
     env = {"TORCH_VARIANT": variant, "TORCH_VERSION": "2.13.0", "PATH": f"{fakes}:/usr/bin:/bin"}
 
     def pip_call() -> str:
         (tmp_path / "calls").unlink(missing_ok=True)
-        done = subprocess.run(["bash", "-o", "pipefail", "-c", step], env=env, capture_output=True, text=True)
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", step], env=env, capture_output=True, text=True, cwd=REPO)
         assert done.returncode == 0, done.stderr
         return [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("pip ")][0]
 
-    index = f"pip install --no-cache-dir --no-compile --index-url https://download.pytorch.org/whl/{variant} torch==2.13.0"
+    common = f"pip install --no-cache-dir --no-compile -c {constraints}"
+    index = f"{common} --index-url https://download.pytorch.org/whl/{variant} torch==2.13.0"
     assert pip_call() == index
     (wheels / "torch-2.13.0+cu999-cp311-cp311-linux_x86_64.whl").touch()  # another variant's wheel: ignored
     assert pip_call() == index
     (wheels / f"torch-2.13.0+{variant}-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
-    assert pip_call() == f"pip install --no-cache-dir --no-compile --find-links {wheels} torch==2.13.0+{variant}"
+    assert pip_call() == f"{common} --find-links {wheels} torch==2.13.0+{variant}"
+    # the lock's pins constrain torch's dependencies and biggraph's, never torch itself (TORCH_VERSION does)
+    pins = constraints.read_text().splitlines()
+    assert "numpy==" in constraints.read_text() and not [line for line in pins if line.startswith("torch==")]
 
 
 def dockerignored(path: str) -> bool:
@@ -132,7 +137,8 @@ def dockerignored(path: str) -> bool:
 def test_copy_sources_exist_and_survive_dockerignore() -> None:
     copies = [r for k, r in instructions() if k == "COPY" and not r.startswith("--from")]
     sources = [src for r in copies for src in r.split()[:-1]]
-    assert {"pyproject.toml", "README.md", "job", "storage_adapters", "docker/entrypoint.sh", "charts", "k8s"} <= set(sources)
+    assert {"pyproject.toml", "README.md", "requirements.lock", "job", "storage_adapters", "docker/entrypoint.sh", "charts",
+            "k8s"} <= set(sources)
     for src in sources:
         assert (REPO / src).exists(), src
         assert not dockerignored(src), f"{src} is excluded by .dockerignore"

@@ -145,6 +145,10 @@ def test_image_config_is_the_pods(image: Image) -> None:
     assert config["Labels"]["io.biggraph.torch-variant"] == "cpu"
 
 
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def resolve_in(root: Path, path: str) -> Path:
     """The file `path` names inside the image: symbolic links followed as the container sees them."""
     for _ in range(20):
@@ -170,6 +174,14 @@ def test_runtime_stage_holds_the_venv_and_nothing_for_building(image: Image) -> 
     assert not [name for name in dists if name.startswith("nvidia")], "CUDA libraries in the CPU image"
     assert {"biggraph", "s3fs", "kubernetes", "h5py", "pyarrow", "pip"} <= set(dists)  # [s3,k8s]; pip for the demo
     assert (site / "torch" / "bin" / "torch_shm_manager").exists()
+    # the versions the tests ran with and tests/audit.sh audits (torch's pin is TORCH_VERSION's)
+    pins = dict(line.split("==", 1) for line in (REPO / "requirements.lock").read_text().splitlines() if "==" in line)
+    pins = {canonical(name): version.strip() for name, version in pins.items()}
+    installed = {canonical(name): dist[len(name) + 1:-len(".dist-info")] for name, dist in dists.items()}
+    drift = {name: (version, pins[name]) for name, version in installed.items() if name in pins and name != "torch"
+             and version != pins[name]}
+    assert not drift, f"image version != requirements.lock: {drift}"
+    assert len(set(installed) & set(pins)) > 30
     # nothing only a build needs
     assert not (site / "torch" / "include").exists() and not list((site / "torch" / "bin").glob("protoc*"))
     assert not list(venv.rglob("__pycache__")) and not list(venv.rglob("*.pyc"))
