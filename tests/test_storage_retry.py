@@ -51,7 +51,10 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     retry.forget_endpoints()  # a closed port of this test may be a port that answered in an earlier one
     s3fs.S3FileSystem.clear_instance_cache()  # clients read AWS_ENDPOINT_URL_S3 when they are created
+    # a short budget: should fail-fast ever break, these tests fail in seconds (saying "retry") instead of hanging
+    previous = retry.set_retry_policy(total_seconds=3, first_delay=0.05, max_delay=0.5)
     yield
+    retry.set_retry_policy(previous.total_seconds, previous.first_delay, previous.max_delay, previous.max_attempts)
     storage.set_storage_options({})
     retry.forget_endpoints()
     s3fs.S3FileSystem.clear_instance_cache()
