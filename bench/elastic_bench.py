@@ -4,8 +4,9 @@ Two torchrun agents on 127.0.0.1 (c10d rendezvous, gloo, one trainer each, start
 tests/test_distributed.py does: each in its own session, the first one ``is_host=true``) train a
 generated graph (one entity type, ``--partitions`` partitions) with local checkpoints. Once the
 job is past its first commit and the lock server's progress file shows node b's trainer holding a
-bucket in the middle of a pass, the bench SIGKILLs node b's agent and its worker at once (a lost
-pod), and times, from the kill, on node a's output (read as it comes, timestamped here):
+bucket in the middle of a pass (after a seeded random number of finished buckets, 2 .. P^2-4), the
+bench SIGKILLs node b's agent and its worker at once (a lost pod), and times, from the kill, on
+node a's output (read as it comes, timestamped here):
 
 - ``detect``: rank 0 reports the peer dead (the heartbeat's RuntimeError, ``stopped responding``);
 - ``exited``: torchrun's agent saw its worker fail (``Worker group FAILED``);
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -204,6 +206,8 @@ def one_run(index: int, args: argparse.Namespace, graph: Path, work: Path) -> di
     result: dict[str, Any] = {"run": index, "load_before": [round(x, 2) for x in load_before]}
     try:
         total = args.partitions * args.partitions
+        # where in the pass to kill: after 2 .. total-4 finished buckets (seeded by the run's index)
+        kill_after_done = random.Random(index).randint(2, max(2, total - 4))
         deadline = time.monotonic() + 240
         progress = None
         while time.monotonic() < deadline:
@@ -211,7 +215,8 @@ def one_run(index: int, args: argparse.Namespace, graph: Path, work: Path) -> di
                 raise RuntimeError(f"an agent exited before the kill; see {work}/{label}-*.log")
             progress = read_progress(checkpoint)
             if (read_version(checkpoint) >= args.warmup_passes and progress is not None
-                    and 2 <= len(progress.get("done", [])) <= total - 4 and "1" in progress.get("in_flight", {})):
+                    and kill_after_done <= len(progress.get("done", [])) <= total - 3
+                    and "1" in progress.get("in_flight", {})):
                 break
             time.sleep(0.005)
         else:
@@ -258,9 +263,18 @@ def one_run(index: int, args: argparse.Namespace, graph: Path, work: Path) -> di
                  "rejoin": a.first("rejoin", killed), "resume": resumed, "trains": trains, "first bucket": first_bucket}
         result.update({f"{k.replace(' ', '_')}_s": (round(v - killed, 2) if v is not None else None)
                        for k, v in marks.items()})
-        summaries = [json.loads(line) for line in (checkpoint / "training_stats.json").read_text().splitlines()
-                     if '"pass_summary"' in line]
-        killed_pass = [s for s in summaries if s["index"] == version_at_kill]
+        # the summary is appended just after the commit: give it a moment
+        killed_pass: list[dict[str, Any]] = []
+        stats_deadline = time.monotonic() + 30
+        while not killed_pass and time.monotonic() < stats_deadline:
+            try:
+                lines = (checkpoint / "training_stats.json").read_text().splitlines()
+            except FileNotFoundError:
+                lines = []
+            summaries = [json.loads(line) for line in lines if '"pass_summary"' in line]
+            killed_pass = [s for s in summaries if s["index"] == version_at_kill]
+            if not killed_pass:
+                time.sleep(0.1)
         result["buckets_redone"] = killed_pass[0]["buckets_redone"] if killed_pass else None
         result["restart_count"] = killed_pass[0]["restart_count"] if killed_pass else None
         result["world_size_after"] = killed_pass[0]["world_size"] if killed_pass else None
