@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -381,3 +382,77 @@ def test_a_burst_of_errors_is_retried_and_every_retry_said(fault: str, reason: s
     announced = (len(ours) + 1) + len(botocore_lines)
     assert len(puts) == (announced - 1) * sends + 1
     assert not any(KEY in line or SECRET in line for line in lines)
+
+
+# the docs quote what is printed ------------------------------------------------------------------------------
+
+
+class _BrokenS3(http.server.BaseHTTPRequestHandler):
+    """A store that answers: 404 for the bucket "missing", 500 InternalError for everything else."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, code = (404, "NoSuchBucket") if self.path.startswith("/missing") else (500, "InternalError")
+        body = f"<Error><Code>{code}</Code><Message>{code}</Message></Error>".encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _answer
+
+
+def _messages_of_every_kind(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Real failures of each kind the troubleshooting section explains: their errors and their log lines."""
+    caplog.set_level(logging.WARNING, logger="biggraph.storage")
+    messages: list[str] = []
+
+    def failure(options: dict[str, Any], operation: Callable[[], Any]) -> None:
+        storage.set_storage_options(options)
+        with pytest.raises(storage.StorageError) as info:
+            operation()
+        messages.append(str(info.value))
+
+    read = lambda: storage.read_bytes("s3://bkt/k")  # noqa: E731
+    failure(_options(f"http://{INVALID_HOST}:9000"), read)
+    failure(_options(f"http://127.0.0.1:{_closed_port()}"), read)
+    failure(_options("127.0.0.1:9000"), read)
+    endpoint, close = _self_signed_server(tmp_path)
+    try:
+        failure(_options(endpoint), read)
+    finally:
+        close()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BrokenS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        failure(_options(f"https://127.0.0.1:{server.server_address[1]}"), read)
+        answering = dict(_options(f"http://127.0.0.1:{server.server_address[1]}"),
+                         config_kwargs={"retries": {"max_attempts": 1, "mode": "legacy"}})
+        failure(answering, read)  # 500s: botocore's retries, ours, then "still failing"
+        failure(answering, lambda: storage.makedirs("s3://missing/run1"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    return messages + [record.getMessage() for record in caplog.records]
+
+
+def test_troubleshooting_quotes_the_storage_messages(aws_env: None, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md").read_text()
+    section = text.split("\n## Storage: endpoints and retries\n", 1)[1].split("\n## ", 1)[0]
+    templates = [message for line in section.splitlines() if line.startswith("### ")
+                 for message in re.findall(r"`([^`]+)`", line)]
+    assert len(templates) >= 9
+    retry.set_retry_policy(max_attempts=2)  # the fixture restores the policy
+    messages = _messages_of_every_kind(tmp_path, caplog)
+    for template in templates:
+        pattern = re.compile(".+".join(re.escape(part) for part in re.split(r"<[^>]+>", template)))
+        assert any(pattern.fullmatch(message) for message in messages), \
+            f"troubleshooting.md: nothing printed matches {template!r}; printed:\n" + "\n".join(messages)
