@@ -5,7 +5,7 @@
 # drives it; it is also handy by hand. Needs root, buildah and debootstrap (`deps` installs both).
 #
 #   tests/image.sh deps                  apt-get install buildah + debootstrap when missing
-#   tests/image.sh base                  localhost/biggraph-test-base (debootstrap, cached under .cache/)
+#   tests/image.sh base                  localhost/biggraph-test-base:v1 (debootstrap, cached under .cache/)
 #   tests/image.sh build [TAG]           builds Dockerfile, torch from the local CPU wheel; prints
 #                                        build_seconds=, size_bytes=, image=
 #   tests/image.sh mount IMAGE           a working container of IMAGE; prints its root directory
@@ -22,9 +22,10 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=$REPO/.cache/image-test
 STORE=${IMAGE_TEST_STORE:-$CACHE/storage}
-BASE_IMAGE=localhost/biggraph-test-base
-# bump when the base recipe changes, so that a stale cached rootfs is not reused
-BASE_TAR=$CACHE/base-bookworm-v1.tar
+# bump when the base recipe changes, so that neither a cached rootfs nor a stored base image is reused
+BASE_VERSION=v1
+BASE_IMAGE=localhost/biggraph-test-base:$BASE_VERSION
+BASE_TAR=$CACHE/base-bookworm-$BASE_VERSION.tar
 TORCH_VERSION=2.13.0
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
@@ -69,7 +70,7 @@ base() {
         # The host's CA bundle: where egress goes through a TLS-inspecting proxy (as on our CI machines)
         # pip inside the build and the demo's dataset download must trust that proxy's CA, as they
         # would with a corporate base image.
-        cp /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/ca-certificates.crt"
+        [ ! -s /etc/ssl/certs/ca-certificates.crt ] || cp /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/"
         tar -C "$rootfs" --numeric-owner -cf "$BASE_TAR.tmp" . && mv "$BASE_TAR.tmp" "$BASE_TAR"
         rm -rf "$rootfs"
     fi
@@ -140,7 +141,7 @@ run() {
     [ "$gid" != "$user" ] || gid=$uid
     # Mount points are created in the working container's own copy of the rootfs before it is made
     # read-only, as runc does; the image itself is not changed.
-    local spec host ctr_path
+    local spec ctr_path
     for spec in "${volumes[@]}"; do
         ctr_path=$(cut -d: -f2 <<<"$spec")
         mkdir -p "$root$ctr_path"
@@ -200,5 +201,5 @@ case $cmd in
     mount) mount_image "$@" ;;
     run) run "$@" ;;
     clean) clean "$@" ;;
-    *) sed -n '2,21p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,20p' "$0" >&2; exit 2 ;;
 esac
