@@ -155,6 +155,13 @@ def write_edge_manifest(edge_path: str, entries: dict[str, tuple[int, str]]) -> 
         _manifests.pop(edge_path, None)
 
 
+def forget_edge_manifest(edge_path: str) -> None:
+    """Drop this process's cached manifest of ``edge_path`` (``biggraph grow`` replaced it with another's)."""
+    with _lock:
+        _manifests.pop(edge_path.rstrip("/"), None)
+        _manifests.pop(edge_path, None)
+
+
 @contextlib.contextmanager
 def open_h5(url: str, mode: str = "r") -> Iterator[h5py.File]:
     """Open an HDF5 file at a URL for reading (verified against its manifest), turning HDF5's errors into

@@ -135,9 +135,13 @@ def _move(src: str, dst: str) -> None:
 def publish(checkpoint_path: str, record: GrowRecord) -> None:
     """Move the staged input of a committed grow into place (idempotent), then mark the journal published."""
     from job.formats.checkpoint import CheckpointStorage
+    from job.formats.checksums import EDGE_MANIFEST
+    from job.formats.edges import forget_edge_manifest
 
     for src, dst in record.moves:
         _move(src, dst)
+        if dst.endswith("/" + EDGE_MANIFEST):
+            forget_edge_manifest(dst[: -len(EDGE_MANIFEST) - 1])  # remote manifests are cached per process
     CheckpointStorage(checkpoint_path).save_config(record.config_json)
     for directory in record.staging_dirs:
         with contextlib.suppress(Exception):
