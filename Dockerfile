@@ -4,6 +4,8 @@
 #   docker build --build-arg TORCH_VARIANT=cu124 -t biggraph:0.1.0-cu124 .
 # The CUDA variant bundles the CUDA runtime through torch's nvidia-* wheels: nodes need only the
 # NVIDIA driver and device plugin (nvidia.com/gpu), not a CUDA base image.
+# tests/test_image.py builds this file with buildah (tests/image.sh) and runs the result as the Job's
+# pods do: uid 10001, read-only root, `biggraph demo` and a two-node torchrun.
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # ---- optional local torch wheels ---------------------------------------------------------------
