@@ -296,7 +296,7 @@ def test_train_with_a_closed_port_fails_at_once(aws_env: None, tmp_path: Path, c
     config = _write_config(tmp_path, storage_options=_options(f"http://127.0.0.1:{port}"))
     code, lines = _run_cli(["train", str(config)], capsys)
     assert code == 2 and len(lines) == 1, lines  # no retry lines before the error
-    assert lines[0].startswith("biggraph train: error: s3://bkt/data/") and \
+    assert lines[0].startswith("biggraph train: error: s3://bkt/") and \
         f"the storage endpoint http://127.0.0.1:{port} refused the connection" in lines[0], lines
 
 
