@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import importlib.util
 import json
+import re
 import sys
 import types
 import typing
@@ -33,6 +34,25 @@ def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, key: str) -> int:
+    """'8GiB', '500 MB', '1e9' or a plain number of bytes -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    try:
+        value = float(match.group(1)) if match else -1.0
+    except ValueError:
+        value = -1.0
+    if unit not in _BYTE_UNITS or value <= 0:
+        raise ConfigError(f"config key '{key}': {text!r} is not a size (expected e.g. '8GiB', '500MB' or bytes)")
+    return int(value * _BYTE_UNITS[unit])
+
+
 class BucketOrder(str, enum.Enum):
     """Order in which the buckets of an edge chunk are trained (PBG's names)."""
 
@@ -40,6 +60,7 @@ class BucketOrder(str, enum.Enum):
     AFFINITY = "affinity"
     INSIDE_OUT = "inside_out"
     OUTSIDE_IN = "outside_in"
+    BUFFER = "buffer"  # ours: few partition swaps for a buffer of partition_buffer partitions
 
 
 OPERATORS = ("none", "diagonal", "translation", "linear", "affine", "complex_diagonal")
@@ -206,7 +227,10 @@ class ConfigSchema:
         default=1_000_000_000,
     )
     bucket_order: BucketOrder = _help(
-        "The order in which to iterate over the buckets: random, affinity, inside_out or outside_in.",
+        "The order in which to iterate over the buckets: random, affinity, inside_out or outside_in (PBG's), or "
+        "buffer: an order close to the fewest partition loads for the partition buffer (groups of "
+        "partition_buffer - 1 partitions stay while every other partition passes through the last slot; "
+        "single-machine runs, other trainers walk inside_out).",
         default=BucketOrder.INSIDE_OUT,
     )
     workers: int | None = _help(
@@ -296,10 +320,23 @@ class ConfigSchema:
         "Where to compute: 'auto' (CUDA when num_gpus > 0), 'cpu' or 'cuda'.", default="auto"
     )
     prefetch_partitions: bool = _help(
-        "Read the next bucket's partitions in a background thread while the current bucket trains (single-"
-        "machine runs): hides partition I/O, most useful with object stores, at the cost of holding up to two "
-        "more partitions in memory (peak about 4/P of the embeddings instead of 2/P).",
-        default=False,
+        "Single-machine runs: while a bucket trains, a background thread writes back the partition the next "
+        "bucket evicts (when the current one does not use it) and reads the one it needs into the freed room: "
+        "the same loads, within the partition buffer, without the wait. false: every swap waits, as in PBG.",
+        default=True,
+    )
+    partition_buffer: int | None = _help(
+        "Single-machine runs: how many partitions (of the partitioned entity types, per partition index) stay "
+        "in memory, >= 2. Partitions leave the buffer only when it is full, the one needed again latest first. "
+        "Default: what memory_budget allows, else 3 with prefetch_partitions (the bucket's two plus room for "
+        "the next to arrive) and 2 without (PBG: the current bucket only).",
+        default=None,
+    )
+    memory_budget: str | None = _help(
+        "Single-machine runs: the bytes of embeddings and optimizer state the trainer may hold, e.g. '8GiB', "
+        "'500MB' or a number of bytes; partition_buffer follows from it (unpartitioned types are held first). "
+        "The trainer says at start what it will hold and why.",
+        default=None,
     )
     cuda_graphs: bool = _help(
         "On a GPU, record each relation's full-size training batch as a CUDA graph once and replay it (the "
@@ -387,6 +424,10 @@ class ConfigSchema:
         self._check_choice("grow_init", GROW_INITS)
         if not 0.0 <= self.grow_replay_fraction <= 1.0:
             raise ConfigError(f"config key 'grow_replay_fraction': must be in [0, 1], got {self.grow_replay_fraction}")
+        if self.partition_buffer is not None and self.partition_buffer < 2:
+            raise ConfigError(f"config key 'partition_buffer': a bucket needs two partitions, got {self.partition_buffer}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget, "memory_budget")
         if self.grow_num_epochs < 0:
             raise ConfigError(f"config key 'grow_num_epochs': must be >= 0, got {self.grow_num_epochs}")
         for name in ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk"):
@@ -492,7 +533,8 @@ class ConfigSchema:
 NON_PBG_1_0_KEYS = frozenset({
     "regularization_coef", "regularizer", "early_stopping", "num_gpus", "num_groups_for_partition_server",
     "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision",
-    "seed", "device", "cuda_graphs", "prefetch_partitions", "edge_read_mode", "storage_options",
+    "seed", "device", "cuda_graphs", "prefetch_partitions", "partition_buffer", "memory_budget", "edge_read_mode",
+    "storage_options",
     "tensorboard_dir", "pushgateway_url", "pushgateway_job", "grow_init", "grow_num_epochs", "grow_replay_fraction",
 })
 NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension", "frozen"})

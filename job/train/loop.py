@@ -9,6 +9,7 @@ import os
 import random
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,13 +17,14 @@ import numpy as np
 import torch
 
 import storage_adapters as storage
-from job.config import ConfigSchema
+from job.config import BucketOrder, ConfigSchema
 from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.train.batching import EdgeTensors, process_edges
-from job.train.buckets import Bucket, all_buckets, order_buckets
+from job.train.buckets import Bucket, all_buckets, buffer_order, lower_bound_loads, order_buckets
+from job.train.buffer import choose_capacity
 from job.train.distributed import (
     PROGRESS_FILE,
     LockClient,
@@ -197,6 +199,7 @@ class Trainer:
         self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
         self.pool: Optional[WorkerPool] = None
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
+        self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None)
         self.nparts_lhs, self.nparts_rhs = bucket_grid(config)
         self.shared: Optional[SharedParameters] = None
         if self.dist is not None:
@@ -301,7 +304,9 @@ class Trainer:
         self.store.metadata = self._metadata(iteration)
         seed_base = config.seed if config.seed is not None else random.randrange(2**31)
         rng = random.Random(seed_base * 7919 + iteration.index)
-        buckets = order_buckets(self.nparts_lhs, self.nparts_rhs, config.bucket_order, rng)
+        buckets = self._pass_order(rng)
+        needs = [self._needs(b) for b in buckets]
+        resident_at_start = len(self.store.resident_partitioned())
         records: list[dict[str, Any]] = []
         pass_started = time.perf_counter()
         train_total = BatchStats()
@@ -313,8 +318,7 @@ class Trainer:
                 prefetch(edge_format.edges_file(edge_path, following.lhs, following.rhs))
             record, train_stats, eval_stats, seconds = self._run_bucket(
                 iteration, bucket, bucket_idx, edge_path, seed_base,
-                first=(iteration.index == self.first_index and bucket_idx == 0),
-                following=buckets[bucket_idx + 1] if bucket_idx + 1 < len(buckets) else None,
+                first=(iteration.index == self.first_index and bucket_idx == 0), upcoming=needs[bucket_idx + 1:],
             )
             records.append(record)
             self.reporter.on_bucket(record)
@@ -329,6 +333,7 @@ class Trainer:
             "stats": {"count": train_total.count, "metrics": train_total.training_metrics()},
             "edges_per_sec": train_total.count / train_seconds if train_seconds > 0 else 0.0,
             "time": elapsed, "checkpoint_version": self.version,
+            **self._io_record(resident_at_start),
         }
         if eval_total.num_ranks:
             summary_record["eval_stats_after"] = {"count": eval_total.count, "metrics": eval_total.ranking_metrics()}
@@ -341,9 +346,24 @@ class Trainer:
                    f"loss {train_total.training_metrics()['loss']:.4f}")
         if eval_mrr is not None:
             message += f", eval MRR {eval_mrr:.4f} (hits@10 {eval_total.ranking_metrics()['hits@10']:.4f})"
+        if self.store.capacity is not None:
+            message += (f"; partitions: {summary_record['partition_loads']} loads (lower bound "
+                        f"{summary_record['partition_loads_lower_bound']}), {summary_record['partition_reads']} read "
+                        f"({summary_record['bytes_read'] / 2**20:.0f} MiB), {summary_record['partition_writes']} written "
+                        f"({summary_record['bytes_written'] / 2**20:.0f} MiB), blocked on I/O "
+                        f"{summary_record['io_blocked_seconds']:.1f} s + commit {summary_record['commit_seconds']:.1f} s")
         logger.info(message, extra={"fields": {k: v for k, v in summary_record.items() if k != "stats"}})
         return {"train_edges": train_total.count, "eval_mrr": eval_mrr, "loss": train_total.training_metrics()["loss"],
                 "edges_per_sec_pass": summary_record["edges_per_sec"]}
+
+    def _io_record(self, resident_at_start: int) -> dict[str, Any]:
+        """What the pass cost in partition I/O, beside the fewest loads its buffer allows (square grids)."""
+        record: dict[str, Any] = self.store.stats.as_record()
+        if self.store.capacity is not None and self.nparts_lhs == self.nparts_rhs:
+            partitioned = max(1, sum(1 for e in self.config.entities.values() if e.num_partitions > 1))
+            record["partition_loads_lower_bound"] = partitioned * lower_bound_loads(
+                self.nparts_lhs, self.buffer_slots(), resident_at_start // partitioned)
+        return record
 
     def _bucket_keys(self) -> dict[Bucket, frozenset]:
         """The partitioned (type, partition) keys each bucket locks."""
@@ -474,9 +494,29 @@ class Trainer:
             rhs_keys[rel_idx] = (relation.rhs, rhs_part)
         return lhs_keys, rhs_keys
 
-    def _tables_for(self, bucket: Bucket) -> tuple[dict[int, Table], dict[int, Table], list[tuple[str, int]]]:
+    def _needs(self, bucket: Bucket) -> set[tuple[str, int]]:
         lhs_keys, rhs_keys = self._keys_for(bucket)
-        evicted = self.store.hold_only(set(lhs_keys.values()) | set(rhs_keys.values()))
+        return set(lhs_keys.values()) | set(rhs_keys.values())
+
+    def _pass_order(self, rng: random.Random) -> list[Bucket]:
+        """The pass's buckets; ``buffer`` walks a square grid for the fewest loads with this buffer, starting
+        from the partitions already in memory."""
+        config = self.config
+        capacity = self.store.capacity
+        if config.bucket_order is BucketOrder.BUFFER and capacity is not None and self.nparts_lhs == self.nparts_rhs:
+            resident = sorted({p for _, p in self.store.resident_partitioned()})
+            return buffer_order(self.nparts_lhs, self.buffer_slots(), rng, resident)
+        return order_buckets(self.nparts_lhs, self.nparts_rhs, config.bucket_order, rng, self.buffer_slots())
+
+    def buffer_slots(self) -> int:
+        """Partition numbers the buffer holds (its capacity over the partitioned types)."""
+        partitioned = max(1, sum(1 for e in self.config.entities.values() if e.num_partitions > 1))
+        return max(2, (self.store.capacity or 2 * partitioned) // partitioned)
+
+    def _tables_for(self, bucket: Bucket, upcoming: Sequence[set[tuple[str, int]]] = ()
+                    ) -> tuple[dict[int, Table], dict[int, Table], list[tuple[str, int]]]:
+        lhs_keys, rhs_keys = self._keys_for(bucket)
+        evicted = self.store.hold(set(lhs_keys.values()) | set(rhs_keys.values()), upcoming)
         return (
             {r: self._training_view(k) for r, k in lhs_keys.items()},
             {r: self._training_view(k) for r, k in rhs_keys.items()},
@@ -501,18 +541,17 @@ class Trainer:
 
     def _run_bucket(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
-        on_evicted: Any = None, following: Optional[Bucket] = None,
+        on_evicted: Any = None, upcoming: Sequence[set[tuple[str, int]]] = (),
     ) -> tuple[dict[str, Any], BatchStats, BatchStats, float]:
         config = self.config
         io_before = self.store.io_seconds
         swap_started = time.perf_counter()
-        lhs_tables, rhs_tables, evicted = self._tables_for(bucket)
+        lhs_tables, rhs_tables, evicted = self._tables_for(bucket, upcoming)
         if on_evicted is not None and evicted:
             on_evicted(evicted)
-        if following is not None and config.prefetch_partitions:
-            # read the next bucket's missing partitions while this one trains (they are not resident now)
-            lhs_keys, rhs_keys = self._keys_for(following)
-            self.store.prefetch(set(lhs_keys.values()) | set(rhs_keys.values()))
+        if upcoming and config.prefetch_partitions:
+            # while this bucket trains: write back what the next one evicts, read what it needs
+            self.store.prepare(upcoming[0], self._needs(bucket), upcoming[1:])
         edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
         if self.device.type == "cuda":
             edges = edges.to(self.device)

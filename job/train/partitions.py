@@ -1,9 +1,10 @@
 """Which embedding partitions are in memory, and swapping them through checkpoint storage.
 
-Only the partitions of the current bucket (plus unpartitioned types) are held. A
-partition leaving memory is written into the *next*, uncommitted checkpoint version,
-exactly as PBG does: the committed version stays intact until the pass ends and the
-version marker moves, so a crash at any moment leaves a loadable checkpoint.
+Up to ``capacity`` partitions of partitioned types are held (job/train/buffer.py), plus the
+unpartitioned types; with no capacity (distributed trainers), exactly the current bucket's. A
+partition leaving memory is written into the *next*, uncommitted checkpoint version, exactly as
+PBG does: the committed version stays intact until the pass ends and the version marker moves,
+so a crash at any moment — a background write included — leaves a loadable checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -20,6 +22,7 @@ import torch
 
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
+from job.train.buffer import IOStats, pick_victim
 from job.train.model import Table
 from job.train.step import row_adagrad_state
 
@@ -63,8 +66,11 @@ class PartitionStore:
         self.io_seconds = 0.0
         self.io_bytes = 0
         self.pending: dict[Key, Future[_Read]] = {}  # prefetched reads not yet taken by ``get``
+        self.writing: dict[Key, Future[None]] = {}  # background write-backs not yet known to be done
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
+        self.capacity: Optional[int] = None  # partitioned partitions held at most (None: the bucket's only)
+        self.stats = IOStats()
 
     @property
     def next_version(self) -> int:
@@ -79,9 +85,22 @@ class PartitionStore:
         if table is None:
             pending = self.pending.pop(key, None)
             self.prefetched_reads += pending is not None
+            if pending is None:
+                self._wait_written(key)  # a background write-back of it must land before it is read again
             table = self._place(key, pending.result() if pending is not None else self._read(key))
             self.loaded[key] = table
         return table
+
+    def _wait_written(self, key: Key) -> None:
+        future = self.writing.pop(key, None)
+        if future is not None:
+            future.result()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        # one thread: a write-back and the read into the memory it frees run in that order
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="biggraph-prefetch")
+        return self._prefetcher
 
     def prefetch(self, keys: set[Key]) -> None:
         """Start reading the partitions among ``keys`` that are not resident, in a background thread.
@@ -94,18 +113,76 @@ class PartitionStore:
         for key in sorted(keys):
             if key in self.loaded or key in self.pending:
                 continue
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="biggraph-prefetch")
-            self.pending[key] = self._prefetcher.submit(self._read, key)
+            self.pending[key] = self._executor().submit(self._read, key)
 
     def discard_prefetched(self) -> None:
-        """Drop reads that will not be used (the run stops): nothing was written, so nothing to undo."""
+        """Drop reads that will not be used (the run stops); background writes finish (into the uncommitted
+        version: nothing committed depends on them)."""
         for future in self.pending.values():
             future.cancel()
         self.pending.clear()
+        self.writing.clear()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
             self._prefetcher = None
+
+    # the buffer ---------------------------------------------------------------------------------
+    def _held_partitioned(self) -> list[Key]:
+        return [k for k in list(self.loaded) + list(self.pending) if self.is_partitioned(k)]
+
+    def hold(self, keys: set[Key], upcoming: Sequence[set[Key]] = ()) -> list[Key]:
+        """Make ``keys`` resident within the buffer; when it is full, write out the partition needed again
+        latest in ``upcoming`` (the buckets after this one). Returns the partitions written out."""
+        if self.capacity is None:
+            return self.hold_only(keys)
+        started = time.perf_counter()
+        evicted = []
+        for key in sorted(keys):
+            if key in self.loaded or key in self.pending or not self.is_partitioned(key):
+                continue
+            while len(self._held_partitioned()) >= self.capacity:
+                candidates = [k for k in self.loaded if self.is_partitioned(k) and k not in keys]
+                victim = pick_victim(candidates, upcoming)
+                if victim is None:
+                    raise RuntimeError(f"partition buffer of {self.capacity} cannot hold the bucket's {sorted(keys)}")
+                self.evict(victim)
+                evicted.append(victim)
+            self.get(key)  # at once: the room just made is this key's
+        for key in sorted(keys):
+            self.get(key)
+        self.stats.blocked_seconds += time.perf_counter() - started
+        return evicted
+
+    def prepare(self, following: set[Key], current: set[Key], upcoming: Sequence[set[Key]]) -> None:
+        """While the current bucket trains: in the background, write back what the following bucket will
+        evict and read what it needs into the room it frees. The victim is the one ``hold`` would pick for
+        the following bucket (so the loads stay those of the plan); when that one is in use by the current
+        bucket, nothing happens early and ``hold`` swaps in the foreground. The buffer is never exceeded."""
+        if self.capacity is None:
+            return
+        for key in sorted(following):
+            if key in self.loaded or key in self.pending or not self.is_partitioned(key):
+                continue
+            if len(self._held_partitioned()) >= self.capacity:
+                candidates = [k for k in self.loaded if self.is_partitioned(k) and k not in following]
+                victim = pick_victim(candidates, upcoming)
+                if victim is None or victim in current:
+                    return
+                table = self.loaded.pop(victim)
+                self.writing[victim] = self._executor().submit(self._write, victim, table)
+            self.pending[key] = self._executor().submit(self._read_after, key, self.writing.pop(key, None))
+
+    def _read_after(self, key: Key, write: Optional[Future[None]]) -> _Read:
+        """Read ``key`` once its own write-back (queued before on the same thread) is done; if that write
+        failed, fail too rather than read an older copy."""
+        if write is not None:
+            write.result()
+        return self._read(key)
+
+    def drain(self) -> None:
+        """Wait for every background write-back (their errors surface here, before anything is committed)."""
+        for key in list(self.writing):
+            self._wait_written(key)
 
     def _load(self, key: Key) -> Table:
         return self._place(key, self._read(key))
@@ -140,11 +217,13 @@ class PartitionStore:
             if storage is self.init_storage:
                 optim_sum, step = None, 0  # init_path provides values, not optimizer history
             nbytes = array.nbytes
+            self.stats.add(reads=1, bytes_read=nbytes + count * 4)
         else:
             generator = torch.Generator()
             generator.manual_seed(_stable_seed(self.config.seed, entity_type, part))
             weight.normal_(0.0, 1.0, generator=generator).mul_(self.config.init_scale)
             step = 0
+        self.stats.add(loads=1)
         return _Read(weight, optim_sum, step, time.perf_counter() - started, nbytes)
 
     def _place(self, key: Key, read: _Read) -> Table:
@@ -179,6 +258,7 @@ class PartitionStore:
         optim_sum = table.optim_sum.detach().cpu() if table.optim_sum is not None else None
         state = row_adagrad_state(optim_sum, self.config.lr, self.steps.get(key, 0)) if optim_sum is not None else None
         self.checkpoint.save_entity_partition(self.next_version, entity_type, part, weight, state, self.metadata)
+        self.stats.add(writes=1, bytes_written=weight.nbytes + weight.shape[0] * 4)
         self.written.add(key)
         self.io_bytes += weight.nbytes
         self.io_seconds += time.perf_counter() - started
@@ -213,16 +293,20 @@ class PartitionStore:
 
         Resident partitions stay in memory: the next pass usually starts with some of them.
         """
+        started = time.perf_counter()
+        self.drain()
         for key, table in self.loaded.items():
             self._write(key, table)
         for key in self.all_keys():
             if key not in self.written:
                 # never touched by this pass (an entity type no relation uses): carry it over
                 self._write(key, self._load(key))
+        self.stats.commit_seconds += time.perf_counter() - started
 
     def start_pass(self, committed_version: int) -> None:
         self.committed = committed_version
         self.written.clear()
+        self.stats = IOStats()
 
 
 def _sum_from_state(state: Optional[dict], count: int) -> tuple[Optional[torch.Tensor], int]:

@@ -1,0 +1,120 @@
+"""The partition buffer: how many partitions stay in memory, which one leaves, and what the I/O cost.
+
+A bucket (l, r) needs partition l of its lhs types and partition r of its rhs types. PBG holds
+exactly the current bucket's partitions, so nearly every bucket change writes one partition and
+reads another, and the trainer waits for both. biggraph holds up to ``capacity`` partitions
+(``partition_buffer`` per partitioned type, or as many of the largest as ``memory_budget`` allows):
+
+- a partition leaves only when the buffer is full, and then the one whose next use in the pass
+  is farthest away (Belady's rule: optimal for a known sequence of buckets);
+- with ``prefetch_partitions``, while a bucket trains a background thread writes back the partition
+  the next bucket will evict (when the current bucket does not use it) and then reads the one it
+  needs into the freed memory: the same loads as without, the buffer never exceeded, the wait gone;
+- ``bucket_order: buffer`` (job/train/buckets.py) walks the buckets so that the loads per pass
+  come close to the lower bound for the buffer size.
+
+``IOStats`` counts what a pass read and wrote and how long training waited for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from job.config import ConfigSchema, parse_bytes
+from job.errors import ConfigError
+
+logger = logging.getLogger("biggraph")
+
+Key = tuple[str, int]  # (entity type, partition)
+
+
+@dataclass
+class IOStats:
+    """Partition traffic of one pass (thread-safe: the background thread adds to it)."""
+
+    loads: int = 0  # partitions brought into memory: read, or initialised on their first use
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocked_seconds: float = 0.0  # training waited for partition I/O (swaps, not the commit)
+    commit_seconds: float = 0.0  # writing every partition into the new version at the end of the pass
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, *, loads: int = 0, reads: int = 0, writes: int = 0, bytes_read: int = 0, bytes_written: int = 0) -> None:
+        with self._lock:
+            self.loads += loads
+            self.reads += reads
+            self.writes += writes
+            self.bytes_read += bytes_read
+            self.bytes_written += bytes_written
+
+    def as_record(self) -> dict[str, float]:
+        return {"partition_loads": self.loads, "partition_reads": self.reads, "partition_writes": self.writes,
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "io_blocked_seconds": round(self.blocked_seconds, 3),
+                "commit_seconds": round(self.commit_seconds, 3)}
+
+
+def partition_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """Bytes of the largest partition of a partitioned type: embeddings (float32) + row-wise Adagrad state."""
+    return max((count * (config.entity_dimension(t) + 1) * 4
+                for t, e in config.entities.items() if e.num_partitions > 1 for count in counts[t]), default=0)
+
+
+def unpartitioned_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    return sum(counts[t][0] * (config.entity_dimension(t) + 1) * 4
+               for t, e in config.entities.items() if e.num_partitions == 1)
+
+
+def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distributed: bool) -> Optional[int]:
+    """How many partitions (of partitioned types) the buffer holds; None: exactly the current bucket's, as
+    PBG (distributed trainers must: the partitions they hold are locked from the others). Logs why."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    if distributed or not partitioned:
+        return None
+    total = sum(config.entities[t].num_partitions for t in partitioned)
+    per_part = partition_bytes(config, counts)
+    per_bucket = 2 * len(partitioned)  # what one bucket may need at most
+    if config.partition_buffer is not None:
+        capacity, why = config.partition_buffer * len(partitioned), "partition_buffer"
+    elif config.memory_budget is not None:
+        budget = parse_bytes(config.memory_budget, "memory_budget")
+        fixed = unpartitioned_bytes(config, counts)
+        capacity = (budget - fixed) // per_part if per_part else total
+        why = f"memory_budget {_gib(budget)}, {_gib(fixed)} of it for unpartitioned types"
+        if capacity < per_bucket:
+            raise ConfigError(
+                f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "
+                f"{_gib(per_part)} next to {_gib(fixed)} of unpartitioned types; a bucket needs {per_bucket}: "
+                f"raise it to at least {_gib(per_bucket * per_part + fixed)} or use more partitions"
+            )
+    else:
+        # one more than a bucket needs: room for the next partition to arrive while another bucket trains
+        extra = len(partitioned) if config.prefetch_partitions else 0
+        capacity = per_bucket + extra
+        why = "default: a bucket's partitions" + (" + one to swap in the background" if extra else " (PBG)")
+    capacity = max(per_bucket, min(capacity, total))
+    logger.info("partition buffer: %d of %d partitions in memory (%s; up to %s each, %s in all)", capacity, total,
+                why, _gib(per_part), _gib(capacity * per_part))
+    return capacity
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def next_use(key: Key, upcoming: Sequence[set[Key]]) -> int:
+    """Buckets until ``key`` is needed again (len(upcoming) + 1: not in this pass)."""
+    return next((i for i, keys in enumerate(upcoming) if key in keys), len(upcoming) + 1)
+
+
+def pick_victim(candidates: Sequence[Key], upcoming: Sequence[set[Key]]) -> Optional[Key]:
+    """The candidate needed again latest (ties: the smallest key, so runs are reproducible)."""
+    if not candidates:
+        return None
+    return max(sorted(candidates), key=lambda k: next_use(k, upcoming))
