@@ -243,3 +243,54 @@ def test_ranks_verify_partitions_other_ranks_wrote(tmp_path: Path) -> None:
     fresh = CheckpointStorage(str(tmp_path))
     fresh.sums = SharedSumRegistry(store, "1")
     assert fresh.sums.get(fresh.partition_file(2, "node", 0)) is None
+
+
+def test_a_kill_between_commit_and_cleanup_loses_no_stats_and_leaves_no_old_version(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window the S3 kill run found: marker written, old version not yet deleted (and, before, the pass's
+    stats not yet appended). The next run drops the old files; the pass's lines are there."""
+    from job.config import parse_config
+    from job.train import train as run_training
+
+    raw = write_cycle_graph(tmp_path, num_entities=40, num_partitions=2, num_epochs=3)
+    checkpoint = CheckpointStorage(raw["checkpoint_path"])
+    real_drop = CheckpointStorage.drop_version
+
+    def killed(self, version, partitions):  # noqa: ANN001, ANN202
+        raise SystemExit("killed right after the commit of the next version")
+
+    monkeypatch.setattr(CheckpointStorage, "drop_version", killed)
+    with pytest.raises(SystemExit):
+        run_training(parse_config(raw))  # pass 1 commits (nothing to drop), pass 2 commits, then the kill
+    assert checkpoint.load_version() == 2 and checkpoint.list_versions() == {1, 2}
+    assert [r["index"] for r in checkpoint.load_stats() if r.get("pass_summary")] == [0, 1]
+    monkeypatch.setattr(CheckpointStorage, "drop_version", real_drop)
+    run_training(parse_config(raw))
+    assert checkpoint.list_versions() == {3}
+    summaries = [r for r in checkpoint.load_stats() if r.get("pass_summary")]
+    assert [(r["index"], r["checkpoint_version"]) for r in summaries] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_stats_of_a_version_that_never_committed_are_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from job.config import parse_config
+    from job.train import train as run_training
+
+    raw = write_cycle_graph(tmp_path, num_entities=40, num_partitions=2, num_epochs=2)
+    checkpoint = CheckpointStorage(raw["checkpoint_path"])
+    real_save = CheckpointStorage.save_version
+
+    def killed_before_marker(self, version):  # noqa: ANN001, ANN202
+        if version == 2:
+            raise SystemExit("killed before the marker of version 2")
+        real_save(self, version)
+
+    monkeypatch.setattr(CheckpointStorage, "save_version", killed_before_marker)
+    with pytest.raises(SystemExit):
+        run_training(parse_config(raw))
+    assert checkpoint.load_version() == 1
+    assert {r["checkpoint_version"] for r in checkpoint.load_stats()} == {1, 2}  # v2's lines went before its marker
+    monkeypatch.setattr(CheckpointStorage, "save_version", real_save)
+    run_training(parse_config(raw))
+    records = checkpoint.load_stats()
+    assert [r["index"] for r in records if r.get("pass_summary")] == [0, 1]  # v2's pass once, not twice
+    assert sum(1 for r in records if "lhs_partition" in r) == 2 * 4

@@ -506,6 +506,16 @@ class CheckpointStorage:
             old = ""
         storage.write_text(url, old + new_text)
 
+    def trim_stats(self, committed: int) -> int:
+        """Drop the stats lines of versions after ``committed`` (written just before a marker that never
+        came); returns how many were dropped."""
+        records = self.load_stats()
+        kept = [r for r in records if not isinstance(r.get("checkpoint_version"), int) or r["checkpoint_version"] <= committed]
+        if len(kept) == len(records):
+            return 0
+        storage.write_text(self.stats_file(), "".join(json.dumps(r) + "\n" for r in kept))
+        return len(records) - len(kept)
+
     def load_stats(self) -> list[dict[str, Any]]:
         try:
             text = storage.read_text(self.stats_file())
@@ -544,6 +554,12 @@ class CheckpointStorage:
             if match and int(match.group("version")) > committed:
                 storage.remove(storage.join(self.url, name))
                 self._manifests.pop((self.url, int(match.group("version"))), None)
+
+    def drop_older(self, committed: int, partitions: list[tuple[str, int]]) -> None:
+        """Remove versions before the committed one (a kill between a commit and the deletion after it)."""
+        for version in sorted(self.list_versions()):
+            if version < committed:
+                self.drop_version(version, partitions)
 
     def drop_uncommitted(self, committed: int, partitions: list[tuple[str, int]]) -> None:
         """Remove the leftovers of versions newer than the committed one (a crash mid-write)."""

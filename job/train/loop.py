@@ -9,7 +9,7 @@ import os
 import random
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -162,6 +162,10 @@ class Trainer:
         if self.rank == 0:
             self._remove_temporary_files()
             self.checkpoint.drop_uncommitted_manifests(self.version)
+            # a kill between a commit and the clean-up after it leaves the previous version's files and, before
+            # the marker, the stats lines of a version that never committed
+            self.checkpoint.drop_older(self.version, self.all_keys)
+            self.checkpoint.trim_stats(self.version)
             if self.progress is None:
                 # leftovers of a pass that crashed before its commit are garbage
                 self.checkpoint.drop_uncommitted(self.version, self.all_keys)
@@ -325,19 +329,22 @@ class Trainer:
             train_total.add(train_stats)
             eval_total.add(eval_stats)
             train_seconds += seconds
-        self._commit(iteration)
-        elapsed = time.perf_counter() - pass_started
-        summary_record = {
-            "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
-            "edge_chunk_idx": iteration.chunk_idx, "index": iteration.index, "pass_summary": True,
-            "stats": {"count": train_total.count, "metrics": train_total.training_metrics()},
-            "edges_per_sec": train_total.count / train_seconds if train_seconds > 0 else 0.0,
-            "time": elapsed, "checkpoint_version": self.version,
-            **self._io_record(resident_at_start),
-        }
-        if eval_total.num_ranks:
-            summary_record["eval_stats_after"] = {"count": eval_total.count, "metrics": eval_total.ranking_metrics()}
-        self.checkpoint.append_stats(records + [summary_record])
+        summary_record: dict[str, Any] = {}
+
+        def pass_records(version: int) -> list[dict[str, Any]]:
+            summary_record.update({
+                "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
+                "edge_chunk_idx": iteration.chunk_idx, "index": iteration.index, "pass_summary": True,
+                "stats": {"count": train_total.count, "metrics": train_total.training_metrics()},
+                "edges_per_sec": train_total.count / train_seconds if train_seconds > 0 else 0.0,
+                "time": time.perf_counter() - pass_started, "checkpoint_version": version,
+                **self._io_record(resident_at_start),
+            })
+            if eval_total.num_ranks:
+                summary_record["eval_stats_after"] = {"count": eval_total.count, "metrics": eval_total.ranking_metrics()}
+            return records + [summary_record]
+
+        self._commit(iteration, pass_records)
         self.reporter.on_pass(summary_record)
         eval_mrr = eval_total.ranking_metrics()["mrr"] if eval_total.num_ranks else None
         message = (f"epoch {iteration.epoch + 1}/{config.num_epochs} edge path {iteration.edge_path_idx + 1}/"
@@ -461,8 +468,7 @@ class Trainer:
                     metrics[k] = metrics.get(k, 0.0) + v * r["stats"]["count"]
             summary["stats"] = {"count": counts, "metrics": {k: v / max(counts, 1) for k, v in metrics.items()}}
             server.stop()
-            self._commit(iteration)
-            self.checkpoint.append_stats(records + [summary])
+            self._commit(iteration, lambda version: records + [summary])
             self.reporter.on_pass(summary)
             storage.remove(self._progress_url())
         wait_all(ctx, f"pass-committed-{round_tag}")
@@ -625,8 +631,10 @@ class Trainer:
         return process_edges(self._context(eval_tables_l, eval_tables_r, False), edges, indices, config.batch_size,
                              config.dynamic_relations, generator, False)
 
-    def _commit(self, iteration: Iteration) -> None:
-        """Write the whole next version, then move the marker, then drop the old version."""
+    def _commit(self, iteration: Iteration, records_of: Callable[[int], list[dict[str, Any]]]) -> None:
+        """Write the whole next version and the pass's stats lines, then move the marker, then drop the old
+        version. The lines go before the marker so that a kill after it loses none; a run resumed before it
+        drops them (``trim_stats``)."""
         config = self.config
         new_version = self.version + 1
         self.store.finish_pass()
@@ -637,6 +645,10 @@ class Trainer:
             self.relation_optimizer.state_dict(),
             self._metadata(iteration),
         )
+        records = records_of(new_version)
+        for record in records:
+            record.setdefault("checkpoint_version", new_version)
+        self.checkpoint.append_stats(records)
         self.checkpoint.save_version(new_version)  # the commit point
         old_version = self.version
         self.version = new_version
