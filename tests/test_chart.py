@@ -345,7 +345,8 @@ def test_elastic_values_irsa_service_account_and_rdzv_conf(tmp_path: Path) -> No
     args = trainer(job)["args"]
     assert arg_value(args, "--nnodes") == "2:4"
     assert arg_value(args, "--max-restarts") == "10"
-    assert arg_value(args, "--rdzv-conf") == "join_timeout=600,last_call_timeout=30"
+    # the values file's entries replace the chart's defaults one by one (helm merges maps)
+    assert arg_value(args, "--rdzv-conf") == "join_timeout=900,keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
     assert one(render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"], kube="1.32"),
                "Job")["spec"]["backoffLimit"] == 8
     etcd = render(tmp_path, values=[CHART / "ci" / "elastic-values.yaml"],
@@ -690,7 +691,8 @@ def test_rendered_pod_command_trains_one_replica_to_completion(tmp_path: Path) -
     [(code, out)] = run_pods(processes, tmp_path)
     assert code == 0, out[-3000:]
     assert "biggraph-entrypoint: start" in out and "index=0 rdzv_host=true" in out
-    assert "--rdzv-conf=join_timeout=60,is_host=true" in out
+    # the test's join_timeout over the chart's defaults, and the entrypoint's is_host for the index-0 pod
+    assert "--rdzv-conf=join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5,is_host=true" in out
     assert "preflight:" in out and "config ok" in out
     assert "biggraph-entrypoint: exit code=0" in out
     checkpoint = Path(config["checkpoint_path"])
