@@ -91,7 +91,7 @@ def test_progress_round_trip_counts_in_flight_buckets_as_redone() -> None:
     _, a = state.next_bucket(0, set(), None, rng)
     _, b = state.next_bucket(1, set(), None, rng)
     state.next_bucket(0, set(), a, rng)  # a done; rank 0 gets another bucket or waits for rank 1
-    state.release(0, [("node", a.lhs)])
+    state.release(0, [("node", a.lhs), ("node", a.rhs)])  # ... and wrote its partitions
     in_flight = len(state.in_flight)
     assert in_flight >= 1  # rank 1 still trains b
     saved = json.loads(json.dumps(state.to_json()))
@@ -102,6 +102,33 @@ def test_progress_round_trip_counts_in_flight_buckets_as_redone() -> None:
     assert restored.redone == in_flight
     assert ("node", a.lhs) in restored.dirty
     assert not restored.locks and not restored.in_flight
+
+
+def test_a_finished_bucket_whose_partitions_died_unwritten_is_redone() -> None:
+    """The fault bench's case: X = (3, 0) finished, Y = (0, 3) in flight on the same rank, which holds both
+    partitions and dies before writing them: X's training is lost with them, so X is trained again."""
+    keys = partition_keys(4)
+    state = LockState(4, 4, keys, version=1)
+    x, y, z = Bucket(3, 0), Bucket(0, 3), Bucket(1, 1)
+    rng = random.Random(0)
+    for rank, bucket in ((0, x), (1, z)):  # hand out chosen buckets
+        state.in_flight[rank] = bucket
+        for key in keys[bucket]:
+            state.locks[key] = rank
+    state.next_bucket(1, set(), z, rng)
+    state.release(1, [("node", 1)])  # z finished and its partition written: safe
+    state.next_bucket(0, {("node", 0), ("node", 3)}, x, rng)  # x finished; rank 0 keeps its partitions
+    state.in_flight[0] = y
+    in_flight = len(state.in_flight)  # y, and whatever rank 1 took next
+    restored = LockState(4, 4, keys, version=1)
+    restored.restore(json.loads(json.dumps(state.to_json())))  # what rank 0's successor reads
+    restored.forget_rank_locks()
+    assert x not in restored.done and y not in restored.done and z in restored.done
+    assert restored.redone == in_flight + 1  # the buckets in flight + x, finished but unsaved
+    # released partitions make a finished bucket safe
+    state.release(0, [("node", 0), ("node", 3)])
+    state.forget_rank_locks()
+    assert x in state.done
 
 
 # heartbeats ------------------------------------------------------------------------------------------

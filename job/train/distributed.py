@@ -66,6 +66,9 @@ class LockState:
     trained_parts: set = field(default_factory=set)  # partition numbers trained this pass
     redone: int = 0
     acquired: int = 0
+    # rank -> done bucket -> its partitions that rank still holds unwritten: if the rank dies, the bucket's
+    # training dies with them, so it goes back to the queue
+    unsaved: dict = field(default_factory=dict)
     records: list = field(default_factory=list)  # training_stats.json lines of the finished buckets
 
     @property
@@ -86,6 +89,8 @@ class LockState:
             self.done.add(finished)
             self.trained_parts.update((finished.lhs, finished.rhs))
             del self.in_flight[rank]
+            if self.bucket_keys[finished]:
+                self.unsaved.setdefault(rank, {})[finished] = set(self.bucket_keys[finished])
         self.in_flight.pop(rank, None)
         candidates = []
         busy = {b for r, b in self.in_flight.items() if r != rank}
@@ -117,11 +122,21 @@ class LockState:
                 del self.locks[key]
             if written:
                 self.dirty.add(key)
+                pending = self.unsaved.get(rank, {})
+                for bucket in list(pending):
+                    pending[bucket].discard(key)
+                    if not pending[bucket]:
+                        del pending[bucket]
 
     def forget_rank_locks(self) -> None:
-        """After a restart nobody holds anything: in-flight buckets will be redone."""
+        """After a restart nobody holds anything: in-flight buckets will be redone, and so will finished ones
+        whose partitions were still held (their updates were never written)."""
         self.redone += len(self.in_flight)
         self.in_flight.clear()
+        lost = {b for pending in self.unsaved.values() for b in pending}
+        self.done -= lost
+        self.redone += len(lost)
+        self.unsaved.clear()
         self.locks.clear()
 
     def to_json(self) -> dict[str, Any]:
@@ -130,6 +145,8 @@ class LockState:
             "in_flight": {str(r): list(b) for r, b in self.in_flight.items()},
             "dirty": sorted([list(k) for k in self.dirty]), "trained_parts": sorted(self.trained_parts),
             "redone": self.redone, "acquired": self.acquired, "records": self.records,
+            "unsaved": {str(r): [[*b, sorted([list(k) for k in keys])] for b, keys in pending.items()]
+                        for r, pending in self.unsaved.items()},
         }
 
     def restore(self, data: dict[str, Any]) -> None:
@@ -140,6 +157,8 @@ class LockState:
         self.redone = int(data.get("redone", 0))
         self.acquired = int(data.get("acquired", 0))
         self.records = list(data.get("records", []))
+        self.unsaved = {int(r): {Bucket(lhs, rhs): {(k[0], int(k[1])) for k in keys} for lhs, rhs, keys in pending}
+                        for r, pending in data.get("unsaved", {}).items()}
 
 
 # the server on rank 0 ----------------------------------------------------------------------------
