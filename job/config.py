@@ -522,6 +522,8 @@ class ConfigSchema:
             name: {k: v for k, v in entity.items() if k not in NON_PBG_1_0_ENTITY_KEYS}
             for name, entity in plain["entities"].items()
         }
+        if out.get("bucket_order") == BucketOrder.BUFFER.value:
+            out["bucket_order"] = BucketOrder.INSIDE_OUT.value  # PBG 1.0.0 knows only its own four orders
         return out
 
     def to_pbg_json(self) -> str:

@@ -25,6 +25,7 @@ from job.config import (
     apply_overrides,
     config_help,
     load_config,
+    parse_bytes,
     parse_config,
 )
 from job.errors import ConfigError
@@ -464,3 +465,28 @@ def test_junk_override_values_never_raise_anything_but_config_error(key: str, va
         parse_config(apply_overrides(minimal(), [f"{key}={value}"]))
     except ConfigError as err:
         assert str(err)
+
+
+def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
+    config = parse_config({**minimal(), "bucket_order": "buffer", "partition_buffer": 4, "memory_budget": "8GiB"})
+    assert config.bucket_order is BucketOrder.BUFFER and config.partition_buffer == 4
+    pbg = config.to_pbg_dict()  # config.json must stay readable by PBG 1.0.0, which knows four orders
+    assert pbg["bucket_order"] == "inside_out" and "partition_buffer" not in pbg and "memory_budget" not in pbg
+    assert parse_bytes("8GiB", "k") == 8 * 2**30 and parse_bytes("500 MB", "k") == 500_000_000
+    for bad, message in ((("partition_buffer", 1), "a bucket needs two partitions"),
+                         (("memory_budget", "lots"), "is not a size"), (("memory_budget", "-5GB"), "is not a size")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**minimal(), bad[0]: bad[1]})
+
+
+def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: Path) -> None:
+    from job.train.buffer import choose_capacity
+
+    config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
+                           "memory_budget": "1MB"})
+    counts = {"all": [10_000] * 4}  # 10,000 x (99 + 1) x 4 bytes = 4 MB a partition
+    with pytest.raises(ConfigError, match=r"holds 0 partition\(s\) of 3.8 MiB.*a bucket needs 2: raise it to at least 7.6 MiB"):
+        choose_capacity(config, counts, distributed=False)
+    assert choose_capacity(parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
+                                         "memory_budget": "13MB"}), counts, distributed=False) == 3
+    assert choose_capacity(config, counts, distributed=True) is None  # locks: exactly the bucket's
