@@ -615,37 +615,49 @@ def _attr_value(value: Any) -> Any:
 
 
 class _open_for_reading:
-    """Context manager: an h5py handle on a checkpoint file at any URL, verified against ``expected``
-    (size, crc32) first when given."""
+    """Context manager: an h5py handle on a checkpoint file at any URL, checked against ``expected``
+    (size, crc32) when given.
+
+    The check runs when the block ends, before anything read is returned: h5py's read leaves the file in
+    the page cache, so the checksum costs a pass over memory instead of a second pass over the disk
+    (bench/checksum_bench.py). A file HDF5 cannot even parse is checked first, so its error says
+    "damaged" with the checksum rather than whatever HDF5 tripped on.
+    """
 
     def __init__(self, url: str, expected: Entry | None = None) -> None:
         self.url = url
         self.expected = expected
         self._stack: Any = None
+        self._path = ""
+
+    def _verify(self) -> None:
+        if self.expected is not None:
+            verify_local(self.url, self._path, self.expected)
 
     def __enter__(self) -> h5py.File:
         self._stack = contextlib.ExitStack()
         try:
-            path = self._stack.enter_context(storage.local_copy_for_reading(self.url))
+            self._path = self._stack.enter_context(storage.local_copy_for_reading(self.url))
         except FileNotFoundError:
             self._stack.close()
             raise CheckpointError(f"{self.url}: missing (expected a checkpoint file)") from None
         try:
-            if self.expected is not None:
-                verify_local(self.url, path, self.expected)
-            return self._stack.enter_context(h5py.File(path, "r"))
-        except InputFormatError:
-            self._stack.close()
-            raise
+            return self._stack.enter_context(h5py.File(self._path, "r"))
         except FileNotFoundError:
             self._stack.close()
             raise CheckpointError(f"{self.url}: missing (expected a checkpoint file)") from None
         except OSError as err:
-            self._stack.close()
+            try:
+                self._verify()
+            finally:
+                self._stack.close()
             raise InputFormatError(self.url, f"not a readable HDF5 file ({err})", expected="an HDF5 checkpoint file") from None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._stack.close()
+        try:
+            self._verify()  # also after a failed read: a mismatch explains it best
+        finally:
+            self._stack.close()
         from job.formats.edges import HDF5_READ_ERRORS, _short
 
         if isinstance(exc, HDF5_READ_ERRORS):  # h5py's errors from reading a damaged file
