@@ -141,8 +141,14 @@ def get_filesystem(url: str) -> tuple[Any, str]:
         hint = f"; install it with: pip install {package}" if package else ""
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise StorageError(f"{url}: no filesystem backend for scheme '{scheme}://'{hint} ({reason})") from None
+    options = storage_options_for(url)
+    if scheme in ("s3", "s3a"):
+        # A filesystem of the storage layer's own (``session=None`` is s3fs' default: same behaviour, another key in
+        # fsspec's instance cache): instrument_s3 changes how it retries, which must not reach code that opens URLs
+        # through fsspec directly (the importer's input files, a user's own code) and relies on s3fs' defaults.
+        options.setdefault("session", None)
     try:
-        fs = cls(**storage_options_for(url))
+        fs = cls(**options)
     except ImportError as err:
         hint = f"; install it with: pip install {package}" if package else ""
         raise StorageError(f"{url}: the backend for '{scheme}://' cannot be loaded{hint} ({err})") from None

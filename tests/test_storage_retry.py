@@ -266,6 +266,18 @@ def test_an_endpoint_without_a_scheme_is_a_config_error(aws_env: None) -> None:
         storage.read_bytes("s3://b/k")
 
 
+def test_the_storage_layer_changes_only_its_own_filesystems(aws_env: None) -> None:
+    """fsspec caches filesystems by their arguments: code opening URLs through fsspec directly must not get
+    the instance whose s3fs retries were turned off."""
+    import fsspec
+
+    storage.set_storage_options(_options(f"http://127.0.0.1:{_closed_port()}"))
+    ours, _ = storage.get_filesystem("s3://b/k")
+    direct = fsspec.filesystem("s3", **storage.storage_options_for("s3://b/k"))
+    assert ours is storage.get_filesystem("s3://b/other")[0]  # still one cached filesystem for the storage layer
+    assert direct is not ours and ours.retries == 1 and direct.retries == type(direct).retries > 1
+
+
 # the commands: one line, exit code 2, no traceback, no retries -------------------------------------------------
 
 
@@ -382,6 +394,41 @@ def test_a_burst_of_errors_is_retried_and_every_retry_said(fault: str, reason: s
     announced = (len(ours) + 1) + len(botocore_lines)
     assert len(puts) == (announced - 1) * sends + 1
     assert not any(KEY in line or SECRET in line for line in lines)
+
+
+@pytest.mark.slow
+def test_import_from_s3_survives_a_cut_body(s3_endpoint: str, s3_bucket: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """biggraph import reads its input through fsspec directly: s3fs' own retries still cover it."""
+    import fsspec
+    from test_storage_faults import FaultProxy
+
+    source = f"{s3_bucket}/in/edges.tsv"
+    fsspec.filesystem("s3", endpoint_url=s3_endpoint, skip_instance_cache=True).pipe_file(
+        source.split("://", 1)[1], b"".join(f"a{i}\tr\tb{i}\n".encode() for i in range(20000)))
+    object_path = "/" + source.split("://", 1)[1]
+    cuts: list[str] = []
+
+    def cut_the_first_read(method: str, path: str) -> str | None:
+        if method == "GET" and path.startswith(object_path) and not cuts:
+            cuts.append(path)
+            return "cut"
+        return None
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "entities": {"node": {"num_partitions": 1}}, "relations": [{"name": "r", "lhs": "node", "rhs": "node"}],
+        "dimension": 4, "entity_path": str(tmp_path / "entities"), "edge_paths": [str(tmp_path / "edges")],
+        "checkpoint_path": str(tmp_path / "ckpt")}))
+    with FaultProxy(s3_endpoint, cut_the_first_read) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)  # biggraph import reads no storage_options
+        storage.set_storage_options({})
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        code, lines = _run_cli(["import", str(config), source, "-l", "0", "--rel-col", "1", "-r", "2"], capsys)
+    assert cuts and code == 0, lines
+    assert (tmp_path / "entities" / "entity_count_node_0.txt").read_text().strip() == "40000"
 
 
 # the docs quote what is printed ------------------------------------------------------------------------------
