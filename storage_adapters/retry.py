@@ -16,8 +16,8 @@ passed through untouched because callers test for it.
 
 Every retry, at either layer, is logged at WARNING on ``biggraph.storage`` as it happens:
 the operation, the URL, attempt n of m, and the error (never headers or credentials).
-Below us, s3fs has a silent retry loop of its own; ``instrument_s3`` turns it off for the
-filesystems biggraph creates, so that the layers that remain are the two that log.
+Between the two, s3fs has a silent retry loop of its own; ``instrument_s3`` turns it off for
+the storage layer's filesystems, so that the layers that remain are the two that log.
 """
 
 from __future__ import annotations
@@ -440,7 +440,10 @@ def _permanent_reason(err: BaseException) -> str:
 # connection errors included) -> aiohttp. With a mistyped endpoint every one of our attempts hid five
 # botocore attempts and their backoff: ten seconds of silence each. ``instrument_s3`` leaves two layers, both
 # of which speak: botocore's (each retry logged through its event hooks, none at all for an unreachable
-# endpoint) and ours.
+# endpoint) and ours. Below botocore, aiohttp re-sends an idempotent request once, at once, when its connection
+# dropped mid-request (RFC 9112); it has no hook to say so, adds no wait, and never re-sends on DNS, refused or
+# TLS failures. Only the storage layer's own filesystems are instrumented (see ``get_filesystem``): code that
+# reads through fsspec directly keeps the libraries' defaults.
 
 _BOTOCORE_DEFAULT_ATTEMPTS = {"legacy": 5, "standard": 3, "adaptive": 3}
 _REASON_KEY = "biggraph_retry_reason"  # where the hooks leave the last failure in botocore's request context
