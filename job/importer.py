@@ -1097,6 +1097,7 @@ class _Importer:
 
 def import_edges(config: ConfigSchema, files: list[str], options: ImportOptions) -> ImportSummary:
     """Import ``files`` (the i-th into ``config.edge_paths[i]``) and write ``config.entity_path``."""
+    storage.set_storage_options(config.storage_options)  # endpoint_url & co. of a MinIO/Ceph set-up, as train does
     _check_request(config, files, options)
     workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
     try:

@@ -328,10 +328,11 @@ def test_report_with_an_unresolvable_endpoint_fails_at_once(aws_env: None, tmp_p
 def test_import_with_a_closed_port_fails_at_once(aws_env: None, tmp_path: Path, capsys: pytest.CaptureFixture,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     port = _closed_port()
-    # biggraph import does not apply the config's storage_options (yet): the environment names the endpoint
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    # the endpoint only in the config's storage_options (import used to ignore them and ask AWS itself)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     (tmp_path / "edges.tsv").write_text("a\tr\tb\nb\tr\tc\n")
-    config = _write_config(tmp_path)
+    config = _write_config(tmp_path, storage_options={"endpoint_url": f"http://127.0.0.1:{port}"})
     code, lines = _run_cli(["import", str(config), str(tmp_path / "edges.tsv"), "-l", "0", "--rel-col", "1", "-r", "2"],
                            capsys)
     assert code == 2 and len(lines) == 1, lines
