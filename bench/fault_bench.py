@@ -58,7 +58,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +72,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import storage_bench  # noqa: E402
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
 import storage_adapters as storage  # noqa: E402
@@ -94,29 +94,11 @@ AWS_TEST_ENV = {
 # moto ------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_moto() -> tuple[subprocess.Popen, str]:
-    """A moto S3 server in its own process on 127.0.0.1 (the trainers are separate processes too)."""
-    port = free_port()
-    for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        os.environ.pop(key, None)
+    """bench/storage_bench.py's moto server, with this bench's credentials (the trainers get them too)."""
+    proc, endpoint = storage_bench.start_moto()
     os.environ.update(AWS_TEST_ENV)
-    proc = subprocess.Popen([os.path.join(os.path.dirname(PYTHON), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("moto_server did not start")
+    return proc, endpoint
 
 
 # one trainer run --------------------------------------------------------------------------------

@@ -42,7 +42,10 @@ def free_port() -> int:
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto S3 server in its own process on 127.0.0.1; this process's AWS settings point at nothing real."""
     port = free_port()
+    for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        os.environ.pop(key, None)
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_EC2_METADATA_DISABLED="true")
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
