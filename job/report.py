@@ -236,14 +236,13 @@ def embedding_sample(checkpoint: Any, version: int, config: Any, sample: int,
                      seed: int) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
     """Up to ``sample`` rows over every (type, partition), in proportion to size (each type gets some)."""
     from job.formats import entities as entity_format
-    from job.formats.checkpoint import EMBEDDING_DATASET, _open_for_reading
+    from job.formats.checkpoint import EMBEDDING_DATASET
 
     rng = np.random.default_rng(seed)
     sizes: dict[tuple[str, int], int] = {}
     for entity_type, entity in config.entities.items():
         for part in range(entity.num_partitions):
-            url = checkpoint.partition_file(version, entity_type, part)
-            with _open_for_reading(url) as handle:
+            with checkpoint.open_partition(version, entity_type, part) as handle:
                 sizes[(entity_type, part)] = int(handle[EMBEDDING_DATASET].shape[0])
     total = sum(sizes.values())
     rows: dict[str, list[np.ndarray]] = {}
@@ -253,7 +252,7 @@ def embedding_sample(checkpoint: Any, version: int, config: Any, sample: int,
             continue
         take = min(size, max(min(size, 20), round(sample * size / max(total, 1))))
         idx = np.sort(rng.choice(size, size=take, replace=False))
-        with _open_for_reading(checkpoint.partition_file(version, entity_type, part)) as handle:
+        with checkpoint.open_partition(version, entity_type, part) as handle:  # checked when the block ends
             dataset = handle[EMBEDDING_DATASET]
             block = dataset[...] if size <= 100_000 else dataset[idx.tolist()]
         rows.setdefault(entity_type, []).append(np.asarray(block[idx] if size <= 100_000 else block, dtype=np.float64))

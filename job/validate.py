@@ -319,7 +319,7 @@ def _open_edge_file(url: str) -> Iterator[h5py.File]:
     from job.formats.edges import open_h5
 
     if not storage.is_local(url):
-        with open_h5(url) as handle:
+        with open_h5(url, verify=False) as handle:  # the checksum is checked by the caller (full scans only)
             yield handle
         return
     try:

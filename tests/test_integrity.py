@@ -294,3 +294,28 @@ def test_stats_of_a_version_that_never_committed_are_dropped(tmp_path: Path, mon
     records = checkpoint.load_stats()
     assert [r["index"] for r in records if r.get("pass_summary")] == [0, 1]  # v2's pass once, not twice
     assert sum(1 for r in records if "lhs_partition" in r) == 2 * 4
+
+
+def test_an_empty_marker_beside_versions_is_an_error_and_deletes_nothing(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """PBG rewrites checkpoint_version.txt in place: a kill there leaves it empty. Read as "no checkpoint", the
+    start-up clean-up would delete every version."""
+    path, raw = write_config(tmp_path)
+    assert train(path, capsys)[0] == 0
+    checkpoint = Path(raw["checkpoint_path"])
+    (checkpoint / "checkpoint_version.txt").write_text("")
+    before = {name: data for name, data in snapshot(checkpoint).items() if name != "checkpoint_version.txt"}
+    code, err = train(path, capsys)
+    assert code == 2 and "checkpoint_version.txt: empty, although versions [1] are in the directory" in err, err
+    after = snapshot(checkpoint)
+    assert all(after.get(name) == data for name, data in before.items())
+
+
+def test_a_stats_line_cut_by_a_kill_does_not_swallow_the_next(tmp_path: Path) -> None:
+    store = CheckpointStorage(str(tmp_path))
+    store.append_stats([{"index": 0, "checkpoint_version": 1}])
+    with open(store.stats_file(), "a") as handle:
+        handle.write('{"index": 1, "checkpo')  # killed mid-append
+    store.trim_stats(1)
+    store.append_stats([{"index": 1, "checkpoint_version": 2}])
+    assert [r["index"] for r in store.load_stats()] == [0, 1]

@@ -225,8 +225,11 @@ class CheckpointStorage:
             self.sums.record(url, entry)
             return
         self._wait(url)
-        while len(self._pending) >= MAX_PENDING_UPLOADS:
-            oldest = next(iter(self._pending))
+        while True:  # the background swap thread writes too: look at the uploads under the lock
+            with self._pending_lock:
+                oldest = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING_UPLOADS else None
+            if oldest is None:
+                break
             self._wait(oldest)
         tmpdir = storage.upload_staging_dir()
         tmp = os.path.join(tmpdir, url.rsplit("/", 1)[-1])
@@ -243,9 +246,9 @@ class CheckpointStorage:
             finally:
                 shutil.rmtree(tmpdir, ignore_errors=True)
 
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="biggraph-upload")
         with self._pending_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="biggraph-upload")
             self._pending[url] = self._executor.submit(upload)
 
     def _wait(self, url: str) -> None:
@@ -308,6 +311,13 @@ class CheckpointStorage:
         except FileNotFoundError:
             return 0
         if not text:
+            versions = self.list_versions()
+            if versions:  # PBG rewrites the marker in place: a crash there leaves it empty, not absent
+                raise CheckpointError(
+                    f"{url}: empty, although versions {sorted(versions)} are in the directory (a writer was killed "
+                    f"while writing the marker); write the last complete version into it (e.g. {max(versions)}) "
+                    "rather than start over: nothing was deleted"
+                )
             return 0
         try:
             version = int(text)
@@ -353,7 +363,8 @@ class CheckpointStorage:
         name = url.rsplit("/", 1)[-1]
         if name not in manifest.files:
             raise CheckpointError(f"{url}: not listed in {self.manifest_file(version, base)} (expected every file of "
-                                  f"version {version} there; the checkpoint directory was changed after the commit)")
+                                  f"version {version} there; the checkpoint directory was changed after the commit, "
+                                  "e.g. by PBG: delete that manifest if another tool wrote this version)")
         return manifest.files[name]
 
     def listed_in_manifest(self, version: int, url: str, base: str | None = None) -> bool:
@@ -427,7 +438,8 @@ class CheckpointStorage:
         return self.listed_in_manifest(version, url, base) or storage.exists(url)
 
     def open_partition(self, version: int, entity_type: str, partition: int) -> _open_for_reading:
-        """An h5py handle on a verified partition file (for readers that take a sample of rows)."""
+        """An h5py handle on a partition file (for readers that take a sample of rows); the file is checked
+        against its checksum when the block ends, so what was read is trusted only after it."""
         url = self.partition_file(version, entity_type, partition)
         self._wait(url)
         return _open_for_reading(url, self.expected_entry(version, url))
@@ -509,10 +521,14 @@ class CheckpointStorage:
     def trim_stats(self, committed: int) -> int:
         """Drop the stats lines of versions after ``committed`` (written just before a marker that never
         came); returns how many were dropped."""
+        try:
+            text = storage.read_text(self.stats_file())
+        except FileNotFoundError:
+            return 0
         records = self.load_stats()
         kept = [r for r in records if not isinstance(r.get("checkpoint_version"), int) or r["checkpoint_version"] <= committed]
-        if len(kept) == len(records):
-            return 0
+        if len(kept) == len(records) and (not text or text.endswith("\n")):
+            return 0  # (a line cut short by a kill is rewritten away: the next append would run into it)
         storage.write_text(self.stats_file(), "".join(json.dumps(r) + "\n" for r in kept))
         return len(records) - len(kept)
 

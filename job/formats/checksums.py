@@ -9,8 +9,9 @@ gets its size and CRC-32 recorded in a small JSON manifest beside it:
   has its manifest; a leftover manifest of an uncommitted version is dropped like its files);
 - an edge directory written by ``biggraph import``: ``checksums.json`` in that ``edge_paths`` entry.
 
-Readers verify a file against its manifest entry before parsing it (the whole file is
-checked once, then h5py reads it). Directories without a manifest (written by PBG or by
+Readers verify a file against its manifest entry: edge files before parsing them (once per process),
+checkpoint files when the read ends, before the data is returned (h5py's read leaves the file in the
+page cache, so the check is a pass over memory). Directories without a manifest (written by PBG or by
 older biggraph versions) are read as before. CRC-32 comes from ``zlib`` (no dependency;
 ~3 GB/s on one core here), which catches every burst error up to 32 bits and random
 damage with probability 1 - 2^-32.
@@ -112,7 +113,8 @@ def mismatch_error(url: str, expected: tuple[int, str], got: tuple[int, str]) ->
         problem = f"damaged: {got[0]} bytes where {expected[0]} were written (truncated or overwritten)"
     else:
         problem = f"damaged: {ALGORITHM} {got[1]} where the file was written with {expected[1]}"
-    return InputFormatError(url, problem, expected="the bytes that were committed; restore the file or retrain")
+    return InputFormatError(url, problem, expected="the bytes that were committed; restore the file or retrain (if "
+                            "another tool such as PBG rewrote it, delete the version's checksums manifest)")
 
 
 def verify_local(url: str, path: str, expected: tuple[int, str]) -> None:

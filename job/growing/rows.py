@@ -11,13 +11,22 @@ model would score its new edges highly: an edge (u, r, v) scores ``c(u, f_r(v))`
 - with dynamic relations each side also has the reverse operator ``g_r`` (``c(g_r(u), v)``), and the
   two views are averaged.
 
-A new entity's row is the mean of these targets over its edges to trained entities, minus its type's
-global embedding (targets are in the space rows plus global embedding live in). Entities linked only
-to other new entities get their row in a later round, from neighbours filled in the rounds before;
-the few with no path to a trained entity keep their random row. A neighbour-initialised row also takes
-the mean of its neighbours' Adagrad sums: with a zero sum its first updates would be full-size steps
-(about ``lr`` per coordinate) that throw the initialisation away; with its neighbours' sum it learns
-at their pace, from where they put it.
+For dot and cosine the adjoint gives a direction, but scales by the operator's gain (a trained ComplEx
+diagonal has modulus well above 1), so each target is rescaled to its neighbour's norm. A new entity's
+row is then the mean of its targets over its edges to trained entities, times ``NEIGHBOUR_SCALE``,
+minus its type's global embedding (targets live where rows plus the global embedding do).
+
+Why shrink it: a mean of targets is a centroid, and centroids are hubs. At full length a new row
+scores above the trained answers of many old queries it has nothing to do with (on the WordNet bench,
+filtered MRR of old test edges fell from 0.070 to 0.054 before any training, and stayed there after
+five passes), because no negative has yet taught it otherwise. A quarter of the length keeps its
+direction, which is what ranks it for its own edges, while it ranks below the trained answers of other
+queries until training has placed it; see bench/RESULTS.md for the scales tried. New rows start with
+zero Adagrad sums in both modes, like a fresh run's rows: their first steps are full-size, which is what
+a row that still has to find its place needs (with its neighbours' sums it barely moves).
+
+Entities linked only to other new entities get their row in a later round, from neighbours filled in
+the rounds before; the few with no path to a trained entity keep their random row.
 """
 
 from __future__ import annotations
@@ -39,16 +48,16 @@ from job.train.step import row_adagrad_state
 logger = logging.getLogger("biggraph")
 
 Key = tuple[str, int]
+NEIGHBOUR_SCALE = 0.25  # the length of a neighbour-initialised row, as a fraction of its targets' mean
 NEIGHBOUR_ROUNDS = 3  # rounds of filling new entities from neighbours filled in earlier rounds
 _L2_COMPARATORS = ("l2", "squared_l2")
 
 
 @dataclass
 class NewRows:
-    """The initial values and Adagrad sums of one partition's new rows."""
+    """The initial values of one partition's new rows (their Adagrad sums start at zero)."""
 
     values: np.ndarray  # (new, dim) float32
-    sums: np.ndarray  # (new,) float32
     from_neighbours: int = 0
 
 
@@ -66,15 +75,14 @@ class _TrainedPartitions:
         self.checkpoint = checkpoint
         self.version = version
         self.capacity = capacity
-        self.loaded: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.loaded: dict[Key, torch.Tensor] = {}
 
-    def get(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, key: Key) -> torch.Tensor:
         if key not in self.loaded:
             if len(self.loaded) >= self.capacity:
                 self.loaded.pop(next(iter(self.loaded)))
-            values, state = self.checkpoint.load_entity_partition(self.version, key[0], key[1])
-            sums, _ = _sum_from_state(state, values.shape[0])
-            self.loaded[key] = (torch.from_numpy(values), sums if sums is not None else torch.zeros(values.shape[0]))
+            values, _ = self.checkpoint.load_entity_partition(self.version, key[0], key[1])
+            self.loaded[key] = torch.from_numpy(values)
         return self.loaded[key]
 
 
@@ -126,8 +134,7 @@ def initial_rows(
     old_counts: dict[Key, int], added: dict[Key, int], spills: list[tuple[str, np.ndarray]], grid: tuple[int, int],
 ) -> dict[Key, NewRows]:
     """The new rows of every partition (see the module docstring); ``spills`` hold the new edges per bucket."""
-    rows = {key: NewRows(random_rows(config, key, n, new_version), np.zeros(n, dtype=np.float32))
-            for key, n in added.items()}
+    rows = {key: NewRows(random_rows(config, key, n, new_version)) for key, n in added.items()}
     if config.grow_init != "neighbours" or not any(added.values()):
         return rows
     trained = _TrainedPartitions(checkpoint, old_version)
@@ -136,26 +143,20 @@ def initial_rows(
     l2 = config.comparator in _L2_COMPARATORS
     dim = config.dimension
 
-    def rows_of(key: Key, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows (plus the global embedding) and Adagrad sums of known entities, trained or filled earlier."""
-        values, sums = trained.get(key)
+    def rows_of(key: Key, ids: np.ndarray) -> torch.Tensor:
+        """Rows (plus the global embedding) of known entities, trained or filled in an earlier round."""
+        values = trained.get(key)
         old = old_counts[key]
         out = torch.empty((len(ids), dim))
-        out_sums = torch.empty(len(ids))
         is_old = ids < old
-        old_ids = torch.from_numpy(ids[is_old])
-        out[torch.from_numpy(is_old)] = values.index_select(0, old_ids)
-        out_sums[torch.from_numpy(is_old)] = sums.index_select(0, old_ids)
-        new_ids = ids[~is_old] - old
-        out[torch.from_numpy(~is_old)] = torch.from_numpy(rows[key].values[new_ids])
-        out_sums[torch.from_numpy(~is_old)] = torch.from_numpy(rows[key].sums[new_ids])
+        out[torch.from_numpy(is_old)] = values.index_select(0, torch.from_numpy(ids[is_old]))
+        out[torch.from_numpy(~is_old)] = torch.from_numpy(rows[key].values[ids[~is_old] - old])
         g = global_embs[key[0]]
-        return (out + g if g is not None else out), out_sums
+        return out + g if g is not None else out
 
     for round_index in range(NEIGHBOUR_ROUNDS):
         acc = {key: torch.zeros((n, dim), dtype=torch.float64) for key, n in added.items()}
         hits = {key: torch.zeros(n, dtype=torch.float64) for key, n in added.items()}
-        sums_acc = {key: torch.zeros(n, dtype=torch.float64) for key, n in added.items()}
         for bucket_dir, counts in spills:
             for bucket in np.flatnonzero(counts):
                 lhs_part, rhs_part = divmod(int(bucket), grid[1])
@@ -178,24 +179,24 @@ def initial_rows(
                         take = np.flatnonzero(is_new[side] & ~is_known[side] & is_known[other])
                         if not len(take):
                             continue
-                        y, y_sums = rows_of(keys[other], ids[other][take])
+                        y = rows_of(keys[other], ids[other][take])
                         selected = rel_ids.index_select(0, torch.from_numpy(take)) if rel_ids is not None else None
                         t = targets(model, rel_idx, selected, y, new_on_lhs=(side == 0), l2=l2)
+                        if not l2:  # the operator's direction at the neighbour's scale (see the module docstring)
+                            t = t * (y.norm(dim=1) / t.norm(dim=1).clamp_min(1e-12)).unsqueeze(1)
                         at = torch.from_numpy(ids[side][take] - old_counts[keys[side]])
                         acc[keys[side]].index_add_(0, at, t.double())
                         hits[keys[side]].index_add_(0, at, torch.ones(len(take), dtype=torch.float64))
-                        sums_acc[keys[side]].index_add_(0, at, y_sums.double())
         filled_now = 0
         for key in added:
             reached = (hits[key] > 0).numpy() & ~known[key]
             if not reached.any():
                 continue
-            mean = (acc[key] / hits[key].clamp_min(1).unsqueeze(1)).float()
+            mean = (acc[key] / hits[key].clamp_min(1).unsqueeze(1)).float() * NEIGHBOUR_SCALE
             g = global_embs[key[0]]
             if g is not None:
                 mean = mean - g
             rows[key].values[reached] = mean.numpy()[reached]
-            rows[key].sums[reached] = (sums_acc[key] / hits[key].clamp_min(1)).float().numpy()[reached]
             rows[key].from_neighbours += int(reached.sum())
             known[key] |= reached
             filled_now += int(reached.sum())
@@ -209,12 +210,14 @@ def write_grown_partitions(
     config: ConfigSchema, checkpoint: CheckpointStorage, old_version: int, new_version: int,
     rows: dict[Key, NewRows], metadata: dict[str, Any],
 ) -> None:
-    """Every partition of ``new_version``: the trained rows and sums exactly as in ``old_version``, then the new."""
+    """Every partition of ``new_version``: the trained rows and sums exactly as in ``old_version``, then the new
+    rows with zero sums."""
     for key in sorted(rows):
         values, state = checkpoint.load_entity_partition(old_version, key[0], key[1])
         sums, step = _sum_from_state(state, values.shape[0])
         old_sums = sums.numpy() if sums is not None else np.zeros(values.shape[0], dtype=np.float32)
         grown = np.concatenate([values, rows[key].values.astype(np.float32)])
-        grown_sums = torch.from_numpy(np.concatenate([old_sums, rows[key].sums.astype(np.float32)]))
+        new_sums = np.zeros(len(rows[key].values), dtype=np.float32)
+        grown_sums = torch.from_numpy(np.concatenate([old_sums, new_sums]))
         checkpoint.save_entity_partition(new_version, key[0], key[1], grown,
                                          row_adagrad_state(grown_sums, config.lr, step), metadata)

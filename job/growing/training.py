@@ -36,7 +36,10 @@ class GrowTrainer(Trainer):
 
     def __init__(self, config: ConfigSchema, record: GrowRecord) -> None:
         self.user_config = config
-        super().__init__(dataclasses.replace(config, num_epochs=max(1, config.grow_num_epochs)))
+        # no epoch snapshots: their epoch_{E}/ names would be those of the base run's snapshots; no Hogwild start
+        # delay: it lets the first worker move freshly initialised rows alone, and these rows are trained
+        super().__init__(dataclasses.replace(config, num_epochs=max(1, config.grow_num_epochs),
+                                             checkpoint_preservation_interval=None, hogwild_delay=0.0))
         self.record = record
         self.first_index = record.version
         self.iterations = [Iteration(record.version + it.index, it.epoch, it.edge_path_idx, it.chunk_idx)

@@ -63,6 +63,9 @@ def _worker_main(
             results.put((task_id, worker_id, stats, None))
         except BaseException:  # reported to the parent, which fails the run with it
             results.put((task_id, worker_id, None, traceback.format_exc()))
+        # drop this bucket's tables and edges now, not at the next task: an evicted partition's shared
+        # memory is freed only when no process maps it (the partition buffer counts on that)
+        task = ctx = stats = None  # noqa: F841
 
 
 class WorkerPool:
