@@ -233,8 +233,10 @@ def test_balanced_additions_fill_the_smallest_partitions_first() -> None:
 def test_neighbours_initialisation_is_the_mean_of_trained_neighbours_through_the_operator(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One type, operator ``none``, dot comparator, no global embedding: a new entity's row is exactly the mean of
-    its trained neighbours' rows; one reached only through a new entity is filled in the next round; Adagrad sums
-    are the neighbours' mean too."""
+    its trained neighbours' rows (times NEIGHBOUR_SCALE); one reached only through a new entity is filled in the
+    next round; new rows' Adagrad sums start at zero."""
+    from job.growing.rows import NEIGHBOUR_SCALE
+
     config = static_config(entities={"e": {"num_partitions": 1}}, global_emb=False, comparator="dot",
                            relations=[{"name": "r", "lhs": "e", "rhs": "e", "operator": "none"}])
     old = [(f"a{i}", "r", f"a{(i * 7 + 1) % 20}") for i in range(60)]
@@ -247,11 +249,12 @@ def test_neighbours_initialisation_is_the_mean_of_trained_neighbours_through_the
     assert run_cli("grow", "config.json", "new.tsv", *COLUMNS, "--no-train")[0] == 0
     (grown, grown_sums), = partitions_of(loaded).values()
     grown_index = {name: i for i, name in enumerate(names_of(loaded)["e"][0])}
-    expected_n0 = (values[index["a1"]].astype(np.float64) + values[index["a2"]]) / 2
+    expected_n0 = NEIGHBOUR_SCALE * (values[index["a1"]].astype(np.float64) + values[index["a2"]]) / 2
     assert np.allclose(grown[grown_index["n0"]], expected_n0, atol=1e-6)
-    assert np.allclose(grown[grown_index["n1"]], values[index["a3"]], atol=1e-6)
-    assert np.allclose(grown[grown_index["n2"]], grown[grown_index["n0"]], atol=1e-6)  # round 2, through n0
-    assert np.isclose(grown_sums[grown_index["n0"]], (sums[index["a1"]] + sums[index["a2"]]) / 2, rtol=1e-5)
+    assert np.allclose(grown[grown_index["n1"]], NEIGHBOUR_SCALE * values[index["a3"]], atol=1e-6)
+    # round 2, through n0 (scaled again: a row filled from new rows is as unsure as they are, and then some)
+    assert np.allclose(grown[grown_index["n2"]], NEIGHBOUR_SCALE * grown[grown_index["n0"]], atol=1e-6)
+    assert not grown_sums[len(sums):].any() and np.array_equal(grown_sums[: len(sums)], sums)
 
 
 def test_random_initialisation_draws_at_init_scale(model: Path) -> None:
