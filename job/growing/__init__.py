@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -96,6 +97,9 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
     if into is not None:
         config = dataclasses.replace(config, checkpoint_path=into)
     storage.set_storage_options(config.storage_options)
+    if train and config.grow_num_epochs > 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        raise GrowError("biggraph grow trains on one machine: run it outside torchrun (or with --no-train, then "
+                        "train the grown model with torchrun as usual)")
     _check_request(config, files, options)
     checkpoint = CheckpointStorage(config.checkpoint_path)
     finish_committed_grow(config.checkpoint_path, clean_uncommitted=True)
