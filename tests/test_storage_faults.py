@@ -116,6 +116,11 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
         class Server(ThreadingHTTPServer):
+            # the default backlog of 5 overflows when uploads, the background partition swap and edge reads
+            # connect at once; under gVisor a client's non-blocking connect() to a full backlog then blocks
+            # its whole event loop (seen as a test hung in sock_connect, past every timeout)
+            request_queue_size = 128
+
             def get_request(self) -> tuple[socket.socket, Any]:
                 conn, address = super().get_request()
                 proxy.connections.append(conn)  # so that stop() can drop the client's kept-alive connections
