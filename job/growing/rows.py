@@ -18,8 +18,8 @@ minus its type's global embedding (targets live where rows plus the global embed
 
 Why shrink it: a mean of targets is a centroid, and centroids are hubs. At full length a new row
 scores above the trained answers of many old queries it has nothing to do with (on the WordNet bench,
-filtered MRR of old test edges fell from 0.070 to 0.054 before any training, and stayed there after
-five passes), because no negative has yet taught it otherwise. A quarter of the length keeps its
+filtered MRR of old test edges fell from 0.070 to 0.054 before any training, and was still 0.053-0.058
+after five passes), because no negative has yet taught it otherwise. A quarter of the length keeps its
 direction, which is what ranks it for its own edges, while it ranks below the trained answers of other
 queries until training has placed it; see bench/RESULTS.md for the scales tried. New rows start with
 zero Adagrad sums in both modes, like a fresh run's rows: their first steps are full-size, which is what
