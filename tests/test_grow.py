@@ -314,6 +314,21 @@ def test_training_after_a_grow_sees_the_new_edges_plus_the_replayed_fraction(mod
     assert json.loads(Path("model/config.json").read_text())["num_epochs"] == 2  # the user's config, not the passes'
 
 
+def test_a_second_grow_builds_on_the_first_and_a_rerun_resumes(model: Path) -> None:
+    assert run_cli("grow", "config.json", "new.tsv", *COLUMNS)[0] == 0
+    sizes = [len(read_edges(edges_file("edges", lp, rp))) for lp in range(2) for rp in range(2)]
+    write_tsv(Path("day3.tsv"), [("user99", "follows", "user1"), ("user98", "likes", "item3"), ("user1", "likes", "item99")])
+    passes_before = len(pass_counts("model"))
+    code, out, _ = run_cli("grow", "config.json", "day3.tsv", *COLUMNS, "-p", "grow_replay_fraction=0")
+    assert code == 0 and "grew checkpoint version 5 into 6" in out and "user=+2, item=+1" in out
+    assert sorted(list_journals("model")) == [3, 6]
+    record = json.loads(Path(list_journals("model")[6]).read_text())
+    assert record["boundaries"] == [sizes] and record["published"]
+    assert pass_counts("model")[passes_before:] == [3, 3]  # the day's edges only
+    code, out, _ = run_cli("grow", "config.json", "day3.tsv", *COLUMNS, "-p", "grow_replay_fraction=0")
+    assert code == 0 and "resumed: already committed" in out and CheckpointStorage("model").load_version() == 8
+
+
 @pytest.mark.parametrize("path", ["workers1", "hogwild", "static-shapes"])
 def test_frozen_entity_type_keeps_rows_and_optimizer_state_bit_identical(
         model: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
