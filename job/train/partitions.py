@@ -130,6 +130,11 @@ class PartitionStore:
     def _held_partitioned(self) -> list[Key]:
         return [k for k in list(self.loaded) + list(self.pending) if self.is_partitioned(k)]
 
+    def _victim_for(self, keys: set[Key], upcoming: Sequence[set[Key]]) -> Optional[Key]:
+        """The resident partition to make room for ``keys`` (Belady over ``upcoming``); ``hold`` and ``prepare``
+        must agree on it, or the background swap would change the loads of the plan."""
+        return pick_victim([k for k in self.loaded if self.is_partitioned(k) and k not in keys], upcoming)
+
     def hold(self, keys: set[Key], upcoming: Sequence[set[Key]] = ()) -> list[Key]:
         """Make ``keys`` resident within the buffer; when it is full, write out the partition needed again
         latest in ``upcoming`` (the buckets after this one). Returns the partitions written out."""
@@ -141,8 +146,7 @@ class PartitionStore:
             if key in self.loaded or key in self.pending or not self.is_partitioned(key):
                 continue
             while len(self._held_partitioned()) >= self.capacity:
-                candidates = [k for k in self.loaded if self.is_partitioned(k) and k not in keys]
-                victim = pick_victim(candidates, upcoming)
+                victim = self._victim_for(keys, upcoming)
                 if victim is None:
                     raise RuntimeError(f"partition buffer of {self.capacity} cannot hold the bucket's {sorted(keys)}")
                 self.evict(victim)
@@ -164,8 +168,7 @@ class PartitionStore:
             if key in self.loaded or key in self.pending or not self.is_partitioned(key):
                 continue
             if len(self._held_partitioned()) >= self.capacity:
-                candidates = [k for k in self.loaded if self.is_partitioned(k) and k not in following]
-                victim = pick_victim(candidates, upcoming)
+                victim = self._victim_for(following, upcoming)
                 if victim is None or victim in current:
                     return
                 table = self.loaded.pop(victim)
