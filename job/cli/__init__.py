@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from job import __version__
+from job.cli.common import add_config_arguments, overrides_of
 from job.errors import UserError
+
+__all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "overrides_of"]
 
 # Modules that define ``register(subparsers)``; order is the order of ``biggraph --help``.
 COMMAND_MODULES = (
@@ -30,24 +34,6 @@ COMMAND_MODULES = (
 )
 
 logger = logging.getLogger("biggraph")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The CONFIG positional and PBG's repeatable ``-p key=value`` overrides."""
-    parser.add_argument("config", help="config file: a PBG .py file, or .yaml/.json with the same keys")
-    parser.add_argument(
-        "-p",
-        "--param",
-        action="append",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, typed from the schema (e.g. -p num_epochs=5 -p entities.all.num_partitions=4)",
-    )
-
-
-def overrides_of(args: argparse.Namespace) -> list[str]:
-    return [item for group in (args.param or []) for item in group]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +59,37 @@ def setup_logging(verbose: bool, log_format: str) -> None:
     configure_logging(logging.DEBUG if verbose else logging.INFO, log_format)
 
 
+# What a command killed by SIGPIPE reports (128 + 13), as ``cat`` or ``git log`` do under ``| head``.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``biggraph`` command; returns its exit code.
+
+    A reader that goes away (``biggraph config-help | head``) ends the command quietly with
+    ``EXIT_BROKEN_PIPE``, not a ``BrokenPipeError`` traceback: the output was cut short, so
+    not 0, and 141 is what shells (``set -o pipefail``) already expect from the tools they pipe.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of it cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        pass
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a command may re-launch itself (one process per GPU)
