@@ -130,3 +130,29 @@ def test_config_help_into_an_open_pipe_still_succeeds() -> None:
     result = subprocess.run([sys.executable, "-m", "job", "config-help"], capture_output=True, cwd=REPO, timeout=60)
     assert result.returncode == 0 and result.stderr == b""
     assert result.stdout.count(b"\n") > 100
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="elsewhere any BrokenPipeError counts as stdout's")
+def test_is_broken_pipe_tells_a_closed_reader_from_an_open_one() -> None:
+    from job.cli import _is_broken_pipe
+
+    read_end, write_end = os.pipe()
+    try:
+        assert not _is_broken_pipe(write_end)
+        os.close(read_end)
+        assert _is_broken_pipe(write_end)
+    finally:
+        os.close(write_end)
+    assert not _is_broken_pipe(None)
+
+
+def test_a_broken_pipe_elsewhere_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a closed stdout is quiet: a socket or worker pipe breaking is a real error."""
+    import job.cli
+
+    def broken(verbose: bool, log_format: str) -> None:
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setattr(job.cli, "setup_logging", broken)
+    with pytest.raises(BrokenPipeError, match="a worker's pipe"):
+        main(["config-help"])

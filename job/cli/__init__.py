@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import os
+import select
 import sys
 
 from job import __version__
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one ``biggraph`` command; returns its exit code.
 
     A reader that goes away (``biggraph config-help | head``) ends the command quietly with
-    ``EXIT_BROKEN_PIPE``, not a ``BrokenPipeError`` traceback: the output was cut short, so
-    not 0, and 141 is what shells (``set -o pipefail``) already expect from the tools they pipe.
+    ``EXIT_BROKEN_PIPE``, not a ``BrokenPipeError`` traceback. Not 0: the output was cut short,
+    and a script that checks must be able to tell. 141 is the status shells already show for
+    ``cat`` or ``git log`` under ``| head``, so ``set -o pipefail`` scripts see nothing new.
     """
     try:
         try:
@@ -76,17 +78,40 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
     except BrokenPipeError:
+        if not _is_broken_pipe(_stdout_fd()):
+            raise  # another pipe or socket broke: a real error, keep its traceback
         _discard_stdout()
         return EXIT_BROKEN_PIPE
 
 
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        return None
+
+
+def _is_broken_pipe(fd: int | None) -> bool:
+    """Whether ``fd`` is a pipe whose reader has gone (Linux flags that as POLLERR on the write end).
+
+    Where poll cannot tell, any BrokenPipeError is taken to be stdout's.
+    """
+    if fd is None:
+        return False
+    if not hasattr(select, "poll") or sys.platform != "linux":
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def _discard_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's final flush of it cannot fail again."""
-    try:
+    fd = _stdout_fd()
+    if fd is not None:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # no real file descriptor (a test's captured stdout)
-        pass
+        os.dup2(devnull, fd)
+        os.close(devnull)
 
 
 def _run(argv: list[str] | None) -> int:
