@@ -164,8 +164,9 @@ def test_load_config_applies_overrides_to_a_pbg_file() -> None:
     [
         ("num_epochs", ("override 'num_epochs'", "key=value")),
         ("=3", ("override '=3'", "key=value")),
-        ("num_epoch=3", ("override 'num_epoch'", "unknown key 'num_epoch'")),
-        ("entities.all.dimensions=3", ("override 'entities.all.dimensions'", "unknown key 'dimensions'")),
+        ("num_epoch=3", ("override 'num_epoch'", "unknown key 'num_epoch'", "(did you mean 'num_epochs'?)")),
+        ("entities.all.dimensions=3", ("override 'entities.all.dimensions'", "unknown key 'dimensions'",
+                                       "(did you mean 'entities.all.dimension'?)")),
         ("num_epochs=five", ("override 'num_epochs'", "expected an integer", "five")),
         ("lr=fast", ("override 'lr'", "expected a number")),
         ("global_emb=maybe", ("override 'global_emb'", "expected a boolean")),
@@ -179,6 +180,40 @@ def test_bad_overrides_name_the_key(override: str, fragments: tuple[str, ...]) -
         apply_overrides(minimal(), [override])
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def test_load_config_blames_the_override_that_set_the_bad_key(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(minimal()))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["lr=0.5", "num_epochs=-1"])
+    assert str(info.value) == "-p num_epochs=-1: config key 'num_epochs': must be a positive integer, got -1"
+    with pytest.raises(ConfigError) as info:  # only the last of two overrides of a key was used
+        load_config(str(path), ["num_epochs=0", "num_epochs=-1"])
+    assert str(info.value).startswith("-p num_epochs=-1: config key 'num_epochs'")
+    with pytest.raises(ConfigError) as info:  # a key inside the one overridden, and one matched by '*'
+        load_config(str(path), ["entities={\"all\": {\"num_partitions\": 0}}"])
+    assert str(info.value).startswith("-p entities={")
+    two_types = {**minimal(), "entities": {"all": {"num_partitions": 2}, "b": {"num_partitions": 1}}}
+    path.write_text(json.dumps(two_types))
+    with pytest.raises(ConfigError, match=r"^-p entities\.b\.num_partitions=3: config key 'entities\.\*\.num_parti"):
+        load_config(str(path), ["entities.b.num_partitions=3"])
+    with pytest.raises(ConfigError, match=r"^-p relations\.0\.operator=complex_diagonal -p dimension=3: "):
+        load_config(str(path), ["relations.0.operator=complex_diagonal", "dimension=3", "lr=1"])
+
+
+def test_load_config_blames_the_file_when_no_override_set_the_bad_key(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**minimal(), "num_epochs": -1}))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["lr=0.5", "entities.all.featurized=true"])
+    assert str(info.value) == f"{path}: config key 'num_epochs': must be a positive integer, got -1"
+    without_checkpoint = minimal()
+    del without_checkpoint["checkpoint_path"]
+    path.write_text(json.dumps(without_checkpoint))
+    assert load_config(str(path), ["checkpoint_path=elsewhere"]).checkpoint_path == "elsewhere"
+    with pytest.raises(ConfigError, match=r"cfg\.json: config key 'checkpoint_path' is required"):
+        load_config(str(path), ["lr=0.5"])
 
 
 # Rejections ------------------------------------------------------------------------------------------

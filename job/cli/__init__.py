@@ -10,10 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import select
 import sys
 
 from job import __version__
+from job.cli.common import add_config_arguments, overrides_of
 from job.errors import UserError
+
+__all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "overrides_of"]
 
 # Modules that define ``register(subparsers)``; order is the order of ``biggraph --help``.
 COMMAND_MODULES = (
@@ -30,24 +35,6 @@ COMMAND_MODULES = (
 )
 
 logger = logging.getLogger("biggraph")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The CONFIG positional and PBG's repeatable ``-p key=value`` overrides."""
-    parser.add_argument("config", help="config file: a PBG .py file, or .yaml/.json with the same keys")
-    parser.add_argument(
-        "-p",
-        "--param",
-        action="append",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, typed from the schema (e.g. -p num_epochs=5 -p entities.all.num_partitions=4)",
-    )
-
-
-def overrides_of(args: argparse.Namespace) -> list[str]:
-    return [item for group in (args.param or []) for item in group]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +60,61 @@ def setup_logging(verbose: bool, log_format: str) -> None:
     configure_logging(logging.DEBUG if verbose else logging.INFO, log_format)
 
 
+# What a command killed by SIGPIPE reports (128 + 13), as ``cat`` or ``git log`` do under ``| head``.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``biggraph`` command; returns its exit code.
+
+    A reader that goes away (``biggraph config-help | head``) ends the command quietly with
+    ``EXIT_BROKEN_PIPE``, not a ``BrokenPipeError`` traceback. Not 0: the output was cut short,
+    and a script that checks must be able to tell. 141 is the status shells already show for
+    ``cat`` or ``git log`` under ``| head``, so ``set -o pipefail`` scripts see nothing new.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
+    except BrokenPipeError:
+        if not _is_broken_pipe(_stdout_fd()):
+            raise  # another pipe or socket broke: a real error, keep its traceback
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        return None
+
+
+def _is_broken_pipe(fd: int | None) -> bool:
+    """Whether ``fd`` is a pipe whose reader has gone (Linux flags that as POLLERR on the write end).
+
+    Where poll cannot tell, any BrokenPipeError is taken to be stdout's.
+    """
+    if fd is None:
+        return False
+    if not hasattr(select, "poll") or sys.platform != "linux":
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of it cannot fail again."""
+    fd = _stdout_fd()
+    if fd is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a command may re-launch itself (one process per GPU)

@@ -1,0 +1,193 @@
+"""The checks ``ConfigSchema.__post_init__`` runs: impossible values and combinations, by name.
+
+Each check raises a ``ConfigKeyError`` naming the keys involved, so a typo in the config of a
+multi-hour job fails in the first second, and ``load_config`` can tell whether a ``-p``
+override or the file is to blame. ``validate_config`` runs them in a fixed order: a config with
+several faults always reports the same one first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from job.config.base import ConfigKeyError, parse_bytes
+from job.config.choices import COMPARATORS, DEVICES, EDGE_READ_MODES, GROW_INITS, LOSS_FUNCTIONS, REGULARIZERS
+
+if TYPE_CHECKING:  # schema.py imports this module to run the checks
+    from job.config.schema import ConfigSchema
+
+POSITIVE_INTS = ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk")
+NON_NEGATIVE_INTS = ("num_batch_negs", "num_uniform_negs", "eval_num_batch_negs", "eval_num_uniform_negs", "num_gpus")
+
+
+def check_required_lists(config: ConfigSchema) -> None:
+    """A config trains nothing without edges, entity types and relation types."""
+    if not config.edge_paths:
+        raise ConfigKeyError("config key 'edge_paths': must list at least one directory", ["edge_paths"])
+    if not config.entities:
+        raise ConfigKeyError("config key 'entities' must define at least one entity type", ["entities"])
+    if not config.relations:
+        raise ConfigKeyError("config key 'relations' must define at least one relation type", ["relations"])
+
+
+def check_relation_entity_types(config: ConfigSchema) -> None:
+    """Both sides of every relation name a defined entity type."""
+    for rel_idx, relation in enumerate(config.relations):
+        for side in ("lhs", "rhs"):
+            entity_type = getattr(relation, side)
+            if entity_type not in config.entities:
+                raise ConfigKeyError(
+                    f"config key 'relations[{rel_idx}].{side}': relation '{relation.name}' names unknown "
+                    f"entity type '{entity_type}' (known: {', '.join(sorted(config.entities))})",
+                    [f"relations.{rel_idx}.{side}", "entities"],
+                )
+
+
+def check_partition_counts(config: ConfigSchema) -> None:
+    """Partitioned entity types share one partition count (buckets range over it)."""
+    partition_counts = {e.num_partitions for e in config.entities.values()} - {1}
+    if len(partition_counts) > 1:
+        detail = ", ".join(f"{name}={e.num_partitions}" for name, e in config.entities.items())
+        raise ConfigKeyError(
+            f"config key 'entities.*.num_partitions': partition counts are not broadcastable ({detail}); "
+            "every partitioned entity type must have the same number of partitions",
+            ["entities.*.num_partitions"],
+        )
+
+
+def check_dynamic_relations(config: ConfigSchema) -> None:
+    """Dynamic relations share one relation type's parameters, as in PBG."""
+    if config.dynamic_relations and len(config.relations) != 1:
+        raise ConfigKeyError(
+            "config key 'relations': with dynamic_relations exactly one relation type must be defined "
+            f"(got {len(config.relations)})",
+            ["relations", "dynamic_relations"],
+        )
+
+
+def check_negative_sides(config: ConfigSchema) -> None:
+    """At least one side must be corrupted, or there are no negatives to rank against."""
+    if config.disable_lhs_negs and config.disable_rhs_negs:
+        raise ConfigKeyError(
+            "config keys 'disable_lhs_negs' and 'disable_rhs_negs': cannot disable both sides",
+            ["disable_lhs_negs", "disable_rhs_negs"],
+        )
+
+
+def check_choices(config: ConfigSchema) -> None:
+    """Keys taking one of a closed set of names (the tuples of ``job.config.choices``)."""
+    for name, choices in (("comparator", COMPARATORS), ("loss_fn", LOSS_FUNCTIONS), ("regularizer", REGULARIZERS),
+                          ("edge_read_mode", EDGE_READ_MODES), ("device", DEVICES), ("grow_init", GROW_INITS)):
+        value = getattr(config, name)
+        if value not in choices:
+            raise ConfigKeyError(
+                f"config key '{name}': unknown value '{value}' (expected one of {', '.join(choices)})", [name]
+            )
+
+
+def check_ranges(config: ConfigSchema) -> None:
+    """Single keys whose value must lie in a range."""
+    def fail(name: str, message: str, keys: tuple[str, ...] = ()) -> None:
+        raise ConfigKeyError(message, keys or (name,))
+
+    if not 0.0 <= config.grow_replay_fraction <= 1.0:
+        fail("grow_replay_fraction",
+             f"config key 'grow_replay_fraction': must be in [0, 1], got {config.grow_replay_fraction}")
+    if config.partition_buffer is not None and config.partition_buffer < 2:
+        fail("partition_buffer",
+             f"config key 'partition_buffer': a bucket needs two partitions, got {config.partition_buffer}")
+    if config.memory_budget is not None:
+        parse_bytes(config.memory_budget, "memory_budget")
+    if config.grow_num_epochs < 0:
+        fail("grow_num_epochs", f"config key 'grow_num_epochs': must be >= 0, got {config.grow_num_epochs}")
+    for name in POSITIVE_INTS:
+        if getattr(config, name) < 1:
+            fail(name, f"config key '{name}': must be a positive integer, got {getattr(config, name)}")
+    for name in NON_NEGATIVE_INTS:
+        if getattr(config, name) < 0:
+            fail(name, f"config key '{name}': must be >= 0, got {getattr(config, name)}")
+    if config.num_edge_chunks is not None and config.num_edge_chunks < 1:
+        fail("num_edge_chunks",
+             f"config key 'num_edge_chunks': must be a positive integer, got {config.num_edge_chunks}")
+    if config.workers is not None and config.workers < 1:
+        fail("workers", f"config key 'workers': must be a positive integer, got {config.workers}")
+    if not 0.0 <= config.eval_fraction < 1.0:
+        fail("eval_fraction", f"config key 'eval_fraction': must be in [0, 1), got {config.eval_fraction}")
+    if config.lr <= 0 or (config.relation_lr is not None and config.relation_lr <= 0):
+        fail("lr", "config keys 'lr'/'relation_lr': learning rates must be positive", ("lr", "relation_lr"))
+    if config.checkpoint_preservation_interval is not None and config.checkpoint_preservation_interval < 1:
+        fail("checkpoint_preservation_interval",
+             "config key 'checkpoint_preservation_interval': must be a positive integer")
+    if config.max_norm is not None and config.max_norm <= 0:
+        fail("max_norm", f"config key 'max_norm': must be positive, got {config.max_norm}")
+
+
+def check_entity_dimensions(config: ConfigSchema) -> None:
+    """The relation operators need one dimension for all entity types."""
+    for name, entity in config.entities.items():
+        dim = entity.dimension or config.dimension
+        if dim != config.dimension:
+            raise ConfigKeyError(
+                f"config key 'entities.{name}.dimension': per-type dimensions differing from 'dimension' "
+                "are not supported by the relation operators",
+                [f"entities.{name}.dimension", "dimension"],
+            )
+
+
+def check_relation_options(config: ConfigSchema) -> None:
+    """Per-relation options that depend on the entity types or the dimension."""
+    for rel_idx, relation in enumerate(config.relations):
+        if relation.all_negs and (config.entities[relation.lhs].featurized or
+                                  config.entities[relation.rhs].featurized):
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].all_negs': featurized entity types cannot list all their "
+                "entities (PBG has the same limit)",
+                [f"relations.{rel_idx}.all_negs", f"entities.{relation.lhs}.featurized",
+                 f"entities.{relation.rhs}.featurized"],
+            )
+        if relation.operator == "complex_diagonal" and config.dimension % 2:
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].operator': complex_diagonal needs an even dimension, "
+                f"got {config.dimension}",
+                [f"relations.{rel_idx}.operator", "dimension"],
+            )
+
+
+def check_model_combinations(config: ConfigSchema) -> None:
+    """Combinations of model keys that cannot train."""
+    if config.bias and config.dimension < 2:
+        raise ConfigKeyError("config key 'bias': needs dimension >= 2 (the first dimension becomes the bias)",
+                             ["bias", "dimension"])
+    if config.num_batch_negs > 0 and config.batch_size % config.num_batch_negs != 0:
+        raise ConfigKeyError(
+            f"config key 'batch_size': {config.batch_size} must be a multiple of num_batch_negs "
+            f"({config.num_batch_negs})",
+            ["batch_size", "num_batch_negs"],
+        )
+    if config.dynamic_relations and config.global_emb:
+        raise ConfigKeyError(
+            "config key 'global_emb': per-type global embeddings cannot be used with dynamic_relations "
+            "(set global_emb=False, as PBG's dynamic-relation examples do)",
+            ["global_emb", "dynamic_relations"],
+        )
+
+
+CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
+    check_required_lists,
+    check_relation_entity_types,
+    check_partition_counts,
+    check_dynamic_relations,
+    check_negative_sides,
+    check_choices,
+    check_ranges,
+    check_entity_dimensions,
+    check_relation_options,
+    check_model_combinations,
+)
+
+
+def validate_config(config: ConfigSchema) -> None:
+    """Run every check, in order; the first failing one raises."""
+    for check in CHECKS:
+        check(config)
