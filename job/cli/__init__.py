@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(verbose: bool, log_format: str) -> None:
-    from job.logs import configure_logging
+    from job.cli.logging_setup import configure_logging
 
     configure_logging(logging.DEBUG if verbose else logging.INFO, log_format)
 
