@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from job import report
 from job.cli import main
+from job.report.collect import epoch_rows, pca_2d
+from job.report.svg import nice_ticks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import make_graph  # noqa: E402
@@ -126,7 +127,7 @@ def test_epoch_rows_weight_dedupe_and_split_time() -> None:
         record(1, 2, 0.2, 100), record(1, 3, 0.2, 100),  # ... redone after the resume
         {"pass_summary": True, "epoch_idx": 1, "index": 1, "time": 6.0, "stats": {"count": 200, "metrics": {"loss": 0.2}}},
     ]
-    rows, buckets, passes = report.epoch_rows(records)
+    rows, buckets, passes = epoch_rows(records)
     assert (buckets, passes) == (4, 2)
     first, second = rows
     assert first.loss == pytest.approx((1.0 * 100 + 0.5 * 300) / 400)
@@ -138,17 +139,17 @@ def test_epoch_rows_weight_dedupe_and_split_time() -> None:
 
 
 def test_nice_ticks_cover_the_range() -> None:
-    assert report.nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
-    ticks = report.nice_ticks(1713.0, 3104.0)
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    ticks = nice_ticks(1713.0, 3104.0)
     assert ticks[0] <= 1713 and ticks[-1] >= 3104 and len(ticks) <= 8
-    assert report.nice_ticks(5.0, 5.0)[0] <= 5.0 <= report.nice_ticks(5.0, 5.0)[-1]
+    assert nice_ticks(5.0, 5.0)[0] <= 5.0 <= nice_ticks(5.0, 5.0)[-1]
 
 
 def test_pca_finds_the_spread_direction() -> None:
     rng = np.random.default_rng(0)
     along = rng.normal(size=(200, 1)) * 10
     a = np.hstack([along, rng.normal(size=(200, 3)) * 0.1])
-    projected, explained = report.pca_2d({"a": a[:150], "b": a[150:]})
+    projected, explained = pca_2d({"a": a[:150], "b": a[150:]})
     assert explained[0] > 0.95 and explained[0] + explained[1] <= 1.0 + 1e-9
     assert projected["a"].shape == (150, 2) and projected["b"].shape == (50, 2)
     both = np.concatenate([projected["a"], projected["b"]])

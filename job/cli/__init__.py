@@ -26,7 +26,7 @@ COMMAND_MODULES = (
     "job.demo",
     "job.k8s_cli",
     "job.archive_cli",
-    "job.report",
+    "job.cli.report",
 )
 
 logger = logging.getLogger("biggraph")
