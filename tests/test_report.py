@@ -23,7 +23,8 @@ import storage_adapters as storage
 from job.cli import main
 from job.cli.common import parse_storage_options
 from job.errors import UserError
-from job.report.collect import epoch_rows, pca_2d
+from job.report.collect import epoch_rows
+from job.report.sampled import pca_2d
 from job.report.svg import nice_ticks
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -7,6 +7,7 @@ type. Anything that was not recorded is said to be missing, never invented.
 
 - ``collect``: the figures (``build_report`` -> ``ReportData``; ``ReportOptions`` says what to sample, where
   to read);
+- ``sampled``: per-relation MRR and PCA computed from the checkpoint's tensors;
 - ``svg``: the hand-written chart kit, so the page needs no network and no extra Python package;
 - ``html``: the page; ``png``: the same charts with matplotlib (``pip install 'biggraph[report]'``).
 
