@@ -40,7 +40,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import InputFormatError, UserError
-from job.reporting import task_progress
+from job.monitoring import task_progress
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import zlib
@@ -18,8 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from job import report
+import storage_adapters as storage
 from job.cli import main
+from job.cli.common import parse_storage_options
+from job.errors import UserError
+from job.report.collect import epoch_rows
+from job.report.sampled import pca_2d
+from job.report.svg import nice_ticks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import make_graph  # noqa: E402
@@ -126,7 +132,7 @@ def test_epoch_rows_weight_dedupe_and_split_time() -> None:
         record(1, 2, 0.2, 100), record(1, 3, 0.2, 100),  # ... redone after the resume
         {"pass_summary": True, "epoch_idx": 1, "index": 1, "time": 6.0, "stats": {"count": 200, "metrics": {"loss": 0.2}}},
     ]
-    rows, buckets, passes = report.epoch_rows(records)
+    rows, buckets, passes = epoch_rows(records)
     assert (buckets, passes) == (4, 2)
     first, second = rows
     assert first.loss == pytest.approx((1.0 * 100 + 0.5 * 300) / 400)
@@ -138,17 +144,17 @@ def test_epoch_rows_weight_dedupe_and_split_time() -> None:
 
 
 def test_nice_ticks_cover_the_range() -> None:
-    assert report.nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
-    ticks = report.nice_ticks(1713.0, 3104.0)
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    ticks = nice_ticks(1713.0, 3104.0)
     assert ticks[0] <= 1713 and ticks[-1] >= 3104 and len(ticks) <= 8
-    assert report.nice_ticks(5.0, 5.0)[0] <= 5.0 <= report.nice_ticks(5.0, 5.0)[-1]
+    assert nice_ticks(5.0, 5.0)[0] <= 5.0 <= nice_ticks(5.0, 5.0)[-1]
 
 
 def test_pca_finds_the_spread_direction() -> None:
     rng = np.random.default_rng(0)
     along = rng.normal(size=(200, 1)) * 10
     a = np.hstack([along, rng.normal(size=(200, 3)) * 0.1])
-    projected, explained = report.pca_2d({"a": a[:150], "b": a[150:]})
+    projected, explained = pca_2d({"a": a[:150], "b": a[150:]})
     assert explained[0] > 0.95 and explained[0] + explained[1] <= 1.0 + 1e-9
     assert projected["a"].shape == (150, 2) and projected["b"].shape == (50, 2)
     both = np.concatenate([projected["a"], projected["b"]])
@@ -160,6 +166,16 @@ def test_no_committed_checkpoint_is_a_user_error(tmp_path: Path, capsys: pytest.
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r.html")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_storage_option_values_are_json_when_they_parse() -> None:
+    options = parse_storage_options(["endpoint_url=http://127.0.0.1:9000", "anon=false", "max_concurrency=4",
+                                     'client_kwargs={"region_name": "eu-west-1"}', "token=", "key=a=b"])
+    assert options == {"endpoint_url": "http://127.0.0.1:9000", "anon": False, "max_concurrency": 4,
+                       "client_kwargs": {"region_name": "eu-west-1"}, "token": "", "key": "a=b"}
+    for bad in ("endpoint_url", "=x"):
+        with pytest.raises(UserError, match="expected KEY=VALUE"):
+            parse_storage_options([bad])
 
 
 # a real run ----------------------------------------------------------------------------------
@@ -275,3 +291,61 @@ def test_png_decoder_agrees_with_a_real_encoder(tmp_path: Path) -> None:
     mine = decode_png_zlib(data)
     assert mine.shape[0] > 50 and mine[..., :3].std() > 5
     assert (mine == decode_png(data)).all()
+
+
+# a checkpoint on S3 (moto) ---------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens once the socket is closed
+
+
+@pytest.fixture
+def s3_checkpoint(trained: dict[str, Any], s3_bucket: str, s3_endpoint: str, tmp_path: Path) -> str:
+    """The trained checkpoint copied to S3, its config.json naming a training directory that is gone."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    local = trained["root"] / "checkpoints"
+    remote = f"{s3_bucket}/copied/ckpt"
+    for path in sorted(local.rglob("*")):
+        if path.is_file() and path.name != "config.json":
+            fs.put_file(str(path), f"{remote}/{path.relative_to(local).as_posix()}"[len("s3://"):])
+    config = json.loads((local / "config.json").read_text())
+    config["checkpoint_path"] = str(tmp_path / "trained-here-once")  # the per-relation MRR must read the copy
+    fs.pipe_file(f"{remote}/config.json"[len("s3://"):], json.dumps(config).encode())
+    return remote
+
+
+@pytest.mark.slow
+def test_report_of_an_s3_checkpoint_takes_storage_options_from_the_command_line(
+        trained: dict[str, Any], s3_checkpoint: str, s3_endpoint: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    storage.set_storage_options({})  # the fixture's endpoint is gone: only --storage-option / --config may supply it
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)  # where the default endpoint would be: nothing listens
+    out = tmp_path / "r.html"
+    # without them: a clear error about the endpoint, and no page
+    assert main(["report", s3_checkpoint, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"biggraph report: error: {s3_checkpoint}/" in err and f"the storage endpoint {dead} refused" in err, err
+    assert "Traceback" not in err and not out.exists()
+    # --storage-option: the endpoint, and every figure of the page read from S3
+    assert main(["report", s3_checkpoint, "--out", str(out), "--sample", "300",
+                 "--storage-option", f"endpoint_url={s3_endpoint}"]) == 0
+    page = out.read_text()
+    figures = expected_figures(trained["stats"])
+    headline = page[page.index('<table id="headline">'):page.index('<table id="facts">')]
+    assert figures["loss"] in headline and figures["mrr"] in headline
+    assert '<table id="relations">' in page and ">buys<" in page and ">follows<" in page  # MRR from the S3 copy
+    assert "user (" in page and "item (" in page  # embeddings sampled from S3
+    # --config: its storage_options
+    config_file = tmp_path / "cfg.json"
+    config_file.write_text(json.dumps({**trained["graph"].config, "storage_options": {"endpoint_url": s3_endpoint}}))
+    out.unlink()
+    assert main(["report", s3_checkpoint, "--out", str(out), "--sample", "300", "--relation-edges", "0",
+                 "--config", str(config_file)]) == 0
+    page = out.read_text()
+    assert figures["loss"] in page and "user (" in page and "not computed (--relation-edges 0)" in page

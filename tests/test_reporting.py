@@ -1,4 +1,4 @@
-"""Progress reporting, TensorBoard and Pushgateway sinks (job/reporting.py).
+"""Progress reporting, TensorBoard and Pushgateway sinks (job/monitoring/).
 
 The Pushgateway tests talk to a real (tiny) HTTP server on 127.0.0.1 that records every request, so the
 wire format is what is checked, not calls into a mock.
@@ -19,9 +19,12 @@ from typing import Any
 
 import pytest
 
-from job import reporting
 from job.config import parse_config
-from job.logs import JsonFormatter
+from job.monitoring import MultiReporter, Reporter, make_reporter
+from job.monitoring.json_logs import JsonFormatter
+from job.monitoring.progress import LineProgress, progress_mode
+from job.monitoring.pushgateway import PushgatewayReporter
+from job.monitoring.tensorboard import TensorBoardReporter, scalars_of_bucket, scalars_of_pass
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import make_graph  # noqa: E402
@@ -75,7 +78,7 @@ def json_log() -> Iterator[io.StringIO]:
 
 def test_lines_are_rate_limited_plus_one_per_pass(json_log: io.StringIO) -> None:
     clock = FakeClock()
-    progress = reporting.LineProgress(Config(), total_passes=2, buckets_per_pass=50, interval=30.0, clock=clock)
+    progress = LineProgress(Config(), total_passes=2, buckets_per_pass=50, interval=30.0, clock=clock)
     for index in range(100):
         clock.now += 1.0  # one bucket per second: 100 s in all
         progress.on_bucket(bucket_record(index, epoch=index // 50, loss=1.0 / (index + 1)))
@@ -99,7 +102,7 @@ def test_lines_are_rate_limited_plus_one_per_pass(json_log: io.StringIO) -> None
 
 def test_resumed_run_counts_eta_from_where_it_started(json_log: io.StringIO) -> None:
     clock = FakeClock()
-    progress = reporting.LineProgress(Config(), total_passes=4, buckets_per_pass=10, interval=1e9, clock=clock)
+    progress = LineProgress(Config(), total_passes=4, buckets_per_pass=10, interval=1e9, clock=clock)
     for index in range(20, 30):  # resumed at pass 3 of 4
         clock.now += 2.0
         progress.on_bucket(bucket_record(index, epoch=2))
@@ -117,21 +120,21 @@ def test_progress_mode_follows_the_terminal_and_the_override(monkeypatch: pytest
             return True
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert reporting.progress_mode() == "lines"
+    assert progress_mode() == "lines"
     monkeypatch.setattr(sys, "stderr", Tty())
-    assert reporting.progress_mode() == "bar"
+    assert progress_mode() == "bar"
     monkeypatch.setenv("BIGGRAPH_PROGRESS", "off")
-    assert reporting.progress_mode() == "off"
+    assert progress_mode() == "off"
     monkeypatch.setenv("BIGGRAPH_PROGRESS", "lines")
-    assert reporting.progress_mode() == "lines"
+    assert progress_mode() == "lines"
 
 
 def test_only_rank_0_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BIGGRAPH_PROGRESS", "lines")
     config = Config()
-    assert isinstance(reporting.make_reporter(config, rank=0, total_passes=1, buckets_per_pass=1), reporting.MultiReporter)
-    other = reporting.make_reporter(config, rank=1, total_passes=1, buckets_per_pass=1)
-    assert type(other) is reporting.Reporter  # nothing configured, nothing shown
+    assert isinstance(make_reporter(config, rank=0, total_passes=1, buckets_per_pass=1), MultiReporter)
+    other = make_reporter(config, rank=1, total_passes=1, buckets_per_pass=1)
+    assert type(other) is Reporter  # nothing configured, nothing shown
 
 
 def test_bar_shows_epoch_bucket_speed_loss_and_keeps_log_lines_readable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,7 +146,7 @@ def test_bar_shows_epoch_bucket_speed_loss_and_keeps_log_lines_readable(monkeypa
     handler = logging.StreamHandler(sys.stderr)
     root.addHandler(handler)
     try:
-        reporter = reporting.make_reporter(Config(), rank=0, total_passes=2, buckets_per_pass=4)
+        reporter = make_reporter(Config(), rank=0, total_passes=2, buckets_per_pass=4)
         for index in range(4):
             reporter.on_bucket(bucket_record(index, epoch=0, loss=0.125))
         logging.getLogger("biggraph").warning("a log line while the bar runs")
@@ -161,17 +164,17 @@ def test_bar_shows_epoch_bucket_speed_loss_and_keeps_log_lines_readable(monkeypa
 
 
 def test_a_failing_sink_never_fails_training(caplog: pytest.LogCaptureFixture) -> None:
-    class Broken(reporting.Reporter):
+    class Broken(Reporter):
         def on_bucket(self, record: dict[str, Any]) -> None:
             raise RuntimeError("disk full")
 
     seen = []
 
-    class Recorder(reporting.Reporter):
+    class Recorder(Reporter):
         def on_bucket(self, record: dict[str, Any]) -> None:
             seen.append(record["index"])
 
-    multi = reporting.MultiReporter([Broken(), Recorder()])
+    multi = MultiReporter([Broken(), Recorder()])
     with caplog.at_level(logging.WARNING, logger="biggraph"):
         multi.on_bucket(bucket_record(3, 0))
     assert seen == [3]
@@ -183,15 +186,15 @@ def test_tensorboard_missing_is_a_warning(monkeypatch: pytest.MonkeyPatch, caplo
     def no_tensorboard(*args: Any, **kwargs: Any) -> None:
         raise ImportError("No module named 'tensorboard'")
 
-    monkeypatch.setattr(reporting.TensorBoardReporter, "__init__", no_tensorboard)
+    monkeypatch.setattr(TensorBoardReporter, "__init__", no_tensorboard)
     monkeypatch.setenv("BIGGRAPH_PROGRESS", "off")
 
     class TbConfig(Config):
         tensorboard_dir = str(tmp_path / "tb")
 
     with caplog.at_level(logging.WARNING, logger="biggraph"):
-        reporter = reporting.make_reporter(TbConfig(), rank=0)
-    assert type(reporter) is reporting.Reporter
+        reporter = make_reporter(TbConfig(), rank=0)
+    assert type(reporter) is Reporter
     assert "pip install 'biggraph[tensorboard]'" in caplog.text
 
 
@@ -199,7 +202,7 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="the 'tensorboard' extra is not installed (pip install 'biggraph[tensorboard]')")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb = reporting.TensorBoardReporter(str(tmp_path / "tb"))
+    tb = TensorBoardReporter(str(tmp_path / "tb"))
     for index in range(3):
         tb.on_bucket(bucket_record(index, 0, loss=0.5 - 0.1 * index))
     tb.on_pass(pass_summary(0, loss=0.4, mrr=0.3))
@@ -212,10 +215,10 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
 
 
 def test_scalar_tags_of_records() -> None:
-    scalars = reporting.scalars_of_bucket(bucket_record(0, 0, loss=0.5, mrr=0.25))
+    scalars = scalars_of_bucket(bucket_record(0, 0, loss=0.5, mrr=0.25))
     assert scalars["bucket/loss"] == 0.5 and scalars["bucket/swap_time_s"] == 0.02
     assert scalars["bucket/edges_per_sec"] == 1000.0 and scalars["bucket_eval_after/mrr"] == 0.25
-    summary = reporting.scalars_of_pass(pass_summary(1, loss=0.2, mrr=0.4))
+    summary = scalars_of_pass(pass_summary(1, loss=0.2, mrr=0.4))
     assert summary == {"pass/loss": 0.2, "pass/edges_per_sec": 1234.5, "pass/time_s": 2.0, "pass/edges": 400.0,
                        "eval/mrr": 0.4, "eval/hits@1": 0.2, "eval/hits@10": 0.6, "eval/hits@50": 0.9, "eval/auc": 0.85,
                        "eval/mean_rank": 5.0}
@@ -285,7 +288,7 @@ def parse_exposition(body: str) -> dict[str, float]:
 
 
 def test_push_after_each_pass_in_the_exposition_format(gateway: Gateway) -> None:
-    pusher = reporting.PushgatewayReporter(gateway.url, "my job", rank=0, total_passes=2, buckets_per_pass=2)
+    pusher = PushgatewayReporter(gateway.url, "my job", rank=0, total_passes=2, buckets_per_pass=2)
     pusher.on_bucket(bucket_record(0, 0, loss=0.5))
     pusher.on_bucket(bucket_record(1, 0, loss=0.3))
     assert gateway.requests == []  # nothing before the pass ends
@@ -304,7 +307,7 @@ def test_push_after_each_pass_in_the_exposition_format(gateway: Gateway) -> None
 
 
 def test_ranks_without_pass_summaries_push_when_their_pass_changes(gateway: Gateway) -> None:
-    pusher = reporting.PushgatewayReporter(gateway.url + "/", "biggraph", rank=3, total_passes=2, buckets_per_pass=4)
+    pusher = PushgatewayReporter(gateway.url + "/", "biggraph", rank=3, total_passes=2, buckets_per_pass=4)
     pusher.on_bucket(bucket_record(1, 0, loss=0.5, count=100))
     pusher.on_bucket(bucket_record(2, 0, loss=0.25, count=300))
     pusher.on_bucket(bucket_record(5, 1, loss=0.1))  # pass 2 started: pass 1's numbers go out
@@ -318,13 +321,13 @@ def test_ranks_without_pass_summaries_push_when_their_pass_changes(gateway: Gate
 
 def test_push_failures_are_warnings(gateway: Gateway, caplog: pytest.LogCaptureFixture) -> None:
     gateway.fail_next = 1
-    pusher = reporting.PushgatewayReporter(gateway.url, "biggraph", rank=0, total_passes=2, buckets_per_pass=1)
+    pusher = PushgatewayReporter(gateway.url, "biggraph", rank=0, total_passes=2, buckets_per_pass=1)
     with caplog.at_level(logging.WARNING, logger="biggraph"):
         pusher.on_pass(pass_summary(0))
         pusher.on_pass(pass_summary(1))
     assert len(gateway.requests) == 2 and pusher.failures == 1
     assert "push failed" in caplog.text and "500" in caplog.text
-    dead = reporting.PushgatewayReporter("http://127.0.0.1:9", "biggraph", rank=0, total_passes=1, buckets_per_pass=1)
+    dead = PushgatewayReporter("http://127.0.0.1:9", "biggraph", rank=0, total_passes=1, buckets_per_pass=1)
     with caplog.at_level(logging.WARNING, logger="biggraph"):
         dead.on_pass(pass_summary(0))
     assert dead.failures == 1

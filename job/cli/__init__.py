@@ -31,7 +31,7 @@ COMMAND_MODULES = (
     "job.demo",
     "job.k8s_cli",
     "job.archive_cli",
-    "job.report",
+    "job.cli.report",
 )
 
 logger = logging.getLogger("biggraph")
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(verbose: bool, log_format: str) -> None:
-    from job.logs import configure_logging
+    from job.cli.logging_setup import configure_logging
 
     configure_logging(logging.DEBUG if verbose else logging.INFO, log_format)
 

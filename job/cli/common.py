@@ -1,8 +1,12 @@
-"""Arguments several commands share: the CONFIG positional and PBG's ``-p key=value`` overrides."""
+"""Arguments several commands share: CONFIG with PBG's ``-p key=value`` overrides, and ``--storage-option``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
+
+from job.errors import UserError
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,3 +30,32 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def overrides_of(args: argparse.Namespace) -> list[str]:
     """The ``-p`` overrides, in command-line order (later ones win)."""
     return list(args.param or [])
+
+
+
+def add_storage_option_argument(parser: argparse.ArgumentParser) -> None:
+    """A repeatable ``--storage-option KEY=VALUE``, collected (unparsed) in ``args.storage_option``."""
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a storage option for s3:// and other remote URLs, as the config key storage_options holds them "
+             "(repeatable; the value is JSON when it parses, else a string; e.g. "
+             "--storage-option endpoint_url=http://127.0.0.1:9000 --storage-option anon=false)",
+    )
+
+
+def parse_storage_options(items: list[str]) -> dict[str, Any]:
+    """``["endpoint_url=http://h:9000", "anon=true"]`` -> ``{"endpoint_url": "http://h:9000", "anon": True}``."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--storage-option {item!r}: expected KEY=VALUE (e.g. endpoint_url=http://127.0.0.1:9000)")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    return options

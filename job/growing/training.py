@@ -46,7 +46,7 @@ class GrowTrainer(Trainer):
                            for it in self.iterations]
         self._pass_index = record.version
         self._edge_path_idx = 0
-        from job.reporting import make_reporter
+        from job.monitoring import make_reporter
 
         # progress counts passes by checkpoint version, as on any resume: these passes follow the grown version
         self.reporter.close()

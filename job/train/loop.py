@@ -195,7 +195,7 @@ class Trainer:
             )
         ]
         self.finished_ok = False
-        from job.reporting import make_reporter
+        from job.monitoring import make_reporter
 
         # progress display, TensorBoard, Pushgateway: whatever the environment and config ask for
         self.reporter = make_reporter(config, rank=self.rank, total_passes=len(self.iterations),

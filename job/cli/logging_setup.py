@@ -1,30 +1,16 @@
-"""Logging set-up: human lines on a terminal, JSON lines for log collectors (``--log-format json``)."""
+"""Installing the process's log handler: human lines on a terminal, JSON lines for log collectors.
+
+Only the command line configures logging (``biggraph -v``, ``--log-format``); library code just logs to the
+``biggraph`` logger. The JSON format itself is ``job.monitoring.json_logs.JsonFormatter``.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import time
 
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        payload = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        rank = os.environ.get("RANK")
-        if rank is not None:
-            payload["rank"] = int(rank)
-        extra = getattr(record, "fields", None)
-        if isinstance(extra, dict):
-            for key, value in extra.items():
-                payload.setdefault(key, value)  # never overwrite the record's own time/level/message
-        return json.dumps(payload)
+from job.monitoring.json_logs import JsonFormatter
 
 
 class _StderrHandler(logging.StreamHandler):

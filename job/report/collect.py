@@ -1,0 +1,278 @@
+"""What ``biggraph report`` shows, gathered from a checkpoint directory: ``build_report`` returns ``ReportData``.
+
+Loss, held-out MRR, throughput and the time split come from ``training_stats.json``; the per-relation MRR
+and the 2-D PCA projection are computed from the checkpoint itself (``job.report.sampled``). Anything that
+was not recorded gets a note saying so, never an invented figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+import storage_adapters as storage
+from job.config import ConfigSchema, parse_config
+from job.errors import CheckpointError, ConfigError, UserError
+from job.formats.checkpoint import CheckpointStorage
+from job.report.sampled import embedding_sample, pca_2d, relation_mrr
+
+logger = logging.getLogger("biggraph")
+
+
+@dataclass
+class ReportOptions:
+    """What to sample and where to read; the defaults are those of ``biggraph report``.
+
+    ``storage_options`` (fsspec keyword arguments such as ``endpoint_url``) are applied process-wide before the
+    checkpoint is read; None keeps whatever is in force (the environment, an earlier ``set_storage_options``).
+    A checkpoint's own config.json holds none (training leaves them out, they may be credentials), so a
+    report of an S3 checkpoint on a custom endpoint needs them from the caller.
+    """
+
+    sample: int = 2000  # entities drawn for the 2-D projection
+    edges: Optional[str] = None  # edge directory of the per-relation MRR (default: the config's last edge path)
+    relation_edges: int = 20000  # at most this many edges for the per-relation MRR (0 skips it)
+    metrics_file: Optional[str] = None  # a JSON file of `biggraph eval --json` to show as well
+    seed: int = 0
+    storage_options: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class EpochRow:
+    epoch: int
+    edges: int = 0
+    loss: Optional[float] = None
+    mrr: Optional[float] = None
+    hits10: Optional[float] = None
+    edges_per_sec: Optional[float] = None
+    compute: float = 0.0
+    swap: float = 0.0
+    edge_io: float = 0.0
+    other: Optional[float] = None
+
+
+@dataclass
+class ReportData:
+    checkpoint: str
+    version: int
+    config: dict[str, Any]
+    epochs: list[EpochRow]
+    num_bucket_records: int
+    num_passes: int
+    relation_mrr: list[tuple[str, float, int]] = field(default_factory=list)  # name, mrr, edges
+    relation_note: str = ""
+    projection: dict[str, np.ndarray] = field(default_factory=dict)  # type -> (n, 2)
+    projection_names: dict[str, list[str]] = field(default_factory=dict)
+    projection_note: str = ""
+    explained: tuple[float, float] = (0.0, 0.0)
+    eval_metrics: Optional[dict[str, Any]] = None
+    eval_metrics_source: str = ""
+    mrr_note: str = ""
+
+    @property
+    def final(self) -> EpochRow:
+        return self.epochs[-1] if self.epochs else EpochRow(0)
+
+
+def num(value: Any) -> Optional[float]:
+    """A finite number, or None (stats files may hold anything)."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+# training_stats.json -------------------------------------------------------------------------
+
+
+@dataclass
+class _EpochSums:
+    """Weighted sums of one epoch: loss by trained edges, MRR and Hits@10 by held-out edges."""
+
+    loss_seen: bool = False
+    loss: float = 0.0
+    loss_edges: float = 0.0
+    mrr: float = 0.0
+    hits10: float = 0.0
+    eval_edges: float = 0.0
+    pass_time: Optional[float] = None
+
+
+def _unique_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Bucket records and pass summaries, the last of each kept: a resumed pass replaces its first try."""
+    buckets: dict[tuple[Any, ...], dict[str, Any]] = {}
+    passes: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if record.get("pass_summary"):
+            passes[int(record.get("index", len(passes)))] = record
+        else:
+            key = (record.get("index"), record.get("lhs_partition"), record.get("rhs_partition"), record.get("rank"))
+            buckets[key] = record
+    return list(buckets.values()), list(passes.values())
+
+
+def _add_bucket(row: EpochRow, sums: _EpochSums, record: dict[str, Any]) -> None:
+    stats = record.get("stats") or {}
+    count = int(stats.get("count") or 0)
+    loss = num((stats.get("metrics") or {}).get("loss"))
+    row.edges += count
+    if loss is not None:
+        sums.loss_seen = True
+        sums.loss += loss * count
+        sums.loss_edges += count
+    row.compute += num(record.get("time")) or 0.0
+    swap = num(record.get("swap_time")) or 0.0
+    row.swap += swap
+    row.edge_io += max(0.0, (num(record.get("io_time")) or 0.0) - swap)
+    after = record.get("eval_stats_after") or {}
+    mrr = num((after.get("metrics") or {}).get("mrr"))
+    hits10 = num((after.get("metrics") or {}).get("hits@10"))
+    n = int(after.get("count") or 0)
+    if mrr is not None and n:
+        sums.mrr += mrr * n
+        sums.hits10 += (hits10 or 0.0) * n
+        sums.eval_edges += n
+
+
+def _add_pass(row: EpochRow, sums: _EpochSums, summary: dict[str, Any]) -> None:
+    if not sums.loss_seen:  # bucket records lost (e.g. a rewritten stats file): use the pass summary
+        stats = summary.get("stats") or {}
+        loss = num((stats.get("metrics") or {}).get("loss"))
+        if loss is not None:
+            weight = int(stats.get("count") or 1)
+            sums.loss_seen, sums.loss, sums.loss_edges = True, loss * weight, weight
+            row.edges = row.edges or int(stats.get("count") or 0)
+    seconds = num(summary.get("time"))
+    if seconds is not None and "world_size" not in summary:  # a multi-trainer pass time is not this split's
+        sums.pass_time = (sums.pass_time or 0.0) + seconds
+
+
+def _finish(row: EpochRow, sums: _EpochSums) -> None:
+    if sums.loss_edges:
+        row.loss = sums.loss / sums.loss_edges
+    if sums.eval_edges:
+        row.mrr = sums.mrr / sums.eval_edges
+        row.hits10 = sums.hits10 / sums.eval_edges
+    if row.compute > 0:
+        row.edges_per_sec = row.edges / row.compute
+    if sums.pass_time is not None:
+        row.other = max(0.0, sums.pass_time - row.compute - row.swap - row.edge_io)
+
+
+def epoch_rows(records: list[dict[str, Any]]) -> tuple[list[EpochRow], int, int]:
+    """Per-epoch figures from training_stats.json records, with the number of bucket records and passes."""
+    buckets, passes = _unique_records(records)
+    rows: dict[int, EpochRow] = {}
+    sums: dict[int, _EpochSums] = {}
+
+    def slot(record: dict[str, Any]) -> tuple[EpochRow, _EpochSums]:
+        epoch = int(record.get("epoch_idx", 0))
+        return rows.setdefault(epoch, EpochRow(epoch + 1)), sums.setdefault(epoch, _EpochSums())
+
+    for record in buckets:
+        _add_bucket(*slot(record), record)
+    for summary in passes:
+        _add_pass(*slot(summary), summary)
+    for epoch, row in rows.items():
+        _finish(row, sums[epoch])
+    return [rows[e] for e in sorted(rows)], len(buckets), len(passes)
+
+
+# the whole report ----------------------------------------------------------------------------
+
+
+def _training_figures(checkpoint_url: str, version: int, raw_config: dict[str, Any],
+                      records: list[dict[str, Any]]) -> ReportData:
+    rows, num_buckets, num_passes = epoch_rows(records)
+    data = ReportData(checkpoint_url, version, raw_config, rows, num_buckets, num_passes)
+    if not records:
+        data.mrr_note = "training_stats.json is missing or empty"
+    elif not any(r.mrr is not None for r in rows):
+        data.mrr_note = (f"not recorded: eval_fraction is {raw_config.get('eval_fraction')} in this run's config, so no "
+                         "edges were held out during training; `biggraph eval` results can be added with --metrics")
+    return data
+
+
+def _relation_note(config: ConfigSchema, version: int, edge_path: str, budget: int, edges: int) -> str:
+    return (f"computed now from checkpoint version {version} on {edges:,} edges of {edge_path} "
+            f"(at most {budget:,}; sampled negatives: {config.eval_num_batch_negs} from the "
+            f"batch + {config.eval_num_uniform_negs} uniform, unfiltered, as `biggraph eval` "
+            "without --candidates all). Sampled ranks count every negative that scores above the "
+            "true entity, repeats and other true edges included, so on small graphs they are far "
+            "below the filtered all-candidate MRR; compare relations with each other, not with "
+            "`biggraph eval --candidates all --filter`. Training edges give optimistic numbers; pass "
+            "--edges DIR for a held-out split.")
+
+
+def _add_relation_mrr(data: ReportData, config: ConfigSchema, options: ReportOptions) -> None:
+    edge_path = options.edges or config.edge_paths[-1]
+    if options.relation_edges == 0:
+        data.relation_note = "not computed (--relation-edges 0)"
+        return
+    try:
+        logger.info("report: per-relation MRR on at most %d edges of %s", options.relation_edges, edge_path)
+        data.relation_mrr = relation_mrr(config, edge_path, options.relation_edges, options.seed)
+        edges = sum(c for _, _, c in data.relation_mrr)
+        data.relation_note = _relation_note(config, data.version, edge_path, options.relation_edges, edges)
+    except Exception as err:  # noqa: BLE001 - the rest of the report is still worth writing
+        logger.warning("report: per-relation MRR not computed: %s", err)
+        data.relation_note = f"not computed: {err}"
+
+
+def _add_projection(data: ReportData, checkpoint: CheckpointStorage, config: ConfigSchema,
+                    options: ReportOptions) -> None:
+    try:
+        samples, data.projection_names = embedding_sample(checkpoint, data.version, config, options.sample, options.seed)
+        data.projection, data.explained = pca_2d(samples)
+        n = sum(len(a) for a in data.projection.values())
+        data.projection_note = (f"{n:,} entities sampled from version {data.version}; axes: the first two principal "
+                                f"components ({100 * data.explained[0]:.1f}% and {100 * data.explained[1]:.1f}% of the "
+                                "variance)")
+        if not data.projection:
+            data.projection_note = "not drawn: " + ("--sample 0" if options.sample == 0 else
+                                                    "entity types of different dimensions")
+    except Exception as err:  # noqa: BLE001
+        logger.warning("report: embedding projection not drawn: %s", err)
+        data.projection_note = f"not drawn: {err}"
+
+
+def _read_eval_metrics(path: str) -> dict[str, Any]:
+    try:
+        return json.loads(storage.read_text(path))
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"--metrics {path}: cannot read JSON ({err})") from None
+
+
+def build_report(checkpoint_url: str, options: Optional[ReportOptions] = None) -> ReportData:
+    """Every figure of the report of ``checkpoint_url``; raises CheckpointError when nothing was committed."""
+    options = options or ReportOptions()
+    if options.storage_options is not None:
+        storage.set_storage_options(options.storage_options)
+    checkpoint = CheckpointStorage(checkpoint_url)
+    version = checkpoint.load_version()
+    raw_config = checkpoint.load_config_dict()
+    if version == 0:
+        raise CheckpointError(f"{checkpoint_url}: no committed checkpoint (checkpoint_version.txt missing): "
+                              "train first, or point at the checkpoint_path of a finished run")
+    data = _training_figures(checkpoint_url, version, raw_config, checkpoint.load_stats())
+    try:
+        config = parse_config(raw_config)
+    except ConfigError as err:
+        data.relation_note = data.projection_note = f"not computed: config.json does not parse ({err})"
+        return data
+    if options.storage_options is not None:
+        # the evaluation code applies config.storage_options itself: it must see the caller's, not config.json's
+        config = dataclasses.replace(config, storage_options=options.storage_options)
+    elif config.storage_options:  # never in a biggraph checkpoint's config.json (training leaves them out)
+        storage.set_storage_options(config.storage_options)
+    # the per-relation MRR reads the checkpoint reported on, not the directory it was trained in (it may have moved)
+    config = dataclasses.replace(config, checkpoint_path=checkpoint_url)
+    if options.metrics_file:
+        data.eval_metrics = _read_eval_metrics(options.metrics_file)
+        data.eval_metrics_source = options.metrics_file
+    _add_relation_mrr(data, config, options)
+    _add_projection(data, checkpoint, config, options)
+    return data
