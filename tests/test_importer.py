@@ -17,7 +17,7 @@ import pytest
 
 from job.cli import main
 from job.config import load_config
-from job.importer import EntityTable, ImportOptions, hash_strings, import_edges
+from job.data.importing import EntityTable, ImportOptions, hash_strings, import_edges
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing import ImportOptions, check_request
 from job.formats.checkpoint import CheckpointStorage
 from job.growing.journal import (
     GrowRecord,
@@ -44,7 +45,6 @@ from job.growing.journal import (
     write_record,
 )
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
-from job.data.importing import ImportOptions, check_request
 
 logger = logging.getLogger("biggraph")
 

@@ -26,11 +26,11 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing.importer import Importer
+from job.data.importing.options import ID_DTYPE, ImportOptions
 from job.formats import edges as edge_format
 from job.formats import entities as ent
 from job.growing.model_state import GrowError
-from job.data.importing.importer import Importer
-from job.data.importing.options import ID_DTYPE, ImportOptions
 
 _COPY_CHUNK = 1 << 20  # edges copied at a time from an old bucket file
 
