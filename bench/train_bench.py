@@ -157,7 +157,7 @@ def trainer_runs(devices: tuple[str, ...], with_pbg: bool) -> list[tuple[str, li
 def bench_dataset(name: str, epochs: int, workers: int, work: Path, with_pbg: bool,
                   devices: tuple[str, ...] = ("cpu",)) -> dict[str, Any]:
     from job.cli import main as cli_main
-    from job.datasets import dataset_dir
+    from job.data.datasets import dataset_dir
 
     root = work / name
     shutil.rmtree(root, ignore_errors=True)

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from job.config import ConfigSchema
+    from job.data.importing import ImportOptions
     from job.growing import GrowSummary
-    from job.importer import ImportOptions
 
 __version__ = "0.1.0"
 

@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from job.cli import main as cli_main
     from job.config import load_config
-    from job.datasets import dataset_dir
+    from job.data.datasets import dataset_dir
     from job.evaluation import evaluate_command
     from job.train import train
 

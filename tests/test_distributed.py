@@ -184,7 +184,7 @@ def free_port() -> int:
 def umls_p4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """UMLS (a small real knowledge graph) imported into 4 partitions."""
     from job.cli import main
-    from job.datasets import dataset_dir
+    from job.data.datasets import dataset_dir
 
     root = tmp_path_factory.mktemp("umls_p4")
     source = dataset_dir("umls")

@@ -16,8 +16,8 @@ import pytest
 
 from job.cli import main
 from job.config import parse_config
+from job.data.export import ExportError, export_checkpoint
 from job.errors import CheckpointError, InputFormatError
-from job.exporter import ExportError, run_export
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import write_dynamic_rel_count, write_dynamic_rel_names, write_entity_count, write_entity_names
 
@@ -126,7 +126,7 @@ def expected_rows(ckpt: BuiltCheckpoint, entity_type: str, parts: int, add_globa
 
 def test_tsv_has_pbg_layout_with_global_embedding_added(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path)
-    summary = run_export(ckpt.config, out=str(tmp_path / "out"))
+    summary = export_checkpoint(ckpt.config, out=str(tmp_path / "out"))
     lines = (tmp_path / "out" / "entity_embeddings.tsv").read_text(encoding="utf-8").splitlines()
     assert len(lines) == 3 + 2 + 4
     user = expected_rows(ckpt, "user", 2)
@@ -155,14 +155,14 @@ def test_tsv_has_pbg_layout_with_global_embedding_added(tmp_path: Path) -> None:
 
 def test_no_global_emb_exports_the_raw_table(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path)
-    run_export(ckpt.config, out=str(tmp_path / "out"), fmt="npy", add_global=False)
+    export_checkpoint(ckpt.config, out=str(tmp_path / "out"), fmt="npy", add_global=False)
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "embeddings_user.npy"), expected_rows(ckpt, "user", 2, False))
 
 
 def test_npy_concatenates_partitions_with_names_and_relations(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path)
     out = tmp_path / "out"
-    run_export(ckpt.config, out=str(out), fmt="npy")
+    export_checkpoint(ckpt.config, out=str(out), fmt="npy")
     user = np.load(out / "embeddings_user.npy")
     assert user.dtype == np.float32 and user.shape == (5, DIM)
     np.testing.assert_array_equal(user, expected_rows(ckpt, "user", 2))
@@ -178,7 +178,7 @@ def test_npy_concatenates_partitions_with_names_and_relations(tmp_path: Path) ->
 
 
 def test_npy_header_is_rewritten_for_large_row_counts() -> None:
-    from job.exporter import _npy_header
+    from job.data.export.writers import _npy_header
 
     for rows, dim in ((0, 1), (10**12, 4096)):
         header = _npy_header(rows, dim)
@@ -197,7 +197,7 @@ def test_parquet_columns_and_bounded_row_groups(tmp_path: Path) -> None:
 
     ckpt = build_checkpoint(tmp_path, with_item_names=True)
     out = tmp_path / "out"
-    run_export(ckpt.config, out=str(out), fmt="parquet", row_group_rows=2)
+    export_checkpoint(ckpt.config, out=str(out), fmt="parquet", row_group_rows=2)
     parquet = pq.ParquetFile(out / "embeddings.parquet")
     assert parquet.schema_arrow.field("embedding").type == pa.list_(pa.float32())
     assert parquet.schema_arrow.names == ["entity_type", "partition", "offset", "name", "embedding"]
@@ -219,7 +219,7 @@ def test_parquet_columns_and_bounded_row_groups(tmp_path: Path) -> None:
 
 def test_dynamic_relations_are_split_per_named_type(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path, dynamic=True)
-    run_export(ckpt.config, out=str(tmp_path / "out"))
+    export_checkpoint(ckpt.config, out=str(tmp_path / "out"))
     rows = [line.split("\t") for line in (tmp_path / "out" / "relation_types_parameters.tsv").read_text().splitlines()]
     # PBG's order: side, then parameter, then relation type.
     assert [r[:5] for r in rows[:4]] == [
@@ -265,14 +265,14 @@ def test_cli_overrides_and_version(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_no_checkpoint_yet(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path, commit=False)
     with pytest.raises(CheckpointError, match="no committed checkpoint yet"):
-        run_export(ckpt.config, out=str(tmp_path / "out"))
+        export_checkpoint(ckpt.config, out=str(tmp_path / "out"))
 
 
 def test_names_count_mismatch_names_both_files(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path)
     write_entity_names(str(tmp_path / "entities"), "user", 1, ["just-one"])
     with pytest.raises(InputFormatError, match=r"entity_names_user_1\.json.*1 names.*embeddings_user_1\.v3\.h5 has 2"):
-        run_export(ckpt.config, out=str(tmp_path / "out"), fmt="parquet")
+        export_checkpoint(ckpt.config, out=str(tmp_path / "out"), fmt="parquet")
     assert not (tmp_path / "out" / "embeddings.parquet").exists()  # nothing half-written is left behind
     assert [p.name for p in (tmp_path / "out").iterdir()] == []
 
@@ -282,16 +282,16 @@ def test_output_dir_not_writable(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(ExportError, match="a-file/out: output directory cannot be created"):
-        run_export(ckpt.config, out=str(blocker / "out"))
+        export_checkpoint(ckpt.config, out=str(blocker / "out"))
     with pytest.raises(ExportError, match="exists and is not a directory"):
-        run_export(ckpt.config, out=str(blocker))
+        export_checkpoint(ckpt.config, out=str(blocker))
 
 
 def test_missing_partition_file_is_named(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path)
     (tmp_path / "checkpoint" / "embeddings_user_1.v3.h5").unlink()
     with pytest.raises(CheckpointError, match=r"embeddings_user_1\.v3\.h5: missing"):
-        run_export(ckpt.config, out=str(tmp_path / "out"))
+        export_checkpoint(ckpt.config, out=str(tmp_path / "out"))
 
 
 def test_export_to_memory_url(tmp_path: Path) -> None:
@@ -302,7 +302,7 @@ def test_export_to_memory_url(tmp_path: Path) -> None:
     ckpt = build_checkpoint(tmp_path)
     out = "memory://export-test/run1"
     try:
-        run_export(ckpt.config, out=out, fmt="npy")
+        export_checkpoint(ckpt.config, out=out, fmt="npy")
         assert "embeddings_user.npy" in storage.listdir(out)
         import io
 

@@ -147,7 +147,7 @@ def import_case(root: Path, data: bytes, skip: bool, block_size: int) -> tuple[s
     from test_importer import read_back, write_config
 
     from job.config import load_config
-    from job.importer import ImportOptions, import_edges
+    from job.data.importing import ImportOptions, import_edges
 
     config_path = write_config(root, {"node": 2, "item": 1}, [("r0", "node", "node"), ("r1", "node", "item")])
     source = root / "input.tsv"
@@ -575,7 +575,7 @@ def test_tsv_single_line_without_final_newline_is_imported(tmp_path: Path, suffi
     from test_importer import read_back, write_config
 
     from job.config import load_config
-    from job.importer import ImportOptions, import_edges
+    from job.data.importing import ImportOptions, import_edges
 
     config_path = write_config(tmp_path, {"node": 2, "item": 1}, [("r0", "node", "node"), ("r1", "node", "item")])
     source = tmp_path / f"input.tsv{suffix}"

@@ -468,7 +468,7 @@ def test_pbg_reads_and_exports_the_grown_checkpoint(model: Path, relations: str,
         from torchbiggraph.converters.export_to_tsv import make_tsv
         from torchbiggraph.graph_storages import FileEdgeStorage
 
-    from job.exporter import run_export
+    from job.data.export import export_checkpoint
 
     if relations == "dynamic":  # new relation types too; PBG exports their parameters
         users = sorted(OLD_USERS)
@@ -492,7 +492,7 @@ def test_pbg_reads_and_exports_the_grown_checkpoint(model: Path, relations: str,
     pbg_entities, pbg_relations = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()):
         make_tsv(pbg_config, pbg_entities, pbg_relations)
-    run_export(config, out="export")
+    export_checkpoint(config, out="export")
     assert Path("export/entity_embeddings.tsv").read_text() == pbg_entities.getvalue()
     assert Path("export/relation_types_parameters.tsv").read_text() == pbg_relations.getvalue()
 

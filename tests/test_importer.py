@@ -17,7 +17,7 @@ import pytest
 
 from job.cli import main
 from job.config import load_config
-from job.importer import EntityTable, ImportOptions, hash_strings, import_edges
+from job.data.importing import EntityTable, ImportOptions, hash_strings, import_edges
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -321,6 +321,51 @@ def test_subprocess_error_has_no_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert f"biggraph import: error: {tsv} row 2: has relation type 'q', which is not in the config" in result.stderr
+
+
+# Output locations: checked before any input is read ---------------------------------------------------
+
+
+def test_unwritable_local_output_is_found_before_reading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_text("a\tr\tb\nb\tnope\tc\n")  # pass 1 would stop at row 2: the output check must come first
+    for key, value in (("entity_path", str(blocker / "entities")), ("edge_paths", [str(blocker)])):
+        config = write_config(tmp_path, {"all": 1}, [("r", "all", "all")], **{key: value})
+        assert run_cli(str(config), str(tsv), "-l", "0", "-r", "2", "--rel-col", "1") == 2
+        err = capsys.readouterr().err
+        assert "a-file" in err and "not a directory" in err, err
+        assert "nope" not in err and "Traceback" not in err
+    # a missing local directory is fine (made when writing), and nothing is created by the check itself
+    config = write_config(tmp_path, {"all": 1}, [("r", "all", "all")], entity_path=str(tmp_path / "new" / "deep" / "ent"))
+    assert run_cli(str(config), str(tsv), "-l", "0", "-r", "2", "--rel-col", "1") == 2
+    assert "nope" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+def test_missing_bucket_is_found_before_reading(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import storage_adapters as storage
+
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_text("a\tr\tb\nb\tnope\tc\n")
+    options = {"endpoint_url": s3_endpoint}
+    for key, value in (("entity_path", "s3://nobucket/graph/entities"), ("edge_paths", ["s3://nobucket/graph/edges"])):
+        config = write_config(tmp_path, {"all": 1}, [("r", "all", "all")], storage_options=options, **{key: value})
+        assert run_cli(str(config), str(tsv), "-l", "0", "-r", "2", "--rel-col", "1") == 2
+        err = capsys.readouterr().err
+        assert f"{value if isinstance(value, str) else value[0]}: the bucket 'nobucket' does not exist" in err, err
+        assert "nope" not in err and "Traceback" not in err
+    # an existing bucket passes the check and receives the import
+    good = write_tsv(tmp_path / "good.tsv", [("a", "r", "b"), ("b", "r", "c")])
+    config = write_config(tmp_path, {"all": 1}, [("r", "all", "all")], storage_options=options,
+                          entity_path=f"{s3_bucket}/entities", edge_paths=[f"{s3_bucket}/edges"])
+    assert run_cli(str(config), str(good), "-l", "0", "-r", "2", "--rel-col", "1") == 0
+    assert "edges_0_0.h5" in storage.listdir(f"{s3_bucket}/edges")
+    assert json.loads(storage.read_text(f"{s3_bucket}/entities/entity_names_all_0.json"))
 
 
 # Internals ---------------------------------------------------------------------------------------------

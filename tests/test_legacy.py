@@ -20,10 +20,10 @@ import torch
 
 from job.cli import main
 from job.config import parse_config
+from job.data.legacy import convert_checkpoint, convert_edges, map_legacy_config, map_state_dict_key, safe_torch_load
 from job.errors import UserError
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import read_dynamic_rel_count, read_entity_count
-from job.legacy import convert_checkpoint, convert_edges, map_legacy_config, map_state_dict_key, safe_torch_load
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import SmallGraph, make_graph  # noqa: E402

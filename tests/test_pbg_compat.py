@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from job.config import parse_config
-from job.exporter import run_export
+from job.data.export import export_checkpoint
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import count_edges, edges_file, read_edges, write_edges
 from job.formats.entities import write_dynamic_rel_names
@@ -192,7 +192,7 @@ def test_pbg_export_to_tsv_matches_ours_byte_for_byte(tmp_path: Path) -> None:
     pbg_config = PbgConfigSchema.from_dict(ckpt.config.to_pbg_dict())
     pbg_entities, pbg_relations = io.StringIO(), io.StringIO()
     make_tsv(pbg_config, pbg_entities, pbg_relations)
-    run_export(ckpt.config, out=str(tmp_path / "ours"))
+    export_checkpoint(ckpt.config, out=str(tmp_path / "ours"))
     assert (tmp_path / "ours" / "entity_embeddings.tsv").read_text(encoding="utf-8") == pbg_entities.getvalue()
     assert (tmp_path / "ours" / "relation_types_parameters.tsv").read_text() == pbg_relations.getvalue()
 
@@ -225,7 +225,7 @@ def test_pbg_checkpoint_read_by_ours(tmp_path: Path) -> None:
     config = parse_config(store.load_config_dict())  # PBG's config.json parses as ours
     assert config.relations[1].weight == 0.5 and config.bucket_order.value == pbg_config.bucket_order.value
     assert store.load_stats() == [{"epoch_idx": 0, "stats": {"count": 1}}]
-    summary = run_export(config, out=str(tmp_path / "out"), fmt="npy")
+    summary = export_checkpoint(config, out=str(tmp_path / "out"), fmt="npy")
     assert summary.generated_names == ["user/0", "user/1", "item/0"]
     exported = np.load(tmp_path / "out" / "embeddings_user.npy")
     np.testing.assert_allclose(exported, torch.cat([embs[("user", 0)], embs[("user", 1)]]).numpy() + 0.25, rtol=1e-6)
@@ -314,7 +314,7 @@ def test_trainer_checkpoint_read_by_pbg_and_exported_identically(trained: Any) -
     with contextlib.redirect_stdout(io.StringIO()):
         make_tsv(PbgConfigSchema.from_dict(config.to_pbg_dict()), pbg_entities, pbg_relations)
     out = Path(graph.root) / "export"
-    run_export(config, out=str(out))
+    export_checkpoint(config, out=str(out))
     assert (out / "entity_embeddings.tsv").read_text() == pbg_entities.getvalue()
     assert (out / "relation_types_parameters.tsv").read_text() == pbg_relations.getvalue()
 

@@ -23,11 +23,11 @@ __all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "o
 # Modules that define ``register(subparsers)``; order is the order of ``biggraph --help``.
 COMMAND_MODULES = (
     "job.commands",
-    "job.importer",
+    "job.cli.importing",
     "job.growing.cli",
     "job.validate",
-    "job.exporter",
-    "job.legacy",
+    "job.cli.exporting",
+    "job.cli.legacy",
     "job.demo",
     "job.k8s_cli",
     "job.archive_cli",

@@ -32,6 +32,7 @@ from typing import Any
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing import ImportOptions, check_request
 from job.formats.checkpoint import CheckpointStorage
 from job.growing.journal import (
     GrowRecord,
@@ -44,7 +45,6 @@ from job.growing.journal import (
     write_record,
 )
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
-from job.importer import ImportOptions, _check_request
 
 logger = logging.getLogger("biggraph")
 
@@ -100,7 +100,7 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
     if train and config.grow_num_epochs > 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         raise GrowError("biggraph grow trains on one machine: run it outside torchrun (or with --no-train, then "
                         "train the grown model with torchrun as usual)")
-    _check_request(config, files, options)
+    check_request(config, files, options)
     checkpoint = CheckpointStorage(config.checkpoint_path)
     finish_committed_grow(config.checkpoint_path, clean_uncommitted=True)
     version = checkpoint.load_version()

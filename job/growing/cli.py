@@ -8,7 +8,7 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     from job.cli import add_config_arguments
-    from job.importer import add_import_arguments
+    from job.cli.importing import add_import_arguments
 
     parser = subparsers.add_parser(
         "grow",
@@ -33,9 +33,9 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from job.cli import overrides_of
+    from job.cli.importing import import_options
     from job.config import load_config
     from job.growing import grow
-    from job.importer import import_options
 
     config = load_config(args.config, overrides_of(args))
     summary = grow(config, args.files, import_options(args), into=args.into, train=not args.no_train)

@@ -1,7 +1,7 @@
 """Reading new edges into an existing id space: the importer, with the trained entities preloaded.
 
 ``biggraph import`` gives each distinct name a dense id per type, then a (partition, offset). A grow
-runs the same two passes (``job.importer._Importer``: the same parsing, hashing, spilling, bad-row
+runs the same two passes (``job.data.importing.importer.Importer``: the same parsing, hashing, spilling, bad-row
 rules and options) with three differences, each an override here:
 
 - each type's table starts holding the trained entities' names, in partition-then-offset order, so
@@ -26,10 +26,11 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing.importer import Importer
+from job.data.importing.options import ID_DTYPE, ImportOptions
 from job.formats import edges as edge_format
 from job.formats import entities as ent
 from job.growing.model_state import GrowError
-from job.importer import _ID_DTYPE, ImportOptions, _Importer
 
 _COPY_CHUNK = 1 << 20  # edges copied at a time from an old bucket file
 
@@ -84,7 +85,7 @@ def balanced_additions(old: np.ndarray, new: int) -> np.ndarray:
     return added
 
 
-class GrowImporter(_Importer):
+class GrowImporter(Importer):
     """The importer over an id space that already holds the trained entities (see the module docstring)."""
 
     def __init__(self, config: ConfigSchema, files: list[str], options: ImportOptions, workdir: str,
@@ -194,7 +195,7 @@ def read_spilled_bucket(bucket_dir: str, bucket: int) -> tuple[np.ndarray, np.nd
     out = []
     for name in ("rel", "lhs", "rhs"):
         path = os.path.join(bucket_dir, f"{bucket}.{name}")
-        out.append(np.fromfile(path, dtype=_ID_DTYPE).astype(np.int64) if os.path.exists(path) else np.zeros(0, np.int64))
+        out.append(np.fromfile(path, dtype=ID_DTYPE).astype(np.int64) if os.path.exists(path) else np.zeros(0, np.int64))
     return out[0], out[1], out[2]
 
 
