@@ -392,7 +392,7 @@ def test_train_remote_to_remote_matches_local(remote: str, mode: str, local_refe
     else:
         root, secret_key, options = _memory_root(), None, {}
     _copy_tree(data_dir, storage.join(root, "data"))
-    # biggraph's own loggers at DEBUG, the HTTP libraries at WARNING: what `biggraph -v` configures (job/logs.py).
+    # biggraph's own loggers at DEBUG, the HTTP libraries at WARNING: what `biggraph -v` configures (job/cli/logging_setup.py).
     # (botocore's own DEBUG output prints the access key id inside the Authorization header: never enable it in production.)
     caplog.set_level(logging.DEBUG)
     for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3", "h5py", "werkzeug"):

@@ -34,7 +34,7 @@ from job.data.importing.readers import Batch, Source
 from job.data.importing.table import EntityTable, encode_edges
 from job.data.importing.writing import write_buckets, write_entities
 from job.errors import InputFormatError
-from job.reporting import task_progress
+from job.monitoring import task_progress
 
 logger = logging.getLogger("biggraph")
 
