@@ -44,6 +44,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError, UserError
+from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph.export")
 
@@ -456,6 +457,7 @@ def export_parquet(
     summary.files.append(rel_url)
 
 
+@storage_scoped
 def run_export(
     config: Any,
     *,
@@ -471,8 +473,6 @@ def run_export(
     """Export one checkpoint version; see the module docstring for the layouts."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format '{fmt}' (expected one of {', '.join(FORMATS)})")
-    if config.storage_options:
-        storage.set_storage_options(config.storage_options)
     named_tsv = entities_output is not None or relation_types_output is not None
     if named_tsv:
         if entities_output is None or relation_types_output is None:

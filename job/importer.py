@@ -41,6 +41,7 @@ import numpy as np
 import storage_adapters as storage
 from job.errors import InputFormatError, UserError
 from job.reporting import task_progress
+from job.session import storage_scoped
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -680,7 +681,7 @@ def _check_request(config: ConfigSchema, files: list[str], options: ImportOption
     for url in files:
         try:
             present = storage.exists(url) and not storage.isdir(url)
-        except UserError:
+        except (UserError, storage.StorageError):
             raise
         except Exception as err:  # noqa: BLE001 - any backend error means we cannot read it
             raise UserError(f"input file {url}: cannot be accessed ({err})") from None
@@ -1095,9 +1096,9 @@ class _Importer:
         return self.summary
 
 
+@storage_scoped
 def import_edges(config: ConfigSchema, files: list[str], options: ImportOptions) -> ImportSummary:
     """Import ``files`` (the i-th into ``config.edge_paths[i]``) and write ``config.entity_path``."""
-    storage.set_storage_options(config.storage_options)  # endpoint_url & co. of a MinIO/Ceph set-up, as train does
     _check_request(config, files, options)
     workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
     try:

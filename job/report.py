@@ -308,7 +308,6 @@ def collect(checkpoint_url: str, sample: int = 2000, edges: Optional[str] = None
                          "edges were held out during training; `biggraph eval` results can be added with --metrics")
     try:
         config = parse_config(raw_config)
-        storage.set_storage_options(config.storage_options)
     except ConfigError as err:
         data.relation_note = data.projection_note = f"not computed: config.json does not parse ({err})"
         return data

@@ -14,6 +14,7 @@ import sys
 
 from job import __version__
 from job.errors import UserError
+from storage_adapters.errors import StorageError
 
 # Modules that define ``register(subparsers)``; order is the order of ``biggraph --help``.
 COMMAND_MODULES = (
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose, args.log_format)
     try:
         return int(args.func(args) or 0)
-    except UserError as err:
+    except (UserError, StorageError) as err:
         print(f"biggraph {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
