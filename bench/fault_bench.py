@@ -52,6 +52,7 @@ AWS_* test credentials. Kills count outcomes, not speed: a busy machine is fine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -93,6 +94,8 @@ AWS_TEST_ENV = {
 
 # moto ------------------------------------------------------------------------------------------
 
+
+_PROCESS_SCOPE = contextlib.ExitStack()  # storage settings of this bench process (closed at exit)
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     """bench/storage_bench.py's moto server, with this bench's credentials (the trainers get them too)."""
@@ -354,13 +357,12 @@ def run_backend(name: str, args: argparse.Namespace, graph: Path, work: Path, rn
     env = dict(os.environ, TMPDIR=str(tmpdir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if endpoint is not None:
         env.update(AWS_TEST_ENV)
-        storage.set_storage_options({"endpoint_url": endpoint})
+        # for the rest of this bench process: check_loadable reads the checkpoints through the storage layer
+        _PROCESS_SCOPE.enter_context(storage.using(storage.StorageSettings(options={"endpoint_url": endpoint})))
         import s3fs
 
         bucket = f"fault-{uuid.uuid4().hex[:10]}"
         s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(bucket)
-    else:
-        storage.set_storage_options({})
     while tally.kills < args.kills:
         tally.rounds += 1
         round_id = tally.rounds

@@ -126,8 +126,9 @@ def summary_of(checkpoints: str, storage_options: dict) -> dict[str, Any]:
     """The last pass summary and the compute rate, read through the project's own storage layer."""
     import storage_adapters as storage
 
-    storage.set_storage_options(storage_options)
-    records = [json.loads(line) for line in storage.read_text(f"{checkpoints}/training_stats.json").splitlines() if line]
+    with storage.using(storage.StorageSettings(options=storage_options)):
+        text = storage.read_text(f"{checkpoints}/training_stats.json")
+    records = [json.loads(line) for line in text.splitlines() if line]
     passes = [r for r in records if r.get("pass_summary")]
     buckets = [r for r in records if "lhs_partition" in r]
     compute = sum(r["time"] for r in buckets)

@@ -14,6 +14,7 @@ about real S3; the ratio to local files in the same run is the figure to look at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -133,17 +134,17 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="storage-bench-"))
     proc, endpoint = start_moto()
+    scope = contextlib.ExitStack()
     try:
         import s3fs
 
-        storage.set_storage_options({"endpoint_url": endpoint})
+        # checkpoint_io below reads and writes through the storage layer: it needs the endpoint too
+        scope.enter_context(storage.using(storage.StorageSettings(options={"endpoint_url": endpoint})))
         fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
         fs.mkdir("bench")
         write_graph(tmp / "data", args.entities, args.edges, args.partitions)
         data_bytes = sum(p.stat().st_size for p in (tmp / "data").rglob("*") if p.is_file())
         fs.put(str(tmp / "data"), "bench/data", recursive=True)
-        from storage_adapters import edge_reader
-
         results: dict[str, Any] = {"config": vars(args), "edge_bytes": data_bytes, "date": time.strftime("%Y-%m-%d")}
         runs = [("local", str(tmp / "data"), str(tmp / "ckpt-local"), "stage", False),
                 ("s3-stage", "s3://bench/data", "s3://bench/ckpt-stage", "stage", False),
@@ -153,7 +154,8 @@ def main() -> int:
         for repeat in range(args.repeats):  # interleaved and rotated, so that load and warm-up hurt every variant alike
             shift = repeat % len(runs)
             for name, data, checkpoints, mode, prefetch in runs[shift:] + runs[:shift]:
-                edge_reader.configure_cache(str(tmp / f"cache-{name}-{repeat}"), 2 * 2**30)
+                os.environ["BIGGRAPH_EDGE_CACHE_DIR"] = str(tmp / f"cache-{name}-{repeat}")  # each run: a cold cache
+                os.environ["BIGGRAPH_EDGE_CACHE_BYTES"] = str(2 * 2**30)
                 run = train_once(data, f"{checkpoints}-{repeat}", args, edge_read_mode=mode,
                                  storage_options={"endpoint_url": endpoint}, prefetch_partitions=prefetch)
                 print(f"train {name:10s} {run['edges_per_sec']:>12,.0f} edges/s ({run['seconds']:.1f} s)", flush=True)
@@ -170,6 +172,7 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
     finally:
+        scope.close()
         proc.terminate()
         proc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage
 from job.monitoring import task_progress
+from job.session import storage_scoped
 from job.train.batching import process_edges
 from job.train.buckets import Bucket
 from job.train.loop import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
@@ -47,11 +48,9 @@ class CheckpointReader:
     """Loads a committed checkpoint's model and partitions on demand (a small LRU of partitions)."""
 
     def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
-        import storage_adapters as storage
         from job.formats import entities as entity_format
         from job.growing.journal import finish_committed_grow
 
-        storage.set_storage_options(config.storage_options)
         self.config = config
         finish_committed_grow(config.checkpoint_path)  # a grown version's input, if a crash left it unpublished
         self.checkpoint = CheckpointStorage(config.checkpoint_path)
@@ -104,6 +103,7 @@ def _finalise(stats: BatchStats, elapsed: float) -> dict[str, Any]:
     return metrics
 
 
+@storage_scoped
 def evaluate_command(
     config: ConfigSchema,
     filter_paths: Optional[list[str]] = None,

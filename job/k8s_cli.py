@@ -29,7 +29,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import storage_adapters as storage
+from job.config import ConfigSchema
 from job.errors import UserError
+from job.session import storage_scoped
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MAP_ANNOTATION = "biggraph.io/config-map"
@@ -465,16 +468,15 @@ def _pod_summary(pod: Any) -> dict[str, Any]:
             "node": pod.spec.node_name if pod.spec else None, "restarts": restarts, "detail": detail}
 
 
+@storage_scoped
 def training_progress(config: dict[str, Any]) -> dict[str, Any]:
     """Committed version and each worker's last bucket, from ``training_stats.json`` under checkpoint_path."""
-    import storage_adapters as storage
     from job.formats.checkpoint import CheckpointStorage
 
     url = config.get("checkpoint_path")
     if not url:
         return {"available": False, "reason": "the config has no checkpoint_path"}
     try:
-        storage.set_storage_options(config.get("storage_options") or {})
         checkpoint = CheckpointStorage(url)
         version = checkpoint.load_version()
         stats = checkpoint.load_stats() if storage.exists(checkpoint.stats_file()) else []
@@ -613,7 +615,6 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    import storage_adapters as storage
     from job.config import load_config
 
     config = load_config(args.config, [])
@@ -621,12 +622,18 @@ def _preflight(args: argparse.Namespace) -> int:
           f"relation type(s), checkpoint_path {config.checkpoint_path})")
     if not (args.check_storage or args.check_write):
         return 0
-    storage.set_storage_options(config.storage_options)
+    check_storage(config, write=args.check_write)
+    return 0
+
+
+@storage_scoped
+def check_storage(config: ConfigSchema, *, write: bool) -> None:
+    """What a pod checks before it trains: its inputs are reachable and (``write``) its checkpoint_path writable."""
     missing = [url for url in [config.entity_path, *config.edge_paths] if not storage.exists(url)]
     if missing:
         raise UserError(f"preflight: not found: {', '.join(missing)}")
     print(f"preflight: entity_path and {len(config.edge_paths)} edge path(s) reachable")
-    if args.check_write:
+    if write:
         probe = storage.join(config.checkpoint_path, f".biggraph-preflight-{secrets.token_hex(4)}")
         try:
             storage.makedirs(config.checkpoint_path)
@@ -638,4 +645,3 @@ def _preflight(args: argparse.Namespace) -> int:
         print(f"preflight: checkpoint_path {config.checkpoint_path} writable")
     elif storage.exists(config.checkpoint_path):
         print(f"preflight: checkpoint_path {config.checkpoint_path} reachable")
-    return 0

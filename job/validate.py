@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from job.errors import InputFormatError, UserError
 from job.formats.edges import EdgeLimits, verify_edge_file
+from job.session import storage_scoped
 
 if TYPE_CHECKING:
     import h5py
@@ -370,15 +371,13 @@ def _check_edge_file(
     return num_edges or 0
 
 
+@storage_scoped
 def run_validation(
     config: ConfigSchema, *, full: bool = True, fail_fast: bool = False, chunk_rows: int = CHUNK_ROWS
 ) -> ValidationReport:
     """Check the config's input files; ``full`` scans every value, ``fail_fast`` raises the first problem."""
-    import storage_adapters as storage
     from job.formats.edges import edges_file
 
-    if config.storage_options:
-        storage.set_storage_options(config.storage_options)
     report = ValidationReport()
     collect = _Collector(report, fail_fast)
     counts: dict[str, list[int | None]] = {}

@@ -15,7 +15,9 @@ passes through.
 
 Extra filesystem arguments come from the config key ``storage_options``: either one
 mapping for every remote scheme (``{"endpoint_url": "http://minio:9000"}``) or one per
-scheme (``{"s3": {...}, "gs": {...}}``). They are never logged or put in messages.
+scheme (``{"s3": {...}, "gs": {...}}``). They are never logged or put in messages. They are
+not process settings: a job passes them with ``using(StorageSettings(options=...))``
+(:mod:`storage_adapters.session`), and they apply to the calls made inside that block.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import contextlib
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from typing import IO, Any
 
-from job.errors import UserError
+from storage_adapters.errors import NotHDF5Error, StorageError
+from storage_adapters.session import StorageSession, StorageSettings, carry, current, using
 
 
 def _default_file_mode() -> int:
@@ -57,21 +59,6 @@ _SCHEME_PACKAGES = {
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 _LOCAL_SCHEMES = ("", "file", "local")
 
-_storage_options: dict[str, Any] = {}
-_options_lock = threading.Lock()
-
-
-class StorageError(UserError):
-    """A URL cannot be used: unknown scheme, missing backend package, access refused, or retries exhausted."""
-
-
-def set_storage_options(options: dict[str, Any] | None) -> None:
-    """Process-wide extra arguments for remote filesystems (config key ``storage_options``)."""
-    with _options_lock:
-        _storage_options.clear()
-        _storage_options.update(options or {})
-
-
 def _per_scheme(options: dict[str, Any]) -> bool:
     return bool(options) and all(
         isinstance(v, dict) and (k in _SCHEME_PACKAGES or k == "memory") for k, v in options.items()
@@ -84,8 +71,7 @@ def storage_options_for(url: str) -> dict[str, Any]:
     if scheme in _LOCAL_SCHEMES or scheme == "memory":
         options: dict[str, Any] = {}
     else:
-        with _options_lock:
-            raw = dict(_storage_options)
+        raw = dict(current().settings.options)
         if _per_scheme(raw):
             options = dict(raw.get(scheme) or raw.get({"s3a": "s3", "gcs": "gs", "abfss": "abfs"}.get(scheme, ""), {}))
         else:
@@ -427,9 +413,10 @@ def _process_exists(pid: int) -> bool:
 
 
 __all__ = [
-    "StorageError", "UPLOAD_DIR_PREFIX", "remove_stale_upload_dirs", "upload_staging_dir",
+    "NotHDF5Error", "StorageError", "StorageSession", "StorageSettings", "carry", "current", "using",
+    "UPLOAD_DIR_PREFIX", "remove_stale_upload_dirs", "upload_staging_dir",
     "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
-    "read_bytes", "read_text", "remove", "scheme_of", "set_storage_options", "size", "storage_options_for",
+    "read_bytes", "read_text", "remove", "scheme_of", "size", "storage_options_for",
     "write_bytes", "write_text",
 ]

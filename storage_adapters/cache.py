@@ -8,7 +8,7 @@ downloads in flight are never evicted; a file bigger than the bound is still dow
 
 Where and how much: ``BIGGRAPH_EDGE_CACHE_DIR`` (default: a fresh temporary directory
 removed at exit) and ``BIGGRAPH_EDGE_CACHE_BYTES`` (default: 10 GiB or half the free
-disk there, whichever is smaller), or :func:`storage_adapters.edge_reader.configure_cache`.
+disk there, whichever is smaller), or the job's ``StorageSettings(cache_dir=..., cache_bytes=...)``.
 A cached copy is reused only while the object's size and ETag (or mtime) are unchanged.
 """
 
@@ -191,7 +191,7 @@ class FileCache:
                     with self._lock:
                         self._drop(entry)
 
-        return self._executor.submit(work)
+        return self._executor.submit(storage.carry(work))  # the job's endpoint, in the pool thread too
 
     def cached(self, url: str) -> bool:
         with self._lock:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -25,54 +24,18 @@ from typing import Any
 import h5py
 
 import storage_adapters as storage
-from job.errors import InputFormatError
-from storage_adapters.cache import FileCache
+from storage_adapters.errors import NotHDF5Error
+from storage_adapters.session import EDGE_READ_MODES, current
 
 logger = logging.getLogger("biggraph.storage")
 
 STREAM_BLOCK_SIZE = 50 * 2**20  # measured: 166-216 MB/s from moto with 50 MiB, 15-18 MB/s with 1 MiB
-EDGE_READ_MODES = ("stage", "stream")
-
-_mode = "stage"
-_cache: FileCache | None = None
-_cache_settings: dict[str, Any] = {}
-_cache_lock = threading.Lock()
-
-
-def set_edge_read_mode(mode: str) -> None:
-    global _mode
-    if mode not in EDGE_READ_MODES:
-        raise ValueError(f"edge_read_mode must be one of {', '.join(EDGE_READ_MODES)}, got {mode!r}")
-    _mode = mode
+__all__ = ["EDGE_READ_MODES", "STREAM_BLOCK_SIZE", "RetryingFile", "get_edge_read_mode", "open_remote_h5", "prefetch"]
 
 
 def get_edge_read_mode() -> str:
-    return _mode
-
-
-def configure_cache(directory: str | None = None, max_bytes: int | None = None) -> None:
-    """Where stage mode keeps downloaded bucket files and how many bytes of them (see ``cache``)."""
-    global _cache
-    with _cache_lock:
-        if _cache is not None:
-            _cache.close()
-            _cache = None
-        _cache_settings.clear()
-        _cache_settings.update(directory=directory, max_bytes=max_bytes)
-
-
-def get_cache() -> FileCache:
-    global _cache
-    with _cache_lock:
-        if _cache is None:
-            import os
-
-            directory = _cache_settings.get("directory") or os.environ.get("BIGGRAPH_EDGE_CACHE_DIR") or None
-            max_bytes = _cache_settings.get("max_bytes")
-            if max_bytes is None and os.environ.get("BIGGRAPH_EDGE_CACHE_BYTES"):
-                max_bytes = int(float(os.environ["BIGGRAPH_EDGE_CACHE_BYTES"]))
-            _cache = FileCache(directory, max_bytes)
-        return _cache
+    """The job's ``edge_read_mode`` (see :mod:`storage_adapters.session`)."""
+    return current().settings.edge_read_mode
 
 
 def prefetch(url: str) -> Future | None:
@@ -81,10 +44,10 @@ def prefetch(url: str) -> Future | None:
     Returns at once (a Future, or None when there is nothing to do: a local path or
     stream mode). Failures are not raised here: the later ``open_h5`` reports them.
     """
-    if storage.is_local(url) or _mode != "stage":
+    if storage.is_local(url) or get_edge_read_mode() != "stage":
         return None
     try:
-        return get_cache().prefetch(url)
+        return current().cache().prefetch(url)
     except Exception as err:  # noqa: BLE001 - prefetching is only ever an optimisation
         logger.debug("prefetch of %s not started: %s", url, type(err).__name__)
         return None
@@ -94,29 +57,25 @@ def _open_h5(source: Any, url: str) -> h5py.File:
     try:
         return h5py.File(source, "r")
     except OSError as err:
-        raise InputFormatError(url, f"not a readable HDF5 file ({str(err).split('(')[0].strip()})",
-                               expected="an HDF5 file") from None
+        raise NotHDF5Error(url, str(err).split("(")[0].strip()) from None
 
 
 @contextlib.contextmanager
 def open_remote_h5(url: str, verify: Callable[[str | None], None] | None = None) -> Iterator[h5py.File]:
     """An h5py handle on a remote edge file; ``verify`` is called first with the staged local copy's path
-    (stage mode) or None (stream mode: it must read the object itself)."""
-    if _mode == "stream":
+    (stage mode) or None (stream mode: it must read the object itself).
+
+    A missing object raises ``FileNotFoundError``, bytes that are not HDF5 ``NotHDF5Error``.
+    """
+    if get_edge_read_mode() == "stream":
         if verify is not None:
             verify(None)
-        try:
-            raw = RetryingFile(url, block_size=STREAM_BLOCK_SIZE)
-        except FileNotFoundError:
-            raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
+        raw = RetryingFile(url, block_size=STREAM_BLOCK_SIZE)
         with raw, _open_h5(raw, url) as handle:
             yield handle
         return
-    try:
-        staged = get_cache().acquire(url)
-        path = staged.__enter__()
-    except FileNotFoundError:
-        raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
+    staged = current().cache().acquire(url)
+    path = staged.__enter__()
     try:
         if verify is not None:
             verify(path)

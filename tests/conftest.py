@@ -4,7 +4,7 @@
   points the AWS_* variables at harmless test values (so no real credentials or profile can
   ever be used), restoring them at the end.
 - ``s3_endpoint``: the same endpoint, with moto reset to empty before the test and
-  ``storage_adapters.set_storage_options({"endpoint_url": ...})`` in force during it.
+  ``storage_adapters.using(StorageSettings(options={"endpoint_url": ...}))`` in force during it.
 - ``s3_bucket``: a fresh bucket on it, as ``s3://name``.
 
 Tests using them start a server, so mark them ``@pytest.mark.slow``.
@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from storage_scope import scope_for_test, use_storage
 
 TEST_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -65,16 +66,18 @@ def reset_moto(endpoint: str) -> None:
     requests.post(f"{endpoint}/moto-api/reset", timeout=30).raise_for_status()
 
 
-@pytest.fixture
-def s3_endpoint(moto_endpoint: str) -> Iterator[str]:
-    import storage_adapters as storage
+@pytest.fixture(autouse=True)
+def _storage_scope() -> Iterator[None]:
+    """Storage settings a test (or a fixture) sets with ``use_storage`` end with the test."""
+    with scope_for_test():
+        yield
 
+
+@pytest.fixture
+def s3_endpoint(moto_endpoint: str) -> str:
     reset_moto(moto_endpoint)
-    storage.set_storage_options({"endpoint_url": moto_endpoint})
-    try:
-        yield moto_endpoint
-    finally:
-        storage.set_storage_options({})
+    use_storage({"endpoint_url": moto_endpoint})  # on the test's own stack: undone after the test's own settings
+    return moto_endpoint
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from storage_scope import use_storage
 
-import storage_adapters as storage
 from job.cli import main
 from job.cli.common import parse_storage_options
 from job.errors import UserError
@@ -323,7 +323,7 @@ def s3_checkpoint(trained: dict[str, Any], s3_bucket: str, s3_endpoint: str, tmp
 def test_report_of_an_s3_checkpoint_takes_storage_options_from_the_command_line(
         trained: dict[str, Any], s3_checkpoint: str, s3_endpoint: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    storage.set_storage_options({})  # the fixture's endpoint is gone: only --storage-option / --config may supply it
+    use_storage({})  # the fixture's endpoint is gone: only --storage-option / --config may supply it
     dead = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)  # where the default endpoint would be: nothing listens
     out = tmp_path / "r.html"

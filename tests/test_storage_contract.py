@@ -22,9 +22,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from storage_scope import use_storage
 
 import storage_adapters as storage
-from job.errors import InputFormatError, UserError
+from job.errors import InputFormatError
 from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage, redact_config_json
 from job.formats.entities import write_entity_count
@@ -61,13 +62,6 @@ def base(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[
     else:
         bucket = request.getfixturevalue("s3_bucket")
         yield f"{bucket}/root"
-
-
-@pytest.fixture(autouse=True)
-def _restore_modes() -> Iterator[None]:
-    yield
-    edge_reader.set_edge_read_mode("stage")
-    edge_reader.configure_cache()
 
 
 # URLs and plain objects --------------------------------------------------------------------------
@@ -192,7 +186,7 @@ def test_redaction_of_credentials_in_metadata() -> None:
 
 @pytest.mark.parametrize("mode", ["stage", "stream"])
 def test_edges_roundtrip_in_both_modes(base: str, mode: str) -> None:
-    edge_reader.set_edge_read_mode(mode)
+    use_storage(edge_read_mode=mode)
     rng = np.random.default_rng(1)
     rel, lhs, rhs = (rng.integers(0, 1000, 5000) for _ in range(3))
     url = edge_format.edges_file(base, 0, 1)
@@ -210,7 +204,7 @@ def test_edges_roundtrip_in_both_modes(base: str, mode: str) -> None:
 
 
 def test_prefetch_fills_the_cache(base: str, tmp_path: Path) -> None:
-    edge_reader.configure_cache(str(tmp_path / "cache"), 10 * 2**20)
+    use_storage(cache_dir=str(tmp_path / "cache"), cache_bytes=10 * 2**20)
     url = edge_format.edges_file(base, 0, 0)
     edge_format.write_edges(url, np.arange(100), np.arange(100), np.arange(100))
     future = edge_reader.prefetch(url)
@@ -219,11 +213,11 @@ def test_prefetch_fills_the_cache(base: str, tmp_path: Path) -> None:
         return
     assert future is not None
     future.result(timeout=60)
-    cache = edge_reader.get_cache()
+    cache = storage.current().cache()
     assert cache.cached(url) and cache.downloads == 1
     np.testing.assert_array_equal(edge_format.read_edges(url).rhs, np.arange(100))
     assert cache.downloads == 1 and cache.hits == 1  # the open used the prefetched copy
-    edge_reader.set_edge_read_mode("stream")
+    use_storage(edge_read_mode="stream")
     assert edge_reader.prefetch(url) is None
 
 
@@ -272,24 +266,24 @@ def test_missing_backend_names_the_package() -> None:
     except ImportError:
         with pytest.raises(storage.StorageError, match="pip install gcsfs") as info:
             storage.exists("gs://bucket/x")
-        assert "gs://bucket/x" in str(info.value) and isinstance(info.value, UserError)
+        assert "gs://bucket/x" in str(info.value) and info.value.exit_code == 2  # reported as one line, exit 2
     with pytest.raises(storage.StorageError, match="no filesystem backend for scheme 'nosuch://'"):
         storage.read_bytes("nosuch://x/y")
 
 
 def test_storage_options_flat_or_per_scheme() -> None:
-    storage.set_storage_options({"endpoint_url": "http://minio:9000"})
+    use_storage({"endpoint_url": "http://minio:9000"})
     try:
         assert storage.storage_options_for("s3://a/b")["endpoint_url"] == "http://minio:9000"
         assert storage.storage_options_for("s3://a/b")["use_listings_cache"] is False
         assert storage.storage_options_for("memory://a") == {} and storage.storage_options_for("/tmp/x") == {}
-        storage.set_storage_options({"s3": {"endpoint_url": "http://minio:9000"}, "gs": {"project": "p"}})
+        use_storage({"s3": {"endpoint_url": "http://minio:9000"}, "gs": {"project": "p"}})
         assert storage.storage_options_for("s3://a")["endpoint_url"] == "http://minio:9000"
         assert storage.storage_options_for("s3a://a")["endpoint_url"] == "http://minio:9000"
         assert storage.storage_options_for("gs://a") == {"project": "p"}
         assert storage.storage_options_for("az://a") == {}
     finally:
-        storage.set_storage_options({})
+        use_storage({})
 
 
 @pytest.mark.slow

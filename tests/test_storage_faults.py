@@ -24,10 +24,10 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from storage_scope import use_storage
 
 import storage_adapters as storage
 from job.formats.checkpoint import CheckpointStorage
-from storage_adapters import edge_reader
 from storage_adapters.retry import NOT_FOUND, OTHER, PERMANENT, TRANSIENT, RetryPolicy, call_with_retry, classify
 
 # the fault proxy --------------------------------------------------------------------------------------
@@ -176,9 +176,6 @@ def quick_retries() -> Iterator[None]:
     previous = retry.set_retry_policy(total_seconds=60, first_delay=0.05, max_delay=0.5)
     yield
     retry.set_retry_policy(previous.total_seconds, previous.first_delay, previous.max_delay)
-    edge_reader.set_edge_read_mode("stage")
-    edge_reader.configure_cache()
-    storage.set_storage_options({})
 
 
 def _direct_fs(endpoint: str) -> Any:
@@ -395,7 +392,7 @@ def test_marker_is_written_only_after_every_file_of_the_version(s3_endpoint: str
         return "hold" if method == "PUT" and path.endswith("/model.v2.h5") else None
 
     with FaultProxy(s3_endpoint, decide) as proxy:
-        storage.set_storage_options(proxy_options(proxy.endpoint, read_timeout=30))
+        use_storage(proxy_options(proxy.endpoint, read_timeout=30))
         cp = CheckpointStorage(url)
         cp.prepare()
         rng = np.random.default_rng(0)
@@ -430,7 +427,7 @@ def test_permanent_errors_fail_fast_naming_the_url(s3_endpoint: str, s3_bucket: 
     write_cycle_graph(str(tmp_path / "data"))
     _copy_tree(tmp_path / "data", f"{s3_bucket}/data")
     with FaultProxy(s3_endpoint, lambda method, path: "403") as proxy:
-        storage.set_storage_options(proxy_options(proxy.endpoint))
+        use_storage(proxy_options(proxy.endpoint))
         started = time.monotonic()
         with pytest.raises(storage.StorageError, match=f"{s3_bucket}/data/edges/edges_0_0.h5: .*access denied"):
             storage.read_bytes(f"{s3_bucket}/data/edges/edges_0_0.h5")
@@ -453,7 +450,7 @@ def test_transient_errors_give_up_after_the_time_bound(s3_endpoint: str, s3_buck
 
     retry.set_retry_policy(total_seconds=1.5, first_delay=0.1, max_delay=0.3)
     with FaultProxy(s3_endpoint, lambda method, path: "500") as proxy:
-        storage.set_storage_options(proxy_options(proxy.endpoint, attempts=1))
+        use_storage(proxy_options(proxy.endpoint, attempts=1))
         started = time.monotonic()
         with pytest.raises(storage.StorageError, match=rf"{s3_bucket}/k: write still failing after \d+ attempts"):
             storage.write_text(f"{s3_bucket}/k", "1")
@@ -482,7 +479,7 @@ def test_a_gateway_restarting_mid_run_is_retried(s3_endpoint: str, s3_bucket: st
     handler = RestartOnFirstRetry(logging.WARNING)
     with FaultProxy(s3_endpoint, lambda method, path: None) as first:
         port = first.server.server_address[1]
-        storage.set_storage_options(proxy_options(first.endpoint, attempts=2))
+        use_storage(proxy_options(first.endpoint, attempts=2))
         storage.write_text(url, "before the restart")  # the endpoint has answered: a run is under way
         first.stop()
         logging.getLogger("biggraph.storage").addHandler(handler)

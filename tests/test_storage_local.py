@@ -4,11 +4,16 @@ must behave the same everywhere, and writes must never leave partial files behin
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from storage_scope import use_storage
 
 import storage_adapters as storage
 
@@ -130,7 +135,7 @@ def test_unknown_scheme_names_the_url_and_package() -> None:
 
 
 def test_storage_options_are_not_passed_to_memory_or_local(tmp_path: Path) -> None:
-    storage.set_storage_options({"endpoint_url": "http://127.0.0.1:1"})
+    use_storage({"endpoint_url": "http://127.0.0.1:1"})
     try:
         storage.write_text(storage.join(str(tmp_path), "a"), "1")
         name = f"opts-{uuid.uuid4().hex}"
@@ -138,7 +143,7 @@ def test_storage_options_are_not_passed_to_memory_or_local(tmp_path: Path) -> No
         assert storage.read_text(f"memory://{name}/a") == "2"
         storage.remove(f"memory://{name}")
     finally:
-        storage.set_storage_options({})
+        use_storage({})
 
 
 def test_stale_upload_staging_dirs_of_dead_processes_are_removed(tmp_path: Path) -> None:
@@ -174,3 +179,57 @@ def test_upload_staging_dir_names_its_process(tmp_path: Path, monkeypatch: pytes
     made = upload_staging_dir()
     assert os.path.basename(made).startswith(f"{UPLOAD_DIR_PREFIX}{os.getpid()}-")
     assert os.path.isdir(made)
+
+
+# settings scoped to a job ---------------------------------------------------------------------------
+
+
+def test_storage_layer_does_not_import_job() -> None:
+    code = ("import sys, storage_adapters, storage_adapters.edge_reader\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'job'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_two_jobs_in_one_process_keep_their_own_options() -> None:
+    """A second job's settings (another thread, another endpoint) never reach the first one's calls."""
+    seen: dict[str, str] = {}
+    barrier = threading.Barrier(2)
+
+    def job(name: str) -> None:
+        with storage.using(storage.StorageSettings(options={"endpoint_url": f"http://{name}:9000"})):
+            barrier.wait(10)  # both scopes are open at once
+            seen[name] = storage.storage_options_for("s3://b/k")["endpoint_url"]
+
+    threads = [threading.Thread(target=job, args=(name,)) for name in ("minio", "ceph")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == {"minio": "http://minio:9000", "ceph": "http://ceph:9000"}
+    assert "endpoint_url" not in storage.storage_options_for("s3://b/k")  # nothing left behind
+
+
+def test_a_carried_function_keeps_the_callers_settings_in_another_thread() -> None:
+    with storage.using(storage.StorageSettings(options={"endpoint_url": "http://minio:9000"}, edge_read_mode="stream")):
+        carried = storage.carry(lambda: (storage.storage_options_for("s3://b/k").get("endpoint_url"),
+                                         storage.current().settings.edge_read_mode))
+        plain = lambda: storage.storage_options_for("s3://b/k").get("endpoint_url")  # noqa: E731
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(carried).result() == ("http://minio:9000", "stream")
+            assert pool.submit(plain).result() is None  # a thread does not inherit the scope by itself
+
+
+def test_settings_hide_options_and_check_the_read_mode() -> None:
+    settings = storage.StorageSettings(options={"key": "AKIAXXXX", "secret": "s3cr3t"})
+    assert "AKIAXXXX" not in repr(settings) and "s3cr3t" not in repr(settings)
+    with pytest.raises(ValueError, match="edge_read_mode must be one of stage, stream"):
+        storage.StorageSettings(edge_read_mode="mmap")
+
+
+def test_the_stage_cache_belongs_to_the_scope(tmp_path: Path) -> None:
+    with storage.using(storage.StorageSettings(cache_dir=str(tmp_path / "c"), cache_bytes=2**20)) as session:
+        cache = session.cache()
+        assert cache.directory == str(tmp_path / "c") and cache.max_bytes == 2**20
+        assert storage.current().cache() is cache
+    assert storage.current().cache() is not cache

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from conftest import CLEARED_AWS_ENV, TEST_AWS_ENV
+from storage_scope import use_storage
 
 import storage_adapters as storage
 from storage_adapters import retry
@@ -56,7 +57,6 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     previous = retry.set_retry_policy(total_seconds=3, first_delay=0.05, max_delay=0.5)
     yield
     retry.set_retry_policy(previous.total_seconds, previous.first_delay, previous.max_delay, previous.max_attempts)
-    storage.set_storage_options({})
     retry.forget_endpoints()
     s3fs.S3FileSystem.clear_instance_cache()
 
@@ -152,7 +152,7 @@ _OPERATIONS: dict[str, Callable[[str, Path], Any]] = {
 def test_refused_at_the_first_request_fails_at_once(operation: str, aws_env: None, tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     port = _closed_port()
-    storage.set_storage_options(_options(f"http://127.0.0.1:{port}"))
+    use_storage(_options(f"http://127.0.0.1:{port}"))
     url = "s3://some-bucket/dir/key"
     err, _ = _fails_without_a_retry(url, lambda: _OPERATIONS[operation](url, tmp_path), caplog)
     assert str(err).startswith(f"{url}: {operation} failed: the storage endpoint http://127.0.0.1:{port} refused "
@@ -164,7 +164,7 @@ def test_an_unresolvable_host_fails_at_once(aws_env: None, caplog: pytest.LogCap
     # .invalid is reserved (RFC 6761): resolution must fail, online or offline, and quickly
     with pytest.raises(socket.gaierror):
         socket.getaddrinfo(INVALID_HOST, 9000)
-    storage.set_storage_options(_options(f"http://{INVALID_HOST}:9000"))
+    use_storage(_options(f"http://{INVALID_HOST}:9000"))
     err, attempts = _fails_without_a_retry("s3://some-bucket/key", lambda: storage.read_bytes("s3://some-bucket/key"),
                                            caplog)
     assert str(err).startswith(f"s3://some-bucket/key: read failed: cannot resolve the host of the storage endpoint "
@@ -178,7 +178,7 @@ def test_https_to_a_plain_http_server_fails_at_once(aws_env: None, caplog: pytes
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         endpoint = f"https://127.0.0.1:{server.server_address[1]}"
-        storage.set_storage_options(_options(endpoint))
+        use_storage(_options(endpoint))
         err, _ = _fails_without_a_retry("s3://b/k", lambda: storage.read_bytes("s3://b/k"), caplog)
     finally:
         server.shutdown()
@@ -232,7 +232,7 @@ def test_an_untrusted_certificate_fails_at_once_even_after_answers(aws_env: None
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     endpoint, close = _self_signed_server(tmp_path)
     try:
-        storage.set_storage_options(_options(endpoint))
+        use_storage(_options(endpoint))
         err, _ = _fails_without_a_retry("s3://b/k", lambda: storage.read_bytes("s3://b/k"), caplog)
         assert f"the TLS certificate of the storage endpoint {endpoint} cannot be verified (" in str(err), err
         assert "client_kwargs.verify" in str(err)
@@ -247,7 +247,7 @@ def test_an_untrusted_certificate_fails_at_once_even_after_answers(aws_env: None
 def test_a_refusal_after_an_answer_is_transient(aws_env: None) -> None:
     """The rule itself, on a real refused request: first request fatal; once the endpoint answered, transient."""
     port = _closed_port()
-    storage.set_storage_options(_options(f"http://127.0.0.1:{port}"))
+    use_storage(_options(f"http://127.0.0.1:{port}"))
     fs, path = storage.get_filesystem("s3://b/k")
     with pytest.raises(Exception) as info:  # noqa: PT011 - the raw botocore error, before our layer
         fs.cat_file(path)
@@ -260,7 +260,7 @@ def test_a_refusal_after_an_answer_is_transient(aws_env: None) -> None:
 
 
 def test_an_endpoint_without_a_scheme_is_a_config_error(aws_env: None) -> None:
-    storage.set_storage_options(_options("127.0.0.1:9000"))
+    use_storage(_options("127.0.0.1:9000"))
     with pytest.raises(storage.StorageError, match=r"^s3://b/k: cannot set up the S3 client from storage_options: "
                                                    r"Invalid endpoint: 127\.0\.0\.1:9000$"):
         storage.read_bytes("s3://b/k")
@@ -271,7 +271,7 @@ def test_the_storage_layer_changes_only_its_own_filesystems(aws_env: None) -> No
     the instance whose s3fs retries were turned off."""
     import fsspec
 
-    storage.set_storage_options(_options(f"http://127.0.0.1:{_closed_port()}"))
+    use_storage(_options(f"http://127.0.0.1:{_closed_port()}"))
     ours, _ = storage.get_filesystem("s3://b/k")
     direct = fsspec.filesystem("s3", **storage.storage_options_for("s3://b/k"))
     assert ours is storage.get_filesystem("s3://b/other")[0]  # still one cached filesystem for the storage layer
@@ -370,12 +370,12 @@ def test_a_burst_of_errors_is_retried_and_every_retry_said(fault: str, reason: s
     try:
         with FaultProxy(s3_endpoint, four_faults_on_put) as proxy:
             options = dict(_options(proxy.endpoint), config_kwargs={"retries": {"max_attempts": 1, "mode": "legacy"}})
-            storage.set_storage_options(options)
+            use_storage(options)
             storage.write_text(url, "written through the burst")
             assert storage.read_text(url) == "written through the burst"
     finally:
         retry.set_retry_policy(previous.total_seconds, previous.first_delay, previous.max_delay, previous.max_attempts)
-        storage.set_storage_options({})
+        use_storage({})
     puts = [action for method, path, action in proxy.log if method == "PUT" and path.endswith("/k")]
     assert puts == [fault] * 4 + [None]
     lines = [r.getMessage() for r in caplog.records]
@@ -423,7 +423,7 @@ def test_import_from_s3_survives_a_cut_body(s3_endpoint: str, s3_bucket: str, tm
         "checkpoint_path": str(tmp_path / "ckpt")}))
     with FaultProxy(s3_endpoint, cut_the_first_read) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)  # biggraph import reads no storage_options
-        storage.set_storage_options({})
+        use_storage({})
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
@@ -463,7 +463,7 @@ def _messages_of_every_kind(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
     messages: list[str] = []
 
     def failure(options: dict[str, Any], operation: Callable[[], Any]) -> None:
-        storage.set_storage_options(options)
+        use_storage(options)
         with pytest.raises(storage.StorageError) as info:
             operation()
         messages.append(str(info.value))

@@ -40,6 +40,7 @@ from job.archive.fb import Variable as fb_variable
 from job.archive.loader import FORMAT_VERSION, GRAPH_IDENTIFIER, TRAINING_IDENTIFIER, ArchiveReader
 from job.config import ConfigSchema
 from job.errors import CheckpointError
+from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph.archive")
 
@@ -161,6 +162,7 @@ class _ArrayStore:
         return ref
 
 
+@storage_scoped
 def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: str = "fp32",
             version: Optional[int] = None, include_updater: bool = False) -> TagSummary:
     """Add checkpoint ``version`` of ``config`` as tag ``tag`` (default ``v{version}-{dtype}``) to the archive ``out``."""
@@ -169,7 +171,6 @@ def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: st
     if not storage.is_local(out):
         raise ArchiveError(out, "archives are written to local paths (copy the file to object storage afterwards)")
     out = storage.local_path(out)
-    storage.set_storage_options(config.storage_options)
     checkpoint, version = find_checkpoint_version(config, version)
     tag = container.check_tag_name(tag or f"v{version}-{dtype}", out, member=None)
 

@@ -17,6 +17,7 @@ import sys
 from job import __version__
 from job.cli.common import add_config_arguments, overrides_of
 from job.errors import UserError
+from storage_adapters.errors import StorageError
 
 __all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "overrides_of"]
 
@@ -121,7 +122,7 @@ def _run(argv: list[str] | None) -> int:
     setup_logging(args.verbose, args.log_format)
     try:
         return int(args.func(args) or 0)
-    except UserError as err:
+    except (UserError, StorageError) as err:
         print(f"biggraph {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

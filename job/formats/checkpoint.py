@@ -249,7 +249,7 @@ class CheckpointStorage:
         with self._pending_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="biggraph-upload")
-            self._pending[url] = self._executor.submit(upload)
+            self._pending[url] = self._executor.submit(storage.carry(upload))
 
     def _wait(self, url: str) -> None:
         """Wait for a background upload of ``url`` (if any); raise its error."""
@@ -560,7 +560,7 @@ class CheckpointStorage:
         urls = [self.partition_file(version, t, p) for t, p in partitions] + [self.model_file(version)]
         self.flush()
         with ThreadPoolExecutor(max_workers=8) as pool:
-            list(pool.map(storage.remove, urls))
+            list(pool.map(storage.carry(storage.remove), urls))
 
     def drop_uncommitted_manifests(self, committed: int) -> None:
         """Remove manifests of versions after the committed one (a crash between manifest and marker): the
@@ -594,7 +594,7 @@ class CheckpointStorage:
         if self.manifest(version) is not None:
             pairs.append((self.manifest_file(version), self.manifest_file(version, snapshot)))
         with ThreadPoolExecutor(max_workers=8) as pool:
-            list(pool.map(lambda pair: _copy(*pair), pairs))
+            list(pool.map(storage.carry(lambda pair: _copy(*pair)), pairs))
         storage.write_text(self.version_file(snapshot), f"{version}\n")
 
 

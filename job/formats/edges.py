@@ -41,6 +41,7 @@ from job.formats.checksums import (
     write_manifest,
 )
 from storage_adapters.edge_reader import open_remote_h5
+from storage_adapters.errors import NotHDF5Error
 
 FORMAT_VERSION_ATTR = "format_version"
 FORMAT_VERSION = 1
@@ -185,8 +186,15 @@ def open_h5(url: str, mode: str = "r", verify: bool = True) -> Iterator[h5py.Fil
             yield handle
         return
     check = (lambda path: verify_edge_file(url, path)) if verify else None
-    with open_remote_h5(url, check) as handle, damaged_file_errors(url):
-        yield handle
+    with contextlib.ExitStack() as stack:
+        try:  # only the opening: an error of the caller's block must pass through unchanged
+            handle = stack.enter_context(open_remote_h5(url, check))
+        except FileNotFoundError:
+            raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
+        except NotHDF5Error as err:
+            raise InputFormatError(url, f"not a readable HDF5 file ({err.reason})", expected="an HDF5 file") from None
+        with damaged_file_errors(url):
+            yield handle
 
 
 def _short(err: Exception) -> str:

@@ -45,6 +45,7 @@ from job.growing.journal import (
     write_record,
 )
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
+from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph")
 
@@ -90,13 +91,13 @@ def _options_record(options: ImportOptions) -> dict[str, Any]:
     return {k: getattr(options, k) for k in keys}
 
 
+@storage_scoped
 def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into: str | None = None,
          train: bool = True) -> GrowSummary:
     """Grow the model at ``into`` (default ``config.checkpoint_path``) with the edges of ``files`` (the i-th into
     ``config.edge_paths[i]``), commit it as the next version, then train ``grow_num_epochs`` passes on it."""
     if into is not None:
         config = dataclasses.replace(config, checkpoint_path=into)
-    storage.set_storage_options(config.storage_options)
     if train and config.grow_num_epochs > 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         raise GrowError("biggraph grow trains on one machine: run it outside torchrun (or with --no-train, then "
                         "train the grown model with torchrun as usual)")

@@ -247,10 +247,19 @@ def _read_eval_metrics(path: str) -> dict[str, Any]:
 
 
 def build_report(checkpoint_url: str, options: Optional[ReportOptions] = None) -> ReportData:
-    """Every figure of the report of ``checkpoint_url``; raises CheckpointError when nothing was committed."""
+    """Every figure of the report of ``checkpoint_url``; raises CheckpointError when nothing was committed.
+
+    ``options.storage_options`` (when given) are the storage settings of the whole report; otherwise the ones in
+    force apply (a biggraph checkpoint's config.json never holds any: training leaves them out)."""
     options = options or ReportOptions()
-    if options.storage_options is not None:
-        storage.set_storage_options(options.storage_options)
+    if options.storage_options is None:
+        return _build_report(checkpoint_url, options)
+    settings = dataclasses.replace(storage.current().settings, options=dict(options.storage_options))
+    with storage.using(settings):
+        return _build_report(checkpoint_url, options)
+
+
+def _build_report(checkpoint_url: str, options: ReportOptions) -> ReportData:
     checkpoint = CheckpointStorage(checkpoint_url)
     version = checkpoint.load_version()
     raw_config = checkpoint.load_config_dict()
@@ -263,13 +272,10 @@ def build_report(checkpoint_url: str, options: Optional[ReportOptions] = None) -
     except ConfigError as err:
         data.relation_note = data.projection_note = f"not computed: config.json does not parse ({err})"
         return data
-    if options.storage_options is not None:
-        # the evaluation code applies config.storage_options itself: it must see the caller's, not config.json's
-        config = dataclasses.replace(config, storage_options=options.storage_options)
-    elif config.storage_options:  # never in a biggraph checkpoint's config.json (training leaves them out)
-        storage.set_storage_options(config.storage_options)
-    # the per-relation MRR reads the checkpoint reported on, not the directory it was trained in (it may have moved)
-    config = dataclasses.replace(config, checkpoint_path=checkpoint_url)
+    # the per-relation MRR reads the checkpoint reported on, not the directory it was trained in (it may have
+    # moved), with the storage settings of this report
+    config = dataclasses.replace(config, checkpoint_path=checkpoint_url,
+                                 storage_options=dict(storage.current().settings.options))
     if options.metrics_file:
         data.eval_metrics = _read_eval_metrics(options.metrics_file)
         data.eval_metrics_source = options.metrics_file

@@ -7,9 +7,11 @@ so a crash loses at most the pass in flight.
 
 from __future__ import annotations
 
+from job.session import storage_scoped
 from job.train.loop import Trainer
 
 
+@storage_scoped
 def train(config, *, stop_after_iterations: int | None = None) -> dict:  # noqa: ANN001 - ConfigSchema
     """Train to completion (or for ``stop_after_iterations`` passes, for tests); return a summary."""
     trainer = Trainer(config)

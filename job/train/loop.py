@@ -127,10 +127,6 @@ class Trainer:
         from job.validate import validate_cheap
 
         self.config = config
-        storage.set_storage_options(config.storage_options)
-        from storage_adapters.edge_reader import set_edge_read_mode
-
-        set_edge_read_mode(config.edge_read_mode)
         from job.growing.journal import finish_committed_grow
 
         # a grown version whose input a crash left unpublished is completed before the input is checked; the

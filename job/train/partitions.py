@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+import storage_adapters as storage
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.buffer import IOStats, pick_victim
@@ -113,7 +114,7 @@ class PartitionStore:
         for key in sorted(keys):
             if key in self.loaded or key in self.pending:
                 continue
-            self.pending[key] = self._executor().submit(self._read, key)
+            self.pending[key] = self._executor().submit(storage.carry(self._read), key)
 
     def discard_prefetched(self) -> None:
         """Drop reads that will not be used (the run stops); background writes finish (into the uncommitted
@@ -172,8 +173,8 @@ class PartitionStore:
                 if victim is None or victim in current:
                     return
                 table = self.loaded.pop(victim)
-                self.writing[victim] = self._executor().submit(self._write, victim, table)
-            self.pending[key] = self._executor().submit(self._read_after, key, self.writing.pop(key, None))
+                self.writing[victim] = self._executor().submit(storage.carry(self._write), victim, table)
+            self.pending[key] = self._executor().submit(storage.carry(self._read_after), key, self.writing.pop(key, None))
 
     def _read_after(self, key: Key, write: Optional[Future[None]]) -> _Read:
         """Read ``key`` once its own write-back (queued before on the same thread) is done; if that write

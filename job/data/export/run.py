@@ -19,6 +19,7 @@ from job.data.export.writers import (
     export_tsv,
 )
 from job.data.outputs import check_output_dir
+from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph.export")
 
@@ -44,6 +45,7 @@ def _check_targets(out: str | None, fmt: str, entities_output: str | None, relat
     return named_tsv
 
 
+@storage_scoped
 def export_checkpoint(
     config: ConfigSchema,
     out: str | None = None,
@@ -58,8 +60,6 @@ def export_checkpoint(
 ) -> ExportSummary:
     """Export one checkpoint version (default: the committed one) into the directory ``out``, or, PBG-style, into
     the two TSV files ``entities_output`` and ``relation_types_output``; see ``job.data.export`` for the layouts."""
-    if config.storage_options:
-        storage.set_storage_options(config.storage_options)
     named_tsv = _check_targets(out, fmt, entities_output, relation_types_output)
     reader = CheckpointReader(config, version)
     summary = ExportSummary(version=reader.version, format=fmt)

@@ -12,11 +12,11 @@ import logging
 import shutil
 import tempfile
 
-import storage_adapters as storage
 from job.config import ConfigSchema
 from job.data.importing.importer import Importer
 from job.data.importing.options import ImportOptions, ImportSummary, check_request
 from job.data.outputs import check_output_dir
+from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph")
 
@@ -28,9 +28,9 @@ def check_outputs(config: ConfigSchema) -> None:
         check_output_dir(url, create=False)
 
 
+@storage_scoped
 def import_edges(config: ConfigSchema, files: list[str], options: ImportOptions) -> ImportSummary:
     """Import ``files`` (the i-th into ``config.edge_paths[i]``) and write ``config.entity_path``."""
-    storage.set_storage_options(config.storage_options)  # endpoint_url & co. of a MinIO/Ceph set-up, as train does
     check_request(config, files, options)
     check_outputs(config)
     workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
