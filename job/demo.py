@@ -1,28 +1,43 @@
-"""``biggraph demo``: the whole pipeline on a small real knowledge graph, on local files.
+"""The whole pipeline on a small real knowledge graph, on local files: what ``biggraph demo`` runs.
 
-import (TSV -> PBG v1 layout) -> train (ComplEx, as PBG's FB15k example) -> filtered
-evaluation against every entity -> export to TSV. It is the README's first command
-and the quickest way to see that an installation works.
+import (TSV -> PBG v1 layout) -> train (ComplEx, as PBG's FB15k example) -> filtered evaluation against every
+entity -> export to TSV. It is the README's first command and the quickest way to see that an installation
+works; it calls the same Python API a user's script would (``job.import_edges``, ``job.train``, ...).
+
+The config it leaves behind (``config.yaml``) is the one to reuse: its ``edge_paths`` is the training split only,
+so ``biggraph train demo-output/config.yaml`` trains on what the demo trained on. The import and the evaluation
+use the same config with other ``edge_paths`` (the three splits; the test split).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
+from job.config import ConfigSchema, parse_config
+from job.data.datasets import dataset_dir
+from job.data.export import export_checkpoint
+from job.data.importing import ImportOptions, import_edges
+from job.evaluation import evaluate_command
+from job.train import train
+
 logger = logging.getLogger("biggraph")
+SPLITS = ("train", "valid", "test")
 
 
-def demo_config(out: str, dataset: str, epochs: int, workers: int | None) -> dict[str, Any]:
-    """PBG's FB15k example config (ComplEx, dynamic relations, softmax), sized for a laptop."""
+def demo_config(out: str, epochs: int = 25, workers: int | None = None) -> dict[str, Any]:
+    """PBG's FB15k example config (ComplEx, dynamic relations, softmax), sized for a laptop; trains on ``train``."""
     config: dict[str, Any] = {
         "entity_path": os.path.join(out, "data"),
-        "edge_paths": [os.path.join(out, "data", split) for split in ("train", "valid", "test")],
+        "edge_paths": [os.path.join(out, "data", "train")],
         "checkpoint_path": os.path.join(out, "checkpoints"),
         "entities": {"all": {"num_partitions": 1}},
         "relations": [{"name": "all_edges", "lhs": "all", "rhs": "all", "operator": "complex_diagonal"}],
@@ -43,70 +58,48 @@ def demo_config(out: str, dataset: str, epochs: int, workers: int | None) -> dic
     return config
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("demo", help="import, train, evaluate and export a small real graph (UMLS by default)")
-    parser.add_argument("--dataset", default="umls", choices=("umls", "kinships", "nations"), help="which graph")
-    parser.add_argument("--out", default="demo-output", help="output directory (default: ./demo-output)")
-    parser.add_argument("--epochs", type=int, default=25, help="training epochs (default 25)")
-    parser.add_argument("--workers", type=int, default=None, help="Hogwild workers (default: number of CPUs)")
-    parser.set_defaults(func=_run)
+@dataclass
+class DemoResult:
+    """Where the demo put things, and what it measured."""
+
+    out: str
+    config_path: str
+    training: dict[str, Any]
+    test_metrics: dict[str, Any]
+    export_dir: str
+    seconds: float
 
 
-def _run(args: argparse.Namespace) -> int:
-    import yaml
-
-    from job.cli import main as cli_main
-    from job.config import load_config
-    from job.data.datasets import dataset_dir
-    from job.evaluation import evaluate_command
-    from job.train import train
-
+def run_demo(out: str = "demo-output", dataset: str = "umls", epochs: int = 25,
+             workers: int | None = None) -> DemoResult:
+    """Import ``dataset`` (umls, kinships or nations) into ``out``, train, evaluate on its test split, export."""
     started = time.perf_counter()
-    out = os.path.abspath(args.out)
+    out = os.path.abspath(out)
     for stale in ("data", "checkpoints", "export"):
         shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
-    source = dataset_dir(args.dataset)
+    source = dataset_dir(dataset)
+    raw = demo_config(out, epochs, workers)
     config_path = os.path.join(out, "config.yaml")
     with open(config_path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(demo_config(out, args.dataset, args.epochs, args.workers), handle, sort_keys=False)
-    splits = [os.path.join(source, f"{split}.txt") for split in ("train", "valid", "test")]
+        yaml.safe_dump(raw, handle, sort_keys=False)
+    config = parse_config(raw)
+    split_dirs = [os.path.join(out, "data", split) for split in SPLITS]
 
-    logger.info("[1/4] importing %s from %s", args.dataset, source)
-    code = cli_main(["import", config_path, *splits, "--lhs-col", "0", "--rel-col", "1", "--rhs-col", "2"])
-    if code:
-        return code
-
-    train_dir, valid_dir, test_dir = (os.path.join(out, "data", s) for s in ("train", "valid", "test"))
-    logger.info("[2/4] training (%d epochs)", args.epochs)
-    summary = train(load_config(config_path, [f"edge_paths={train_dir}"]))
-
+    logger.info("[1/4] importing %s from %s", dataset, source)
+    import_edges(_with_edges(config, split_dirs), [os.path.join(source, f"{s}.txt") for s in SPLITS],
+                 ImportOptions(lhs_col=0, rel_col=1, rhs_col=2))
+    logger.info("[2/4] training (%d epochs)", epochs)
+    training = train(config)
     logger.info("[3/4] filtered evaluation on the test split against every entity")
-    metrics = evaluate_command(
-        load_config(config_path, [f"edge_paths={test_dir}"]),
-        filter_paths=[train_dir, valid_dir, test_dir],
-        candidates="all",
-    )
+    metrics = evaluate_command(_with_edges(config, split_dirs[2:]), filter_paths=split_dirs, candidates="all")
     with open(os.path.join(out, "test_metrics.json"), "w", encoding="utf-8") as handle:
         json.dump(metrics, handle, indent=2)
-
     logger.info("[4/4] exporting embeddings to TSV")
     export_dir = os.path.join(out, "export")
-    code = cli_main(["export", config_path, "--out", export_dir, "--format", "tsv"])
-    if code:
-        return code
+    export_checkpoint(config, export_dir, fmt="tsv")
+    return DemoResult(out, config_path, training, metrics, export_dir, time.perf_counter() - started)
 
-    elapsed = time.perf_counter() - started
-    print()
-    print(f"biggraph demo on {args.dataset}: done in {elapsed:.0f} s")
-    print(f"  training:    {summary.get('train_edges', 0)} edges at {summary.get('edges_per_sec', 0):.0f} edges/s")
-    print(f"  test (filtered, all entities): MRR {metrics['mrr']:.4f}  Hits@1 {metrics['hits@1']:.4f}  "
-          f"Hits@10 {metrics['hits@10']:.4f}  over {metrics['count']} edges")
-    print(f"  config:      {config_path}")
-    print(f"  checkpoints: {os.path.join(out, 'checkpoints')}  (PBG format; training_stats.json inside)")
-    print(f"  embeddings:  {export_dir}")
-    print(f"  metrics:     {os.path.join(out, 'test_metrics.json')}")
-    print(f"  next: biggraph eval {config_path} -p edge_paths={test_dir} --candidates all "
-          f"--filter {train_dir} --filter {valid_dir} --filter {test_dir}")
-    print(f"  report: biggraph report {os.path.join(out, 'checkpoints')} --metrics {os.path.join(out, 'test_metrics.json')}")
-    return 0
+
+def _with_edges(config: ConfigSchema, edge_paths: list[str]) -> ConfigSchema:
+    return dataclasses.replace(config, edge_paths=list(edge_paths))

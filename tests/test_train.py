@@ -648,7 +648,7 @@ def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, 
 
 
 def test_train_starts_one_process_per_gpu_only_when_asked_and_present() -> None:
-    from job.commands import gpu_processes
+    from job.train.launch import gpu_processes
 
     assert gpu_processes(4, "auto", 8, False) == 4
     assert gpu_processes(8, "auto", 2, False) == 2  # no more processes than cards
@@ -659,7 +659,7 @@ def test_train_starts_one_process_per_gpu_only_when_asked_and_present() -> None:
 
 
 def test_gpu_processes_need_two_partitions_each() -> None:
-    from job.commands import partition_advice
+    from job.train.launch import partition_advice
 
     raw = {"entities": {"node": {"num_partitions": 4}}, "relations": [{"name": "r", "lhs": "node", "rhs": "node"}],
            "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x"}

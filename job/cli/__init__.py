@@ -23,13 +23,13 @@ __all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "o
 
 # Modules that define ``register(subparsers)``; order is the order of ``biggraph --help``.
 COMMAND_MODULES = (
-    "job.commands",
+    "job.cli.train",
     "job.cli.importing",
-    "job.growing.cli",
-    "job.validate",
+    "job.cli.grow",
+    "job.cli.validate",
     "job.cli.exporting",
     "job.cli.legacy",
-    "job.demo",
+    "job.cli.demo",
     "job.k8s_cli",
     "job.archive_cli",
     "job.cli.report",

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from job.config import ConfigSchema
 from job.train.batching import EdgeTensors, process_edges
 from job.train.model import Model, Table
+from job.train.spawning import main_module_hidden
 from job.train.step import BatchContext, BatchStats, RelationAdagrad
 
 logger = logging.getLogger("biggraph")
@@ -82,7 +83,8 @@ class WorkerPool:
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )
-            process.start()
+            with main_module_hidden():  # the API works from a script without a main guard, or from stdin
+                process.start()
             self.processes.append(process)
         # Wait until every worker has imported torch and unpickled the model: starting up costs seconds
         # of CPU, which would otherwise be taken from the first buckets' training.

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from job.cli.common import add_config_arguments, overrides_of
+from job.cli.importing import add_import_arguments, import_options
+from job.config import load_config
+
 
 def register(subparsers: Any) -> None:
-    from job.cli import add_config_arguments
-    from job.cli.importing import add_import_arguments
-
     parser = subparsers.add_parser(
         "grow",
         help="add new entities, relation types and edges to a trained model, then train on the new edges",
@@ -19,7 +20,7 @@ def register(subparsers: Any) -> None:
             "partitions (balanced) and initialised (config key grow_init), new relation types follow the old ones. "
             "The grown input and checkpoint are committed together as the next checkpoint version, then "
             "grow_num_epochs passes train on the new edges plus a grow_replay_fraction sample of the old ones. "
-            "Run it again with the same files after a crash to resume. Put -p overrides after the files."
+            "Run it again with the same files after a crash to resume."
         ),
     )
     add_config_arguments(parser)
@@ -32,10 +33,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from job.cli import overrides_of
-    from job.cli.importing import import_options
-    from job.config import load_config
-    from job.growing import grow
+    from job.growing import grow  # torch: only when the command runs
 
     config = load_config(args.config, overrides_of(args))
     summary = grow(config, args.files, import_options(args), into=args.into, train=not args.no_train)

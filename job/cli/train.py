@@ -1,0 +1,83 @@
+"""``biggraph config-help``, ``biggraph train`` and ``biggraph eval``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from job.cli.common import add_config_arguments, overrides_of
+from job.config import ConfigSchema, config_help, load_config
+
+logger = logging.getLogger("biggraph")
+
+
+def register(subparsers: Any) -> None:
+    help_parser = subparsers.add_parser("config-help", help="print every config key with its type, default and help")
+    help_parser.set_defaults(func=_config_help)
+
+    train = subparsers.add_parser("train", help="train embeddings (resumes from the last checkpoint if any)")
+    add_config_arguments(train)
+    train.add_argument(
+        "--edge-read-mode", choices=("stage", "stream"), default=None,
+        help="how to read edge files from object stores (overrides the config key edge_read_mode)",
+    )
+    train.set_defaults(func=_train)
+
+    evaluate = subparsers.add_parser("eval", help="rank held-out edges: MRR, Hits@1/10/50, AUC, mean rank")
+    add_config_arguments(evaluate)
+    evaluate.add_argument("--filter", action="append", default=[], metavar="EDGE_DIR",
+                          help="directories of true edges removed from the candidates (filtered ranks); repeatable")
+    evaluate.add_argument("--candidates", choices=("sampled", "all"), default="sampled",
+                          help="rank against sampled negatives (as during training) or every entity of the type")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
+    evaluate.add_argument("--version", type=int, default=None, help="checkpoint version (default: the latest)")
+    evaluate.set_defaults(func=_eval)
+
+
+def _config_help(args: argparse.Namespace) -> int:
+    print(config_help())
+    return 0
+
+
+def load(args: argparse.Namespace) -> ConfigSchema:
+    """The config of a command: CONFIG with its ``-p`` overrides (and ``--edge-read-mode`` where the command has it)."""
+    extra = []
+    if getattr(args, "edge_read_mode", None):
+        extra.append(f"edge_read_mode={args.edge_read_mode}")
+    return load_config(args.config, overrides_of(args) + extra)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch  # heavy: only when the command runs, so that `biggraph --help` stays instant
+
+    from job.train import train
+    from job.train.launch import gpu_processes, partition_advice, relaunch_one_process_per_gpu
+
+    config = load(args)
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)
+    if 0 < cards < config.num_gpus and not launched_by_torchrun and config.device != "cpu":
+        logger.warning("num_gpus=%d but this machine has %d GPU(s): training with %d", config.num_gpus, cards, cards)
+    if processes > 1:
+        advice = partition_advice(config, processes)
+        if advice:
+            logger.warning(advice)
+        return relaunch_one_process_per_gpu(processes, args.argv)
+    train(config)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from job.evaluation import evaluate_command  # torch: only when the command runs
+
+    metrics = evaluate_command(load(args), filter_paths=args.filter, candidates=args.candidates, version=args.version)
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        for key, value in metrics.items():
+            print(f"{key:>10}: {value:.6g}" if isinstance(value, float) else f"{key:>10}: {value}")
+    return 0
