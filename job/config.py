@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from job.errors import ConfigError
+from job.model.names import COMPARATORS, LOSS_FUNCTIONS, OPERATORS  # the model registries' names; no torch
 
 MISSING = dataclasses.MISSING
 
@@ -63,9 +64,6 @@ class BucketOrder(str, enum.Enum):
     BUFFER = "buffer"  # ours: few partition swaps for a buffer of partition_buffer partitions
 
 
-OPERATORS = ("none", "diagonal", "translation", "linear", "affine", "complex_diagonal")
-COMPARATORS = ("dot", "cos", "l2", "squared_l2")
-LOSS_FUNCTIONS = ("ranking", "logistic", "softmax")
 REGULARIZERS = ("N3",)
 EDGE_READ_MODES = ("stage", "stream")
 GROW_INITS = ("random", "neighbours")
