@@ -31,12 +31,12 @@ from job.config import ConfigSchema
 from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage
+from job.model.scoring import Model, Table
 from job.monitoring import task_progress
 from job.session import storage_scoped
 from job.train.batching import process_edges
 from job.train.buckets import Bucket
 from job.train.loop import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
-from job.train.model import Model, Table
 from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")

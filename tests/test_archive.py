@@ -36,7 +36,7 @@ from job.config import parse_config
 from job.errors import UserError
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import write_dynamic_rel_count, write_dynamic_rel_names, write_entity_count, write_entity_names
-from job.train.model import Model
+from job.model.scoring import Model
 from job.train.step import row_adagrad_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -526,11 +526,14 @@ def test_trained_model_metrics_match_biggraph_eval(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fresh_venv_with_only_numpy_and_flatbuffers(static_archive: tuple[dict[str, Any], str], tmp_path: Path) -> None:
     _, out = static_archive
-    # only the loader's files: job/__init__.py, job/errors.py and job/archive/ minus the writer
+    # only the loader's files: job/__init__.py, job/errors.py, job/archive/ minus the writer, and the pure-Python
+    # names and registry of job/model/ that the numpy twin registers against
     app = tmp_path / "app"
-    (app / "job").mkdir(parents=True)
+    (app / "job" / "model").mkdir(parents=True)
     shutil.copy(REPO / "job" / "__init__.py", app / "job")
     shutil.copy(REPO / "job" / "errors.py", app / "job")
+    for name in ("__init__.py", "names.py", "registry.py"):
+        shutil.copy(REPO / "job" / "model" / name, app / "job" / "model")
     shutil.copytree(REPO / "job" / "archive", app / "job" / "archive", ignore=shutil.ignore_patterns("__pycache__"))
     (app / "job" / "archive" / "writer.py").unlink()
     venv = tmp_path / "venv"

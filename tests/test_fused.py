@@ -1,6 +1,6 @@
 """The hand-differentiated hot path gives autograd's losses and gradients.
 
-``job.train.fused`` (negative scoring + loss) and the complex-diagonal operator replace autograd
+``job.model.fused`` (negative scoring + loss) and the complex-diagonal operator replace autograd
 for speed; each batch here is run twice from the same state, once through them and once through
 the autograd path, in float64, and every updated embedding and operator gradient is compared.
 """
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from job.config import parse_config
+from job.model.operators import _ComplexDiagonal
+from job.model.scoring import Model, Table
 from job.train import step
-from job.train.model import Model, Table, _ComplexDiagonal
 from job.train.step import BatchContext, run_batch
 
 DIM = 8

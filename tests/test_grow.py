@@ -270,7 +270,7 @@ def test_random_initialisation_draws_at_init_scale(model: Path) -> None:
 def test_neighbour_targets_invert_each_operator() -> None:
     """``adjoint`` is where x must be for op(x) to match y: exactly the inverse for the l2 comparators."""
     from job.growing.rows import adjoint
-    from job.train.model import Operator
+    from job.model.operators import Operator
 
     torch.manual_seed(0)
     x = torch.randn(5, 6)

@@ -18,6 +18,9 @@ from job.evaluation import evaluate_command
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, write_edges
 from job.formats.entities import write_dynamic_rel_count, write_entity_count
+from job.model.comparators import Comparator
+from job.model.losses import compute_loss
+from job.model.operators import Operator
 from job.train import Trainer, train
 from job.train.buckets import (
     Bucket,
@@ -28,7 +31,6 @@ from job.train.buckets import (
     plan_loads,
     swaps_needed,
 )
-from job.train.model import Comparator, Operator, compute_loss
 
 # BIGGRAPH_TEST_DEVICE=cuda trains the graphs of these tests on the GPU (tests/test_cuda.py: the CUDA-only tests)
 TEST_DEVICE = os.environ.get("BIGGRAPH_TEST_DEVICE", "auto")
@@ -613,7 +615,7 @@ def test_featurized_batches_use_the_mean_of_feature_rows() -> None:
 @pytest.mark.parametrize("loss_fn", ["ranking", "logistic", "softmax"])
 def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, loss_fn: str) -> None:
     """Few candidates, many samples: scoring each candidate once with its draw count must give PBG's sums."""
-    from job.train.model import Model
+    from job.model.scoring import Model
     from job.train.step import BatchStats, _add_ranks
 
     config = parse_config(write_cycle_graph(tmp_path, loss_fn=loss_fn, comparator="dot"))
@@ -638,7 +640,7 @@ def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, 
     expected = compute_loss(loss_fn, 0.1, weighted.pos, explicit)
     got = compute_loss(loss_fn, 0.1, weighted.pos, weighted.neg, weighted.weight, weighted.num_neg)
     assert got.item() == pytest.approx(expected.item(), rel=1e-5)
-    from job.train.model import SideScores
+    from job.model.scoring import SideScores
 
     ranks_weighted, ranks_explicit = BatchStats(), BatchStats()
     _add_ranks(ranks_weighted, weighted)

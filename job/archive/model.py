@@ -1,4 +1,4 @@
-"""A trained model read from an archive, scored with numpy exactly as ``job/train/model.py`` scores it.
+"""A trained model read from an archive, scored with numpy exactly as ``job.model.scoring`` scores it.
 
 Semantics (PBG's): the embedding of an entity is its table row plus its type's global
 embedding (when the model has one); a relation's operator applies to the right-hand side;
@@ -21,89 +21,9 @@ import numpy as np
 
 from job.archive.errors import QueryError
 from job.archive.ndarray import Decoded
+from job.archive.scoring import NumpyComparator, apply_operator
 
 RelationKey = Union[str, int]
-
-
-# numpy versions of job/train/model.py's Operator and Comparator --------------------------------------
-
-
-def apply_operator(kind: str, params: dict[str, np.ndarray], x: np.ndarray, row: Optional[int] = None) -> np.ndarray:
-    """``Operator.forward`` for rows ``x`` (..., dim); ``row`` selects a dynamic relation's parameters."""
-
-    def get(name: str) -> np.ndarray:
-        if row is None:
-            return params[name]
-        return params[name + "s"][row] if name + "s" in params else params[name][row]
-
-    if kind == "none":
-        return x
-    if kind == "diagonal":
-        return x * get("diagonal")
-    if kind == "translation":
-        return x + get("translation")
-    if kind in ("linear", "affine"):
-        out = x @ get("linear_transformation").T
-        if kind == "affine":
-            out = out + get("translation")
-        return out
-    if kind == "complex_diagonal":
-        half = x.shape[-1] // 2
-        real_b, imag_b = get("real"), get("imag")
-        real_a, imag_a = x[..., :half], x[..., half:]
-        return np.concatenate((real_a * real_b - imag_a * imag_b, real_a * imag_b + imag_a * real_b), axis=-1)
-    raise ValueError(f"unknown operator {kind}")
-
-
-class NumpyComparator:
-    def __init__(self, kind: str, bias: bool) -> None:
-        if kind not in ("dot", "cos", "l2", "squared_l2"):
-            raise ValueError(f"unknown comparator {kind}")
-        self.kind = kind
-        self.bias = bias
-
-    def prepare(self, x: np.ndarray) -> np.ndarray:
-        if self.bias:
-            return np.concatenate((x[..., :1], self._prepare(x[..., 1:])), axis=-1)
-        return self._prepare(x)
-
-    def _prepare(self, x: np.ndarray) -> np.ndarray:
-        if self.kind == "cos":
-            norm = np.sqrt((x * x).sum(-1, keepdims=True))
-            return x * np.reciprocal(np.maximum(norm, np.float32(1e-30)))
-        return x
-
-    def pos(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """Scores of matching rows of x and y."""
-        if self.bias:
-            return self._pos(x[..., 1:], y[..., 1:]) + x[..., 0] + y[..., 0]
-        return self._pos(x, y)
-
-    def _pos(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        if self.kind in ("dot", "cos"):
-            return (x * y).sum(-1)
-        squared = ((x - y) ** 2).sum(-1)
-        if self.kind == "squared_l2":
-            return -squared
-        return -np.sqrt(np.maximum(squared, np.float32(1e-30)))
-
-    def pairwise(self, x: np.ndarray, y: np.ndarray, y_sq: Optional[np.ndarray] = None) -> np.ndarray:
-        """All scores of rows x (A, d) against rows y (B, d): (A, B)."""
-        if self.bias:
-            scores = self._pairwise(x[..., 1:], y[..., 1:], y_sq)
-            return scores + x[..., 0][..., None] + y[..., 0][None, :]
-        return self._pairwise(x, y, y_sq)
-
-    def _pairwise(self, x: np.ndarray, y: np.ndarray, y_sq: Optional[np.ndarray]) -> np.ndarray:
-        dots = x @ y.T
-        if self.kind in ("dot", "cos"):
-            return dots
-        if y_sq is None:
-            y_sq = (y * y).sum(-1)
-        squared = np.maximum((x * x).sum(-1)[:, None] + y_sq[None, :] - 2 * dots, np.float32(0))
-        if self.kind == "squared_l2":
-            return -squared
-        return -np.sqrt(np.maximum(squared, np.float32(1e-30)))
 
 
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:
@@ -351,8 +271,8 @@ class ArchiveModel:
         use_faiss = backend == "faiss" or (backend == "auto" and len(cands) > 100_000 and _faiss_available())
         if use_faiss and not self.comparator.bias:
             if key not in self._faiss:
-                self._faiss[key] = _faiss_index(self.comparator.kind, cands)
-            return _faiss_search(self._faiss[key], self.comparator.kind, anchor, want)
+                self._faiss[key] = _faiss_index(self.comparator, cands)
+            return _faiss_search(self._faiss[key], self.comparator, anchor, want)
         scores = self.comparator.pairwise(anchor, cands, y_sq)[0]
         best = top_k(scores, want)
         return best, scores[best]
@@ -382,20 +302,20 @@ def _faiss_available() -> bool:
     return importlib.util.find_spec("faiss") is not None
 
 
-def _faiss_index(kind: str, cands: np.ndarray) -> Any:
+def _faiss_index(comparator: NumpyComparator, cands: np.ndarray) -> Any:
     import faiss  # optional
 
-    index = faiss.IndexFlatIP(cands.shape[1]) if kind in ("dot", "cos") else faiss.IndexFlatL2(cands.shape[1])
+    dim = cands.shape[1]
+    index = faiss.IndexFlatIP(dim) if comparator.spec.dot_product else faiss.IndexFlatL2(dim)
     index.add(np.ascontiguousarray(cands, dtype=np.float32))
     return index
 
 
-def _faiss_search(index: Any, kind: str, anchor: np.ndarray, want: int) -> tuple[np.ndarray, np.ndarray]:
+def _faiss_search(index: Any, comparator: NumpyComparator, anchor: np.ndarray,
+                  want: int) -> tuple[np.ndarray, np.ndarray]:
     distances, ids = index.search(np.ascontiguousarray(anchor, dtype=np.float32), min(want, index.ntotal))
     scores = distances[0]
-    if kind == "squared_l2":
-        scores = -scores
-    elif kind == "l2":
-        scores = -np.sqrt(np.maximum(scores, 1e-30))
+    if not comparator.spec.dot_product:  # an L2 index returns squared distances
+        scores = comparator.spec.from_squared_distance(scores)
     keep = ids[0] >= 0
     return ids[0][keep].astype(np.int64), scores[keep].astype(np.float32)

@@ -331,7 +331,7 @@ def _row_sums(state: Optional[dict], count: int) -> Optional[np.ndarray]:
 
 def _model_sums(config: ConfigSchema, optim: dict, model_params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Adagrad sums of the relation parameters by public name (the optimizer indexes them in Model.parameters() order)."""
-    from job.train.model import Model
+    from job.model.scoring import Model
 
     num_dynamic = 0
     if config.dynamic_relations:

@@ -1,12 +1,15 @@
 """The closed sets of values some config keys take, in one place.
 
-The schema's help strings, its checks and the tests all read these tuples, so a new
-operator, comparator or loss function is added here and nowhere else in the config.
+The schema's help strings, its checks and the tests all read these tuples. Operators, comparators and
+loss functions are the model registries' declared names (``job.model.names``, torch-free): a new one is
+declared there and registered by its implementation, never listed again here.
 """
 
 from __future__ import annotations
 
 import enum
+
+from job.model.names import COMPARATORS, LOSS_FUNCTIONS, OPERATORS
 
 
 class BucketOrder(str, enum.Enum):
@@ -19,11 +22,11 @@ class BucketOrder(str, enum.Enum):
     BUFFER = "buffer"  # ours: few partition swaps for a buffer of partition_buffer partitions
 
 
-OPERATORS = ("none", "diagonal", "translation", "linear", "affine", "complex_diagonal")
-COMPARATORS = ("dot", "cos", "l2", "squared_l2")
-LOSS_FUNCTIONS = ("ranking", "logistic", "softmax")
 REGULARIZERS = ("N3",)
 EDGE_READ_MODES = ("stage", "stream")
 DEVICES = ("auto", "cpu", "cuda")
 GROW_INITS = ("random", "neighbours")
 GROW_NUM_EPOCHS_DEFAULT = 5
+
+__all__ = ["COMPARATORS", "DEVICES", "EDGE_READ_MODES", "GROW_INITS", "GROW_NUM_EPOCHS_DEFAULT", "LOSS_FUNCTIONS",
+           "OPERATORS", "REGULARIZERS", "BucketOrder"]

@@ -75,7 +75,7 @@ def grown_model(
     initialises them (identity operators), with zero Adagrad sums. The optimizer state is matched
     by parameter name, since its entries are numbered by position and new relations shift positions.
     """
-    from job.train.model import Model
+    from job.model.scoring import Model
     from job.train.step import RelationAdagrad
 
     old_model = Model(old, old_num_rels if old.dynamic_relations else 0)

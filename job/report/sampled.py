@@ -30,9 +30,9 @@ def relation_mrr(config: ConfigSchema, edge_path: str, budget: int, seed: int) -
 
     from job.evaluation import CheckpointReader, read_checked_edges
     from job.formats import edges as edge_format
+    from job.model.scoring import Table
     from job.train.batching import EdgeTensors, process_edges
     from job.train.loop import bucket_grid
-    from job.train.model import Table
     from job.train.step import BatchContext, BatchStats
 
     reader = CheckpointReader(config)

@@ -18,8 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from job.config import ConfigSchema
+from job.model.scoring import Model, Table
 from job.train.batching import EdgeTensors, process_edges
-from job.train.model import Model, Table
 from job.train.spawning import main_module_hidden
 from job.train.step import BatchContext, BatchStats, RelationAdagrad
 

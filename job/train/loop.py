@@ -22,6 +22,7 @@ from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
+from job.model.scoring import Model, Table
 from job.train.batching import EdgeTensors, process_edges
 from job.train.buckets import Bucket, all_buckets, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import choose_capacity
@@ -36,7 +37,6 @@ from job.train.distributed import (
     wait_all,
 )
 from job.train.hogwild import WorkerPool
-from job.train.model import Model, Table
 from job.train.partitions import PartitionStore
 from job.train.step import BatchContext, BatchStats, RelationAdagrad
 from storage_adapters.edge_reader import prefetch

@@ -23,8 +23,8 @@ import torch
 import storage_adapters as storage
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
+from job.model.scoring import Table
 from job.train.buffer import IOStats, pick_victim
-from job.train.model import Table
 from job.train.step import row_adagrad_state
 
 logger = logging.getLogger("biggraph")

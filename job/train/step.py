@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from job.config import ConfigSchema
-from job.train.model import Model, SideScores, Table, compute_loss
+from job.model.losses import compute_loss
+from job.model.scoring import Model, SideScores, Table
 
 ADAGRAD_EPS = 1e-10
 # Both sides of a batch gather their rows together when the shared table has at most this many rows per
@@ -230,7 +231,7 @@ def cached_tensors() -> list[Tensor]:
     A captured CUDA graph holds their addresses, not references: it keeps this list alive so that a cache
     that grows or is cleared later cannot hand the memory to something else while the graph still uses it.
     """
-    from job.train.model import _MASK_CACHE
+    from job.model.scoring import _MASK_CACHE
 
     return [*_SCRATCH.values(), *_POSITIONS.values(), *_MASK_CACHE.values()]
 

@@ -17,17 +17,22 @@ the same backward product; and the statistics (violators) are counted on the sco
 while it is still in cache.
 
 Used when training with the ``dot`` or ``cos`` comparator (both score prepared vectors by a
-dot product) and no bias; anything else takes the autograd path in ``model.py``.
+dot product) and no bias; anything else takes the autograd path in ``job.model.scoring``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from job.model import names
+from job.model.comparators import COMPARATORS
+from job.model.registry import Registry
 
 
 class _AttachGradients(torch.autograd.Function):
@@ -45,7 +50,8 @@ class _AttachGradients(torch.autograd.Function):
 
 
 def fused_supported(comparator: str, bias: bool, loss_fn: str) -> bool:
-    return comparator in ("dot", "cos") and not bias and loss_fn in ("ranking", "logistic", "softmax")
+    """Whether training with these settings can take the hand-differentiated path."""
+    return COMPARATORS.get(comparator).dot_product and not bias and loss_fn in BLOCKWISE_LOSSES
 
 
 @dataclass
@@ -71,13 +77,20 @@ class SideResult:
     d_batch: Optional[Tensor] = None
 
 
-def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[tuple[Tensor, Optional[Tensor]]],
+Block = tuple[Tensor, Optional[Tensor]]  # negative scores (R x k) and their weight (broadcastable) or None
+# (margin, positive scores, blocks, negatives per positive, rows that count) -> (loss, d pos); blocks become gradients
+BlockwiseLoss = Callable[[float, Tensor, list[Block], int, int], tuple[Tensor, Tensor]]
+
+BLOCKWISE_LOSSES: Registry[BlockwiseLoss] = Registry("loss function", names.LOSS_FUNCTIONS)
+
+
+def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[Block],
                    num_neg: int, num_pos: int) -> tuple[Tensor, Tensor, list[Tensor], Tensor | float]:
     """PBG's loss over [positive | negatives] held as separate blocks, and its gradient.
 
     ``pos`` (R,): positive scores; ``blocks``: (scores (R x k), weight broadcastable to it or None) for each
     group of negatives, masked entries at a very negative score. Rows past ``num_pos`` (chunk padding) are
-    left out of the loss and get zero gradient. The same sums as ``model.compute_loss``, without
+    left out of the loss and get zero gradient. The same sums as ``job.model.losses``, without
     concatenating the blocks into one matrix. The blocks are overwritten with their gradients.
     Returns (loss, d pos, d blocks, violators: weighted count of negatives scoring above their positive).
     """
@@ -87,52 +100,66 @@ def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[tuple[Ten
     for block, weight in blocks:
         above = block[:num_pos].sub(column[:num_pos]).gt_(0)
         violators = violators + (above.mul_(weight[:num_pos]) if weight is not None else above).sum()
-    if kind == "softmax":
-        top = pos.clone()
-        for block, weight in blocks:
-            if weight is not None:
-                block.add_(weight.log())
-            torch.maximum(top, block.amax(1), out=top)
-        top_column = top.unsqueeze(1)
-        d_pos = torch.exp(pos - top)
-        total = d_pos.clone()
-        for block, _ in blocks:
-            total += block.sub_(top_column).exp_().sum(1)
-        loss = (top + total.log() - pos)[:num_pos].sum()
-        d_pos.div_(total).sub_(1)
-        inverse_total = total.reciprocal_().unsqueeze(1)
-        for block, _ in blocks:
-            block.mul_(inverse_total)
-    elif kind == "ranking":
-        loss = pos.new_zeros(())
-        d_pos = torch.zeros_like(pos)
-        threshold = (margin - pos).unsqueeze(1)
-        for block, weight in blocks:
-            violation = block.add_(threshold)
-            active = (violation > 0).to(pos.dtype)
-            if weight is not None:
-                active.mul_(weight)
-            loss = loss + (violation.clamp_min_(0) * active)[:num_pos].sum()
-            d_pos -= active.sum(1)
-            block.copy_(active)
-    elif kind == "logistic":
-        loss = F.softplus(-pos)[:num_pos].sum()
-        d_pos = torch.sigmoid(-pos).neg_()
-        for block, weight in blocks:
-            terms = F.softplus(block)
-            if weight is not None:
-                terms.mul_(weight)
-            loss = loss + terms[:num_pos].sum() / num_neg
-            block.sigmoid_().div_(num_neg)
-            if weight is not None:
-                block.mul_(weight)
-    else:
-        raise ValueError(f"unknown loss {kind}")
+    loss, d_pos = BLOCKWISE_LOSSES.get(kind)(margin, pos, blocks, num_neg, num_pos)
     if num_pos < rows:
         d_pos[num_pos:] = 0
         for block, _ in blocks:
             block[num_pos:] = 0
     return loss, d_pos, [block for block, _ in blocks], violators
+
+
+@BLOCKWISE_LOSSES.register("softmax")
+def _softmax_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: int,
+                    num_pos: int) -> tuple[Tensor, Tensor]:
+    top = pos.clone()
+    for block, weight in blocks:
+        if weight is not None:
+            block.add_(weight.log())
+        torch.maximum(top, block.amax(1), out=top)
+    top_column = top.unsqueeze(1)
+    d_pos = torch.exp(pos - top)
+    total = d_pos.clone()
+    for block, _ in blocks:
+        total += block.sub_(top_column).exp_().sum(1)
+    loss = (top + total.log() - pos)[:num_pos].sum()
+    d_pos.div_(total).sub_(1)
+    inverse_total = total.reciprocal_().unsqueeze(1)
+    for block, _ in blocks:
+        block.mul_(inverse_total)
+    return loss, d_pos
+
+
+@BLOCKWISE_LOSSES.register("ranking")
+def _ranking_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: int,
+                    num_pos: int) -> tuple[Tensor, Tensor]:
+    loss = pos.new_zeros(())
+    d_pos = torch.zeros_like(pos)
+    threshold = (margin - pos).unsqueeze(1)
+    for block, weight in blocks:
+        violation = block.add_(threshold)
+        active = (violation > 0).to(pos.dtype)
+        if weight is not None:
+            active.mul_(weight)
+        loss = loss + (violation.clamp_min_(0) * active)[:num_pos].sum()
+        d_pos -= active.sum(1)
+        block.copy_(active)
+    return loss, d_pos
+
+
+@BLOCKWISE_LOSSES.register("logistic")
+def _logistic_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: int,
+                     num_pos: int) -> tuple[Tensor, Tensor]:
+    loss = F.softplus(-pos)[:num_pos].sum()
+    d_pos = torch.sigmoid(-pos).neg_()
+    for block, weight in blocks:
+        terms = F.softplus(block)
+        if weight is not None:
+            terms.mul_(weight)
+        loss = loss + terms[:num_pos].sum() / num_neg
+        block.sigmoid_().div_(num_neg)
+        if weight is not None:
+            block.mul_(weight)
+    return loss, d_pos
 
 
 def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
@@ -145,73 +172,120 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
     ``batch_product`` (chunks x chunk x chunk, contiguous, overwritten) is the anchors-by-positives
     product when the caller has it; ``defer_batch`` returns its gradient instead of multiplying it out.
     """
-    num_pos, dim = a.shape
-    num_batch_negs = setup.num_batch_negs
+    num_pos = a.shape[0]
     num_uniform = neg_inv.shape[1] if neg_inv is not None and neg_inv.numel() else 0
-    if num_batch_negs == 0 and num_uniform == 0:
+    if setup.num_batch_negs == 0 and num_uniform == 0:
         pos = (a * positives).sum(1)
         loss, d_pos, _, _ = blockwise_loss(setup.loss_fn, setup.margin, pos, [], 1, num_pos)
         d_pos = d_pos.unsqueeze(1)
         return SideResult(loss, pos, 0, 0.0, positives * d_pos, a * d_pos)
-    chunk = num_batch_negs if num_batch_negs > 0 else num_uniform
-    a_chunks, p_chunks = chunk_rows(a, chunk), chunk_rows(positives, chunk)
-    num_chunks, padded = a_chunks.shape[0], a_chunks.shape[0] * chunk
-    blocks: list[tuple[Tensor, Optional[Tensor]]] = []
-    weighted = 0 < cand.shape[0] < num_uniform  # fewer distinct rows than draws: score each row once, weighted
-    if num_batch_negs > 0:
-        batch = batch_product if batch_product is not None else torch.bmm(a_chunks, p_chunks.transpose(1, 2))
-        # a positive's score is its own entry of the batch product: the diagonal that is masked out
-        pos_padded = batch.diagonal(dim1=1, dim2=2).reshape(padded).clone()
-        batch.diagonal(dim1=1, dim2=2).fill_(setup.masked_score)
-        if padded != num_pos:
-            batch[-1, :, chunk - (padded - num_pos) :] = setup.masked_score
-        blocks.append((batch.view(padded, chunk), None))
+    side = _Chunks.of(setup, a, positives, cand, neg_inv, num_uniform)
+    blocks: list[Block] = []
+    if setup.num_batch_negs > 0:
+        batch = batch_product if batch_product is not None else torch.bmm(side.a, side.p.transpose(1, 2))
+        pos_padded = _batch_block(setup, side, batch, num_pos)
+        blocks.append((batch.view(side.padded, side.chunk), None))
     else:
-        pos_padded = (a_chunks * p_chunks).sum(2).view(padded)
-    neg_vecs = None
-    if weighted:
-        uniform = torch.matmul(a_chunks, cand.t())  # (chunks, chunk, U)
-        draws = torch.zeros((num_chunks, cand.shape[0]), dtype=a.dtype, device=a.device)
-        draws.scatter_add_(1, neg_inv[:num_chunks], torch.ones_like(neg_inv[:num_chunks], dtype=a.dtype))
-        # each chunk's counts, repeated for its rows
-        weight = draws.unsqueeze(1).expand(num_chunks, chunk, cand.shape[0]).reshape(padded, cand.shape[0])
-        blocks.append((uniform.view(padded, cand.shape[0]), weight))
-    elif num_uniform:
-        neg_vecs = cand.index_select(0, neg_inv[:num_chunks].reshape(-1)).view(num_chunks, num_uniform, dim)
-        blocks.append((torch.bmm(a_chunks, neg_vecs.transpose(1, 2)).view(padded, num_uniform), None))
-    num_neg = (chunk if num_batch_negs > 0 else 0) + num_uniform
+        pos_padded = (side.a * side.p).sum(2).view(side.padded)
+    if num_uniform:
+        blocks.append(_uniform_block(side, cand))
+    num_neg = (side.chunk if setup.num_batch_negs > 0 else 0) + num_uniform
     loss, d_pos, d_blocks, violators = blockwise_loss(setup.loss_fn, setup.margin, pos_padded, blocks, num_neg,
                                                       num_pos)
+    d_a, d_p, d_batch = _row_gradients(setup, side, cand, d_pos, d_blocks, d_cand, defer_batch)
+    dim = a.shape[1]
+    return SideResult(loss, pos_padded[:num_pos], num_neg, violators,
+                      None if d_a is None else d_a.view(side.padded, dim),
+                      None if d_p is None else d_p.view(side.padded, dim), d_batch)
+
+
+@dataclass
+class _Chunks:
+    """One side's rows cut into chunks, and where its uniform negatives are."""
+
+    a: Tensor  # anchors (chunks x chunk x d), zero-padded
+    p: Tensor  # positives, the same way
+    chunk: int
+    num_chunks: int
+    padded: int
+    num_uniform: int
+    neg_rows: Optional[Tensor]  # (chunks x N): rows of the candidates, or None without uniform negatives
+    weighted: bool  # fewer distinct candidate rows than draws: each row scored once, weighted by its draws
+    neg_vecs: Optional[Tensor] = None  # (chunks x N x d) once gathered (unweighted uniform negatives only)
+
+    @staticmethod
+    def of(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
+           num_uniform: int) -> _Chunks:
+        chunk = setup.num_batch_negs if setup.num_batch_negs > 0 else num_uniform
+        a_chunks, p_chunks = chunk_rows(a, chunk), chunk_rows(positives, chunk)
+        num_chunks = a_chunks.shape[0]
+        neg_rows = neg_inv[:num_chunks] if num_uniform and neg_inv is not None else None
+        return _Chunks(a_chunks, p_chunks, chunk, num_chunks, num_chunks * chunk, num_uniform, neg_rows,
+                       0 < cand.shape[0] < num_uniform)
+
+
+def _batch_block(setup: ScoringSetup, side: _Chunks, batch: Tensor, num_pos: int) -> Tensor:
+    """Mask the batch negatives' product in place; return the positives' scores (padded) taken from it."""
+    # a positive's score is its own entry of the batch product: the diagonal that is masked out
+    pos_padded = batch.diagonal(dim1=1, dim2=2).reshape(side.padded).clone()
+    batch.diagonal(dim1=1, dim2=2).fill_(setup.masked_score)
+    if side.padded != num_pos:
+        batch[-1, :, side.chunk - (side.padded - num_pos) :] = setup.masked_score
+    return pos_padded
+
+
+def _uniform_block(side: _Chunks, cand: Tensor) -> Block:
+    """Scores of the uniform negatives: each candidate row once, weighted by its draws, or each draw."""
+    assert side.neg_rows is not None
+    if side.weighted:
+        uniform = torch.matmul(side.a, cand.t())  # (chunks, chunk, U)
+        draws = torch.zeros((side.num_chunks, cand.shape[0]), dtype=side.a.dtype, device=side.a.device)
+        draws.scatter_add_(1, side.neg_rows, torch.ones_like(side.neg_rows, dtype=side.a.dtype))
+        # each chunk's counts, repeated for its rows
+        weight = draws.unsqueeze(1).expand(side.num_chunks, side.chunk, cand.shape[0]).reshape(side.padded, -1)
+        return uniform.view(side.padded, cand.shape[0]), weight
+    side.neg_vecs = cand.index_select(0, side.neg_rows.reshape(-1)).view(side.num_chunks, side.num_uniform, -1)
+    return torch.bmm(side.a, side.neg_vecs.transpose(1, 2)).view(side.padded, side.num_uniform), None
+
+
+def _row_gradients(setup: ScoringSetup, side: _Chunks, cand: Tensor, d_pos: Tensor, d_blocks: list[Tensor],
+                   d_cand: Tensor, defer_batch: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The score gradients taken back to the anchor and positive rows (chunked) and added to ``d_cand``.
+
+    Returns (d anchors, d positives, d batch product when deferred).
+    """
     d_a: Optional[Tensor] = None
     d_p: Optional[Tensor] = None
     d_batch: Optional[Tensor] = None
     next_block = 0
-    if num_batch_negs > 0:
-        d_batch = d_blocks[0].view(num_chunks, chunk, chunk)
+    if setup.num_batch_negs > 0:
+        d_batch = d_blocks[0].view(side.num_chunks, side.chunk, side.chunk)
         next_block = 1
         # masked entries have zero gradient; the positives' gradient goes on the diagonal
-        d_batch.diagonal(dim1=1, dim2=2).copy_(d_pos.view(num_chunks, chunk))
+        d_batch.diagonal(dim1=1, dim2=2).copy_(d_pos.view(side.num_chunks, side.chunk))
         if not defer_batch:
-            d_a = torch.bmm(d_batch, p_chunks)
-            d_p = torch.bmm(d_batch.transpose(1, 2), a_chunks)
+            d_a = torch.bmm(d_batch, side.p)
+            d_p = torch.bmm(d_batch.transpose(1, 2), side.a)
             d_batch = None
     else:
-        d_pos_chunks = d_pos.view(num_chunks, chunk, 1)
-        d_a = p_chunks * d_pos_chunks
-        d_p = a_chunks * d_pos_chunks
-    if weighted:
-        d_uniform = d_blocks[next_block].view(num_chunks, chunk, -1)
+        d_pos_chunks = d_pos.view(side.num_chunks, side.chunk, 1)
+        d_a = side.p * d_pos_chunks
+        d_p = side.a * d_pos_chunks
+    if not side.num_uniform:
+        return d_a, d_p, d_batch
+    assert side.neg_rows is not None
+    dim = cand.shape[1]
+    d_uniform = d_blocks[next_block].view(side.num_chunks, side.chunk, -1)
+    if side.weighted:
         uniform_part = torch.matmul(d_uniform, cand)
         d_a = uniform_part if d_a is None else d_a.add_(uniform_part)
-        d_cand.addmm_(d_blocks[next_block].t(), a_chunks.view(padded, dim))
-    elif num_uniform:
-        d_uniform = d_blocks[next_block].view(num_chunks, chunk, num_uniform)
-        d_a = torch.bmm(d_uniform, neg_vecs) if d_a is None else d_a.baddbmm_(d_uniform, neg_vecs)
-        d_neg = torch.bmm(d_uniform.transpose(1, 2), a_chunks)
-        d_cand.index_add_(0, neg_inv[:num_chunks].reshape(-1), d_neg.view(-1, dim))
-    return SideResult(loss, pos_padded[:num_pos], num_neg, violators,
-                      None if d_a is None else d_a.view(padded, dim), None if d_p is None else d_p.view(padded, dim),
-                      d_batch)
+        d_cand.addmm_(d_blocks[next_block].t(), side.a.view(side.padded, dim))
+    else:
+        assert side.neg_vecs is not None
+        d_a = torch.bmm(d_uniform, side.neg_vecs) if d_a is None else d_a.baddbmm_(d_uniform, side.neg_vecs)
+        d_neg = torch.bmm(d_uniform.transpose(1, 2), side.a)
+        d_cand.index_add_(0, side.neg_rows.reshape(-1), d_neg.view(-1, dim))
+    return d_a, d_p, d_batch
 
 
 class _ChunkRows:

@@ -1,0 +1,196 @@
+"""PBG's relation operators in torch, one registered class per name of ``job.model.names.OPERATORS``.
+
+An operator kind says which parameters it has (PBG's names, so that state dicts and checkpoints
+are interchangeable with PBG's) and how it transforms rows given them. ``Operator`` is the
+``nn.Module`` holding one relation's parameters, or every dynamic relation's (one row per
+relation type). The numpy twin used to serve archives is ``job.archive.scoring``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from job.model import names
+from job.model.registry import Registry
+
+Getter = Callable[[str], Tensor]  # a parameter by its static name, already gathered per row when dynamic
+
+
+class OperatorKind:
+    """One kind of operator: its parameters' initial values (the identity, as in PBG) and its forward."""
+
+    # PBG names a dynamic operator's parameters in the plural ("diagonals"); complex_diagonal's keep their name
+    plural_when_dynamic = True
+
+    @staticmethod
+    def initial(dim: int) -> dict[str, Tensor]:
+        """Initial values for one relation, in registration order (the order of the state dict)."""
+        return {}
+
+    @staticmethod
+    def check(dim: int) -> None:
+        """Raise ValueError when the operator cannot work in ``dim`` dimensions."""
+
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        raise NotImplementedError
+
+
+OPERATORS: Registry[type[OperatorKind]] = Registry("operator", names.OPERATORS)
+
+
+@OPERATORS.register("none")
+class NoOperator(OperatorKind):
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return x
+
+
+@OPERATORS.register("diagonal")
+class DiagonalOperator(OperatorKind):
+    @staticmethod
+    def initial(dim: int) -> dict[str, Tensor]:
+        return {"diagonal": torch.ones(dim)}
+
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return x * get("diagonal")
+
+
+@OPERATORS.register("translation")
+class TranslationOperator(OperatorKind):
+    @staticmethod
+    def initial(dim: int) -> dict[str, Tensor]:
+        return {"translation": torch.zeros(dim)}
+
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return x + get("translation")
+
+
+@OPERATORS.register("linear")
+class LinearOperator(OperatorKind):
+    @staticmethod
+    def initial(dim: int) -> dict[str, Tensor]:
+        return {"linear_transformation": torch.eye(dim)}
+
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        matrix = get("linear_transformation")
+        if dynamic:  # one matrix per row
+            return torch.matmul(matrix, x.unsqueeze(-1)).squeeze(-1)
+        return x @ matrix.t()
+
+
+@OPERATORS.register("affine")
+class AffineOperator(OperatorKind):
+    @staticmethod
+    def initial(dim: int) -> dict[str, Tensor]:
+        return {"linear_transformation": torch.eye(dim), "translation": torch.zeros(dim)}
+
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return LinearOperator.apply(x, get, dynamic) + get("translation")
+
+
+@OPERATORS.register("complex_diagonal")
+class ComplexDiagonalOperator(OperatorKind):
+    """(a + ib)(c + id) with rows laid out as [real | imag]."""
+
+    plural_when_dynamic = False
+
+    @staticmethod
+    def initial(dim: int) -> dict[str, Tensor]:
+        return {"real": torch.ones(dim // 2), "imag": torch.zeros(dim // 2)}
+
+    @staticmethod
+    def check(dim: int) -> None:
+        if dim % 2:
+            raise ValueError("complex_diagonal needs an even dimension")
+
+    @staticmethod
+    def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return _ComplexDiagonal.apply(x, get("real"), get("imag"))
+
+
+class Operator(nn.Module):
+    """A relation operator; ``num_operations`` > 0 makes it dynamic (one set of parameters per relation)."""
+
+    def __init__(self, kind: str, dim: int, num_operations: int = 0) -> None:
+        super().__init__()
+        self.kind = kind
+        self.dim = dim
+        self.dynamic = num_operations > 0
+        self.spec = OPERATORS.get(kind)
+        self.spec.check(dim)
+        self._suffix = "s" if self.dynamic and self.spec.plural_when_dynamic else ""
+        lead = (num_operations,) if self.dynamic else ()
+        self.param_names: list[str] = []
+        for name, value in self.spec.initial(dim).items():
+            self.register_parameter(name + self._suffix, nn.Parameter(value.expand(lead + value.shape).clone()))
+            self.param_names.append(name + self._suffix)
+
+    def _get(self, name: str, rel: Optional[Tensor]) -> Tensor:
+        """The parameter ``name`` (its static name), one row per entry of ``rel`` when dynamic."""
+        param = getattr(self, name + self._suffix)
+        return rows(param, rel) if self.dynamic else param
+
+    def forward(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
+        """Apply to rows ``x`` (..., dim); ``rel`` gives the relation of each row when dynamic."""
+        return self.spec.apply(x, lambda name: self._get(name, rel), self.dynamic)
+
+
+def rows(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` through index_select: its backward is an index_add, not the much slower
+    accumulating index_put that advanced indexing differentiates to on the CPU."""
+    flat = table.index_select(0, index.reshape(-1))
+    return flat.view(tuple(index.shape) + tuple(table.shape[1:]))
+
+
+class _ComplexDiagonal(torch.autograd.Function):
+    """Complex multiplication of each row by (real + i imag), differentiated by hand.
+
+    Written into the two halves of one output with fused multiply-adds: autograd's version
+    (swap the halves, two broadcast products, a sum) made five full passes forward and more
+    backward, and the swap's backward is an index_add; on thousands of rows per batch this was
+    the most expensive elementwise step of a batch. ``real``/``imag`` are (h,) for a static
+    relation or (rows, h) when each row has its own relation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, real: Tensor, imag: Tensor) -> Tensor:
+        ctx.save_for_backward(x, real, imag)
+        half = x.shape[-1] // 2
+        x_re, x_im = x[..., :half], x[..., half:]
+        out = torch.empty_like(x)
+        torch.mul(x_re, real, out=out[..., :half])
+        out[..., :half].addcmul_(x_im, imag, value=-1)
+        torch.mul(x_re, imag, out=out[..., half:])
+        out[..., half:].addcmul_(x_im, real)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, real, imag = ctx.saved_tensors
+        half = x.shape[-1] // 2
+        x_re, x_im = x[..., :half], x[..., half:]
+        g_re, g_im = grad[..., :half], grad[..., half:]
+        d_x = torch.empty_like(x)
+        torch.mul(g_re, real, out=d_x[..., :half])
+        d_x[..., :half].addcmul_(g_im, imag)
+        torch.mul(g_im, real, out=d_x[..., half:])
+        d_x[..., half:].addcmul_(g_re, imag, value=-1)
+        # d real = g_re x_re + g_im x_im ; d imag = g_im x_re - g_re x_im, summed over rows for a static relation
+        products = (grad * x).view(x.shape[:-1] + (2, half))
+        d_imag = g_im * x_re
+        d_imag.addcmul_(g_re, x_im, value=-1)
+        if real.dim() == 1:
+            d_real = products.reshape(-1, 2, half).sum((0, 1))
+            d_imag = d_imag.reshape(-1, half).sum(0)
+        else:
+            d_real = products.sum(-2)
+        return d_x, d_real, d_imag

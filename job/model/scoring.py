@@ -1,0 +1,347 @@
+"""PBG's scoring model: relation operators and global embeddings, and the scores of a batch with its negatives.
+
+The mathematics is PBG's (``torchbiggraph/model.py``): an edge (u, r, v) scores
+``c(u, f_r(v))``, with the operator on the right-hand side only; with dynamic relations
+both sides have an operator copy and each side's negatives are scored against the
+other side's transformed positive. Negatives come from the positives of the same
+chunk (``num_batch_negs`` per chunk) plus ``num_uniform_negs`` entities sampled per
+chunk from the partition, or every entity of the partition (``all_negs``).
+
+What differs is how the work is laid out, because that is where PBG spends its time:
+
+- Each embedding table is gathered once per batch over the *unique* row ids it is
+  touched by (positives and sampled negatives together); global embeddings, operators
+  and comparator preparation are applied once per unique row, never per (chunk,
+  negative) copy. Gradients arrive dense on those unique rows, so the row-wise
+  Adagrad update is one ``index_add_`` per table.
+- When a side's unique candidate rows are fewer than the negatives per chunk (small
+  entity vocabularies such as the demo graphs), negative scores are computed against
+  the unique rows with one matrix product and then gathered, instead of materialising
+  a (chunks x negatives x dim) tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from job.config import ConfigSchema
+from job.errors import CheckpointError
+from job.model.comparators import Comparator
+from job.model.fused import ScoringSetup, SideResult, fused_pair, fused_side, fused_supported
+from job.model.operators import Operator
+from job.model.operators import rows as _rows
+
+MASKED_SCORE = -1e9
+
+
+@dataclass
+class Table:
+    """One embedding table taking part in a batch: a partition's rows and its row-wise Adagrad sums."""
+
+    weight: Tensor  # (count, dim), shared memory during training
+    # (count,); None makes the rows read-only: evaluation, and the training view of a frozen entity type
+    optim_sum: Optional[Tensor]
+
+
+@dataclass
+class SideScores:
+    pos: Tensor  # (B,)
+    neg: Tensor  # (B, K) with masked entries at MASKED_SCORE
+    # how many times each column counts (None: once); masked entries weigh 0
+    weight: Optional[Tensor] = None
+    num_neg: Optional[int] = None  # negatives per positive as sampled (the width of the unweighted view)
+    loss: Optional[Tensor] = None  # already computed (with its gradients attached) by job.model.fused
+    violators: Optional[Tensor | float] = None  # already counted by job.model.fused (then ``neg`` holds no scores)
+
+
+class Model(nn.Module):
+    """Relation operators and global embeddings (the shared parameters of model.h5)."""
+
+    def __init__(self, config: ConfigSchema, num_dynamic_rels: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.dim = config.dimension
+        self.num_dynamic_rels = num_dynamic_rels
+        dynamic = num_dynamic_rels > 0
+        self.lhs_operators = nn.ModuleList()
+        self.rhs_operators = nn.ModuleList()
+        for relation in config.relations:
+            self.rhs_operators.append(Operator(relation.operator, self.dim, num_dynamic_rels))
+            # PBG keeps no lhs operator for static relations; a parameterless one keeps indexing simple.
+            self.lhs_operators.append(Operator(relation.operator if dynamic else "none", self.dim, num_dynamic_rels))
+        self.global_embs = nn.ParameterDict()
+        if config.global_emb:
+            for entity_type in config.entities:
+                self.global_embs[f"emb_{entity_type}"] = nn.Parameter(torch.zeros(self.dim))
+        self.comparator = Comparator(config.comparator, config.bias)
+        # hand-differentiated negative scoring (job.model.fused) where the comparator is a plain dot product
+        self.fused = fused_supported(config.comparator, config.bias, config.loss_fn)
+
+    # state dict in PBG's naming ------------------------------------------------------------
+    def public_state_dict(self) -> dict[str, tuple[str, Tensor]]:
+        """{public name: (private name, tensor)} exactly as PBG's model.h5 holds them."""
+        out: dict[str, tuple[str, Tensor]] = {}
+        for side, operators in (("lhs", self.lhs_operators), ("rhs", self.rhs_operators)):
+            for idx, operator in enumerate(operators):
+                for name in operator.param_names:
+                    out[f"relations/{idx}/operator/{side}/{name}"] = (
+                        f"{side}_operators.{idx}.{name}",
+                        getattr(operator, name).detach(),
+                    )
+        for key, param in self.global_embs.items():
+            entity_type = key[len("emb_") :]
+            out[f"entities/{entity_type}/global_embedding"] = (f"global_embs.{key}", param.detach())
+        return out
+
+    def load_public_state_dict(self, params: dict[str, "torch.Tensor | object"], where: str) -> None:
+        """Copy parameters in place (keeps shared memory valid) from public names; unknown names are errors."""
+        own = self.public_state_dict()
+        for name, value in params.items():
+            if name not in own:
+                raise CheckpointError(f"{where}: unexpected model parameter 'model/{name}' for this config")
+            target = own[name][1]
+            tensor = torch.as_tensor(value)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{where}: model parameter 'model/{name}' has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)} for this config"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
+
+    def global_emb(self, entity_type: str) -> Optional[Tensor]:
+        return self.global_embs[f"emb_{entity_type}"] if f"emb_{entity_type}" in self.global_embs else None
+
+    # scoring -----------------------------------------------------------------------------------
+    def score_batch(
+        self,
+        rel_idx: int,
+        rel: Optional[Tensor],
+        lhs_rows: Tensor,
+        rhs_rows: Tensor,
+        lhs_type: str,
+        rhs_type: str,
+        lhs_inv: Tensor,
+        rhs_inv: Tensor,
+        lhs_neg_inv: Optional[Tensor],
+        rhs_neg_inv: Optional[Tensor],
+        lhs_same_table: bool,
+        num_batch_negs: int,
+        all_negs: bool,
+        disable_lhs: bool,
+        disable_rhs: bool,
+    ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+        """Scores of one batch of a single relation (or of dynamic relations ``rel``).
+
+        ``*_rows`` are the gathered unique rows of each side's table (the same tensor when
+        both sides share a table); ``*_inv`` index positives into them; ``*_neg_inv``
+        (chunks x N) index uniformly sampled negatives. With ``all_negs`` the rows must be the
+        whole partition in id order (so ``*_inv`` are the entity ids). Returns per-side scores and the raw positive embeddings
+        (for the regulariser).
+        """
+        lhs_base = self._with_global(lhs_rows, lhs_type)
+        rhs_base = lhs_base if lhs_same_table else self._with_global(rhs_rows, rhs_type)
+        batch = _Batch(rel_idx, rel, lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv, num_batch_negs, all_negs,
+                       disable_lhs, disable_rhs)
+        if self.num_dynamic_rels > 0:
+            return self._score_dynamic(batch, lhs_base, rhs_base)
+        return self._score_static(batch, lhs_base, rhs_base)
+
+    def _with_global(self, rows: Tensor, entity_type: str) -> Tensor:
+        g = self.global_emb(entity_type)
+        return rows if g is None else rows + g
+
+    def _score_dynamic(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
+                       ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+        """Each side's negatives against the other side's positive transformed by that side's operator."""
+        comparator = self.comparator
+        lhs_prepared = comparator.prepare(lhs_base)
+        rhs_prepared = comparator.prepare(rhs_base)
+        lhs_pos_raw = _rows(lhs_base, batch.lhs_inv)
+        rhs_pos_raw = _rows(rhs_base, batch.rhs_inv)
+        # "forward": c(u, h_r(v)) against lhs negatives u' (positives gathered from candidates[own])
+        rhs_pos_transformed = comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_pos_raw, batch.rel))
+        lhs_scores = self._side_scores(
+            anchor=rhs_pos_transformed, positives=None, candidates=lhs_prepared,
+            neg_inv=batch.lhs_neg_inv, own=batch.lhs_inv, num_batch_negs=batch.num_batch_negs,
+            all_negs=batch.all_negs, disabled=batch.disable_lhs,
+        )
+        # "reverse": c(g_r(u), v) against rhs negatives v'
+        lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
+        rhs_scores = self._side_scores(
+            anchor=lhs_pos_transformed, positives=None, candidates=rhs_prepared,
+            neg_inv=batch.rhs_neg_inv, own=batch.rhs_inv, num_batch_negs=batch.num_batch_negs,
+            all_negs=batch.all_negs, disabled=batch.disable_rhs,
+        )
+        return lhs_scores, rhs_scores, lhs_pos_raw, rhs_pos_raw
+
+    def _score_static(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
+                      ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+        """c(u, f_r(v)): the operator on the right-hand side only; the lhs side never has one on its negatives."""
+        lhs_prepared = self.comparator.prepare(lhs_base)
+        rhs_prepared = self.comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_base))
+        if self._use_fused(batch.all_negs) and batch.lhs_inv.shape[0] > 0:
+            loss, lhs_result, rhs_result = fused_pair(
+                self._scoring_setup(batch.num_batch_negs), lhs_prepared, rhs_prepared, batch.lhs_inv, batch.rhs_inv,
+                batch.lhs_neg_inv, batch.rhs_neg_inv, batch.disable_lhs, batch.disable_rhs,
+            )
+            lhs_scores = _side_scores_of(lhs_result, loss)
+            rhs_scores = _side_scores_of(rhs_result, loss.new_zeros(()))
+        else:
+            lhs_pos_vec = _rows(lhs_prepared, batch.lhs_inv)
+            rhs_pos_vec = _rows(rhs_prepared, batch.rhs_inv)
+            lhs_scores = self._side_scores(
+                anchor=rhs_pos_vec, positives=lhs_pos_vec, candidates=lhs_prepared,
+                neg_inv=batch.lhs_neg_inv, own=batch.lhs_inv, num_batch_negs=batch.num_batch_negs,
+                all_negs=batch.all_negs, disabled=batch.disable_lhs,
+            )
+            rhs_scores = self._side_scores(
+                anchor=lhs_pos_vec, positives=rhs_pos_vec, candidates=rhs_prepared,
+                neg_inv=batch.rhs_neg_inv, own=batch.rhs_inv, num_batch_negs=batch.num_batch_negs,
+                all_negs=batch.all_negs, disabled=batch.disable_rhs,
+            )
+        if self.config.regularization_coef > 0:  # only the regulariser needs the raw positive embeddings
+            return lhs_scores, rhs_scores, _rows(lhs_base, batch.lhs_inv), _rows(rhs_base, batch.rhs_inv)
+        return lhs_scores, rhs_scores, lhs_base, rhs_base
+
+    def _use_fused(self, all_negs: bool) -> bool:
+        return self.fused and not all_negs and torch.is_grad_enabled()
+
+    def _scoring_setup(self, num_batch_negs: int) -> ScoringSetup:
+        return ScoringSetup(self.config.loss_fn, self.config.margin, num_batch_negs, MASKED_SCORE)
+
+    def _side_scores(
+        self,
+        anchor: Tensor,
+        positives: Optional[Tensor],
+        candidates: Tensor,
+        neg_inv: Optional[Tensor],
+        own: Tensor,
+        num_batch_negs: int,
+        all_negs: bool,
+        disabled: bool,
+    ) -> SideScores:
+        """Positive scores and negatives for corrupting one side.
+
+        ``anchor`` holds the other side's prepared positive vectors (B x d), ``positives``
+        this side's (B x d), ``candidates`` this side's prepared unique rows (U x d).
+        """
+        num_pos = anchor.shape[0]
+        if self._use_fused(all_negs) and not disabled and num_pos > 0:
+            loss, result = fused_side(self._scoring_setup(num_batch_negs), anchor, candidates, own, neg_inv)
+            return _side_scores_of(result, loss)
+        if positives is None:  # the fused path gathers its own; only this one needs them as a tensor
+            positives = _rows(candidates, own)
+        pos = self.comparator.pos(anchor, positives)
+        if disabled or num_pos == 0:
+            return SideScores(pos, pos.new_empty((num_pos, 0)))
+        if all_negs:
+            # every entity of the partition (candidates are the whole table); mask each positive's own column
+            scores = self.comparator.pairwise(anchor, candidates)  # (B, N)
+            return SideScores(pos, scores.scatter(1, own.unsqueeze(1), MASKED_SCORE))
+        return self._sampled_negatives(pos, anchor, positives, candidates, neg_inv, num_batch_negs)
+
+    def _sampled_negatives(self, pos: Tensor, anchor: Tensor, positives: Tensor, candidates: Tensor,
+                           neg_inv: Optional[Tensor], num_batch_negs: int) -> SideScores:
+        """Chunk by chunk: the chunk's other positives (``num_batch_negs``) and its uniform draws ``neg_inv``."""
+        comparator = self.comparator
+        num_pos = anchor.shape[0]
+        parts: list[Tensor] = []
+        chunk = num_batch_negs if num_batch_negs > 0 else (neg_inv.shape[1] if neg_inv is not None else num_pos)
+        num_chunks = (num_pos + chunk - 1) // chunk
+        padded = num_chunks * chunk
+        anchor_chunks = _pad_rows(anchor, padded).view(num_chunks, chunk, -1)
+        if num_batch_negs > 0:
+            pos_chunks = _pad_rows(positives, padded).view(num_chunks, chunk, -1)
+            batch_scores = comparator.pairwise(anchor_chunks, pos_chunks)  # (C, chunk, chunk)
+            batch_scores = batch_scores.masked_fill(_batch_mask(num_chunks, chunk, num_pos, anchor.device), MASKED_SCORE)
+            parts.append(batch_scores)
+        weight_parts: list[Tensor] = []
+        if neg_inv is not None and neg_inv.numel():
+            scores, draws = self._uniform_negatives(anchor_chunks, candidates, neg_inv[:num_chunks])
+            parts.append(scores)
+            if draws is not None:
+                weight_parts.append(draws)
+        if not parts:
+            return SideScores(pos, pos.new_empty((num_pos, 0)))
+        neg = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        neg = _first_rows(neg.reshape(padded, -1), num_pos)
+        if not weight_parts:
+            return SideScores(pos, neg)
+        assert neg_inv is not None
+        weights = []
+        if num_batch_negs > 0:
+            weights.append((~_batch_mask(num_chunks, chunk, num_pos, anchor.device)).to(neg.dtype))
+        weights.extend(weight_parts)
+        weight = _first_rows(torch.cat(weights, dim=2).reshape(padded, -1), num_pos)
+        return SideScores(pos, neg, weight, num_neg=(chunk if num_batch_negs > 0 else 0) + neg_inv.shape[1])
+
+    def _uniform_negatives(self, anchor_chunks: Tensor, candidates: Tensor, neg_rows: Tensor
+                           ) -> tuple[Tensor, Optional[Tensor]]:
+        """Scores (C, chunk, N or U) of each chunk's uniform draws, and how often each column was drawn (or None)."""
+        num_chunks, chunk = anchor_chunks.shape[:2]
+        if candidates.shape[0] >= neg_rows.shape[1]:
+            return self.comparator.pairwise(anchor_chunks, _rows(candidates, neg_rows)), None  # (C, N, d) negatives
+        # Fewer distinct candidates than samples (small vocabularies): score each candidate once and
+        # weight it by how often it was drawn for the chunk. Every loss and rank is a sum over the
+        # sampled negatives, so this is the same sum without a (chunks x samples) tensor.
+        all_scores = self.comparator.pairwise(anchor_chunks, candidates.unsqueeze(0))  # (C, chunk, U)
+        draws = torch.zeros((num_chunks, candidates.shape[0]), dtype=all_scores.dtype, device=all_scores.device)
+        draws.scatter_add_(1, neg_rows, torch.ones_like(neg_rows, dtype=draws.dtype))
+        return all_scores, draws.unsqueeze(1).expand(num_chunks, chunk, -1)
+
+
+@dataclass
+class _Batch:
+    """What ``score_batch`` is given besides the rows: positives' and negatives' indices and the negatives' setup."""
+
+    rel_idx: int
+    rel: Optional[Tensor]
+    lhs_inv: Tensor
+    rhs_inv: Tensor
+    lhs_neg_inv: Optional[Tensor]
+    rhs_neg_inv: Optional[Tensor]
+    num_batch_negs: int
+    all_negs: bool
+    disable_lhs: bool
+    disable_rhs: bool
+
+
+def _side_scores_of(result: SideResult, loss: Tensor) -> SideScores:
+    # the score blocks' memory now holds their gradients: no negative scores, statistics as ``violators``
+    return SideScores(result.pos, result.pos.new_empty((result.pos.shape[0], 0)), None, result.num_neg, loss,
+                      result.violators)
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    if x.shape[0] == rows:
+        return x
+    return torch.cat((x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))), dim=0)
+
+
+def _first_rows(x: Tensor, rows: int) -> Tensor:
+    """Drop chunk padding; no slice (and no slice in the backward pass) when there is none."""
+    return x if x.shape[0] == rows else x[:rows]
+
+
+_MASK_CACHE: dict[tuple[int, int, int, str], Tensor] = {}
+
+
+def _batch_mask(num_chunks: int, chunk: int, num_pos: int, device: torch.device) -> Tensor:
+    """Which batch-negative scores to ignore: each positive against itself, and padding."""
+    key = (num_chunks, chunk, num_pos, str(device))
+    mask = _MASK_CACHE.get(key)
+    if mask is None:
+        eye = torch.eye(chunk, dtype=torch.bool, device=device).expand(num_chunks, chunk, chunk).clone()
+        last = num_pos - (num_chunks - 1) * chunk
+        if last < chunk:
+            eye[-1, :, last:] = True  # padded negatives
+        mask = eye
+        if len(_MASK_CACHE) > 64:
+            _MASK_CACHE.clear()
+        _MASK_CACHE[key] = mask
+    return mask
