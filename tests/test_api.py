@@ -1,0 +1,78 @@
+"""The Python API (``import job``): what it exports, that it stays light, and that it works where users call it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_public_name_resolves() -> None:
+    assert set(job.__all__) == {"__version__", *job._API}
+    for name in job._API:
+        assert callable(getattr(job, name)), name
+    assert job.evaluate is __import__("job.evaluation", fromlist=["x"]).evaluate_command
+    with pytest.raises(AttributeError, match="no attribute 'trian'"):
+        job.trian  # noqa: B018
+
+
+def test_import_job_does_not_load_torch() -> None:
+    code = "import sys, job, job.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.strip() == "False"
+
+
+def _pipeline_script(root: Path) -> str:
+    """Import a small TSV graph, validate, train with two Hogwild workers, evaluate: the README's example."""
+    return textwrap.dedent(f"""
+        import json, job
+        config = job.parse_config({{
+            "entity_path": {str(root / "data")!r}, "edge_paths": [{str(root / "data" / "edges")!r}],
+            "checkpoint_path": {str(root / "ckpt")!r}, "entities": {{"node": {{"num_partitions": 1}}}},
+            "relations": [{{"name": "r", "lhs": "node", "rhs": "node", "operator": "translation"}}],
+            "dynamic_relations": True, "global_emb": False, "dimension": 8, "num_epochs": 2, "eval_fraction": 0.0,
+            "workers": 2, "batch_size": 50,  # >= 2 batches: the Hogwild pool starts
+        }})
+        job.import_edges(config, [{str(root / "edges.tsv")!r}], job.ImportOptions(lhs_col=0, rel_col=1, rhs_col=2))
+        assert not job.validate(config).problems
+        summary = job.train(config)
+        metrics = job.evaluate(config, candidates="all")
+        print(json.dumps({{"edges": summary["train_edges"], "mrr": metrics["mrr"]}}))
+    """)
+
+
+def _write_edges(root: Path) -> None:
+    lines = [f"n{i}\\tr{i % 3}\\tn{(i * 7 + 1) % 50}" for i in range(400)]
+    (root / "edges.tsv").write_text("\n".join(line.replace("\\t", "\t") for line in lines) + "\n")
+
+
+def _check(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["edges"] == 2 * 400 and 0 < out["mrr"] <= 1
+
+
+@pytest.mark.slow
+def test_api_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    """Spawned Hogwild workers must not run the user's script again (multiprocessing would refuse to start)."""
+    _write_edges(tmp_path)
+    script = tmp_path / "pipeline.py"
+    script.write_text(_pipeline_script(tmp_path))
+    _check(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600))
+
+
+@pytest.mark.slow
+def test_api_from_standard_input(tmp_path: Path) -> None:
+    """``python - <<EOF``: before the fix the workers died with FileNotFoundError: '<stdin>'."""
+    _write_edges(tmp_path)
+    _check(subprocess.run([sys.executable, "-"], input=_pipeline_script(tmp_path), capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600))
