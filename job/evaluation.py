@@ -30,7 +30,7 @@ import torch
 from job.config import ConfigSchema
 from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
-from job.formats.checkpoint import CheckpointStorage
+from job.formats.committed import open_committed
 from job.model.scoring import Model, Table
 from job.monitoring import task_progress
 from job.session import storage_scoped
@@ -53,11 +53,8 @@ class CheckpointReader:
 
         self.config = config
         finish_committed_grow(config.checkpoint_path)  # a grown version's input, if a crash left it unpublished
-        self.checkpoint = CheckpointStorage(config.checkpoint_path)
-        latest = self.checkpoint.load_version()
-        if latest == 0:
-            raise CheckpointError(f"{config.checkpoint_path}: no committed checkpoint (checkpoint_version.txt missing)")
-        self.version = latest if version is None else version
+        committed = open_committed(config.checkpoint_path, version)
+        self.checkpoint, self.version = committed.checkpoint, committed.version
         if not self.checkpoint.has_model(self.version):
             raise CheckpointError(f"{self.checkpoint.model_file(self.version)}: missing (no checkpoint version {self.version})")
         self.counts = read_entity_counts(config)

@@ -259,7 +259,7 @@ def test_cli_overrides_and_version(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(argv + ["--version", "2"]) == 0
     assert np.load(out / "embeddings_item.npy").shape == (4, DIM)
     assert main(argv + ["--version", "5", "--overwrite"]) == 2
-    assert "version 5 is not committed" in capsys.readouterr().err
+    assert "no committed checkpoint version 5 (available: " in capsys.readouterr().err
 
 
 def test_no_checkpoint_yet(tmp_path: Path) -> None:

@@ -18,8 +18,9 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema, parse_config
-from job.errors import CheckpointError, ConfigError, UserError
+from job.errors import ConfigError, UserError
 from job.formats.checkpoint import CheckpointStorage
+from job.formats.committed import open_committed
 from job.report.sampled import embedding_sample, pca_2d, relation_mrr
 
 logger = logging.getLogger("biggraph")
@@ -260,12 +261,9 @@ def build_report(checkpoint_url: str, options: Optional[ReportOptions] = None) -
 
 
 def _build_report(checkpoint_url: str, options: ReportOptions) -> ReportData:
-    checkpoint = CheckpointStorage(checkpoint_url)
-    version = checkpoint.load_version()
+    committed = open_committed(checkpoint_url)
+    checkpoint, version = committed.checkpoint, committed.version
     raw_config = checkpoint.load_config_dict()
-    if version == 0:
-        raise CheckpointError(f"{checkpoint_url}: no committed checkpoint (checkpoint_version.txt missing): "
-                              "train first, or point at the checkpoint_path of a finished run")
     data = _training_figures(checkpoint_url, version, raw_config, checkpoint.load_stats())
     try:
         config = parse_config(raw_config)

@@ -17,6 +17,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError, UserError
+from job.formats.committed import open_committed
 
 logger = logging.getLogger("biggraph.export")
 
@@ -86,24 +87,9 @@ class CheckpointReader:
     """The committed (or a chosen) version of a checkpoint, read one partition at a time."""
 
     def __init__(self, config: Any, version: int | None = None) -> None:
-        from job.formats.checkpoint import CheckpointStorage
-
         self.config = config
-        self.storage = CheckpointStorage(config.checkpoint_path)
-        committed = self.storage.load_version()
-        if committed == 0:
-            raise CheckpointError(
-                f"{self.storage.version_file()}: no committed checkpoint yet in {config.checkpoint_path} "
-                "(train first, or point -p checkpoint_path=... at a checkpoint directory)"
-            )
-        if version is None:
-            version = committed
-        elif version < 1 or version > committed:
-            raise CheckpointError(
-                f"{config.checkpoint_path}: version {version} is not committed (the committed version is {committed}; "
-                "older versions are only kept in epoch_*/ snapshots: export those with -p checkpoint_path=.../epoch_N)"
-            )
-        self.version = version
+        committed = open_committed(config.checkpoint_path, version)
+        self.storage, self.version = committed.checkpoint, committed.version
         self._model: dict[str, np.ndarray] | None = None
 
     def model_params(self) -> dict[str, np.ndarray]:
