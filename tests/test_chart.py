@@ -5,7 +5,6 @@ rendering) kept in step with it; and the pod's command line run locally, which t
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import json
@@ -512,11 +511,11 @@ def base_config() -> dict[str, Any]:
 
 def plain_render(name: str, kube: str | None, replicas: int | None = None, queue: str | None = None
                  ) -> dict[str, dict[str, Any]]:
-    """What `biggraph submit --no-helm` creates (job.k8s_cli.render_plain), by kind."""
-    from job.k8s_cli import parse_kube_version, render_plain
+    """What `biggraph submit --no-helm` creates (job.k8s.render.render_plain), by kind."""
+    from job.k8s.render import RenderOptions, parse_kube_version, render_plain
 
-    args = argparse.Namespace(values=[], set=[], replicas=replicas, image=None, queue=queue)
-    objects = render_plain(name, base_config(), args, parse_kube_version(kube) if kube else None)
+    options = RenderOptions(replicas=replicas, image=None, queue=queue)
+    objects = render_plain(name, base_config(), options, parse_kube_version(kube) if kube else None)
     assert len({o["kind"] for o in objects}) == len(objects)
     return {o["kind"]: o for o in objects}
 

@@ -16,7 +16,13 @@ import pytest
 import yaml
 
 from job.cli import main
+from job.config import load_config
+from job.errors import UserError
 from job.formats.checkpoint import CheckpointStorage
+from job.k8s.cluster import ClusterAccess
+from job.k8s.jobs import SubmitOptions, submit
+from job.k8s.preflight import check_storage
+from job.k8s.render import RenderOptions
 
 kmock = pytest.importorskip("kmock", reason="pip install kmock (the fake API server these tests use)")
 kubernetes = pytest.importorskip("kubernetes")
@@ -436,3 +442,40 @@ def test_no_kubeconfig(tmp_path: Path, capsys: pytest.CaptureFixture[str], monke
     assert main(["cancel", "emb", "--kubeconfig", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("biggraph cancel: error: no Kubernetes cluster configured") and "\n" not in err
+
+
+# the library under the commands ----------------------------------------------------------------------
+
+
+def test_library_submit_dry_run_returns_the_manifests_without_printing(user_config: Any, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = user_config
+    options = SubmitOptions(render=RenderOptions(replicas=2, queue="q1"), name="lib1", no_helm=True, dry_run=True)
+    submission = submit(str(path), options, ClusterAccess(namespace="ns1", kubeconfig=str(tmp_path / "missing")))
+    assert not submission.created and submission.name == "lib1" and submission.namespace == "ns1"
+    assert [o["kind"] for o in submission.objects] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]
+    assert submission.job["spec"]["parallelism"] == 2 and submission.job["spec"]["suspend"] is True
+    assert all(o["metadata"]["namespace"] == "ns1" for o in submission.objects)
+    assert submission.checkpoint_path == raw["checkpoint_path"]
+    assert capsys.readouterr().out == ""
+
+
+def test_check_storage_reports_each_check_that_passed(user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = user_config
+    for url in (raw["entity_path"], *raw["edge_paths"]):
+        Path(url).mkdir(parents=True)
+    config = load_config(str(path), [])
+    lines: list[str] = []
+    check_storage(config, write=True, report=lines.append)
+    assert lines == ["preflight: entity_path and 1 edge path(s) reachable",
+                     f"preflight: checkpoint_path {raw['checkpoint_path']} writable"]
+    assert not list(Path(raw["checkpoint_path"]).iterdir())  # the probe is gone
+    lines.clear()
+    check_storage(config, write=False, report=lines.append)
+    assert lines[-1] == f"preflight: checkpoint_path {raw['checkpoint_path']} reachable"
+    Path(raw["edge_paths"][0]).rmdir()
+    lines.clear()
+    with pytest.raises(UserError, match="not found: .*edges"):
+        check_storage(config, write=True, report=lines.append)
+    assert lines == []
+    assert capsys.readouterr().out == ""  # the library reports through `report` only

@@ -30,7 +30,7 @@ COMMAND_MODULES = (
     "job.cli.exporting",
     "job.cli.legacy",
     "job.cli.demo",
-    "job.k8s_cli",
+    "job.cli.k8s",
     "job.archive_cli",
     "job.cli.report",
 )

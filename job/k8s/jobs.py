@@ -1,0 +1,285 @@
+"""Submit, inspect, read the logs of and cancel a training job on Kubernetes; the results as data.
+
+The command line (:mod:`job.cli.k8s`) prints what these return; a notebook or another tool can
+call them the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from job.config import apply_overrides, load_raw_config, parse_config
+from job.errors import UserError
+from job.k8s.cluster import Cluster, ClusterAccess, pod_index
+from job.k8s.names import CONFIG_MAP_ANNOTATION, NETWORK_POLICY_ANNOTATION, QUEUE_LABEL, SERVICE_ANNOTATION
+from job.k8s.progress import training_progress
+from job.k8s.render import (
+    KubeVersion,
+    RenderOptions,
+    check_kube_version,
+    find_chart,
+    find_helm,
+    parse_kube_version,
+    render_plain,
+    render_with_helm,
+)
+
+# the NetworkPolicy before the Job, so that no pod runs unprotected
+CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job")
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+JOB_NAME = re.compile(r"[a-z]([-a-z0-9]{0,54}[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    """How to submit: the chart's values to change, and how to render (helm or k8s/base) for which version."""
+
+    render: RenderOptions = field(default_factory=RenderOptions)
+    name: str | None = None  # default: biggraph-<config name>-<random>
+    kube_version: str | None = None  # "X.Y"; default: the cluster's (with dry_run: none)
+    dry_run: bool = False  # render only; no cluster needed
+    helm: str | None = None  # default: `helm` on PATH, else k8s/base is rendered
+    no_helm: bool = False
+    chart: str | None = None  # default: $BIGGRAPH_CHART or charts/biggraph
+
+
+@dataclass
+class Submission:
+    """What ``submit`` rendered and (unless a dry run) created, in creation order."""
+
+    name: str
+    namespace: str
+    objects: list[dict[str, Any]]
+    created: bool
+    checkpoint_path: str | None
+
+    @property
+    def job(self) -> dict[str, Any]:
+        return next(o for o in self.objects if o["kind"] == "Job")
+
+
+def job_name(requested: str | None, config_path: str) -> str:
+    """``requested`` (checked: the chart derives ≤63-character names from it), else one from the config's name."""
+    if requested:
+        if not JOB_NAME.fullmatch(requested):
+            raise UserError(f"--name '{requested}': must be lowercase letters, digits and '-', start with a letter, "
+                            "at most 56 characters")
+        return requested
+    stem = re.sub(r"[^a-z0-9]+", "-", Path(config_path).stem.lower()).strip("-") or "train"
+    return f"biggraph-{stem}"[:49].rstrip("-") + "-" + secrets.token_hex(3)
+
+
+def plain_config(path: str) -> dict[str, Any]:
+    """The user's config as a plain dict (what the ConfigMap holds), validated first."""
+    raw = load_raw_config(path)
+    parse_config(raw)  # ConfigError (exit 2) now rather than in the pods
+    return apply_overrides(raw, [])
+
+
+def _check_render_options(options: RenderOptions) -> None:
+    if options.replicas is not None and options.replicas < 1:
+        raise UserError(f"--replicas {options.replicas}: must be at least 1")
+    if options.queue is not None and not LABEL_VALUE.fullmatch(options.queue):
+        raise UserError(f"--queue '{options.queue}': a LocalQueue name (letters, digits, '-', '_', '.'; at most 63)")
+
+
+def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> Submission:
+    """Render the job for ``config_path`` and create its objects (all or none), unless ``options.dry_run``.
+
+    Everything a user can fix (a bad config, flag or name, no cluster, an existing job) is a
+    ``UserError`` raised before or instead of a half-created job.
+    """
+    _check_render_options(options.render)
+    kube_version = parse_kube_version(options.kube_version) if options.kube_version else None
+    config = plain_config(config_path)
+    name = job_name(options.name, config_path)
+    helm = find_helm(options.helm, no_helm=options.no_helm)
+    cluster = None if options.dry_run else Cluster(access)
+    namespace = cluster.namespace if cluster else (access.namespace or "default")
+    if kube_version is None and cluster is not None:
+        kube_version = cluster.kube_version()
+    check_kube_version(kube_version)
+    objects = _render(helm, options, name, namespace, config, kube_version)
+    objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
+    if cluster is None:
+        for obj in objects:
+            obj.setdefault("metadata", {})["namespace"] = namespace
+    else:
+        _create_all(cluster, name, objects)
+    return Submission(name=name, namespace=namespace, objects=objects, created=cluster is not None,
+                      checkpoint_path=config.get("checkpoint_path"))
+
+
+def _render(helm: str | None, options: SubmitOptions, name: str, namespace: str, config: dict[str, Any],
+            kube_version: KubeVersion | None) -> list[dict[str, Any]]:
+    if helm:
+        return render_with_helm(helm, find_chart(options.chart), name, namespace, config, options.render,
+                                kube_version)
+    return render_plain(name, config, options.render, kube_version)
+
+
+def _create_all(cluster: Cluster, name: str, objects: list[dict[str, Any]]) -> None:
+    """Create ``objects`` in order; on any failure delete what was created, so nothing is left half-submitted."""
+    namespace = cluster.namespace
+    created: list[dict[str, Any]] = []
+    try:
+        for obj in objects:
+            kind, obj_name = obj["kind"], obj["metadata"]["name"]
+            with cluster.errors(f"creating {kind} {obj_name} in namespace {namespace}"):
+                try:
+                    cluster.create(obj)
+                except Exception as err:
+                    if getattr(err, "status", None) == 409:
+                        raise UserError(f"{kind} {obj_name} already exists in namespace {namespace} "
+                                        f"(biggraph cancel {name} -n {namespace}, or pick another --name)") from None
+                    raise
+            created.append(obj)
+    except UserError:
+        for obj in reversed(created):
+            with contextlib.suppress(UserError):
+                cluster.delete(obj["kind"], obj["metadata"]["name"])
+        raise
+
+
+# status -----------------------------------------------------------------------------------------
+
+
+def job_state(job: Any) -> str:
+    """Complete, Failed, Failing, Suspended, Queued (suspended by Kueue), Running or Pending."""
+    status = job.status
+    # a suspended Job with a Kueue queue is waiting for admission, not stopped by someone
+    suspended = "Queued" if (job.metadata.labels or {}).get(QUEUE_LABEL) else "Suspended"
+    for condition in (status.conditions or []) if status else []:
+        if condition.status == "True" and condition.type in ("Complete", "Failed", "Suspended", "FailureTarget"):
+            return {"FailureTarget": "Failing", "Suspended": suspended}.get(condition.type, condition.type)
+    if job.spec and job.spec.suspend:
+        return suspended
+    if status and status.active:
+        return "Running"
+    return "Pending"
+
+
+def pod_summary(pod: Any) -> dict[str, Any]:
+    """One pod as ``status`` reports it: index, phase, node, restarts and why it waits or ended."""
+    statuses = (pod.status.container_statuses or []) if pod.status else []
+    restarts = sum(s.restart_count or 0 for s in statuses)
+    detail = ""
+    for s in statuses:
+        state = s.state
+        if state and state.waiting and state.waiting.reason:
+            detail = state.waiting.reason
+        elif state and state.terminated:
+            detail = f"exit {state.terminated.exit_code}" + (f" ({state.terminated.reason})" if state.terminated.reason else "")
+    return {"name": pod.metadata.name, "index": pod_index(pod), "phase": (pod.status.phase if pod.status else None),
+            "node": pod.spec.node_name if pod.spec else None, "restarts": restarts, "detail": detail}
+
+
+def job_status(name: str, access: ClusterAccess) -> dict[str, Any]:
+    """The job's state, counts, pods and training progress (what ``biggraph status --json`` prints)."""
+    cluster = Cluster(access)
+    job = cluster.read_job(name)
+    pods = [pod_summary(p) for p in cluster.job_pods(name)]
+    status = job.status
+    report: dict[str, Any] = {
+        "job": name, "namespace": cluster.namespace, "state": job_state(job),
+        "replicas": job.spec.parallelism, "active": (status.active or 0) if status else 0,
+        "succeeded": (status.succeeded or 0) if status else 0, "failed": (status.failed or 0) if status else 0,
+        "pods": pods,
+    }
+    queue = (job.metadata.labels or {}).get(QUEUE_LABEL)
+    if queue:
+        report["queue"] = queue
+    report["progress"] = _job_progress(cluster, job, name)
+    return report
+
+
+def _job_progress(cluster: Cluster, job: Any, name: str) -> dict[str, Any]:
+    """Progress from the checkpoint of the config in the job's ConfigMap (read with its storage_options)."""
+    config_map = (job.metadata.annotations or {}).get(CONFIG_MAP_ANNOTATION)
+    if not config_map:
+        return {"available": False, "reason": f"the job has no {CONFIG_MAP_ANNOTATION} annotation"}
+    with cluster.errors(f"reading ConfigMap {config_map}", f"ConfigMap {config_map} of job {name} not found"):
+        data = cluster.core.read_namespaced_config_map(config_map, cluster.namespace, _request_timeout=30).data or {}
+    try:
+        config = yaml.safe_load(data.get("config.yaml", "")) or {}
+    except yaml.YAMLError as err:
+        return {"available": False, "reason": f"config.yaml does not parse: {err}"}
+    return training_progress(config)
+
+
+# logs / cancel ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodLog:
+    """The trainer container's log of one pod."""
+
+    pod: str
+    index: int
+    text: str
+
+
+def _pods_for_logs(cluster: Cluster, name: str, index: int | None) -> list[Any]:
+    cluster.read_job(name)
+    pods = cluster.job_pods(name)
+    if index is not None:
+        pods = [p for p in pods if pod_index(p) == index]
+    if not pods:
+        where = f" with index {index}" if index is not None else ""
+        raise UserError(f"job {name} has no pods{where} (yet): biggraph status {name}")
+    return pods
+
+
+def read_logs(name: str, access: ClusterAccess, *, index: int | None = None,
+              tail: int | None = None) -> list[PodLog]:
+    """The logs of the job's pods (of completion ``index`` only, if given), the last ``tail`` lines of each."""
+    cluster = Cluster(access)
+    logs = []
+    for pod in _pods_for_logs(cluster, name, index):
+        with cluster.errors(f"reading the log of pod {pod.metadata.name}"):
+            response = cluster.core.read_namespaced_pod_log(pod.metadata.name, cluster.namespace, container="trainer",
+                                                            tail_lines=tail, _request_timeout=60,
+                                                            _preload_content=False)  # raw bytes, not guessed JSON
+            text = response.data.decode("utf-8", "replace")
+        logs.append(PodLog(pod=pod.metadata.name, index=pod_index(pod), text=text or ""))
+    return logs
+
+
+def follow_log(name: str, access: ClusterAccess, *, index: int = 0, tail: int | None = None) -> Iterator[str]:
+    """The log of the newest attempt of completion ``index``, as text chunks until the pod ends."""
+    cluster = Cluster(access)
+    pod = _pods_for_logs(cluster, name, index)[-1]
+    with cluster.errors(f"following the log of pod {pod.metadata.name}"):
+        response = cluster.core.read_namespaced_pod_log(pod.metadata.name, cluster.namespace, container="trainer",
+                                                        follow=True, tail_lines=tail, _preload_content=False)
+        try:
+            for chunk in response.stream(4096):
+                yield chunk.decode("utf-8", "replace")
+        finally:
+            response.release_conn()
+
+
+def cancel_job(name: str, access: ClusterAccess) -> tuple[str, list[str]]:
+    """Delete the job (its pods in the background) and the ConfigMap, Service and NetworkPolicy it names.
+
+    Returns the namespace and what was deleted ("Job emb", ...); checkpoints are kept.
+    """
+    cluster = Cluster(access)
+    job = cluster.read_job(name)
+    annotations = job.metadata.annotations or {}
+    cluster.delete("Job", name)
+    removed = [f"Job {name}"]
+    for kind, annotation in (("ConfigMap", CONFIG_MAP_ANNOTATION), ("Service", SERVICE_ANNOTATION),
+                             ("NetworkPolicy", NETWORK_POLICY_ANNOTATION)):
+        other = annotations.get(annotation)
+        if other and cluster.delete(kind, other):
+            removed.append(f"{kind} {other}")
+    return cluster.namespace, removed
