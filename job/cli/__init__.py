@@ -31,7 +31,7 @@ COMMAND_MODULES = (
     "job.cli.legacy",
     "job.demo",
     "job.k8s_cli",
-    "job.archive_cli",
+    "job.cli.archive",
     "job.cli.report",
 )
 
