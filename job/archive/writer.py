@@ -163,16 +163,15 @@ def _parent_of(url: str) -> str:
 
 @contextlib.contextmanager
 def _existing_archive(out: str) -> Iterator[Optional[ArchiveReader]]:
-    """The archive already at ``out`` (downloaded when remote), or None when there is none yet."""
+    """The archive already at ``out`` (the reader downloads a remote one), or None when there is none yet."""
     if not storage.exists(out):
         yield None
         return
-    with storage.local_copy_for_reading(out) as local:
-        reader = ArchiveReader(local)
-        try:
-            yield reader
-        finally:
-            reader.close()
+    reader = ArchiveReader(out)
+    try:
+        yield reader
+    finally:
+        reader.close()
 
 
 def _copy_members(existing: ArchiveReader, writer: ZipWriter, known_params: dict[str, Ref],
