@@ -15,7 +15,9 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 import torch
+from storage_scope import use_storage
 
+import job.archive.writer as archive_writer
 from job.archive import (
     ArchiveError,
     ArchiveFormatError,
@@ -38,6 +40,7 @@ from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import write_dynamic_rel_count, write_dynamic_rel_names, write_entity_count, write_entity_names
 from job.model.scoring import Model
 from job.train.step import row_adagrad_state
+from storage_adapters import StorageSettings, using
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -485,6 +488,69 @@ def test_version_from_epoch_snapshot(tmp_path: Path) -> None:
     assert summary.checkpoint_version == 1
     with load(out) as model:
         assert np.array_equal(model.table("b"), storage.load_entity_partition(1, "b", 0, base=storage.snapshot_dir(0))[0])
+
+
+# object storage: the same paths as every other command ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_archive_and_query_on_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str,
+                                     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    raw = write_checkpoint(tmp_path / "cp", comparator="dot")
+    raw["storage_options"] = {"endpoint_url": s3_endpoint}
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(raw))
+    out = f"{s3_bucket}/models/m.zip"
+    assert cli_main(["archive", str(config_path), "--out", out, "--version", "1"]) == 0
+    assert cli_main(["archive", str(config_path), "--out", out, "--dtype", "int8"]) == 0  # extends the remote archive
+    capsys.readouterr()
+    local = tmp_path / "copy.zip"
+    fs.get_file(out[len("s3://"):], str(local))
+    with load(str(local), "v1-fp32") as model:
+        expected = model.nearest("a0:1", 3)
+    assert verify(str(local)).keys() == {"v1-fp32", "v2-int8"}
+
+    use_storage({})  # only --storage-option (query) or a using() block (load) supplies the endpoint from here on
+    endpoint = ["--storage-option", f"endpoint_url={s3_endpoint}"]
+    assert cli_main(["query", out, "--tags", "--json", *endpoint]) == 0
+    assert json.loads(capsys.readouterr().out) == ["v1-fp32", "v2-int8"]
+    assert cli_main(["query", out, "--tag", "v1-fp32", "--nearest", "a0:1", "-k", "3", "--json", *endpoint]) == 0
+    got = json.loads(capsys.readouterr().out)["neighbours"]
+    assert [(n["name"], pytest.approx(n["score"])) for n in got] == expected
+    assert cli_main(["query", out, "--verify", *endpoint]) == 0
+    with using(StorageSettings(options={"endpoint_url": s3_endpoint})):
+        with load(out) as model:
+            assert model.tag == "v2-int8"
+
+    # a failed update loses nothing: the committed archive keeps its bytes
+    before = fs.cat_file(out[len("s3://"):])
+    assert cli_main(["archive", str(config_path), "--out", out, "--tag", "V1-FP32"]) == 2
+    assert "already in the archive" in capsys.readouterr().err
+
+    def broken(*args: Any, **kwargs: Any) -> bytes:
+        raise ArchiveError(out, "simulated failure while writing the tag")
+
+    monkeypatch.setattr(archive_writer, "training_flatbuffer", broken)
+    assert cli_main(["archive", str(config_path), "--out", out, "--tag", "late"]) == 2
+    assert "simulated failure" in capsys.readouterr().err
+    assert fs.cat_file(out[len("s3://"):]) == before
+
+
+@pytest.mark.slow
+def test_cli_archive_to_a_missing_bucket(tmp_path: Path, s3_endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import s3fs
+
+    raw = write_checkpoint(tmp_path / "cp", versions=1)
+    raw["storage_options"] = {"endpoint_url": s3_endpoint}
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(raw))
+    assert cli_main(["archive", str(config_path), "--out", "s3://no-such-bucket/m.zip"]) == 2
+    err = capsys.readouterr().err
+    assert "biggraph archive: error: s3://no-such-bucket" in err and "bucket" in err and "Traceback" not in err
+    assert not s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).exists("no-such-bucket")
 
 
 # slow: training and a fresh venv -------------------------------------------------------------------------

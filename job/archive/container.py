@@ -14,19 +14,22 @@ Every member is stored uncompressed and its data starts on a 64-byte boundary of
 (zipalign-style padding in the local header's extra field), and the NDArray writer aligns the
 array bytes to 64 within the member, so a reader maps the file and views arrays without a copy.
 
-Only the standard library, numpy-free: the loader imports this without torch or h5py.
+Only the standard library, numpy-free: the loader imports this without torch or h5py (storage_adapters
+only to download an archive given as a storage URL).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import struct
+import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import BinaryIO, Optional
 
 from job.archive.errors import (
     ArchiveError,
@@ -140,13 +143,32 @@ def format_refs(refs: dict[str, list[Ref]], own_tag: str) -> str:
     return "".join(f"{name} {' '.join(r.text(own_tag) for r in rs)}\n" for name, rs in refs.items())
 
 
+def _open_archive_file(path: str) -> BinaryIO:
+    """The archive as an open local file: the file itself, or for a storage URL (``s3://...``) a download
+    that is unlinked at once (the open handle and the memory map keep its bytes until they are closed)."""
+    scheme = path.split("://", 1)[0] if "://" in path else ""
+    if scheme in ("", "file"):
+        return open(path[len("file://"):] if scheme else path, "rb")
+    # storage_adapters (fsspec) is imported for remote archives only: a local one needs numpy and flatbuffers alone
+    import storage_adapters
+
+    fd, tmp = tempfile.mkstemp(prefix="biggraph-archive-", suffix=".zip")
+    os.close(fd)
+    try:
+        storage_adapters.get_file(path, tmp)
+        return open(tmp, "rb")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 class ZipReader:
     """A zip file mapped into memory; members come back as zero-copy memoryviews, CRC-checked once."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self._file = open(path, "rb")
+            self._file = _open_archive_file(path)
         except FileNotFoundError:
             raise ArchiveError(path, "missing (expected a model archive written by biggraph archive)") from None
         except IsADirectoryError:

@@ -8,32 +8,21 @@ modules import their heavy dependencies (torch, h5py) only when the command runs
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import select
 import sys
 
 from job import __version__
+from job.cli import archive, demo, exporting, grow, importing, k8s, legacy, report, train, validate
 from job.cli.common import add_config_arguments, overrides_of
 from job.errors import UserError
 from storage_adapters.errors import StorageError
 
 __all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "overrides_of"]
 
-# Modules that define ``register(subparsers)``; order is the order of ``biggraph --help``.
-COMMAND_MODULES = (
-    "job.cli.train",
-    "job.cli.importing",
-    "job.cli.grow",
-    "job.cli.validate",
-    "job.cli.exporting",
-    "job.cli.legacy",
-    "job.cli.demo",
-    "job.cli.k8s",
-    "job.archive_cli",
-    "job.cli.report",
-)
+# Each module registers one group of subcommands; this order is the order of ``biggraph --help``.
+COMMAND_MODULES = (train, importing, grow, validate, exporting, legacy, demo, k8s, archive, report)
 
 logger = logging.getLogger("biggraph")
 
@@ -50,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for module_name in COMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
     return parser
 
 

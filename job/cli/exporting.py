@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from job.cli import add_config_arguments, overrides_of
+from job.cli.common import add_config_arguments, overrides_of
 from job.config import load_config
 from job.data.export import DEFAULT_ROW_GROUP_ROWS, FORMATS, ExportError, export_checkpoint
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from job.cli import add_config_arguments, overrides_of
+from job.cli.common import add_config_arguments, overrides_of
 from job.config import load_config
 from job.data.importing import FORMATS, ImportOptions, import_edges
 
