@@ -19,12 +19,17 @@ Every function takes the config (storage options travel with it: no process-wide
 without a ``__main__`` guard, from ``python - <<EOF`` and from a notebook.
 
 The names are resolved on first use (PEP 562): ``import job`` stays cheap, so ``biggraph --help`` and
-``config-help`` answer without loading torch.
+``config-help`` answer without loading torch. Four of them share their name with a subpackage (``job.train``,
+``job.validate``, ``job.archive``, ``job.report``): importing that subpackage must not replace the function on
+``job`` (Python binds a loaded submodule as an attribute of its parent), so the module ignores exactly those
+bindings; the subpackages stay importable as usual (``from job.train import loop``).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
@@ -78,3 +83,15 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+class _ApiModule(types.ModuleType):
+    """``job`` itself: a loaded subpackage never hides the API function of the same name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _ApiModule

@@ -24,6 +24,24 @@ def test_every_public_name_resolves() -> None:
         job.trian  # noqa: B018
 
 
+def test_subpackages_of_the_same_name_do_not_hide_the_functions() -> None:
+    """``job.train``, ``job.validate``, ``job.archive``, ``job.report`` are packages too; loading them (every run
+    does) must leave the API functions in place."""
+    import job.archive.writer
+    import job.report.collect
+    import job.train.loop
+    import job.validate  # noqa: F401
+    from job.archive.writer import add_tag
+    from job.report import write_report
+    from job.train import train
+    from job.validate import run_validation
+
+    assert (job.train, job.validate, job.archive, job.report) == (train, run_validation, add_tag, write_report)
+    from job.train import loop  # the subpackages stay importable
+
+    assert loop.Trainer is sys.modules["job.train"].Trainer and callable(job.train)
+
+
 def test_import_job_does_not_load_torch() -> None:
     code = "import sys, job, job.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout

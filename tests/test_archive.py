@@ -17,7 +17,6 @@ import pytest
 import torch
 from storage_scope import use_storage
 
-import job.archive.writer as archive_writer
 from job.archive import (
     ArchiveError,
     ArchiveFormatError,
@@ -29,6 +28,7 @@ from job.archive import (
     load,
     verify,
 )
+from job.archive import writer as archive_writer
 from job.archive.container import ZipWriter
 from job.archive.evaluate import link_prediction_metrics
 from job.archive.ndarray import decode, encode, quantize_int8

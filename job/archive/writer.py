@@ -37,8 +37,8 @@ from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage
+from job.formats.committed import open_committed
 from job.model.scoring import Model
-from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph.archive")
 
@@ -72,55 +72,6 @@ def embedding_variable(entity_type: str, partition: int) -> str:
 # Which checkpoint --version names -----------------------------------------------------------------------
 
 
-def find_checkpoint_version(config: ConfigSchema, version: Optional[int]) -> tuple[CheckpointStorage, int]:
-    """The CheckpointStorage holding ``version`` (the latest committed one when None): the checkpoint
-    directory itself or one of its preserved ``epoch_{E}/`` snapshots.
-
-    The one place ``biggraph archive`` decides which committed checkpoint it reads, so that it can be
-    replaced by a shared way of opening a committed checkpoint without touching the rest of the writer.
-    """
-    main = CheckpointStorage(config.checkpoint_path)
-    latest = main.load_version()
-    if version is None:
-        if latest == 0:
-            raise CheckpointError(f"{config.checkpoint_path}: no committed checkpoint (checkpoint_version.txt missing)")
-        return main, latest
-    if version < 1:
-        raise CheckpointError(f"--version must be positive, got {version}")
-    if main.has_model(version) and version <= latest:
-        return main, version
-    snapshot, found = _epoch_snapshot_with(config.checkpoint_path, version)
-    if snapshot is not None:
-        return snapshot, version
-    known = sorted({v for v in found if v} | ({latest} if latest else set()))
-    raise CheckpointError(f"{config.checkpoint_path}: no committed checkpoint version {version} (available: "
-                          f"{', '.join(map(str, known)) or 'none'}; older versions survive only in epoch_*/ snapshots, "
-                          "see checkpoint_preservation_interval)")
-
-
-def _epoch_snapshot_with(checkpoint_path: str, version: int) -> tuple[Optional[CheckpointStorage], list[int]]:
-    """The ``epoch_*/`` snapshot holding committed ``version`` (None if none does) and the versions seen on the way."""
-    found: list[int] = []
-    try:
-        entries = storage.listdir(checkpoint_path)
-    except FileNotFoundError:
-        entries = []
-    for entry in sorted(entries):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if not re.fullmatch(r"epoch_\d+", name):
-            continue
-        snapshot = CheckpointStorage(storage.join(checkpoint_path, name))
-        snap_version = snapshot.load_version()
-        found.append(snap_version)
-        if snap_version == version and snapshot.has_model(version):
-            return snapshot, found
-    return None, found
-
-
-# The archive file: read the old one, build the new one locally, commit it in one step ---------------------
-
-
-@storage_scoped
 def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: str = "fp32",
             version: Optional[int] = None, include_updater: bool = False) -> TagSummary:
     """Add checkpoint ``version`` of ``config`` as tag ``tag`` (default ``v{version}-{dtype}``) to the archive ``out``.
@@ -133,7 +84,8 @@ def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: st
         out = storage.local_path(out)
     else:
         storage.makedirs(_parent_of(out))  # an object store checks its bucket here, before any work
-    checkpoint, version = find_checkpoint_version(config, version)
+    committed = open_committed(config.checkpoint_path, version)
+    checkpoint, version = committed.checkpoint, committed.version
     tag = container.check_tag_name(tag or f"v{version}-{dtype}", out, member=None)
     with _existing_archive(out) as existing:
         tags = list(existing.tags) if existing is not None else []
