@@ -110,11 +110,25 @@ def _num_relation_ids(config: ConfigSchema, collect: _Collector) -> int | None:
         return None
 
 
+def _missing_bucket(url: str, collect: _Collector) -> bool:
+    """Report a missing bucket as such (not as a missing directory); True when it was one."""
+    import storage_adapters as storage
+
+    try:
+        storage.check_bucket(url)
+    except storage.StorageError as err:
+        collect.error(UserError(str(err)))
+        return True
+    return False
+
+
 def _entity_path_exists(config: ConfigSchema, collect: _Collector) -> bool:
     import storage_adapters as storage
 
     if storage.isdir(config.entity_path):
         return True
+    if _missing_bucket(config.entity_path, collect):
+        return False
     collect.error(
         InputFormatError(
             config.entity_path, "directory not found",
@@ -169,6 +183,8 @@ def _edge_path_exists(edge_path: str, collect: _Collector) -> bool:
 
     if storage.isdir(edge_path):
         return True
+    if _missing_bucket(edge_path, collect):
+        return False
     collect.error(
         InputFormatError(edge_path, "directory not found", expected="an edge_paths directory holding edges_{l}_{r}.h5 files")
     )

@@ -206,6 +206,16 @@ def _check_bucket(url: str, fs: Any, path: str) -> None:
         raise StorageError(f"{url}: the bucket '{bucket}' does not exist (or these credentials cannot see it)")
 
 
+def check_bucket(url: str) -> None:
+    """On an object store, raise StorageError unless the URL's bucket exists; nothing to check for other URLs.
+
+    A directory that is not there is an ordinary answer; a bucket that is not there is a mistyped URL or
+    missing credentials, and the message should say so instead of "directory not found"."""
+    if scheme_of(url) in _OBJECT_STORES:
+        fs, path = get_filesystem(url)
+        _check_bucket(url, fs, path)
+
+
 def makedirs(url: str) -> None:
     """Create a directory; on object stores (no directories) check that the bucket exists instead."""
     fs, path = get_filesystem(url)
@@ -415,7 +425,7 @@ def _process_exists(pid: int) -> bool:
 __all__ = [
     "NotHDF5Error", "StorageError", "StorageSession", "StorageSettings", "carry", "current", "using",
     "UPLOAD_DIR_PREFIX", "remove_stale_upload_dirs", "upload_staging_dir",
-    "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
+    "check_bucket", "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
     "read_bytes", "read_text", "remove", "scheme_of", "size", "storage_options_for",
     "write_bytes", "write_text",

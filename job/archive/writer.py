@@ -39,6 +39,7 @@ from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.committed import open_committed
 from job.model.scoring import Model
+from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph.archive")
 
@@ -69,9 +70,7 @@ def embedding_variable(entity_type: str, partition: int) -> str:
     return f"embeddings/{entity_type}/{partition}"
 
 
-# Which checkpoint --version names -----------------------------------------------------------------------
-
-
+@storage_scoped
 def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: str = "fp32",
             version: Optional[int] = None, include_updater: bool = False) -> TagSummary:
     """Add checkpoint ``version`` of ``config`` as tag ``tag`` (default ``v{version}-{dtype}``) to the archive ``out``.

@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
+import storage_adapters as storage
+from job.cli.common import add_storage_option_argument, parse_storage_options
 from job.config import load_config
 from job.data.legacy import convert_legacy
 from job.errors import UserError
+from job.session import settings_of
+from storage_adapters import StorageSettings
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +41,7 @@ def register(subparsers: Any) -> None:
                         help="partition numbering of legacy checkpoint files (the format says 1-based)")
     parser.add_argument("--config", default=None,
                         help="a v1 config to store in the converted checkpoint instead of the mapped legacy one")
+    add_storage_option_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -54,15 +60,21 @@ def _check_pairs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_pairs(args)
-    result = convert_legacy(
-        entities=(args.entity_path, args.out) if args.entity_path else None,
-        edges=list(zip(args.edge_path, args.edge_out, strict=True)),
-        checkpoint=(args.checkpoint, args.checkpoint_out) if args.checkpoint else None,
-        count_base=args.count_base,
-        checkpoint_base=args.checkpoint_base,
-        version=args.version,
-        config=load_config(args.config) if args.config else None,
-    )
+    config = load_config(args.config) if args.config else None
+    # the storage settings: those of --config (storage_options, edge_read_mode), --storage-option replacing its options
+    settings = settings_of(config) if config is not None else StorageSettings()
+    if args.storage_option:
+        settings = dataclasses.replace(settings, options=parse_storage_options(args.storage_option))
+    with storage.using(settings):
+        result = convert_legacy(
+            entities=(args.entity_path, args.out) if args.entity_path else None,
+            edges=list(zip(args.edge_path, args.edge_out, strict=True)),
+            checkpoint=(args.checkpoint, args.checkpoint_out) if args.checkpoint else None,
+            count_base=args.count_base,
+            checkpoint_base=args.checkpoint_base,
+            version=args.version,
+            config=config,
+        )
     if args.entity_path:
         print(f"entity counts: {result.entity_count_files} files -> {args.out}")
     for new, count in result.edge_files:
