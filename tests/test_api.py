@@ -112,7 +112,7 @@ def test_every_api_function_taking_a_config_runs_with_its_storage_settings() -> 
     for name in set(scoped) - {"convert_legacy"}:
         assert hasattr(getattr(job, name), "__wrapped__"), f"job.{name} does not apply its config's storage settings"
 
-    config = job.parse_config({"entities": {"n": {}}, "relations": [{"name": "r", "lhs": "n", "rhs": "n"}],
+    config = job.parse_config({"entities": {"n": {"num_partitions": 1}}, "relations": [{"name": "r", "lhs": "n", "rhs": "n"}],
                                "entity_path": "/tmp/x", "edge_paths": ["/tmp/y"], "checkpoint_path": "/tmp/z",
                                "edge_read_mode": "stream", "storage_options": {"endpoint_url": "http://minio:9000"}})
     seen = storage_scoped(lambda config: (storage.current().settings.edge_read_mode,
