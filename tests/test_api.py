@@ -114,7 +114,7 @@ def test_every_api_function_taking_a_config_runs_with_its_storage_settings() -> 
 
     config = job.parse_config({"entities": {"n": {"num_partitions": 1}}, "relations": [{"name": "r", "lhs": "n", "rhs": "n"}],
                                "entity_path": "/tmp/x", "edge_paths": ["/tmp/y"], "checkpoint_path": "/tmp/z",
-                               "edge_read_mode": "stream", "storage_options": {"endpoint_url": "http://minio:9000"}})
+                               "dimension": 4, "edge_read_mode": "stream", "storage_options": {"endpoint_url": "http://minio:9000"}})
     seen = storage_scoped(lambda config: (storage.current().settings.edge_read_mode,
                                           storage.storage_options_for("s3://b/k").get("endpoint_url")))(config)
     assert seen == ("stream", "http://minio:9000") and settings_of(config).edge_read_mode == "stream"
