@@ -34,7 +34,7 @@ from job.formats.checkpoint import CheckpointStorage
 from job.reporting import task_progress
 from job.train.batching import process_edges
 from job.train.buckets import Bucket
-from job.train.loop import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
+from job.train.data import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
 from job.train.model import Model, Table
 from job.train.step import BatchContext, BatchStats
 

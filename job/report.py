@@ -159,7 +159,7 @@ def epoch_rows(records: list[dict[str, Any]]) -> tuple[list[EpochRow], int, int]
                 loss_sums[epoch] = [loss * int(stats.get("count") or 1), int(stats.get("count") or 1)]
                 row.edges = row.edges or int(stats.get("count") or 0)
         t = _num(summary.get("time"))
-        if t is not None and "world_size" not in summary:
+        if t is not None and summary.get("world_size", 1) == 1:  # several trainers: compute overlaps
             pass_time[epoch] = pass_time.get(epoch, 0.0) + t
     for epoch, row in rows.items():
         if epoch in loss_sums and loss_sums[epoch][1]:
@@ -193,7 +193,7 @@ def relation_mrr(config: Any, edge_path: str, budget: int, seed: int) -> list[tu
     from job.evaluation import CheckpointReader, read_checked_edges
     from job.formats import edges as edge_format
     from job.train.batching import EdgeTensors, process_edges
-    from job.train.loop import bucket_grid
+    from job.train.data import bucket_grid
     from job.train.model import Table
     from job.train.step import BatchContext, BatchStats
 

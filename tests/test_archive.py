@@ -37,7 +37,7 @@ from job.errors import UserError
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import write_dynamic_rel_count, write_dynamic_rel_names, write_entity_count, write_entity_names
 from job.train.model import Model
-from job.train.step import row_adagrad_state
+from job.train.optim import row_adagrad_state
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,8 @@ import pytest
 
 from job.errors import UserError
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, LockState, peer_timing
+from job.train.distributed import LockState
+from job.train.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
 
 # the scheduling rules -------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 from job.config import ConfigSchema
 from job.train.batching import EdgeTensors, process_edges
 from job.train.model import Model, Table
-from job.train.step import BatchContext, BatchStats, RelationAdagrad
+from job.train.optim import RelationAdagrad
+from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")
 
