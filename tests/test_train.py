@@ -280,6 +280,24 @@ def test_lower_bound_loads_is_a_lower_bound() -> None:
         assert best == lower_bound_loads(nparts, capacity)  # and it is reached on these grids
 
 
+def test_a_single_process_run_writes_the_stats_shape_of_a_distributed_one(tmp_path: Path) -> None:
+    from test_distributed import PASS_SUMMARY_KEYS
+
+    raw = write_cycle_graph(tmp_path, num_entities=80, num_partitions=2, num_epochs=1, eval_fraction=0.2)
+    train(parse_config(raw))
+    records = CheckpointStorage(raw["checkpoint_path"]).load_stats()
+    buckets = [r for r in records if "lhs_partition" in r]
+    (summary,) = [r for r in records if r.get("pass_summary")]
+    assert {r["rank"] for r in buckets} == {0}
+    assert set(summary) - {"partition_loads_lower_bound"} == PASS_SUMMARY_KEYS | {"eval_stats_after"}
+    assert (summary["world_size"], summary["restart_count"], summary["buckets_redone"]) == (1, 0, 0)
+    assert summary["buckets_trained"] == len(buckets) == 4
+    evaluated = [r["eval_stats_after"] for r in buckets]
+    assert summary["eval_stats_after"]["count"] == sum(e["count"] for e in evaluated)
+    mrr = sum(e["metrics"]["mrr"] * e["count"] for e in evaluated) / sum(e["count"] for e in evaluated)
+    assert summary["eval_stats_after"]["metrics"]["mrr"] == pytest.approx(mrr)
+
+
 def test_buffer_run_reports_its_partition_traffic(tmp_path: Path) -> None:
     raw = write_cycle_graph(tmp_path, num_entities=90, num_partitions=6, num_epochs=2, bucket_order="buffer",
                             partition_buffer=3)
