@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from job.config import ConfigSchema
@@ -276,6 +277,38 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
     return stats
 
 
+def _featurized_side(
+    ctx: BatchContext, side: str, ids: Tensor, features: Optional[tuple[Tensor, Tensor]], table: Table,
+    entity_type: str, generator: Optional[torch.Generator], train: bool,
+) -> tuple[tuple[Tensor, Tensor, Optional[Tensor]], tuple[Table, Tensor, Tensor]]:
+    """One side of a featurized batch: ((rows, positives' positions, negatives' positions), (table, unique
+    rows, the leaf their gradient reaches))."""
+    config = ctx.config
+    num_pos = int(ids.shape[0])
+    if config.entities[entity_type].featurized:
+        if features is None:
+            raise ValueError(f"entity type {entity_type} is featurized but the edges carry no {side}d feature lists")
+        device = table.weight.device
+        offsets, data = features[0].to(device), features[1].to(device)
+        uniq, inverse = torch.unique(data, return_inverse=True)
+        if config.max_norm is not None and train and table.optim_sum is not None:
+            renorm_rows(table.weight, uniq, config.max_norm)
+        leaf = table.weight.index_select(0, uniq)
+        if train:
+            leaf.requires_grad_(True)
+        with torch.set_grad_enabled(train):
+            rows = F.embedding_bag(inverse, leaf, offsets[:-1], mode="mean")
+        return (rows, torch.arange(num_pos, device=device), None), (table, uniq, leaf)
+    disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
+    neg = _sample_uniform(ctx, num_pos, ctx.num_uniform_negs, table.weight.shape[0], disabled, generator)
+    joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
+    uniq, inverse = torch.unique(joined, return_inverse=True)
+    leaf = table.weight.index_select(0, uniq)
+    if train:
+        leaf.requires_grad_(True)
+    return (leaf, inverse[:num_pos], None if neg is None else inverse[num_pos:].view_as(neg)), (table, uniq, leaf)
+
+
 def _run_featurized_batch(
     ctx: BatchContext,
     rel_idx: int,
@@ -292,8 +325,6 @@ def _run_featurized_batch(
     A featurized side has no uniform negatives (PBG cannot sample bags either) and is scored
     per edge rather than per unique row; its gradients reach the unique feature rows.
     """
-    import torch.nn.functional as F
-
     config = ctx.config
     relation = config.relations[rel_idx]
     num_pos = int(lhs_ids.shape[0])
@@ -303,31 +334,8 @@ def _run_featurized_batch(
         ("lhs", lhs_ids, lhs_features, ctx.lhs_tables[rel_idx], relation.lhs),
         ("rhs", rhs_ids, rhs_features, ctx.rhs_tables[rel_idx], relation.rhs),
     ):
-        if config.entities[entity_type].featurized:
-            if features is None:
-                raise ValueError(f"entity type {entity_type} is featurized but the edges carry no {side}d feature lists")
-            device = table.weight.device
-            offsets, data = features[0].to(device), features[1].to(device)
-            uniq, inverse = torch.unique(data, return_inverse=True)
-            if config.max_norm is not None and train and table.optim_sum is not None:
-                renorm_rows(table.weight, uniq, config.max_norm)
-            leaf = table.weight.index_select(0, uniq)
-            if train:
-                leaf.requires_grad_(True)
-            with torch.set_grad_enabled(train):
-                rows = F.embedding_bag(inverse, leaf, offsets[:-1], mode="mean")
-            leaves.append((table, uniq, leaf))
-            sides[side] = (rows, torch.arange(num_pos, device=device), None)
-        else:
-            disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
-            neg = _sample_uniform(ctx, num_pos, ctx.num_uniform_negs, table.weight.shape[0], disabled, generator)
-            joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
-            uniq, inverse = torch.unique(joined, return_inverse=True)
-            leaf = table.weight.index_select(0, uniq)
-            if train:
-                leaf.requires_grad_(True)
-            leaves.append((table, uniq, leaf))
-            sides[side] = (leaf, inverse[:num_pos], None if neg is None else inverse[num_pos:].view_as(neg))
+        sides[side], leaf = _featurized_side(ctx, side, ids, features, table, entity_type, generator, train)
+        leaves.append(leaf)
     with torch.set_grad_enabled(train):
         lhs_rows, lhs_inv, lhs_neg_inv = sides["lhs"]
         rhs_rows, rhs_inv, rhs_neg_inv = sides["rhs"]
