@@ -340,9 +340,8 @@ PASS_SUMMARY_KEYS = {
 
 
 def test_pass_metrics_are_the_edge_weighted_mean_of_every_ranks_buckets() -> None:
-    from job.train.loop import Iteration
     from job.train.pass_stats import eval_mrr_of, pass_summary
-    from job.train.schedule import PassGather
+    from job.train.schedule import Iteration, PassGather
 
     def record(rank: int, count: int, loss: float, mrr: float) -> dict:
         return {"rank": rank, "time": 1.0, "stats": {"count": count, "metrics": {"loss": loss}},

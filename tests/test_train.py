@@ -280,6 +280,26 @@ def test_lower_bound_loads_is_a_lower_bound() -> None:
         assert best == lower_bound_loads(nparts, capacity)  # and it is reached on these grids
 
 
+def test_local_scheduler_walks_its_order_offers_the_rest_for_prefetch_and_keeps_every_record() -> None:
+    from job.train.schedule import LocalScheduler
+
+    order = [Bucket(0, 0), Bucket(1, 0), Bucket(0, 1), Bucket(1, 1)]
+    scheduler = LocalScheduler(lambda rng: list(order), lambda b: {("n", b.lhs), ("n", b.rhs)})
+    scheduler.start_pass(0, 1, 0)
+    trained: list[Bucket] = []
+    record = None
+    while (bucket := scheduler.next_bucket(record)) is not None:
+        following, needs = scheduler.upcoming()
+        assert list(following) == order[len(trained) + 1:]
+        assert list(needs) == [{("n", b.lhs), ("n", b.rhs)} for b in following]
+        trained.append(bucket)
+        record = {"bucket": list(bucket)}
+    assert trained == order
+    gathered = scheduler.gather({})
+    assert gathered is not None and [r["bucket"] for r in gathered.records] == [list(b) for b in order]
+    assert (gathered.world_size, gathered.buckets_redone, gathered.others_io) == (1, 0, [])
+
+
 def test_a_single_process_run_writes_the_stats_shape_of_a_distributed_one(tmp_path: Path) -> None:
     from test_distributed import PASS_SUMMARY_KEYS
 

@@ -26,6 +26,7 @@ from job.train.hogwild import WorkerPool
 from job.train.model import Model, Table
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
+from job.train.schedule import Iteration
 from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")
@@ -96,7 +97,7 @@ class BucketRunner:
         edge_limits(self.config, self.entity_counts, self.num_dynamic_rels, bucket).check(arrays, url, begin)
         return edge_tensors(arrays)
 
-    def _split(self, iteration: Any, bucket: Bucket, bucket_idx: int, num_edges: int, seed_base: int
+    def _split(self, iteration: Iteration, bucket: Bucket, bucket_idx: int, num_edges: int, seed_base: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
         """(shuffled training edges, held-out eval edges, the bucket's generator). The held-out edges depend
         only on where they are, so they are the same every epoch."""
@@ -114,7 +115,7 @@ class BucketRunner:
         return train_indices.to(self.device), eval_indices.to(self.device), shuffle_generator
 
     def _run_bucket(
-        self, iteration: Any, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
+        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
         on_evicted: Optional[Callable[[list[PartKey]], None]] = None, upcoming: Sequence[set[PartKey]] = (),
     ) -> tuple[dict[str, Any], BatchStats, float]:
         """Train one bucket; returns its stats record, its training sums and its compute seconds."""

@@ -13,7 +13,6 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -39,6 +38,7 @@ from job.train.partitions import PartitionStore
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.schedule import (
     BucketScheduler,
+    Iteration,
     LocalScheduler,
     LockServerScheduler,
     NoSync,
@@ -52,16 +52,6 @@ from job.validate import validate_cheap
 from storage_adapters.edge_reader import prefetch, set_edge_read_mode
 
 logger = logging.getLogger("biggraph")
-
-
-@dataclass(frozen=True)
-class Iteration:
-    """One pass over all buckets: an (epoch, edge set, edge chunk) triple; its index is the checkpoint version it makes."""
-
-    index: int
-    epoch: int
-    edge_path_idx: int
-    chunk_idx: int
 
 
 class Trainer(BucketRunner):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from job.train.schedule import PassGather
+from job.train.schedule import Iteration, PassGather
 
 
 def weighted(records: Sequence[dict[str, Any]], key: str) -> Optional[dict[str, Any]]:
@@ -36,9 +36,9 @@ def add_io(own: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, A
     return {name: round(value, 3) if isinstance(value, float) else value for name, value in total.items()}
 
 
-def pass_summary(iteration: Any, gathered: PassGather, wall_seconds: float, io: dict[str, Any],
+def pass_summary(iteration: Iteration, gathered: PassGather, wall_seconds: float, io: dict[str, Any],
                  version: int) -> dict[str, Any]:
-    """The ``pass_summary`` record of a pass (``iteration``: job.train.loop.Iteration)."""
+    """The ``pass_summary`` record of a pass."""
     records = gathered.records
     stats = weighted(records, "stats") or {"count": 0, "metrics": {}}
     compute_seconds = sum(float(r.get("time", 0.0)) for r in records)
@@ -65,7 +65,7 @@ def eval_mrr_of(summary: Optional[dict[str, Any]]) -> Optional[float]:
     return float(summary["eval_stats_after"]["metrics"]["mrr"])
 
 
-def pass_message(iteration: Any, num_epochs: int, num_edge_paths: int, num_chunks: int,
+def pass_message(iteration: Iteration, num_epochs: int, num_edge_paths: int, num_chunks: int,
                  summary: dict[str, Any], buffered: bool) -> str:
     """The log line of a committed pass."""
     stats = summary["stats"]

@@ -48,6 +48,16 @@ logger = logging.getLogger("biggraph")
 PartKey = tuple[str, int]
 
 
+@dataclass(frozen=True)
+class Iteration:
+    """One pass over all buckets: an (epoch, edge set, edge chunk) triple; its index is the checkpoint version it makes."""
+
+    index: int
+    epoch: int
+    edge_path_idx: int
+    chunk_idx: int
+
+
 @dataclass
 class PassGather:
     """What the committing process knows at the end of a pass: every bucket's record and the others' I/O."""
