@@ -36,7 +36,7 @@ from job.monitoring import task_progress
 from job.session import storage_scoped
 from job.train.batching import process_edges
 from job.train.buckets import Bucket
-from job.train.loop import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
+from job.train.data import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
 from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")

@@ -136,7 +136,7 @@ def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, m
         assert trainer.workers == 1  # Hogwild processes are a CPU scheme
     finally:
         trainer.close()
-    from job.train.loop import pick_device
+    from job.train.data import pick_device
 
     cards = torch.cuda.device_count()
     monkeypatch.setenv("LOCAL_RANK", str(cards + 1))

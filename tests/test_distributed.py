@@ -16,7 +16,8 @@ import pytest
 
 from job.errors import UserError
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, LockState, peer_timing
+from job.train.distributed import LockState
+from job.train.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
 
 # the scheduling rules -------------------------------------------------------------------------------
 
@@ -328,6 +329,64 @@ def test_nodes_train_every_bucket_once_with_mrr_close_to_one_machine(
     assert len({r["rank"] for r in records if "rank" in r}) > 1  # the work really was shared
     mrr = filtered_mrr(umls_p4, path)
     assert mrr == pytest.approx(single_machine_mrr, abs=0.06), (mrr, single_machine_mrr)
+
+
+# the pass summary both modes write (tests/test_train.py checks a single-process run against it)
+PASS_SUMMARY_KEYS = {
+    "epoch_idx", "edge_path_idx", "edge_chunk_idx", "index", "pass_summary", "world_size", "restart_count",
+    "buckets_trained", "buckets_redone", "stats", "edges_per_sec", "time", "checkpoint_version", "partition_loads",
+    "partition_reads", "partition_writes", "bytes_read", "bytes_written", "io_blocked_seconds", "commit_seconds",
+}
+
+
+def test_pass_metrics_are_the_edge_weighted_mean_of_every_ranks_buckets() -> None:
+    from job.train.pass_stats import eval_mrr_of, pass_summary
+    from job.train.schedule import Iteration, PassGather
+
+    def record(rank: int, count: int, loss: float, mrr: float) -> dict:
+        return {"rank": rank, "time": 1.0, "stats": {"count": count, "metrics": {"loss": loss}},
+                "eval_stats_after": {"count": count // 10, "metrics": {"mrr": mrr, "hits@10": mrr}}}
+
+    # rank 0 trained one large bucket, rank 1 three small ones: rank 1's own MRR (0.2) is not the pass's
+    gathered = PassGather([record(0, 3000, 1.0, 0.8), *(record(1, 1000, 2.0, 0.2) for _ in range(3))],
+                          world_size=2)
+    summary = pass_summary(Iteration(0, 0, 0, 0), gathered, 5.0, {}, 1)
+    assert summary["stats"] == {"count": 6000, "metrics": {"loss": pytest.approx(1.5)}}
+    assert summary["eval_stats_after"]["count"] == 600
+    assert eval_mrr_of(summary) == pytest.approx(0.5)
+    assert summary["edges_per_sec"] == pytest.approx(6000 / 4.0)
+    assert (summary["world_size"], summary["buckets_trained"]) == (2, 4)
+
+
+@pytest.mark.slow
+def test_ranks_take_the_same_early_stopping_decision_on_the_whole_pass_mrr(umls_p4: dict, tmp_path: Path) -> None:
+    """Each rank's buckets alone give different MRRs; the decision must use one value, the same on every rank
+    (a rank that stopped alone would leave the other waiting for it at the next pass)."""
+    import re
+
+    path = write_run_config(umls_p4, "early", num_epochs=4, eval_fraction=0.1, early_stopping=True, lr=0.5)
+    agents = Agents(path, "2", tmp_path)
+    try:
+        agents.start("a")
+        agents.start("b")
+        codes = agents.wait(["a", "b"], timeout=300)
+    finally:
+        agents.stop()
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    pattern = re.compile(r"early stopping check after epoch (\d+): eval MRR ([0-9.]+)")
+    checks = {name: pattern.findall((tmp_path / f"{name}.log").read_text()) for name in ("a", "b")}
+    assert checks["a"] and checks["a"] == checks["b"], checks
+    stopped = {name: "early stopping: eval MRR fell" in (tmp_path / f"{name}.log").read_text() for name in ("a", "b")}
+    assert stopped["a"] == stopped["b"]
+    records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert len(summaries) == len(checks["a"])  # one pass per epoch, each one checked, none after a stop
+    assert all(s["restart_count"] == 0 and s["world_size"] == 2 for s in summaries)  # nobody left the group
+    assert all(set(s) == PASS_SUMMARY_KEYS | {"eval_stats_after"} for s in summaries)
+    # the value decided on is the summary's: every rank's buckets, weighted by their edges
+    for (_, logged), summary in zip(checks["a"], summaries):
+        assert float(logged) == pytest.approx(summary["eval_stats_after"]["metrics"]["mrr"], abs=1e-6)
+    assert {r["rank"] for r in records if "rank" in r} == {0, 1}
 
 
 @pytest.mark.slow

@@ -282,6 +282,44 @@ def test_lower_bound_loads_is_a_lower_bound() -> None:
         assert best == lower_bound_loads(nparts, capacity)  # and it is reached on these grids
 
 
+def test_local_scheduler_walks_its_order_offers_the_rest_for_prefetch_and_keeps_every_record() -> None:
+    from job.train.schedule import LocalScheduler
+
+    order = [Bucket(0, 0), Bucket(1, 0), Bucket(0, 1), Bucket(1, 1)]
+    scheduler = LocalScheduler(lambda rng: list(order), lambda b: {("n", b.lhs), ("n", b.rhs)})
+    scheduler.start_pass(0, 1, 0)
+    trained: list[Bucket] = []
+    record = None
+    while (bucket := scheduler.next_bucket(record)) is not None:
+        following, needs = scheduler.upcoming()
+        assert list(following) == order[len(trained) + 1:]
+        assert list(needs) == [{("n", b.lhs), ("n", b.rhs)} for b in following]
+        trained.append(bucket)
+        record = {"bucket": list(bucket)}
+    assert trained == order
+    gathered = scheduler.gather({})
+    assert gathered is not None and [r["bucket"] for r in gathered.records] == [list(b) for b in order]
+    assert (gathered.world_size, gathered.buckets_redone, gathered.others_io) == (1, 0, [])
+
+
+def test_a_single_process_run_writes_the_stats_shape_of_a_distributed_one(tmp_path: Path) -> None:
+    from test_distributed import PASS_SUMMARY_KEYS
+
+    raw = write_cycle_graph(tmp_path, num_entities=80, num_partitions=2, num_epochs=1, eval_fraction=0.2)
+    train(parse_config(raw))
+    records = CheckpointStorage(raw["checkpoint_path"]).load_stats()
+    buckets = [r for r in records if "lhs_partition" in r]
+    (summary,) = [r for r in records if r.get("pass_summary")]
+    assert {r["rank"] for r in buckets} == {0}
+    assert set(summary) - {"partition_loads_lower_bound"} == PASS_SUMMARY_KEYS | {"eval_stats_after"}
+    assert (summary["world_size"], summary["restart_count"], summary["buckets_redone"]) == (1, 0, 0)
+    assert summary["buckets_trained"] == len(buckets) == 4
+    evaluated = [r["eval_stats_after"] for r in buckets]
+    assert summary["eval_stats_after"]["count"] == sum(e["count"] for e in evaluated)
+    mrr = sum(e["metrics"]["mrr"] * e["count"] for e in evaluated) / sum(e["count"] for e in evaluated)
+    assert summary["eval_stats_after"]["metrics"]["mrr"] == pytest.approx(mrr)
+
+
 def test_buffer_run_reports_its_partition_traffic(tmp_path: Path) -> None:
     raw = write_cycle_graph(tmp_path, num_entities=90, num_partitions=6, num_epochs=2, bucket_order="buffer",
                             partition_buffer=3)

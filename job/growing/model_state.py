@@ -76,7 +76,7 @@ def grown_model(
     by parameter name, since its entries are numbered by position and new relations shift positions.
     """
     from job.model.scoring import Model
-    from job.train.step import RelationAdagrad
+    from job.train.optim import RelationAdagrad
 
     old_model = Model(old, old_num_rels if old.dynamic_relations else 0)
     model = Model(new, new_num_rels if new.dynamic_relations else 0)

@@ -42,8 +42,8 @@ import torch
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.growing.ingest import read_spilled_bucket
+from job.train.optim import row_adagrad_state
 from job.train.partitions import _sum_from_state
-from job.train.step import row_adagrad_state
 
 logger = logging.getLogger("biggraph")
 

@@ -22,7 +22,8 @@ from job.formats import edges as edge_format
 from job.growing.journal import GrowRecord
 from job.train.batching import EdgeTensors
 from job.train.buckets import Bucket
-from job.train.loop import Iteration, Trainer, edge_limits, edge_tensors
+from job.train.data import edge_limits, edge_tensors
+from job.train.loop import Iteration, Trainer
 
 _READ_CHUNK = 1 << 20  # old edges read at a time while sampling them
 

@@ -31,7 +31,7 @@ class ReportOptions:
     """What to sample and where to read; the defaults are those of ``biggraph report``.
 
     ``storage_options`` (fsspec keyword arguments such as ``endpoint_url``) are applied process-wide before the
-    checkpoint is read; None keeps whatever is in force (the environment, an earlier ``set_storage_options``).
+    checkpoint is read; None keeps whatever is in force (the caller's ``storage.using`` scope, else the environment).
     A checkpoint's own config.json holds none (training leaves them out, they may be credentials), so a
     report of an S3 checkpoint on a custom endpoint needs them from the caller.
     """
@@ -147,7 +147,7 @@ def _add_pass(row: EpochRow, sums: _EpochSums, summary: dict[str, Any]) -> None:
             sums.loss_seen, sums.loss, sums.loss_edges = True, loss * weight, weight
             row.edges = row.edges or int(stats.get("count") or 0)
     seconds = num(summary.get("time"))
-    if seconds is not None and "world_size" not in summary:  # a multi-trainer pass time is not this split's
+    if seconds is not None and summary.get("world_size", 1) == 1:  # a multi-trainer pass time is not this split's
         sums.pass_time = (sums.pass_time or 0.0) + seconds
 
 

@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from job.train.step import BatchContext, BatchStats, cached_tensors, draw_negatives, run_batch
+from job.train.rowops import cached_tensors
+from job.train.step import BatchContext, BatchStats, draw_negatives, run_batch
 
 logger = logging.getLogger("biggraph")
 

@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 from job.config import ConfigSchema
 from job.model.scoring import Model, Table
 from job.train.batching import EdgeTensors, process_edges
+from job.train.optim import RelationAdagrad
 from job.train.spawning import main_module_hidden
-from job.train.step import BatchContext, BatchStats, RelationAdagrad
+from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")
 

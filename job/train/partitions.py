@@ -25,7 +25,7 @@ from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
 from job.train.buffer import IOStats, pick_victim
-from job.train.step import row_adagrad_state
+from job.train.optim import row_adagrad_state
 
 logger = logging.getLogger("biggraph")
 

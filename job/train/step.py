@@ -1,5 +1,7 @@
 """One batch: gather unique rows, score, loss, backward, and the two Adagrad updates.
 
+(The optimizers are in job/train/optim.py, the row bookkeeping in job/train/rowops.py.)
+
 This is the hot path of training and of sampled evaluation. It runs unchanged in the
 main process (workers=1) and in each Hogwild worker; all tensors it updates live in
 shared memory, and updates are unsynchronised by design (Hogwild!).
@@ -7,18 +9,19 @@ shared memory, and updates are unsynchronised by design (Hogwild!).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from job.config import ConfigSchema
 from job.model.losses import compute_loss
 from job.model.scoring import Model, SideScores, Table
+from job.train.optim import RelationAdagrad, cat_grads, renorm_rows, row_adagrad, row_adagrad_repeated
+from job.train.rowops import every_occurrence, overlap, unique_inverse
 
-ADAGRAD_EPS = 1e-10
 # Both sides of a batch gather their rows together when the shared table has at most this many rows per
 # positive edge (they then touch mostly the same rows); otherwise each side gathers its own.
 JOINT_GATHER_ROWS_PER_EDGE = 8
@@ -59,70 +62,6 @@ class BatchStats:
                 "hits@50": self.hits50 / r, "auc": self.auc_sum / r, "mean_rank": self.rank_sum / r}
 
 
-class RelationAdagrad:
-    """Dense Adagrad over the model's shared parameters (relation operators, global embeddings).
-
-    The sums live in shared memory so that every Hogwild worker accumulates into the
-    same state; its ``state_dict`` has torch.optim.Adagrad's layout, as PBG saves it.
-    """
-
-    def __init__(self, params: list[Tensor], lr: float) -> None:
-        self.params = params
-        self.lr = lr
-        self.sums = [torch.zeros_like(p.detach()) for p in params]
-        self.steps = torch.zeros(1, dtype=torch.float64)
-
-    def share_memory(self) -> None:
-        for s in self.sums:
-            s.share_memory_()
-        self.steps.share_memory_()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.steps += 1
-        for p, s in zip(self.params, self.sums):
-            grad = p.grad
-            if grad is None:
-                continue
-            s.addcmul_(grad, grad)
-            p.addcdiv_(grad, s.sqrt().add_(ADAGRAD_EPS), value=-self.lr)
-            p.grad = None
-
-    def state_dict(self) -> dict:
-        step = float(self.steps.item())
-        return {
-            "state": {i: {"step": torch.tensor(step), "sum": s.clone()} for i, s in enumerate(self.sums)},
-            "param_groups": [{
-                "lr": self.lr, "lr_decay": 0, "weight_decay": 0, "initial_accumulator_value": 0, "eps": ADAGRAD_EPS,
-                "foreach": None, "maximize": False, "differentiable": False, "fused": None,
-                "params": list(range(len(self.sums))),
-            }],
-        }
-
-    def load_state_dict(self, state: Optional[dict], where: str) -> None:
-        from job.errors import CheckpointError
-
-        if not state:
-            return
-        entries = state.get("state", {}) if isinstance(state, dict) else {}
-        for i, s in enumerate(self.sums):
-            entry = entries.get(i) or entries.get(str(i))
-            if entry is None:
-                continue
-            value = torch.as_tensor(entry["sum"])
-            if value.shape != s.shape:
-                raise CheckpointError(f"{where}: optimizer state {i} has shape {tuple(value.shape)}, expected {tuple(s.shape)}")
-            s.copy_(value)
-            step = entry.get("step", 0)
-            self.steps.fill_(float(step.item() if isinstance(step, Tensor) else step))
-
-
-def row_adagrad_state(optim_sum: Tensor, lr: float, step: int = 0) -> dict:
-    """PBG's RowAdagrad state_dict layout for one partition."""
-    return {"state": {0: {"step": step, "sum": optim_sum}},
-            "param_groups": [{"lr": lr, "lr_decay": 0, "weight_decay": 0, "params": [0]}]}
-
-
 @dataclass
 class BatchContext:
     """What a batch needs besides its edges; built once per bucket."""
@@ -160,135 +99,89 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
             _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator))
 
 
-def _unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """``torch.unique(ids, return_inverse=True)`` without sorting (the rows come out in no particular order).
-
-    Small partitions (knowledge graphs with a few thousand entities) are touched by many more ids per
-    batch than they have rows: a presence bitmap finds them. Large ones are touched by few: each id
-    writes its position into a per-process scratch array indexed by id, the position that survives is
-    the id's representative, and every step is linear in the batch, where sorting was the slowest
-    part of deduplicating (a sort of 2,000 int64 on this CPU costs as much as gathering 2,000 rows).
-    """
-    if count <= 8 * ids.numel():
-        present = torch.zeros(count, dtype=torch.bool, device=ids.device)
-        present[ids] = True
-        uniq = torch.nonzero(present).flatten()
-        position = torch.cumsum(present, 0) - 1
-        return uniq, position[ids]
-    slots = _scratch(count, ids.device)
-    positions = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device)
-    slots.scatter_(0, ids, positions)
-    representative = slots.index_select(0, ids)  # never stale: every id was just written
-    first = representative == positions
-    uniq = ids[first]
-    new_position = torch.cumsum(first, 0) - 1
-    return uniq, new_position.index_select(0, representative.long())
-
-
-def _overlap(first: Tensor, second: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """Positions (in ``first``, in ``second``) of the ids two duplicate-free id lists share."""
-    slots = _scratch(count, first.device)
-    slots.scatter_(0, first, torch.arange(first.numel(), dtype=torch.int32, device=first.device))
-    # a slot not written by this call holds garbage; it is only believed where it points back at the id
-    candidate = slots.index_select(0, second).long().clamp_(0, max(first.numel() - 1, 0))
-    in_second = torch.nonzero(first.index_select(0, candidate) == second).flatten()
-    return candidate.index_select(0, in_second), in_second
-
-
-_SCRATCH: dict[tuple[str, int], Tensor] = {}
-
-
-def _scratch(count: int, device: torch.device) -> Tensor:
-    """A reusable id -> int32 array of at least ``count`` entries, one per thread and device (a batch and an
-    evaluation may run in different threads); its contents are never read before written."""
-    key = (str(device), threading.get_ident())
-    slots = _SCRATCH.get(key)
-    if slots is None or slots.shape[0] < count:
-        slots = torch.empty(count, dtype=torch.int32, device=device)
-        _SCRATCH[key] = slots
-    return slots[:count]
-
-
 # Tests run the GPU's static-shape path on the CPU by setting this.
 STATIC_SHAPES_ON_CPU = False
 
 
-def _every_occurrence(ids: Tensor, neg: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """A side's rows without deduplication: (ids, positives' positions, negatives' positions)."""
-    num_pos = ids.shape[0]
-    if neg is None:
-        return ids, _positions(0, num_pos, ids.device), None
-    return (torch.cat((ids, neg.reshape(-1))), _positions(0, num_pos, ids.device),
-            _positions(num_pos, num_pos + neg.numel(), ids.device).view_as(neg))
+@dataclass
+class _Rows:
+    """The rows a batch gathers per side, and where its positives and negatives sit among them."""
+
+    lhs_uniq: Tensor
+    lhs_inv: Tensor
+    lhs_neg_inv: Optional[Tensor]
+    rhs_uniq: Tensor
+    rhs_inv: Tensor
+    rhs_neg_inv: Optional[Tensor]
+    same_table: bool  # both sides gather one set of rows
+    static: bool  # every occurrence gathered (fixed shapes), not the unique rows
 
 
-_POSITIONS: dict[tuple[str, int], Tensor] = {}
+def _select_rows(lhs_ids: Tensor, rhs_ids: Tensor, lhs_neg: Optional[Tensor], rhs_neg: Optional[Tensor],
+                 lhs_table: Table, rhs_table: Table, same_table: bool, all_negs: bool, static: bool) -> _Rows:
+    """The unique rows per table (all of them with ``all_negs``; every occurrence when ``static``)."""
+    num_pos = int(lhs_ids.shape[0])
+    device = lhs_table.weight.device
+    lhs_count = lhs_table.weight.shape[0]
+    rhs_count = rhs_table.weight.shape[0]
+    if static:
+        # On a GPU finding the unique rows costs more than it saves: the number of unique rows is only
+        # known after waiting for the device. Every occurrence is gathered instead (a few thousand rows
+        # are nothing to a GPU), the shapes depend only on the batch size, and the Adagrad step sums the
+        # gradients of repeated rows itself (``row_adagrad_repeated``): the same update, no waiting.
+        return _Rows(*every_occurrence(lhs_ids, lhs_neg), *every_occurrence(rhs_ids, rhs_neg), False, True)
+    if all_negs:
+        lhs_uniq = torch.arange(lhs_count, device=device)
+        rhs_uniq = lhs_uniq if same_table else torch.arange(rhs_count, device=device)
+        return _Rows(lhs_uniq, lhs_ids, None, rhs_uniq, rhs_ids, None, same_table, False)
+    if same_table:
+        pieces = [lhs_ids, rhs_ids] + [n.reshape(-1) for n in (lhs_neg, rhs_neg) if n is not None]
+        uniq, inverse = unique_inverse(torch.cat(pieces), lhs_count)
+        offset = 2 * num_pos
+        lhs_neg_inv = rhs_neg_inv = None
+        if lhs_neg is not None:
+            lhs_neg_inv = inverse[offset : offset + lhs_neg.numel()].view_as(lhs_neg)
+            offset += lhs_neg.numel()
+        if rhs_neg is not None:
+            rhs_neg_inv = inverse[offset : offset + rhs_neg.numel()].view_as(rhs_neg)
+        return _Rows(uniq, inverse[:num_pos], lhs_neg_inv, uniq, inverse[num_pos : 2 * num_pos], rhs_neg_inv,
+                     True, False)
+
+    def uniq_of(ids: Tensor, neg: Optional[Tensor], count: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
+        uniq, inverse = unique_inverse(joined, count)
+        neg_inv = None if neg is None else inverse[num_pos:].view_as(neg)
+        return uniq, inverse[:num_pos], neg_inv
+
+    return _Rows(*uniq_of(lhs_ids, lhs_neg, lhs_count), *uniq_of(rhs_ids, rhs_neg, rhs_count), False, False)
 
 
-def cached_tensors() -> list[Tensor]:
-    """Every tensor the batch code keeps between batches (scratch arrays, position ranges, batch masks).
-
-    A captured CUDA graph holds their addresses, not references: it keeps this list alive so that a cache
-    that grows or is cleared later cannot hand the memory to something else while the graph still uses it.
-    """
-    from job.model.scoring import _MASK_CACHE
-
-    return [*_SCRATCH.values(), *_POSITIONS.values(), *_MASK_CACHE.values()]
-
-
-def _positions(begin: int, end: int, device: torch.device) -> Tensor:
-    key = (str(device), end)
-    cached = _POSITIONS.get(key)
-    if cached is None:
-        cached = _POSITIONS[key] = torch.arange(end, device=device)
-    return cached[begin:]
-
-
-def _cat_grads(lhs_rows: Tensor, rhs_rows: Tensor) -> Optional[Tensor]:
-    if lhs_rows.grad is None and rhs_rows.grad is None:
-        return None
-    lhs_grad = lhs_rows.grad if lhs_rows.grad is not None else torch.zeros_like(lhs_rows)
-    rhs_grad = rhs_rows.grad if rhs_rows.grad is not None else torch.zeros_like(rhs_rows)
-    return torch.cat((lhs_grad, rhs_grad))
-
-
-@torch.no_grad()
-def _row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: float) -> None:
-    """``_row_adagrad`` for ids that may repeat: each distinct row gets one step with its summed gradient.
-
-    Each occurrence finds a representative occurrence of its id (the one whose position survives in the
-    scratch array), the gradients are summed there and read back by every occurrence, so all
-    occurrences of a row compute the same new values and the duplicate writes agree. Nothing here
-    depends on how many distinct rows there are: no host synchronisation.
-    """
-    if grad is None or table.optim_sum is None:
-        return
-    slots = _scratch(table.weight.shape[0], ids.device)
-    slots.scatter_(0, ids, _positions(0, ids.numel(), ids.device).to(torch.int32))
-    representative = slots.index_select(0, ids).long()
-    summed = torch.zeros_like(grad).index_add_(0, representative, grad).index_select(0, representative)
-    optim_sum = table.optim_sum.index_select(0, ids).add_(
-        torch.linalg.vector_norm(summed, dim=1).square_().div_(grad.shape[1]))
-    table.optim_sum.index_copy_(0, ids, optim_sum)
-    step = optim_sum.sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
-    table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step.unsqueeze(1))))
-
-
-def _renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
-    """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG.
-
-    ``ids`` may repeat (every occurrence then writes the same row). On the CPU only the rows that change are
-    written back; a GPU would have to be waited for to learn which those are, so it rewrites them all.
-    """
-    rows = weight.index_select(0, ids)
-    norms = rows.norm(2, dim=1)
-    too_long = norms > max_norm
-    if weight.device.type != "cpu":
-        scale = torch.where(too_long, max_norm / (norms + 1e-7), torch.ones_like(norms))
-        weight.index_copy_(0, ids, rows.mul_(scale.unsqueeze(1)))
-    elif bool(too_long.any()):
-        scale = (max_norm / (norms[too_long] + 1e-7)).unsqueeze(1)
-        weight.index_copy_(0, ids[too_long], rows[too_long] * scale)
+def _update_rows(ctx: BatchContext, rows: _Rows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
+                 rhs_rows: Tensor, shared_storage: bool) -> None:
+    """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
+    lr = ctx.config.lr
+    if rows.static:
+        if shared_storage:
+            row_adagrad_repeated(lhs_table, torch.cat((rows.lhs_uniq, rows.rhs_uniq)), cat_grads(lhs_rows, rhs_rows), lr)
+        else:
+            row_adagrad_repeated(lhs_table, rows.lhs_uniq, lhs_rows.grad, lr)
+            row_adagrad_repeated(rhs_table, rows.rhs_uniq, rhs_rows.grad, lr)
+    elif shared_storage and not rows.same_table and lhs_rows.grad is not None and rhs_rows.grad is not None:
+        # One Adagrad step per row, as with a merged sparse gradient: a row on both sides (rare in a
+        # large table) gets its rhs gradient added to its lhs one and a zero rhs gradient, which
+        # leaves it untouched by the rhs step. Cheaper than gathering both sides into a union.
+        in_lhs, in_rhs = overlap(rows.lhs_uniq, rows.rhs_uniq, lhs_table.weight.shape[0])
+        if in_rhs.numel():
+            lhs_rows.grad.index_add_(0, in_lhs, rhs_rows.grad.index_select(0, in_rhs))
+            rhs_rows.grad.index_fill_(0, in_rhs, 0.0)
+        row_adagrad(lhs_table, rows.lhs_uniq, lhs_rows.grad, lr)
+        row_adagrad(rhs_table, rows.rhs_uniq, rhs_rows.grad, lr)
+    else:
+        row_adagrad(lhs_table, rows.lhs_uniq, lhs_rows.grad, lr)
+        if not rows.same_table:
+            row_adagrad(rhs_table, rows.rhs_uniq, rhs_rows.grad, lr)
+    if ctx.relation_optimizer is not None:
+        ctx.relation_optimizer.step()
 
 
 def run_batch(
@@ -321,97 +214,34 @@ def run_batch(
     # each side gathers its own rows, so the operator and the comparator's preparation run only on the
     # rows that side needs; the two gradients are merged before the one Adagrad update per row.
     same_table = shared_storage and (relation.all_negs or lhs_table.weight.shape[0] <= JOINT_GATHER_ROWS_PER_EDGE * num_pos)
-    all_negs = relation.all_negs
-    num_batch_negs = ctx.num_batch_negs
-    device = lhs_table.weight.device
-    lhs_count = lhs_table.weight.shape[0]
-    rhs_count = rhs_table.weight.shape[0]
     lhs_neg, rhs_neg = negatives if negatives is not None else draw_negatives(ctx, rel_idx, num_pos, generator)
-
-    # unique rows per table ----------------------------------------------------------------------
-    static = train and not all_negs and (device.type != "cpu" or STATIC_SHAPES_ON_CPU)
-    if static:
-        # On a GPU finding the unique rows costs more than it saves: the number of unique rows is only
-        # known after waiting for the device. Every occurrence is gathered instead (a few thousand rows
-        # are nothing to a GPU), the shapes depend only on the batch size, and the Adagrad step sums the
-        # gradients of repeated rows itself (``_row_adagrad_repeated``): the same update, no waiting.
-        same_table = False
-        lhs_uniq, lhs_inv, lhs_neg_inv = _every_occurrence(lhs_ids, lhs_neg)
-        rhs_uniq, rhs_inv, rhs_neg_inv = _every_occurrence(rhs_ids, rhs_neg)
-    elif all_negs:
-        lhs_uniq = torch.arange(lhs_count, device=device)
-        rhs_uniq = lhs_uniq if same_table else torch.arange(rhs_count, device=device)
-        lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv = lhs_ids, rhs_ids, None, None
-    elif same_table:
-        pieces = [lhs_ids, rhs_ids] + [n.reshape(-1) for n in (lhs_neg, rhs_neg) if n is not None]
-        lhs_uniq, inverse = _unique_inverse(torch.cat(pieces), lhs_count)
-        rhs_uniq = lhs_uniq
-        lhs_inv, rhs_inv = inverse[:num_pos], inverse[num_pos : 2 * num_pos]
-        offset = 2 * num_pos
-        lhs_neg_inv = rhs_neg_inv = None
-        if lhs_neg is not None:
-            lhs_neg_inv = inverse[offset : offset + lhs_neg.numel()].view_as(lhs_neg)
-            offset += lhs_neg.numel()
-        if rhs_neg is not None:
-            rhs_neg_inv = inverse[offset : offset + rhs_neg.numel()].view_as(rhs_neg)
-    else:
-        def uniq_of(ids: Tensor, neg: Optional[Tensor], count: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-            joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
-            uniq, inverse = _unique_inverse(joined, count)
-            neg_inv = None if neg is None else inverse[num_pos:].view_as(neg)
-            return uniq, inverse[:num_pos], neg_inv
-
-        lhs_uniq, lhs_inv, lhs_neg_inv = uniq_of(lhs_ids, lhs_neg, lhs_count)
-        rhs_uniq, rhs_inv, rhs_neg_inv = uniq_of(rhs_ids, rhs_neg, rhs_count)
-
+    static = train and not relation.all_negs and (lhs_table.weight.device.type != "cpu" or STATIC_SHAPES_ON_CPU)
+    rows = _select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg, lhs_table, rhs_table, same_table, relation.all_negs,
+                        static)
     if config.max_norm is not None and train:
         # a table without optimizer state is read-only (a frozen entity type): not even renormalised
         if lhs_table.optim_sum is not None:
-            _renorm_rows(lhs_table.weight, lhs_uniq, config.max_norm)
-        if not same_table and rhs_table.optim_sum is not None:
-            _renorm_rows(rhs_table.weight, rhs_uniq, config.max_norm)
-
+            renorm_rows(lhs_table.weight, rows.lhs_uniq, config.max_norm)
+        if not rows.same_table and rhs_table.optim_sum is not None:
+            renorm_rows(rhs_table.weight, rows.rhs_uniq, config.max_norm)
     with torch.set_grad_enabled(train):
-        lhs_rows = lhs_table.weight.index_select(0, lhs_uniq)
+        lhs_rows = lhs_table.weight.index_select(0, rows.lhs_uniq)
         if train:
             lhs_rows.requires_grad_(True)
-        if same_table:
+        if rows.same_table:
             rhs_rows = lhs_rows
         else:
-            rhs_rows = rhs_table.weight.index_select(0, rhs_uniq)
+            rhs_rows = rhs_table.weight.index_select(0, rows.rhs_uniq)
             if train:
                 rhs_rows.requires_grad_(True)
         lhs_scores, rhs_scores, lhs_raw, rhs_raw = ctx.model.score_batch(
-            rel_idx, rel_ids, lhs_rows, rhs_rows, relation.lhs, relation.rhs, lhs_inv, rhs_inv,
-            lhs_neg_inv, rhs_neg_inv, same_table, num_batch_negs, all_negs,
+            rel_idx, rel_ids, lhs_rows, rhs_rows, relation.lhs, relation.rhs, rows.lhs_inv, rows.rhs_inv,
+            rows.lhs_neg_inv, rows.rhs_neg_inv, rows.same_table, ctx.num_batch_negs, relation.all_negs,
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
         stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
-    if train and static:
-        if shared_storage:
-            _row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), _cat_grads(lhs_rows, rhs_rows), config.lr)
-        else:
-            _row_adagrad_repeated(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
-            _row_adagrad_repeated(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
-        if ctx.relation_optimizer is not None:
-            ctx.relation_optimizer.step()
-    elif train:
-        if shared_storage and not same_table and lhs_rows.grad is not None and rhs_rows.grad is not None:
-            # One Adagrad step per row, as with a merged sparse gradient: a row on both sides (rare in a
-            # large table) gets its rhs gradient added to its lhs one and a zero rhs gradient, which
-            # leaves it untouched by the rhs step. Cheaper than gathering both sides into a union.
-            in_lhs, in_rhs = _overlap(lhs_uniq, rhs_uniq, lhs_count)
-            if in_rhs.numel():
-                lhs_rows.grad.index_add_(0, in_lhs, rhs_rows.grad.index_select(0, in_rhs))
-                rhs_rows.grad.index_fill_(0, in_rhs, 0.0)
-            _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
-            _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
-        else:
-            _row_adagrad(lhs_table, lhs_uniq, lhs_rows.grad, config.lr)
-            if not same_table:
-                _row_adagrad(rhs_table, rhs_uniq, rhs_rows.grad, config.lr)
-        if ctx.relation_optimizer is not None:
-            ctx.relation_optimizer.step()
+    if train:
+        _update_rows(ctx, rows, lhs_table, rhs_table, lhs_rows, rhs_rows, shared_storage)
     return stats
 
 
@@ -448,6 +278,38 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
     return stats
 
 
+def _featurized_side(
+    ctx: BatchContext, side: str, ids: Tensor, features: Optional[tuple[Tensor, Tensor]], table: Table,
+    entity_type: str, generator: Optional[torch.Generator], train: bool,
+) -> tuple[tuple[Tensor, Tensor, Optional[Tensor]], tuple[Table, Tensor, Tensor]]:
+    """One side of a featurized batch: ((rows, positives' positions, negatives' positions), (table, unique
+    rows, the leaf their gradient reaches))."""
+    config = ctx.config
+    num_pos = int(ids.shape[0])
+    if config.entities[entity_type].featurized:
+        if features is None:
+            raise ValueError(f"entity type {entity_type} is featurized but the edges carry no {side}d feature lists")
+        device = table.weight.device
+        offsets, data = features[0].to(device), features[1].to(device)
+        uniq, inverse = torch.unique(data, return_inverse=True)
+        if config.max_norm is not None and train and table.optim_sum is not None:
+            renorm_rows(table.weight, uniq, config.max_norm)
+        leaf = table.weight.index_select(0, uniq)
+        if train:
+            leaf.requires_grad_(True)
+        with torch.set_grad_enabled(train):
+            rows = F.embedding_bag(inverse, leaf, offsets[:-1], mode="mean")
+        return (rows, torch.arange(num_pos, device=device), None), (table, uniq, leaf)
+    disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
+    neg = _sample_uniform(ctx, num_pos, ctx.num_uniform_negs, table.weight.shape[0], disabled, generator)
+    joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
+    uniq, inverse = torch.unique(joined, return_inverse=True)
+    leaf = table.weight.index_select(0, uniq)
+    if train:
+        leaf.requires_grad_(True)
+    return (leaf, inverse[:num_pos], None if neg is None else inverse[num_pos:].view_as(neg)), (table, uniq, leaf)
+
+
 def _run_featurized_batch(
     ctx: BatchContext,
     rel_idx: int,
@@ -464,8 +326,6 @@ def _run_featurized_batch(
     A featurized side has no uniform negatives (PBG cannot sample bags either) and is scored
     per edge rather than per unique row; its gradients reach the unique feature rows.
     """
-    import torch.nn.functional as F
-
     config = ctx.config
     relation = config.relations[rel_idx]
     num_pos = int(lhs_ids.shape[0])
@@ -475,31 +335,8 @@ def _run_featurized_batch(
         ("lhs", lhs_ids, lhs_features, ctx.lhs_tables[rel_idx], relation.lhs),
         ("rhs", rhs_ids, rhs_features, ctx.rhs_tables[rel_idx], relation.rhs),
     ):
-        if config.entities[entity_type].featurized:
-            if features is None:
-                raise ValueError(f"entity type {entity_type} is featurized but the edges carry no {side}d feature lists")
-            device = table.weight.device
-            offsets, data = features[0].to(device), features[1].to(device)
-            uniq, inverse = torch.unique(data, return_inverse=True)
-            if config.max_norm is not None and train and table.optim_sum is not None:
-                _renorm_rows(table.weight, uniq, config.max_norm)
-            leaf = table.weight.index_select(0, uniq)
-            if train:
-                leaf.requires_grad_(True)
-            with torch.set_grad_enabled(train):
-                rows = F.embedding_bag(inverse, leaf, offsets[:-1], mode="mean")
-            leaves.append((table, uniq, leaf))
-            sides[side] = (rows, torch.arange(num_pos, device=device), None)
-        else:
-            disabled = config.disable_lhs_negs if side == "lhs" else config.disable_rhs_negs
-            neg = _sample_uniform(ctx, num_pos, ctx.num_uniform_negs, table.weight.shape[0], disabled, generator)
-            joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
-            uniq, inverse = torch.unique(joined, return_inverse=True)
-            leaf = table.weight.index_select(0, uniq)
-            if train:
-                leaf.requires_grad_(True)
-            leaves.append((table, uniq, leaf))
-            sides[side] = (leaf, inverse[:num_pos], None if neg is None else inverse[num_pos:].view_as(neg))
+        sides[side], leaf = _featurized_side(ctx, side, ids, features, table, entity_type, generator, train)
+        leaves.append(leaf)
     with torch.set_grad_enabled(train):
         lhs_rows, lhs_inv, lhs_neg_inv = sides["lhs"]
         rhs_rows, rhs_inv, rhs_neg_inv = sides["rhs"]
@@ -511,7 +348,7 @@ def _run_featurized_batch(
         stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
         for table, uniq, leaf in leaves:
-            _row_adagrad(table, uniq, leaf.grad, config.lr)
+            row_adagrad(table, uniq, leaf.grad, config.lr)
         if ctx.relation_optimizer is not None:
             ctx.relation_optimizer.step()
     return stats
@@ -533,18 +370,6 @@ def _statistic(value: Tensor | float) -> Tensor | float:
 
 def _operator_params(model: Model, rel_idx: int) -> list[Tensor]:
     return list(model.rhs_operators[rel_idx].parameters()) + list(model.lhs_operators[rel_idx].parameters())
-
-
-@torch.no_grad()
-def _row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) -> None:
-    """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients."""
-    if grad is None or table.optim_sum is None:
-        return
-    # mean of squared gradients per row, as a fused norm (half the time of grad.pow(2).mean(1))
-    table.optim_sum.index_add_(0, uniq, torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
-    # -lr / (sqrt(sum) + eps) per row, then one pass over the gradient
-    step = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
-    table.weight.index_add_(0, uniq, grad.mul_(step.unsqueeze(1)))
 
 
 def _add_ranks(stats: BatchStats, scores: SideScores) -> None:

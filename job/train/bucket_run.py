@@ -1,0 +1,187 @@
+"""One bucket of a pass: hold its partitions, read its edge chunk, hold out its eval edges, train, evaluate.
+
+``BucketRunner`` is the part of ``Trainer`` (job/train/loop.py) that works on one bucket whoever
+scheduled it; it is a base class so that a subclass (``GrowTrainer``) can read a bucket's edges its
+own way (``_read_bucket_chunk``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from job.config import ConfigSchema
+from job.formats import edges as edge_format
+from job.model.scoring import Model, Table
+from job.train.batching import EdgeTensors, process_edges
+from job.train.buckets import Bucket
+from job.train.data import edge_limits, edge_tensors
+from job.train.hogwild import WorkerPool
+from job.train.optim import RelationAdagrad
+from job.train.partitions import PartitionStore
+from job.train.schedule import Iteration
+from job.train.step import BatchContext, BatchStats
+
+logger = logging.getLogger("biggraph")
+
+PartKey = tuple[str, int]
+
+
+def split_almost_equally(n: int, parts: int) -> list[slice]:
+    size = math.ceil(n / parts) if parts else n
+    return [slice(i * size, min(n, (i + 1) * size)) for i in range(parts) if i * size < n]
+
+
+class BucketRunner:
+    """Trains and evaluates one bucket with the trainer's model, partition store and worker pool."""
+
+    config: ConfigSchema
+    model: Model
+    relation_optimizer: RelationAdagrad
+    store: PartitionStore
+    device: torch.device
+    workers: int
+    pool: Optional[WorkerPool]
+    entity_counts: dict[str, list[int]]
+    num_dynamic_rels: int
+    num_chunks: int
+    nparts_lhs: int
+    nparts_rhs: int
+
+    def _keys_for(self, bucket: Bucket) -> tuple[dict[int, PartKey], dict[int, PartKey]]:
+        """Per relation, the (entity type, partition) of its lhs and rhs tables in ``bucket``."""
+        config = self.config
+        lhs_keys: dict[int, PartKey] = {}
+        rhs_keys: dict[int, PartKey] = {}
+        for rel_idx, relation in enumerate(config.relations):
+            lhs_part = bucket.lhs if config.entities[relation.lhs].num_partitions > 1 else 0
+            rhs_part = bucket.rhs if config.entities[relation.rhs].num_partitions > 1 else 0
+            lhs_keys[rel_idx] = (relation.lhs, lhs_part)
+            rhs_keys[rel_idx] = (relation.rhs, rhs_part)
+        return lhs_keys, rhs_keys
+
+    def _needs(self, bucket: Bucket) -> set[PartKey]:
+        lhs_keys, rhs_keys = self._keys_for(bucket)
+        return set(lhs_keys.values()) | set(rhs_keys.values())
+
+    def _tables_for(self, bucket: Bucket, upcoming: Sequence[set[PartKey]] = ()
+                    ) -> tuple[dict[int, Table], dict[int, Table], list[PartKey]]:
+        lhs_keys, rhs_keys = self._keys_for(bucket)
+        evicted = self.store.hold(set(lhs_keys.values()) | set(rhs_keys.values()), upcoming)
+        return (
+            {r: self._training_view(k) for r, k in lhs_keys.items()},
+            {r: self._training_view(k) for r, k in rhs_keys.items()},
+            evicted,
+        )
+
+    def _training_view(self, key: PartKey) -> Table:
+        """The resident table of ``key`` as batches see it: without its optimizer state when the type is frozen,
+        which makes the step leave its rows (and that state, still held by the store) untouched."""
+        table = self.store.get(key)
+        return Table(table.weight, None) if self.config.entities[key[0]].frozen else table
+
+    def _read_bucket_chunk(self, edge_path: str, bucket: Bucket, chunk_idx: int) -> EdgeTensors:
+        url = edge_format.edges_file(edge_path, bucket.lhs, bucket.rhs)
+        with edge_format.open_h5(url) as handle:
+            num_edges = edge_format.check_edge_file(handle, url)
+            begin, end = edge_format.chunk_bounds(num_edges, chunk_idx, self.num_chunks)
+            arrays = edge_format.read_edges_from_handle(handle, url, begin, end)
+        # before any update: an id beyond the partition would index another row (or wrap around)
+        edge_limits(self.config, self.entity_counts, self.num_dynamic_rels, bucket).check(arrays, url, begin)
+        return edge_tensors(arrays)
+
+    def _split(self, iteration: Iteration, bucket: Bucket, bucket_idx: int, num_edges: int, seed_base: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+        """(shuffled training edges, held-out eval edges, the bucket's generator). The held-out edges depend
+        only on where they are, so they are the same every epoch."""
+        config = self.config
+        split_generator = torch.Generator()
+        split_generator.manual_seed(zlib.crc32(f"{iteration.edge_path_idx}/{iteration.chunk_idx}/{bucket}".encode())
+                                    + (config.seed or 0))
+        num_eval = int(num_edges * config.eval_fraction)
+        permutation = torch.randperm(num_edges, generator=split_generator)
+        eval_indices = permutation[num_edges - num_eval:] if num_eval else permutation[:0]
+        train_indices = permutation[: num_edges - num_eval]
+        shuffle_generator = torch.Generator()
+        shuffle_generator.manual_seed(seed_base * 1_000_003 + iteration.index * 10_007 + bucket_idx)
+        train_indices = train_indices[torch.randperm(train_indices.numel(), generator=shuffle_generator)]
+        return train_indices.to(self.device), eval_indices.to(self.device), shuffle_generator
+
+    def _run_bucket(
+        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
+        on_evicted: Optional[Callable[[list[PartKey]], None]] = None, upcoming: Sequence[set[PartKey]] = (),
+    ) -> tuple[dict[str, Any], BatchStats, float]:
+        """Train one bucket; returns its stats record, its training sums and its compute seconds."""
+        config = self.config
+        io_before = self.store.io_seconds
+        swap_started = time.perf_counter()
+        lhs_tables, rhs_tables, evicted = self._tables_for(bucket, upcoming)
+        if on_evicted is not None and evicted:
+            on_evicted(evicted)
+        if upcoming and config.prefetch_partitions:
+            # while this bucket trains: write back what the next one evicts, read what it needs
+            self.store.prepare(upcoming[0], self._needs(bucket), upcoming[1:])
+        edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
+        if self.device.type == "cuda":
+            edges = edges.to(self.device)
+        io_seconds = time.perf_counter() - swap_started
+        train_indices, eval_indices, generator = self._split(iteration, bucket, bucket_idx, len(edges), seed_base)
+        evaluating = eval_indices.numel() > 0
+        eval_before = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
+        if self.workers > 1 and self.pool is None and train_indices.numel() >= 2 * config.batch_size:
+            # started on first need (small graphs never pay for it), and before the compute clock starts
+            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
+        compute_started = time.perf_counter()
+        train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, first)
+        compute_seconds = time.perf_counter() - compute_started
+        eval_after = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
+        record: dict[str, Any] = {
+            "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
+            "edge_chunk_idx": iteration.chunk_idx, "lhs_partition": bucket.lhs, "rhs_partition": bucket.rhs,
+            "index": iteration.index * self.nparts_lhs * self.nparts_rhs + bucket_idx,
+            "stats": {"count": train_stats.count, "metrics": train_stats.training_metrics()},
+            "edges_per_sec": train_stats.count / compute_seconds if compute_seconds > 0 else 0.0,
+            "time": compute_seconds, "io_time": io_seconds, "swap_time": self.store.io_seconds - io_before,
+        }
+        if eval_before is not None and eval_after is not None:
+            record["eval_stats_before"] = {"count": eval_before.count, "metrics": eval_before.ranking_metrics()}
+            record["eval_stats_after"] = {"count": eval_after.count, "metrics": eval_after.ranking_metrics()}
+        logger.debug("bucket %s: %s", bucket, json.dumps(record))
+        return record, train_stats, compute_seconds
+
+    def _context(self, lhs_tables: dict[int, Table], rhs_tables: dict[int, Table], train: bool) -> BatchContext:
+        config = self.config
+        return BatchContext(
+            config=config, model=self.model, relation_optimizer=self.relation_optimizer if train else None,
+            lhs_tables=lhs_tables, rhs_tables=rhs_tables,
+            num_batch_negs=config.num_batch_negs if train else config.eval_num_batch_negs,
+            num_uniform_negs=config.num_uniform_negs if train else config.eval_num_uniform_negs,
+        )
+
+    def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
+               rhs_tables: dict[int, Table], generator: torch.Generator, first: bool) -> BatchStats:
+        config = self.config
+        if self.pool is None or indices.numel() < 2 * config.batch_size:
+            return process_edges(self._context(lhs_tables, rhs_tables, True), edges, indices, config.batch_size,
+                                 config.dynamic_relations, generator, True)
+        slices = [indices[s].clone() for s in split_almost_equally(indices.numel(), self.workers)]
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
+        delays = [0.0] + [config.hogwild_delay if first else 0.0] * (len(slices) - 1)
+        edges.share_memory_()
+        return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
+                             config.num_uniform_negs, delays)
+
+    def _evaluate(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
+                  rhs_tables: dict[int, Table], generator: torch.Generator) -> BatchStats:
+        config = self.config
+        eval_tables_l = {r: Table(t.weight, None) for r, t in lhs_tables.items()}
+        eval_tables_r = {r: Table(t.weight, None) for r, t in rhs_tables.items()}
+        return process_edges(self._context(eval_tables_l, eval_tables_r, False), edges, indices, config.batch_size,
+                             config.dynamic_relations, generator, False)

@@ -1,0 +1,139 @@
+"""The optimizers: dense Adagrad for relation parameters, PBG's row-wise Adagrad for embedding rows.
+
+Both update shared-memory tensors in place (Hogwild workers share them); their state_dict layouts are
+the ones PBG saves, so checkpoints load in either program.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from job.errors import CheckpointError
+from job.model.scoring import Table
+from job.train.rowops import positions, scratch
+
+ADAGRAD_EPS = 1e-10
+
+
+class RelationAdagrad:
+    """Dense Adagrad over the model's shared parameters (relation operators, global embeddings).
+
+    The sums live in shared memory so that every Hogwild worker accumulates into the
+    same state; its ``state_dict`` has torch.optim.Adagrad's layout, as PBG saves it.
+    """
+
+    def __init__(self, params: list[Tensor], lr: float) -> None:
+        self.params = params
+        self.lr = lr
+        self.sums = [torch.zeros_like(p.detach()) for p in params]
+        self.steps = torch.zeros(1, dtype=torch.float64)
+
+    def share_memory(self) -> None:
+        for s in self.sums:
+            s.share_memory_()
+        self.steps.share_memory_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for p, s in zip(self.params, self.sums):
+            grad = p.grad
+            if grad is None:
+                continue
+            s.addcmul_(grad, grad)
+            p.addcdiv_(grad, s.sqrt().add_(ADAGRAD_EPS), value=-self.lr)
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        step = float(self.steps.item())
+        return {
+            "state": {i: {"step": torch.tensor(step), "sum": s.clone()} for i, s in enumerate(self.sums)},
+            "param_groups": [{
+                "lr": self.lr, "lr_decay": 0, "weight_decay": 0, "initial_accumulator_value": 0, "eps": ADAGRAD_EPS,
+                "foreach": None, "maximize": False, "differentiable": False, "fused": None,
+                "params": list(range(len(self.sums))),
+            }],
+        }
+
+    def load_state_dict(self, state: Optional[dict], where: str) -> None:
+        if not state:
+            return
+        entries = state.get("state", {}) if isinstance(state, dict) else {}
+        for i, s in enumerate(self.sums):
+            entry = entries.get(i) or entries.get(str(i))
+            if entry is None:
+                continue
+            value = torch.as_tensor(entry["sum"])
+            if value.shape != s.shape:
+                raise CheckpointError(f"{where}: optimizer state {i} has shape {tuple(value.shape)}, expected {tuple(s.shape)}")
+            s.copy_(value)
+            step = entry.get("step", 0)
+            self.steps.fill_(float(step.item() if isinstance(step, Tensor) else step))
+
+
+def row_adagrad_state(optim_sum: Tensor, lr: float, step: int = 0) -> dict:
+    """PBG's RowAdagrad state_dict layout for one partition."""
+    return {"state": {0: {"step": step, "sum": optim_sum}},
+            "param_groups": [{"lr": lr, "lr_decay": 0, "weight_decay": 0, "params": [0]}]}
+
+
+def cat_grads(lhs_rows: Tensor, rhs_rows: Tensor) -> Optional[Tensor]:
+    if lhs_rows.grad is None and rhs_rows.grad is None:
+        return None
+    lhs_grad = lhs_rows.grad if lhs_rows.grad is not None else torch.zeros_like(lhs_rows)
+    rhs_grad = rhs_rows.grad if rhs_rows.grad is not None else torch.zeros_like(rhs_rows)
+    return torch.cat((lhs_grad, rhs_grad))
+
+
+@torch.no_grad()
+def row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: float) -> None:
+    """``row_adagrad`` for ids that may repeat: each distinct row gets one step with its summed gradient.
+
+    Each occurrence finds a representative occurrence of its id (the one whose position survives in the
+    scratch array), the gradients are summed there and read back by every occurrence, so all
+    occurrences of a row compute the same new values and the duplicate writes agree. Nothing here
+    depends on how many distinct rows there are: no host synchronisation.
+    """
+    if grad is None or table.optim_sum is None:
+        return
+    slots = scratch(table.weight.shape[0], ids.device)
+    slots.scatter_(0, ids, positions(0, ids.numel(), ids.device).to(torch.int32))
+    representative = slots.index_select(0, ids).long()
+    summed = torch.zeros_like(grad).index_add_(0, representative, grad).index_select(0, representative)
+    optim_sum = table.optim_sum.index_select(0, ids).add_(
+        torch.linalg.vector_norm(summed, dim=1).square_().div_(grad.shape[1]))
+    table.optim_sum.index_copy_(0, ids, optim_sum)
+    step = optim_sum.sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
+    table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step.unsqueeze(1))))
+
+
+def renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
+    """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG.
+
+    ``ids`` may repeat (every occurrence then writes the same row). On the CPU only the rows that change are
+    written back; a GPU would have to be waited for to learn which those are, so it rewrites them all.
+    """
+    rows = weight.index_select(0, ids)
+    norms = rows.norm(2, dim=1)
+    too_long = norms > max_norm
+    if weight.device.type != "cpu":
+        scale = torch.where(too_long, max_norm / (norms + 1e-7), torch.ones_like(norms))
+        weight.index_copy_(0, ids, rows.mul_(scale.unsqueeze(1)))
+    elif bool(too_long.any()):
+        scale = (max_norm / (norms[too_long] + 1e-7)).unsqueeze(1)
+        weight.index_copy_(0, ids[too_long], rows[too_long] * scale)
+
+
+@torch.no_grad()
+def row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) -> None:
+    """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients."""
+    if grad is None or table.optim_sum is None:
+        return
+    # mean of squared gradients per row, as a fused norm (half the time of grad.pow(2).mean(1))
+    table.optim_sum.index_add_(0, uniq, torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
+    # -lr / (sqrt(sum) + eps) per row, then one pass over the gradient
+    step = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
+    table.weight.index_add_(0, uniq, grad.mul_(step.unsqueeze(1)))

@@ -1,0 +1,297 @@
+"""Who trains which bucket next, and how trainers share parameters: one interface for one process and
+for a torchrun group, so that ``Trainer._run_pass`` (job/train/loop.py) is one loop that never asks
+whether it runs alone (PBG splits its trainer the same way: a bucket scheduler and a parameter client).
+
+- ``LocalScheduler`` walks the whole pass in one process, in the configured bucket order (``buffer``:
+  the order with the fewest partition loads for the buffer, starting from what is resident).
+- ``LockServerScheduler`` asks the lock server on rank 0 (job/train/distributed.py) for one bucket at a
+  time; rank 0 also keeps every rank's bucket records (across a group restart) and commits.
+- ``NoSync`` / ``SharedSync``: relation parameters, global embeddings and unpartitioned tables are
+  private to a lone process, and pushed/pulled through the lock server at every bucket boundary in a group.
+
+Prefetch (the next bucket's edge file and, with ``prefetch_partitions``, its partitions while the
+current bucket trains) needs ``upcoming()``: the buckets this process will train next, whose
+partitions no other process can write meanwhile. Locally that is the rest of the pass. The lock
+server picks a rank's next bucket only when the rank finishes the current one (it depends on what
+the other ranks hold and finish by then), so a distributed run cannot say which bucket comes next
+and prefetches nothing at all: no edge file, no partition.
+
+Pass results: the committing process gets every bucket's record (``gather``) and builds the pass
+summary from those alone (job/train/pass_stats.py), so both modes write the same stats lines. The eval
+MRR that early stopping compares is that summary's: ``publish`` hands the committing process's value
+to every rank, so all ranks stop after the same pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.formats.checkpoint import CheckpointStorage
+from job.train.buckets import Bucket, all_buckets
+from job.train.distributed import PROGRESS_FILE, LockClient, LockServer, LockState, SharedParameters
+from job.train.group import DistributedContext, wait_all
+from job.train.partitions import PartitionStore
+
+logger = logging.getLogger("biggraph")
+
+PartKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One pass over all buckets: an (epoch, edge set, edge chunk) triple; its index is the checkpoint version it makes."""
+
+    index: int
+    epoch: int
+    edge_path_idx: int
+    chunk_idx: int
+
+
+@dataclass
+class PassGather:
+    """What the committing process knows at the end of a pass: every bucket's record and the others' I/O."""
+
+    records: list[dict[str, Any]]
+    others_io: list[dict[str, Any]] = field(default_factory=list)  # partition I/O of the other ranks
+    world_size: int = 1
+    restart_count: int = 0
+    buckets_redone: int = 0
+
+
+class BucketScheduler(ABC):
+    """The buckets of a pass for this process, in order; see the module docstring for prefetch."""
+
+    commits: bool = True  # this process writes the new version and the pass's stats lines
+    delays_first_bucket: bool = True  # the run's first bucket staggers its Hogwild workers (hogwild_delay)
+
+    @abstractmethod
+    def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
+        """Prepare pass ``pass_index``, which commits ``version + 1``."""
+
+    @abstractmethod
+    def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
+        """The next bucket to train (``finished``: the stats record of the one just trained); None: the pass
+        has nothing left for this process."""
+
+    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
+        """The buckets this process trains after the current one and their partitions, when known and safe to
+        prefetch (nobody else writes those partitions meanwhile); empty when unknown."""
+        return (), ()
+
+    def release(self, keys: list[PartKey]) -> None:
+        """``keys`` were written out of the buffer (others may now take them); nothing to do alone."""
+        return None
+
+    def end_buckets(self) -> None:
+        """After the last bucket: give back what this process still holds (alone: nobody waits for it)."""
+        return None
+
+    @abstractmethod
+    def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
+        """Wait until every process has finished the pass's buckets; the committing one gets the records."""
+
+    def publish(self, eval_mrr: Optional[float]) -> Optional[float]:
+        """After the commit: the committing process's pass MRR, the same on every process."""
+        return eval_mrr
+
+
+class LocalScheduler(BucketScheduler):
+    """The whole pass in this process, in the order ``order(rng)`` gives."""
+
+    def __init__(self, order: Callable[[random.Random], list[Bucket]],
+                 needs: Callable[[Bucket], set[PartKey]]) -> None:
+        self.order = order
+        self.needs = needs
+        self.buckets: list[Bucket] = []
+        self.needed: list[set[PartKey]] = []
+        self.position = -1
+        self.records: list[dict[str, Any]] = []
+
+    def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
+        self.buckets = self.order(random.Random(seed_base * 7919 + pass_index))
+        self.needed = [self.needs(b) for b in self.buckets]
+        self.position = -1
+        self.records = []
+
+    def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
+        if finished is not None:
+            self.records.append(finished)
+        self.position += 1
+        return self.buckets[self.position] if self.position < len(self.buckets) else None
+
+    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
+        return self.buckets[self.position + 1:], self.needed[self.position + 1:]
+
+    def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
+        return PassGather(records=self.records)
+
+
+def bucket_locks(config: ConfigSchema, nparts_lhs: int, nparts_rhs: int) -> dict[Bucket, frozenset]:
+    """The partitioned (type, partition) keys each bucket locks."""
+    out = {}
+    for bucket in all_buckets(nparts_lhs, nparts_rhs):
+        keys = set()
+        for relation in config.relations:
+            if config.entities[relation.lhs].num_partitions > 1:
+                keys.add((relation.lhs, bucket.lhs))
+            if config.entities[relation.rhs].num_partitions > 1:
+                keys.add((relation.rhs, bucket.rhs))
+        out[bucket] = frozenset(keys)
+    return out
+
+
+def progress_url(checkpoint_path: str) -> str:
+    return storage.join(checkpoint_path, PROGRESS_FILE)
+
+
+def read_progress(checkpoint_path: str, version: int) -> Optional[dict[str, Any]]:
+    """The lock server's persisted progress, if it belongs to the pass after the committed ``version``."""
+    try:
+        data = json.loads(storage.read_text(progress_url(checkpoint_path)))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data if data.get("version") == version + 1 else None
+
+
+class LockServerScheduler(BucketScheduler):
+    """Buckets from the lock server on rank 0, one at a time (no prefetch: see the module docstring)."""
+
+    delays_first_bucket = False
+
+    def __init__(self, ctx: DistributedContext, config: ConfigSchema, store: PartitionStore,
+                 checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[dict[str, Any]],
+                 shared_values: Callable[[], np.ndarray]) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.store = store
+        self.checkpoint = checkpoint
+        self.nparts = nparts
+        self.progress = progress  # the interrupted pass's state, for the first pass after a restart
+        self.shared_values = shared_values
+        self.commits = ctx.rank == 0
+        self.bucket_keys = bucket_locks(config, *nparts)
+        self.client = LockClient(ctx.store, ctx.rank)
+        self.server: Optional[LockServer] = None
+        self.current: Optional[Bucket] = None
+        self.round_tag = ""
+
+    def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
+        self.round_tag = f"{self.ctx.restart_count}-{pass_index}"
+        self.current = None
+        if self.commits:
+            state = LockState(*self.nparts, self.bucket_keys,
+                              tree_init_order=self.config.distributed_tree_init_order and version == 0,
+                              version=version + 1)
+            if self.progress is not None and self.progress.get("version") == version + 1:
+                state.restore(self.progress)
+                state.forget_rank_locks()
+                logger.info(
+                    "resuming pass %d: %d of %d buckets already done, %d to redo", pass_index + 1, len(state.done),
+                    state.total, state.redone)
+            self.progress = None
+            self.server = LockServer(self.ctx.store, state, self._write_progress, self.shared_values(), seed_base)
+        wait_all(self.ctx, f"pass-start-{self.round_tag}")
+
+    def _write_progress(self, state: dict[str, Any]) -> None:
+        storage.write_text(progress_url(self.config.checkpoint_path), json.dumps(state))
+
+    def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
+        waits = 0
+        while True:
+            self.ctx.check_peers()
+            kind, bucket, dirty = self.client.next_bucket(self.store.resident_partitioned(), self.current, finished)
+            self.current, finished = None, None
+            self.store.written = set(dirty)
+            if kind == "done":
+                return None
+            if kind == "wait" or bucket is None:
+                # give our partitions back so that nobody waits on us, then ask again
+                self.end_buckets()
+                waits += 1
+                time.sleep(min(0.05 * waits, 0.5))
+                continue
+            self.current = bucket
+            return bucket
+
+    def release(self, keys: list[PartKey]) -> None:
+        """Give partitions back once their files are stored: on object stores uploads run in the background,
+        and the next holder (another rank) must read what we wrote, not an older file or none."""
+        self.checkpoint.flush()
+        self.client.release(keys)
+
+    def end_buckets(self) -> None:
+        released = self.store.evict_partitioned()
+        if released:
+            self.release(released)
+
+    def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
+        self.ctx.store.set(f"biggraph/pass-io/{self.round_tag}/{self.ctx.rank}", json.dumps(own_io))
+        wait_all(self.ctx, f"pass-written-{self.round_tag}")
+        if self.server is None:
+            return None
+        self.store.written = set(self.server.state.dirty)
+        records = self.server.take_records()
+        others = [json.loads(self.ctx.store.get(f"biggraph/pass-io/{self.round_tag}/{rank}"))
+                  for rank in range(1, self.ctx.world_size)]
+        self.server.stop()
+        return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
+                          restart_count=self.ctx.restart_count, buckets_redone=self.server.state.redone)
+
+    def publish(self, eval_mrr: Optional[float]) -> Optional[float]:
+        """Rank 0 (which committed) stores its pass MRR before the barrier; every rank reads that one."""
+        key = f"biggraph/pass-result/{self.round_tag}"
+        if self.server is not None:
+            storage.remove(progress_url(self.config.checkpoint_path))
+            self.ctx.store.set(key, json.dumps({"eval_mrr": eval_mrr}))
+            self.server = None
+        wait_all(self.ctx, f"pass-committed-{self.round_tag}")
+        return json.loads(self.ctx.store.get(key))["eval_mrr"]
+
+
+class ParameterSync:
+    """Keeps the parameters every trainer updates (not partitioned) the same across processes; this base
+    does nothing, which is right for one process (its parameters are the only ones)."""
+
+    def pull(self) -> None:
+        """At the start of a pass: take the group's values."""
+        return None
+
+    def sync(self) -> None:
+        """At a bucket boundary: push this process's change, take the sum."""
+        return None
+
+    def settle(self) -> None:
+        """After the pass's last sync: the committing process takes the final values."""
+        return None
+
+
+NoSync = ParameterSync
+
+
+class SharedSync(ParameterSync):
+    """Push/pull through the lock server of ``scheduler`` (staleness: one bucket)."""
+
+    def __init__(self, shared: SharedParameters, scheduler: LockServerScheduler) -> None:
+        self.shared = shared
+        self.scheduler = scheduler
+
+    def pull(self) -> None:
+        self.shared.assign(self.scheduler.client.sync(np.zeros_like(self.shared.synced)))
+
+    def sync(self) -> None:
+        self.shared.sync(self.scheduler.client)
+
+    def settle(self) -> None:
+        if self.scheduler.server is not None:
+            self.shared.assign(self.scheduler.server.shared)
