@@ -124,7 +124,7 @@ class Trainer:
     """Owns the model, the partitions in memory, the worker pool and the checkpoint directory."""
 
     def __init__(self, config: ConfigSchema) -> None:
-        from job.validate import validate_cheap
+        from job.formats.validate import validate_cheap
 
         self.config = config
         from job.growing.journal import finish_committed_grow
