@@ -19,8 +19,8 @@ Every function takes the config (storage options travel with it: no process-wide
 without a ``__main__`` guard, from ``python - <<EOF`` and from a notebook.
 
 The names are resolved on first use (PEP 562): ``import job`` stays cheap, so ``biggraph --help`` and
-``config-help`` answer without loading torch. Four of them share their name with a subpackage (``job.train``,
-``job.validate``, ``job.archive``, ``job.report``): importing that subpackage must not replace the function on
+``config-help`` answer without loading torch. Three of them share their name with a subpackage (``job.train``,
+``job.archive``, ``job.report``): importing that subpackage must not replace the function on
 ``job`` (Python binds a loaded submodule as an attribute of its parent), so the module ignores exactly those
 bindings; the subpackages stay importable as usual (``from job.train import loop``).
 """
@@ -40,10 +40,10 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from job.data.legacy import convert_legacy
     from job.errors import UserError
     from job.evaluation import evaluate_command as evaluate
+    from job.formats.validate import run_validation as validate
     from job.growing import grow
     from job.report import write_report as report
     from job.train import train
-    from job.validate import run_validation as validate
 
 __version__ = "0.1.0"
 
@@ -54,7 +54,7 @@ _API: dict[str, tuple[str, str]] = {
     "ConfigSchema": ("job.config", "ConfigSchema"),
     "ImportOptions": ("job.data.importing", "ImportOptions"),
     "import_edges": ("job.data.importing", "import_edges"),
-    "validate": ("job.validate", "run_validation"),
+    "validate": ("job.formats.validate", "run_validation"),
     "train": ("job.train", "train"),
     "evaluate": ("job.evaluation", "evaluate_command"),
     "export": ("job.data.export", "export_checkpoint"),

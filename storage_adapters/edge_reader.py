@@ -25,6 +25,7 @@ import h5py
 
 import storage_adapters as storage
 from storage_adapters.errors import NotHDF5Error
+from storage_adapters.retry import TRANSIENT, call_with_retry, classify
 from storage_adapters.session import EDGE_READ_MODES, current
 
 logger = logging.getLogger("biggraph.storage")
@@ -127,8 +128,6 @@ class RetryingFile(io.RawIOBase):
         return self._pos
 
     def read(self, size: int = -1) -> bytes:
-        from storage_adapters.retry import TRANSIENT, call_with_retry, classify
-
         start = self._pos
         want = self._size - start if size is None or size < 0 else min(size, max(0, self._size - start))
         if want <= 0:

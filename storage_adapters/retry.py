@@ -22,52 +22,49 @@ the storage layer's filesystems, so that the layers that remain are the two that
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
-import socket
-import ssl
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from storage_adapters.classify import (
+    NOT_FOUND,
+    OTHER,
+    PERMANENT,
+    TRANSIENT,
+    UNREACHABLE,
+    ConnectFailure,
+    classify,
+    connection_failure,
+    describe,
+    permanent_reason,
+    unreachable_reason,
+)
+from storage_adapters.endpoints import (
+    endpoint_text,
+    forget_endpoints,
+    note_answered,
+    note_unreachable,
+    unreachable_marker,
+    unreachable_since,
+)
+from storage_adapters.errors import StorageError
+
+__all__ = [  # the classification and endpoint names are re-exported: callers and tests use them from here
+    "NOT_FOUND", "OTHER", "PERMANENT", "TRANSIENT", "UNREACHABLE", "ConnectFailure", "RetryPolicy", "call_with_retry",
+    "classify", "connection_failure", "describe", "forget_endpoints", "get_retry_policy", "instrument_s3",
+    "note_answered", "set_retry_policy", "unreachable_marker", "unreachable_reason", "unreachable_since",
+]
+
 logger = logging.getLogger("biggraph.storage")
 
 T = TypeVar("T")
-
-TRANSIENT = "transient"
-PERMANENT = "permanent"
-NOT_FOUND = "not_found"
-UNREACHABLE = "unreachable"
-OTHER = "other"
-
-# errno values that mean "try again" (EREMOTEIO is s3fs' translation of HTTP 500, EBUSY of 503/SlowDown)
-_TRANSIENT_ERRNOS = {
-    errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.EBUSY,
-    errno.EAGAIN, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTUNREACH, getattr(errno, "EREMOTEIO", errno.EIO),
-}
-_TRANSIENT_CODES = {
-    "InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-    "RequestTimeoutException", "TooManyRequestsException", "ProvisionedThroughputExceededException",
-    "RequestLimitExceeded", "BandwidthLimitExceeded", "OperationAborted", "500", "502", "503", "504", "429",
-}
-_PERMANENT_CODES = {
-    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-    "InvalidToken", "NoSuchBucket", "AccountProblem", "InvalidBucketName", "403", "401",
-}
-# Exception class names (from botocore, aiohttp, urllib3, fsspec) that are transient whatever their message.
-_TRANSIENT_NAMES = {
-    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-    "ResponseStreamingError", "IncompleteReadError", "HTTPClientError", "ProxyConnectionError",
-    "ServerDisconnectedError", "ClientPayloadError", "ClientOSError", "ClientConnectionError",
-    "ServerTimeoutError", "ClientConnectorError", "FSTimeoutError", "IncompleteRead", "ProtocolError",
-    "ResponseParserError", "ConnectionError", "AWSConnectionError", "ContentLengthError",
-}
 
 
 @dataclass
@@ -117,265 +114,6 @@ def get_retry_policy() -> RetryPolicy:
     return _policy
 
 
-# Which endpoints have answered --------------------------------------------------------------------------------
-#
-# "Connection refused" means two different things: at the first request of a run it is a wrong host or port
-# (retrying for minutes only hides the typo), after earlier answers it is a gateway restarting (retrying is
-# the fix). So the process remembers which endpoints have sent an HTTP response. For S3 the botocore hook
-# below records the endpoint's host and port from every response; other backends (no hook) count a URL
-# scheme as answered once a call through ``call_with_retry`` has succeeded.
-
-_state_lock = threading.Lock()
-_answered_hosts: set[str] = set()
-_answered_schemes: set[str] = set()
-_unreachable_reasons: list[str] = []  # why requests were not retried, oldest first (see ``unreachable_since``)
-
-
-def forget_endpoints() -> None:
-    """Forget which endpoints have answered (tests: a port number may be reused by the next test)."""
-    with _state_lock:
-        _answered_hosts.clear()
-        _answered_schemes.clear()
-        _unreachable_reasons.clear()
-
-
-def _scheme(url: str) -> str:
-    head, sep, _ = url.partition("://")
-    return head.lower() if sep and "/" not in head else ""
-
-
-def _host_key(url: str) -> str | None:
-    """"host:port" of an http(s) URL (the default port filled in), or None."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
-    except ValueError:
-        return None
-    return f"{parts.hostname.lower()}:{port}" if parts.hostname else None
-
-
-def _endpoint_text(url: str) -> str:
-    """scheme://host:port of a request URL: no user info, path or query ever reaches a message."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    host = f"[{host}]" if ":" in host else host
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ""
-    return f"{parts.scheme}://{host}{port}"
-
-
-def note_answered(url: str | None = None, request_url: str | None = None) -> None:
-    """Remember that the endpoint of ``request_url`` (an HTTP request's URL) or the scheme of ``url`` answered."""
-    key = _host_key(request_url) if request_url else None
-    with _state_lock:
-        if key is not None:
-            _answered_hosts.add(key)
-        if url is not None:
-            _answered_schemes.add(_scheme(url))
-
-
-def unreachable_marker() -> int:
-    """A position in the record of unreachable endpoints, for ``unreachable_since``."""
-    with _state_lock:
-        return len(_unreachable_reasons)
-
-
-def unreachable_since(marker: int) -> str | None:
-    """The latest reason a request was not retried after ``marker``, if any.
-
-    For callees that turn every failure into an answer (s3fs' ``exists`` on a bucket returns False whatever
-    went wrong), so that "the bucket does not exist" is not said of a bucket nobody could ask about.
-    """
-    with _state_lock:
-        return _unreachable_reasons[-1] if len(_unreachable_reasons) > marker else None
-
-
-# Failures to connect ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ConnectFailure:
-    """A request that never reached an HTTP server: why, and where it was going."""
-
-    kind: str  # "dns", "refused", "tls" or "certificate"
-    endpoint: str | None  # scheme://host:port (botocore) or host:port (aiohttp), None if unknown
-    host_key: str | None  # "host:port" when botocore named the request URL (S3: the hook knows these)
-    detail: str
-
-
-def _causes(err: BaseException) -> Iterator[BaseException]:
-    """``err`` and what it wraps, outermost first: ``__cause__``, ``__context__``, botocore's ``kwargs['error']``
-    and aiohttp's ``os_error`` (bounded: chains can be cyclic)."""
-    queue: list[BaseException] = [err]
-    seen: set[int] = set()
-    while queue and len(seen) < 20:
-        current = queue.pop(0)
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        kwargs = getattr(current, "kwargs", None)
-        wrapped = kwargs.get("error") if isinstance(kwargs, dict) else None
-        for inner in (wrapped, getattr(current, "os_error", None), current.__cause__, current.__context__):
-            if isinstance(inner, BaseException):
-                queue.append(inner)
-
-
-def _names(exc: BaseException) -> set[str]:
-    return {cls.__name__ for cls in type(exc).__mro__}
-
-
-# The most specific kind wins when a chain holds several (a certificate error is also an SSL error).
-_KIND_RANK = {"certificate": 4, "tls": 3, "dns": 2, "refused": 1}
-
-
-def connection_failure(err: BaseException) -> ConnectFailure | None:
-    """What kept a request from reaching a server (DNS, refused, TLS), or None for any other error."""
-    kind: str | None = None
-    detail = ""
-    endpoint: str | None = None
-    host_key: str | None = None
-    for exc in _causes(err):
-        names = _names(exc)
-        found: str | None = None
-        if isinstance(exc, ssl.SSLCertVerificationError) or "ClientConnectorCertificateError" in names:
-            found = "certificate"
-        elif isinstance(exc, ssl.SSLError) or "ClientSSLError" in names or (
-                "SSLError" in names and type(exc).__module__.startswith("botocore")):
-            found = "tls"
-        elif isinstance(exc, socket.gaierror) or "ClientConnectorDNSError" in names:
-            found = "dns"
-        elif isinstance(exc, ConnectionRefusedError) or (isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED):
-            found = "refused"
-        if found and (kind is None or _KIND_RANK[found] > _KIND_RANK[kind]):
-            kind = found
-        if found and isinstance(exc, OSError) and exc.strerror:
-            detail = exc.strerror  # the innermost OS/SSL wording ("Name or service not known")
-        elif found and not detail:
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        kwargs = getattr(exc, "kwargs", None)
-        if endpoint is None and isinstance(kwargs, dict) and isinstance(kwargs.get("endpoint_url"), str):
-            endpoint = _endpoint_text(kwargs["endpoint_url"])
-            host_key = _host_key(kwargs["endpoint_url"])
-        elif endpoint is None and "ClientConnectorError" in names and getattr(exc, "host", None):
-            endpoint = f"{exc.host}:{getattr(exc, 'port', '?')}"
-    if kind is None:
-        return None
-    return ConnectFailure(kind, endpoint, host_key, detail[:200])
-
-
-_HINTS = {
-    "dns": "check the host name of the endpoint (storage_options endpoint_url, or AWS_ENDPOINT_URL_S3)",
-    "refused": "check the port of the endpoint (storage_options endpoint_url, or AWS_ENDPOINT_URL_S3) "
-               "and that the server is running",
-    "tls": "an http:// server given as https://? (storage_options endpoint_url, or AWS_ENDPOINT_URL_S3)",
-    "certificate": "give the CA bundle with storage_options client_kwargs.verify, or fix the host name",
-}
-
-
-def _describe_failure(failure: ConnectFailure) -> str:
-    where = f"the storage endpoint {failure.endpoint}" if failure.endpoint else "the storage endpoint"
-    what = {
-        "dns": f"cannot resolve the host of {where} (DNS: {failure.detail})",
-        "refused": f"{where} refused the connection (nothing listens on that port)",
-        "tls": f"the TLS handshake with {where} failed ({failure.detail})",
-        "certificate": f"the TLS certificate of {where} cannot be verified ({failure.detail})",
-    }[failure.kind]
-    return f"{what}; not retried: {_HINTS[failure.kind]}"
-
-
-def unreachable_reason(err: BaseException, url: str | None = None) -> str | None:
-    """Why ``err`` is a failure to connect that retrying cannot fix, or None if it is not one.
-
-    Before an endpoint has answered once in this process, every failure to connect is a configuration
-    problem: a host that does not resolve, a port where nothing listens, a TLS handshake that fails. After it,
-    the same failures are the hiccups of a run under way (a gateway restarting, a resolver timing out) and are
-    transient; only an unverifiable certificate never is.
-    """
-    failure = connection_failure(err)
-    if failure is None:
-        return None
-    if failure.kind != "certificate":
-        with _state_lock:
-            if failure.host_key is not None:
-                answered = failure.host_key in _answered_hosts
-            else:
-                answered = url is not None and _scheme(url) in _answered_schemes
-        if answered:
-            return None
-    return _describe_failure(failure)
-
-
-def _client_error_info(err: BaseException) -> tuple[str | None, int | None]:
-    """(error code, HTTP status) of a botocore ClientError found on ``err`` or its causes."""
-    seen = 0
-    current: BaseException | None = err
-    while current is not None and seen < 5:
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            return (str(code) if code is not None else None), (int(status) if status is not None else None)
-        current = current.__cause__ or current.__context__
-        seen += 1
-    return None, None
-
-
-def classify(err: BaseException, url: str | None = None) -> str:
-    """UNREACHABLE, TRANSIENT, PERMANENT, NOT_FOUND or OTHER (a bug or a format problem: not ours to judge).
-
-    ``url`` (the URL being worked on) lets backends without the botocore hook tell a first request from a
-    later one (see ``unreachable_reason``).
-    """
-    if unreachable_reason(err, url) is not None:
-        return UNREACHABLE
-    code, status = _client_error_info(err)
-    if code in _PERMANENT_CODES:
-        return PERMANENT
-    if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
-        return TRANSIENT
-    if isinstance(err, FileNotFoundError):
-        return NOT_FOUND
-    if isinstance(err, PermissionError):
-        return PERMANENT
-    if isinstance(err, (TimeoutError, ConnectionError)):
-        return TRANSIENT
-    for cls in type(err).__mro__:
-        if cls.__name__ in _TRANSIENT_NAMES and cls.__module__.split(".")[0] in (
-            "botocore", "aiohttp", "urllib3", "fsspec", "s3fs", "http", "requests", "aiobotocore", "gcsfs", "adlfs",
-        ):
-            return TRANSIENT
-    if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
-        return TRANSIENT
-    if isinstance(err, OSError) and "Connection reset" in str(err):
-        return TRANSIENT
-    return OTHER
-
-
-_FAILURE_WORDS = {"dns": "cannot resolve the host", "refused": "connection refused", "tls": "TLS handshake failed",
-                  "certificate": "TLS certificate not verified"}
-
-
-def describe(err: BaseException) -> str:
-    """A short one-line reason (never includes request headers or credentials)."""
-    failure = connection_failure(err)
-    if failure is not None:
-        # botocore says only "Could not connect to the endpoint URL"; the cause is further down the chain
-        text = f"{_FAILURE_WORDS[failure.kind]} ({failure.endpoint or 'endpoint unknown'})"
-        return text if failure.kind == "refused" or not failure.detail else f"{text}: {failure.detail}"
-    code, status = _client_error_info(err)
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if len(text) > 200:
-        text = text[:200] + "..."
-    if code and code not in text:
-        text = f"{code}: {text}"
-    if status and str(status) not in text:
-        text += f" (HTTP {status})"
-    return text
-
-
 def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: RetryPolicy | None = None,
                     sleep: Callable[[float], None] = time.sleep) -> T:
     """Run ``func``; retry transient failures until ``policy`` allows no more attempts or time.
@@ -384,8 +122,6 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
     and exhausted retries become ``StorageError`` naming ``url``; ``FileNotFoundError`` and other exceptions
     pass through unchanged.
     """
-    from storage_adapters import StorageError
-
     policy = policy or _policy
     limit = policy.attempts()
     started = time.monotonic()
@@ -404,7 +140,7 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
             if kind in (PERMANENT, NOT_FOUND):
                 note_answered(url)  # a refusal or "no such key" is an answer: the endpoint is there
             if kind == PERMANENT:
-                raise StorageError(f"{url}: {operation} failed: {_permanent_reason(err)}") from None
+                raise StorageError(f"{url}: {operation} failed: {permanent_reason(err)}") from None
             if kind != TRANSIENT:
                 raise
             spent = time.monotonic() - started
@@ -420,17 +156,6 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
         else:
             note_answered(url)
             return result
-
-
-def _permanent_reason(err: BaseException) -> str:
-    code, _ = _client_error_info(err)
-    if code == "NoSuchBucket":
-        return "the bucket does not exist"
-    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
-        return f"the credentials were refused ({code}); check AWS_* variables, the profile or the role"
-    if isinstance(err, PermissionError) or code in ("AccessDenied", "403", "AllAccessDisabled"):
-        return f"access denied ({describe(err)})"
-    return describe(err)
 
 
 # The layers beneath: s3fs and botocore -----------------------------------------------------------------------
@@ -453,7 +178,7 @@ _instrumented: weakref.WeakSet[Any] = weakref.WeakSet()
 def _without_query(url: str) -> str:
     """A request URL without user info or query (query strings can carry presigned credentials)."""
     parts = urlsplit(url)
-    return f"{_endpoint_text(url)}{parts.path}"
+    return f"{endpoint_text(url)}{parts.path}"
 
 
 def _botocore_attempts(context: dict[str, Any]) -> int:
@@ -488,9 +213,7 @@ def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = 
         return None
     reason = unreachable_reason(caught_exception)
     if reason is not None:
-        with _state_lock:
-            _unreachable_reasons.append(reason)
-            del _unreachable_reasons[:-100]
+        note_unreachable(reason)
         return False
     if isinstance(context, dict):
         context[_REASON_KEY] = f"{type(caught_exception).__name__}: {describe(caught_exception)}"

@@ -28,13 +28,13 @@ def test_subpackages_of_the_same_name_do_not_hide_the_functions() -> None:
     """``job.train``, ``job.validate``, ``job.archive``, ``job.report`` are packages too; loading them (every run
     does) must leave the API functions in place."""
     import job.archive.writer
+    import job.formats.validate  # noqa: F401
     import job.report.collect
     import job.train.loop
-    import job.validate  # noqa: F401
     from job.archive.writer import add_tag
+    from job.formats.validate import run_validation
     from job.report import write_report
     from job.train import train
-    from job.validate import run_validation
 
     assert (job.train, job.validate, job.archive, job.report) == (train, run_validation, add_tag, write_report)
     from job.train import loop  # the subpackages stay importable

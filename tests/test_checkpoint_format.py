@@ -143,8 +143,8 @@ def test_preserve_snapshots_a_committed_version_marker_last(tmp_path: Path, monk
     store.save_config(json.dumps({"dimension": 4}))
     store.save_version(4)
     events: list[str] = []
-    real_copy, real_write_text = checkpoint_module._copy, storage_adapters.write_text
-    monkeypatch.setattr(checkpoint_module, "_copy", lambda src, dst: (events.append(dst), real_copy(src, dst))[1])
+    real_copy, real_write_text = checkpoint_module.copy_file, storage_adapters.write_text
+    monkeypatch.setattr(checkpoint_module, "copy_file", lambda src, dst: (events.append(dst), real_copy(src, dst))[1])
     monkeypatch.setattr(storage_adapters, "write_text", lambda url, text: (events.append(url), real_write_text(url, text))[1])
     store.preserve(4, 10, PARTITIONS)
     # partitions, model, config and the checksum manifest, then the marker

@@ -444,7 +444,7 @@ H5_CHILD = textwrap.dedent(
             return [edges.rel, edges.lhs, edges.rhs]
     else:
         from job.config import load_config
-        from job.validate import run_validation
+        from job.formats.validate import run_validation
         config = load_config(str(work / "config.json"))
         victim = work / "data" / "edges" / "edges_0_0.h5"
         def read():

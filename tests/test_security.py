@@ -102,7 +102,7 @@ def test_no_unsafe_deserialisation_in_the_product() -> None:
     assert problems == [], "unsafe deserialisation:\n" + "\n".join(problems)
     # and the places that do load torch blobs really say weights_only=True
     texts = {str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in files}
-    assert "weights_only=True" in texts["job/formats/checkpoint.py"]
+    assert "weights_only=True" in texts["job/formats/optimizer_state.py"]
     assert "weights_only=True" in texts["job/data/legacy/loading.py"]
 
 

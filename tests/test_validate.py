@@ -19,7 +19,7 @@ import pytest
 from job.cli import main
 from job.config import load_config
 from job.errors import InputFormatError
-from job.validate import side_partitions, validate_cheap, validate_full
+from job.formats.validate import side_partitions, validate_cheap, validate_full
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import SmallGraph, make_graph  # noqa: E402

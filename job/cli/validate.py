@@ -1,4 +1,4 @@
-"""``biggraph validate``: every input file a training run reads, checked before it runs (see :mod:`job.validate`)."""
+"""``biggraph validate``: every input file a training run reads, checked before it runs (see :mod:`job.formats.validate`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from job.cli.common import add_config_arguments, overrides_of
 from job.config import load_config
 from job.errors import UserError
-from job.validate import CHUNK_ROWS, run_validation
+from job.formats.validate import CHUNK_ROWS, run_validation
 
 
 def register(subparsers: Any) -> None:

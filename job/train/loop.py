@@ -23,6 +23,7 @@ from job.errors import CheckpointError
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
+from job.formats.validate import validate_cheap
 from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model
 from job.monitoring import make_reporter
@@ -48,7 +49,6 @@ from job.train.schedule import (
     read_progress,
 )
 from job.train.step import BatchStats
-from job.validate import validate_cheap
 from storage_adapters.edge_reader import prefetch
 
 logger = logging.getLogger("biggraph")

@@ -1,0 +1,139 @@
+"""URL schemes, the fsspec filesystem of a URL and its options, and the one way a remote call is made
+(retried, :mod:`storage_adapters.retry`). See :mod:`storage_adapters` for the rules."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from storage_adapters.errors import StorageError
+from storage_adapters.retry import call_with_retry, instrument_s3
+from storage_adapters.session import current
+
+
+def _default_file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file under the current umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+FILE_MODE = _default_file_mode()
+
+# Which package provides each well-known scheme, for the "please install" message.
+_SCHEME_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "hdfs": "pyarrow",
+    "http": "aiohttp",
+    "https": "aiohttp",
+}
+# Object stores: no directories, the first path component is a bucket/container that must exist.
+OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+_LOCAL_SCHEMES = ("", "file", "local")
+
+
+def _per_scheme(options: dict[str, Any]) -> bool:
+    return bool(options) and all(
+        isinstance(v, dict) and (k in _SCHEME_PACKAGES or k == "memory") for k, v in options.items()
+    )
+
+
+def storage_options_for(url: str) -> dict[str, Any]:
+    """The keyword arguments for the fsspec filesystem of ``url`` (a copy; do not log it)."""
+    scheme = scheme_of(url)
+    if scheme in _LOCAL_SCHEMES or scheme == "memory":
+        options: dict[str, Any] = {}
+    else:
+        raw = dict(current().settings.options)
+        if _per_scheme(raw):
+            options = dict(raw.get(scheme) or raw.get({"s3a": "s3", "gcs": "gs", "abfss": "abfs"}.get(scheme, ""), {}))
+        else:
+            options = raw
+    if scheme in ("s3", "s3a"):
+        # Another process (a reader, a second worker) may change the bucket at any time: never trust a cached listing.
+        options.setdefault("use_listings_cache", False)
+    return options
+
+
+def scheme_of(url: str) -> str:
+    """The URL scheme, or "" for a plain path."""
+    head, sep, _ = url.partition("://")
+    if not sep or "/" in head:
+        return ""
+    return head.lower()
+
+
+def is_local(url: str) -> bool:
+    return scheme_of(url) in _LOCAL_SCHEMES
+
+
+def local_path(url: str) -> str:
+    """The OS path of a local URL."""
+    if not is_local(url):
+        raise ValueError(f"{url} is not a local path")
+    if scheme_of(url):
+        return url.split("://", 1)[1]
+    return url
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URL components with '/' (keeps the scheme and never normalises '//')."""
+    out = base
+    for part in parts:
+        if not out.endswith("/"):
+            out += "/"
+        out += part.lstrip("/")
+    return out
+
+
+def get_filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem for ``url`` and the path within it."""
+    import fsspec  # lazy: slow to import, and parse_config, --help and local-only paths need none of it
+
+    scheme = scheme_of(url)
+    if is_local(url):
+        return fsspec.filesystem("file"), os.path.abspath(local_path(url))
+    package = _SCHEME_PACKAGES.get(scheme)
+    try:
+        cls = fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as err:
+        hint = f"; install it with: pip install {package}" if package else ""
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise StorageError(f"{url}: no filesystem backend for scheme '{scheme}://'{hint} ({reason})") from None
+    options = storage_options_for(url)
+    if scheme in ("s3", "s3a"):
+        # A filesystem of the storage layer's own (``session=None`` is s3fs' default: same behaviour, another key in
+        # fsspec's instance cache): instrument_s3 changes how it retries, which must not reach code that opens URLs
+        # through fsspec directly (the importer's input files, a user's own code) and relies on s3fs' defaults.
+        options.setdefault("session", None)
+    try:
+        fs = cls(**options)
+    except ImportError as err:
+        hint = f"; install it with: pip install {package}" if package else ""
+        raise StorageError(f"{url}: the backend for '{scheme}://' cannot be loaded{hint} ({err})") from None
+    except TypeError as err:
+        # the message names the offending key, never its value
+        raise StorageError(f"{url}: config key 'storage_options' not accepted by {cls.__name__}: {err}") from None
+    if scheme in ("s3", "s3a"):
+        try:
+            instrument_s3(fs)  # creates the botocore client: no request is sent, so any failure is configuration
+        except Exception as err:  # noqa: BLE001 - e.g. "Invalid endpoint: minio:9000" (no http://), unknown profile
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise StorageError(f"{url}: cannot set up the S3 client from storage_options: {reason}") from None
+    return fs, fs._strip_protocol(url)
+
+
+def call(url: str, operation: str, func: Any) -> Any:
+    """Run one storage operation: local ones once (permission errors named), remote ones retried."""
+    if is_local(url):
+        try:
+            return func()
+        except PermissionError as err:
+            raise StorageError(f"{url}: {operation} failed: permission denied ({err.strerror})") from None
+    return call_with_retry(url, operation, func)

@@ -1,0 +1,160 @@
+"""The storage operations on one URL (exists, list, read, write, remove ...), each retried when remote."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import IO, Any
+
+from storage_adapters.errors import StorageError
+from storage_adapters.fs import FILE_MODE, OBJECT_STORES, call, get_filesystem, is_local, local_path, scheme_of
+from storage_adapters.retry import unreachable_marker, unreachable_since
+
+
+def exists(url: str) -> bool:
+    fs, path = get_filesystem(url)
+    return bool(call(url, "exists", lambda: fs.exists(path)))
+
+
+def isdir(url: str) -> bool:
+    fs, path = get_filesystem(url)
+    return bool(call(url, "isdir", lambda: fs.isdir(path)))
+
+
+def listdir(url: str) -> list[str]:
+    """Base names of the entries directly under ``url`` (empty if it does not exist)."""
+    fs, path = get_filesystem(url)
+
+    def ls() -> list[str]:
+        fs.invalidate_cache(path)  # other processes write here too (a cached listing would miss their files)
+        try:
+            return list(fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+
+    entries = call(url, "list", ls)
+    prefix = path.rstrip("/")
+    names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix}
+    return sorted(names)
+
+
+def _check_bucket(url: str, fs: Any, path: str) -> None:
+    bucket = path.split("/", 1)[0]
+    if not bucket:
+        raise StorageError(f"{url}: no bucket name in the URL")
+    marker = unreachable_marker()
+    if not call(url, "bucket check", lambda: fs.exists(bucket)):
+        # s3fs answers False for a bucket whatever went wrong: an endpoint that could not be reached is not
+        # a missing bucket
+        unreachable = unreachable_since(marker)
+        if unreachable:
+            raise StorageError(f"{url}: bucket check failed: {unreachable}")
+        raise StorageError(f"{url}: the bucket '{bucket}' does not exist (or these credentials cannot see it)")
+
+
+def check_bucket(url: str) -> None:
+    """On an object store, raise StorageError unless the URL's bucket exists; nothing to check for other URLs.
+
+    A directory that is not there is an ordinary answer; a bucket that is not there is a mistyped URL or
+    missing credentials, and the message should say so instead of "directory not found"."""
+    if scheme_of(url) in OBJECT_STORES:
+        fs, path = get_filesystem(url)
+        _check_bucket(url, fs, path)
+
+
+def makedirs(url: str) -> None:
+    """Create a directory; on object stores (no directories) check that the bucket exists instead."""
+    fs, path = get_filesystem(url)
+    if scheme_of(url) in OBJECT_STORES:
+        _check_bucket(url, fs, path)
+        return
+    call(url, "makedirs", lambda: fs.makedirs(path, exist_ok=True))
+
+
+def remove(url: str, missing_ok: bool = True) -> None:
+    fs, path = get_filesystem(url)
+
+    def rm() -> None:
+        if not missing_ok and scheme_of(url) in OBJECT_STORES and not fs.exists(path):
+            raise FileNotFoundError(url)  # deleting a missing key is not an error for S3 itself
+        try:
+            fs.rm(path, recursive=fs.isdir(path))
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    call(url, "remove", rm)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = get_filesystem(url)
+    return call(url, "read", lambda: fs.cat_file(path))
+
+
+def read_text(url: str) -> str:
+    return read_bytes(url).decode("utf-8")
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write a whole object; local files are replaced atomically (temp file + rename), remote ones in one PUT."""
+    if is_local(url):
+        path = local_path(url)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+        os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; outputs get the usual umask-derived mode
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return
+    fs, path = get_filesystem(url)
+    call(url, "write", lambda: fs.pipe_file(path, data))
+
+
+def write_text(url: str, text: str) -> None:
+    write_bytes(url, text.encode("utf-8"))
+
+
+def open_file(url: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
+    """An fsspec file object (the opening is retried; reads and writes on it are the backend's own)."""
+    fs, path = get_filesystem(url)
+    return call(url, "open", lambda: fs.open(path, mode, **kwargs))
+
+
+def size(url: str) -> int:
+    fs, path = get_filesystem(url)
+    return int(call(url, "size", lambda: fs.size(path)))
+
+
+def info(url: str) -> dict[str, Any]:
+    """The backend's metadata of one object (size, ETag/mtime where it has them)."""
+    fs, path = get_filesystem(url)
+    return dict(call(url, "info", lambda: fs.info(path)))
+
+
+def get_file(url: str, local: str) -> None:
+    """Download ``url`` to the local path ``local`` (retried; a failed try leaves no file behind)."""
+    fs, path = get_filesystem(url)
+
+    def get() -> None:
+        try:
+            fs.get_file(path, local)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(local)
+            raise
+
+    call(url, "download", get)
+
+
+def put_file(local: str, url: str) -> None:
+    """Upload the local file ``local`` to ``url`` in one step (retried)."""
+    fs, path = get_filesystem(url)
+    call(url, "upload", lambda: fs.put_file(local, path))

@@ -1,0 +1,122 @@
+"""Local files standing in for objects: a local copy to read, a local file that becomes an object in one
+step, the staging directories of uploads (and the cleanup of a killed process's ones), and copies between URLs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from storage_adapters.fs import FILE_MODE, call, get_filesystem, is_local, local_path, scheme_of
+from storage_adapters.ops import get_file, put_file
+
+
+def copy(src: str, dst: str) -> None:
+    """Copy one object; on the same remote filesystem the store copies it server-side (retried)."""
+    if is_local(src) and is_local(dst):
+        os.makedirs(os.path.dirname(os.path.abspath(local_path(dst))), exist_ok=True)
+        shutil.copyfile(local_path(src), local_path(dst))
+        return
+    if scheme_of(src) == scheme_of(dst):
+        fs, src_path = get_filesystem(src)
+        _, dst_path = get_filesystem(dst)
+        call(src, f"copy to {dst}", lambda: fs.copy(src_path, dst_path))
+        return
+    with local_copy_for_reading(src) as local:
+        with local_file_for_writing(dst) as tmp:
+            shutil.copyfile(local, tmp)
+
+
+@contextlib.contextmanager
+def local_copy_for_reading(url: str) -> Iterator[str]:
+    """A local path holding the object's bytes (the object itself when it is local)."""
+    if is_local(url):
+        yield local_path(url)
+        return
+    tmpdir = tempfile.mkdtemp(prefix="biggraph-stage-")
+    try:
+        target = os.path.join(tmpdir, url.rstrip("/").rsplit("/", 1)[-1] or "object")
+        get_file(url, target)
+        yield target
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_file_for_writing(url: str) -> Iterator[str]:
+    """A local path to write to; on success it becomes ``url`` in one step.
+
+    Locally that is a rename within the directory (atomic on POSIX); remotely it is a
+    single upload, so a reader never sees a half-written object either way.
+    """
+    if is_local(url):
+        final = os.path.abspath(local_path(url))
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(final), prefix=".tmp-", suffix=os.path.basename(final))
+        os.fchmod(fd, FILE_MODE)
+        os.close(fd)
+        try:
+            yield tmp
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return
+    tmpdir = upload_staging_dir()
+    try:
+        tmp = os.path.join(tmpdir, url.rstrip("/").rsplit("/", 1)[-1] or "object")
+        yield tmp
+        put_file(tmp, url)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+UPLOAD_DIR_PREFIX = "biggraph-upload-"
+
+
+def upload_staging_dir() -> str:
+    """A new local directory to build a file in before it is uploaded, named after this process so that a
+    later run can tell a killed process's leftovers from a live one's (``remove_stale_upload_dirs``)."""
+    return tempfile.mkdtemp(prefix=f"{UPLOAD_DIR_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_upload_dirs(root: str | None = None) -> list[str]:
+    """Delete staging directories of processes that no longer exist (killed before they cleaned up).
+
+    Only this user's directories whose owner PID is gone are touched; a directory of a live process, or
+    one whose name carries no PID, is left alone. Returns the paths removed.
+    """
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(UPLOAD_DIR_PREFIX):
+            continue
+        pid_text = name[len(UPLOAD_DIR_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _process_exists(int(pid_text)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
