@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
 from job.config import parse_config  # noqa: E402
-from job.evaluation import evaluate_command  # noqa: E402
+from job.evaluation import evaluate  # noqa: E402
 from job.train import train  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     for device in devices:
         config = parse_config({**raw, "device": device, "edge_paths": [str(test_root / "data" / "edges")]})
         started = time.perf_counter()
-        metrics = evaluate_command(config, candidates="all")
+        metrics = evaluate(config, candidates="all")
         seconds = time.perf_counter() - started
         results[device] = (seconds, metrics)
         print(f"{device:>4}: {seconds:.2f} s for {metrics['count']} edges x 2 sides x {args.entities:,} candidates "

@@ -115,9 +115,9 @@ def pbg_compute_rate(output: str) -> tuple[int, float]:
 
 def filtered_mrr(config_path: Path, test_dir: str, filters: list[str]) -> float:
     from job.config import load_config
-    from job.evaluation import evaluate_command
+    from job.evaluation import evaluate
 
-    metrics = evaluate_command(load_config(str(config_path), [f"edge_paths={test_dir}"]), filter_paths=filters,
+    metrics = evaluate(load_config(str(config_path), [f"edge_paths={test_dir}"]), filter_paths=filters,
                                candidates="all")
     return float(metrics["mrr"])
 

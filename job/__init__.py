@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from job.data.importing import ImportOptions, import_edges
     from job.data.legacy import convert_legacy
     from job.errors import UserError
-    from job.evaluation import evaluate_command as evaluate
+    from job.evaluation import evaluate as evaluate
     from job.formats.validate import run_validation as validate
     from job.growing import grow
     from job.report import write_report as report
@@ -56,7 +56,7 @@ _API: dict[str, tuple[str, str]] = {
     "import_edges": ("job.data.importing", "import_edges"),
     "validate": ("job.formats.validate", "run_validation"),
     "train": ("job.train", "train"),
-    "evaluate": ("job.evaluation", "evaluate_command"),
+    "evaluate": ("job.evaluation", "evaluate"),
     "export": ("job.data.export", "export_checkpoint"),
     "archive": ("job.archive.writer", "add_tag"),
     "report": ("job.report", "write_report"),

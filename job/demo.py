@@ -26,7 +26,7 @@ from job.config import ConfigSchema, parse_config
 from job.data.datasets import dataset_dir
 from job.data.export import export_checkpoint
 from job.data.importing import ImportOptions, import_edges
-from job.evaluation import evaluate_command
+from job.evaluation import evaluate
 from job.train import train
 
 logger = logging.getLogger("biggraph")
@@ -92,7 +92,7 @@ def run_demo(out: str = "demo-output", dataset: str = "umls", epochs: int = 25,
     logger.info("[2/4] training (%d epochs)", epochs)
     training = train(config)
     logger.info("[3/4] filtered evaluation on the test split against every entity")
-    metrics = evaluate_command(_with_edges(config, split_dirs[2:]), filter_paths=split_dirs, candidates="all")
+    metrics = evaluate(_with_edges(config, split_dirs[2:]), filter_paths=split_dirs, candidates="all")
     with open(os.path.join(out, "test_metrics.json"), "w", encoding="utf-8") as handle:
         json.dump(metrics, handle, indent=2)
     logger.info("[4/4] exporting embeddings to TSV")

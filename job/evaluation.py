@@ -101,7 +101,7 @@ def _finalise(stats: BatchStats, elapsed: float) -> dict[str, Any]:
 
 
 @storage_scoped
-def evaluate_command(
+def evaluate(
     config: ConfigSchema,
     filter_paths: Optional[list[str]] = None,
     candidates: str = "sampled",

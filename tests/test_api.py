@@ -19,7 +19,7 @@ def test_every_public_name_resolves() -> None:
     assert set(job.__all__) == {"__version__", *job._API}
     for name in job._API:
         assert callable(getattr(job, name)), name
-    assert job.evaluate is __import__("job.evaluation", fromlist=["x"]).evaluate_command
+    assert job.evaluate is __import__("job.evaluation", fromlist=["x"]).evaluate
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         job.trian  # noqa: B018
 

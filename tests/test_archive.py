@@ -563,7 +563,7 @@ def test_trained_model_metrics_match_biggraph_eval(tmp_path: Path) -> None:
     except ImportError:  # tests/ collected as a package
         from tests.test_train import write_cycle_graph
 
-    from job.evaluation import evaluate_command
+    from job.evaluation import evaluate
     from job.formats.edges import edges_file, read_edges
     from job.train import train
 
@@ -572,7 +572,7 @@ def test_trained_model_metrics_match_biggraph_eval(tmp_path: Path) -> None:
     out = str(tmp_path / "m.zip")
     add_tag(parse_config(raw), out, tag="fp32")
     add_tag(parse_config(raw), out, tag="int8", dtype="int8")
-    expected = evaluate_command(parse_config(raw), filter_paths=raw["edge_paths"], candidates="all")
+    expected = evaluate(parse_config(raw), filter_paths=raw["edge_paths"], candidates="all")
     with load(out, "fp32") as model:
         counts = model.graph.entity_types["node"].partition_counts
         offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))

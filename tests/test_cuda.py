@@ -112,7 +112,7 @@ def test_eval_on_the_gpu_gives_the_cpu_metrics(tmp_path: Path, dynamic: bool) ->
     positive entity itself: such a tie holds only up to each device's rounding, and ties count against a
     rank. (With dynamic relations the edges are batched in file order, where an entity's other edge is in
     the same chunk: its own row is then always among the batch negatives, so only the static case.)"""
-    from job.evaluation import evaluate_command
+    from job.evaluation import evaluate
 
     cases = {"all": _complex_graph(tmp_path / "all", num_epochs=3, device="cpu", dynamic=dynamic)}
     if not dynamic:
@@ -121,7 +121,7 @@ def test_eval_on_the_gpu_gives_the_cpu_metrics(tmp_path: Path, dynamic: bool) ->
     for candidates, raw in cases.items():
         train(parse_config(raw))
         filters = [raw["edge_paths"][0]] if candidates == "all" else []
-        cpu, cuda = (evaluate_command(parse_config({**raw, "device": device}), filter_paths=filters,
+        cpu, cuda = (evaluate(parse_config({**raw, "device": device}), filter_paths=filters,
                                       candidates=candidates) for device in ("cpu", "cuda"))
         assert cpu["count"] == cuda["count"] > 0
         for key in ("mrr", "hits@1", "hits@10", "hits@50", "auc", "mean_rank"):

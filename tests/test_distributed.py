@@ -217,11 +217,11 @@ def write_run_config(graph: dict, name: str, **changes: object) -> Path:
 
 def filtered_mrr(graph: dict, config_path: Path) -> float:
     from job.config import load_config
-    from job.evaluation import evaluate_command
+    from job.evaluation import evaluate
 
     data = graph["root"] / "data"
     config = load_config(str(config_path), [f"edge_paths={data / 'test'}"])
-    metrics = evaluate_command(config, filter_paths=[str(data / s) for s in ("train", "valid", "test")], candidates="all")
+    metrics = evaluate(config, filter_paths=[str(data / s) for s in ("train", "valid", "test")], candidates="all")
     return metrics["mrr"]
 
 

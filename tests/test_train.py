@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from job.config import BucketOrder, parse_config
-from job.evaluation import evaluate_command
+from job.evaluation import evaluate
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, write_edges
 from job.formats.entities import write_dynamic_rel_count, write_entity_count
@@ -208,7 +208,7 @@ def test_training_learns_the_graph(tmp_path: Path) -> None:
     raw = write_cycle_graph(tmp_path, num_epochs=30, loss_fn="softmax", comparator="dot")
     config = parse_config(raw)
     train(config)
-    metrics = evaluate_command(config, filter_paths=[raw["edge_paths"][0]], candidates="all")
+    metrics = evaluate(config, filter_paths=[raw["edge_paths"][0]], candidates="all")
     assert metrics["count"] == 80
     # random scores would give MRR ~ H(40)/40 = 0.11 and hits@10 = 0.25
     assert metrics["mrr"] > 0.25, metrics
@@ -566,7 +566,7 @@ def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
     storage.save_model(1, {})
     storage.save_version(1)
-    metrics = evaluate_command(config, candidates="all")
+    metrics = evaluate(config, candidates="all")
     # edge (0 -> 1), score 1*2 = 2.
     #   corrupt rhs: candidates 0 (1*1=1), 2 (1*3=3): one scores >= 2 -> rank 2
     #   corrupt lhs: candidates 1 (2*2=4), 2 (3*2=6): both >= 2 -> rank 3
@@ -582,7 +582,7 @@ def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     # AUC: fraction of the 2 candidates below the positive, per rank: 1/2, 0, 1, 1/2
     assert metrics["auc"] == pytest.approx(np.mean([0.5, 0.0, 1.0, 0.5]))
     # filtered: removing the true edge (1 -> 2) from the candidates of edge (0 -> 1)'s lhs side...
-    filtered = evaluate_command(config, filter_paths=[str(edge_path)], candidates="all")
+    filtered = evaluate(config, filter_paths=[str(edge_path)], candidates="all")
     # edge (0->1) corrupt lhs: candidate 1 would form (1 -> 1)? not a true edge; candidate 2: (2 -> 1) no.
     # edge (1->2) corrupt lhs: candidate 0 forms (0 -> 2)? no. corrupt rhs of (0->1): candidate 2 forms (0->2)? no.
     # edge (1->2) corrupt rhs: candidate 1 forms (1 -> 1)? no. So nothing is filtered here:
@@ -591,7 +591,7 @@ def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     # and candidate 0 for (1 -> 2)'s lhs side (which scored below the positive: rank stays 2)
     known = tmp_path / "known"
     write_edges(edges_file(str(known), 0, 0), np.array([0]), np.array([0]), np.array([2]))
-    filtered = evaluate_command(config, filter_paths=[str(edge_path), str(known)], candidates="all")
+    filtered = evaluate(config, filter_paths=[str(edge_path), str(known)], candidates="all")
     assert filtered["mean_rank"] == pytest.approx(np.mean([1, 3, 1, 2]))
 
 
@@ -630,12 +630,12 @@ def test_featurized_entities_train_as_the_mean_of_their_features(tmp_path: Path)
     features, state = storage.load_entity_partition(storage.load_version(), "user", 0)
     assert features.shape == (30, 16)  # one row per feature, not per entity
     assert float(state["state"][0]["sum"].sum()) > 0  # the feature rows were optimised
-    metrics = evaluate_command(config, candidates="sampled")
+    metrics = evaluate(config, candidates="sampled")
     assert metrics["count"] == 600 and 0 < metrics["mrr"] <= 1
     from job.errors import UserError
 
     with pytest.raises(UserError, match="featurized"):
-        evaluate_command(config, candidates="all")
+        evaluate(config, candidates="all")
 
 
 def test_featurized_batches_use_the_mean_of_feature_rows() -> None:

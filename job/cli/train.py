@@ -72,9 +72,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from job.evaluation import evaluate_command  # torch: only when the command runs
+    from job.evaluation import evaluate  # torch: only when the command runs
 
-    metrics = evaluate_command(load(args), filter_paths=args.filter, candidates=args.candidates, version=args.version)
+    metrics = evaluate(load(args), filter_paths=args.filter, candidates=args.candidates, version=args.version)
     if args.json:
         print(json.dumps(metrics))
     else:
