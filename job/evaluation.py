@@ -30,7 +30,9 @@ import torch
 from job.config import ConfigSchema
 from job.errors import CheckpointError, UserError
 from job.formats import edges as edge_format
+from job.formats import entities as entity_format
 from job.formats.committed import open_committed
+from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model, Table
 from job.monitoring import task_progress
 from job.session import storage_scoped
@@ -48,9 +50,6 @@ class CheckpointReader:
     """Loads a committed checkpoint's model and partitions on demand (a small LRU of partitions)."""
 
     def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
-        from job.formats import entities as entity_format
-        from job.growing.journal import finish_committed_grow
-
         self.config = config
         finish_committed_grow(config.checkpoint_path)  # a grown version's input, if a crash left it unpublished
         committed = open_committed(config.checkpoint_path, version)

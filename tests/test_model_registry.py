@@ -61,6 +61,24 @@ def test_unknown_names_list_the_choices() -> None:
         apply_operator("rotate", {}, np.zeros((1, 4), np.float32))
 
 
+def test_every_operator_has_its_own_adjoint() -> None:
+    """``biggraph grow`` places a new row through its relation's operator's adjoint (or inverse, for the
+    distance comparators): an operator registered without one would fail only when a model using it grows."""
+    for name in names.OPERATORS:
+        assert "adjoint" in vars(OPERATORS.get(name)), name
+        for num in (0, 2):
+            op = Operator(name, 4, num)
+            rel = torch.tensor([0, 1, 1]) if num else None
+            for inverse in (False, True):
+                assert op.adjoint(torch.ones(3, 4), rel, inverse=inverse).shape == (3, 4), (name, num, inverse)
+
+
+def test_distance_comparators_say_so() -> None:
+    """The flag ``biggraph grow`` reads to choose an operator's inverse over its adjoint."""
+    distance = {name for name in names.COMPARATORS if not COMPARATORS.get(name).dot_product}
+    assert distance == {"l2", "squared_l2"}
+
+
 def test_registry_refuses_undeclared_and_duplicate_names() -> None:
     registry: Registry[int] = Registry("widget", declared=("a", "b"))
     registry.register("a")(1)

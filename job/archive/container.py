@@ -26,6 +26,7 @@ import os
 import re
 import struct
 import tempfile
+import time
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -296,7 +297,5 @@ class ZipWriter:
 
 
 def _now() -> tuple[int, int, int, int, int, int]:
-    import time
-
     t = time.localtime()
     return (max(t.tm_year, 1980), t.tm_mon, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec)

@@ -25,6 +25,7 @@ from job.archive.container import Ref, ZipReader
 from job.archive.errors import ArchiveFormatError, DanglingReferenceError, ShapeMismatchError, TagError
 from job.archive.fb import Graph as fb_graph
 from job.archive.fb import TrainingConfig as fb_training
+from job.archive.model import ArchiveModel
 from job.archive.ndarray import DTYPE_NAMES, Decoded, decode
 
 GRAPH_IDENTIFIER = b"BGGR"
@@ -282,8 +283,6 @@ def load(path: str, tag: Optional[str] = None, verify_crc: bool = True) -> Any:
     fp32 tables are views of the memory-mapped file (no copy); fp16/int8 ones are decoded to
     float32 when first used. ``verify_crc`` checks the CRC-32 of every member the tag uses.
     """
-    from job.archive.model import ArchiveModel
-
     reader = ArchiveReader(path, verify_crc=verify_crc)
     try:
         chosen = container.find_tag(reader.tags, tag, path)

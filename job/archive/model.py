@@ -13,13 +13,14 @@ score is the forward (right-hand side) direction of training: the rhs operator r
 
 from __future__ import annotations
 
+import importlib.util
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from job.archive.errors import QueryError
+from job.archive.errors import ArchiveFormatError, QueryError
 from job.archive.ndarray import Decoded
 from job.archive.scoring import NumpyComparator, apply_operator
 
@@ -91,8 +92,6 @@ class ArchiveModel:
             info = self._type_info(entity_type)
             names = info.names_blob.decode("utf-8").split("\0") if info.count else []
             if len(names) != info.count:
-                from job.archive.errors import ArchiveFormatError
-
                 raise ArchiveFormatError(self.path, f"entity type '{entity_type}': names index holds {len(names)} names, "
                                                     f"expected {info.count}", f"{self.tag}/graph.fb")
             self._names[entity_type] = names
@@ -297,8 +296,6 @@ class ArchiveModel:
 
 
 def _faiss_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("faiss") is not None
 
 

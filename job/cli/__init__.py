@@ -16,6 +16,7 @@ import sys
 from job import __version__
 from job.cli import archive, demo, exporting, grow, importing, k8s, legacy, report, train, validate
 from job.cli.common import add_config_arguments, overrides_of
+from job.cli.logging_setup import configure_logging
 from job.errors import UserError
 from storage_adapters.errors import StorageError
 
@@ -45,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(verbose: bool, log_format: str) -> None:
-    from job.cli.logging_setup import configure_logging
-
     configure_logging(logging.DEBUG if verbose else logging.INFO, log_format)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import zlib
 from typing import Any
 
@@ -30,6 +31,7 @@ from job.data.importing.importer import Importer
 from job.data.importing.options import ID_DTYPE, ImportOptions
 from job.formats import edges as edge_format
 from job.formats import entities as ent
+from job.formats.checksums import EDGE_MANIFEST
 from job.growing.model_state import GrowError
 
 _COPY_CHUNK = 1 << 20  # edges copied at a time from an old bucket file
@@ -38,7 +40,7 @@ _COPY_CHUNK = 1 << 20  # edges copied at a time from an old bucket file
 def read_trained_names(config: ConfigSchema) -> tuple[dict[str, list[int]], dict[str, Any], list[str] | None]:
     """Per type: the partition counts and all names (partition-major) of the trained entities; the dynamic
     relation names. Names are required: a grow tells known entities from new ones by name."""
-    import pyarrow as pa
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
     counts: dict[str, list[int]] = {}
     names: dict[str, Any] = {}
@@ -173,8 +175,6 @@ class GrowImporter(Importer):
     def ingest(self) -> tuple[list[list[np.ndarray]], list[str] | None, list[tuple[str, np.ndarray]]]:
         """Both passes: (members per type and partition, dynamic relation names, per file its bucket spill
         directory and edge counts). Every check that can refuse the grow runs here, before any output."""
-        import time
-
         self._pass1(time.monotonic())
         self.check_names()
         parts_of, offsets_of, members = self._assign()
@@ -207,8 +207,6 @@ def write_merged_edges(edge_path: str, target_dir: str, grid: tuple[int, int], b
     Old edges are copied a chunk at a time into a local file and the result is memory-mapped, so memory
     stays bounded by the chunk whatever the bucket's size (the importer writes the same way).
     """
-    from job.formats.checksums import EDGE_MANIFEST
-
     boundaries: list[int] = []
     written: list[str] = []
     entries: dict[str, tuple[int, str]] = {}

@@ -33,6 +33,9 @@ from typing import Any
 
 import storage_adapters as storage
 from job.errors import CheckpointError
+from job.formats.checkpoint import CheckpointStorage
+from job.formats.checksums import EDGE_MANIFEST
+from job.formats.edges import forget_edge_manifest
 
 logger = logging.getLogger("biggraph")
 
@@ -134,10 +137,6 @@ def _move(src: str, dst: str) -> None:
 
 def publish(checkpoint_path: str, record: GrowRecord) -> None:
     """Move the staged input of a committed grow into place (idempotent), then mark the journal published."""
-    from job.formats.checkpoint import CheckpointStorage
-    from job.formats.checksums import EDGE_MANIFEST
-    from job.formats.edges import forget_edge_manifest
-
     for src, dst in record.moves:
         _move(src, dst)
         if dst.endswith("/" + EDGE_MANIFEST):
@@ -173,8 +172,6 @@ def finish_committed_grow(checkpoint_path: str, clean_uncommitted: bool = False)
     journals = list_journals(checkpoint_path)
     if not journals:
         return
-    from job.formats.checkpoint import CheckpointStorage
-
     committed = CheckpointStorage(checkpoint_path).load_version()
     done = [v for v in journals if v <= committed]
     if done:

@@ -16,6 +16,8 @@ import torch
 from job.config import ConfigSchema, parse_config
 from job.errors import ConfigError, UserError
 from job.formats.checkpoint import CheckpointStorage
+from job.model.scoring import Model
+from job.train.optim import RelationAdagrad
 
 
 class GrowError(UserError):
@@ -75,9 +77,6 @@ def grown_model(
     initialises them (identity operators), with zero Adagrad sums. The optimizer state is matched
     by parameter name, since its entries are numbered by position and new relations shift positions.
     """
-    from job.model.scoring import Model
-    from job.train.optim import RelationAdagrad
-
     old_model = Model(old, old_num_rels if old.dynamic_relations else 0)
     model = Model(new, new_num_rels if new.dynamic_relations else 0)
     own = model.public_state_dict()

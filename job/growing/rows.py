@@ -7,7 +7,8 @@ model would score its new edges highly: an edge (u, r, v) scores ``c(u, f_r(v))`
 - a new u linked to a trained v should be near ``f_r(v)``;
 - a new v linked to a trained u should be near the pre-image of u under ``f_r``: the adjoint
   ``f_r^T(u)`` for the dot and cosine comparators (it maximises the dot product for a given norm),
-  the inverse for the l2 comparators (it makes the distance zero);
+  the inverse for the l2 comparators (it makes the distance zero); each operator kind says how
+  (``OperatorKind.adjoint`` in ``job.model.operators``), each comparator whether it is distance-based;
 - with dynamic relations each side also has the reverse operator ``g_r`` (``c(g_r(u), v)``), and the
   two views are averaged.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,6 +44,7 @@ import torch
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.growing.ingest import read_spilled_bucket
+from job.model.comparators import COMPARATORS
 from job.train.optim import row_adagrad_state
 from job.train.partitions import _sum_from_state
 
@@ -50,7 +53,6 @@ logger = logging.getLogger("biggraph")
 Key = tuple[str, int]
 NEIGHBOUR_SCALE = 0.25  # the length of a neighbour-initialised row, as a fraction of its targets' mean
 NEIGHBOUR_ROUNDS = 3  # rounds of filling new entities from neighbours filled in earlier rounds
-_L2_COMPARATORS = ("l2", "squared_l2")
 
 
 @dataclass
@@ -86,46 +88,113 @@ class _TrainedPartitions:
         return self.loaded[key]
 
 
-def adjoint(op: Any, y: torch.Tensor, rel: Optional[torch.Tensor], l2: bool) -> torch.Tensor:
-    """Where an entity x should be so that ``op(x)`` matches ``y``: the adjoint (dot/cos) or inverse (l2) of ``op``."""
-    kind = op.kind
-    if kind == "none":
-        return y
-    if kind == "diagonal":
-        d = op._get("diagonal", rel)
-        if not l2:
-            return y * d
-        usable = d.abs() > 1e-6
-        return torch.where(usable, y / torch.where(usable, d, torch.ones_like(d)), torch.zeros_like(y))
-    if kind == "translation":
-        return y - op._get("translation", rel) if l2 else y
-    if kind in ("linear", "affine"):
-        z = y - op._get("translation", rel) if (kind == "affine" and l2) else y
-        table = getattr(op, "linear_transformations" if op.dynamic else "linear_transformation")
-        maps = torch.linalg.pinv(table) if l2 else table.transpose(-1, -2)
-        if op.dynamic:
-            return torch.matmul(maps.index_select(0, rel), z.unsqueeze(-1)).squeeze(-1)
-        return z @ maps.t()
-    real = op.real.index_select(0, rel) if op.dynamic else op.real
-    imag = op.imag.index_select(0, rel) if op.dynamic else op.imag
-    half = y.shape[-1] // 2
-    y_re, y_im = y[..., :half], y[..., half:]
-    out = torch.cat((y_re * real + y_im * imag, y_im * real - y_re * imag), dim=-1)  # times the conjugate
-    if l2:
-        modulus = (real * real + imag * imag).clamp_min(1e-12)
-        out = out / torch.cat((modulus, modulus), dim=-1)
-    return out
-
-
-def targets(model: Any, rel_idx: int, rel: Optional[torch.Tensor], y: torch.Tensor, new_on_lhs: bool, l2: bool) -> torch.Tensor:
-    """Where a new entity on one side of edges of ``rel_idx`` should be, given the other side's rows ``y``."""
+def targets(model: Any, rel_idx: int, rel: Optional[torch.Tensor], y: torch.Tensor, new_on_lhs: bool,
+            distance: bool) -> torch.Tensor:
+    """Where a new entity on one side of edges of ``rel_idx`` should be, given the other side's rows ``y``
+    (``distance``: the comparator scores by distance, so operators are inverted rather than transposed)."""
     if model.num_dynamic_rels > 0:
         forward, reverse = model.rhs_operators[0], model.lhs_operators[0]
         if new_on_lhs:  # c(x, f(y)) and c(g(x), y)
-            return (forward(y, rel) + adjoint(reverse, y, rel, l2)) / 2
-        return (adjoint(forward, y, rel, l2) + reverse(y, rel)) / 2  # c(y, f(x)) and c(g(y), x)
+            return (forward(y, rel) + reverse.adjoint(y, rel, inverse=distance)) / 2
+        return (forward.adjoint(y, rel, inverse=distance) + reverse(y, rel)) / 2  # c(y, f(x)) and c(g(y), x)
     operator = model.rhs_operators[rel_idx]
-    return operator(y) if new_on_lhs else adjoint(operator, y, None, l2)
+    return operator(y) if new_on_lhs else operator.adjoint(y, None, inverse=distance)
+
+
+@dataclass
+class _EdgeGroup:
+    """The new edges of one relation type (of all of them, with dynamic relations) in one bucket."""
+
+    rel_idx: int
+    keys: list[Key]  # the partitions of the lhs and rhs sides
+    ids: list[np.ndarray]  # lhs and rhs ids, in their partitions
+    rel_ids: Optional[torch.Tensor]  # each edge's relation type, with dynamic relations
+
+
+def _edge_groups(config: ConfigSchema, spills: list[tuple[str, np.ndarray]], grid: tuple[int, int]
+                 ) -> Iterator[_EdgeGroup]:
+    """The spilled new edges, bucket by bucket, grouped by relation type unless relations are dynamic."""
+    for bucket_dir, counts in spills:
+        for bucket in np.flatnonzero(counts):
+            lhs_part, rhs_part = divmod(int(bucket), grid[1])
+            rel, lhs, rhs = read_spilled_bucket(bucket_dir, int(bucket))
+            groups = [(0, slice(None))] if config.dynamic_relations else [(int(r), rel == r) for r in np.unique(rel)]
+            for rel_idx, chosen in groups:
+                relation = config.relations[rel_idx]
+                keys = [(relation.lhs, lhs_part if config.entities[relation.lhs].num_partitions > 1 else 0),
+                        (relation.rhs, rhs_part if config.entities[relation.rhs].num_partitions > 1 else 0)]
+                rel_ids = torch.from_numpy(rel[chosen]) if config.dynamic_relations else None
+                yield _EdgeGroup(rel_idx, keys, [lhs[chosen], rhs[chosen]], rel_ids)
+
+
+class _NeighbourFill:
+    """Fills new rows from their known neighbours, round by round (see the module docstring).
+
+    ``known`` marks the new rows filled so far; a round places only new rows not yet known, and only
+    from edges whose other end is known (trained, or filled in an earlier round).
+    """
+
+    def __init__(self, config: ConfigSchema, model: Any, trained: _TrainedPartitions, old_counts: dict[Key, int],
+                 rows: dict[Key, NewRows]) -> None:
+        self.model = model
+        self.trained = trained
+        self.old_counts = old_counts
+        self.rows = rows
+        self.dim = config.dimension
+        self.distance = not COMPARATORS.get(config.comparator).dot_product
+        self.global_embs = {t: model.global_emb(t) for t in config.entities}
+        self.known = {key: np.zeros(len(r.values), dtype=bool) for key, r in rows.items()}
+
+    def rows_of(self, key: Key, ids: np.ndarray) -> torch.Tensor:
+        """Rows (plus the global embedding) of known entities, trained or filled in an earlier round."""
+        values = self.trained.get(key)
+        old = self.old_counts[key]
+        out = torch.empty((len(ids), self.dim))
+        is_old = ids < old
+        out[torch.from_numpy(is_old)] = values.index_select(0, torch.from_numpy(ids[is_old]))
+        out[torch.from_numpy(~is_old)] = torch.from_numpy(self.rows[key].values[ids[~is_old] - old])
+        g = self.global_embs[key[0]]
+        return out + g if g is not None else out
+
+    def _is_new_and_known(self, key: Key, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        is_new = ids >= self.old_counts[key]
+        filled = np.zeros(len(ids), dtype=bool)
+        filled[is_new] = self.known[key][ids[is_new] - self.old_counts[key]]
+        return is_new, ~is_new | filled
+
+    def accumulate(self, group: _EdgeGroup, acc: dict[Key, torch.Tensor], hits: dict[Key, torch.Tensor]) -> None:
+        """Add the targets that ``group``'s edges give their new, not yet known ends to ``acc`` (counted in ``hits``)."""
+        keys, ids = group.keys, group.ids
+        is_new, is_known = zip(*(self._is_new_and_known(keys[s], ids[s]) for s in (0, 1)))
+        for side, other in ((0, 1), (1, 0)):
+            take = np.flatnonzero(is_new[side] & ~is_known[side] & is_known[other])
+            if not len(take):
+                continue
+            y = self.rows_of(keys[other], ids[other][take])
+            selected = group.rel_ids.index_select(0, torch.from_numpy(take)) if group.rel_ids is not None else None
+            t = targets(self.model, group.rel_idx, selected, y, new_on_lhs=(side == 0), distance=self.distance)
+            if not self.distance:  # the operator's direction at the neighbour's scale (see the module docstring)
+                t = t * (y.norm(dim=1) / t.norm(dim=1).clamp_min(1e-12)).unsqueeze(1)
+            at = torch.from_numpy(ids[side][take] - self.old_counts[keys[side]])
+            acc[keys[side]].index_add_(0, at, t.double())
+            hits[keys[side]].index_add_(0, at, torch.ones(len(take), dtype=torch.float64))
+
+    def fill(self, acc: dict[Key, torch.Tensor], hits: dict[Key, torch.Tensor]) -> int:
+        """Set each new row reached this round to its targets' mean, scaled; returns how many were set."""
+        filled = 0
+        for key, known in self.known.items():
+            reached = (hits[key] > 0).numpy() & ~known
+            if not reached.any():
+                continue
+            mean = (acc[key] / hits[key].clamp_min(1).unsqueeze(1)).float() * NEIGHBOUR_SCALE
+            g = self.global_embs[key[0]]
+            if g is not None:
+                mean = mean - g
+            self.rows[key].values[reached] = mean.numpy()[reached]
+            self.rows[key].from_neighbours += int(reached.sum())
+            known |= reached
+            filled += int(reached.sum())
+        return filled
 
 
 @torch.no_grad()
@@ -137,69 +206,13 @@ def initial_rows(
     rows = {key: NewRows(random_rows(config, key, n, new_version)) for key, n in added.items()}
     if config.grow_init != "neighbours" or not any(added.values()):
         return rows
-    trained = _TrainedPartitions(checkpoint, old_version)
-    known = {key: np.zeros(n, dtype=bool) for key, n in added.items()}
-    global_embs = {t: model.global_emb(t) for t in config.entities}
-    l2 = config.comparator in _L2_COMPARATORS
-    dim = config.dimension
-
-    def rows_of(key: Key, ids: np.ndarray) -> torch.Tensor:
-        """Rows (plus the global embedding) of known entities, trained or filled in an earlier round."""
-        values = trained.get(key)
-        old = old_counts[key]
-        out = torch.empty((len(ids), dim))
-        is_old = ids < old
-        out[torch.from_numpy(is_old)] = values.index_select(0, torch.from_numpy(ids[is_old]))
-        out[torch.from_numpy(~is_old)] = torch.from_numpy(rows[key].values[ids[~is_old] - old])
-        g = global_embs[key[0]]
-        return out + g if g is not None else out
-
+    neighbours = _NeighbourFill(config, model, _TrainedPartitions(checkpoint, old_version), old_counts, rows)
     for round_index in range(NEIGHBOUR_ROUNDS):
-        acc = {key: torch.zeros((n, dim), dtype=torch.float64) for key, n in added.items()}
+        acc = {key: torch.zeros((n, config.dimension), dtype=torch.float64) for key, n in added.items()}
         hits = {key: torch.zeros(n, dtype=torch.float64) for key, n in added.items()}
-        for bucket_dir, counts in spills:
-            for bucket in np.flatnonzero(counts):
-                lhs_part, rhs_part = divmod(int(bucket), grid[1])
-                rel, lhs, rhs = read_spilled_bucket(bucket_dir, int(bucket))
-                groups = [(0, slice(None))] if config.dynamic_relations else [
-                    (int(r), rel == r) for r in np.unique(rel)]
-                for rel_idx, chosen in groups:
-                    relation = config.relations[rel_idx]
-                    keys = [(relation.lhs, lhs_part if config.entities[relation.lhs].num_partitions > 1 else 0),
-                            (relation.rhs, rhs_part if config.entities[relation.rhs].num_partitions > 1 else 0)]
-                    ids = [lhs[chosen], rhs[chosen]]
-                    rel_ids = torch.from_numpy(rel[chosen]) if config.dynamic_relations else None
-                    is_new = [ids[s] >= old_counts[keys[s]] for s in (0, 1)]
-                    is_known = []
-                    for s in (0, 1):
-                        filled = np.zeros(len(ids[s]), dtype=bool)
-                        filled[is_new[s]] = known[keys[s]][ids[s][is_new[s]] - old_counts[keys[s]]]
-                        is_known.append(~is_new[s] | filled)
-                    for side, other in ((0, 1), (1, 0)):
-                        take = np.flatnonzero(is_new[side] & ~is_known[side] & is_known[other])
-                        if not len(take):
-                            continue
-                        y = rows_of(keys[other], ids[other][take])
-                        selected = rel_ids.index_select(0, torch.from_numpy(take)) if rel_ids is not None else None
-                        t = targets(model, rel_idx, selected, y, new_on_lhs=(side == 0), l2=l2)
-                        if not l2:  # the operator's direction at the neighbour's scale (see the module docstring)
-                            t = t * (y.norm(dim=1) / t.norm(dim=1).clamp_min(1e-12)).unsqueeze(1)
-                        at = torch.from_numpy(ids[side][take] - old_counts[keys[side]])
-                        acc[keys[side]].index_add_(0, at, t.double())
-                        hits[keys[side]].index_add_(0, at, torch.ones(len(take), dtype=torch.float64))
-        filled_now = 0
-        for key in added:
-            reached = (hits[key] > 0).numpy() & ~known[key]
-            if not reached.any():
-                continue
-            mean = (acc[key] / hits[key].clamp_min(1).unsqueeze(1)).float() * NEIGHBOUR_SCALE
-            g = global_embs[key[0]]
-            if g is not None:
-                mean = mean - g
-            rows[key].values[reached] = mean.numpy()[reached]
-            rows[key].from_neighbours += int(reached.sum())
-            known[key] |= reached
-            filled_now += int(reached.sum())
+        for group in _edge_groups(config, spills, grid):
+            neighbours.accumulate(group, acc, hits)
+        filled_now = neighbours.fill(acc, hits)
         logger.info("grow: neighbours round %d filled %d new rows", round_index + 1, filled_now)
         if not filled_now:
             break

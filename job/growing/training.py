@@ -20,6 +20,7 @@ import numpy as np
 from job.config import ConfigSchema
 from job.formats import edges as edge_format
 from job.growing.journal import GrowRecord
+from job.monitoring import make_reporter
 from job.train.batching import EdgeTensors
 from job.train.buckets import Bucket
 from job.train.data import edge_limits, edge_tensors
@@ -47,8 +48,6 @@ class GrowTrainer(Trainer):
                            for it in self.iterations]
         self._pass_index = record.version
         self._edge_path_idx = 0
-        from job.monitoring import make_reporter
-
         # progress counts passes by checkpoint version, as on any resume: these passes follow the grown version
         self.reporter.close()
         self.reporter = make_reporter(self.config, rank=self.rank, total_passes=record.version + len(self.iterations),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import storage_adapters as storage
+from job.formats.checkpoint import CheckpointStorage
 from job.session import storage_scoped
 
 
@@ -19,8 +20,6 @@ def training_progress(config: dict[str, Any]) -> dict[str, Any]:
     A best effort: ``{"available": False, "reason": ...}`` when there is no checkpoint to read, so that
     ``status`` still reports the job itself.
     """
-    from job.formats.checkpoint import CheckpointStorage  # h5py/numpy: only when a status asks for progress
-
     url = config.get("checkpoint_path")
     if not url:
         return {"available": False, "reason": "the config has no checkpoint_path"}

@@ -18,6 +18,7 @@ from job.model import names
 from job.model.registry import Registry
 
 Getter = Callable[[str], Tensor]  # a parameter by its static name, already gathered per row when dynamic
+Table = Callable[[str], Tensor]  # a parameter by its static name, whole (one row per relation type when dynamic)
 
 
 class OperatorKind:
@@ -39,6 +40,23 @@ class OperatorKind:
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        """Where a row x should be for ``apply(x)`` to match ``y``.
+
+        ``biggraph grow`` places a new entity from its trained neighbours with it (``job.growing.rows``):
+        the adjoint of the operator's linear part for the dot-product comparators (it maximises
+        ``<apply(x), y>`` for a given norm of x), the inverse with ``inverse`` for the distance ones (it
+        makes the distance zero). ``table`` gives whole parameters, since a per-relation inverse is
+        cheaper than one per row; ``rel`` is the relation of each row when dynamic, else None.
+        """
+        raise NotImplementedError
+
+
+def _pick(table: Tensor, rel: Optional[Tensor]) -> Tensor:
+    """One relation's parameter (static), or each row's relation's (``rel`` given)."""
+    return rows(table, rel) if rel is not None else table
+
 
 OPERATORS: Registry[type[OperatorKind]] = Registry("operator", names.OPERATORS)
 
@@ -48,6 +66,10 @@ class NoOperator(OperatorKind):
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return x
+
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        return y
 
 
 @OPERATORS.register("diagonal")
@@ -60,6 +82,14 @@ class DiagonalOperator(OperatorKind):
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return x * get("diagonal")
 
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        d = _pick(table("diagonal"), rel)
+        if not inverse:
+            return y * d
+        usable = d.abs() > 1e-6  # a zero coordinate has no pre-image: leave it at zero
+        return torch.where(usable, y / torch.where(usable, d, torch.ones_like(d)), torch.zeros_like(y))
+
 
 @OPERATORS.register("translation")
 class TranslationOperator(OperatorKind):
@@ -70,6 +100,10 @@ class TranslationOperator(OperatorKind):
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return x + get("translation")
+
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        return y - _pick(table("translation"), rel) if inverse else y  # the linear part is the identity
 
 
 @OPERATORS.register("linear")
@@ -85,6 +119,14 @@ class LinearOperator(OperatorKind):
             return torch.matmul(matrix, x.unsqueeze(-1)).squeeze(-1)
         return x @ matrix.t()
 
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        matrices = table("linear_transformation")
+        maps = torch.linalg.pinv(matrices) if inverse else matrices.transpose(-1, -2)
+        if rel is not None:
+            return torch.matmul(rows(maps, rel), y.unsqueeze(-1)).squeeze(-1)
+        return y @ maps.t()
+
 
 @OPERATORS.register("affine")
 class AffineOperator(OperatorKind):
@@ -95,6 +137,11 @@ class AffineOperator(OperatorKind):
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return LinearOperator.apply(x, get, dynamic) + get("translation")
+
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        z = y - _pick(table("translation"), rel) if inverse else y
+        return LinearOperator.adjoint(z, table, rel, inverse)
 
 
 @OPERATORS.register("complex_diagonal")
@@ -115,6 +162,17 @@ class ComplexDiagonalOperator(OperatorKind):
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return _ComplexDiagonal.apply(x, get("real"), get("imag"))
+
+    @staticmethod
+    def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
+        real, imag = _pick(table("real"), rel), _pick(table("imag"), rel)
+        half = y.shape[-1] // 2
+        y_re, y_im = y[..., :half], y[..., half:]
+        out = torch.cat((y_re * real + y_im * imag, y_im * real - y_re * imag), dim=-1)  # times the conjugate
+        if inverse:
+            modulus = (real * real + imag * imag).clamp_min(1e-12)
+            out = out / torch.cat((modulus, modulus), dim=-1)
+        return out
 
 
 class Operator(nn.Module):
@@ -142,6 +200,12 @@ class Operator(nn.Module):
     def forward(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
         """Apply to rows ``x`` (..., dim); ``rel`` gives the relation of each row when dynamic."""
         return self.spec.apply(x, lambda name: self._get(name, rel), self.dynamic)
+
+    def adjoint(self, y: Tensor, rel: Optional[Tensor] = None, inverse: bool = False) -> Tensor:
+        """Where rows x should be for ``self(x, rel)`` to match rows ``y``: the adjoint of the linear part, or with
+        ``inverse`` the inverse (see ``OperatorKind.adjoint``)."""
+        return self.spec.adjoint(y, lambda name: getattr(self, name + self._suffix), rel if self.dynamic else None,
+                                 inverse)
 
 
 def rows(table: Tensor, index: Tensor) -> Tensor:

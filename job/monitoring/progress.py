@@ -68,7 +68,7 @@ class _TqdmStream:
         self.stream = stream
 
     def write(self, text: str) -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # only when a bar is drawn (see the module docstring)
 
         text = text.rstrip("\n")
         if text:
@@ -113,7 +113,7 @@ def task_progress(desc: str, total: Optional[int] = None, unit: str = "it") -> I
         yield _Progress()
         return
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # only when a bar is drawn (see the module docstring)
     except ImportError:
         yield _Progress()
         return
@@ -228,7 +228,7 @@ class BarProgress(Reporter):
     """Interactive progress: a tqdm bar over every bucket of the run, log lines printed above it."""
 
     def __init__(self, config: Any, total_passes: int, buckets_per_pass: int) -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # only when a bar is drawn (see the module docstring)
 
         self.state = _ProgressState(config, total_passes, buckets_per_pass, time.monotonic)
         self.bar = tqdm(total=self.state.total, unit="bucket", dynamic_ncols=True, file=sys.stderr,

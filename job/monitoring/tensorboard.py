@@ -46,7 +46,7 @@ class TensorBoardReporter(Reporter):
     """Scalars per bucket (step: global bucket index) and per pass (step: pass number)."""
 
     def __init__(self, log_dir: str, rank: int = 0) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
 
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         self.log_dir = os.path.join(log_dir, f"rank{rank}") if world > 1 else log_dir

@@ -16,7 +16,7 @@ from job.report.svg import PALETTE, TIME_PARTS
 
 
 def _line(ax: Any, epochs: list[int], ys: list[Optional[float]], title: str, ylabel: str, note: str, color: str) -> None:
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional dependency (see the module docstring)
 
     pts = [(x, y) for x, y in zip(epochs, ys) if y is not None]
     ax.set_title(title)
@@ -33,7 +33,7 @@ def _line(ax: Any, epochs: list[int], ys: list[Optional[float]], title: str, yla
 
 
 def _time_bars(ax: Any, data: ReportData) -> None:
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional dependency (see the module docstring)
 
     epochs = [r.epoch for r in data.epochs]
     ax.set_title("Where the time went")
@@ -76,7 +76,7 @@ def _projection(ax: Any, data: ReportData) -> None:
 
 def render_png(data: ReportData) -> bytes:
     """The same charts as the HTML page, on a 3 x 2 grid; UserError when matplotlib is not installed."""
-    try:
+    try:  # optional dependency (see the module docstring)
         import matplotlib
 
         matplotlib.use("Agg")

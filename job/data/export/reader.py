@@ -17,6 +17,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError, UserError
+from job.formats import entities
 from job.formats.committed import open_committed
 
 logger = logging.getLogger("biggraph.export")
@@ -149,8 +150,6 @@ class CheckpointReader:
         return out
 
     def _dynamic_relation_names(self) -> list[str] | None:
-        from job.formats import entities
-
         url = entities.dynamic_rel_names_file(self.config.entity_path)
         if not storage.exists(url):
             logger.warning("%s is missing: dynamic relation types are named rel_0, rel_1, ...", url)
@@ -160,8 +159,6 @@ class CheckpointReader:
 
 def _names_for(config: Any, entity_type: str, partition: int, rows: int, emb_url: str) -> tuple[list[str], str]:
     """The names of a partition's rows, or generated ``{type}_{part}_{offset}`` ids when no names file exists."""
-    from job.formats import entities
-
     if not entities.has_entity_names(config.entity_path, entity_type, partition):
         return [f"{entity_type}_{partition}_{offset}" for offset in range(rows)], "generated"
     names = entities.read_entity_names(config.entity_path, entity_type, partition)

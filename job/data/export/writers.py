@@ -160,7 +160,7 @@ def export_parquet(
     reader: CheckpointReader, out: str, summary: ExportSummary, add_global: bool, overwrite: bool,
     row_group_rows: int = DEFAULT_ROW_GROUP_ROWS,
 ) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
     import pyarrow.parquet as pq
 
     schema = pa.schema([
@@ -195,7 +195,7 @@ def export_parquet(
 
 
 def _write_parquet_relations(params: list[RelationParam], out: str, summary: ExportSummary, overwrite: bool) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
     import pyarrow.parquet as pq
 
     rel_url = storage.join(out, "relations.parquet")

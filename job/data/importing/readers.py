@@ -92,7 +92,7 @@ class Source:
         """Local paths go straight to pyarrow (native I/O); URLs through fsspec, decompressing by extension."""
         if storage.is_local(self.url):
             return storage.local_path(self.url)
-        import fsspec
+        import fsspec  # as in storage_adapters: only for remote URLs (a local import never loads it)
 
         return fsspec.open(self.url, "rb", compression="infer", **storage.storage_options_for(self.url)).open()
 
@@ -103,7 +103,7 @@ class Source:
             yield from self._text_batches()
 
     def _parquet_batches(self) -> Iterator[Batch]:
-        import pyarrow as pa
+        import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
         import pyarrow.parquet as pq
 
         try:
@@ -130,13 +130,13 @@ class Source:
         if not self._terminate:
             return source
         if isinstance(source, str):
-            import pyarrow as pa
+            import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
             source = pa.input_stream(source, compression="detect")
         return io.BufferedReader(_NewlineTerminated(source))
 
     def _text_reader(self, block_size: int, num_columns: int | None) -> Any:
-        import pyarrow as pa
+        import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
         import pyarrow.csv as pacsv
 
         read = pacsv.ReadOptions(autogenerate_column_names=True, block_size=block_size, skip_rows=1 if self.options.header else 0)
@@ -153,7 +153,7 @@ class Source:
         return pacsv.open_csv(self._text_input(), read_options=read, parse_options=parse, convert_options=convert)
 
     def _text_batches(self) -> Iterator[Batch]:
-        import pyarrow as pa
+        import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
         try:
             try:
@@ -197,7 +197,7 @@ class Source:
             return None
         raw = self._open_binary()
         if isinstance(raw, str):
-            import pyarrow as pa
+            import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
             raw = pa.input_stream(raw, compression="detect")
         with contextlib.closing(raw):
@@ -253,7 +253,7 @@ class _NewlineTerminated(io.RawIOBase):
 
 def _as_strings(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """A column of any scalar type as a plain string array (ids may be stored as integers in Parquet)."""
-    import pyarrow as pa
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
     import pyarrow.compute as pc
 
     if isinstance(column, pa.ChunkedArray):

@@ -58,7 +58,7 @@ class EntityTable:
         caller decides whether that is an error. Their counts start at 0, so ``counts`` afterwards
         counts only the occurrences in edges encoded later.
         """
-        import pyarrow as pa
+        import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
         hashes, _ = hash_strings(names)
         order = np.argsort(hashes, kind="stable")
@@ -116,7 +116,7 @@ class EntityTable:
         return ids
 
     def names(self) -> pa.ChunkedArray:
-        import pyarrow as pa
+        import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
         return pa.chunked_array([chunk.cast(pa.large_string()) for chunk in self.name_chunks], type=pa.large_string())
 
@@ -128,7 +128,7 @@ def _names_picker(
     num_left = len(left_rows)
 
     def names_at(positions: np.ndarray) -> pa.Array:
-        import pyarrow as pa
+        import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
         from_left = positions[positions < num_left]
         from_right = positions[positions >= num_left] - num_left

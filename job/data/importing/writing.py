@@ -18,12 +18,13 @@ from job.data.importing.bucketing import SPILLED
 from job.data.importing.options import ID_DTYPE
 from job.data.importing.plan import Plan
 from job.data.importing.table import EntityTable
+from job.formats import entities as ent
+from job.formats.checksums import EDGE_MANIFEST
+from job.formats.edges import edges_file, write_edge_manifest, write_edges
 
 
 def write_buckets(edge_path: str, plan: Plan, bucket_dir: str, bucket_counts: np.ndarray, written: list[str]) -> int:
     """Every ``edges_{l}_{r}.h5`` of ``edge_path`` from pass 2's spill files, then the manifest; the edges written."""
-    from job.formats.checksums import EDGE_MANIFEST
-    from job.formats.edges import edges_file, write_edge_manifest, write_edges
 
     storage.makedirs(edge_path)
     entries: dict[str, tuple[int, str]] = {}
@@ -55,7 +56,6 @@ def write_entities(
     relation_names: list[str] | None, written: list[str],
 ) -> None:
     """Names first and counts last: a count file is what marks a partition as present."""
-    from job.formats import entities as ent
 
     storage.makedirs(entity_path)
     for name, table, parts in zip(plan.type_names, tables, members):

@@ -29,6 +29,7 @@ from job.data.legacy.config_map import map_legacy_config, map_state_dict_key
 from job.data.legacy.inputs import partition_shift
 from job.data.legacy.loading import LegacyFormatError, safe_torch_load, to_numpy
 from job.errors import UserError
+from job.formats.checkpoint import CheckpointStorage
 
 logger = logging.getLogger("biggraph.legacy")
 
@@ -208,8 +209,6 @@ def convert_checkpoint(
 
     ``path_rewrites``: config keys to point at converted inputs (``edge_paths`` maps old paths to new).
     """
-    from job.formats.checkpoint import CheckpointStorage  # h5py and torch: only when converting
-
     if not storage.isdir(old):
         raise UserError(f"{old}: directory not found (expected a legacy checkpoint directory)")
     names = storage.listdir(old)

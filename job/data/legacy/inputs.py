@@ -20,11 +20,13 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+import h5py
 import numpy as np
 
 import storage_adapters as storage
 from job.data.legacy.loading import LegacyFormatError, as_count, first_line, safe_torch_load
 from job.errors import UserError
+from job.formats.edges import EDGE_DATASETS, FORMAT_VERSION, FORMAT_VERSION_ATTR
 from job.formats.entities import count_file, dynamic_rel_count_file, names_file, write_count_file
 
 logger = logging.getLogger("biggraph.legacy")
@@ -106,9 +108,6 @@ def convert_entities(old: str, new: str, count_base: str = "auto") -> EntityConv
 
 def _check_legacy_edges(path: str, url: str) -> None:
     """The structure both formats share; an existing format_version must already be 1."""
-    import h5py
-
-    from job.formats.edges import EDGE_DATASETS, FORMAT_VERSION_ATTR
 
     try:
         handle = h5py.File(path, "r")
@@ -138,9 +137,6 @@ def _is_version_one(value: Any) -> bool:
 
 
 def _set_format_version(path: str) -> None:
-    import h5py
-
-    from job.formats.edges import FORMAT_VERSION, FORMAT_VERSION_ATTR
 
     with h5py.File(path, "r+") as handle:
         handle.attrs[FORMAT_VERSION_ATTR] = FORMAT_VERSION

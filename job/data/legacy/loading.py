@@ -9,7 +9,10 @@ and the command line imports this package to build its parser.
 
 from __future__ import annotations
 
+import pickle
 import re
+import warnings
+import zipfile
 from typing import TYPE_CHECKING, Any
 
 import storage_adapters as storage
@@ -30,11 +33,7 @@ def safe_torch_load(url: str) -> Any:
 
     Never falls back to unrestricted unpickling: a legacy file that needs it is refused.
     """
-    import pickle
-    import warnings
-    import zipfile
-
-    import torch
+    import torch  # heavy: job.data.legacy loads with the command line, torch only when converting
 
     try:
         with storage.local_copy_for_reading(url) as path, warnings.catch_warnings():
@@ -68,7 +67,7 @@ def first_line(err: BaseException) -> str:
 
 def as_count(value: Any, url: str) -> int:
     """A legacy count: a torch.save'd int (or a one-element integer tensor)."""
-    import torch
+    import torch  # heavy: only when converting (see safe_torch_load)
 
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool:
         value = int(value.item())
@@ -80,7 +79,7 @@ def as_count(value: Any, url: str) -> int:
 
 
 def to_numpy(value: Any, url: str, what: str) -> np.ndarray:
-    import torch
+    import torch  # heavy: only when converting (see safe_torch_load)
 
     if not isinstance(value, torch.Tensor):
         raise LegacyFormatError(url, f"{what} is a {type(value).__name__}", expected="a tensor")
