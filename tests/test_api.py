@@ -119,3 +119,27 @@ def test_every_api_function_taking_a_config_runs_with_its_storage_settings() -> 
                                           storage.storage_options_for("s3://b/k").get("endpoint_url")))(config)
     assert seen == ("stream", "http://minio:9000") and settings_of(config).edge_read_mode == "stream"
     assert storage.current().settings.edge_read_mode == "stage"  # nothing left behind
+
+
+def test_every_module_imports_first() -> None:
+    """No import cycle hides behind import order: each module of job/ and storage_adapters/ imports on its own,
+    as the first module of the package loaded (a cycle train -> growing -> train once passed every test that
+    happened to import job.train first)."""
+    code = textwrap.dedent("""
+        import importlib, pkgutil, sys, job, storage_adapters
+        names = [m.name for pkg in (job, storage_adapters)
+                 for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".") if ".fb." not in m.name]
+        failed = []
+        for name in names:
+            for loaded in [m for m in sys.modules if m.split(".")[0] in ("job", "storage_adapters")]:
+                del sys.modules[loaded]
+            try:
+                importlib.import_module(name)
+            except Exception as err:
+                failed.append(f"{name}: {type(err).__name__}: {err}")
+        print(len(names)); print("\\n".join(failed))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, *failures = result.stdout.strip().splitlines()
+    assert int(count) > 100 and not failures, "\n".join(failures)

@@ -50,7 +50,6 @@ from job.growing.journal import (
     write_record,
 )
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
-from job.growing.training import GrowTrainer
 from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph")
@@ -125,6 +124,10 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
     else:
         record, summary = _grow_once(config, files, options, checkpoint, version, described, options_record)
     if train and config.grow_num_epochs > 0:
+        # a real cycle: job.train.loop imports job.growing.journal (finishing a committed grow), and the grow
+        # trainer subclasses job.train.loop.Trainer
+        from job.growing.training import GrowTrainer
+
         trainer = GrowTrainer(config, record)
         try:
             summary.training = trainer.run()
