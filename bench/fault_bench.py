@@ -193,7 +193,7 @@ class Backend:
         """checkpoint_version.txt as it is now (0 when absent); a half-read or raced read gives -1."""
         try:
             return CheckpointStorage(self.checkpoint_url).load_version()
-        except Exception:  # noqa: BLE001 - an observation only; the checks after the kill are strict
+        except Exception:  # an observation only; the checks after the kill are strict
             return -1
 
 
@@ -407,7 +407,7 @@ def run_backend(name: str, args: argparse.Namespace, graph: Path, work: Path, rn
             highest = max(highest, marker)
             try:
                 version = check_loadable(backend.checkpoint_url, config, counts)
-            except Exception as err:  # noqa: BLE001 - every failure to load is what this bench counts
+            except Exception as err:  # every failure to load is what this bench counts
                 tally.unloadable += 1
                 tally.errors.append(f"round {round_id} kill {tally.kills}: committed version does not load: "
                                     f"{type(err).__name__}: {err}")
@@ -434,7 +434,7 @@ def run_backend(name: str, args: argparse.Namespace, graph: Path, work: Path, rn
         try:
             if check_loadable(backend.checkpoint_url, config, counts) != args.passes:
                 tally.finish_problems.append(f"round {round_id}: not finished")
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             tally.unloadable += 1
             tally.errors.append(f"round {round_id}: final version does not load: {type(err).__name__}: {err}")
         problems = check_finished(backend, args.passes, nparts)

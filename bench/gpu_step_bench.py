@@ -29,7 +29,7 @@ from job.train.step import BatchContext, run_batch  # noqa: E402
 NUM_ENTITIES, DIMENSION, NUM_RELATIONS = 1_000_000, 100, 10
 
 
-def timed(step, steps: int) -> float:  # noqa: ANN001 - a callable taking the step index
+def timed(step, steps: int) -> float:  # step: a callable taking the step index
     torch.cuda.synchronize()
     started = time.perf_counter()
     for i in range(steps):

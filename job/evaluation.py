@@ -135,7 +135,7 @@ def read_checked_edges(reader: CheckpointReader, edge_path: str, lhs: int, rhs: 
     return arrays
 
 
-def _iter_bucket_edges(reader: CheckpointReader):  # noqa: ANN202 - generator of (bucket, EdgeTensors)
+def _iter_bucket_edges(reader: CheckpointReader):  # generator of (bucket, EdgeTensors)
     config = reader.config
     nparts_lhs, nparts_rhs = bucket_grid(config)
     with task_progress("eval", total=len(config.edge_paths) * nparts_lhs * nparts_rhs, unit=" buckets") as bar:
@@ -235,6 +235,12 @@ def _prepared(model: Model, rows: torch.Tensor, entity_type: str, operator: Any 
     return model.comparator.prepare(x)
 
 
+# one side to rank: (side, anchor rows, positive rows, candidates' entity type, operator applied to the candidates
+# (None: already applied), global ids of the true entities, of the anchors, the true edges to filter out)
+_RankedSide = tuple[str, torch.Tensor, torch.Tensor, str, Optional[torch.nn.Module], np.ndarray, np.ndarray,
+                    Optional[TrueEdgeIndex]]
+
+
 @torch.no_grad()
 def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchStats:
     config = reader.config
@@ -267,6 +273,7 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
                 lhs_op = model.lhs_operators[rel_idx]
                 lhs_vec = _prepared(model, lhs_rows, relation.lhs)
                 rhs_vec = _prepared(model, rhs_rows, relation.rhs)
+                sides: list[_RankedSide]
                 if dynamic:
                     rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op, rel_on_device)
                     lhs_transformed = _prepared(model, lhs_rows, relation.lhs, lhs_op, rel_on_device)

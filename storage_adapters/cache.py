@@ -133,7 +133,7 @@ class FileCache:
             storage.get_file(entry.url, part)
             os.replace(part, entry.path)
             self.downloads += 1
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the entry
+        except BaseException as err:  # handed to whoever waits on the entry
             entry.error = err
             with contextlib.suppress(OSError):
                 os.unlink(part)
@@ -146,8 +146,9 @@ class FileCache:
         """A local path with the bytes of ``url``, kept (not evicted) until the block ends."""
         meta = storage.info(url)
         for attempt in (0, 1):
-            entry, mine = self._claim(url, meta, pin=True, optional=False)
-            assert entry is not None
+            claimed, mine = self._claim(url, meta, pin=True, optional=False)
+            assert claimed is not None  # optional=False: _claim always returns an entry
+            entry: _Entry = claimed
             if mine:
                 self._download(entry)
             else:
@@ -179,7 +180,7 @@ class FileCache:
         def work() -> None:
             try:
                 meta = storage.info(url)
-            except Exception as err:  # noqa: BLE001 - the foreground read will report it
+            except Exception as err:  # the foreground read will report it
                 logger.debug("prefetch of %s skipped: %s", url, type(err).__name__)
                 return
             entry, mine = self._claim(url, meta, pin=False, optional=True)

@@ -108,11 +108,12 @@ def connection_failure(err: BaseException) -> ConnectFailure | None:
         elif found and not detail:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         kwargs = getattr(exc, "kwargs", None)
+        host = getattr(exc, "host", None)  # aiohttp's ClientConnectorError
         if endpoint is None and isinstance(kwargs, dict) and isinstance(kwargs.get("endpoint_url"), str):
             endpoint = endpoint_text(kwargs["endpoint_url"])
             host_key = endpoint_host_key(kwargs["endpoint_url"])
-        elif endpoint is None and "ClientConnectorError" in names and getattr(exc, "host", None):
-            endpoint = f"{exc.host}:{getattr(exc, 'port', '?')}"
+        elif endpoint is None and "ClientConnectorError" in names and host:
+            endpoint = f"{host}:{getattr(exc, 'port', '?')}"
     if kind is None:
         return None
     return ConnectFailure(kind, endpoint, host_key, detail[:200])

@@ -49,7 +49,7 @@ def prefetch(url: str) -> Future | None:
         return None
     try:
         return current().cache().prefetch(url)
-    except Exception as err:  # noqa: BLE001 - prefetching is only ever an optimisation
+    except Exception as err:  # prefetching is only ever an optimisation
         logger.debug("prefetch of %s not started: %s", url, type(err).__name__)
         return None
 

@@ -123,7 +123,7 @@ def get_filesystem(url: str) -> tuple[Any, str]:
     if scheme in ("s3", "s3a"):
         try:
             instrument_s3(fs)  # creates the botocore client: no request is sent, so any failure is configuration
-        except Exception as err:  # noqa: BLE001 - e.g. "Invalid endpoint: minio:9000" (no http://), unknown profile
+        except Exception as err:  # e.g. "Invalid endpoint: minio:9000" (no http://), unknown profile
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise StorageError(f"{url}: cannot set up the S3 client from storage_options: {reason}") from None
     return fs, fs._strip_protocol(url)

@@ -133,7 +133,7 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
             result = func()
         except StorageError:
             raise
-        except Exception as err:  # noqa: BLE001 - classified below
+        except Exception as err:  # classified below
             kind = classify(err, url)
             if kind == UNREACHABLE:
                 raise StorageError(f"{url}: {operation} failed: {unreachable_reason(err, url)}") from None

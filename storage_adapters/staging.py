@@ -90,7 +90,7 @@ def remove_stale_upload_dirs(root: str | None = None) -> list[str]:
     one whose name carries no PID, is left alone. Returns the paths removed.
     """
     root = root or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:

@@ -241,7 +241,7 @@ class Agents:
         is_host = "true" if not self.procs else "false"
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                    BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=biggraph-test",
@@ -508,7 +508,7 @@ def test_two_hosts_in_separate_network_namespaces_train_together(umls_p4: dict, 
     for index, (ns, address, iface) in enumerate(two_hosts):
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=iface,
                    PYTHONUNBUFFERED="1")
-        log = open(tmp_path / f"{ns}.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(tmp_path / f"{ns}.log", "w")  # closed with the process
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={two_hosts[0][1]}:{port}", "--rdzv-id=biggraph-netns",

@@ -256,7 +256,7 @@ def test_a_kill_between_commit_and_cleanup_loses_no_stats_and_leaves_no_old_vers
     checkpoint = CheckpointStorage(raw["checkpoint_path"])
     real_drop = CheckpointStorage.drop_version
 
-    def killed(self, version, partitions):  # noqa: ANN001, ANN202
+    def killed(self, version, partitions):
         raise SystemExit("killed right after the commit of the next version")
 
     monkeypatch.setattr(CheckpointStorage, "drop_version", killed)
@@ -279,7 +279,7 @@ def test_stats_of_a_version_that_never_committed_are_dropped(tmp_path: Path, mon
     checkpoint = CheckpointStorage(raw["checkpoint_path"])
     real_save = CheckpointStorage.save_version
 
-    def killed_before_marker(self, version):  # noqa: ANN001, ANN202
+    def killed_before_marker(self, version):
         if version == 2:
             raise SystemExit("killed before the marker of version 2")
         real_save(self, version)

@@ -248,7 +248,7 @@ class Gateway:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-            do_PUT = do_POST = _record  # noqa: N815
+            do_PUT = do_POST = _record
 
             def log_message(self, *args: Any) -> None:
                 pass

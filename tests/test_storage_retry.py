@@ -249,7 +249,7 @@ def test_a_refusal_after_an_answer_is_transient(aws_env: None) -> None:
     port = _closed_port()
     use_storage(_options(f"http://127.0.0.1:{port}"))
     fs, path = storage.get_filesystem("s3://b/k")
-    with pytest.raises(Exception) as info:  # noqa: PT011 - the raw botocore error, before our layer
+    with pytest.raises(Exception) as info:  # the raw botocore error, before our layer
         fs.cat_file(path)
     assert retry.classify(info.value) == retry.UNREACHABLE
     retry.note_answered(request_url=f"http://127.0.0.1:{port}/b/other-key")  # same host and port answered once

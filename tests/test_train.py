@@ -356,12 +356,12 @@ def test_partitioned_training_stays_within_its_buffer_and_writes_every_partition
     def held() -> int:  # in memory or being read into it (a write-back frees its slot before the read starts)
         return len(store.loaded) + len(store.pending)
 
-    def spy_hold(keys: set, upcoming=()):  # noqa: ANN001, ANN202
+    def spy_hold(keys: set, upcoming=()):
         evicted = original_hold(keys, upcoming)
         resident.append(held())
         return evicted
 
-    def spy_prepare(*args):  # noqa: ANN002, ANN202
+    def spy_prepare(*args):
         original_prepare(*args)
         resident.append(held())
 
@@ -441,7 +441,7 @@ def test_a_failed_prefetch_fails_the_run_when_its_partition_is_needed(tmp_path: 
     raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
     read = PartitionStore._read
 
-    def failing_read(self, key):  # noqa: ANN001, ANN202
+    def failing_read(self, key):
         import threading
 
         if threading.current_thread().name.startswith("biggraph-prefetch"):

@@ -274,7 +274,7 @@ class ZipWriter:
         self.path = path
         self._zip = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
 
-    def write(self, name: str, data: bytes | memoryview, date_time: tuple[int, ...] | None = None) -> None:
+    def write(self, name: str, data: bytes | memoryview, date_time: tuple[int, int, int, int, int, int] | None = None) -> None:
         info = zipfile.ZipInfo(name, date_time=date_time or _now())
         info.compress_type = zipfile.ZIP_STORED
         info.create_system = 3  # unix

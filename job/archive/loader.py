@@ -134,7 +134,7 @@ def read_graph(buf: memoryview, archive: str, member: str) -> GraphInfo:
         )
     except ArchiveFormatError:
         raise
-    except Exception as err:  # noqa: BLE001 - any failure to walk the buffer means the same thing
+    except Exception as err:  # any failure to walk the buffer means the same thing
         raise ArchiveFormatError(archive, f"malformed graph FlatBuffer ({type(err).__name__}: {err})", member) from None
 
 
@@ -157,7 +157,7 @@ def read_training(buf: memoryview, archive: str, member: str) -> dict[str, Any]:
             "biggraph_version": _s(t.BiggraphVersion()),
             "has_updater_state": t.HasUpdaterState(),
         }
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise ArchiveFormatError(archive, f"malformed training-config FlatBuffer ({type(err).__name__}: {err})",
                                  member) from None
 

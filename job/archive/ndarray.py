@@ -24,7 +24,7 @@ MAX_FLATBUFFER_BYTES = 2**31 - 1 - 4096
 
 # storage names used on the command line / in graph.fb, and the numpy dtype of each code
 STORAGE_DTYPES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "int8": DType.INT8}
-NUMPY_OF = {
+NUMPY_OF: dict[int, np.dtype] = {
     DType.FLOAT32: np.dtype("<f4"),
     DType.FLOAT16: np.dtype("<f2"),
     DType.INT8: np.dtype("i1"),
@@ -132,7 +132,7 @@ def decode(buf: memoryview, archive: str, member: str) -> Decoded:
         code = table.Dtype()
         data = table.DataAsNumpy() if not table.DataIsNone() else np.zeros(0, np.uint8)
         scales = table.ScalesAsNumpy() if not table.ScalesIsNone() else None
-    except Exception as err:  # noqa: BLE001 - any failure to walk the buffer means the same thing
+    except Exception as err:  # any failure to walk the buffer means the same thing
         raise ArchiveFormatError(archive, f"malformed NDArray FlatBuffer ({type(err).__name__}: {err})", member) from None
     if code not in NUMPY_OF:
         raise ArchiveFormatError(archive, f"unknown dtype code {code}", member)

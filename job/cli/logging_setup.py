@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 from job.monitoring.json_logs import JsonFormatter
 
@@ -17,15 +18,15 @@ class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time (tests and progress bars swap it)."""
 
     def __init__(self) -> None:
-        self._override = None
+        self._override: TextIO | None = None
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201
+    @property
+    def stream(self) -> TextIO:
         return self._override if self._override is not None else sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # noqa: ANN001
+    def stream(self, value: TextIO | None) -> None:
         # a progress bar may redirect us for a while; setting stderr back means "follow sys.stderr" again
         self._override = None if value is None or value is sys.stderr else value
 

@@ -25,7 +25,7 @@ def _schema_type_at(path: list[str]) -> Any:
     for i, part in enumerate(path):
         tp = _strip_optional(tp)
         origin = typing.get_origin(tp)
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema class (never an instance)
             hints = _hints(tp)
             if part not in hints:
                 hint = did_you_mean(part, hints, "".join(p + "." for p in path[:i]))

@@ -48,7 +48,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 raise ConfigKeyError(f"config key '{key}': keys must be strings, got {k!r}", [key])
             out[k] = _convert(v, value_tp, f"{key}.{k}")
         return out
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema class (never an instance)
         if not isinstance(value, dict):
             raise _mismatch(key, "a mapping", value)
         return _from_dict(tp, value, prefix=f"{key}.")

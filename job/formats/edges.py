@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,7 +313,7 @@ class EdgeLimits:
     dynamic: bool
 
     @classmethod
-    def for_bucket(cls, config: Any, counts: dict[str, Sequence[int | None]], num_rel_ids: int,
+    def for_bucket(cls, config: Any, counts: Mapping[str, Sequence[int | None]], num_rel_ids: int,
                    bucket: tuple[int, int]) -> EdgeLimits:
         relations = config.relations
         # with dynamic relations every id uses the single relation's entity types

@@ -31,7 +31,7 @@ def deserialize_optimizer_state(blob: bytes | None, where: str) -> dict[str, Any
 
     try:
         return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, Exception) as err:  # noqa: BLE001 - untrusted bytes: any decode failure (IndexError...)
+    except (pickle.UnpicklingError, Exception) as err:  # untrusted bytes: any decode failure (IndexError...)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputFormatError(
             where, f"optimizer state cannot be loaded safely ({first_line})", dataset=OPTIMIZER_DATASET,

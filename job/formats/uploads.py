@@ -56,7 +56,7 @@ class UploadQueue:
         for future in futures:
             try:
                 future.result()
-            except BaseException as err:  # noqa: BLE001 - re-raised below
+            except BaseException as err:  # re-raised below
                 error = error or err
         if error is not None:
             raise error

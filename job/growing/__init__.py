@@ -229,6 +229,6 @@ def _discard(checkpoint: CheckpointStorage, committed: int, new_version: int, st
         storage.remove(journal_file(checkpoint.url, new_version))
         checkpoint.drop_uncommitted_manifests(committed)
         checkpoint.drop_uncommitted(committed, keys)
-    except Exception as err:  # noqa: BLE001 - the original error matters more; leftovers are removed next run
+    except Exception as err:  # the original error matters more; leftovers are removed next run
         logger.warning("grow: could not remove the files of the failed grow (%s); the next grow or train will", err)
 

@@ -233,7 +233,8 @@ def write_merged_edges(edge_path: str, target_dir: str, grid: tuple[int, int], b
                        for n in edge_format.EDGE_DATASETS]
             target = edge_format.edges_file(target_dir, lhs, rhs)
             written.append(target)
-            entries[target.rsplit("/", 1)[-1]] = edge_format.write_edges(target, *columns)
+            # columns: rel, lhs, rhs (EDGE_DATASETS order)
+            entries[target.rsplit("/", 1)[-1]] = edge_format.write_edges(target, columns[0], columns[1], columns[2])
             del columns
             boundaries.append(num_old)
     written.append(storage.join(target_dir, EDGE_MANIFEST))

@@ -102,12 +102,12 @@ def grown_model(
         entry = entries.get(old_index, entries.get(str(old_index)))
         if entry is None or name not in index_of:
             continue
-        value = torch.as_tensor(entry["sum"])
+        sums = torch.as_tensor(entry["sum"])
         target = adagrad.sums[index_of[name]]
-        if value.shape == target.shape:
-            target.copy_(value)
+        if sums.shape == target.shape:
+            target.copy_(sums)
         else:
-            target[: value.shape[0]].copy_(value)  # the rows of the old dynamic relations
+            target[: sums.shape[0]].copy_(sums)  # the rows of the old dynamic relations
         step = entry.get("step", 0)
         adagrad.steps.fill_(float(step.item() if isinstance(step, torch.Tensor) else step))
     state = {name: (private, tensor.numpy().copy()) for name, (private, tensor) in model.public_state_dict().items()}

@@ -82,6 +82,7 @@ class GrowTrainer(Trainer):
                     block = edge_format.read_edges_from_handle(handle, url, first, min(old_end, first + _READ_CHUNK))
                     keep = rng.random(len(block)) < fraction if fraction < 1 else slice(None)
                     parts.append(edge_format.EdgeArrays(block.rel[keep], block.lhs[keep], block.rhs[keep]))
-        arrays = edge_format.EdgeArrays(*(np.concatenate([getattr(p, n) for p in parts]) for n in ("rel", "lhs", "rhs")))
+        arrays = edge_format.EdgeArrays(np.concatenate([p.rel for p in parts]), np.concatenate([p.lhs for p in parts]),
+                                        np.concatenate([p.rhs for p in parts]))
         edge_limits(self.config, self.entity_counts, self.num_dynamic_rels, bucket).check(arrays, url, 0)
         return edge_tensors(arrays)

@@ -164,6 +164,8 @@ def pod_index(pod: Any) -> int:
     """A pod's completion index (-1 when it has none)."""
     meta = pod.metadata
     value = (meta.annotations or {}).get(INDEX_ANNOTATION) or (meta.labels or {}).get(INDEX_ANNOTATION)
+    if value is None:
+        return -1
     with contextlib.suppress(TypeError, ValueError):
         return int(value)
     return -1

@@ -313,8 +313,8 @@ def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Ten
         cand = candidates.detach()
         d_cand = torch.zeros_like(cand)
         result = score_side(setup, anchor.detach(), cand.index_select(0, own), cand, neg_inv, d_cand)
-        d_cand.index_add_(0, own, result.d_positives[:num_pos])
-        d_anchor = result.d_anchor[:num_pos].contiguous()
+        d_cand.index_add_(0, own, _flowed(result.d_positives, "positives")[:num_pos])
+        d_anchor = _flowed(result.d_anchor, "anchor")[:num_pos].contiguous()
     loss = _AttachGradients.apply(anchor, candidates, result.loss, d_anchor, d_cand)
     return loss, result
 
@@ -349,7 +349,8 @@ def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, r
         d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
         if share:
             chunk = setup.num_batch_negs
-            joint = lhs_side.d_batch.add_(rhs_side.d_batch.transpose(1, 2))  # rows: rhs positives
+            joint = _flowed(lhs_side.d_batch, "lhs batch product").add_(
+                _flowed(rhs_side.d_batch, "rhs batch product").transpose(1, 2))  # rows: rhs positives
             from_batch_right = torch.bmm(joint, chunk_rows(left_pos, chunk)).view(-1, left.shape[1])
             from_batch_left = torch.bmm(joint.transpose(1, 2), chunk_rows(right_pos, chunk)).view(-1, left.shape[1])
             d_left_pos = _sum_grads(d_left_pos, from_batch_left)
@@ -360,6 +361,13 @@ def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, r
         total = lhs_side.loss + rhs_side.loss
     loss = _AttachGradients.apply(lhs, rhs, total, d_left, d_right)
     return loss, lhs_side, rhs_side
+
+
+def _flowed(grad: Optional[Tensor], what: str) -> Tensor:
+    """A gradient ``score_side`` must have returned (its absence is a bug in the scoring code, not bad input)."""
+    if grad is None:
+        raise RuntimeError(f"fused scoring: no gradient for the {what} (score_side returned None)")
+    return grad
 
 
 def _sum_grads(first: Optional[Tensor], second: Optional[Tensor]) -> Optional[Tensor]:

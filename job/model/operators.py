@@ -195,7 +195,11 @@ class Operator(nn.Module):
     def _get(self, name: str, rel: Optional[Tensor]) -> Tensor:
         """The parameter ``name`` (its static name), one row per entry of ``rel`` when dynamic."""
         param = getattr(self, name + self._suffix)
-        return rows(param, rel) if self.dynamic else param
+        if not self.dynamic:
+            return param
+        if rel is None:
+            raise ValueError(f"dynamic operator '{name}': the relation of each row (rel) is required")
+        return rows(param, rel)
 
     def forward(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
         """Apply to rows ``x`` (..., dim); ``rel`` gives the relation of each row when dynamic."""

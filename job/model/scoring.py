@@ -22,6 +22,7 @@ What differs is how the work is laid out, because that is where PBG spends its t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,6 +88,8 @@ class Model(nn.Module):
         out: dict[str, tuple[str, Tensor]] = {}
         for side, operators in (("lhs", self.lhs_operators), ("rhs", self.rhs_operators)):
             for idx, operator in enumerate(operators):
+                if not isinstance(operator, Operator):  # ModuleList items are typed as plain Modules
+                    raise TypeError(f"{side}_operators.{idx} is a {type(operator).__name__}, not an Operator")
                 for name in operator.param_names:
                     out[f"relations/{idx}/operator/{side}/{name}"] = (
                         f"{side}_operators.{idx}.{name}",
@@ -97,7 +100,7 @@ class Model(nn.Module):
             out[f"entities/{entity_type}/global_embedding"] = (f"global_embs.{key}", param.detach())
         return out
 
-    def load_public_state_dict(self, params: dict[str, "torch.Tensor | object"], where: str) -> None:
+    def load_public_state_dict(self, params: Mapping[str, "torch.Tensor | object"], where: str) -> None:
         """Copy parameters in place (keeps shared memory valid) from public names; unknown names are errors."""
         own = self.public_state_dict()
         for name, value in params.items():

@@ -35,7 +35,7 @@ class MultiReporter(Reporter):
         for reporter in self.reporters:
             try:
                 getattr(reporter, method)(*args)
-            except Exception as err:  # noqa: BLE001 - reporting must never fail training
+            except Exception as err:  # reporting must never fail training
                 logger.warning("%s.%s failed: %s", type(reporter).__name__, method, err)
 
     def on_bucket(self, record: dict[str, Any]) -> None:

@@ -11,13 +11,14 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, rank under torchrun, and ``extra={"fields": ...}``."""
 
     def format(self, record: logging.LogRecord) -> str:
-        payload = {
+        payload: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,

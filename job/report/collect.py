@@ -218,7 +218,7 @@ def _add_relation_mrr(data: ReportData, config: ConfigSchema, options: ReportOpt
         data.relation_mrr = relation_mrr(config, edge_path, options.relation_edges, options.seed)
         edges = sum(c for _, _, c in data.relation_mrr)
         data.relation_note = _relation_note(config, data.version, edge_path, options.relation_edges, edges)
-    except Exception as err:  # noqa: BLE001 - the rest of the report is still worth writing
+    except Exception as err:  # the rest of the report is still worth writing
         logger.warning("report: per-relation MRR not computed: %s", err)
         data.relation_note = f"not computed: {err}"
 
@@ -235,7 +235,7 @@ def _add_projection(data: ReportData, checkpoint: CheckpointStorage, config: Con
         if not data.projection:
             data.projection_note = "not drawn: " + ("--sample 0" if options.sample == 0 else
                                                     "entity types of different dimensions")
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         logger.warning("report: embedding projection not drawn: %s", err)
         data.projection_note = f"not drawn: {err}"
 

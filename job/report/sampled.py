@@ -18,7 +18,7 @@ def _relation_names(config: ConfigSchema) -> list[str]:
         return [r.name for r in config.relations]
     try:
         return entity_format.read_dynamic_rel_names(config.entity_path)
-    except Exception:  # noqa: BLE001 - names are cosmetic
+    except Exception:  # names are cosmetic
         count = entity_format.read_dynamic_rel_count(config.entity_path)
         return [f"relation {i}" for i in range(count)]
 
@@ -97,7 +97,7 @@ def embedding_sample(checkpoint: CheckpointStorage, version: int, config: Config
                 names.setdefault(entity_type, []).extend(all_names[i] for i in idx)
             else:
                 names.setdefault(entity_type, []).extend(f"{entity_type}/{part}/{i}" for i in idx)
-        except Exception:  # noqa: BLE001 - names are cosmetic
+        except Exception:  # names are cosmetic
             names.setdefault(entity_type, []).extend(f"{entity_type}/{part}/{i}" for i in idx)
     return {t: np.concatenate(r) for t, r in rows.items()}, names
 

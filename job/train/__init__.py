@@ -12,7 +12,7 @@ from job.train.loop import Trainer
 
 
 @storage_scoped
-def train(config, *, stop_after_iterations: int | None = None) -> dict:  # noqa: ANN001 - ConfigSchema
+def train(config, *, stop_after_iterations: int | None = None) -> dict:  # config: a ConfigSchema
     """Train to completion (or for ``stop_after_iterations`` passes, for tests); return a summary."""
     trainer = Trainer(config)
     try:

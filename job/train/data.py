@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -71,7 +72,7 @@ def count_edge_chunks(config: ConfigSchema) -> int:
     return max(1, math.ceil(most / config.max_edges_per_chunk))
 
 
-def edge_limits(config: ConfigSchema, counts: dict[str, list[int]], num_dynamic_rels: int,
+def edge_limits(config: ConfigSchema, counts: Mapping[str, Sequence[int]], num_dynamic_rels: int,
                 bucket: Bucket) -> edge_format.EdgeLimits:
     """The ids a bucket's edge files may hold (relation count, entity counts of its partitions)."""
     num_rel_ids = num_dynamic_rels if config.dynamic_relations else len(config.relations)

@@ -108,7 +108,8 @@ class GraphedSteps:
         rel_idx = key[0]
         static_lhs, static_rhs = lhs.clone(), rhs.clone()
         static_rel = rel_ids.clone() if rel_ids is not None else None
-        static_neg = tuple(None if n is None else n.clone() for n in negatives)
+        lhs_neg, rhs_neg = negatives
+        static_neg = (None if lhs_neg is None else lhs_neg.clone(), None if rhs_neg is None else rhs_neg.clone())
         # this batch's real step, on a side stream as capturing requires (cuBLAS and autograd set-up)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

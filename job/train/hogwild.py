@@ -41,6 +41,8 @@ def _worker_main(
     relation_optimizer.sums = relation_sums
     relation_optimizer.steps = relation_steps
     results.put(("ready", worker_id, None, None))
+    ctx: Optional[BatchContext] = None  # the current task's; dropped (None) between tasks, see below
+    stats: Optional[BatchStats] = None
     while True:
         task = tasks.get()
         if task is None:

@@ -330,5 +330,8 @@ def _sum_from_state(state: Optional[dict], count: int) -> tuple[Optional[torch.T
 def _stable_seed(seed: Optional[int], entity_type: str, part: int) -> int:
     base = 0 if seed is None else int(seed)
     if seed is None:
-        base = int(np.random.SeedSequence().entropy % (2**31))
+        entropy = np.random.SeedSequence().entropy  # fresh OS entropy: always an int when none is given
+        if not isinstance(entropy, int):
+            raise TypeError(f"numpy SeedSequence entropy is {type(entropy).__name__}, expected int")
+        base = int(entropy % (2**31))
     return (base * 1_000_003 + zlib.crc32(f"{entity_type}/{part}".encode())) % (2**63)

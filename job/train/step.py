@@ -32,8 +32,8 @@ class BatchStats:
     """Sums over a set of batches; averaged only when reported (like PBG's Stats)."""
 
     count: int = 0
-    loss: float = 0.0
-    reg: float = 0.0
+    loss: Tensor | float = 0.0  # a 0-dim device tensor on a GPU (_statistic)
+    reg: Tensor | float = 0.0
     violators_lhs: int = 0
     violators_rhs: int = 0
     rank_sum: float = 0.0
@@ -335,8 +335,8 @@ def _run_featurized_batch(
         ("lhs", lhs_ids, lhs_features, ctx.lhs_tables[rel_idx], relation.lhs),
         ("rhs", rhs_ids, rhs_features, ctx.rhs_tables[rel_idx], relation.rhs),
     ):
-        sides[side], leaf = _featurized_side(ctx, side, ids, features, table, entity_type, generator, train)
-        leaves.append(leaf)
+        sides[side], touched = _featurized_side(ctx, side, ids, features, table, entity_type, generator, train)
+        leaves.append(touched)
     with torch.set_grad_enabled(train):
         lhs_rows, lhs_inv, lhs_neg_inv = sides["lhs"]
         rhs_rows, rhs_inv, rhs_neg_inv = sides["rhs"]
@@ -368,7 +368,7 @@ def _statistic(value: Tensor | float) -> Tensor | float:
     return value
 
 
-def _operator_params(model: Model, rel_idx: int) -> list[Tensor]:
+def _operator_params(model: Model, rel_idx: int) -> list[torch.nn.Parameter]:
     return list(model.rhs_operators[rel_idx].parameters()) + list(model.lhs_operators[rel_idx].parameters())
 
 

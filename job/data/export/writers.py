@@ -149,7 +149,8 @@ def _write_npy_relations(params: list[RelationParam], out: str, summary: ExportS
                       "param": p.param, "shape": list(p.values.shape)})
     with _output_file(npz_url, overwrite) as tmp:
         with open(tmp, "wb") as handle:
-            np.savez(handle, **arrays)
+            # numpy's stub types savez(..., allow_pickle: bool, **kwds): mypy checks **arrays against allow_pickle too
+            np.savez(handle, **arrays)  # type: ignore[arg-type]
     with _output_file(table_url, overwrite) as tmp:
         with open(tmp, "w", encoding="utf-8") as handle:
             json.dump(table, handle, indent=1)

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import numpy as np
@@ -149,7 +149,7 @@ class Importer:
         self.summary.unknown_relation_rows += int(np.count_nonzero(unknown))
         return np.flatnonzero(~bad)
 
-    def _pass1_batch(self, file_index: int, source: Source, batch: Batch, spill: dict[str, IO[bytes]]) -> int:
+    def _pass1_batch(self, file_index: int, source: Source, batch: Batch, spill: Mapping[str, IO[bytes]]) -> int:
         """Encode and spill one batch; the number of rows it held."""
         self.summary.malformed_rows += batch.malformed
         if batch.malformed and not self.options.skip_bad_rows:
@@ -178,7 +178,7 @@ class Importer:
         self.spilled[file_index] += len(rel)
         return n
 
-    def _pass1_file(self, file_index: int, url: str, spill: dict[str, IO[bytes]], started: float) -> None:
+    def _pass1_file(self, file_index: int, url: str, spill: Mapping[str, IO[bytes]], started: float) -> None:
         source = Source(url, self.options)
         self._rows_before = 0
         next_report = self.summary.edges_read + self.options.progress_every

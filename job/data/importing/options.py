@@ -103,7 +103,7 @@ def _check_input(url: str) -> None:
         present = storage.exists(url) and not storage.isdir(url)
     except UserError:
         raise
-    except Exception as err:  # noqa: BLE001 - any backend error means we cannot read it
+    except Exception as err:  # any backend error means we cannot read it
         raise UserError(f"input file {url}: cannot be accessed ({err})") from None
     if not present:
         raise UserError(f"input file {url}: not found")
