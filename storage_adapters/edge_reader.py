@@ -15,8 +15,10 @@ current one; it is a no-op for local paths and in stream mode.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -32,6 +34,36 @@ logger = logging.getLogger("biggraph.storage")
 
 STREAM_BLOCK_SIZE = 50 * 2**20  # measured: 166-216 MB/s from moto with 50 MiB, 15-18 MB/s with 1 MiB
 __all__ = ["EDGE_READ_MODES", "STREAM_BLOCK_SIZE", "RetryingFile", "get_edge_read_mode", "open_remote_h5", "prefetch"]
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic cycle collection, in any thread, during the block (nested and concurrent uses count).
+
+    h5py holds its global lock while it calls a Python file object's methods. A stream-mode read waits there on
+    fsspec's event-loop thread; if the cycle collector ran on that thread (or on any other thread the read waits
+    for, such as an in-process S3 server) and found an unreachable h5py object, freeing it would wait for the
+    lock the reader holds: a deadlock no timeout can break (h5py issue #2019; it hung CI runs in S3 stream tests).
+    Objects are still freed by reference counting meanwhile; the collector resumes when the last read ends.
+    """
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def get_edge_read_mode() -> str:
@@ -151,7 +183,8 @@ class RetryingFile(io.RawIOBase):
                 raise ConnectionResetError(f"short read: {len(data)} of {want} bytes")
             return data
 
-        data = call_with_retry(self.url, "read", attempt)
+        with collector_paused():  # h5py holds its lock around this call: see collector_paused
+            data = call_with_retry(self.url, "read", attempt)
         self._pos = start + len(data)
         return data
 
