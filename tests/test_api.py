@@ -143,3 +143,12 @@ def test_every_module_imports_first() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     count, *failures = result.stdout.strip().splitlines()
     assert int(count) > 100 and not failures, "\n".join(failures)
+
+
+def test_the_demo_leaves_a_config_that_trains_on_the_train_split(tmp_path: Path) -> None:
+    """`biggraph train demo-output/config.yaml` must train on what the demo trained on (it used to list the
+    valid and test splits too, so reusing it trained on the test split)."""
+    from job.demo import demo_config
+
+    config = job.parse_config(demo_config(str(tmp_path), epochs=1))
+    assert config.edge_paths == [str(tmp_path / "data" / "train")]
