@@ -402,7 +402,7 @@ def test_marker_is_written_only_after_every_file_of_the_version(s3_endpoint: str
             cp.save_model(version, {"m": ("m", np.ones(2))})
             if version == 1:
                 cp.save_version(1)
-        committer = threading.Thread(target=cp.save_version, args=(2,))
+        committer = threading.Thread(target=storage.carry(cp.save_version), args=(2,))  # in this test's storage scope
         committer.start()
         assert proxy.held.wait(30)
         time.sleep(0.5)
