@@ -22,34 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from job.formats.edges import edges_file, write_edges  # noqa: E402
-from job.formats.entities import write_entity_count  # noqa: E402
-
-
-def matmul_gflops() -> float:
-    a = torch.randn(2000, 2000)
-    torch.mm(a, a)
-    start = time.perf_counter()
-    for _ in range(5):
-        torch.mm(a, a)
-    return 5 * 2 * 2000**3 / (time.perf_counter() - start) / 1e9
-
-
-def write_graph(root: Path, entities: int, edges: int, parts: int) -> None:
-    rng = np.random.default_rng(0)
-    per_part = [entities // parts + (p < entities % parts) for p in range(parts)]
-    for p, count in enumerate(per_part):
-        write_entity_count(str(root / "entities"), "node", p, count)
-    per_bucket = edges // (parts * parts)
-    for lhs in range(parts):
-        for rhs in range(parts):
-            write_edges(edges_file(str(root / "edges"), lhs, rhs), rng.integers(0, 10, per_bucket),
-                        rng.integers(0, per_part[lhs], per_bucket), rng.integers(0, per_part[rhs], per_bucket))
+sys.path.insert(0, str(ROOT / "bench"))
+from grow_bench import matmul_rate  # noqa: E402
+from storage_bench import write_graph  # noqa: E402
 
 
 def run(checkout: Path, config: dict[str, Any], work: Path, name: str) -> dict[str, float]:
@@ -97,7 +74,7 @@ def main() -> None:
                       f"{runs[name][-1]['compute_edges_per_s']:,.0f} edges/s", flush=True)
         best = {name: {"wall_s": min(r["wall_s"] for r in rs),
                        "compute_edges_per_s": max(r["compute_edges_per_s"] for r in rs)} for name, rs in runs.items()}
-        result = {"args": vars(args), "matmul_gflops": matmul_gflops(), "best": best, "runs": runs,
+        result = {"args": vars(args), "matmul_gflops": matmul_rate(), "best": best, "runs": runs,
                   "wall_ratio_candidate_over_baseline": best["candidate"]["wall_s"] / best["baseline"]["wall_s"],
                   "compute_ratio_candidate_over_baseline":
                       best["candidate"]["compute_edges_per_s"] / best["baseline"]["compute_edges_per_s"]}
