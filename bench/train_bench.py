@@ -144,6 +144,21 @@ def kg_config(root: Path, epochs: int, workers: int) -> dict[str, Any]:
     }
 
 
+def import_kg(source: str, root: Path) -> None:
+    """``source``'s train/valid/test.txt (head, relation, tail) as PBG input under ``root/data`` (one entity
+    type, dynamic relations), with our importer."""
+    from job.cli import main as cli_main
+
+    config = kg_config(root, 1, 1)
+    config["edge_paths"] = [str(root / "data" / s) for s in ("train", "valid", "test")]
+    path = root / "import.json"
+    path.write_text(json.dumps(config))
+    code = cli_main(["import", str(path), *[os.path.join(source, f"{s}.txt") for s in ("train", "valid", "test")],
+                     "-l", "0", "--rel-col", "1", "-r", "2"])
+    if code != 0:
+        raise SystemExit(f"import of {source} failed ({code})")
+
+
 def trainer_runs(devices: tuple[str, ...], with_pbg: bool) -> list[tuple[str, list[str], list[str]]]:
     """(label, command, arguments after the config file): biggraph on each device ("biggraph" is the CPU), then PBG."""
     runs = [("biggraph" if device == "cpu" else f"biggraph-{device}", [PYTHON, "-m", "job", "train"],
@@ -156,20 +171,12 @@ def trainer_runs(devices: tuple[str, ...], with_pbg: bool) -> list[tuple[str, li
 
 def bench_dataset(name: str, epochs: int, workers: int, work: Path, with_pbg: bool,
                   devices: tuple[str, ...] = ("cpu",)) -> dict[str, Any]:
-    from job.cli import main as cli_main
     from job.data.datasets import dataset_dir
 
     root = work / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    source = dataset_dir(name)
-    import_config = kg_config(root, epochs, workers)
-    import_config["edge_paths"] = [str(root / "data" / s) for s in ("train", "valid", "test")]
-    import_path = root / "import.json"
-    import_path.write_text(json.dumps(import_config))
-    code = cli_main(["import", str(import_path), *[os.path.join(source, f"{s}.txt") for s in ("train", "valid", "test")],
-                     "-l", "0", "--rel-col", "1", "-r", "2"])
-    assert code == 0
+    import_kg(dataset_dir(name), root)
     filters = [str(root / "data" / s) for s in ("train", "valid", "test")]
     test_dir = str(root / "data" / "test")
     result: dict[str, Any] = {"dataset": name, "epochs": epochs, "workers": workers}

@@ -1,20 +1,25 @@
-"""``biggraph eval``: ranking metrics of a checkpoint on a set of edges.
+"""``biggraph eval``: ranking metrics of a checkpoint on a set of edges, labelled with their protocol.
 
-Two candidate sets:
+The protocols (``--candidates``, else the config's ``eval_protocol``; job/eval_protocol.py):
 
-- ``sampled`` (PBG's ``torchbiggraph_eval``): each positive is ranked against the batch
-  and uniform negatives of its bucket (eval_num_batch_negs / eval_num_uniform_negs).
 - ``all``: each positive is ranked against every entity of the corrupted side's type,
   across all of its partitions (streamed one partition and one block at a time, so
   memory stays bounded). ``--filter`` directories hold the known true edges, which are
   removed from the candidates (the standard "filtered" setting of link prediction;
   PBG's filtered evaluator only supports one unpartitioned type, this one does not
   have that limit).
+- ``sampled``: within each bucket, against the distinct entities among the chunk's positives
+  and the uniform draws (eval_num_batch_negs / eval_num_uniform_negs), the positive left out
+  (job/train/ranking.py).
+- ``pbg``: PBG's ``torchbiggraph_eval`` exactly: the same draws, every one counted (repeats and
+  draws of the positive itself included), so ranks can exceed the number of entities.
+- ``auto`` (the default): ``all`` when no type has more entities than a sampled rank draws, else
+  ``sampled`` (``pbg`` for featurized types); with ``--filter``, ``all``.
 
 Ranks count candidates scoring at least the positive (ties count against, as PBG
 does). Each edge gives two ranks (corrupting lhs and rhs) unless a side's negatives are
 disabled. Metrics: MRR, Hits@1/10/50, AUC (fraction of candidates scored below the
-positive), mean rank.
+positive), mean rank; the result also says ``protocol`` and ``filtered``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import numpy as np
 import torch
 
 from job.config import ConfigSchema
+from job.config.choices import EVAL_PROTOCOLS
 from job.errors import CheckpointError, UserError
+from job.eval_protocol import largest_type, protocol_fields, protocol_label, resolve_protocol
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.committed import open_committed
@@ -39,6 +46,7 @@ from job.session import storage_scoped
 from job.train.batching import process_edges
 from job.train.buckets import Bucket
 from job.train.data import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
+from job.train.ranking import add_ranks, prepared, rank_bucket, side_vectors
 from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")
@@ -91,38 +99,57 @@ class CheckpointReader:
         return bucket_part if self.config.entities[entity_type].num_partitions > 1 else 0
 
 
-def _finalise(stats: BatchStats, elapsed: float) -> dict[str, Any]:
+def _finalise(stats: BatchStats, elapsed: float, protocol: str, filtered: bool) -> dict[str, Any]:
     metrics: dict[str, Any] = dict(stats.ranking_metrics())
     metrics["count"] = stats.count
     metrics["num_ranks"] = stats.num_ranks
     metrics["seconds"] = round(elapsed, 3)
+    metrics.update(protocol_fields(protocol, filtered))
     return metrics
+
+
+def choose_protocol(config: ConfigSchema, counts: dict[str, list[int]], candidates: Optional[str],
+                    filtered: bool) -> str:
+    """The protocol of an evaluation: ``candidates`` (else ``eval_protocol``) resolved against the entity counts."""
+    requested = candidates or config.eval_protocol
+    if requested not in EVAL_PROTOCOLS:
+        raise UserError(f"--candidates {requested}: expected one of {', '.join(EVAL_PROTOCOLS)}")
+    if filtered:
+        if requested in ("sampled", "pbg"):
+            raise UserError(f"--filter needs all candidates (--candidates all or auto), not {requested}: filtered "
+                            "ranks are defined against every entity")
+        requested = "all"
+    protocol = resolve_protocol(requested, config, largest_type(config, counts))
+    featurized = sorted(t for t, e in config.entities.items() if e.featurized)
+    if featurized and protocol in ("all", "sampled"):
+        raise UserError(f"--candidates {protocol} cannot rank featurized entity types ({', '.join(featurized)}): "
+                        "their entities are bags of features, not rows; use --candidates pbg")
+    return protocol
 
 
 @storage_scoped
 def evaluate(
     config: ConfigSchema,
     filter_paths: Optional[list[str]] = None,
-    candidates: str = "sampled",
+    candidates: Optional[str] = None,
     version: Optional[int] = None,
 ) -> dict[str, Any]:
-    """Evaluate the checkpoint of ``config`` on the edges of ``config.edge_paths``."""
+    """Evaluate the checkpoint of ``config`` on the edges of ``config.edge_paths``.
+
+    ``candidates``: 'auto', 'all', 'sampled' or 'pbg' (None: the config's ``eval_protocol``)."""
     started = time.perf_counter()
     filter_paths = filter_paths or []
-    if filter_paths and candidates != "all":
-        raise UserError("--filter needs --candidates all (filtered ranks are defined against every entity)")
     reader = CheckpointReader(config, version)
-    if candidates == "all":
-        featurized = sorted(t for t, e in config.entities.items() if e.featurized)
-        if featurized:
-            raise UserError(f"--candidates all cannot rank featurized entity types ({', '.join(featurized)}): their "
-                            "entities are bags of features, not rows; use --candidates sampled")
+    protocol = choose_protocol(config, reader.counts, candidates, bool(filter_paths))
+    if protocol == "all":
         stats = _evaluate_all(reader, filter_paths)
     else:
-        stats = _evaluate_sampled(reader)
-    metrics = _finalise(stats, time.perf_counter() - started)
-    logger.info("eval of checkpoint version %d over %d edges: MRR %.4f, hits@10 %.4f", reader.version,
-                stats.count, metrics["mrr"], metrics["hits@10"])
+        stats = _evaluate_sampled(reader, protocol)
+    filtered = bool(filter_paths)
+    metrics = _finalise(stats, time.perf_counter() - started, protocol, filtered)
+    logger.info("eval of checkpoint version %d over %d edges (%s): MRR %.4f, hits@10 %.4f, mean rank %.1f",
+                reader.version, stats.count, protocol_label(protocol, filtered), metrics["mrr"], metrics["hits@10"],
+                metrics["mean_rank"])
     return metrics
 
 
@@ -148,7 +175,8 @@ def _iter_bucket_edges(reader: CheckpointReader):  # generator of (bucket, EdgeT
                     bar.update(1)
 
 
-def _evaluate_sampled(reader: CheckpointReader) -> BatchStats:
+def _evaluate_sampled(reader: CheckpointReader, protocol: str) -> BatchStats:
+    """Bucket by bucket against sampled candidates: ``sampled`` (rank_bucket) or ``pbg`` (the training step)."""
     config = reader.config
     total = BatchStats()
     generator = torch.Generator()
@@ -159,10 +187,15 @@ def _evaluate_sampled(reader: CheckpointReader) -> BatchStats:
         for rel_idx, relation in enumerate(config.relations):
             lhs_tables[rel_idx] = Table(reader.partition(relation.lhs, reader.part_of(relation.lhs, lhs_part)), None)
             rhs_tables[rel_idx] = Table(reader.partition(relation.rhs, reader.part_of(relation.rhs, rhs_part)), None)
+        indices = torch.arange(len(edges), device=reader.device)
+        if protocol == "sampled":
+            total.add(rank_bucket(config, reader.model, lhs_tables, rhs_tables, edges.to(reader.device), indices,
+                                  protocol, generator))
+            continue
         ctx = BatchContext(config, reader.model, None, lhs_tables, rhs_tables, config.eval_num_batch_negs,
                            config.eval_num_uniform_negs)
-        total.add(process_edges(ctx, edges.to(reader.device), torch.arange(len(edges), device=reader.device),
-                                config.batch_size, config.dynamic_relations, generator, False))
+        total.add(process_edges(ctx, edges.to(reader.device), indices, config.batch_size, config.dynamic_relations,
+                                generator, False))
     return total
 
 
@@ -224,23 +257,6 @@ def _build_filters(reader: CheckpointReader, filter_paths: list[str]) -> tuple[O
             TrueEdgeIndex(np.concatenate(lhs_keys), np.concatenate(lhs_values)))
 
 
-def _prepared(model: Model, rows: torch.Tensor, entity_type: str, operator: Any = None,
-              rel: Optional[torch.Tensor] = None) -> torch.Tensor:
-    x = rows
-    g = model.global_emb(entity_type)
-    if g is not None:
-        x = x + g
-    if operator is not None:
-        x = operator(x, rel) if model.num_dynamic_rels > 0 else operator(x)
-    return model.comparator.prepare(x)
-
-
-# one side to rank: (side, anchor rows, positive rows, candidates' entity type, operator applied to the candidates
-# (None: already applied), global ids of the true entities, of the anchors, the true edges to filter out)
-_RankedSide = tuple[str, torch.Tensor, torch.Tensor, str, Optional[torch.nn.Module], np.ndarray, np.ndarray,
-                    Optional[TrueEdgeIndex]]
-
-
 @torch.no_grad()
 def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchStats:
     config = reader.config
@@ -267,35 +283,21 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
                 lhs_rows = reader.partition(relation.lhs, lp)[lhs_ids.to(reader.device)]
                 rhs_rows = reader.partition(relation.rhs, rp)[rhs_ids.to(reader.device)]
                 rel_on_device = rel.to(reader.device)
-                lhs_global = lhs_ids.numpy() + offsets[relation.lhs][lp]
-                rhs_global = rhs_ids.numpy() + offsets[relation.rhs][rp]
-                rhs_op = model.rhs_operators[rel_idx]
-                lhs_op = model.lhs_operators[rel_idx]
-                lhs_vec = _prepared(model, lhs_rows, relation.lhs)
-                rhs_vec = _prepared(model, rhs_rows, relation.rhs)
-                sides: list[_RankedSide]
-                if dynamic:
-                    rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op, rel_on_device)
-                    lhs_transformed = _prepared(model, lhs_rows, relation.lhs, lhs_op, rel_on_device)
-                    # corrupt lhs: c(u', h_r(v)); corrupt rhs: c(g_r(u), v')
-                    sides = [("lhs", rhs_transformed, lhs_vec, relation.lhs, None, lhs_global, rhs_global, lhs_filter),
-                             ("rhs", lhs_transformed, rhs_vec, relation.rhs, None, rhs_global, lhs_global, rhs_filter)]
-                else:
-                    rhs_transformed = _prepared(model, rhs_rows, relation.rhs, rhs_op)
-                    sides = [("lhs", rhs_transformed, lhs_vec, relation.lhs, None, lhs_global, rhs_global, lhs_filter),
-                             ("rhs", lhs_vec, rhs_transformed, relation.rhs, rhs_op, rhs_global, lhs_global, rhs_filter)]
+                ids = {"lhs": lhs_ids.numpy() + offsets[relation.lhs][lp], "rhs": rhs_ids.numpy() + offsets[relation.rhs][rp]}
+                known = {"lhs": lhs_filter, "rhs": rhs_filter}
                 batch = BatchStats(count=int(index.numel()))
-                for side, anchor, positive, cand_type, cand_op, true_global, anchor_global, true_index in sides:
-                    if (side == "lhs" and config.disable_lhs_negs) or (side == "rhs" and config.disable_rhs_negs):
-                        continue
+                for side, anchor, positive, cand_type, cand_op in side_vectors(
+                        config, model, rel_idx, lhs_rows, rhs_rows, rel_on_device if model.reciprocal else None):
+                    true_global, anchor_global = ids[side], ids["rhs" if side == "lhs" else "lhs"]
                     pos = model.comparator.pos(anchor, positive)
                     filtered = None
+                    true_index = known[side]
                     if true_index is not None:
                         rows, targets = true_index.lookup(rel.numpy() * span + anchor_global)
                         keep = targets != true_global[rows]
                         filtered = (rows[keep], targets[keep])
-                    _rank_against_all(reader, model, cand_type, cand_op, rel_on_device if dynamic else None, anchor,
-                                      pos, true_global, filtered, offsets[cand_type], batch)
+                    _rank_against_all(reader, model, cand_type, cand_op, anchor, pos, true_global, filtered,
+                                      offsets[cand_type], batch)
                 total.add(batch)
     return total
 
@@ -305,7 +307,6 @@ def _rank_against_all(
     model: Model,
     cand_type: str,
     cand_op: Any,
-    rel: Optional[torch.Tensor],
     anchor: torch.Tensor,
     pos: torch.Tensor,
     true_global: np.ndarray,
@@ -328,7 +329,7 @@ def _rank_against_all(
         base = int(type_offsets[part])
         for block_start in range(0, count, CANDIDATE_BLOCK):
             block_end = min(count, block_start + CANDIDATE_BLOCK)
-            vecs = _prepared(model, table[block_start:block_end], cand_type, cand_op)
+            vecs = prepared(model, table[block_start:block_end], cand_type, cand_op)
             scores = model.comparator.pairwise(anchor, vecs)  # (num, block)
             valid = torch.ones_like(scores, dtype=torch.bool)
             # the positive itself is not a candidate
@@ -346,11 +347,4 @@ def _rank_against_all(
             below += ((scores < p) & valid).sum(1).double()
             ties += ((scores == p) & valid).sum(1).double()
             candidates_total += valid.sum(1).double()
-    ranks = at_least + 1
-    out.rank_sum += float(ranks.sum())
-    out.reciprocal_rank_sum += float(ranks.reciprocal().sum())
-    out.hits1 += float((ranks <= 1).sum())
-    out.hits10 += float((ranks <= 10).sum())
-    out.hits50 += float((ranks <= 50).sum())
-    out.auc_sum += float(((below + 0.5 * ties) / candidates_total.clamp_min(1)).sum())
-    out.num_ranks += num
+    add_ranks(out, at_least, below, ties, candidates_total)

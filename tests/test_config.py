@@ -520,8 +520,31 @@ def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: 
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
                            "memory_budget": "1MB"})
     counts = {"all": [10_000] * 4}  # 10,000 x (99 + 1) x 4 bytes = 4 MB a partition
-    with pytest.raises(ConfigError, match=r"holds 0 partition\(s\) of 3.8 MiB.*a bucket needs 2: raise it to at least 7.6 MiB"):
-        choose_capacity(config, counts, distributed=False)
-    assert choose_capacity(parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
-                                         "memory_budget": "13MB"}), counts, distributed=False) == 3
-    assert choose_capacity(config, counts, distributed=True) is None  # locks: exactly the bucket's
+    # the budget is the whole trainer's: 3 processes x 1 MB of their own + one partition in flight come first
+    with pytest.raises(ConfigError, match=r"holds 0 partition\(s\) of 3.8 MiB.*a bucket needs 2: raise it to at "
+                                          r"least 14.4 MiB"):
+        choose_capacity(config, counts, distributed=False, processes=3, runtime_bytes=2**20)
+    sized = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
+                          "memory_budget": "20MB"})
+    assert choose_capacity(sized, counts, distributed=False, processes=3, runtime_bytes=2**20) == 3
+    assert choose_capacity(sized, counts, distributed=False, processes=3, runtime_bytes=2 * 2**20) == 2
+    # distributed: without prefetch exactly the bucket's (PBG); with it the bucket's + the next one's read ahead,
+    # within the same budget (too small a budget is refused the same way)
+    no_prefetch = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
+                                "memory_budget": "1MB", "prefetch_partitions": False})
+    assert choose_capacity(no_prefetch, counts, distributed=True) is None
+    with pytest.raises(ConfigError, match="a bucket needs 2"):
+        choose_capacity(config, counts, distributed=True, runtime_bytes=2**20)
+    assert choose_capacity(sized, counts, distributed=True, processes=3, runtime_bytes=2**20) == 3
+
+
+def test_memory_budget_counts_this_process_by_default() -> None:
+    from job.train.buffer import choose_capacity, process_bytes
+
+    own = process_bytes()
+    assert 10 * 2**20 < own < 4 * 2**30  # this interpreter with torch loaded
+    config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 8}}, "dimension": 99,
+                           "memory_budget": str(2 * own + 6 * 4_000_000)})
+    counts = {"all": [10_000] * 8}
+    # two processes of about this one's size and a partition in flight leave room for about five partitions
+    assert choose_capacity(config, counts, distributed=False, processes=2) in (4, 5)

@@ -274,7 +274,12 @@ class Agents:
         return codes
 
     def tail(self) -> str:
+        """The last lines of every agent's log, for assertion messages."""
         return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.log_dir.glob("*.log")))
+
+    def text(self) -> str:
+        """Every agent's whole log, for assertions on what was logged (a tail can miss a start-up line)."""
+        return "\n".join(f"--- {p.name}\n" + p.read_text() for p in sorted(self.log_dir.glob("*.log")))
 
     def stop(self) -> None:
         for name in list(self.procs):
@@ -336,6 +341,7 @@ PASS_SUMMARY_KEYS = {
     "epoch_idx", "edge_path_idx", "edge_chunk_idx", "index", "pass_summary", "world_size", "restart_count",
     "buckets_trained", "buckets_redone", "stats", "edges_per_sec", "time", "checkpoint_version", "partition_loads",
     "partition_reads", "partition_writes", "bytes_read", "bytes_written", "io_blocked_seconds", "commit_seconds",
+    "partition_loads_prefetched",
 }
 
 

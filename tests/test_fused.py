@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,11 @@ TEST_DEVICE = torch.device(os.environ.get("BIGGRAPH_TEST_DEVICE", "cpu"))
 
 
 def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool, fused: bool,
-         device: torch.device = TEST_DEVICE, static: bool = False) -> tuple:
+         device: torch.device = TEST_DEVICE, static: bool = False, compute_dtype: torch.dtype | None = None,
+         dtype: torch.dtype = torch.float64) -> tuple:
+    """One trained batch from a fixed state in ``dtype``: (updated table, Adagrad sums, parameter gradients, stats).
+
+    ``compute_dtype``: the reduced precision of the scores' products (``Model.compute_dtype``)."""
     raw = {
         "entities": {"node": {"num_partitions": 1}},
         "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": config_overrides.pop("operator")}],
@@ -34,13 +39,14 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
     }
     config = parse_config(raw)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     step.STATIC_SHAPES_ON_CPU = static
     try:
         torch.manual_seed(0)
         model = Model(config, 3 if dynamic else 0)
         assert model.fused == (config.comparator in ("dot", "cos") and not config.bias)
         model.fused = fused and model.fused
+        model.compute_dtype = compute_dtype
         for param in model.parameters():
             param.data.normal_()
         model.to(device)
@@ -66,14 +72,9 @@ CASES = list(itertools.product(
 ))
 
 
-@pytest.mark.parametrize("loss_fn,comparator,negs,num_entities,dynamic,operator", CASES)
-def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tuple[int, int], num_entities: int,
-                                        dynamic: bool, operator: str) -> None:
-    num_batch_negs, num_uniform_negs = negs
-    overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": num_batch_negs,
-                 "num_uniform_negs": num_uniform_negs, "operator": operator,
-                 "regularization_coef": 0.01 if operator == "linear" else 0.0}
-    num_pos = 57  # not a multiple of the chunk: padding is exercised
+def assert_fused_matches_autograd(overrides: dict, num_entities: int, num_pos: int, dynamic: bool) -> tuple[Any, Any]:
+    """One float64 batch through the fused path and the autograd path: same updates, Adagrad sums, parameter
+    gradients and loss. Returns both paths' stats (fused, reference) for further checks."""
     ref_weight, ref_sum, ref_grads, ref_stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=False)
     weight, optim_sum, grads, stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=True)
     torch.testing.assert_close(weight, ref_weight, rtol=1e-9, atol=1e-9)
@@ -83,6 +84,18 @@ def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tup
         if got is not None:
             torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
     assert float(stats.loss) == pytest.approx(float(ref_stats.loss), rel=1e-9)
+    return stats, ref_stats
+
+
+@pytest.mark.parametrize("loss_fn,comparator,negs,num_entities,dynamic,operator", CASES)
+def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tuple[int, int], num_entities: int,
+                                        dynamic: bool, operator: str) -> None:
+    num_batch_negs, num_uniform_negs = negs
+    overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": num_batch_negs,
+                 "num_uniform_negs": num_uniform_negs, "operator": operator,
+                 "regularization_coef": 0.01 if operator == "linear" else 0.0}
+    num_pos = 57  # not a multiple of the chunk: padding is exercised
+    stats, ref_stats = assert_fused_matches_autograd(overrides, num_entities, num_pos, dynamic)
     assert float(stats.reg) == pytest.approx(float(ref_stats.reg), rel=1e-9)
     # violators can differ on exact ties only (a positive scored by the product it is part of, or not)
     tolerance = 0.1 if num_entities < 100 else 0.03

@@ -630,12 +630,13 @@ def test_featurized_entities_train_as_the_mean_of_their_features(tmp_path: Path)
     features, state = storage.load_entity_partition(storage.load_version(), "user", 0)
     assert features.shape == (30, 16)  # one row per feature, not per entity
     assert float(state["state"][0]["sum"].sum()) > 0  # the feature rows were optimised
-    metrics = evaluate(config, candidates="sampled")
-    assert metrics["count"] == 600 and 0 < metrics["mrr"] <= 1
+    metrics = evaluate(config)  # auto: PBG's protocol, the one that ranks bags of features
+    assert metrics["count"] == 600 and 0 < metrics["mrr"] <= 1 and metrics["protocol"] == "pbg"
     from job.errors import UserError
 
-    with pytest.raises(UserError, match="featurized"):
-        evaluate(config, candidates="all")
+    for candidates in ("all", "sampled"):
+        with pytest.raises(UserError, match="featurized"):
+            evaluate(config, candidates=candidates)
 
 
 def test_featurized_batches_use_the_mean_of_feature_rows() -> None:

@@ -5,7 +5,7 @@ both sides of each edge are corrupted with every entity of that side's type; a c
 counts against the positive when its score is >= the positive's (pessimistic ties); the
 positive itself and, when filtering, every other known true edge are left out. Corrupting
 the lhs scores c(u', op_r(v)); corrupting the rhs scores c(u, op_r(v')) for static relations
-and c(op^lhs_r(u), v') for dynamic ones (PBG's reverse direction).
+and c(op^lhs_r(u), v') for dynamic ones (PBG's reverse direction) and reciprocal_relations.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def link_prediction_metrics(model: Any, edges: np.ndarray, filter_edges: Optiona
         lhs_all = model.prepared(relation.lhs)
         rhs_plain = model.prepared(relation.rhs)
         rhs_transformed = model.prepared(relation.rhs, int(rel_id), "rhs")
-        if model.dynamic:
+        if model.reciprocal:
             lhs_transformed = model.prepared(relation.lhs, int(rel_id), "lhs")
         for start in range(0, len(selected), BLOCK):
             block = selected[start:start + BLOCK]
@@ -70,7 +70,7 @@ def link_prediction_metrics(model: Any, edges: np.ndarray, filter_edges: Optiona
                 anchor = rhs_transformed[rhs_rows]
                 ranks.append(_ranks(model, anchor, lhs_all[lhs_rows], lhs_all, lhs_rows, rhs_rows, rels, filters_lhs))
             if not config.get("disable_rhs_negs", False):
-                if model.dynamic:
+                if model.reciprocal:
                     anchor, cands = lhs_transformed[lhs_rows], rhs_plain
                 else:
                     anchor, cands = lhs_all[lhs_rows], rhs_transformed

@@ -59,6 +59,8 @@ class ArchiveModel:
         self.dimension: int = graph.dimension
         self.comparator = NumpyComparator(graph.comparator, graph.bias)
         self.dynamic = graph.dynamic_relations
+        # both sides have an operator copy: dynamic relations, and static ones trained with reciprocal_relations
+        self.reciprocal = bool(self.dynamic or self.config.get("reciprocal_relations", False))
         self._decoded = params
         self._float: dict[str, np.ndarray] = {}
         self._names: dict[str, list[str]] = {}
@@ -158,7 +160,7 @@ class ArchiveModel:
         return x
 
     def _operator(self, rel_idx: int, side: str) -> tuple[str, dict[str, np.ndarray]]:
-        kind = self.graph.relation_types[rel_idx].operator if (side == "rhs" or self.dynamic) else "none"
+        kind = self.graph.relation_types[rel_idx].operator if (side == "rhs" or self.reciprocal) else "none"
         prefix = f"relations/{rel_idx}/operator/{side}/"
         params = {name[len(prefix):]: self.param(name) for name in self._decoded if name.startswith(prefix)}
         return kind, params

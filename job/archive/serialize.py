@@ -118,7 +118,7 @@ def _operation_offsets(builder: flatbuffers.Builder, config: ConfigSchema, varia
     dynamic = bool(config.dynamic_relations)
     for idx, rel in enumerate(config.relations):
         for side in ("lhs", "rhs"):
-            kind = rel.operator if (side == "rhs" or dynamic) else "none"
+            kind = rel.operator if (side == "rhs" or dynamic or config.reciprocal_relations) else "none"
             prefix = f"relations/{idx}/operator/{side}/"
             inputs = [v for v, _, _ in variables if v.startswith(prefix)]
             operations.append(_operation(

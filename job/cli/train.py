@@ -10,6 +10,7 @@ from typing import Any
 
 from job.cli.common import add_config_arguments, overrides_of
 from job.config import ConfigSchema, config_help, load_config
+from job.config.choices import EVAL_PROTOCOLS
 
 logger = logging.getLogger("biggraph")
 
@@ -30,8 +31,12 @@ def register(subparsers: Any) -> None:
     add_config_arguments(evaluate)
     evaluate.add_argument("--filter", action="append", default=[], metavar="EDGE_DIR",
                           help="directories of true edges removed from the candidates (filtered ranks); repeatable")
-    evaluate.add_argument("--candidates", choices=("sampled", "all"), default="sampled",
-                          help="rank against sampled negatives (as during training) or every entity of the type")
+    evaluate.add_argument(
+        "--candidates", choices=EVAL_PROTOCOLS, default=None,
+        help="the ranking protocol (default: the config's eval_protocol, 'auto'): 'all' every entity of the type; "
+             "'sampled' the distinct sampled negatives, the positive left out; 'pbg' PBG's sampled protocol exactly "
+             "(repeats and draws of the positive count against it); 'auto' all when a type has no more entities than "
+             "the draws, else sampled")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
     evaluate.add_argument("--version", type=int, default=None, help="checkpoint version (default: the latest)")
     evaluate.set_defaults(func=_eval)
@@ -72,12 +77,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from job.eval_protocol import protocol_label
     from job.evaluation import evaluate  # torch: only when the command runs
 
     metrics = evaluate(load(args), filter_paths=args.filter, candidates=args.candidates, version=args.version)
     if args.json:
         print(json.dumps(metrics))
     else:
+        print(f"{'protocol':>10}: {protocol_label(metrics['protocol'], metrics['filtered'])}")
         for key, value in metrics.items():
+            if key in ("protocol", "filtered"):
+                continue
             print(f"{key:>10}: {value:.6g}" if isinstance(value, float) else f"{key:>10}: {value}")
     return 0

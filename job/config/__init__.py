@@ -23,6 +23,7 @@ from __future__ import annotations
 from job.config.base import MISSING, ConfigKeyError, _hints, _to_plain, _type_name, parse_bytes
 from job.config.choices import (
     COMPARATORS,
+    COMPUTE_DTYPES,
     DEVICES,
     EDGE_READ_MODES,
     GROW_INITS,
@@ -42,6 +43,7 @@ from job.errors import ConfigError
 
 __all__ = [
     "COMPARATORS",
+    "COMPUTE_DTYPES",
     "DEVICES",
     "EDGE_READ_MODES",
     "GROW_INITS",

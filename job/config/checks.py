@@ -12,7 +12,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from job.config.base import ConfigKeyError, parse_bytes
-from job.config.choices import COMPARATORS, DEVICES, EDGE_READ_MODES, GROW_INITS, LOSS_FUNCTIONS, REGULARIZERS
+from job.config.choices import (
+    COMPARATORS,
+    COMPUTE_DTYPES,
+    DEVICES,
+    EDGE_READ_MODES,
+    EVAL_PROTOCOLS,
+    GROW_INITS,
+    INIT_METHODS,
+    LOSS_FUNCTIONS,
+    REGULARIZERS,
+)
+from job.config.presets import PRESETS
 
 if TYPE_CHECKING:  # schema.py imports this module to run the checks
     from job.config.schema import ConfigSchema
@@ -78,12 +89,23 @@ def check_negative_sides(config: ConfigSchema) -> None:
 def check_choices(config: ConfigSchema) -> None:
     """Keys taking one of a closed set of names (the tuples of ``job.config.choices``)."""
     for name, choices in (("comparator", COMPARATORS), ("loss_fn", LOSS_FUNCTIONS), ("regularizer", REGULARIZERS),
-                          ("edge_read_mode", EDGE_READ_MODES), ("device", DEVICES), ("grow_init", GROW_INITS)):
+                          ("edge_read_mode", EDGE_READ_MODES), ("device", DEVICES), ("grow_init", GROW_INITS),
+                          ("eval_protocol", EVAL_PROTOCOLS), ("compute_dtype", COMPUTE_DTYPES),
+                          ("init_method", INIT_METHODS)):
         value = getattr(config, name)
-        if value not in choices:
+        if value not in choices and not (name == "compute_dtype" and value is None):
             raise ConfigKeyError(
                 f"config key '{name}': unknown value '{value}' (expected one of {', '.join(choices)})", [name]
             )
+
+
+def check_preset(config: ConfigSchema) -> None:
+    """A preset is one of the named ones (``job.config.presets``)."""
+    if config.preset is not None and config.preset not in PRESETS:
+        raise ConfigKeyError(
+            f"config key 'preset': unknown preset '{config.preset}' (expected one of {', '.join(PRESETS)})",
+            ["preset"],
+        )
 
 
 def check_ranges(config: ConfigSchema) -> None:
@@ -173,6 +195,17 @@ def check_model_combinations(config: ConfigSchema) -> None:
         )
 
 
+def check_eval_protocol(config: ConfigSchema) -> None:
+    """The corrected protocols rank rows; a featurized type's entities are bags of features, not rows."""
+    featurized = sorted({t for r in config.relations for t in (r.lhs, r.rhs) if config.entities[t].featurized})
+    if config.eval_protocol in ("all", "sampled") and featurized:
+        raise ConfigKeyError(
+            f"config key 'eval_protocol': '{config.eval_protocol}' cannot rank featurized entity types "
+            f"({', '.join(featurized)}); use 'pbg' or 'auto' (which picks 'pbg' for them)",
+            ["eval_protocol"] + [f"entities.{t}.featurized" for t in featurized],
+        )
+
+
 CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_required_lists,
     check_relation_entity_types,
@@ -180,10 +213,12 @@ CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_dynamic_relations,
     check_negative_sides,
     check_choices,
+    check_preset,
     check_ranges,
     check_entity_dimensions,
     check_relation_options,
     check_model_combinations,
+    check_eval_protocol,
 )
 
 

@@ -25,8 +25,12 @@ class BucketOrder(str, enum.Enum):
 REGULARIZERS = ("N3",)
 EDGE_READ_MODES = ("stage", "stream")
 DEVICES = ("auto", "cpu", "cuda")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 GROW_INITS = ("random", "neighbours")
+INIT_METHODS = ("normal", "xavier")
 GROW_NUM_EPOCHS_DEFAULT = 5
+# how held-out edges are ranked (job/eval_protocol.py): "pbg" is PBG 1.0's sampled protocol, exactly
+EVAL_PROTOCOLS = ("auto", "all", "sampled", "pbg")
 
-__all__ = ["COMPARATORS", "DEVICES", "EDGE_READ_MODES", "GROW_INITS", "GROW_NUM_EPOCHS_DEFAULT", "LOSS_FUNCTIONS",
-           "OPERATORS", "REGULARIZERS", "BucketOrder"]
+__all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "EDGE_READ_MODES", "EVAL_PROTOCOLS", "GROW_INITS",
+           "GROW_NUM_EPOCHS_DEFAULT", "INIT_METHODS", "LOSS_FUNCTIONS", "OPERATORS", "REGULARIZERS", "BucketOrder"]

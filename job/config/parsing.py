@@ -14,6 +14,7 @@ import typing
 from typing import Any, Union
 
 from job.config.base import MISSING, ConfigKeyError, _hints, _type_name, did_you_mean
+from job.config.presets import expand_preset
 from job.config.schema import ConfigSchema
 from job.errors import ConfigError
 
@@ -116,4 +117,4 @@ def parse_config(raw: Any) -> ConfigSchema:
     """Build a validated ``ConfigSchema`` from a PBG-style dict."""
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a mapping of keys to values, got {type(raw).__name__}")
-    return _from_dict(ConfigSchema, raw)
+    return _from_dict(ConfigSchema, expand_preset(raw))

@@ -13,10 +13,12 @@ from job.config.choices import BucketOrder
 # Keys of ours (or of PBG versions after 1.0.0) that PBG 1.0.0's from_dict refuses.
 NON_PBG_1_0_KEYS = frozenset({
     "regularization_coef", "regularizer", "early_stopping", "num_gpus", "num_groups_for_partition_server",
-    "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision",
+    "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision", "compute_dtype",
     "seed", "device", "cuda_graphs", "prefetch_partitions", "partition_buffer", "memory_budget", "edge_read_mode",
     "storage_options",
+    "eval_protocol",
     "tensorboard_dir", "pushgateway_url", "pushgateway_job", "grow_init", "grow_num_epochs", "grow_replay_fraction",
+    "reciprocal_relations", "init_method", "preset",
 })
 NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension", "frozen"})
 

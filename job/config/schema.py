@@ -8,6 +8,7 @@ live in ``job.config.checks``; this module only declares the keys.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -150,7 +151,8 @@ class ConfigSchema:
     )
     init_path: str | None = _help(
         "If set, it must be a path to a directory that contains initial values for the "
-        "embeddings of all the entities of some types.",
+        "embeddings of all the entities of some types. Their Adagrad state, where saved beside them, is "
+        "loaded too (as PBG does).",
         default=None,
     )
     checkpoint_preservation_interval: int | None = _help(
@@ -180,7 +182,9 @@ class ConfigSchema:
         default=BucketOrder.INSIDE_OUT,
     )
     workers: int | None = _help(
-        "The number of worker processes for Hogwild training. Defaults to the number of CPUs.",
+        "The number of worker processes for Hogwild training. Defaults to the number of CPUs. Each bucket's "
+        "edges are cut into this many slices, each trained in batches of batch_size (as PBG); on a GPU, or a "
+        "bucket under two batches, the slices run one after another in one process.",
         default=None,
     )
     batch_size: int = _help("The number of edges per batch.", default=1000)
@@ -211,6 +215,18 @@ class ConfigSchema:
         "The value that overrides the number of uniformly-sampled negatives per positive edge during the "
         "evaluation steps that occur before and after each training step.",
         default=1000,
+    )
+    eval_protocol: str = _help(
+        "How held-out edges are ranked, in training (eval_fraction) and by `biggraph eval` (its --candidates "
+        "wins): 'all' ranks each positive against every entity of the corrupted side's type (in training: of the "
+        "bucket's partition); 'sampled' against the distinct entities among its chunk's eval_num_batch_negs "
+        "positives and eval_num_uniform_negs uniform draws, the positive itself left out, so a rank never exceeds "
+        "the candidates + 1; 'pbg' is PBG 1.0's protocol exactly (every draw counts, repeats and draws equal to "
+        "the positive included: on a graph smaller than the draws ranks exceed the number of entities); 'auto' "
+        "is 'all' when the corrupted type has no more entities than eval_num_batch_negs + eval_num_uniform_negs "
+        "(never costlier than sampling), else 'sampled' ('pbg' for featurized types). Every printed metric "
+        "names its protocol.",
+        default="auto",
     )
     early_stopping: bool = _help(
         "Stop training when the evaluation MRR stops improving from one epoch to the next.",
@@ -254,7 +270,19 @@ class ConfigSchema:
         "Number of groups per sharded partition server (PBG; accepted).", default=1
     )
     partition_shard_size: int = _help("Size of partition shards (PBG; accepted).", default=250)
-    half_precision: bool = _help("Use half-precision training (GPU only).", default=False)
+    half_precision: bool = _help(
+        "Use half-precision training (GPU only). On a GPU it means compute_dtype 'bfloat16' (or 'float16' on "
+        "a card without bfloat16) unless compute_dtype is set; on the CPU it is ignored with a warning.",
+        default=False,
+    )
+    compute_dtype: str | None = _help(
+        "The precision of the training step's scores and matrix products: 'float32', 'bfloat16' (CPUs with "
+        "AVX512-BF16/AMX, GPUs from Ampere on) or 'float16' (GPUs; CPUs with AVX512-FP16/AMX-FP16). The "
+        "embeddings, their gradients, the loss and the Adagrad state stay float32, and evaluation scores in "
+        "float32. null: float32, or half_precision's choice on a GPU. A device that cannot compute in the "
+        "dtype is a config error.",
+        default=None,
+    )
 
     # biggraph additions
     seed: int | None = _help(
@@ -266,22 +294,27 @@ class ConfigSchema:
         "Where to compute: 'auto' (CUDA when num_gpus > 0), 'cpu' or 'cuda'.", default="auto"
     )
     prefetch_partitions: bool = _help(
-        "Single-machine runs: while a bucket trains, a background thread writes back the partition the next "
-        "bucket evicts (when the current one does not use it) and reads the one it needs into the freed room: "
-        "the same loads, within the partition buffer, without the wait. false: every swap waits, as in PBG.",
+        "While a bucket trains, a background thread writes back the partition the next bucket evicts (when the "
+        "current one does not use it) and reads the one it needs into the freed room: the same loads, within the "
+        "partition buffer, without the wait. Distributed runs (torchrun): the lock server reserves a trainer's next "
+        "bucket when it starts one (only if that leaves the other trainers work) and the trainer reads its missing "
+        "partitions within the buffer meanwhile. false: every swap waits, as in PBG.",
         default=True,
     )
     partition_buffer: int | None = _help(
-        "Single-machine runs: how many partitions (of the partitioned entity types, per partition index) stay "
-        "in memory, >= 2. Partitions leave the buffer only when it is full, the one needed again latest first. "
-        "Default: what memory_budget allows, else 3 with prefetch_partitions (the bucket's two plus room for "
-        "the next to arrive) and 2 without (PBG: the current bucket only).",
+        "How many partitions (of the partitioned entity types, per partition index) stay in memory, >= 2. "
+        "Partitions leave the buffer only when it is full, the one needed again latest first. Default: what "
+        "memory_budget allows, else 3 with prefetch_partitions (the bucket's two plus room for the next to "
+        "arrive) and 2 without (PBG: the current bucket only). Distributed trainers keep only the current "
+        "bucket's partitions (the others may need the rest); the buffer bounds those plus the next bucket's "
+        "read ahead (prefetch_partitions).",
         default=None,
     )
     memory_budget: str | None = _help(
-        "Single-machine runs: the bytes of embeddings and optimizer state the trainer may hold, e.g. '8GiB', "
-        "'500MB' or a number of bytes; partition_buffer follows from it (unpartitioned types are held first). "
-        "The trainer says at start what it will hold and why.",
+        "The memory the whole trainer (its process and its Hogwild workers) may use, e.g. '8GiB' (a container's "
+        "limit), '500MB' or a number of bytes. partition_buffer follows from it: what is left after the "
+        "processes' own memory (measured at start), the unpartitioned types and one partition in flight at a "
+        "swap. The trainer says at start what it will hold and why.",
         default=None,
     )
     cuda_graphs: bool = _help(
@@ -312,6 +345,28 @@ class ConfigSchema:
     pushgateway_job: str = _help(
         "The job label of the Pushgateway grouping key ({pushgateway_url}/metrics/job/{job}/instance/{rank}).",
         default="biggraph",
+    )
+    reciprocal_relations: bool = _help(
+        "Train each static relation type r in one direction plus an inverse relation type: an edge (h, r, t) "
+        "trains 'predict t from (h, r)', scored c(g_r(h), t'), and 'predict h from (t, r_inv)', scored "
+        "c(h_r(t), h'), so each side's candidates are plain rows and only the query is transformed. Evaluation "
+        "ranks the lhs side through the inverse. g_r is stored as relations/<i>/operator/lhs/*, h_r as PBG's "
+        "relations/<i>/operator/rhs/* (PBG 1.0.0 reads the checkpoint, ignoring g_r). Dynamic relations are "
+        "scored this way already.",
+        default=False,
+    )
+    init_method: str = _help(
+        "How fresh embeddings are drawn: 'normal' (PBG's: standard deviation init_scale) or 'xavier' (Glorot's "
+        "normal by fan: standard deviation sqrt(2 / (entities of the type + dimension)), the type's count over "
+        "all its partitions; init_scale is then unused).",
+        default="normal",
+    )
+    preset: str | None = _help(
+        "A named set of defaults for keys the config leaves out (keys it sets win): 'quality' is the 1-vs-all "
+        "recipe of docs/quality-preset.md (reciprocal relations, all_negs, softmax, Xavier init, PBG's "
+        "Adagrad at lr 0.3; the keys it sets are listed there). Applied when the config is read; the "
+        "checkpoint's metadata (model.h5 config/json) records the expanded keys.",
+        default=None,
     )
     grow_init: str = _help(
         "How `biggraph grow` initialises the rows of new entities: 'random' (normal with standard deviation "
@@ -347,6 +402,13 @@ class ConfigSchema:
     def entity_dimension(self, entity_type: str) -> int:
         """The embedding dimension of one entity type (its own, else the global one)."""
         return self.entities[entity_type].dimension or self.dimension
+
+    def init_std(self, entity_type: str, num_entities: int) -> float:
+        """The standard deviation of a fresh embedding of ``entity_type`` (``num_entities``: over all partitions,
+        so that partitioning a graph does not change its initialisation)."""
+        if self.init_method == "xavier":
+            return math.sqrt(2.0 / (num_entities + self.entity_dimension(entity_type)))
+        return self.init_scale
 
     def effective_workers(self) -> int:
         """The number of Hogwild workers: ``workers``, else one per CPU."""

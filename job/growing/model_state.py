@@ -55,7 +55,7 @@ def check_compatible(old: ConfigSchema, new: ConfigSchema, into: str) -> None:
             refuse(f"entities.{name}.num_partitions", entity.num_partitions, other.num_partitions)
         if entity.featurized or other.featurized:
             raise GrowError(f"entity type '{name}' is featurized: grow handles plain entities only (as import does)")
-    for key in ("dynamic_relations", "comparator", "global_emb", "bias"):
+    for key in ("dynamic_relations", "reciprocal_relations", "comparator", "global_emb", "bias"):
         if getattr(old, key) != getattr(new, key):
             refuse(key, getattr(old, key), getattr(new, key))
     if len(new.relations) < len(old.relations):

@@ -92,8 +92,8 @@ def targets(model: Any, rel_idx: int, rel: Optional[torch.Tensor], y: torch.Tens
             distance: bool) -> torch.Tensor:
     """Where a new entity on one side of edges of ``rel_idx`` should be, given the other side's rows ``y``
     (``distance``: the comparator scores by distance, so operators are inverted rather than transposed)."""
-    if model.num_dynamic_rels > 0:
-        forward, reverse = model.rhs_operators[0], model.lhs_operators[0]
+    if model.reciprocal:  # dynamic relations (rel_idx 0), or static ones with reciprocal_relations (rel None)
+        forward, reverse = model.rhs_operators[rel_idx], model.lhs_operators[rel_idx]
         if new_on_lhs:  # c(x, f(y)) and c(g(x), y)
             return (forward(y, rel) + reverse.adjoint(y, rel, inverse=distance)) / 2
         return (forward.adjoint(y, rel, inverse=distance) + reverse(y, rel)) / 2  # c(y, f(x)) and c(g(y), x)

@@ -10,6 +10,8 @@ archives, registered under the same names, is ``job.archive.scoring``.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -94,14 +96,19 @@ class Comparator:
             return (x * y).sum(-1)
         return self.spec.from_squared_distance((x - y).pow(2).sum(-1))
 
-    def pairwise(self, x: Tensor, y: Tensor) -> Tensor:
+    def pairwise(self, x: Tensor, y: Tensor, compute_dtype: Optional[torch.dtype] = None) -> Tensor:
+        """All-pairs scores; ``compute_dtype`` runs the matrix product in that precision (the result, and the
+        gradients autograd takes back through the casts, are in ``x``'s dtype)."""
         if self.bias:
-            scores = self._pairwise(x[..., 1:], y[..., 1:])
+            scores = self._pairwise(x[..., 1:], y[..., 1:], compute_dtype)
             return scores + x[..., 0].unsqueeze(-1) + y[..., 0].unsqueeze(-2)
-        return self._pairwise(x, y)
+        return self._pairwise(x, y, compute_dtype)
 
-    def _pairwise(self, x: Tensor, y: Tensor) -> Tensor:
-        dots = torch.matmul(x, y.transpose(-1, -2))
+    def _pairwise(self, x: Tensor, y: Tensor, compute_dtype: Optional[torch.dtype]) -> Tensor:
+        if compute_dtype is None or compute_dtype == x.dtype:
+            dots = torch.matmul(x, y.transpose(-1, -2))
+        else:
+            dots = torch.matmul(x.to(compute_dtype), y.to(compute_dtype).transpose(-1, -2)).to(x.dtype)
         if self.spec.dot_product:
             return dots
         squared = (x.pow(2).sum(-1).unsqueeze(-1) + y.pow(2).sum(-1).unsqueeze(-2) - 2 * dots).clamp_min(0)

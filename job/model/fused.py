@@ -18,11 +18,12 @@ while it is still in cache.
 
 Used when training with the ``dot`` or ``cos`` comparator (both score prepared vectors by a
 dot product) and no bias; anything else takes the autograd path in ``job.model.scoring``.
+Both sides of a static relation are scored together by ``job.model.fused_pair``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,17 +37,25 @@ from job.model.registry import Registry
 
 
 class _AttachGradients(torch.autograd.Function):
-    """A precomputed loss whose gradients with respect to two inputs are already known."""
+    """A precomputed loss whose gradients with respect to its inputs are already known."""
 
     @staticmethod
-    def forward(ctx: Any, first: Tensor, second: Tensor, loss: Tensor, d_first: Tensor, d_second: Tensor) -> Tensor:
-        ctx.save_for_backward(d_first, d_second)
+    def forward(ctx: Any, loss: Tensor, grads: tuple[Tensor, ...], *inputs: Tensor) -> Tensor:
+        ctx.grads = grads
         return loss.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        d_first, d_second = ctx.saved_tensors
-        return d_first.mul_(grad), d_second.mul_(grad), None, None, None
+        # the gradient is the relation's weight, nearly always 1: multiplying by it would be one more pass over
+        # every row gradient (checked only on the CPU, where reading the value waits for no device)
+        unit = grad.device.type == "cpu" and bool(grad == 1)
+        return (None, None, *(d if unit else d.mul_(grad) for d in ctx.grads))
+
+
+def attach_gradients(loss: Tensor, inputs: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:
+    """``loss`` as a node of the autograd graph whose backward hands ``grads[i]`` (times its own gradient) to
+    ``inputs[i]``. Each gradient tensor is handed over, not copied: pass none of them twice."""
+    return _AttachGradients.apply(loss, tuple(grads), *inputs)
 
 
 def fused_supported(comparator: str, bias: bool, loss_fn: str) -> bool:
@@ -62,6 +71,12 @@ class ScoringSetup:
     margin: float
     num_batch_negs: int
     masked_score: float
+    # the dtype of the scores' matrix products (bfloat16, float16); None: the embeddings' own
+    compute_dtype: Optional[torch.dtype] = None
+
+    def low(self, x: Tensor) -> Tensor:
+        """``x`` in the products' precision (itself when that is its own)."""
+        return x if self.compute_dtype is None else x.to(self.compute_dtype)
 
 
 @dataclass
@@ -75,6 +90,9 @@ class SideResult:
     d_positives: Optional[Tensor]  # (padded, d)
     # with ``defer_batch``: the gradient of the (chunks x chunk x chunk) batch product, positives on its diagonal
     d_batch: Optional[Tensor] = None
+    # with a separate ``uniform_anchor`` / a ``shift``: their gradients, (padded, d) / (padded,)
+    d_uniform_anchor: Optional[Tensor] = None
+    d_shift: Optional[Tensor] = None
 
 
 Block = tuple[Tensor, Optional[Tensor]]  # negative scores (R x k) and their weight (broadcastable) or None
@@ -163,7 +181,8 @@ def _logistic_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: i
 
 
 def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
-               d_cand: Tensor, batch_product: Optional[Tensor] = None, defer_batch: bool = False) -> SideResult:
+               d_cand: Tensor, batch_product: Optional[Tensor] = None, defer_batch: bool = False,
+               uniform_anchor: Optional[Tensor] = None, shift: Optional[Tensor] = None) -> SideResult:
     """One side's loss and gradients, all without autograd.
 
     ``a`` (B x d): the other side's prepared positives (the anchor); ``positives`` (B x d): this side's;
@@ -171,32 +190,44 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
     rows in it. The negatives' gradient is added to ``d_cand``; the anchor's and positives' are returned.
     ``batch_product`` (chunks x chunk x chunk, contiguous, overwritten) is the anchors-by-positives
     product when the caller has it; ``defer_batch`` returns its gradient instead of multiplying it out.
+    ``uniform_anchor`` (B x d) scores the uniform negatives in place of ``a`` and ``shift`` (B,) is added
+    to those scores (``job.model.adjoint``: the operator moved from the negatives onto the anchors).
+
+    With a reduced ``compute_dtype`` the rows come in that dtype (``ScoringSetup.low``): every product
+    runs in it, its result is taken to ``d_cand``'s dtype (float32) for the masks and the loss, and the
+    score gradients go back down for the transposed products, whose results come up again before any sum.
     """
     num_pos = a.shape[0]
     num_uniform = neg_inv.shape[1] if neg_inv is not None and neg_inv.numel() else 0
+    acc = d_cand.dtype
     if setup.num_batch_negs == 0 and num_uniform == 0:
-        pos = (a * positives).sum(1)
+        a_acc, p_acc = a.to(acc), positives.to(acc)
+        pos = (a_acc * p_acc).sum(1)
         loss, d_pos, _, _ = blockwise_loss(setup.loss_fn, setup.margin, pos, [], 1, num_pos)
         d_pos = d_pos.unsqueeze(1)
-        return SideResult(loss, pos, 0, 0.0, positives * d_pos, a * d_pos)
-    side = _Chunks.of(setup, a, positives, cand, neg_inv, num_uniform)
+        return SideResult(loss, pos, 0, 0.0, p_acc * d_pos, a_acc * d_pos)
+    side = _Chunks.of(setup, a, positives, cand, neg_inv, num_uniform, uniform_anchor)
     blocks: list[Block] = []
     if setup.num_batch_negs > 0:
-        batch = batch_product if batch_product is not None else torch.bmm(side.a, side.p.transpose(1, 2))
+        batch = batch_product if batch_product is not None else torch.bmm(side.a, side.p.transpose(1, 2)).to(acc)
         pos_padded = _batch_block(setup, side, batch, num_pos)
         blocks.append((batch.view(side.padded, side.chunk), None))
     else:
-        pos_padded = (side.a * side.p).sum(2).view(side.padded)
+        pos_padded = (side.a.to(acc) * side.p.to(acc)).sum(2).view(side.padded)
     if num_uniform:
-        blocks.append(_uniform_block(side, cand))
+        blocks.append(_uniform_block(side, cand, acc))
+        if shift is not None:
+            blocks[-1][0].add_(chunk_rows(shift.to(acc).unsqueeze(1), side.chunk).view(side.padded, 1))
     num_neg = (side.chunk if setup.num_batch_negs > 0 else 0) + num_uniform
     loss, d_pos, d_blocks, violators = blockwise_loss(setup.loss_fn, setup.margin, pos_padded, blocks, num_neg,
                                                       num_pos)
-    d_a, d_p, d_batch = _row_gradients(setup, side, cand, d_pos, d_blocks, d_cand, defer_batch)
+    d_shift = d_blocks[-1].sum(1) if num_uniform and shift is not None else None  # before it becomes d rows
+    d_a, d_p, d_batch, d_u = _row_gradients(setup, side, cand, d_pos, d_blocks, d_cand, defer_batch)
     dim = a.shape[1]
     return SideResult(loss, pos_padded[:num_pos], num_neg, violators,
                       None if d_a is None else d_a.view(side.padded, dim),
-                      None if d_p is None else d_p.view(side.padded, dim), d_batch)
+                      None if d_p is None else d_p.view(side.padded, dim), d_batch,
+                      None if d_u is None else d_u.view(side.padded, dim), d_shift)
 
 
 @dataclass
@@ -211,17 +242,19 @@ class _Chunks:
     num_uniform: int
     neg_rows: Optional[Tensor]  # (chunks x N): rows of the candidates, or None without uniform negatives
     weighted: bool  # fewer distinct candidate rows than draws: each row scored once, weighted by its draws
+    u: Tensor  # the uniform negatives' anchors, chunked as ``a`` (``a`` itself unless given apart)
     neg_vecs: Optional[Tensor] = None  # (chunks x N x d) once gathered (unweighted uniform negatives only)
 
     @staticmethod
     def of(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
-           num_uniform: int) -> _Chunks:
+           num_uniform: int, uniform_anchor: Optional[Tensor] = None) -> _Chunks:
         chunk = setup.num_batch_negs if setup.num_batch_negs > 0 else num_uniform
         a_chunks, p_chunks = chunk_rows(a, chunk), chunk_rows(positives, chunk)
         num_chunks = a_chunks.shape[0]
         neg_rows = neg_inv[:num_chunks] if num_uniform and neg_inv is not None else None
+        u_chunks = a_chunks if uniform_anchor is None or not num_uniform else chunk_rows(uniform_anchor, chunk)
         return _Chunks(a_chunks, p_chunks, chunk, num_chunks, num_chunks * chunk, num_uniform, neg_rows,
-                       0 < cand.shape[0] < num_uniform)
+                       0 < cand.shape[0] < num_uniform, u_chunks)
 
 
 def _batch_block(setup: ScoringSetup, side: _Chunks, batch: Tensor, num_pos: int) -> Tensor:
@@ -234,58 +267,77 @@ def _batch_block(setup: ScoringSetup, side: _Chunks, batch: Tensor, num_pos: int
     return pos_padded
 
 
-def _uniform_block(side: _Chunks, cand: Tensor) -> Block:
-    """Scores of the uniform negatives: each candidate row once, weighted by its draws, or each draw."""
+def _uniform_block(side: _Chunks, cand: Tensor, acc: torch.dtype) -> Block:
+    """Scores (in ``acc``) of the uniform negatives: each candidate row once, weighted by its draws, or each draw."""
     assert side.neg_rows is not None
     if side.weighted:
-        uniform = torch.matmul(side.a, cand.t())  # (chunks, chunk, U)
-        draws = torch.zeros((side.num_chunks, cand.shape[0]), dtype=side.a.dtype, device=side.a.device)
-        draws.scatter_add_(1, side.neg_rows, torch.ones_like(side.neg_rows, dtype=side.a.dtype))
+        uniform = torch.matmul(side.u, cand.t()).to(acc)  # (chunks, chunk, U)
+        draws = torch.zeros((side.num_chunks, cand.shape[0]), dtype=acc, device=side.u.device)
+        draws.scatter_add_(1, side.neg_rows, torch.ones_like(side.neg_rows, dtype=acc))
         # each chunk's counts, repeated for its rows
         weight = draws.unsqueeze(1).expand(side.num_chunks, side.chunk, cand.shape[0]).reshape(side.padded, -1)
         return uniform.view(side.padded, cand.shape[0]), weight
     side.neg_vecs = cand.index_select(0, side.neg_rows.reshape(-1)).view(side.num_chunks, side.num_uniform, -1)
-    return torch.bmm(side.a, side.neg_vecs.transpose(1, 2)).view(side.padded, side.num_uniform), None
+    return torch.bmm(side.u, side.neg_vecs.transpose(1, 2)).view(side.padded, side.num_uniform).to(acc), None
 
 
 def _row_gradients(setup: ScoringSetup, side: _Chunks, cand: Tensor, d_pos: Tensor, d_blocks: list[Tensor],
-                   d_cand: Tensor, defer_batch: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+                   d_cand: Tensor, defer_batch: bool) -> tuple[Optional[Tensor], ...]:
     """The score gradients taken back to the anchor and positive rows (chunked) and added to ``d_cand``.
 
-    Returns (d anchors, d positives, d batch product when deferred).
+    Returns (d anchors, d positives, d batch product when deferred, d uniform anchors when apart from the
+    anchors), in ``d_cand``'s dtype.
     """
+    acc = d_cand.dtype
     d_a: Optional[Tensor] = None
     d_p: Optional[Tensor] = None
     d_batch: Optional[Tensor] = None
-    next_block = 0
     if setup.num_batch_negs > 0:
         d_batch = d_blocks[0].view(side.num_chunks, side.chunk, side.chunk)
-        next_block = 1
         # masked entries have zero gradient; the positives' gradient goes on the diagonal
         d_batch.diagonal(dim1=1, dim2=2).copy_(d_pos.view(side.num_chunks, side.chunk))
         if not defer_batch:
-            d_a = torch.bmm(d_batch, side.p)
-            d_p = torch.bmm(d_batch.transpose(1, 2), side.a)
+            d_batch_low = d_batch.to(side.a.dtype)
+            d_a = torch.bmm(d_batch_low, side.p).to(acc)
+            d_p = torch.bmm(d_batch_low.transpose(1, 2), side.a).to(acc)
             d_batch = None
     else:
         d_pos_chunks = d_pos.view(side.num_chunks, side.chunk, 1)
-        d_a = side.p * d_pos_chunks
-        d_p = side.a * d_pos_chunks
+        d_a = side.p.to(acc) * d_pos_chunks
+        d_p = side.a.to(acc) * d_pos_chunks
     if not side.num_uniform:
-        return d_a, d_p, d_batch
+        return d_a, d_p, d_batch, None
+    if side.u is side.a:
+        return _uniform_gradients(side, cand, d_blocks[-1], d_cand, d_a), d_p, d_batch, None
+    return d_a, d_p, d_batch, _uniform_gradients(side, cand, d_blocks[-1], d_cand, None)
+
+
+def _uniform_gradients(side: _Chunks, cand: Tensor, d_block: Tensor, d_cand: Tensor,
+                       into: Optional[Tensor]) -> Tensor:
+    """The uniform block's gradient taken to its anchors (added to ``into`` when given) and to ``d_cand``."""
     assert side.neg_rows is not None
+    acc = d_cand.dtype
     dim = cand.shape[1]
-    d_uniform = d_blocks[next_block].view(side.num_chunks, side.chunk, -1)
+    d_uniform = d_block.view(side.num_chunks, side.chunk, -1).to(side.u.dtype)
     if side.weighted:
-        uniform_part = torch.matmul(d_uniform, cand)
-        d_a = uniform_part if d_a is None else d_a.add_(uniform_part)
-        d_cand.addmm_(d_blocks[next_block].t(), side.a.view(side.padded, dim))
+        uniform_part = torch.matmul(d_uniform, cand).to(acc)
+        d_u = uniform_part if into is None else into.add_(uniform_part)
+        u_rows = side.u.reshape(side.padded, dim)
+        if u_rows.dtype == acc:
+            d_cand.addmm_(d_block.t(), u_rows)
+        else:
+            d_cand.add_(torch.mm(d_uniform.view(side.padded, -1).t(), u_rows).to(acc))
+        return d_u
+    assert side.neg_vecs is not None
+    if into is None:
+        d_u = torch.bmm(d_uniform, side.neg_vecs).to(acc)
+    elif into.dtype == d_uniform.dtype:
+        d_u = into.baddbmm_(d_uniform, side.neg_vecs)
     else:
-        assert side.neg_vecs is not None
-        d_a = torch.bmm(d_uniform, side.neg_vecs) if d_a is None else d_a.baddbmm_(d_uniform, side.neg_vecs)
-        d_neg = torch.bmm(d_uniform.transpose(1, 2), side.a)
-        d_cand.index_add_(0, side.neg_rows.reshape(-1), d_neg.view(-1, dim))
-    return d_a, d_p, d_batch
+        d_u = into.add_(torch.bmm(d_uniform, side.neg_vecs).to(acc))
+    d_neg = torch.bmm(d_uniform.transpose(1, 2), side.u).to(acc)
+    d_cand.index_add_(0, side.neg_rows.reshape(-1), d_neg.view(-1, dim))
+    return d_u
 
 
 class _ChunkRows:
@@ -312,68 +364,16 @@ def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Ten
     with torch.no_grad():
         cand = candidates.detach()
         d_cand = torch.zeros_like(cand)
-        result = score_side(setup, anchor.detach(), cand.index_select(0, own), cand, neg_inv, d_cand)
-        d_cand.index_add_(0, own, _flowed(result.d_positives, "positives")[:num_pos])
-        d_anchor = _flowed(result.d_anchor, "anchor")[:num_pos].contiguous()
-    loss = _AttachGradients.apply(anchor, candidates, result.loss, d_anchor, d_cand)
+        cand_low = setup.low(cand)
+        result = score_side(setup, setup.low(anchor.detach()), cand_low.index_select(0, own), cand_low, neg_inv, d_cand)
+        d_cand.index_add_(0, own, flowed(result.d_positives, "positives")[:num_pos])
+        d_anchor = flowed(result.d_anchor, "anchor")[:num_pos].contiguous()
+    loss = attach_gradients(result.loss, (anchor, candidates), (d_anchor, d_cand))
     return loss, result
 
 
-def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, rhs_inv: Tensor,
-               lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool,
-               disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
-    """Both sides of a static relation: each side's positives are the other's anchors.
-
-    ``lhs`` / ``rhs``: the prepared unique rows of each side (rhs after the operator). The lhs side's
-    batch product (rhs positives x lhs positives) is the transpose of the rhs side's, so it is computed,
-    and differentiated, once. Each row's gradient from every role it plays (positive, anchor, negative)
-    is summed before autograd sees it.
-    """
-    num_pos = lhs_inv.shape[0]
-    with torch.no_grad():
-        left, right = lhs.detach(), rhs.detach()
-        left_pos, right_pos = left.index_select(0, lhs_inv), right.index_select(0, rhs_inv)
-        d_left, d_right = torch.zeros_like(left), torch.zeros_like(right)
-        off = ScoringSetup(setup.loss_fn, setup.margin, 0, setup.masked_score)
-        share = setup.num_batch_negs > 0 and not disable_lhs and not disable_rhs
-        product = transposed = None
-        if share:
-            chunk = setup.num_batch_negs
-            product = torch.bmm(chunk_rows(right_pos, chunk), chunk_rows(left_pos, chunk).transpose(1, 2))
-            transposed = product.transpose(1, 2).contiguous()  # each side overwrites its own
-        lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, left,
-                              None if disable_lhs else lhs_neg_inv, d_left, product, share)
-        rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, right,
-                              None if disable_rhs else rhs_neg_inv, d_right, transposed, share)
-        d_left_pos = _sum_grads(lhs_side.d_positives, rhs_side.d_anchor)
-        d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
-        if share:
-            chunk = setup.num_batch_negs
-            joint = _flowed(lhs_side.d_batch, "lhs batch product").add_(
-                _flowed(rhs_side.d_batch, "rhs batch product").transpose(1, 2))  # rows: rhs positives
-            from_batch_right = torch.bmm(joint, chunk_rows(left_pos, chunk)).view(-1, left.shape[1])
-            from_batch_left = torch.bmm(joint.transpose(1, 2), chunk_rows(right_pos, chunk)).view(-1, left.shape[1])
-            d_left_pos = _sum_grads(d_left_pos, from_batch_left)
-            d_right_pos = _sum_grads(d_right_pos, from_batch_right)
-        assert d_left_pos is not None and d_right_pos is not None
-        d_left.index_add_(0, lhs_inv, d_left_pos[:num_pos])
-        d_right.index_add_(0, rhs_inv, d_right_pos[:num_pos])
-        total = lhs_side.loss + rhs_side.loss
-    loss = _AttachGradients.apply(lhs, rhs, total, d_left, d_right)
-    return loss, lhs_side, rhs_side
-
-
-def _flowed(grad: Optional[Tensor], what: str) -> Tensor:
+def flowed(grad: Optional[Tensor], what: str) -> Tensor:
     """A gradient ``score_side`` must have returned (its absence is a bug in the scoring code, not bad input)."""
     if grad is None:
         raise RuntimeError(f"fused scoring: no gradient for the {what} (score_side returned None)")
     return grad
-
-
-def _sum_grads(first: Optional[Tensor], second: Optional[Tensor]) -> Optional[Tensor]:
-    if first is None:
-        return second
-    if second is None:
-        return first
-    rows = min(first.shape[0], second.shape[0])  # a side without negatives is not padded
-    return first[:rows].add_(second[:rows]) if rows == first.shape[0] else second[:rows].add_(first[:rows])

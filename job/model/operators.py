@@ -36,8 +36,17 @@ class OperatorKind:
     def check(dim: int) -> None:
         """Raise ValueError when the operator cannot work in ``dim`` dimensions."""
 
+    # f(x) = L x + t with t this parameter (static name), or None: no additive term
+    additive: Optional[str] = None
+
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        """``L x``: ``apply`` without the additive term. Training with the dot comparator moves ``L`` onto
+        the anchors as its ``adjoint`` (``job.model.fused_pair``) and takes gradients back through this."""
         raise NotImplementedError
 
     @staticmethod
@@ -68,6 +77,10 @@ class NoOperator(OperatorKind):
         return x
 
     @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return x
+
+    @staticmethod
     def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
         return y
 
@@ -83,6 +96,10 @@ class DiagonalOperator(OperatorKind):
         return x * get("diagonal")
 
     @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return x * get("diagonal")
+
+    @staticmethod
     def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
         d = _pick(table("diagonal"), rel)
         if not inverse:
@@ -93,6 +110,8 @@ class DiagonalOperator(OperatorKind):
 
 @OPERATORS.register("translation")
 class TranslationOperator(OperatorKind):
+    additive = "translation"
+
     @staticmethod
     def initial(dim: int) -> dict[str, Tensor]:
         return {"translation": torch.zeros(dim)}
@@ -100,6 +119,10 @@ class TranslationOperator(OperatorKind):
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return x + get("translation")
+
+    @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return x
 
     @staticmethod
     def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
@@ -120,6 +143,10 @@ class LinearOperator(OperatorKind):
         return x @ matrix.t()
 
     @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return LinearOperator.apply(x, get, dynamic)
+
+    @staticmethod
     def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
         matrices = table("linear_transformation")
         maps = torch.linalg.pinv(matrices) if inverse else matrices.transpose(-1, -2)
@@ -130,6 +157,8 @@ class LinearOperator(OperatorKind):
 
 @OPERATORS.register("affine")
 class AffineOperator(OperatorKind):
+    additive = "translation"
+
     @staticmethod
     def initial(dim: int) -> dict[str, Tensor]:
         return {"linear_transformation": torch.eye(dim), "translation": torch.zeros(dim)}
@@ -137,6 +166,10 @@ class AffineOperator(OperatorKind):
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return LinearOperator.apply(x, get, dynamic) + get("translation")
+
+    @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return LinearOperator.apply(x, get, dynamic)
 
     @staticmethod
     def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
@@ -161,6 +194,10 @@ class ComplexDiagonalOperator(OperatorKind):
 
     @staticmethod
     def apply(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
+        return _ComplexDiagonal.apply(x, get("real"), get("imag"))
+
+    @staticmethod
+    def linear(x: Tensor, get: Getter, dynamic: bool) -> Tensor:
         return _ComplexDiagonal.apply(x, get("real"), get("imag"))
 
     @staticmethod
@@ -204,6 +241,14 @@ class Operator(nn.Module):
     def forward(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
         """Apply to rows ``x`` (..., dim); ``rel`` gives the relation of each row when dynamic."""
         return self.spec.apply(x, lambda name: self._get(name, rel), self.dynamic)
+
+    def linear(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
+        """The operator's linear part ``L x`` (``forward`` without the translation)."""
+        return self.spec.linear(x, lambda name: self._get(name, rel), self.dynamic)
+
+    def additive(self, rel: Optional[Tensor] = None) -> Optional[Tensor]:
+        """The additive term ``t`` of ``forward(x) = L x + t`` (per row when dynamic), or None."""
+        return None if self.spec.additive is None else self._get(self.spec.additive, rel)
 
     def adjoint(self, y: Tensor, rel: Optional[Tensor] = None, inverse: bool = False) -> Tensor:
         """Where rows x should be for ``self(x, rel)`` to match rows ``y``: the adjoint of the linear part, or with

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.model.comparators import Comparator
-from job.model.fused import ScoringSetup, SideResult, fused_pair, fused_side, fused_supported
+from job.model.fused import ScoringSetup, SideResult, fused_side, fused_supported
+from job.model.fused_pair import adjoint_applies, fused_pair, fused_pair_adjoint
 from job.model.operators import Operator
 from job.model.operators import rows as _rows
 
@@ -67,13 +68,17 @@ class Model(nn.Module):
         self.config = config
         self.dim = config.dimension
         self.num_dynamic_rels = num_dynamic_rels
-        dynamic = num_dynamic_rels > 0
+        # Reciprocal scoring: each side's candidates are ranked against a query its own operator copy makes from
+        # the other side, c(u', h_r(v)) and c(g_r(u), v'). Dynamic relations always score so (PBG); static ones
+        # with ``reciprocal_relations``, g_r being the relation read forwards and h_r its inverse relation type.
+        self.reciprocal = num_dynamic_rels > 0 or config.reciprocal_relations
         self.lhs_operators = nn.ModuleList()
         self.rhs_operators = nn.ModuleList()
         for relation in config.relations:
             self.rhs_operators.append(Operator(relation.operator, self.dim, num_dynamic_rels))
             # PBG keeps no lhs operator for static relations; a parameterless one keeps indexing simple.
-            self.lhs_operators.append(Operator(relation.operator if dynamic else "none", self.dim, num_dynamic_rels))
+            self.lhs_operators.append(
+                Operator(relation.operator if self.reciprocal else "none", self.dim, num_dynamic_rels))
         self.global_embs = nn.ParameterDict()
         if config.global_emb:
             for entity_type in config.entities:
@@ -81,6 +86,9 @@ class Model(nn.Module):
         self.comparator = Comparator(config.comparator, config.bias)
         # hand-differentiated negative scoring (job.model.fused) where the comparator is a plain dot product
         self.fused = fused_supported(config.comparator, config.bias, config.loss_fn)
+        # the dtype of the training step's scores and products (the Trainer sets it from compute_dtype);
+        # None: the embeddings' own. Evaluation always scores in the embeddings' dtype.
+        self.compute_dtype: Optional[torch.dtype] = None
 
     # state dict in PBG's naming ------------------------------------------------------------
     def public_state_dict(self) -> dict[str, tuple[str, Tensor]]:
@@ -150,17 +158,21 @@ class Model(nn.Module):
         rhs_base = lhs_base if lhs_same_table else self._with_global(rhs_rows, rhs_type)
         batch = _Batch(rel_idx, rel, lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv, num_batch_negs, all_negs,
                        disable_lhs, disable_rhs)
-        if self.num_dynamic_rels > 0:
-            return self._score_dynamic(batch, lhs_base, rhs_base)
+        if self.reciprocal:
+            return self._score_reciprocal(batch, lhs_base, rhs_base)
         return self._score_static(batch, lhs_base, rhs_base)
 
     def _with_global(self, rows: Tensor, entity_type: str) -> Tensor:
         g = self.global_emb(entity_type)
         return rows if g is None else rows + g
 
-    def _score_dynamic(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
-                       ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
-        """Each side's negatives against the other side's positive transformed by that side's operator."""
+    def _score_reciprocal(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
+                          ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+        """Each side's negatives against the other side's positive transformed by that side's operator.
+
+        Only the query side goes through an operator, so the candidates of both sides are the plain prepared
+        rows (with ``all_negs``: the whole table once), which is what makes 1-vs-all training cheap.
+        """
         comparator = self.comparator
         lhs_prepared = comparator.prepare(lhs_base)
         rhs_prepared = comparator.prepare(rhs_base)
@@ -185,9 +197,21 @@ class Model(nn.Module):
     def _score_static(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
                       ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
         """c(u, f_r(v)): the operator on the right-hand side only; the lhs side never has one on its negatives."""
+        operator = self.rhs_operators[batch.rel_idx]
+        assert isinstance(operator, Operator)
+        fused = self._use_fused(batch.all_negs) and batch.lhs_inv.shape[0] > 0
+        if fused and adjoint_applies(self.comparator.kind, operator):
+            # dot: f_r's adjoint on the anchors, the rhs rows unprepared (job.model.fused_pair)
+            loss, lhs_result, rhs_result = fused_pair_adjoint(
+                self._scoring_setup(batch.num_batch_negs), operator, lhs_base, rhs_base, batch.lhs_inv,
+                batch.rhs_inv, batch.lhs_neg_inv, batch.rhs_neg_inv, batch.disable_lhs, batch.disable_rhs,
+            )
+            lhs_scores = _side_scores_of(lhs_result, loss)
+            rhs_scores = _side_scores_of(rhs_result, loss.new_zeros(()))
+            return self._static_result(batch, lhs_scores, rhs_scores, lhs_base, rhs_base)
         lhs_prepared = self.comparator.prepare(lhs_base)
-        rhs_prepared = self.comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_base))
-        if self._use_fused(batch.all_negs) and batch.lhs_inv.shape[0] > 0:
+        rhs_prepared = self.comparator.prepare(operator(rhs_base))
+        if fused:
             loss, lhs_result, rhs_result = fused_pair(
                 self._scoring_setup(batch.num_batch_negs), lhs_prepared, rhs_prepared, batch.lhs_inv, batch.rhs_inv,
                 batch.lhs_neg_inv, batch.rhs_neg_inv, batch.disable_lhs, batch.disable_rhs,
@@ -207,6 +231,10 @@ class Model(nn.Module):
                 neg_inv=batch.rhs_neg_inv, own=batch.rhs_inv, num_batch_negs=batch.num_batch_negs,
                 all_negs=batch.all_negs, disabled=batch.disable_rhs,
             )
+        return self._static_result(batch, lhs_scores, rhs_scores, lhs_base, rhs_base)
+
+    def _static_result(self, batch: _Batch, lhs_scores: SideScores, rhs_scores: SideScores, lhs_base: Tensor,
+                       rhs_base: Tensor) -> tuple[SideScores, SideScores, Tensor, Tensor]:
         if self.config.regularization_coef > 0:  # only the regulariser needs the raw positive embeddings
             return lhs_scores, rhs_scores, _rows(lhs_base, batch.lhs_inv), _rows(rhs_base, batch.rhs_inv)
         return lhs_scores, rhs_scores, lhs_base, rhs_base
@@ -215,7 +243,11 @@ class Model(nn.Module):
         return self.fused and not all_negs and torch.is_grad_enabled()
 
     def _scoring_setup(self, num_batch_negs: int) -> ScoringSetup:
-        return ScoringSetup(self.config.loss_fn, self.config.margin, num_batch_negs, MASKED_SCORE)
+        return ScoringSetup(self.config.loss_fn, self.config.margin, num_batch_negs, MASKED_SCORE, self.compute_dtype)
+
+    def _products_dtype(self) -> Optional[torch.dtype]:
+        """The reduced precision of the autograd path's products: training only (ranks need exact ties)."""
+        return self.compute_dtype if torch.is_grad_enabled() else None
 
     def _side_scores(
         self,
@@ -244,7 +276,7 @@ class Model(nn.Module):
             return SideScores(pos, pos.new_empty((num_pos, 0)))
         if all_negs:
             # every entity of the partition (candidates are the whole table); mask each positive's own column
-            scores = self.comparator.pairwise(anchor, candidates)  # (B, N)
+            scores = self.comparator.pairwise(anchor, candidates, self._products_dtype())  # (B, N)
             return SideScores(pos, scores.scatter(1, own.unsqueeze(1), MASKED_SCORE))
         return self._sampled_negatives(pos, anchor, positives, candidates, neg_inv, num_batch_negs)
 
@@ -260,7 +292,7 @@ class Model(nn.Module):
         anchor_chunks = _pad_rows(anchor, padded).view(num_chunks, chunk, -1)
         if num_batch_negs > 0:
             pos_chunks = _pad_rows(positives, padded).view(num_chunks, chunk, -1)
-            batch_scores = comparator.pairwise(anchor_chunks, pos_chunks)  # (C, chunk, chunk)
+            batch_scores = comparator.pairwise(anchor_chunks, pos_chunks, self._products_dtype())  # (C, chunk, chunk)
             batch_scores = batch_scores.masked_fill(_batch_mask(num_chunks, chunk, num_pos, anchor.device), MASKED_SCORE)
             parts.append(batch_scores)
         weight_parts: list[Tensor] = []
@@ -288,11 +320,12 @@ class Model(nn.Module):
         """Scores (C, chunk, N or U) of each chunk's uniform draws, and how often each column was drawn (or None)."""
         num_chunks, chunk = anchor_chunks.shape[:2]
         if candidates.shape[0] >= neg_rows.shape[1]:
-            return self.comparator.pairwise(anchor_chunks, _rows(candidates, neg_rows)), None  # (C, N, d) negatives
+            negatives = _rows(candidates, neg_rows)  # (C, N, d)
+            return self.comparator.pairwise(anchor_chunks, negatives, self._products_dtype()), None
         # Fewer distinct candidates than samples (small vocabularies): score each candidate once and
         # weight it by how often it was drawn for the chunk. Every loss and rank is a sum over the
         # sampled negatives, so this is the same sum without a (chunks x samples) tensor.
-        all_scores = self.comparator.pairwise(anchor_chunks, candidates.unsqueeze(0))  # (C, chunk, U)
+        all_scores = self.comparator.pairwise(anchor_chunks, candidates.unsqueeze(0), self._products_dtype())  # (C, chunk, U)
         draws = torch.zeros((num_chunks, candidates.shape[0]), dtype=all_scores.dtype, device=all_scores.device)
         draws.scatter_add_(1, neg_rows, torch.ones_like(neg_rows, dtype=draws.dtype))
         return all_scores, draws.unsqueeze(1).expand(num_chunks, chunk, -1)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+from job.eval_protocol import recorded_label
 from job.monitoring.base import Reporter, metric
 from job.monitoring.json_logs import json_logging
 
@@ -177,6 +178,9 @@ class _ProgressState:
                             ("eval_mrr", metric(record, "eval_stats_after", "metrics", "mrr"))):
             if value is not None:
                 out[name] = round(value, 6)
+        evaluated = record.get("eval_stats_after")
+        if "eval_mrr" in out and isinstance(evaluated, dict):
+            out["eval_protocol"] = recorded_label(evaluated)
         eta = self.eta()
         if eta is not None:
             out["eta_s"] = round(eta, 1)
@@ -192,7 +196,8 @@ def _describe(fields: dict[str, Any]) -> str:
     if "loss" in fields:
         parts.append(f"loss {fields['loss']:.4f}")
     if "eval_mrr" in fields:
-        parts.append(f"eval MRR {fields['eval_mrr']:.4f}")
+        parts.append(f"eval MRR {fields['eval_mrr']:.4f}" + (f" ({fields['eval_protocol']})" if "eval_protocol" in fields
+                                                             else ""))
     if "eta_s" in fields:
         parts.append(f"ETA {format_duration(fields['eta_s'])}")
     return ", ".join(parts)

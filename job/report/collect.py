@@ -18,7 +18,8 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema, parse_config
-from job.errors import ConfigError, UserError
+from job.errors import CheckpointError, ConfigError, UserError
+from job.eval_protocol import protocol_label, recorded_label
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.committed import open_committed
 from job.report.sampled import embedding_sample, pca_2d, relation_mrr
@@ -75,6 +76,13 @@ class ReportData:
     eval_metrics: Optional[dict[str, Any]] = None
     eval_metrics_source: str = ""
     mrr_note: str = ""
+    heldout_label: str = ""  # the protocol of the held-out MRR ("all candidates, raw"...), from the records
+    relation_label: str = ""  # the protocol of the per-relation MRR
+
+    @property
+    def eval_metrics_label(self) -> str:
+        """The protocol of the ``--metrics`` file (older ``biggraph eval --json`` files do not say)."""
+        return recorded_label(self.eval_metrics, legacy=None) if self.eval_metrics else ""
 
     @property
     def final(self) -> EpochRow:
@@ -185,10 +193,19 @@ def epoch_rows(records: list[dict[str, Any]]) -> tuple[list[EpochRow], int, int]
 # the whole report ----------------------------------------------------------------------------
 
 
+def heldout_labels(records: list[dict[str, Any]]) -> str:
+    """The protocol(s) of the held-out ranks of the bucket records; records written before protocols were
+    recorded are PBG's (the only in-training protocol then). A resumed run may mix two: both are named."""
+    labels = {recorded_label(r["eval_stats_after"]) for r in records
+              if not r.get("pass_summary") and isinstance(r.get("eval_stats_after"), dict)}
+    return " / ".join(sorted(labels))
+
+
 def _training_figures(checkpoint_url: str, version: int, raw_config: dict[str, Any],
                       records: list[dict[str, Any]]) -> ReportData:
     rows, num_buckets, num_passes = epoch_rows(records)
     data = ReportData(checkpoint_url, version, raw_config, rows, num_buckets, num_passes)
+    data.heldout_label = heldout_labels(records)
     if not records:
         data.mrr_note = "training_stats.json is missing or empty"
     elif not any(r.mrr is not None for r in rows):
@@ -197,15 +214,20 @@ def _training_figures(checkpoint_url: str, version: int, raw_config: dict[str, A
     return data
 
 
-def _relation_note(config: ConfigSchema, version: int, edge_path: str, budget: int, edges: int) -> str:
+def _relation_note(config: ConfigSchema, version: int, edge_path: str, budget: int, edges: int, protocol: str) -> str:
+    how = {
+        "all": "against every entity of the bucket's partitions (raw: other true edges count against)",
+        "sampled": (f"against the distinct entities among {config.eval_num_batch_negs} batch and "
+                    f"{config.eval_num_uniform_negs} uniform draws, the true entity left out (raw)"),
+        "pbg": (f"as PBG ranks: {config.eval_num_batch_negs} batch + {config.eval_num_uniform_negs} uniform draws, "
+                "every draw scoring at least the true entity counted, repeats and the true entity included, so "
+                "on a graph smaller than the draws ranks exceed the number of entities"),
+    }[protocol]
     return (f"computed now from checkpoint version {version} on {edges:,} edges of {edge_path} "
-            f"(at most {budget:,}; sampled negatives: {config.eval_num_batch_negs} from the "
-            f"batch + {config.eval_num_uniform_negs} uniform, unfiltered, as `biggraph eval` "
-            "without --candidates all). Sampled ranks count every negative that scores above the "
-            "true entity, repeats and other true edges included, so on small graphs they are far "
-            "below the filtered all-candidate MRR; compare relations with each other, not with "
-            "`biggraph eval --candidates all --filter`. Training edges give optimistic numbers; pass "
-            "--edges DIR for a held-out split.")
+            f"(at most {budget:,}), {protocol_label(protocol)}: ranked {how}; eval_protocol "
+            f"'{config.eval_protocol}'. Compare relations with each other; `biggraph eval --candidates all --filter` "
+            "gives the standard filtered figure. Training edges give optimistic numbers; pass --edges DIR for a "
+            "held-out split.")
 
 
 def _add_relation_mrr(data: ReportData, config: ConfigSchema, options: ReportOptions) -> None:
@@ -215,9 +237,10 @@ def _add_relation_mrr(data: ReportData, config: ConfigSchema, options: ReportOpt
         return
     try:
         logger.info("report: per-relation MRR on at most %d edges of %s", options.relation_edges, edge_path)
-        data.relation_mrr = relation_mrr(config, edge_path, options.relation_edges, options.seed)
+        data.relation_mrr, protocol = relation_mrr(config, edge_path, options.relation_edges, options.seed)
         edges = sum(c for _, _, c in data.relation_mrr)
-        data.relation_note = _relation_note(config, data.version, edge_path, options.relation_edges, edges)
+        data.relation_label = protocol_label(protocol)
+        data.relation_note = _relation_note(config, data.version, edge_path, options.relation_edges, edges, protocol)
     except Exception as err:  # the rest of the report is still worth writing
         logger.warning("report: per-relation MRR not computed: %s", err)
         data.relation_note = f"not computed: {err}"
@@ -260,10 +283,26 @@ def build_report(checkpoint_url: str, options: Optional[ReportOptions] = None) -
         return _build_report(checkpoint_url, options)
 
 
+def _trained_config(checkpoint: CheckpointStorage, version: int) -> dict[str, Any]:
+    """The whole config the version was trained with (model.h5's ``config/json``), else ``config.json``.
+
+    ``config.json`` holds only the keys PBG 1.0.0 reads: a model trained with keys of ours that change its
+    parameters (``reciprocal_relations``) is only scored right with the whole config."""
+    try:
+        text = checkpoint.load_model(version)[2].get("config/json")
+        if isinstance(text, str) and text:
+            full = json.loads(text)
+            if isinstance(full, dict):
+                return full
+    except (OSError, ValueError, CheckpointError):  # a damaged model file: the report says so further on
+        pass
+    return checkpoint.load_config_dict()
+
+
 def _build_report(checkpoint_url: str, options: ReportOptions) -> ReportData:
     committed = open_committed(checkpoint_url)
     checkpoint, version = committed.checkpoint, committed.version
-    raw_config = checkpoint.load_config_dict()
+    raw_config = _trained_config(checkpoint, version)
     data = _training_figures(checkpoint_url, version, raw_config, checkpoint.load_stats())
     try:
         config = parse_config(raw_config)

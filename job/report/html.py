@@ -22,6 +22,11 @@ def _f(value: Optional[float], digits: int = 4) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _titled(title: str, label: str) -> str:
+    """A figure's name with its ranking protocol, e.g. "Held-out MRR per epoch (all candidates, raw)"."""
+    return f"{title} ({label})" if label else title
+
+
 def charts(data: ReportData) -> dict[str, str]:
     """The six SVG charts of the page, by figure id."""
     epochs = [float(r.epoch) for r in data.epochs]
@@ -35,14 +40,15 @@ def charts(data: ReportData) -> dict[str, str]:
     return {
         "loss": svg_line_chart("Training loss per epoch", [("loss", epochs, [r.loss for r in data.epochs], PALETTE[3])],
                                "epoch", "mean loss per edge", "training_stats.json has no loss"),
-        "mrr": svg_line_chart("Held-out MRR per epoch", mrr_series, "epoch", "MRR / Hits@10", data.mrr_note),
+        "mrr": svg_line_chart(_titled("Held-out MRR per epoch", data.heldout_label), mrr_series, "epoch",
+                              "MRR / Hits@10", data.mrr_note),
         "speed": svg_line_chart("Throughput per epoch",
                                 [("edges/s", epochs, [r.edges_per_sec for r in data.epochs], PALETTE[2])],
                                 "epoch", "edges / s of compute", "training_stats.json has no timings"),
         "time": svg_stacked_bars("Where the time went", labels,
                                  [(name, values, color) for (name, color), values in zip(TIME_PARTS, time_values)],
                                  "seconds"),
-        "relations": svg_hbars("MRR per relation (sampled negatives, unfiltered)", data.relation_mrr, "MRR",
+        "relations": svg_hbars(_titled("MRR per relation", data.relation_label), data.relation_mrr, "MRR",
                                data.relation_note),
         "projection": svg_scatter("Embeddings (PCA, coloured by entity type)", data.projection,
                                   data.projection_names, data.projection_note),
@@ -84,16 +90,19 @@ def _facts(data: ReportData) -> list[tuple[str, Any]]:
 
 def _headline(data: ReportData) -> list[tuple[str, str]]:
     final = data.final
-    headline = [("final loss", _f(final.loss)), ("final held-out MRR", _f(final.mrr)),
-                ("final Hits@10", _f(final.hits10)), ("edges/s (last epoch)", _f(final.edges_per_sec, 0))]
+    held_out = data.heldout_label
+    headline = [("final loss", _f(final.loss)), (_titled("final held-out MRR", held_out), _f(final.mrr)),
+                (_titled("final held-out Hits@10", held_out), _f(final.hits10)),
+                ("edges/s (last epoch)", _f(final.edges_per_sec, 0))]
     if data.eval_metrics:
         m = data.eval_metrics
-        headline += [(f"eval MRR ({os.path.basename(data.eval_metrics_source)})", _f(num(m.get("mrr")))),
-                     ("eval Hits@10", _f(num(m.get("hits@10"))))]
+        source = os.path.basename(data.eval_metrics_source)
+        headline += [(f"eval MRR ({source}; {data.eval_metrics_label})", _f(num(m.get("mrr")))),
+                     (f"eval Hits@10 ({source}; {data.eval_metrics_label})", _f(num(m.get("hits@10"))))]
     if data.relation_mrr:
         n = sum(c for _, _, c in data.relation_mrr)
         overall = sum(v * c for _, v, c in data.relation_mrr) / max(n, 1)
-        headline.append(("sampled MRR (per-relation sample)", _f(overall)))
+        headline.append((_titled("MRR of the per-relation sample", data.relation_label), _f(overall)))
     return headline
 
 
@@ -108,6 +117,7 @@ def render_html(data: ReportData) -> str:
     """The page: no script, no stylesheet or font to fetch, so it opens anywhere (mail, artifact stores)."""
     c = charts(data)
     headline = _headline(data)
+    held_out = data.heldout_label
     rel_rows = "".join(f"<tr><td class='k'>{esc(n)}</td><td>{v:.4f}</td><td>{count:,}</td></tr>"
                        for n, v, count in sorted(data.relation_mrr, key=lambda t: -t[1]))
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -124,14 +134,16 @@ def render_html(data: ReportData) -> str:
 <div class="grid">
 <figure id="chart-loss">{c["loss"]}</figure>
 <figure id="chart-mrr">{c["mrr"]}<figcaption>MRR of the edges held out of each bucket (eval_fraction), after
-training on it, averaged over the epoch's buckets.</figcaption></figure>
+training on it, averaged over the epoch's buckets; ranked {esc(data.heldout_label or "(not recorded)")}
+(eval_protocol).</figcaption></figure>
 <figure id="chart-speed">{c["speed"]}<figcaption>Edges trained per second of bucket compute (all Hogwild workers of a
 trainer together).</figcaption></figure>
 <figure id="chart-time">{c["time"]}<figcaption>compute: training the buckets; partition swap: loading and writing
 embedding partitions; edge reading: reading bucket edge files; other: the rest of each pass (held-out evaluation,
 the checkpoint commit, waiting). "other" is shown for single-process runs only.</figcaption></figure>
 </div>
-<table id="epochs"><tr><th>epoch</th><th>edges</th><th>loss</th><th>MRR</th><th>Hits@10</th><th>edges/s</th>
+<table id="epochs"><tr><th>epoch</th><th>edges</th><th>loss</th><th>{esc(_titled("MRR", held_out))}</th>
+<th>{esc(_titled("Hits@10", held_out))}</th><th>edges/s</th>
 <th>compute s</th><th>swap s</th><th>edge read s</th><th>other s</th></tr>{_epoch_rows_html(data)}</table>
 <h2>Per relation</h2>
 <figure id="chart-relations">{c["relations"]}<figcaption>{esc(data.relation_note)}</figcaption></figure>

@@ -49,7 +49,7 @@ def _time_bars(ax: Any, data: ReportData) -> None:
 
 
 def _relations(ax: Any, data: ReportData) -> None:
-    ax.set_title("MRR per relation")
+    ax.set_title("MRR per relation" + (f" ({data.relation_label})" if data.relation_label else ""))
     if data.relation_mrr:
         items = sorted(data.relation_mrr, key=lambda t: t[1])[-25:]
         ax.barh([n[:24] for n, _, _ in items], [v for _, v, _ in items], color=PALETTE[0])
@@ -87,7 +87,8 @@ def render_png(data: ReportData) -> bytes:
     fig, axes = plt.subplots(3, 2, figsize=(12, 13))
     fig.suptitle(f"biggraph report: {data.checkpoint} (version {data.version})", fontsize=12)
     _line(axes[0, 0], epochs, [r.loss for r in data.epochs], "Training loss", "mean loss", "", PALETTE[3])
-    _line(axes[0, 1], epochs, [r.mrr for r in data.epochs], "Held-out MRR", "MRR", "MRR per epoch " + data.mrr_note[:60],
+    held_out = f"Held-out MRR ({data.heldout_label})" if data.heldout_label else "Held-out MRR"
+    _line(axes[0, 1], epochs, [r.mrr for r in data.epochs], held_out, "MRR", "MRR per epoch " + data.mrr_note[:60],
           PALETTE[0])
     _line(axes[1, 0], epochs, [r.edges_per_sec for r in data.epochs], "Throughput", "edges/s", "", PALETTE[2])
     _time_bars(axes[1, 1], data)

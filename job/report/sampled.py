@@ -6,6 +6,8 @@ read the checkpoint (``build_report`` turns any failure here into a note on the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from job.config import ConfigSchema
@@ -23,19 +25,23 @@ def _relation_names(config: ConfigSchema) -> list[str]:
         return [f"relation {i}" for i in range(count)]
 
 
-def relation_mrr(config: ConfigSchema, edge_path: str, budget: int, seed: int) -> list[tuple[str, float, int]]:
-    """Sampled-negative MRR per relation (as ``biggraph eval --candidates sampled``) on at most ``budget`` edges."""
+def relation_mrr(config: ConfigSchema, edge_path: str, budget: int, seed: int
+                 ) -> tuple[list[tuple[str, float, int]], str]:
+    """MRR per relation on at most ``budget`` edges, ranked bucket by bucket under the config's
+    ``eval_protocol`` (``auto`` decided as in training, by the largest partition); returns the rows and the
+    protocol used."""
     # torch and the trainer load only when this figure is computed (--relation-edges 0 skips it)
     import torch
 
+    from job.eval_protocol import largest_partition, resolve_protocol
     from job.evaluation import CheckpointReader, read_checked_edges
     from job.formats import edges as edge_format
-    from job.model.scoring import Table
-    from job.train.batching import EdgeTensors, process_edges
+    from job.train.batching import EdgeTensors
     from job.train.loop import bucket_grid
-    from job.train.step import BatchContext, BatchStats
+    from job.train.step import BatchStats
 
     reader = CheckpointReader(config)
+    protocol = resolve_protocol(config.eval_protocol, config, largest_partition(config, reader.counts))
     names = _relation_names(config)
     nparts_lhs, nparts_rhs = bucket_grid(config)
     buckets = [(lhs, rhs) for lhs in range(nparts_lhs) for rhs in range(nparts_rhs)]
@@ -51,22 +57,44 @@ def relation_mrr(config: ConfigSchema, edge_path: str, budget: int, seed: int) -
         arrays = read_checked_edges(reader, edge_path, lhs_part, rhs_part, 0, min(count, per_bucket))
         edges = EdgeTensors(torch.from_numpy(arrays.rel.astype(np.int64)), torch.from_numpy(arrays.lhs.astype(np.int64)),
                             torch.from_numpy(arrays.rhs.astype(np.int64)))
-        lhs_tables = {i: Table(reader.partition(r.lhs, reader.part_of(r.lhs, lhs_part)), None)
-                      for i, r in enumerate(config.relations)}
-        rhs_tables = {i: Table(reader.partition(r.rhs, reader.part_of(r.rhs, rhs_part)), None)
-                      for i, r in enumerate(config.relations)}
-        ctx = BatchContext(config, reader.model, None, lhs_tables, rhs_tables, config.eval_num_batch_negs,
-                           config.eval_num_uniform_negs)
-        for rel in torch.unique(edges.rel).tolist():
-            selection = torch.nonzero(edges.rel == rel).flatten()
-            with torch.no_grad():
-                stats = process_edges(ctx, edges, selection, config.batch_size, config.dynamic_relations, generator, False)
-            totals.setdefault(int(rel), BatchStats()).add(stats)
+        for rel, stats in _bucket_relation_stats(reader, protocol, edges, lhs_part, rhs_part, generator).items():
+            totals.setdefault(rel, BatchStats()).add(stats)
     out = []
     for rel, stats in sorted(totals.items()):
         if stats.num_ranks:
             name = names[rel] if rel < len(names) else f"relation {rel}"
             out.append((name, stats.ranking_metrics()["mrr"], stats.count))
+    return out, protocol
+
+
+def _bucket_relation_stats(reader: Any, protocol: str, edges: Any, lhs_part: int, rhs_part: int,
+                           generator: Any) -> dict[int, Any]:
+    """One bucket's ranks per relation id, under ``protocol``."""
+    import torch
+
+    from job.model.scoring import Table
+    from job.train.batching import process_edges
+    from job.train.ranking import rank_bucket
+    from job.train.step import BatchContext
+
+    config = reader.config
+    lhs_tables = {i: Table(reader.partition(r.lhs, reader.part_of(r.lhs, lhs_part)), None)
+                  for i, r in enumerate(config.relations)}
+    rhs_tables = {i: Table(reader.partition(r.rhs, reader.part_of(r.rhs, rhs_part)), None)
+                  for i, r in enumerate(config.relations)}
+    ctx = BatchContext(config, reader.model, None, lhs_tables, rhs_tables, config.eval_num_batch_negs,
+                       config.eval_num_uniform_negs)
+    edges = edges.to(reader.device)
+    out = {}
+    for rel in torch.unique(edges.rel).tolist():
+        selection = torch.nonzero(edges.rel == rel).flatten()
+        with torch.no_grad():
+            if protocol == "pbg":
+                out[int(rel)] = process_edges(ctx, edges, selection, config.batch_size, config.dynamic_relations,
+                                              generator, False)
+            else:
+                out[int(rel)] = rank_bucket(config, reader.model, lhs_tables, rhs_tables, edges, selection, protocol,
+                                            generator)
     return out
 
 

@@ -73,6 +73,44 @@ class EdgeTensors:
                            self.lhs_features, self.rhs_features)
 
 
+def split_almost_equally(size: int, parts: int) -> list[slice]:
+    """Exactly ``parts`` consecutive slices of ``range(size)``, their sizes the floor or the ceil of
+    size / parts, the larger ones first (some empty when size < parts).
+
+    This is how PBG 1.0.0 hands a bucket's shuffled edges to its Hogwild workers
+    (torchbiggraph/util.py ``split_almost_equally``, called by train.py ``train_and_report_stats``): every
+    bucket gets one slice per worker whatever its size, so the number of batches per epoch (a slice's last
+    batch of each relation is partial) depends on ``workers``, and so does training.
+    """
+    parts = max(parts, 1)
+    base, larger = divmod(size, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < larger else 0))
+    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def process_slices(
+    ctx: BatchContext,
+    edges: EdgeTensors,
+    slices: list[Tensor],
+    batch_size: int,
+    dynamic: bool,
+    generator: torch.Generator,
+    train: bool,
+) -> BatchStats:
+    """``process_edges`` on each slice in turn, in this process: the batches PBG's workers would take
+    (see ``split_almost_equally``), run one after another. A GPU bucket's CUDA graphs are captured once
+    for all its slices."""
+    graphs = None
+    if GraphedSteps.applies(ctx, train) and edges.lhs_features is None and edges.rhs_features is None:
+        graphs = GraphedSteps(ctx)
+    total = BatchStats()
+    for indices in slices:
+        total.add(process_edges(ctx, edges, indices, batch_size, dynamic, generator, train, graphs=graphs))
+    return total
+
+
 def process_edges(
     ctx: BatchContext,
     edges: EdgeTensors,
@@ -81,8 +119,10 @@ def process_edges(
     dynamic: bool,
     generator: torch.Generator,
     train: bool,
+    graphs: Optional[GraphedSteps] = None,
 ) -> BatchStats:
-    """Run every batch of the edges selected by ``indices`` (already shuffled)."""
+    """Run every batch of the edges selected by ``indices`` (already shuffled); ``graphs``: the bucket's
+    CUDA graphs when its training runs on a GPU (``process_slices`` makes them)."""
     total = BatchStats()
     if indices.numel() == 0:
         return total
@@ -97,9 +137,8 @@ def process_edges(
     lhs_features = select_features(edges.lhs_features, indices.cpu()) if edges.lhs_features is not None else None
     rhs_features = select_features(edges.rhs_features, indices.cpu()) if edges.rhs_features is not None else None
 
-    graphs = None
-    if GraphedSteps.applies(ctx, train) and lhs_features is None and rhs_features is None:
-        graphs = GraphedSteps(ctx)
+    if lhs_features is not None or rhs_features is not None:
+        graphs = None  # batches with feature lists run eagerly
 
     def batch(rel_idx: int, start: int, end: int, rel_ids: Optional[Tensor]) -> BatchStats:
         if graphs is not None:

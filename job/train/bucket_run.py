@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -18,25 +17,22 @@ from typing import Any, Optional
 import torch
 
 from job.config import ConfigSchema
+from job.eval_protocol import largest_partition, protocol_fields, resolve_protocol
 from job.formats import edges as edge_format
 from job.model.scoring import Model, Table
-from job.train.batching import EdgeTensors, process_edges
+from job.train.batching import EdgeTensors, process_edges, process_slices, split_almost_equally
 from job.train.buckets import Bucket
 from job.train.data import edge_limits, edge_tensors
 from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
+from job.train.ranking import rank_bucket
 from job.train.schedule import Iteration
 from job.train.step import BatchContext, BatchStats
 
 logger = logging.getLogger("biggraph")
 
 PartKey = tuple[str, int]
-
-
-def split_almost_equally(n: int, parts: int) -> list[slice]:
-    size = math.ceil(n / parts) if parts else n
-    return [slice(i * size, min(n, (i + 1) * size)) for i in range(parts) if i * size < n]
 
 
 class BucketRunner:
@@ -47,7 +43,8 @@ class BucketRunner:
     relation_optimizer: RelationAdagrad
     store: PartitionStore
     device: torch.device
-    workers: int
+    workers: int  # Hogwild processes (1 on a GPU)
+    slices_per_bucket: int  # PBG's workers: how many slices a bucket's edges are cut into, on every device
     pool: Optional[WorkerPool]
     entity_counts: dict[str, list[int]]
     num_dynamic_rels: int
@@ -115,10 +112,11 @@ class BucketRunner:
         return train_indices.to(self.device), eval_indices.to(self.device), shuffle_generator
 
     def _run_bucket(
-        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, first: bool,
+        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, delayed: bool,
         on_evicted: Optional[Callable[[list[PartKey]], None]] = None, upcoming: Sequence[set[PartKey]] = (),
     ) -> tuple[dict[str, Any], BatchStats, float]:
-        """Train one bucket; returns its stats record, its training sums and its compute seconds."""
+        """Train one bucket; returns its stats record, its training sums and its compute seconds. ``delayed``:
+        Hogwild workers but the first start ``hogwild_delay`` seconds late (PBG: every bucket of epoch 0)."""
         config = self.config
         io_before = self.store.io_seconds
         swap_started = time.perf_counter()
@@ -139,7 +137,7 @@ class BucketRunner:
             # started on first need (small graphs never pay for it), and before the compute clock starts
             self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
         compute_started = time.perf_counter()
-        train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, first)
+        train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, delayed)
         compute_seconds = time.perf_counter() - compute_started
         eval_after = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
         record: dict[str, Any] = {
@@ -151,8 +149,9 @@ class BucketRunner:
             "time": compute_seconds, "io_time": io_seconds, "swap_time": self.store.io_seconds - io_before,
         }
         if eval_before is not None and eval_after is not None:
-            record["eval_stats_before"] = {"count": eval_before.count, "metrics": eval_before.ranking_metrics()}
-            record["eval_stats_after"] = {"count": eval_after.count, "metrics": eval_after.ranking_metrics()}
+            protocol = protocol_fields(self.eval_protocol())
+            record["eval_stats_before"] = {"count": eval_before.count, "metrics": eval_before.ranking_metrics(), **protocol}
+            record["eval_stats_after"] = {"count": eval_after.count, "metrics": eval_after.ranking_metrics(), **protocol}
         logger.debug("bucket %s: %s", bucket, json.dumps(record))
         return record, train_stats, compute_seconds
 
@@ -166,22 +165,39 @@ class BucketRunner:
         )
 
     def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
-               rhs_tables: dict[int, Table], generator: torch.Generator, first: bool) -> BatchStats:
+               rhs_tables: dict[int, Table], generator: torch.Generator, delayed: bool) -> BatchStats:
+        """Train on the shuffled edges ``indices``, cut as PBG 1.0.0 cuts them (torchbiggraph/train.py,
+        ``train_and_report_stats``): exactly ``workers`` slices of floor/ceil sizes, each processed in batches
+        of ``batch_size`` per relation, so a bucket takes PBG's number of optimizer steps whatever its size
+        and device. The slices run on the Hogwild pool when there is one and the bucket is worth it (at
+        least two full batches); otherwise one after another in this process (a GPU, a tiny bucket): the
+        same batches, without the overlap of concurrent workers."""
         config = self.config
+        slices = [indices[s] for s in split_almost_equally(indices.numel(), self.slices_per_bucket)]
         if self.pool is None or indices.numel() < 2 * config.batch_size:
-            return process_edges(self._context(lhs_tables, rhs_tables, True), edges, indices, config.batch_size,
-                                 config.dynamic_relations, generator, True)
-        slices = [indices[s].clone() for s in split_almost_equally(indices.numel(), self.workers)]
+            return process_slices(self._context(lhs_tables, rhs_tables, True), edges, slices, config.batch_size,
+                                  config.dynamic_relations, generator, True)
+        slices = [s.clone() for s in slices]
         seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
-        delays = [0.0] + [config.hogwild_delay if first else 0.0] * (len(slices) - 1)
+        # PBG delays every worker but the first by hogwild_delay on each bucket of epoch 0 (train.py,
+        # train_and_report_stats: ``delay=... if epoch_idx == 0 and rank > 0``)
+        delays = [0.0] + [config.hogwild_delay if delayed else 0.0] * (len(slices) - 1)
         edges.share_memory_()
         return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
                              config.num_uniform_negs, delays)
+
+    def eval_protocol(self) -> str:
+        """The protocol of the held-out ranks (``eval_protocol``; ``auto`` decided by the largest partition a
+        side is ranked against, so every bucket of the run uses the same one)."""
+        return resolve_protocol(self.config.eval_protocol, self.config, largest_partition(self.config, self.entity_counts))
 
     def _evaluate(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
                   rhs_tables: dict[int, Table], generator: torch.Generator) -> BatchStats:
         config = self.config
         eval_tables_l = {r: Table(t.weight, None) for r, t in lhs_tables.items()}
         eval_tables_r = {r: Table(t.weight, None) for r, t in rhs_tables.items()}
+        protocol = self.eval_protocol()
+        if protocol != "pbg":
+            return rank_bucket(config, self.model, eval_tables_l, eval_tables_r, edges, indices, protocol, generator)
         return process_edges(self._context(eval_tables_l, eval_tables_r, False), edges, indices, config.batch_size,
                              config.dynamic_relations, generator, False)

@@ -10,6 +10,9 @@ reads another, and the trainer waits for both. biggraph holds up to ``capacity``
 - with ``prefetch_partitions``, while a bucket trains a background thread writes back the partition
   the next bucket will evict (when the current bucket does not use it) and then reads the one it
   needs into the freed memory: the same loads as without, the buffer never exceeded, the wait gone;
+- distributed trainers hold only the current bucket's partitions (the others may need the rest);
+  with ``prefetch_partitions`` the lock server reserves their next bucket early and they read its
+  missing partitions within the same capacity while the current bucket trains;
 - ``bucket_order: buffer`` (job/train/buckets.py) walks the buckets so that the loads per pass
   come close to the lower bound for the buffer size.
 
@@ -30,6 +33,7 @@ from job.errors import ConfigError
 logger = logging.getLogger("biggraph")
 
 Key = tuple[str, int]  # (entity type, partition)
+PROCESS_FALLBACK_BYTES = 192 * 2**20  # a process with torch loaded, measured ~170-185 MiB anonymous here
 
 
 @dataclass
@@ -41,12 +45,15 @@ class IOStats:
     writes: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    prefetched: int = 0  # loads read in the background before the bucket needing them started (off the critical path)
     blocked_seconds: float = 0.0  # training waited for partition I/O (swaps, not the commit)
     commit_seconds: float = 0.0  # writing every partition into the new version at the end of the pass
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, *, loads: int = 0, reads: int = 0, writes: int = 0, bytes_read: int = 0, bytes_written: int = 0) -> None:
+    def add(self, *, loads: int = 0, reads: int = 0, writes: int = 0, bytes_read: int = 0, bytes_written: int = 0,
+            prefetched: int = 0) -> None:
         with self._lock:
+            self.prefetched += prefetched
             self.loads += loads
             self.reads += reads
             self.writes += writes
@@ -56,6 +63,7 @@ class IOStats:
     def as_record(self) -> dict[str, float]:
         return {"partition_loads": self.loads, "partition_reads": self.reads, "partition_writes": self.writes,
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "partition_loads_prefetched": self.prefetched,
                 "io_blocked_seconds": round(self.blocked_seconds, 3),
                 "commit_seconds": round(self.commit_seconds, 3)}
 
@@ -71,11 +79,32 @@ def unpartitioned_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> i
                for t, e in config.entities.items() if e.num_partitions == 1)
 
 
-def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distributed: bool) -> Optional[int]:
+def process_bytes() -> int:
+    """This process's own memory now (anonymous pages: torch's runtime, the model, buffers), which each
+    Hogwild worker process costs about as much of; a fixed guess where /proc is not there."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return PROCESS_FALLBACK_BYTES
+
+
+def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distributed: bool, processes: int = 1,
+                    runtime_bytes: Optional[int] = None) -> Optional[int]:
     """How many partitions (of partitioned types) the buffer holds; None: exactly the current bucket's, as
-    PBG (distributed trainers must: the partitions they hold are locked from the others). Logs why."""
+    PBG. Logs why. Distributed trainers keep only the current bucket's partitions resident (the partitions
+    they hold are locked from the others); with ``prefetch_partitions`` the capacity bounds those plus the
+    ones read ahead for the reserved next bucket, without it they hold the bucket's only (None).
+
+    ``memory_budget`` is the whole trainer's memory (what a container limit is): the ``processes`` (the
+    trainer and its Hogwild workers) cost ``runtime_bytes`` each (default: measured on this one), the
+    unpartitioned types are held whole, and one partition is in flight at a swap (the one arriving is
+    allocated before every process has let go of the one leaving); the rest is the buffer."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
-    if distributed or not partitioned:
+    if not partitioned or (distributed and not config.prefetch_partitions):
         return None
     total = sum(config.entities[t].num_partitions for t in partitioned)
     per_part = partition_bytes(config, counts)
@@ -84,14 +113,18 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
         capacity, why = config.partition_buffer * len(partitioned), "partition_buffer"
     elif config.memory_budget is not None:
         budget = parse_bytes(config.memory_budget, "memory_budget")
-        fixed = unpartitioned_bytes(config, counts)
+        runtime = processes * (process_bytes() if runtime_bytes is None else runtime_bytes)
+        fixed = unpartitioned_bytes(config, counts) + runtime + per_part
         capacity = (budget - fixed) // per_part if per_part else total
-        why = f"memory_budget {_gib(budget)}, {_gib(fixed)} of it for unpartitioned types"
+        why = (f"memory_budget {_gib(budget)}: {_gib(runtime)} for {processes} process(es), "
+               f"{_gib(unpartitioned_bytes(config, counts))} for unpartitioned types, {_gib(per_part)} for a "
+               "partition in flight")
         if capacity < per_bucket:
             raise ConfigError(
                 f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "
-                f"{_gib(per_part)} next to {_gib(fixed)} of unpartitioned types; a bucket needs {per_bucket}: "
-                f"raise it to at least {_gib(per_bucket * per_part + fixed)} or use more partitions"
+                f"{_gib(per_part)} next to {_gib(fixed)} for the processes, unpartitioned types and a partition in "
+                f"flight; a bucket needs {per_bucket}: raise it to at least {_gib(per_bucket * per_part + fixed)} "
+                "or use more partitions"
             )
     else:
         # one more than a bucket needs: room for the next partition to arrive while another bucket trains
@@ -99,6 +132,8 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
         capacity = per_bucket + extra
         why = "default: a bucket's partitions" + (" + one to swap in the background" if extra else " (PBG)")
     capacity = max(per_bucket, min(capacity, total))
+    if distributed:
+        why += "; distributed: the current bucket's partitions + the next bucket's read ahead, nothing else kept"
     logger.info("partition buffer: %d of %d partitions in memory (%s; up to %s each, %s in all)", capacity, total,
                 why, _gib(per_part), _gib(capacity * per_part))
     return capacity

@@ -11,7 +11,9 @@ socket code of ours), so only members of the job's rendezvous can talk to the se
   a bucket none of whose partitions another trainer holds, prefers buckets that reuse the
   partitions the trainer already holds, honours the initialised-partition rule on the
   first pass, and tracks which buckets are done and which partitions were written into the
-  next (uncommitted) checkpoint version.
+  next (uncommitted) checkpoint version. With ``prefetch_partitions`` it also *reserves* a
+  trainer's next bucket while the current one trains (``reserve``; policy in its docstring), so
+  that the trainer can read that bucket's partitions in the background.
 - ``LockServer`` runs it in a thread on rank 0 and persists its progress into checkpoint
   storage at every bucket boundary; after a lost pod torchrun restarts the group, the new
   rank 0 reads that file and the pass goes on, redoing only the buckets in flight.
@@ -54,6 +56,8 @@ class LockState:
     version: int = 0  # the checkpoint version this pass will commit
     done: set = field(default_factory=set)
     in_flight: dict = field(default_factory=dict)  # rank -> bucket
+    reserved: dict = field(default_factory=dict)  # rank -> its next bucket, granted early (partitions locked)
+    world_size: int = 1  # trainers in the group: how many may want a bucket (the reservation policy)
     locks: dict = field(default_factory=dict)  # key -> rank
     dirty: set = field(default_factory=set)  # keys written into `version` during this pass
     trained_parts: set = field(default_factory=set)  # partition numbers trained this pass
@@ -77,7 +81,8 @@ class LockState:
         return 0 in (bucket.lhs, bucket.rhs) or bool({bucket.lhs, bucket.rhs} & self.trained_parts)
 
     def next_bucket(self, rank: int, held: set, finished: Optional[Bucket], rng: Any) -> tuple[str, Optional[Bucket]]:
-        """Finish ``finished`` (if any) and pick the next bucket for ``rank``: ("bucket", b), ("wait", None) or ("done", None)."""
+        """Finish ``finished`` (if any) and pick the next bucket for ``rank``: ("bucket", b), ("wait", None) or ("done", None).
+        A bucket reserved for ``rank`` is its next one (its partitions are locked for it already)."""
         if finished is not None and self.in_flight.get(rank) == finished:
             self.done.add(finished)
             self.trained_parts.update((finished.lhs, finished.rhs))
@@ -85,16 +90,12 @@ class LockState:
             if self.bucket_keys[finished]:
                 self.unsaved.setdefault(rank, {})[finished] = set(self.bucket_keys[finished])
         self.in_flight.pop(rank, None)
-        candidates = []
-        busy = {b for r, b in self.in_flight.items() if r != rank}
-        for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs):
-            if bucket in self.done or bucket in busy:
-                continue
-            if any(self.locks.get(key, rank) != rank for key in self.bucket_keys[bucket]):
-                continue
-            if not self._eligible(bucket):
-                continue
-            candidates.append(bucket)
+        ahead = self.reserved.pop(rank, None)
+        if ahead is not None:
+            self.in_flight[rank] = ahead
+            self.acquired += 1
+            return "bucket", ahead
+        candidates = self._open_to(rank)
         if not candidates:
             remaining = self.total - len(self.done)
             return ("done", None) if remaining == 0 else ("wait", None)
@@ -107,11 +108,80 @@ class LockState:
         self.acquired += 1
         return "bucket", choice
 
+    def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
+        """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
+        another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
+        trained, i.e. those of the bucket ``rank`` trains before this one)."""
+        taken = set(self.in_flight.values()) | set(self.reserved.values())
+        return [bucket for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs)
+                if bucket not in self.done and bucket not in taken
+                and all(self.locks.get(key, rank) == rank for key in self.bucket_keys[bucket])
+                and (self._eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))]
+
+    def reserve(self, rank: int, rng: Any) -> Optional[Bucket]:
+        """Grant ``rank``'s next bucket now, while it trains its current one, and lock its partitions for it.
+
+        Policy (no starvation): a reservation never takes a partition another rank holds (the usual rule), and
+        it takes a *free* partition only if the other ranks still waiting for work (every other rank without a
+        reservation) keep at least one open bucket each that the new locks do not touch. Among the grantable
+        buckets the one needing the fewest new partitions wins (then random): usually a bucket sharing the
+        current one's partitions, which costs nobody anything and the trainer no read. None: nothing fits (the
+        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time."""
+        current = self.in_flight.get(rank)
+        if current is None or rank in self.reserved:
+            return self.reserved.get(rank)
+        mine = {key for key, owner in self.locks.items() if owner == rank}
+        by_cost: dict[int, list[Bucket]] = {}
+        for bucket in self._open_to(rank, frozenset((current.lhs, current.rhs))):
+            by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
+        if not by_cost:
+            return None
+        open_to_others = self._open_to_others(rank)
+        for cost in sorted(by_cost):
+            group = by_cost[cost]
+            rng.shuffle(group)
+            for bucket in group:
+                new = self.bucket_keys[bucket] - mine
+                if new and not self._leaves_enough(rank, new, open_to_others):
+                    continue
+                for key in new:
+                    self.locks[key] = rank
+                self.reserved[rank] = bucket
+                return bucket
+        return None
+
+    def _open_to_others(self, rank: int) -> dict[Bucket, frozenset]:
+        """Buckets some other rank could take now (keys: their partitions): none locked by ``rank``, all the
+        locked ones held by one and the same rank."""
+        taken = set(self.in_flight.values()) | set(self.reserved.values())
+        out = {}
+        for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs):
+            if bucket in self.done or bucket in taken or not self._eligible(bucket):
+                continue
+            keys = self.bucket_keys[bucket]
+            owners = {self.locks[key] for key in keys if key in self.locks}
+            if rank not in owners and len(owners) <= 1:
+                out[bucket] = keys
+        return out
+
+    def _leaves_enough(self, rank: int, new: frozenset, open_to_others: dict[Bucket, frozenset]) -> bool:
+        """Whether the other ranks that still need a next bucket find one each after ``rank`` locks ``new``."""
+        demand = self.world_size - 1 - sum(1 for other in self.reserved if other != rank)
+        if demand <= 0:
+            return True
+        left = sum(1 for keys in open_to_others.values() if not keys & new)
+        return left >= demand
+
     def release(self, rank: int, keys: list, written: bool = True) -> None:
-        """``rank`` wrote ``keys`` into the next version and gives up their locks."""
+        """``rank`` wrote ``keys`` into the next version and gives up their locks (but not those its current or
+        reserved bucket needs: that bucket would lose them to another rank)."""
+        needed: set[PartKey] = set()
+        for bucket in (self.in_flight.get(rank), self.reserved.get(rank)):
+            if bucket is not None:
+                needed |= self.bucket_keys[bucket]
         for key in keys:
             key = tuple(key)
-            if self.locks.get(key) == rank:
+            if self.locks.get(key) == rank and key not in needed:
                 del self.locks[key]
             if written:
                 self.dirty.add(key)
@@ -123,9 +193,11 @@ class LockState:
 
     def forget_rank_locks(self) -> None:
         """After a restart nobody holds anything: in-flight buckets will be redone, and so will finished ones
-        whose partitions were still held (their updates were never written)."""
+        whose partitions were still held (their updates were never written). Reserved buckets were never
+        started: they go back to the queue, not counted as redone."""
         self.redone += len(self.in_flight)
         self.in_flight.clear()
+        self.reserved.clear()
         lost = {b for pending in self.unsaved.values() for b in pending}
         self.done -= lost
         self.redone += len(lost)
@@ -136,6 +208,7 @@ class LockState:
         return {
             "version": self.version, "done": sorted(list(b) for b in self.done),
             "in_flight": {str(r): list(b) for r, b in self.in_flight.items()},
+            "reserved": {str(r): list(b) for r, b in self.reserved.items()},
             "dirty": sorted([list(k) for k in self.dirty]), "trained_parts": sorted(self.trained_parts),
             "redone": self.redone, "acquired": self.acquired, "records": self.records,
             "unsaved": {str(r): [[*b, sorted([list(k) for k in keys])] for b, keys in pending.items()]
@@ -145,6 +218,7 @@ class LockState:
     def restore(self, data: dict[str, Any]) -> None:
         self.done = {Bucket(*b) for b in data.get("done", [])}
         self.in_flight = {int(r): Bucket(*b) for r, b in data.get("in_flight", {}).items()}
+        self.reserved = {int(r): Bucket(*b) for r, b in data.get("reserved", {}).items()}
         self.dirty = {(k[0], int(k[1])) for k in data.get("dirty", [])}
         self.trained_parts = set(data.get("trained_parts", []))
         self.redone = int(data.get("redone", 0))
@@ -214,6 +288,10 @@ class LockServer:
                 reply.update(kind=kind, bucket=list(bucket) if bucket else None,
                              dirty=[list(k) for k in self.state.dirty])
                 self._persist()
+            elif op == "reserve":
+                # not persisted: a reservation is never started work, so a restart has nothing of it to redo
+                bucket = self.state.reserve(rank, self.rng)
+                reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
             elif op == "release":
                 self.state.release(rank, request["keys"], written=request.get("written", True))
                 self._persist()
@@ -266,6 +344,13 @@ class LockClient:
                                "finished": list(finished) if finished else None, "record": record})
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
         return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
+
+    def reserve(self) -> tuple[Optional[Bucket], set]:
+        """This rank's next bucket, granted while the current one trains (None: not now), and the partitions
+        written this pass so far (where to read the reserved bucket's partitions from)."""
+        reply, _ = self._call({"op": "reserve"})
+        bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
+        return bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
 
     def release(self, keys: list, written: bool = True) -> None:
         self._call({"op": "release", "keys": [list(k) for k in keys], "written": written})

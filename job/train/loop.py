@@ -20,6 +20,7 @@ import torch
 import storage_adapters as storage
 from job.config import BucketOrder, ConfigSchema
 from job.errors import CheckpointError
+from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
@@ -37,6 +38,7 @@ from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
+from job.train.precision import training_dtype
 from job.train.schedule import (
     BucketScheduler,
     Iteration,
@@ -64,8 +66,8 @@ class Trainer(BucketRunner):
         finish_committed_grow(config.checkpoint_path, clean_uncommitted=os.environ.get("RANK", "0") == "0")
         validate_cheap(config)
         self.device = pick_device(config)
-        if config.half_precision:
-            logger.warning("half_precision is accepted for PBG configs but not implemented: training in float32")
+        # scores and products in compute_dtype (half_precision's on a GPU); a device without it fails here
+        self.compute_dtype = training_dtype(config, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.entity_counts = read_entity_counts(config)
@@ -97,9 +99,14 @@ class Trainer(BucketRunner):
         self.reporter = make_reporter(config, rank=self.rank, total_passes=len(self.iterations),
                                       buckets_per_pass=self.nparts_lhs * self.nparts_rhs)
         self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
+        # PBG cuts every bucket into one slice per worker; a GPU trains them one after another
+        self.slices_per_bucket = config.effective_workers()
         self.pool: Optional[WorkerPool] = None
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
-        self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None)
+        processes = 1 + (self.workers if self.workers > 1 else 0)  # the trainer and its Hogwild workers
+        self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None,
+                                              processes=processes)
+        self.store.exclusive = self.dist is not None  # what a trainer holds is locked from the others
         self.scheduler, self.sync = self._make_scheduler()
 
     def _open_checkpoint(self) -> None:
@@ -130,6 +137,7 @@ class Trainer(BucketRunner):
     def _build_model(self) -> None:
         config = self.config
         self.model = Model(config, self.num_dynamic_rels).to(self.device)
+        self.model.compute_dtype = self.compute_dtype
         for entity_type, entity in config.entities.items():
             frozen_global = self.model.global_emb(entity_type) if entity.frozen else None
             if frozen_global is not None:
@@ -177,9 +185,22 @@ class Trainer(BucketRunner):
             init = CheckpointStorage(self.config.init_path)
             init_version = init.load_version()
             if init.has_model(init_version):
-                params, _, _ = init.load_model(init_version)
+                params, optim_state, _ = init.load_model(init_version)
                 self.model.load_public_state_dict(params, init.model_file(init_version))
+                self._load_init_optimizer(optim_state, init.model_file(init_version))
             logger.info("initialising embeddings from %s", self.config.init_path)
+
+    def _load_init_optimizer(self, optim_state: Optional[dict[str, Any]], where: str) -> None:
+        """The relation parameters' Adagrad sums from ``init_path``, as PBG 1.0.0 loads them
+        (torchbiggraph/train.py, train_and_report_stats: ``global_optimizer.load_state_dict``). A model of
+        another shape (other relations or operators) keeps its values loaded where they fit and zero sums."""
+        try:
+            self.relation_optimizer.load_state_dict(optim_state, where)
+        except CheckpointError as err:
+            for s in self.relation_optimizer.sums:
+                s.zero_()
+            self.relation_optimizer.steps.zero_()
+            logger.warning("init_path: relation optimizer state not loaded (%s); starting with zero sums", err)
 
     def _metadata(self, iteration: Iteration) -> dict[str, Any]:
         return {
@@ -220,9 +241,11 @@ class Trainer(BucketRunner):
             # the pass's MRR is the same on every rank (``BucketScheduler.publish``): all stop together
             eval_mrr = pass_stats.get("eval_mrr")
             if self._ends_epoch(iteration) and config.early_stopping and eval_mrr is not None:
-                logger.info("early stopping check after epoch %d: eval MRR %.6f", iteration.epoch + 1, eval_mrr)
+                label = protocol_label(self.eval_protocol())
+                logger.info("early stopping check after epoch %d: eval MRR %.6f (%s)", iteration.epoch + 1, eval_mrr,
+                            label)
                 if last_eval is not None and eval_mrr < last_eval:
-                    logger.info("early stopping: eval MRR fell from %.4f to %.4f", last_eval, eval_mrr)
+                    logger.info("early stopping: eval MRR fell from %.4f to %.4f (%s)", last_eval, eval_mrr, label)
                     break
                 last_eval = eval_mrr
         self.finished_ok = True
@@ -279,9 +302,10 @@ class Trainer(BucketRunner):
             following, needs = self.scheduler.upcoming()
             if following:  # object stores: download the next bucket while this one trains
                 prefetch(edge_format.edges_file(edge_path, following[0].lhs, following[0].rhs))
-            first = self.scheduler.delays_first_bucket and iteration.index == self.first_index and bucket_idx == 0
+            # PBG staggers its workers on every bucket of epoch 0 (torchbiggraph/train.py, train_and_report_stats)
+            delayed = self.scheduler.delays_hogwild and iteration.epoch == 0
             record, stats, compute_seconds = self._run_bucket(
-                iteration, bucket, bucket_idx, edge_path, seed_base, first=first,
+                iteration, bucket, bucket_idx, edge_path, seed_base, delayed=delayed,
                 on_evicted=self.scheduler.release, upcoming=needs,
             )
             record["rank"] = self.rank
@@ -309,7 +333,7 @@ class Trainer(BucketRunner):
     def _io_record(self, resident_at_start: int) -> dict[str, Any]:
         """What the pass cost in partition I/O, beside the fewest loads its buffer allows (square grids)."""
         record: dict[str, Any] = self.store.stats.as_record()
-        if self.store.capacity is not None and self.nparts_lhs == self.nparts_rhs:
+        if self.store.capacity is not None and not self.store.exclusive and self.nparts_lhs == self.nparts_rhs:
             partitioned = max(1, sum(1 for e in self.config.entities.values() if e.num_partitions > 1))
             record["partition_loads_lower_bound"] = partitioned * lower_bound_loads(
                 self.nparts_lhs, self.buffer_slots(), resident_at_start // partitioned)

@@ -1,7 +1,9 @@
 """Which embedding partitions are in memory, and swapping them through checkpoint storage.
 
 Up to ``capacity`` partitions of partitioned types are held (job/train/buffer.py), plus the
-unpartitioned types; with no capacity (distributed trainers), exactly the current bucket's. A
+unpartitioned types. ``exclusive`` stores (distributed trainers: what they hold is locked from the
+others) keep exactly the current bucket's partitions, plus, within ``capacity``, those of the next
+bucket read ahead (no capacity: no read-ahead, as PBG). A
 partition leaving memory is written into the *next*, uncommitted checkpoint version, exactly as
 PBG does: the committed version stays intact until the pass ends and the version marker moves,
 so a crash at any moment — a background write included — leaves a loadable checkpoint.
@@ -71,6 +73,7 @@ class PartitionStore:
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
         self.capacity: Optional[int] = None  # partitioned partitions held at most (None: the bucket's only)
+        self.exclusive = False  # distributed: resident = the current bucket's (+ the next one's read ahead)
         self.stats = IOStats()
 
     @property
@@ -85,7 +88,9 @@ class PartitionStore:
         table = self.loaded.get(key)
         if table is None:
             pending = self.pending.pop(key, None)
-            self.prefetched_reads += pending is not None
+            if pending is not None:
+                self.prefetched_reads += 1
+                self.stats.add(prefetched=1)
             if pending is None:
                 self._wait_written(key)  # a background write-back of it must land before it is read again
             table = self._place(key, pending.result() if pending is not None else self._read(key))
@@ -139,9 +144,11 @@ class PartitionStore:
     def hold(self, keys: set[Key], upcoming: Sequence[set[Key]] = ()) -> list[Key]:
         """Make ``keys`` resident within the buffer; when it is full, write out the partition needed again
         latest in ``upcoming`` (the buckets after this one). Returns the partitions written out."""
-        if self.capacity is None:
-            return self.hold_only(keys)
         started = time.perf_counter()
+        if self.capacity is None or self.exclusive:
+            evicted = self.hold_only(keys)
+            self.stats.blocked_seconds += time.perf_counter() - started
+            return evicted
         evicted = []
         for key in sorted(keys):
             if key in self.loaded or key in self.pending or not self.is_partitioned(key):
@@ -162,8 +169,15 @@ class PartitionStore:
         """While the current bucket trains: in the background, write back what the following bucket will
         evict and read what it needs into the room it frees. The victim is the one ``hold`` would pick for
         the following bucket (so the loads stay those of the plan); when that one is in use by the current
-        bucket, nothing happens early and ``hold`` swaps in the foreground. The buffer is never exceeded."""
+        bucket, nothing happens early and ``hold`` swaps in the foreground. The buffer is never exceeded.
+        ``exclusive`` (distributed): nothing is evicted early (the rest were written back when the bucket
+        started); as many of the following bucket's partitions are read as the buffer has room for."""
         if self.capacity is None:
+            return
+        if self.exclusive:
+            missing = sorted(k for k in following if self.is_partitioned(k) and k not in self.loaded)
+            room = max(0, self.capacity - len(self._held_partitioned()))
+            self.prefetch(set(missing[:room]))
             return
         for key in sorted(following):
             if key in self.loaded or key in self.pending or not self.is_partitioned(key):
@@ -217,15 +231,16 @@ class PartitionStore:
         if source is not None:
             storage, version = source
             array, state = storage.load_entity_partition(version, entity_type, part, out=weight.numpy())
+            # from init_path too: PBG 1.0.0 loads the Adagrad state saved beside the embeddings it starts from
+            # (torchbiggraph/train.py, load_embeddings and swap_partitioned_embeddings); none saved: zero sums
             optim_sum, step = _sum_from_state(state, count)
-            if storage is self.init_storage:
-                optim_sum, step = None, 0  # init_path provides values, not optimizer history
             nbytes = array.nbytes
             self.stats.add(reads=1, bytes_read=nbytes + count * 4)
         else:
             generator = torch.Generator()
             generator.manual_seed(_stable_seed(self.config.seed, entity_type, part))
-            weight.normal_(0.0, 1.0, generator=generator).mul_(self.config.init_scale)
+            std = self.config.init_std(entity_type, sum(self.counts[entity_type]))
+            weight.normal_(0.0, 1.0, generator=generator).mul_(std)
             step = 0
         self.stats.add(loads=1)
         return _Read(weight, optim_sum, step, time.perf_counter() - started, nbytes)
@@ -281,6 +296,14 @@ class PartitionStore:
 
     def resident_partitioned(self) -> set[Key]:
         return {k for k in self.loaded if self.is_partitioned(k)}
+
+    def evict_except(self, keys: set[Key]) -> list[Key]:
+        """Write out every resident partitioned partition not in ``keys`` (distributed: at the start of a bucket,
+        before asking for the next one); returns those written out."""
+        evicted = sorted(k for k in self.resident_partitioned() if k not in keys)
+        for key in evicted:
+            self.evict(key)
+        return evicted
 
     def evict_partitioned(self) -> list[Key]:
         """Write out every resident partitioned partition (distributed: before giving up their locks)."""

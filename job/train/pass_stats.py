@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from job.eval_protocol import recorded_label
 from job.train.schedule import Iteration, PassGather
 
 
 def weighted(records: Sequence[dict[str, Any]], key: str) -> Optional[dict[str, Any]]:
-    """``{"count", "metrics"}`` of the records' ``key`` entries, metrics averaged weighted by count; None
-    when no record has one."""
+    """``{"count", "metrics"}`` of the records' ``key`` entries, metrics averaged weighted by count, with the
+    entries' ``protocol`` and ``filtered`` when they all agree on them; None when no record has one."""
     entries = [r[key] for r in records if key in r]
     if not entries:
         return None
@@ -24,7 +25,12 @@ def weighted(records: Sequence[dict[str, Any]], key: str) -> Optional[dict[str, 
     for entry in entries:
         for name, value in entry["metrics"].items():
             sums[name] = sums.get(name, 0.0) + value * entry["count"]
-    return {"count": count, "metrics": {name: total / max(count, 1) for name, total in sums.items()}}
+    out: dict[str, Any] = {"count": count, "metrics": {name: total / max(count, 1) for name, total in sums.items()}}
+    for field in ("protocol", "filtered"):
+        values = {e.get(field) for e in entries}
+        if len(values) == 1 and None not in values:
+            out[field] = values.pop()
+    return out
 
 
 def add_io(own: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -78,7 +84,7 @@ def pass_message(iteration: Iteration, num_epochs: int, num_edge_paths: int, num
     evaluated = summary.get("eval_stats_after")
     if evaluated is not None:
         message += (f", eval MRR {evaluated['metrics']['mrr']:.4f} "
-                    f"(hits@10 {evaluated['metrics']['hits@10']:.4f})")
+                    f"(hits@10 {evaluated['metrics']['hits@10']:.4f}, {recorded_label(evaluated)})")
     if buffered:
         message += (f"; partitions: {summary['partition_loads']} loads (lower bound "
                     f"{summary.get('partition_loads_lower_bound', '-')}), {summary['partition_reads']} read "

@@ -11,10 +11,14 @@ whether it runs alone (PBG splits its trainer the same way: a bucket scheduler a
 
 Prefetch (the next bucket's edge file and, with ``prefetch_partitions``, its partitions while the
 current bucket trains) needs ``upcoming()``: the buckets this process will train next, whose
-partitions no other process can write meanwhile. Locally that is the rest of the pass. The lock
-server picks a rank's next bucket only when the rank finishes the current one (it depends on what
-the other ranks hold and finish by then), so a distributed run cannot say which bucket comes next
-and prefetches nothing at all: no edge file, no partition.
+partitions no other process can write meanwhile. Locally that is the rest of the pass. In a group
+the lock server picks buckets as ranks ask, so the rank asks for its next one early: right after it
+receives a bucket (and has written back and released the partitions the new bucket does not use) it
+asks the server to *reserve* the following one (``LockState.reserve``: the reserved bucket's
+partitions are locked for this rank, and it is granted only when it leaves the other ranks work).
+``upcoming()`` is then that one bucket, and the trainer reads its missing partitions in the background
+within the buffer (``PartitionStore.prepare``) while the current bucket trains. Without
+``prefetch_partitions`` nothing is reserved and nothing read ahead (PBG's behaviour).
 
 Pass results: the committing process gets every bucket's record (``gather``) and builds the pass
 summary from those alone (job/train/pass_stats.py), so both modes write the same stats lines. The eval
@@ -73,7 +77,7 @@ class BucketScheduler(ABC):
     """The buckets of a pass for this process, in order; see the module docstring for prefetch."""
 
     commits: bool = True  # this process writes the new version and the pass's stats lines
-    delays_first_bucket: bool = True  # the run's first bucket staggers its Hogwild workers (hogwild_delay)
+    delays_hogwild: bool = True  # the buckets of epoch 0 stagger their Hogwild workers (hogwild_delay), as PBG
 
     @abstractmethod
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
@@ -165,9 +169,10 @@ def read_progress(checkpoint_path: str, version: int) -> Optional[dict[str, Any]
 
 
 class LockServerScheduler(BucketScheduler):
-    """Buckets from the lock server on rank 0, one at a time (no prefetch: see the module docstring)."""
+    """Buckets from the lock server on rank 0: the current one, and with ``prefetch_partitions`` the next one
+    reserved early (see the module docstring)."""
 
-    delays_first_bucket = False
+    delays_hogwild = False
 
     def __init__(self, ctx: DistributedContext, config: ConfigSchema, store: PartitionStore,
                  checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[dict[str, Any]],
@@ -184,15 +189,17 @@ class LockServerScheduler(BucketScheduler):
         self.client = LockClient(ctx.store, ctx.rank)
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
+        self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
         self.round_tag = ""
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         self.round_tag = f"{self.ctx.restart_count}-{pass_index}"
         self.current = None
+        self.ahead = None
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
-                              version=version + 1)
+                              version=version + 1, world_size=self.ctx.world_size)
             if self.progress is not None and self.progress.get("version") == version + 1:
                 state.restore(self.progress)
                 state.forget_rank_locks()
@@ -217,12 +224,32 @@ class LockServerScheduler(BucketScheduler):
                 return None
             if kind == "wait" or bucket is None:
                 # give our partitions back so that nobody waits on us, then ask again
-                self.end_buckets()
+                self.store.stats.blocked_seconds += self._give_back()
                 waits += 1
                 time.sleep(min(0.05 * waits, 0.5))
                 continue
             self.current = bucket
+            self.ahead = None
+            if self.config.prefetch_partitions:
+                self._reserve_next(bucket)
             return bucket
+
+    def _reserve_next(self, bucket: Bucket) -> None:
+        """Write back and release what ``bucket`` does not use (so that the reservation sees this rank's locks
+        as they will be while it trains), then ask for the next bucket; its partitions' sources are those the
+        server knows now (they are locked for this rank from here on, so nobody else writes them)."""
+        started = time.perf_counter()
+        evicted = self.store.evict_except(set(self.bucket_keys[bucket]))
+        if evicted:
+            self.release(evicted)
+        self.store.stats.blocked_seconds += time.perf_counter() - started
+        self.ahead, dirty = self.client.reserve()
+        self.store.written = set(dirty)
+
+    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
+        if self.ahead is None:
+            return (), ()
+        return (self.ahead,), (set(self.bucket_keys[self.ahead]),)
 
     def release(self, keys: list[PartKey]) -> None:
         """Give partitions back once their files are stored: on object stores uploads run in the background,
@@ -231,9 +258,16 @@ class LockServerScheduler(BucketScheduler):
         self.client.release(keys)
 
     def end_buckets(self) -> None:
+        """After the last bucket: write back and release every partition (this rank's share of the commit)."""
+        self.store.stats.commit_seconds += self._give_back()
+
+    def _give_back(self) -> float:
+        """Write back and release every partition this rank holds; returns the seconds it took."""
+        started = time.perf_counter()
         released = self.store.evict_partitioned()
         if released:
             self.release(released)
+        return time.perf_counter() - started
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
         self.ctx.store.set(f"biggraph/pass-io/{self.round_tag}/{self.ctx.rank}", json.dumps(own_io))

@@ -347,8 +347,15 @@ def _run_featurized_batch(
         )
         stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
-        for table, uniq, leaf in leaves:
-            row_adagrad(table, uniq, leaf.grad, config.lr)
+        (lhs_table, lhs_uniq, lhs_leaf), (rhs_table, rhs_uniq, rhs_leaf) = leaves
+        if lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr():
+            # one entity type on both sides: one Adagrad step per feature row with both sides' gradients
+            # summed, as PBG's RowAdagrad steps the one shared parameter once (torchbiggraph/train.py,
+            # Trainer.process_one_batch: one backward, then one step per entity optimizer)
+            row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), cat_grads(lhs_leaf, rhs_leaf), config.lr)
+        else:
+            row_adagrad(lhs_table, lhs_uniq, lhs_leaf.grad, config.lr)
+            row_adagrad(rhs_table, rhs_uniq, rhs_leaf.grad, config.lr)
         if ctx.relation_optimizer is not None:
             ctx.relation_optimizer.step()
     return stats

@@ -1,0 +1,53 @@
+"""Named sets of defaults (``preset: quality``), expanded into the raw config before it is parsed.
+
+A preset only fills in keys the config leaves out, so a user can start from it and change any one key;
+its expansion is what ``config.json`` records (together with the ``preset`` key itself, which then sets
+nothing more). Relation-level keys are filled into every relation type that leaves them out.
+docs/quality-preset.md documents each preset's keys and the experiments behind them; a test holds that
+page to this table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from job.config.base import ConfigKeyError
+
+# name -> (top-level keys, keys of every relation type)
+PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "quality": (
+        {
+            "reciprocal_relations": True,
+            "init_method": "xavier",
+            "loss_fn": "softmax",
+            "comparator": "dot",
+            "global_emb": False,
+            "lr": 0.3,
+            "batch_size": 500,
+            "num_batch_negs": 0,
+            "num_uniform_negs": 0,
+        },
+        {"all_negs": True},
+    ),
+}
+
+
+def expand_preset(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with its preset's defaults filled in (a copy; ``raw`` itself when it names no preset)."""
+    name = raw.get("preset")
+    if name is None:
+        return raw
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigKeyError(
+            f"config key 'preset': unknown preset {name!r} (expected one of {', '.join(PRESETS)})", ["preset"]
+        )
+    top, per_relation = PRESETS[name]
+    out = dict(raw)
+    for key, value in top.items():
+        out.setdefault(key, value)
+    relations = out.get("relations")
+    if isinstance(relations, list):
+        out["relations"] = [
+            {**per_relation, **relation} if isinstance(relation, dict) else relation for relation in relations
+        ]
+    return out

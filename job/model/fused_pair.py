@@ -1,0 +1,165 @@
+"""Both sides of a static relation scored together, by hand; under ``dot``, the operator on the anchors.
+
+A static relation scores (u, r, v) as ``c(u, f_r(v))``, the operator on the rhs only. Each side's
+positives are the other side's anchors, and the two sides' batch products are each other's
+transpose, so ``pair_scores`` computes that product once (``job.model.fused.score_side`` does the rest).
+
+With the ``dot`` comparator and an operator ``f(x) = L x + t`` (every PBG operator: ``t`` is zero but
+for translation and affine), the rhs side's uniform negatives v' score
+
+    <u, L v' + t> = <L^T u, v'> + <u, t>
+
+so ``fused_pair_adjoint`` applies ``L^T`` (``Operator.adjoint``: the transpose, the conjugate for
+complex_diagonal) to the B anchors u and adds ``<u, t>`` to their rows of scores, instead of applying
+``f`` to every unique rhs row and differentiating it: on a mid-size graph those are the ~20k distinct
+uniform draws of a batch against ~1000 anchors, and the operator's forward and backward over them
+was a third of the batch. The rhs positives (batch negatives and positive scores) are still scored
+after ``f``; only B rows of them. The rows' gradients are taken through ``L`` by hand (``L`` for the
+anchors, ``L^T`` for the positives), and the operator's parameters get theirs from autograd, from the
+transformed positives, the anchors' adjoint and the shift: the same sums as before, grouped otherwise.
+The ``cos`` comparator normalises ``f(v')`` and the distance comparators are not inner products: they
+keep ``fused_pair`` (``cos``) or the autograd path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from job.model.fused import ScoringSetup, SideResult, attach_gradients, chunk_rows, flowed, score_side
+from job.model.operators import Operator
+
+# Off: ``fused_pair`` applies the operator to every rhs row, as before (a switch for the benchmark and tests).
+ADJOINT_ENABLED = True
+
+
+def adjoint_applies(comparator: str, operator: Operator) -> bool:
+    """Whether ``fused_pair_adjoint`` serves this comparator and (static) operator."""
+    return ADJOINT_ENABLED and comparator == "dot" and not operator.dynamic and "linear" in vars(operator.spec)
+
+
+def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, rhs_inv: Tensor,
+               lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool,
+               disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
+    """Both sides of a static relation: each side's positives are the other's anchors.
+
+    ``lhs`` / ``rhs``: the prepared unique rows of each side (rhs after the operator). Each row's gradient
+    from every role it plays (positive, anchor, negative) is summed before autograd sees it.
+    """
+    with torch.no_grad():
+        d_left, d_right = torch.zeros_like(lhs), torch.zeros_like(rhs)
+        left, right = setup.low(lhs.detach()), setup.low(rhs.detach())
+        pair = pair_scores(setup, left, right, left.index_select(0, lhs_inv), right.index_select(0, rhs_inv),
+                           lhs_neg_inv, rhs_neg_inv, disable_lhs, disable_rhs, d_left, d_right)
+        d_left.index_add_(0, lhs_inv, pair.d_left_pos)
+        d_right.index_add_(0, rhs_inv, pair.d_right_pos)
+    loss = attach_gradients(pair.loss, (lhs, rhs), (d_left, d_right))
+    return loss, pair.lhs_side, pair.rhs_side
+
+
+def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor,
+                       rhs_inv: Tensor, lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor],
+                       disable_lhs: bool, disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
+    """``fused_pair`` for ``dot`` with ``lhs`` / ``rhs`` the unique rows *before* the rhs ``operator``.
+
+    ``lhs is rhs`` (one gather for both sides) shares one gradient buffer.
+    """
+    num_pos = lhs_inv.shape[0]
+    with torch.no_grad():
+        left_raw, right_raw = lhs.detach().index_select(0, lhs_inv), rhs.detach().index_select(0, rhs_inv)
+    # autograd reaches the operator's parameters from here, not the rows (detached: theirs are taken by hand)
+    right_pos = operator(right_raw)
+    uniform = not disable_rhs and rhs_neg_inv is not None and rhs_neg_inv.numel() > 0
+    anchor = operator.adjoint(left_raw) if uniform else None
+    anchor = None if anchor is left_raw else anchor  # the identity: score the uniform draws against u itself
+    translation = operator.additive() if uniform else None
+    shift = None if translation is None else (left_raw * translation).sum(1)
+    with torch.no_grad():
+        same = lhs is rhs
+        d_left = torch.zeros_like(lhs)
+        d_right = d_left if same else torch.zeros_like(rhs)
+        left = setup.low(lhs.detach())
+        right = left if same else setup.low(rhs.detach())
+        pair = pair_scores(setup, left, right, left.index_select(0, lhs_inv), setup.low(right_pos.detach()),
+                           lhs_neg_inv, rhs_neg_inv, disable_lhs, disable_rhs, d_left, d_right,
+                           None if anchor is None else setup.low(anchor.detach()),
+                           None if shift is None else shift.detach())
+        d_left_pos = pair.d_left_pos
+        d_anchor = d_shift = None
+        if anchor is not None:
+            d_anchor = flowed(pair.rhs_side.d_uniform_anchor, "uniform anchors")[:num_pos]
+            d_left_pos = d_left_pos.add_(operator.linear(d_anchor))  # d u = L d(L^T u)
+        if shift is not None and translation is not None:
+            d_shift = flowed(pair.rhs_side.d_shift, "shift")[:num_pos]
+            d_left_pos = d_left_pos.addr_(d_shift, translation)  # d u = t d<u, t>
+        d_left.index_add_(0, lhs_inv, d_left_pos)
+        d_right.index_add_(0, rhs_inv, operator.adjoint(pair.d_right_pos))  # d v = L^T d(L v + t)
+    inputs, grads = [lhs], [d_left]
+    if not same:
+        inputs.append(rhs)
+        grads.append(d_right)
+    for value, grad in ((right_pos, pair.d_right_pos), (anchor, d_anchor), (shift, d_shift)):
+        if value is not None and grad is not None and value.requires_grad:
+            inputs.append(value)
+            grads.append(grad)
+    return attach_gradients(pair.loss, inputs, grads), pair.lhs_side, pair.rhs_side
+
+
+@dataclass
+class PairResult:
+    loss: Tensor  # both sides' (no gradient attached)
+    lhs_side: SideResult
+    rhs_side: SideResult
+    d_left_pos: Tensor  # (B, d): the gradient with respect to the lhs positives, every role summed
+    d_right_pos: Tensor  # (B, d): the same for the rhs positives (as scored: after the operator)
+
+
+def pair_scores(setup: ScoringSetup, left: Tensor, right: Tensor, left_pos: Tensor, right_pos: Tensor,
+                lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool, disable_rhs: bool,
+                d_left: Tensor, d_right: Tensor, uniform_anchor: Optional[Tensor] = None,
+                shift: Optional[Tensor] = None) -> PairResult:
+    """Both sides' losses and row gradients, without autograd; the negatives' gradients go to ``d_left`` /
+    ``d_right``. ``left`` / ``right``: each side's unique rows, ``*_pos`` (B x d) the positives as scored, all in
+    ``setup.compute_dtype`` (see ``score_side``). The lhs side's batch product (rhs positives x lhs positives) is
+    the transpose of the rhs side's, so it is computed, and differentiated, once. ``uniform_anchor`` / ``shift``:
+    the rhs side's uniform negatives scored against them instead of ``left_pos`` (``score_side``).
+    """
+    num_pos = left_pos.shape[0]
+    acc = d_left.dtype
+    off = ScoringSetup(setup.loss_fn, setup.margin, 0, setup.masked_score, setup.compute_dtype)
+    share = setup.num_batch_negs > 0 and not disable_lhs and not disable_rhs
+    product = transposed = None
+    if share:
+        chunk = setup.num_batch_negs
+        product = torch.bmm(chunk_rows(right_pos, chunk), chunk_rows(left_pos, chunk).transpose(1, 2)).to(acc)
+        transposed = product.transpose(1, 2).contiguous()  # each side overwrites its own
+    lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, left,
+                          None if disable_lhs else lhs_neg_inv, d_left, product, share)
+    rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, right,
+                          None if disable_rhs else rhs_neg_inv, d_right, transposed, share,
+                          uniform_anchor, shift)
+    d_left_pos = _sum_grads(lhs_side.d_positives, rhs_side.d_anchor)
+    d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
+    if share:
+        chunk = setup.num_batch_negs
+        joint = flowed(lhs_side.d_batch, "lhs batch product").add_(
+            flowed(rhs_side.d_batch, "rhs batch product").transpose(1, 2)).to(left.dtype)  # rows: rhs positives
+        dim = left.shape[1]
+        from_batch_right = torch.bmm(joint, chunk_rows(left_pos, chunk)).view(-1, dim).to(acc)
+        from_batch_left = torch.bmm(joint.transpose(1, 2), chunk_rows(right_pos, chunk)).view(-1, dim).to(acc)
+        d_left_pos = _sum_grads(d_left_pos, from_batch_left)
+        d_right_pos = _sum_grads(d_right_pos, from_batch_right)
+    d_left_pos, d_right_pos = flowed(d_left_pos, "lhs positives"), flowed(d_right_pos, "rhs positives")
+    return PairResult(lhs_side.loss + rhs_side.loss, lhs_side, rhs_side, d_left_pos[:num_pos], d_right_pos[:num_pos])
+
+
+def _sum_grads(first: Optional[Tensor], second: Optional[Tensor]) -> Optional[Tensor]:
+    if first is None:
+        return second
+    if second is None:
+        return first
+    rows = min(first.shape[0], second.shape[0])  # a side without negatives is not padded
+    return first[:rows].add_(second[:rows]) if rows == first.shape[0] else second[:rows].add_(first[:rows])

@@ -1,0 +1,78 @@
+"""The operator moved onto the anchors (``job.model.fused_pair.fused_pair_adjoint``) trains as autograd does.
+
+tests/test_fused.py already holds the fused path, this one included, to the autograd path for the
+complex_diagonal, linear and translation operators; here the other operators (none, diagonal, affine),
+negatives disabled on one side, and the facts the shortcut rests on: each operator's ``adjoint`` is the
+transpose of its ``linear`` part, and the operator is applied to the positives only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import pytest
+import torch
+
+from job.model import fused_pair
+from job.model.names import OPERATORS
+from job.model.operators import Operator
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_fused import _run, assert_fused_matches_autograd  # noqa: E402
+
+NUM_POS = 57
+
+
+def _compare(overrides: dict, num_entities: int) -> None:
+    """One float64 batch through the fused path and the autograd path: same updates, sums and gradients."""
+    assert_fused_matches_autograd(overrides, num_entities, NUM_POS, False)
+
+
+@pytest.mark.parametrize("loss_fn,negs,num_entities,operator", list(itertools.product(
+    ["softmax", "ranking", "logistic"], [(10, 10), (0, 7), (10, 200)], [30, 5000], ["none", "diagonal", "affine"])))
+def test_adjoint_path_matches_autograd(loss_fn: str, negs: tuple[int, int], num_entities: int, operator: str) -> None:
+    """30 entities: one gather for both sides and, with 200 draws, each row scored once and weighted."""
+    _compare({"loss_fn": loss_fn, "comparator": "dot", "num_batch_negs": negs[0], "num_uniform_negs": negs[1],
+              "operator": operator, "regularization_coef": 0.01 if operator == "affine" else 0.0}, num_entities)
+
+
+@pytest.mark.parametrize("disabled,operator", list(itertools.product(
+    ["disable_lhs_negs", "disable_rhs_negs"], ["affine", "complex_diagonal"])))
+def test_adjoint_path_with_one_side_disabled(disabled: str, operator: str) -> None:
+    _compare({"loss_fn": "softmax", "comparator": "dot", "num_batch_negs": 10, "num_uniform_negs": 20,
+              "operator": operator, disabled: True}, 5000)
+
+
+@pytest.mark.parametrize("kind", OPERATORS)
+def test_adjoint_is_the_transpose_of_the_linear_part(kind: str) -> None:
+    """<u, f(v)> = <L^T u, v> + <u, t>, and f(v) = L v + t, for random parameters."""
+    torch.manual_seed(0)
+    operator = Operator(kind, 6).double()
+    with torch.no_grad():
+        for param in operator.parameters():
+            param.normal_()
+        u, v = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+        additive = operator.additive()
+        shift = torch.zeros(5, dtype=torch.float64) if additive is None else u @ additive
+        torch.testing.assert_close((u * operator(v)).sum(1), (operator.adjoint(u) * v).sum(1) + shift)
+        torch.testing.assert_close(operator(v), operator.linear(v) + (0 if additive is None else additive))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_operator_applied_to_the_positives_only(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
+    """With the shortcut on, the rhs operator sees the batch's positives, never the ~N uniform draws."""
+    monkeypatch.setattr(fused_pair, "ADJOINT_ENABLED", enabled)
+    rows_seen: list[int] = []
+    forward = Operator.forward
+
+    def spy(self: Operator, x: torch.Tensor, rel: torch.Tensor | None = None) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return forward(self, x, rel)
+
+    monkeypatch.setattr(Operator, "forward", spy)
+    overrides = {"loss_fn": "softmax", "comparator": "dot", "num_batch_negs": 10, "num_uniform_negs": 100,
+                 "operator": "complex_diagonal"}
+    _run(overrides, 5000, NUM_POS, False, fused=True)
+    assert rows_seen and (max(rows_seen) == NUM_POS) == enabled

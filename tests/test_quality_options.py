@@ -1,0 +1,285 @@
+"""The quality options beyond PBG's recipe: reciprocal relations, fan initialisation, the quality preset.
+
+Each option is opt-in: a PBG config means what it meant (checked here by the defaults), and each
+option's behaviour is held to hand-computed values or to PBG 1.0.0 reading what it writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from job.archive import load
+from job.archive.evaluate import link_prediction_metrics
+from job.archive.writer import add_tag
+from job.cli import main
+from job.config import load_config, parse_config
+from job.config.presets import PRESETS
+from job.data.export.run import export_checkpoint
+from job.errors import ConfigError
+from job.evaluation import evaluate
+from job.formats.checkpoint import CheckpointStorage
+from job.formats.edges import edges_file, read_edges, write_edges
+from job.formats.entities import write_entity_count
+from job.model.scoring import Model
+from job.report.collect import ReportOptions, build_report
+from job.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def line_graph(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    """Three entities with embeddings 1, 2, 3 (dimension 1), two edges 0 -> 1 and 1 -> 2, dot comparator."""
+    entity_path = tmp_path / "entities"
+    edge_path = tmp_path / "edges"
+    write_entity_count(str(entity_path), "e", 0, 3)
+    write_edges(edges_file(str(edge_path), 0, 0), np.array([0, 0]), np.array([0, 1]), np.array([1, 2]))
+    raw = {
+        "entities": {"e": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "e", "rhs": "e", "operator": "diagonal"}],
+        "dimension": 1, "global_emb": False, "comparator": "dot",
+        "entity_path": str(entity_path), "edge_paths": [str(edge_path)], "checkpoint_path": str(tmp_path / "ckpt"),
+    }
+    raw.update(extra)
+    return raw
+
+
+def save_line_checkpoint(config: Any, forward: float, inverse: float) -> None:
+    storage = CheckpointStorage(config.checkpoint_path)
+    storage.prepare()
+    storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
+    params = {"relations/0/operator/rhs/diagonal": ("rhs_operators.0.diagonal", np.array([inverse], np.float32))}
+    if config.reciprocal_relations:
+        params["relations/0/operator/lhs/diagonal"] = ("lhs_operators.0.diagonal", np.array([forward], np.float32))
+    storage.save_model(1, params)
+    storage.save_version(1)
+
+
+# reciprocal relations ---------------------------------------------------------------------------------
+
+
+def test_reciprocal_eval_ranks_each_side_through_its_own_operator(tmp_path: Path) -> None:
+    """g_r = 2 (stored under lhs) predicts the rhs, h_r = -1 (PBG's rhs operator) predicts the lhs."""
+    config = parse_config(line_graph(tmp_path, reciprocal_relations=True))
+    save_line_checkpoint(config, forward=2.0, inverse=-1.0)
+    metrics = evaluate(config, candidates="all")
+    # edge 0 -> 1: rhs side c(2*1, v'): positive 4, candidates 0 (2), 2 (6) -> rank 2
+    #              lhs side c(u', -1*2): positive -2, candidates 1 (-4), 2 (-6) -> rank 1
+    # edge 1 -> 2: rhs side c(2*2, v'): positive 12, candidates 0 (4), 1 (8) -> rank 1
+    #              lhs side c(u', -1*3): positive -6, candidates 0 (-3), 2 (-9) -> rank 2
+    assert metrics["mean_rank"] == pytest.approx(np.mean([2, 1, 1, 2]))
+    # the same parameters read by PBG's static scoring c(u, h_r(v)) on both sides: the rhs side differs
+    plain = parse_config(line_graph(tmp_path, checkpoint_path=str(tmp_path / "plain")))
+    save_line_checkpoint(plain, forward=2.0, inverse=-1.0)
+    # edge 0 -> 1 rhs: c(1, -v'): positive -2, candidates -1, -3 -> rank 2; edge 1 -> 2 rhs: positive -6,
+    # candidates -2, -4 -> rank 3; lhs sides as above (rank 1 and 2)
+    assert evaluate(plain, candidates="all")["mean_rank"] == pytest.approx(np.mean([2, 1, 3, 2]))
+
+
+def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_operator() -> None:
+    raw = line_graph(Path("/nonexistent"), reciprocal_relations=True, dimension=4, loss_fn="softmax")
+    raw["relations"][0]["operator"] = "complex_diagonal"
+    model = Model(parse_config(raw))
+    assert model.reciprocal and len(model.lhs_operators[0].param_names) == 2
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    rows = torch.randn(3, 4, requires_grad=True)
+    lhs_inv, rhs_inv = torch.tensor([0, 1]), torch.tensor([1, 2])
+    lhs, rhs, _, _ = model.score_batch(0, None, rows, rows, "e", "e", lhs_inv, rhs_inv, None, None, True, 0, True,
+                                       False, False)
+    g, h = model.lhs_operators[0], model.rhs_operators[0]
+    # rhs side: c(g_r(u), v') for every v'; lhs side: c(u', h_r(v)) for every u' (own column masked)
+    expected_rhs = g(rows[lhs_inv]) @ rows.T
+    expected_lhs = h(rows[rhs_inv]) @ rows.T
+    torch.testing.assert_close(rhs.pos, expected_rhs[[0, 1], [1, 2]])
+    torch.testing.assert_close(lhs.pos, expected_lhs[[0, 1], [0, 1]])
+    assert torch.equal(rhs.neg[[0, 1], [1, 2]], torch.full((2,), -1e9))
+    torch.testing.assert_close(rhs.neg[0, 0], expected_rhs[0, 0])
+    torch.testing.assert_close(lhs.neg[1, 2], expected_lhs[1, 2])
+    # the inverse direction's loss reaches h_r only, the forward one g_r only
+    lhs.neg.logsumexp(1).sum().backward(retain_graph=True)
+    assert all(p.grad is None or not p.grad.any() for p in g.parameters())
+    assert all(p.grad is not None and p.grad.any() for p in h.parameters())
+
+
+def cycle_raw(root: Path, **extra: Any) -> dict[str, Any]:
+    """Relation r links i to i + r + 1 (mod 30): a graph each direction can learn."""
+    entity_path, edge_path = root / "entities", root / "edges"
+    write_entity_count(str(entity_path), "node", 0, 30)
+    heads = np.repeat(np.arange(30), 2)
+    rels = np.tile(np.arange(2), 30)
+    write_edges(edges_file(str(edge_path), 0, 0), rels, heads, (heads + rels + 1) % 30)
+    raw = {
+        "entities": {"node": {"num_partitions": 1}},
+        "relations": [{"name": f"r{r}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}
+                      for r in range(2)],
+        "dimension": 8, "global_emb": False, "comparator": "dot", "loss_fn": "softmax",
+        "entity_path": str(entity_path), "edge_paths": [str(edge_path)], "checkpoint_path": str(root / "ckpt"),
+        "num_epochs": 3, "batch_size": 20, "num_batch_negs": 10, "num_uniform_negs": 10, "lr": 0.1,
+        "eval_fraction": 0.0, "workers": 1, "seed": 1, "hogwild_delay": 0, "device": "cpu",
+        "reciprocal_relations": True,
+    }
+    raw.update(extra)
+    return raw
+
+
+def model_params(checkpoint_path: str) -> dict[str, np.ndarray]:
+    storage = CheckpointStorage(checkpoint_path)
+    params, _, _ = storage.load_model(storage.load_version())
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("trained_side", ["rhs", "lhs"])
+def test_reciprocal_training_trains_the_inverse_through_the_lhs_side_only(tmp_path: Path, trained_side: str) -> None:
+    """With one side's negatives disabled only that direction learns: its operator moves, the other's stays."""
+    disable = "disable_lhs_negs" if trained_side == "rhs" else "disable_rhs_negs"
+    train(parse_config(cycle_raw(tmp_path, **{disable: True})))
+    params = model_params(str(tmp_path / "ckpt"))
+    identity_real = np.ones(4, dtype=np.float32)
+    # the rhs side (predict t from (h, r)) trains g_r, kept under lhs; the lhs side trains h_r (PBG's rhs operator)
+    moved = "lhs" if trained_side == "rhs" else "rhs"
+    still = "rhs" if trained_side == "rhs" else "lhs"
+    for rel in range(2):
+        assert not np.allclose(params[f"relations/{rel}/operator/{moved}/real"], identity_real)
+        np.testing.assert_array_equal(params[f"relations/{rel}/operator/{still}/real"], identity_real)
+
+
+def test_reciprocal_checkpoint_is_read_by_our_eval_report_and_export(tmp_path: Path) -> None:
+    config = parse_config(cycle_raw(tmp_path, num_epochs=20))
+    train(config)
+    params = model_params(config.checkpoint_path)
+    assert {k.rsplit("/", 2)[0] for k in params} == {f"relations/{r}/operator" for r in range(2)}
+    assert {k.split("/")[3] for k in params} == {"lhs", "rhs"}
+    assert evaluate(config, candidates="all")["mrr"] > 0.5  # learnt, and ranked through both operators
+    # the report scores with the whole trained config (model.h5's config/json), not config.json's PBG keys
+    assert "reciprocal_relations" not in json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    report = build_report(config.checkpoint_path, ReportOptions(sample=10))
+    assert [name for name, _, _ in report.relation_mrr] == ["r0", "r1"]  # config.json alone: "not computed"
+    assert not report.relation_note.startswith("not computed")
+    out = tmp_path / "export"
+    export_checkpoint(config, out=str(out))
+    sides = [line.split("\t")[1] for line in (out / "relation_types_parameters.tsv").read_text().splitlines()]
+    assert sides.count("lhs") == sides.count("rhs") == 4  # 2 relations x (real, imag) per side
+
+
+def test_reciprocal_archive_ranks_as_our_eval(tmp_path: Path) -> None:
+    """The archive's numpy evaluator ranks the rhs side through g_r too (its metrics equal `biggraph eval`'s)."""
+    config = parse_config(cycle_raw(tmp_path, num_epochs=5))
+    train(config)
+    out = str(tmp_path / "m.zip")
+    add_tag(config, out, tag="fp32")
+    expected = evaluate(config, filter_paths=config.edge_paths, candidates="all")
+    arrays = read_edges(edges_file(config.edge_paths[0], 0, 0))
+    triples = np.stack([arrays.rel, arrays.lhs, arrays.rhs], 1).astype(np.int64)
+    with load(out, "fp32") as model:
+        assert model.reciprocal
+        got = link_prediction_metrics(model, triples, triples)
+    assert got["mrr"] == pytest.approx(expected["mrr"], abs=1e-6)
+
+
+def test_reciprocal_checkpoint_is_read_by_pbg_ignoring_the_forward_operator(tmp_path: Path) -> None:
+    """PBG 1.0.0 loads model.h5 with strict=False: g_r lands on its empty lhs operator slots and is skipped."""
+    tbg_cm = pytest.importorskip("torchbiggraph.checkpoint_manager")
+    from torchbiggraph.config import ConfigSchema as PbgConfigSchema
+    from torchbiggraph.model import make_model
+
+    config = parse_config(cycle_raw(tmp_path))
+    train(config)
+    manager = tbg_cm.CheckpointManager(config.checkpoint_path)
+    pbg_config = manager.read_config()  # config.json holds no key PBG 1.0.0 refuses
+    assert isinstance(pbg_config, PbgConfigSchema)
+    state_dict, _ = manager.read_model()
+    missing, unexpected = make_model(pbg_config).load_state_dict(state_dict, strict=False)
+    # g_r is read (PBG maps every model/ dataset name) and silently skipped: its lhs operator slots are None
+    assert {k for k in state_dict if k.startswith("lhs_")} == {
+        f"lhs_operators.{r}.{p}" for r in range(2) for p in ("real", "imag")}
+    assert unexpected == []
+    assert not [k for k in missing if "operators" in k]
+    with h5py.File(next(Path(config.checkpoint_path).glob("model.v*.h5"))) as handle:
+        np.testing.assert_array_equal(handle["model/relations/0/operator/rhs/real"][()],
+                                      model_params(config.checkpoint_path)["relations/0/operator/rhs/real"])
+
+
+# initialisation by fan ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_xavier_init_draws_rows_with_the_fan_standard_deviation(tmp_path: Path, partitions: int) -> None:
+    entity_path, edge_path = tmp_path / "entities", tmp_path / "edges"
+    counts = [3000 // partitions] * partitions
+    for part, count in enumerate(counts):
+        write_entity_count(str(entity_path), "e", part, count)
+    for lhs in range(partitions):
+        for rhs in range(partitions):
+            write_edges(edges_file(str(edge_path), lhs, rhs), np.array([0]), np.array([0]), np.array([1]))
+    raw = {
+        "entities": {"e": {"num_partitions": partitions}}, "relations": [{"name": "r", "lhs": "e", "rhs": "e"}],
+        "dimension": 50, "entity_path": str(entity_path), "edge_paths": [str(edge_path)],
+        "checkpoint_path": str(tmp_path / "ckpt"), "num_epochs": 1, "lr": 1e-12, "eval_fraction": 0.0,
+        "workers": 1, "seed": 0, "init_method": "xavier", "init_scale": 5.0,
+    }
+    config = parse_config(raw)
+    assert config.init_std("e", 3000) == pytest.approx(math.sqrt(2 / 3050))
+    train(config)
+    storage = CheckpointStorage(config.checkpoint_path)
+    rows = np.concatenate([storage.load_entity_partition(1, "e", p)[0] for p in range(partitions)])
+    assert rows.std() == pytest.approx(math.sqrt(2 / 3050), rel=0.02)  # the total count, not a partition's
+    assert abs(rows.mean()) < 0.002
+    assert parse_config({**raw, "init_method": "normal"}).init_std("e", 3000) == 5.0  # PBG's default
+
+
+# the preset ------------------------------------------------------------------------------------------------
+
+
+def test_quality_preset_fills_in_the_documented_keys_and_explicit_keys_win(tmp_path: Path) -> None:
+    top, per_relation = PRESETS["quality"]
+    config = parse_config(line_graph(tmp_path, preset="quality"))
+    for key, value in top.items():
+        assert getattr(config, key) == value, key
+    assert all(relation.all_negs for relation in config.relations)
+    raw = line_graph(tmp_path, preset="quality", lr=0.5, reciprocal_relations=False)
+    raw["relations"][0]["all_negs"] = False
+    explicit = parse_config(raw)
+    assert (explicit.lr, explicit.reciprocal_relations, explicit.relations[0].all_negs) == (0.5, False, False)
+    # no preset: PBG's defaults, untouched
+    plain = parse_config(line_graph(tmp_path))
+    assert (plain.reciprocal_relations, plain.init_method, plain.preset, plain.relations[0].all_negs) == (
+        False, "normal", None, False)
+    # the expanded config round-trips (config.json) to the same config
+    assert parse_config(json.loads(config.to_json())) == config
+
+
+def test_preset_page_documents_exactly_the_preset_keys() -> None:
+    text = (ROOT / "docs" / "quality-preset.md").read_text()
+    top, per_relation = PRESETS["quality"]
+    table = dict(re.findall(r"^\| `([a-z_.\[\]*]+)` \| `([^`]+)` \|", text, re.MULTILINE))
+    expected = {key: json.dumps(value) for key, value in top.items()}
+    expected.update({f"relations[*].{key}": json.dumps(value) for key, value in per_relation.items()})
+    assert table == expected
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("preset=fast", "preset"), ("init_method=glorot", "init_method"), ("reciprocal_relations=3", "reciprocal_relations"),
+])
+def test_bad_values_are_clear_errors_naming_the_key(tmp_path: Path, override: str, key: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(line_graph(tmp_path)))
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(str(path), [override])
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", str(path), "-p", override]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err
