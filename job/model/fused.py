@@ -182,7 +182,8 @@ def _logistic_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: i
 
 def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
                d_cand: Tensor, batch_product: Optional[Tensor] = None, defer_batch: bool = False,
-               uniform_anchor: Optional[Tensor] = None, shift: Optional[Tensor] = None) -> SideResult:
+               uniform_anchor: Optional[Tensor] = None, shift: Optional[Tensor] = None,
+               negatives_at: Optional[int] = None) -> SideResult:
     """One side's loss and gradients, all without autograd.
 
     ``a`` (B x d): the other side's prepared positives (the anchor); ``positives`` (B x d): this side's;
@@ -192,6 +193,9 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
     product when the caller has it; ``defer_batch`` returns its gradient instead of multiplying it out.
     ``uniform_anchor`` (B x d) scores the uniform negatives in place of ``a`` and ``shift`` (B,) is added
     to those scores (``job.model.adjoint``: the operator moved from the negatives onto the anchors).
+    ``negatives_at``: the uniform negatives are ``cand``'s rows from there on, in draw order (``neg_inv`` is
+    that range, see ``negatives_in_place``): they are scored where they lie and their gradients *written*
+    to ``d_cand``'s rows there, whose contents are ignored (the caller need not zero them).
 
     With a reduced ``compute_dtype`` the rows come in that dtype (``ScoringSetup.low``): every product
     runs in it, its result is taken to ``d_cand``'s dtype (float32) for the masks and the loss, and the
@@ -206,7 +210,9 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
         loss, d_pos, _, _ = blockwise_loss(setup.loss_fn, setup.margin, pos, [], 1, num_pos)
         d_pos = d_pos.unsqueeze(1)
         return SideResult(loss, pos, 0, 0.0, p_acc * d_pos, a_acc * d_pos)
-    side = _Chunks.of(setup, a, positives, cand, neg_inv, num_uniform, uniform_anchor)
+    side = _Chunks.of(setup, a, positives, cand, neg_inv, num_uniform, uniform_anchor, negatives_at)
+    if negatives_at is not None and side.neg_start is None and neg_inv is not None:
+        d_cand[negatives_at : negatives_at + neg_inv.numel()].zero_()  # scored the usual way: added to, not written
     blocks: list[Block] = []
     if setup.num_batch_negs > 0:
         batch = batch_product if batch_product is not None else torch.bmm(side.a, side.p.transpose(1, 2)).to(acc)
@@ -244,17 +250,20 @@ class _Chunks:
     weighted: bool  # fewer distinct candidate rows than draws: each row scored once, weighted by its draws
     u: Tensor  # the uniform negatives' anchors, chunked as ``a`` (``a`` itself unless given apart)
     neg_vecs: Optional[Tensor] = None  # (chunks x N x d) once gathered (unweighted uniform negatives only)
+    neg_start: Optional[int] = None  # the negatives are the candidates' rows from here on, in draw order
 
     @staticmethod
     def of(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
-           num_uniform: int, uniform_anchor: Optional[Tensor] = None) -> _Chunks:
+           num_uniform: int, uniform_anchor: Optional[Tensor] = None, neg_start: Optional[int] = None) -> _Chunks:
         chunk = setup.num_batch_negs if setup.num_batch_negs > 0 else num_uniform
         a_chunks, p_chunks = chunk_rows(a, chunk), chunk_rows(positives, chunk)
         num_chunks = a_chunks.shape[0]
         neg_rows = neg_inv[:num_chunks] if num_uniform and neg_inv is not None else None
         u_chunks = a_chunks if uniform_anchor is None or not num_uniform else chunk_rows(uniform_anchor, chunk)
+        weighted = 0 < cand.shape[0] < num_uniform
+        in_place = not weighted and neg_rows is not None and neg_inv is not None and neg_rows.numel() == neg_inv.numel()
         return _Chunks(a_chunks, p_chunks, chunk, num_chunks, num_chunks * chunk, num_uniform, neg_rows,
-                       0 < cand.shape[0] < num_uniform, u_chunks)
+                       weighted, u_chunks, neg_start=neg_start if in_place else None)
 
 
 def _batch_block(setup: ScoringSetup, side: _Chunks, batch: Tensor, num_pos: int) -> Tensor:
@@ -277,7 +286,10 @@ def _uniform_block(side: _Chunks, cand: Tensor, acc: torch.dtype) -> Block:
         # each chunk's counts, repeated for its rows
         weight = draws.unsqueeze(1).expand(side.num_chunks, side.chunk, cand.shape[0]).reshape(side.padded, -1)
         return uniform.view(side.padded, cand.shape[0]), weight
-    side.neg_vecs = cand.index_select(0, side.neg_rows.reshape(-1)).view(side.num_chunks, side.num_uniform, -1)
+    if side.neg_start is not None:
+        side.neg_vecs = _in_place(cand, side).view(side.num_chunks, side.num_uniform, -1)
+    else:
+        side.neg_vecs = cand.index_select(0, side.neg_rows.reshape(-1)).view(side.num_chunks, side.num_uniform, -1)
     return torch.bmm(side.u, side.neg_vecs.transpose(1, 2)).view(side.padded, side.num_uniform).to(acc), None
 
 
@@ -335,9 +347,38 @@ def _uniform_gradients(side: _Chunks, cand: Tensor, d_block: Tensor, d_cand: Ten
         d_u = into.baddbmm_(d_uniform, side.neg_vecs)
     else:
         d_u = into.add_(torch.bmm(d_uniform, side.neg_vecs).to(acc))
+    if side.neg_start is not None:
+        d_neg = _in_place(d_cand, side).view(side.num_chunks, side.num_uniform, dim)
+        if d_uniform.dtype == acc:
+            torch.bmm(d_uniform.transpose(1, 2), side.u, out=d_neg)
+        else:
+            d_neg.copy_(torch.bmm(d_uniform.transpose(1, 2), side.u))
+        return d_u
     d_neg = torch.bmm(d_uniform.transpose(1, 2), side.u).to(acc)
     d_cand.index_add_(0, side.neg_rows.reshape(-1), d_neg.view(-1, dim))
     return d_u
+
+
+def _in_place(rows: Tensor, side: _Chunks) -> Tensor:
+    """The rows of ``side``'s in-place negatives (``neg_start`` onwards, one per draw)."""
+    assert side.neg_start is not None
+    return rows[side.neg_start : side.neg_start + side.num_chunks * side.num_uniform]
+
+
+def negatives_in_place(neg_inv: Optional[Tensor], num_rows: int) -> Optional[int]:
+    """Where the uniform negatives start among ``num_rows`` candidate rows when they lie there one row per
+    draw, in draw order (every occurrence gathered: ``job.train.step``); None when they do not.
+
+    Read from the indices themselves (a CPU pass over 20,000 ints), so no caller has to vouch for a layout.
+    On a GPU reading them would wait for the device: there the negatives are always gathered.
+    """
+    if neg_inv is None or neg_inv.device.type != "cpu" or not neg_inv.numel():
+        return None
+    start = int(neg_inv.reshape(-1)[0])
+    stop = start + neg_inv.numel()
+    if stop > num_rows or not torch.equal(neg_inv.reshape(-1), torch.arange(start, stop)):
+        return None
+    return start
 
 
 class _ChunkRows:
@@ -363,9 +404,17 @@ def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Ten
     num_pos = anchor.shape[0]
     with torch.no_grad():
         cand = candidates.detach()
-        d_cand = torch.zeros_like(cand)
+        start = negatives_in_place(neg_inv, cand.shape[0])
+        if start is None:
+            d_cand = torch.zeros_like(cand)
+        else:  # the negatives' rows are written by score_side: only the others need zeros
+            assert neg_inv is not None
+            d_cand = torch.empty_like(cand)
+            d_cand[:start].zero_()
+            d_cand[start + neg_inv.numel() :].zero_()
         cand_low = setup.low(cand)
-        result = score_side(setup, setup.low(anchor.detach()), cand_low.index_select(0, own), cand_low, neg_inv, d_cand)
+        result = score_side(setup, setup.low(anchor.detach()), cand_low.index_select(0, own), cand_low, neg_inv, d_cand,
+                            negatives_at=start)
         d_cand.index_add_(0, own, flowed(result.d_positives, "positives")[:num_pos])
         d_anchor = flowed(result.d_anchor, "anchor")[:num_pos].contiguous()
     loss = attach_gradients(result.loss, (anchor, candidates), (d_anchor, d_cand))

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from job.config import ConfigSchema
 from job.model.scoring import Model, Table
+from job.train.allocator import keep_freed_memory
 from job.train.batching import EdgeTensors, process_edges
 from job.train.optim import RelationAdagrad
 from job.train.spawning import main_module_hidden
@@ -37,6 +38,7 @@ def _worker_main(
     results: Any,
 ) -> None:
     torch.set_num_threads(1)
+    keep_freed_memory()
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.relation_lr or config.lr)
     relation_optimizer.sums = relation_sums
     relation_optimizer.steps = relation_steps

@@ -28,6 +28,7 @@ from job.formats.validate import validate_cheap
 from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model
 from job.monitoring import make_reporter
+from job.train.allocator import keep_freed_memory
 from job.train.bucket_run import BucketRunner
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import choose_capacity
@@ -66,6 +67,7 @@ class Trainer(BucketRunner):
         finish_committed_grow(config.checkpoint_path, clean_uncommitted=os.environ.get("RANK", "0") == "0")
         validate_cheap(config)
         self.device = pick_device(config)
+        keep_freed_memory()  # this process trains batches too (workers=1, evaluation, a GPU's host side)
         # scores and products in compute_dtype (half_precision's on a GPU); a device without it fails here
         self.compute_dtype = training_dtype(config, self.device)
         if config.seed is not None:

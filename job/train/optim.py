@@ -110,6 +110,45 @@ def row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: 
     table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step.unsqueeze(1))))
 
 
+@torch.no_grad()
+def row_adagrad_occurrences(table: Table, sides: list[tuple[Tensor, Optional[Tensor]]], lr: float) -> None:
+    """``row_adagrad`` for rows gathered once per occurrence, as (ids, gradient) lists of one table.
+
+    An id may repeat within a list and across them (a row drawn twice, or on both sides of a batch). Each
+    repeated occurrence's gradient is moved onto the id's representative occurrence and zeroed, so each
+    distinct row gets one step with its summed gradient (a merged sparse gradient, as PBG steps it) and the
+    zeroed occurrences change nothing. Only the repeats are touched: on a large table a few percent of the
+    rows, where ``row_adagrad_repeated`` passes over every gradient three more times. Finding the repeats
+    makes the host wait for their count: a CPU path (a GPU takes ``row_adagrad_repeated``).
+    """
+    sides = [(ids, grad) for ids, grad in sides if grad is not None]
+    if not sides or table.optim_sum is None:
+        return
+    device = table.weight.device
+    ids = sides[0][0] if len(sides) == 1 else torch.cat([side_ids for side_ids, _ in sides])
+    count = ids.numel()
+    slots = scratch(table.weight.shape[0], device)
+    slots.scatter_(0, ids, torch.arange(count, dtype=torch.int32, device=device))
+    representative = slots.index_select(0, ids).long()  # a representative is its own representative
+    repeats = torch.nonzero(representative != positions(0, count, device)).flatten()
+    if repeats.numel():
+        targets = representative.index_select(0, repeats)
+        offsets = [0]
+        for side_ids, _ in sides:
+            offsets.append(offsets[-1] + side_ids.numel())
+        moved = []
+        for (_, grad), begin, end in zip(sides, offsets, offsets[1:]):
+            local = repeats[(repeats >= begin) & (repeats < end)] - begin
+            moved.append(grad.index_select(0, local))
+            grad.index_fill_(0, local, 0.0)
+        moved_rows = moved[0] if len(moved) == 1 else torch.cat(moved)  # in the order of ``repeats``
+        for (_, grad), begin, end in zip(sides, offsets, offsets[1:]):
+            into = (targets >= begin) & (targets < end)
+            grad.index_add_(0, targets[into] - begin, moved_rows[into])
+    for side_ids, grad in sides:
+        row_adagrad(table, side_ids, grad, lr)
+
+
 def renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
     """Rescale rows above max_norm in place, as F.embedding(max_norm=...) does in PBG.
 

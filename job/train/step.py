@@ -19,7 +19,14 @@ from torch import Tensor
 from job.config import ConfigSchema
 from job.model.losses import compute_loss
 from job.model.scoring import Model, SideScores, Table
-from job.train.optim import RelationAdagrad, cat_grads, renorm_rows, row_adagrad, row_adagrad_repeated
+from job.train.optim import (
+    RelationAdagrad,
+    cat_grads,
+    renorm_rows,
+    row_adagrad,
+    row_adagrad_occurrences,
+    row_adagrad_repeated,
+)
 from job.train.rowops import every_occurrence, overlap, unique_inverse
 
 # Both sides of a batch gather their rows together when the shared table has at most this many rows per
@@ -101,6 +108,23 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
 
 # Tests run the GPU's static-shape path on the CPU by setting this.
 STATIC_SHAPES_ON_CPU = False
+# On the CPU a trained batch of a large table gathers every occurrence too (``_occurrences_pay``); off: the
+# unique rows (for comparisons: bench/precision_bench.py --occurrences).
+OCCURRENCES_ON_CPU = True
+
+
+def _occurrences_pay(lhs_table: Table, same_table: bool, all_negs: bool, train: bool) -> bool:
+    """Whether to gather every occurrence of a batch's rows rather than its unique rows (CPU).
+
+    On a large table the uniform draws barely repeat (~5% of 20,000 draws from 112k rows), so deduplicating
+    saves few rows and costs what the fused scorer then has to undo: a copy of the negatives' rows out of the
+    unique rows, a zero-filled gradient buffer and a scatter-add of every negative's gradient into it. With
+    every occurrence gathered the negatives lie in draw order among the rows, are scored where they lie and
+    their gradients are written in place (``job.model.fused.score_side``); the few repeats are merged before
+    the Adagrad step (``row_adagrad_occurrences``). Small tables (the joint gather) keep deduplicating:
+    there the draws collapse onto few rows.
+    """
+    return OCCURRENCES_ON_CPU and train and not all_negs and not same_table and lhs_table.weight.device.type == "cpu"
 
 
 @dataclass
@@ -160,7 +184,13 @@ def _update_rows(ctx: BatchContext, rows: _Rows, lhs_table: Table, rhs_table: Ta
                  rhs_rows: Tensor, shared_storage: bool) -> None:
     """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
     lr = ctx.config.lr
-    if rows.static:
+    if rows.static and lhs_table.weight.device.type == "cpu" and not STATIC_SHAPES_ON_CPU:
+        if shared_storage:
+            row_adagrad_occurrences(lhs_table, [(rows.lhs_uniq, lhs_rows.grad), (rows.rhs_uniq, rhs_rows.grad)], lr)
+        else:
+            row_adagrad_occurrences(lhs_table, [(rows.lhs_uniq, lhs_rows.grad)], lr)
+            row_adagrad_occurrences(rhs_table, [(rows.rhs_uniq, rhs_rows.grad)], lr)
+    elif rows.static:
         if shared_storage:
             row_adagrad_repeated(lhs_table, torch.cat((rows.lhs_uniq, rows.rhs_uniq)), cat_grads(lhs_rows, rhs_rows), lr)
         else:
@@ -216,6 +246,7 @@ def run_batch(
     same_table = shared_storage and (relation.all_negs or lhs_table.weight.shape[0] <= JOINT_GATHER_ROWS_PER_EDGE * num_pos)
     lhs_neg, rhs_neg = negatives if negatives is not None else draw_negatives(ctx, rel_idx, num_pos, generator)
     static = train and not relation.all_negs and (lhs_table.weight.device.type != "cpu" or STATIC_SHAPES_ON_CPU)
+    static = static or _occurrences_pay(lhs_table, same_table, relation.all_negs, train)
     rows = _select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg, lhs_table, rhs_table, same_table, relation.all_negs,
                         static)
     if config.max_norm is not None and train:
