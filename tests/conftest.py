@@ -1,4 +1,4 @@
-"""Shared fixtures: a real S3 endpoint (moto's threaded server on 127.0.0.1).
+"""Shared fixtures: a real S3 endpoint (moto's threaded server on 127.0.0.1), and a small real graph.
 
 - ``moto_endpoint`` (session): starts one moto server for the whole run on a free port and
   points the AWS_* variables at harmless test values (so no real credentials or profile can
@@ -8,6 +8,9 @@
 - ``s3_bucket``: a fresh bucket on it, as ``s3://name``.
 
 Tests using them start a server, so mark them ``@pytest.mark.slow``.
+
+- ``umls_p4`` (module): UMLS imported into 4 partitions, for the distributed tests
+  (tests/helpers_distributed.py has the agents that train it and the checks on their runs).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from helpers_distributed import import_umls_p4
 from storage_scope import scope_for_test, use_storage
 
 TEST_AWS_ENV = {
@@ -87,3 +91,9 @@ def s3_bucket(s3_endpoint: str) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).mkdir(name)
     return f"s3://{name}"
+
+
+@pytest.fixture(scope="module")
+def umls_p4(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """UMLS (a small real knowledge graph) imported into 4 partitions: ``{"root", "config"}``."""
+    return import_umls_p4(tmp_path_factory.mktemp("umls_p4"))

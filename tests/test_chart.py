@@ -9,7 +9,6 @@ import functools
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers_distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "biggraph"
@@ -605,12 +605,6 @@ def test_kustomize_overlays_build_and_validate_on_every_minor(overlay: str) -> N
 
 
 # the rendered pod, run as local processes -----------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_tiny_graph(root: Path, **config: Any) -> dict[str, Any]:

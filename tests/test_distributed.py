@@ -1,18 +1,29 @@
-"""Distributed training: the lock server's rules, and real torchrun agents on 127.0.0.1 (gloo, c10d)."""
+"""Distributed training: the lock server's rules, and real torchrun agents on 127.0.0.1 (gloo, c10d).
+
+The agents, the UMLS graph they train (the ``umls_p4`` fixture, tests/conftest.py) and the checks on a run's
+records are in tests/helpers_distributed.py, shared with tests/test_distributed_prefetch.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers_distributed import (
+    Agents,
+    assert_each_bucket_once_per_epoch,
+    bucket_records,
+    buckets_per_epoch,
+    filtered_mrr,
+    free_port,
+    partition_keys,
+    write_run_config,
+)
 
 from job.errors import UserError
 from job.train.buckets import Bucket, all_buckets
@@ -20,10 +31,6 @@ from job.train.distributed import LockState
 from job.train.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
 
 # the scheduling rules -------------------------------------------------------------------------------
-
-
-def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
-    return {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(nparts, nparts)}
 
 
 def test_lock_server_hands_out_each_bucket_once_and_never_shares_a_partition() -> None:
@@ -175,134 +182,6 @@ def test_heartbeat_names_the_peer_that_went_silent_after_the_timeout() -> None:
 # real torchrun agents --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def umls_p4(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """UMLS (a small real knowledge graph) imported into 4 partitions."""
-    from job.cli import main
-    from job.data.datasets import dataset_dir
-
-    root = tmp_path_factory.mktemp("umls_p4")
-    source = dataset_dir("umls")
-    config = {
-        "entity_path": str(root / "data"),
-        "edge_paths": [str(root / "data" / s) for s in ("train", "valid", "test")],
-        "checkpoint_path": str(root / "unused"),
-        "entities": {"all": {"num_partitions": 4}},
-        "relations": [{"name": "all_edges", "lhs": "all", "rhs": "all", "operator": "complex_diagonal"}],
-        "dynamic_relations": True, "dimension": 64, "global_emb": False, "comparator": "dot",
-        "num_uniform_negs": 100, "loss_fn": "softmax", "lr": 0.1, "batch_size": 200, "eval_fraction": 0.0,
-        "num_epochs": 8, "workers": 1, "seed": 0, "bucket_order": "affinity",
-    }
-    path = root / "config.json"
-    path.write_text(json.dumps(config))
-    files = [os.path.join(source, f"{s}.txt") for s in ("train", "valid", "test")]
-    assert main(["import", str(path), *files, "-l", "0", "--rel-col", "1", "-r", "2"]) == 0
-    return {"root": root, "config": config}
-
-
-def write_run_config(graph: dict, name: str, **changes: object) -> Path:
-    config = dict(graph["config"], **changes)
-    config["edge_paths"] = [graph["config"]["edge_paths"][0]]
-    config["checkpoint_path"] = str(graph["root"] / name)
-    path = graph["root"] / f"{name}.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
-def filtered_mrr(graph: dict, config_path: Path) -> float:
-    from job.config import load_config
-    from job.evaluation import evaluate
-
-    data = graph["root"] / "data"
-    config = load_config(str(config_path), [f"edge_paths={data / 'test'}"])
-    metrics = evaluate(config, filter_paths=[str(data / s) for s in ("train", "valid", "test")], candidates="all")
-    return metrics["mrr"]
-
-
-class Agents:
-    """torchrun agents started like pods: each in its own session, killable together with its worker."""
-
-    def __init__(self, config_path: Path, nnodes: str, log_dir: Path) -> None:
-        self.config_path = config_path
-        self.nnodes = nnodes
-        self.port = free_port()
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str) -> None:
-        # The first agent hosts the c10d rendezvous store (torchrun's single point of failure, see
-        # docs/kubernetes.md); said explicitly, since on one machine every agent would otherwise race for it.
-        is_host = "true" if not self.procs else "false"
-        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
-                   BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
-        log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=biggraph-test",
-             f"--rdzv-conf=join_timeout=120,last_call_timeout=3,is_host={is_host}", "--max-restarts=3",
-             "--monitor-interval=1",
-             "-m", "job", "train", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-
-    def kill_node(self, name: str) -> None:
-        """SIGKILL the agent and its workers at once, as a lost pod would."""
-        agent = self.procs[name]
-        children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-        for pid in [agent.pid, *map(int, children)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        agent.wait()
-
-    def wait(self, names: list[str], timeout: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        codes = {}
-        for name in names:
-            try:
-                codes[name] = self.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.stop()
-                raise AssertionError(f"agent {name} still running after {timeout:.0f} s; logs: {self.tail()}") from None
-        return codes
-
-    def tail(self) -> str:
-        """The last lines of every agent's log, for assertion messages."""
-        return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.log_dir.glob("*.log")))
-
-    def text(self) -> str:
-        """Every agent's whole log, for assertions on what was logged (a tail can miss a start-up line)."""
-        return "\n".join(f"--- {p.name}\n" + p.read_text() for p in sorted(self.log_dir.glob("*.log")))
-
-    def stop(self) -> None:
-        for name in list(self.procs):
-            if self.procs[name].poll() is None:
-                self.kill_node(name)
-
-
-def bucket_records(checkpoint_path: str) -> list[dict]:
-    from job.formats.checkpoint import CheckpointStorage
-
-    return CheckpointStorage(checkpoint_path).load_stats()
-
-
-def assert_each_bucket_once_per_epoch(records: list[dict], epochs: int) -> None:
-    per_epoch: dict[int, list] = {}
-    for record in records:
-        if "lhs_partition" in record:
-            per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
-    assert sorted(per_epoch) == list(range(epochs))
-    for epoch, buckets in per_epoch.items():
-        assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
-
-
 @pytest.fixture(scope="module")
 def single_machine_mrr(umls_p4: dict) -> float:
     from job.config import load_config
@@ -320,12 +199,7 @@ def test_nodes_train_every_bucket_once_with_mrr_close_to_one_machine(
 ) -> None:
     path = write_run_config(umls_p4, f"dist{nodes}")
     agents = Agents(path, str(nodes), tmp_path)
-    try:
-        for i in range(nodes):
-            agents.start(f"node{i}")
-        codes = agents.wait([f"node{i}" for i in range(nodes)], timeout=300)
-    finally:
-        agents.stop()
+    codes = agents.run([f"node{i}" for i in range(nodes)], timeout=300)
     assert set(codes.values()) == {0}, agents.tail()
     records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
     assert_each_bucket_once_per_epoch(records, 8)
@@ -372,12 +246,7 @@ def test_ranks_take_the_same_early_stopping_decision_on_the_whole_pass_mrr(umls_
 
     path = write_run_config(umls_p4, "early", num_epochs=4, eval_fraction=0.1, early_stopping=True, lr=0.5)
     agents = Agents(path, "2", tmp_path)
-    try:
-        agents.start("a")
-        agents.start("b")
-        codes = agents.wait(["a", "b"], timeout=300)
-    finally:
-        agents.stop()
+    codes = agents.run(["a", "b"], timeout=300)
     assert codes == {"a": 0, "b": 0}, agents.tail()
     pattern = re.compile(r"early stopping check after epoch (\d+): eval MRR ([0-9.]+)")
     checks = {name: pattern.findall((tmp_path / f"{name}.log").read_text()) for name in ("a", "b")}
@@ -442,10 +311,7 @@ def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4
     assert 0 <= redone <= 2 + 2 * 4
     # epochs away from the kill show every bucket exactly once (around it, a bucket may have run twice)
     killed_at = versions_seen[0]
-    calm = [r for r in records if "lhs_partition" in r and r["epoch_idx"] not in (killed_at, killed_at + 1)]
-    per_epoch: dict[int, list] = {}
-    for record in calm:
-        per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
+    per_epoch = buckets_per_epoch([r for r in records if r.get("epoch_idx") not in (killed_at, killed_at + 1)])
     assert len(per_epoch) >= 38
     for buckets in per_epoch.values():
         assert sorted(buckets) == sorted(all_buckets(4, 4))
@@ -510,6 +376,8 @@ def two_hosts() -> list[tuple[str, str, str]]:
 def test_two_hosts_in_separate_network_namespaces_train_together(umls_p4: dict, two_hosts: list, tmp_path: Path) -> None:
     path = write_run_config(umls_p4, "netns", num_epochs=3)
     port = free_port()
+    # Not ``Agents``: these run inside network namespaces, each on its own address and interface, as a fixed
+    # group with torchrun's own restart and rendezvous defaults (nothing here is elastic).
     procs = []
     for index, (ns, address, iface) in enumerate(two_hosts):
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=iface,

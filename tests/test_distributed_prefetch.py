@@ -9,20 +9,19 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-import test_distributed
-from test_distributed import Agents, assert_each_bucket_once_per_epoch, bucket_records, filtered_mrr, write_run_config
+from helpers_distributed import (
+    Agents,
+    assert_each_bucket_once_per_epoch,
+    bucket_records,
+    filtered_mrr,
+    partition_keys,
+    write_run_config,
+)
 
 from job.train.buckets import Bucket, all_buckets
 from job.train.distributed import LockState
 
 Key = tuple[str, int]
-
-umls_p4 = test_distributed.umls_p4  # the module-scoped fixture: UMLS imported into 4 partitions
-
-
-def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
-    return {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(nparts, nparts)}
-
 
 def start(state: LockState, rank: int, bucket: Bucket) -> None:
     """Hand ``bucket`` to ``rank`` as the server would (the tests choose which)."""
@@ -273,12 +272,7 @@ def test_two_ranks_read_reserved_partitions_ahead_and_train_as_without(umls_p4: 
         log_dir = tmp_path / f"prefetch-{prefetch}"
         log_dir.mkdir()
         agents = Agents(path, "2", log_dir)
-        try:
-            agents.start("a")
-            agents.start("b")
-            codes = agents.wait(["a", "b"], timeout=300)
-        finally:
-            agents.stop()
+        codes = agents.run(["a", "b"], timeout=300)
         assert codes == {"a": 0, "b": 0}, agents.tail()
         logs[prefetch] = agents.text()
         checkpoint_path = json.loads(path.read_text())["checkpoint_path"]

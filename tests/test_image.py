@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers_distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -258,12 +258,6 @@ def test_demo_downloads_trains_and_evaluates_in_the_image(demo: dict) -> None:
     assert (out / "checkpoints" / "checkpoint_version.txt").read_text().strip() == "25"
     assert (out / "export" / "entity_embeddings.tsv").stat().st_size > 0
     assert (out / "checkpoints" / "model.v25.h5").stat().st_uid == 10001
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 DIST_CONFIG = """\

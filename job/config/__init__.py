@@ -9,7 +9,8 @@ The package, by concern (callers import from ``job.config``; the modules are int
 
 - ``choices``: the closed sets of names (operators, comparators, losses...) and ``BucketOrder``
 - ``base``: help fields, type names, plain values, ``ConfigKeyError``, ``parse_bytes``
-- ``schema``: ``ConfigSchema``, ``EntitySchema``, ``RelationSchema`` (the keys and their help)
+- ``schema``: ``ConfigSchema`` (the top-level keys and their help)
+- ``graph_schema``: ``EntitySchema``, ``RelationSchema`` (the keys of each entity and relation type)
 - ``checks``: the named checks ``ConfigSchema.__post_init__`` runs
 - ``parsing``: dict -> ``ConfigSchema`` (``parse_config``)
 - ``overrides``: ``-p key=value`` (``apply_overrides``)
@@ -33,12 +34,13 @@ from job.config.choices import (
     REGULARIZERS,
     BucketOrder,
 )
+from job.config.graph_schema import EntitySchema, RelationSchema
 from job.config.help import config_help
 from job.config.loading import load_config, load_raw_config
 from job.config.overrides import apply_overrides
 from job.config.parsing import parse_config
 from job.config.pbg import NON_PBG_1_0_ENTITY_KEYS, NON_PBG_1_0_KEYS
-from job.config.schema import ConfigSchema, EntitySchema, RelationSchema
+from job.config.schema import ConfigSchema
 from job.errors import ConfigError
 
 __all__ = [

@@ -6,7 +6,8 @@ import dataclasses
 import json
 
 from job.config.base import MISSING, _hints, _to_plain, _type_name
-from job.config.schema import ConfigSchema, EntitySchema, RelationSchema
+from job.config.graph_schema import EntitySchema, RelationSchema
+from job.config.schema import ConfigSchema
 
 
 def config_help() -> str:

@@ -2,7 +2,8 @@
 
 Every field carries its help string in ``metadata["help"]`` so that ``biggraph config-help``
 and the generated reference stay in sync with the code. The checks that span several keys
-live in ``job.config.checks``; this module only declares the keys.
+live in ``job.config.checks``; this module only declares the keys. The keys of each entity and relation
+type (``EntitySchema``, ``RelationSchema``) are in ``job.config.graph_schema``, re-exported here.
 """
 
 from __future__ import annotations
@@ -13,70 +14,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from job.config.base import ConfigKeyError, _help, _to_plain
+from job.config.base import _help, _to_plain
 from job.config.checks import validate_config
-from job.config.choices import COMPARATORS, GROW_NUM_EPOCHS_DEFAULT, LOSS_FUNCTIONS, OPERATORS, BucketOrder
+from job.config.choices import COMPARATORS, GROW_NUM_EPOCHS_DEFAULT, LOSS_FUNCTIONS, BucketOrder
+from job.config.graph_schema import EntitySchema, RelationSchema
 from job.config.pbg import to_pbg_dict
 
-
-@dataclass
-class EntitySchema:
-    """One entity type."""
-
-    num_partitions: int = _help(
-        "Number of partitions for this entity type. Set to 1 if unpartitioned. All "
-        "partitioned entity types must have the same number of partitions."
-    )
-    featurized: bool = _help(
-        "Whether the entities of this type are represented as sets of features "
-        "(an entity's embedding is the mean of its features' embeddings).",
-        default=False,
-    )
-    dimension: int | None = _help(
-        "Dimension of this type's embeddings; defaults to the global `dimension`.",
-        default=None,
-    )
-    frozen: bool = _help(
-        "Keep this type's embeddings and their row-wise Adagrad state fixed while training (PBG issue #270): "
-        "its rows are still scored and drawn as negatives, but never updated, and neither is its global "
-        "embedding. Typical use: a trained catalogue stays exactly as it is while new entities of other types "
-        "are fitted to it (`biggraph grow`).",
-        default=False,
-    )
-
-    def __post_init__(self) -> None:
-        if self.num_partitions < 1:
-            raise ConfigKeyError("num_partitions: must be a positive integer", ["num_partitions"])
-        if self.dimension is not None and self.dimension < 1:
-            raise ConfigKeyError("dimension: must be a positive integer", ["dimension"])
-
-
-@dataclass
-class RelationSchema:
-    """One relation type; its index in `relations` is its id in the edge files."""
-
-    name: str = _help("A human-readable identifier for the relation type.")
-    lhs: str = _help("The type of the entities on the left-hand side of this relation.")
-    rhs: str = _help("The type of the entities on the right-hand side of this relation.")
-    weight: float = _help(
-        "The weight that the loss of this relation gets multiplied by.", default=1.0
-    )
-    operator: str = _help(
-        "The transformation applied to the right-hand side embedding (and, with "
-        f"dynamic relations, also to the left-hand side). One of {', '.join(OPERATORS)}.",
-        default="none",
-    )
-    all_negs: bool = _help(
-        "If enabled, the negatives for (x, r, y) are all (x, r, z) for every z of "
-        "the right-hand side entity type in the partition, instead of a sample.",
-        default=False,
-    )
-
-    def __post_init__(self) -> None:
-        if self.operator not in OPERATORS:
-            raise ConfigKeyError(
-                f"operator: unknown operator '{self.operator}' (expected one of {', '.join(OPERATORS)})", ["operator"]
-            )
+__all__ = ["ConfigSchema", "EntitySchema", "RelationSchema"]
 
 
 @dataclass(kw_only=True)

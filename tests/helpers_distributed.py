@@ -1,0 +1,187 @@
+"""What the distributed tests share: real torchrun agents on 127.0.0.1 and the checks on what they trained.
+
+- ``free_port``: a free TCP port on 127.0.0.1 (rendezvous endpoints; also tests/test_chart.py, test_image.py)
+- ``partition_keys``: the lock server's partition keys of every bucket, for the ``LockState`` rule tests
+- ``import_umls_p4``: UMLS imported into 4 partitions (the ``umls_p4`` fixture of tests/conftest.py), and
+  ``write_run_config`` / ``filtered_mrr`` to train and score runs on it
+- ``Agents``: torchrun agents started like pods, each killable together with its worker
+- ``bucket_records`` / ``buckets_per_epoch`` / ``assert_each_bucket_once_per_epoch``: what a run's checkpoint says it trained
+
+Kept in one module so that tests/test_distributed.py and tests/test_distributed_prefetch.py start agents
+with the same rendezvous settings and judge runs by the same rules. It imports ``job`` (and so torch) only
+inside the functions that need it: tests/conftest.py and the chart and image tests import it too, and
+should not pay for torch unless they train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from job.train.buckets import Bucket
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
+    from job.train.buckets import all_buckets
+
+    return {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(nparts, nparts)}
+
+
+# a small real graph, and runs on it ------------------------------------------------------------------
+
+
+def import_umls_p4(root: Path) -> dict:
+    """UMLS (a small real knowledge graph) imported into 4 partitions under ``root``: ``{"root", "config"}``."""
+    from job.cli import main
+    from job.data.datasets import dataset_dir
+
+    source = dataset_dir("umls")
+    config = {
+        "entity_path": str(root / "data"),
+        "edge_paths": [str(root / "data" / s) for s in ("train", "valid", "test")],
+        "checkpoint_path": str(root / "unused"),
+        "entities": {"all": {"num_partitions": 4}},
+        "relations": [{"name": "all_edges", "lhs": "all", "rhs": "all", "operator": "complex_diagonal"}],
+        "dynamic_relations": True, "dimension": 64, "global_emb": False, "comparator": "dot",
+        "num_uniform_negs": 100, "loss_fn": "softmax", "lr": 0.1, "batch_size": 200, "eval_fraction": 0.0,
+        "num_epochs": 8, "workers": 1, "seed": 0, "bucket_order": "affinity",
+    }
+    path = root / "config.json"
+    path.write_text(json.dumps(config))
+    files = [os.path.join(source, f"{s}.txt") for s in ("train", "valid", "test")]
+    assert main(["import", str(path), *files, "-l", "0", "--rel-col", "1", "-r", "2"]) == 0
+    return {"root": root, "config": config}
+
+
+def write_run_config(graph: dict, name: str, **changes: object) -> Path:
+    config = dict(graph["config"], **changes)
+    config["edge_paths"] = [graph["config"]["edge_paths"][0]]
+    config["checkpoint_path"] = str(graph["root"] / name)
+    path = graph["root"] / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def filtered_mrr(graph: dict, config_path: Path) -> float:
+    from job.config import load_config
+    from job.evaluation import evaluate
+
+    data = graph["root"] / "data"
+    config = load_config(str(config_path), [f"edge_paths={data / 'test'}"])
+    metrics = evaluate(config, filter_paths=[str(data / s) for s in ("train", "valid", "test")], candidates="all")
+    return metrics["mrr"]
+
+
+# torchrun agents --------------------------------------------------------------------------------------
+
+
+class Agents:
+    """torchrun agents started like pods: each in its own session, killable together with its worker."""
+
+    def __init__(self, config_path: Path, nnodes: str, log_dir: Path) -> None:
+        self.config_path = config_path
+        self.nnodes = nnodes
+        self.port = free_port()
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        # The first agent hosts the c10d rendezvous store (torchrun's single point of failure, see
+        # docs/kubernetes.md); said explicitly, since on one machine every agent would otherwise race for it.
+        is_host = "true" if not self.procs else "false"
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                   BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
+        log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=biggraph-test",
+             f"--rdzv-conf=join_timeout=120,last_call_timeout=3,is_host={is_host}", "--max-restarts=3",
+             "--monitor-interval=1",
+             "-m", "job", "train", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def run(self, names: list[str], timeout: float) -> dict[str, int]:
+        """Start the agents ``names`` in order and wait for them all (exit codes by name); none is left running."""
+        try:
+            for name in names:
+                self.start(name)
+            return self.wait(names, timeout)
+        finally:
+            self.stop()
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL the agent and its workers at once, as a lost pod would."""
+        agent = self.procs[name]
+        children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        for pid in [agent.pid, *map(int, children)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        agent.wait()
+
+    def wait(self, names: list[str], timeout: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            try:
+                codes[name] = self.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise AssertionError(f"agent {name} still running after {timeout:.0f} s; logs: {self.tail()}") from None
+        return codes
+
+    def tail(self) -> str:
+        """The last lines of every agent's log, for assertion messages."""
+        return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.log_dir.glob("*.log")))
+
+    def text(self) -> str:
+        """Every agent's whole log, for assertions on what was logged (a tail can miss a start-up line)."""
+        return "\n".join(f"--- {p.name}\n" + p.read_text() for p in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            if self.procs[name].poll() is None:
+                self.kill_node(name)
+
+
+# what a run trained -----------------------------------------------------------------------------------
+
+
+def bucket_records(checkpoint_path: str) -> list[dict]:
+    from job.formats.checkpoint import CheckpointStorage
+
+    return CheckpointStorage(checkpoint_path).load_stats()
+
+
+def buckets_per_epoch(records: list[dict]) -> dict[int, list[tuple[int, int]]]:
+    """The (lhs, rhs) partitions of every bucket record, by epoch (pass summaries and other records left out)."""
+    per_epoch: dict[int, list[tuple[int, int]]] = {}
+    for record in records:
+        if "lhs_partition" in record:
+            per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
+    return per_epoch
+
+
+def assert_each_bucket_once_per_epoch(records: list[dict], epochs: int) -> None:
+    from job.train.buckets import all_buckets
+
+    per_epoch = buckets_per_epoch(records)
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, buckets in per_epoch.items():
+        assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
