@@ -111,7 +111,7 @@ def row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: 
 
 
 @torch.no_grad()
-def row_adagrad_occurrences(table: Table, sides: list[tuple[Tensor, Optional[Tensor]]], lr: float) -> None:
+def row_adagrad_occurrences(table: Table, given: list[tuple[Tensor, Optional[Tensor]]], lr: float) -> None:
     """``row_adagrad`` for rows gathered once per occurrence, as (ids, gradient) lists of one table.
 
     An id may repeat within a list and across them (a row drawn twice, or on both sides of a batch). Each
@@ -121,7 +121,7 @@ def row_adagrad_occurrences(table: Table, sides: list[tuple[Tensor, Optional[Ten
     rows, where ``row_adagrad_repeated`` passes over every gradient three more times. Finding the repeats
     makes the host wait for their count: a CPU path (a GPU takes ``row_adagrad_repeated``).
     """
-    sides = [(ids, grad) for ids, grad in sides if grad is not None]
+    sides: list[tuple[Tensor, Tensor]] = [(ids, grad) for ids, grad in given if grad is not None]
     if not sides or table.optim_sum is None:
         return
     device = table.weight.device
