@@ -49,7 +49,10 @@ class _AttachGradients(torch.autograd.Function):
         # the gradient is the relation's weight, nearly always 1: multiplying by it would be one more pass over
         # every row gradient (checked only on the CPU, where reading the value waits for no device)
         unit = grad.device.type == "cpu" and bool(grad == 1)
-        return (None, None, *(d if unit else d.mul_(grad) for d in ctx.grads))
+        # let go of them: a leaf takes a gradient nobody else holds as its .grad; one still held here would be
+        # copied (a pass over ~17 MB per side of a large-table batch)
+        grads, ctx.grads = ctx.grads, None
+        return (None, None, *(d if unit else d.mul_(grad) for d in grads))
 
 
 def attach_gradients(loss: Tensor, inputs: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.model.comparators import Comparator
+from job.model.deferred import DeferredRows, gather_positives
 from job.model.fused import ScoringSetup, SideResult, fused_side, fused_supported
 from job.model.fused_pair import adjoint_applies, fused_pair, fused_pair_adjoint
 from job.model.operators import Operator
@@ -58,6 +59,8 @@ class SideScores:
     num_neg: Optional[int] = None  # negatives per positive as sampled (the width of the unweighted view)
     loss: Optional[Tensor] = None  # already computed (with its gradients attached) by job.model.fused
     violators: Optional[Tensor | float] = None  # already counted by job.model.fused (then ``neg`` holds no scores)
+    # this side's positives gathered off autograd: merge their gradient after backward (job.model.deferred)
+    deferred: Optional[DeferredRows] = None
 
 
 class Model(nn.Module):
@@ -176,8 +179,8 @@ class Model(nn.Module):
         comparator = self.comparator
         lhs_prepared = comparator.prepare(lhs_base)
         rhs_prepared = comparator.prepare(rhs_base)
-        lhs_pos_raw = _rows(lhs_base, batch.lhs_inv)
-        rhs_pos_raw = _rows(rhs_base, batch.rhs_inv)
+        lhs_pos_raw, lhs_deferred = gather_positives(lhs_base, batch.lhs_inv)
+        rhs_pos_raw, rhs_deferred = gather_positives(rhs_base, batch.rhs_inv)
         # "forward": c(u, h_r(v)) against lhs negatives u' (positives gathered from candidates[own])
         rhs_pos_transformed = comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_pos_raw, batch.rel))
         lhs_scores = self._side_scores(
@@ -192,6 +195,7 @@ class Model(nn.Module):
             neg_inv=batch.rhs_neg_inv, own=batch.rhs_inv, num_batch_negs=batch.num_batch_negs,
             all_negs=batch.all_negs, disabled=batch.disable_rhs,
         )
+        lhs_scores.deferred, rhs_scores.deferred = lhs_deferred, rhs_deferred
         return lhs_scores, rhs_scores, lhs_pos_raw, rhs_pos_raw
 
     def _score_static(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor

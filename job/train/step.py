@@ -293,6 +293,9 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
             total = total + reg
             stats.reg = _statistic(reg)
         total.backward()
+        for side_scores in (lhs_scores, rhs_scores):
+            if side_scores.deferred is not None:
+                side_scores.deferred.merge()
         stats.loss = _statistic(loss)
     with torch.no_grad():
         for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
