@@ -50,8 +50,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,11 +60,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the agents are started and killed as tests/test_distributed.py does it, by the same code
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from helpers_distributed import agent_command, free_port, kill_tree  # noqa: E402
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
 PROGRESS_FILE = "distributed_progress.json"
 
 # The rendezvous settings the project recommends (docs/kubernetes.md, the chart's torchrun.rdzvConf).
@@ -86,14 +86,9 @@ EVENTS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Agent:
-    """One torchrun agent (a node), in its own session; its output timestamped line by line."""
+    """One torchrun agent (a node), in its own session; its output timestamped line by line (which is why
+    this is not tests/helpers_distributed.py's ``Agents``, whose agents write to log files)."""
 
     def __init__(self, name: str, config_path: Path, port: int, run_id: str, is_host: bool, args: argparse.Namespace,
                  log_path: Path) -> None:
@@ -108,12 +103,8 @@ class Agent:
         if args.peer_interval is not None:
             env["BIGGRAPH_PEER_INTERVAL"] = str(args.peer_interval)
         rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={'true' if is_host else 'false'}"]))
-        command = [PYTHON, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-                   f"--rdzv-conf={rdzv_conf}", f"--max-restarts={args.max_restarts}"]
-        if args.monitor_interval is not None:
-            command.append(f"--monitor-interval={args.monitor_interval}")
-        command += ["-m", "job", "-v", "train", str(config_path)]
+        command = agent_command("1:2", port, run_id, rdzv_conf, args.max_restarts, args.monitor_interval,
+                                ["-v", "train", str(config_path)])
         self.command = command
         self.log = log_path.open("w")
         self.lines: list[tuple[float, str]] = []
@@ -138,15 +129,7 @@ class Agent:
 
     def kill_tree(self) -> None:
         """SIGKILL the agent and its workers together (workers run in sessions of their own)."""
-        pids = [self.proc.pid]
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        pids += [int(p) for p in out]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
+        kill_tree(self.proc)
 
 
 def read_progress(checkpoint: Path) -> Optional[dict[str, Any]]:

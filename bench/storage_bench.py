@@ -29,17 +29,14 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # free_port: the tests' own
+
+from helpers_distributed import free_port  # noqa: E402
 
 import storage_adapters as storage  # noqa: E402
 from job.formats.checkpoint import CheckpointStorage  # noqa: E402
 from job.formats.edges import edges_file, write_edges  # noqa: E402
 from job.formats.entities import write_entity_count  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:

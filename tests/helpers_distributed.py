@@ -1,6 +1,8 @@
 """What the distributed tests share: real torchrun agents on 127.0.0.1 and the checks on what they trained.
 
 - ``free_port``: a free TCP port on 127.0.0.1 (rendezvous endpoints; also tests/test_chart.py, test_image.py)
+- ``agent_command`` / ``kill_tree``: one torchrun agent's command line (a node of a c10d rendezvous on
+  127.0.0.1) and killing it together with its workers, as a lost pod dies
 - ``partition_keys``: the lock server's partition keys of every bucket, for the ``LockState`` rule tests
 - ``import_umls_p4``: UMLS imported into 4 partitions (the ``umls_p4`` fixture of tests/conftest.py), and
   ``write_run_config`` / ``filtered_mrr`` to train and score runs on it
@@ -10,7 +12,10 @@
 Kept in one module so that tests/test_distributed.py and tests/test_distributed_prefetch.py start agents
 with the same rendezvous settings and judge runs by the same rules. It imports ``job`` (and so torch) only
 inside the functions that need it: tests/conftest.py and the chart and image tests import it too, and
-should not pay for torch unless they train.
+should not pay for torch unless they train. bench/elastic_bench.py and bench/storage_bench.py import
+``free_port``, ``agent_command`` and ``kill_tree`` from here (tests/ on their ``sys.path``) rather than keep
+copies: benches and tests always sit side by side in a checkout (neither is in the wheel or the image), and
+the way an agent is started and killed should not drift between what is tested and what is measured.
 """
 
 from __future__ import annotations
@@ -33,6 +38,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def agent_command(nnodes: str, port: int, run_id: str, rdzv_conf: str, max_restarts: int,
+                  monitor_interval: float | None, job_args: list[str]) -> list[str]:
+    """One torchrun agent (a node, one trainer) of the c10d rendezvous at 127.0.0.1:``port``, running
+    ``python -m job *job_args``; ``monitor_interval`` None leaves torchrun's default."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+               f"--rdzv-conf={rdzv_conf}", f"--max-restarts={max_restarts}"]
+    if monitor_interval is not None:
+        command.append(f"--monitor-interval={monitor_interval}")
+    return [*command, "-m", "job", *job_args]
+
+
+def kill_tree(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers at once, as a lost pod would (workers run in sessions of their own,
+    so killing the agent's process group would miss them), and reap the agent."""
+    children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+    for pid in [agent.pid, *map(int, children)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
 
 
 def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
@@ -106,14 +135,11 @@ class Agents:
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                    BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
         log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=biggraph-test",
-             f"--rdzv-conf=join_timeout=120,last_call_timeout=3,is_host={is_host}", "--max-restarts=3",
-             "--monitor-interval=1",
-             "-m", "job", "train", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+        command = agent_command(self.nnodes, self.port, "biggraph-test",
+                                f"join_timeout=120,last_call_timeout=3,is_host={is_host}", 3, 1,
+                                ["train", str(self.config_path)])
+        self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
 
     def run(self, names: list[str], timeout: float) -> dict[str, int]:
         """Start the agents ``names`` in order and wait for them all (exit codes by name); none is left running."""
@@ -126,14 +152,7 @@ class Agents:
 
     def kill_node(self, name: str) -> None:
         """SIGKILL the agent and its workers at once, as a lost pod would."""
-        agent = self.procs[name]
-        children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-        for pid in [agent.pid, *map(int, children)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        agent.wait()
+        kill_tree(self.procs[name])
 
     def wait(self, names: list[str], timeout: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout

@@ -3,6 +3,9 @@
 Tests of ``validate``, ``train`` and friends need a graph on disk that is correct in every
 respect, so that each test can break exactly one thing and check the message about it.
 The graph is deterministic (seeded) and tiny, so writing it costs a few milliseconds.
+
+``line_graph`` / ``save_line_checkpoint``: three entities on a line whose ranks a test can work out by
+hand (evaluation metrics, reciprocal relations, presets).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, write_edges
 from job.formats.entities import write_dynamic_rel_count, write_entity_count
 
@@ -118,3 +122,32 @@ def make_graph(
             graph.edges[(lhs_part, rhs_part)] = (rel, lhs, rhs)
     graph.write_config()
     return graph
+
+
+def line_graph(root: Path, operator: str = "none", **extra: Any) -> dict[str, Any]:
+    """A config dict over three entities (type ``e``, one partition) and two edges 0 -> 1 and 1 -> 2 of
+    relation ``r`` (with ``operator``), dimension 1, ``dot`` comparator, no global embedding: with the
+    embeddings 1, 2, 3 of ``save_line_checkpoint`` every score is a product a test can rank by hand.
+    ``extra``: top-level config keys added or replaced."""
+    entity_path = root / "entities"
+    edge_path = root / "edges"
+    write_entity_count(str(entity_path), "e", 0, 3)
+    write_edges(edges_file(str(edge_path), 0, 0), np.array([0, 0]), np.array([0, 1]), np.array([1, 2]))
+    raw: dict[str, Any] = {
+        "entities": {"e": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "e", "rhs": "e", "operator": operator}],
+        "dimension": 1, "global_emb": False, "comparator": "dot",
+        "entity_path": str(entity_path), "edge_paths": [str(edge_path)], "checkpoint_path": str(root / "ckpt"),
+    }
+    raw.update(extra)
+    return raw
+
+
+def save_line_checkpoint(checkpoint_path: str, params: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
+    """Version 1 of a ``line_graph`` checkpoint: embeddings 1, 2, 3 and the model parameters ``params``
+    (``CheckpointStorage.save_model``'s form; none by default)."""
+    storage = CheckpointStorage(checkpoint_path)
+    storage.prepare()
+    storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
+    storage.save_model(1, params or {})
+    storage.save_version(1)

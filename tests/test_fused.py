@@ -17,7 +17,7 @@ import torch
 from job.config import parse_config
 from job.model.operators import _ComplexDiagonal
 from job.model.scoring import Model, Table
-from job.train import step
+from job.train import rowops, step
 from job.train.step import BatchContext, run_batch
 
 DIM = 8
@@ -199,13 +199,13 @@ def test_every_occurrence_on_the_cpu_updates_as_the_unique_rows_do(loss_fn: str,
     for num_entities in (300, 5000):
         results = {}
         for occurrences in (True, False):
-            step.OCCURRENCES_ON_CPU = occurrences
+            rowops.OCCURRENCES_ON_CPU = occurrences
             try:
                 overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
                              "num_uniform_negs": negs[1], "operator": operator}
                 results[occurrences] = _run(overrides, num_entities, 57, dynamic, fused)
             finally:
-                step.OCCURRENCES_ON_CPU = True
+                rowops.OCCURRENCES_ON_CPU = True
         (weight, optim_sum, _, _), (ref_weight, ref_sum, _, _) = results[True], results[False]
         assert ref_sum.count_nonzero() > 0  # the batch did update rows
         torch.testing.assert_close(weight, ref_weight, rtol=0, atol=1e-9)

@@ -20,7 +20,7 @@ from job import config as config_module
 from job.archive.scoring import NUMPY_COMPARATORS, NUMPY_OPERATORS, NumpyComparator, apply_operator
 from job.model import names
 from job.model.comparators import COMPARATORS, Comparator
-from job.model.fused import BLOCKWISE_LOSSES
+from job.model.fused_losses import BLOCKWISE_LOSSES
 from job.model.losses import LOSSES, compute_loss
 from job.model.operators import OPERATORS, Operator
 from job.model.registry import Registry, UnknownNameError

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,34 +36,19 @@ from job.model.scoring import Model
 from job.report.collect import ReportOptions, build_report
 from job.train import train
 
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers_graphs import line_graph, save_line_checkpoint  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def line_graph(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    """Three entities with embeddings 1, 2, 3 (dimension 1), two edges 0 -> 1 and 1 -> 2, dot comparator."""
-    entity_path = tmp_path / "entities"
-    edge_path = tmp_path / "edges"
-    write_entity_count(str(entity_path), "e", 0, 3)
-    write_edges(edges_file(str(edge_path), 0, 0), np.array([0, 0]), np.array([0, 1]), np.array([1, 2]))
-    raw = {
-        "entities": {"e": {"num_partitions": 1}},
-        "relations": [{"name": "r", "lhs": "e", "rhs": "e", "operator": "diagonal"}],
-        "dimension": 1, "global_emb": False, "comparator": "dot",
-        "entity_path": str(entity_path), "edge_paths": [str(edge_path)], "checkpoint_path": str(tmp_path / "ckpt"),
-    }
-    raw.update(extra)
-    return raw
-
-
-def save_line_checkpoint(config: Any, forward: float, inverse: float) -> None:
-    storage = CheckpointStorage(config.checkpoint_path)
-    storage.prepare()
-    storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
+def save_line_operators(config: Any, forward: float, inverse: float) -> None:
+    """The line graph's checkpoint with a diagonal operator: ``inverse`` under rhs (PBG's), ``forward`` under
+    lhs when the relations are reciprocal."""
     params = {"relations/0/operator/rhs/diagonal": ("rhs_operators.0.diagonal", np.array([inverse], np.float32))}
     if config.reciprocal_relations:
         params["relations/0/operator/lhs/diagonal"] = ("lhs_operators.0.diagonal", np.array([forward], np.float32))
-    storage.save_model(1, params)
-    storage.save_version(1)
+    save_line_checkpoint(config.checkpoint_path, params)
 
 
 # reciprocal relations ---------------------------------------------------------------------------------
@@ -70,8 +56,8 @@ def save_line_checkpoint(config: Any, forward: float, inverse: float) -> None:
 
 def test_reciprocal_eval_ranks_each_side_through_its_own_operator(tmp_path: Path) -> None:
     """g_r = 2 (stored under lhs) predicts the rhs, h_r = -1 (PBG's rhs operator) predicts the lhs."""
-    config = parse_config(line_graph(tmp_path, reciprocal_relations=True))
-    save_line_checkpoint(config, forward=2.0, inverse=-1.0)
+    config = parse_config(line_graph(tmp_path, "diagonal", reciprocal_relations=True))
+    save_line_operators(config, forward=2.0, inverse=-1.0)
     metrics = evaluate(config, candidates="all")
     # edge 0 -> 1: rhs side c(2*1, v'): positive 4, candidates 0 (2), 2 (6) -> rank 2
     #              lhs side c(u', -1*2): positive -2, candidates 1 (-4), 2 (-6) -> rank 1
@@ -79,15 +65,15 @@ def test_reciprocal_eval_ranks_each_side_through_its_own_operator(tmp_path: Path
     #              lhs side c(u', -1*3): positive -6, candidates 0 (-3), 2 (-9) -> rank 2
     assert metrics["mean_rank"] == pytest.approx(np.mean([2, 1, 1, 2]))
     # the same parameters read by PBG's static scoring c(u, h_r(v)) on both sides: the rhs side differs
-    plain = parse_config(line_graph(tmp_path, checkpoint_path=str(tmp_path / "plain")))
-    save_line_checkpoint(plain, forward=2.0, inverse=-1.0)
+    plain = parse_config(line_graph(tmp_path, "diagonal", checkpoint_path=str(tmp_path / "plain")))
+    save_line_operators(plain, forward=2.0, inverse=-1.0)
     # edge 0 -> 1 rhs: c(1, -v'): positive -2, candidates -1, -3 -> rank 2; edge 1 -> 2 rhs: positive -6,
     # candidates -2, -4 -> rank 3; lhs sides as above (rank 1 and 2)
     assert evaluate(plain, candidates="all")["mean_rank"] == pytest.approx(np.mean([2, 1, 3, 2]))
 
 
 def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_operator() -> None:
-    raw = line_graph(Path("/nonexistent"), reciprocal_relations=True, dimension=4, loss_fn="softmax")
+    raw = line_graph(Path("/nonexistent"), "diagonal", reciprocal_relations=True, dimension=4, loss_fn="softmax")
     raw["relations"][0]["operator"] = "complex_diagonal"
     model = Model(parse_config(raw))
     assert model.reciprocal and len(model.lhs_operators[0].param_names) == 2
@@ -245,16 +231,16 @@ def test_xavier_init_draws_rows_with_the_fan_standard_deviation(tmp_path: Path, 
 
 def test_quality_preset_fills_in_the_documented_keys_and_explicit_keys_win(tmp_path: Path) -> None:
     top, per_relation = PRESETS["quality"]
-    config = parse_config(line_graph(tmp_path, preset="quality"))
+    config = parse_config(line_graph(tmp_path, "diagonal", preset="quality"))
     for key, value in top.items():
         assert getattr(config, key) == value, key
     assert all(relation.all_negs for relation in config.relations)
-    raw = line_graph(tmp_path, preset="quality", lr=0.5, reciprocal_relations=False)
+    raw = line_graph(tmp_path, "diagonal", preset="quality", lr=0.5, reciprocal_relations=False)
     raw["relations"][0]["all_negs"] = False
     explicit = parse_config(raw)
     assert (explicit.lr, explicit.reciprocal_relations, explicit.relations[0].all_negs) == (0.5, False, False)
     # no preset: PBG's defaults, untouched
-    plain = parse_config(line_graph(tmp_path))
+    plain = parse_config(line_graph(tmp_path, "diagonal"))
     assert (plain.reciprocal_relations, plain.init_method, plain.preset, plain.relations[0].all_negs) == (
         False, "normal", None, False)
     # the expanded config round-trips (config.json) to the same config
@@ -276,7 +262,7 @@ def test_preset_page_documents_exactly_the_preset_keys() -> None:
 def test_bad_values_are_clear_errors_naming_the_key(tmp_path: Path, override: str, key: str,
                                                     capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(line_graph(tmp_path)))
+    path.write_text(json.dumps(line_graph(tmp_path, "diagonal")))
     with pytest.raises(ConfigError, match=f"'{key}'"):
         load_config(str(path), [override])
     with contextlib.redirect_stdout(io.StringIO()):

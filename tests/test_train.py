@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from job.train.buckets import (
     plan_loads,
     swaps_needed,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers_graphs import line_graph, save_line_checkpoint  # noqa: E402
 
 # BIGGRAPH_TEST_DEVICE=cuda trains the graphs of these tests on the GPU (tests/test_cuda.py: the CUDA-only tests)
 TEST_DEVICE = os.environ.get("BIGGRAPH_TEST_DEVICE", "auto")
@@ -550,22 +554,9 @@ def test_hogwild_workers_train_together(tmp_path: Path) -> None:
 
 def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     """Three entities on a line, dot comparator, no operator: ranks can be worked out by hand."""
-    entity_path = tmp_path / "entities"
-    edge_path = tmp_path / "edges"
-    write_entity_count(str(entity_path), "e", 0, 3)
-    write_edges(edges_file(str(edge_path), 0, 0), np.array([0, 0]), np.array([0, 1]), np.array([1, 2]))
-    raw = {
-        "entities": {"e": {"num_partitions": 1}},
-        "relations": [{"name": "r", "lhs": "e", "rhs": "e"}],
-        "dimension": 1, "global_emb": False, "comparator": "dot",
-        "entity_path": str(entity_path), "edge_paths": [str(edge_path)], "checkpoint_path": str(tmp_path / "ckpt"),
-    }
-    config = parse_config(raw)
-    storage = CheckpointStorage(config.checkpoint_path)
-    storage.prepare()
-    storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
-    storage.save_model(1, {})
-    storage.save_version(1)
+    config = parse_config(line_graph(tmp_path))
+    edge_path = config.edge_paths[0]
+    save_line_checkpoint(config.checkpoint_path)
     metrics = evaluate(config, candidates="all")
     # edge (0 -> 1), score 1*2 = 2.
     #   corrupt rhs: candidates 0 (1*1=1), 2 (1*3=3): one scores >= 2 -> rank 2
@@ -582,7 +573,7 @@ def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     # AUC: fraction of the 2 candidates below the positive, per rank: 1/2, 0, 1, 1/2
     assert metrics["auc"] == pytest.approx(np.mean([0.5, 0.0, 1.0, 0.5]))
     # filtered: removing the true edge (1 -> 2) from the candidates of edge (0 -> 1)'s lhs side...
-    filtered = evaluate(config, filter_paths=[str(edge_path)], candidates="all")
+    filtered = evaluate(config, filter_paths=[edge_path], candidates="all")
     # edge (0->1) corrupt lhs: candidate 1 would form (1 -> 1)? not a true edge; candidate 2: (2 -> 1) no.
     # edge (1->2) corrupt lhs: candidate 0 forms (0 -> 2)? no. corrupt rhs of (0->1): candidate 2 forms (0->2)? no.
     # edge (1->2) corrupt rhs: candidate 1 forms (1 -> 1)? no. So nothing is filtered here:
@@ -591,7 +582,7 @@ def test_eval_metrics_match_hand_computed_ranks(tmp_path: Path) -> None:
     # and candidate 0 for (1 -> 2)'s lhs side (which scored below the positive: rank stays 2)
     known = tmp_path / "known"
     write_edges(edges_file(str(known), 0, 0), np.array([0]), np.array([0]), np.array([2]))
-    filtered = evaluate(config, filter_paths=[str(edge_path), str(known)], candidates="all")
+    filtered = evaluate(config, filter_paths=[edge_path, str(known)], candidates="all")
     assert filtered["mean_rank"] == pytest.approx(np.mean([1, 3, 1, 2]))
 
 

@@ -6,8 +6,8 @@ loss over the (B x K) score matrix. Autograd records every one of those steps an
 them backwards with an allocation and a pass over memory per step; on graphs where each
 batch touches thousands of distinct rows that bookkeeping was half of the batch time
 (bench/RESULTS.md). Here the forward pass runs without autograd, the gradient of the loss
-with respect to the scores has a closed form for each of PBG's losses, and the gradients
-with respect to the rows are the transposed matrix products. They are handed back to
+with respect to the scores has a closed form for each of PBG's losses (``job.model.fused_losses``),
+and the gradients with respect to the rows are the transposed matrix products. They are handed back to
 autograd through one node, so the operators, comparator preparation and global embeddings
 around it stay differentiated as before.
 
@@ -23,17 +23,15 @@ Both sides of a static relation are scored together by ``job.model.fused_pair``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from job.model import names
 from job.model.comparators import COMPARATORS
-from job.model.registry import Registry
+from job.model.fused_losses import BLOCKWISE_LOSSES, Block, blockwise_loss
 
 
 class _AttachGradients(torch.autograd.Function):
@@ -96,91 +94,6 @@ class SideResult:
     # with a separate ``uniform_anchor`` / a ``shift``: their gradients, (padded, d) / (padded,)
     d_uniform_anchor: Optional[Tensor] = None
     d_shift: Optional[Tensor] = None
-
-
-Block = tuple[Tensor, Optional[Tensor]]  # negative scores (R x k) and their weight (broadcastable) or None
-# (margin, positive scores, blocks, negatives per positive, rows that count) -> (loss, d pos); blocks become gradients
-BlockwiseLoss = Callable[[float, Tensor, list[Block], int, int], tuple[Tensor, Tensor]]
-
-BLOCKWISE_LOSSES: Registry[BlockwiseLoss] = Registry("loss function", names.LOSS_FUNCTIONS)
-
-
-def blockwise_loss(kind: str, margin: float, pos: Tensor, blocks: list[Block],
-                   num_neg: int, num_pos: int) -> tuple[Tensor, Tensor, list[Tensor], Tensor | float]:
-    """PBG's loss over [positive | negatives] held as separate blocks, and its gradient.
-
-    ``pos`` (R,): positive scores; ``blocks``: (scores (R x k), weight broadcastable to it or None) for each
-    group of negatives, masked entries at a very negative score. Rows past ``num_pos`` (chunk padding) are
-    left out of the loss and get zero gradient. The same sums as ``job.model.losses``, without
-    concatenating the blocks into one matrix. The blocks are overwritten with their gradients.
-    Returns (loss, d pos, d blocks, violators: weighted count of negatives scoring above their positive).
-    """
-    rows = pos.shape[0]
-    column = pos.unsqueeze(1)
-    violators: Tensor | float = 0.0  # a tensor: a GPU must not wait for it batch after batch
-    for block, weight in blocks:
-        above = block[:num_pos].sub(column[:num_pos]).gt_(0)
-        violators = violators + (above.mul_(weight[:num_pos]) if weight is not None else above).sum()
-    loss, d_pos = BLOCKWISE_LOSSES.get(kind)(margin, pos, blocks, num_neg, num_pos)
-    if num_pos < rows:
-        d_pos[num_pos:] = 0
-        for block, _ in blocks:
-            block[num_pos:] = 0
-    return loss, d_pos, [block for block, _ in blocks], violators
-
-
-@BLOCKWISE_LOSSES.register("softmax")
-def _softmax_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: int,
-                    num_pos: int) -> tuple[Tensor, Tensor]:
-    top = pos.clone()
-    for block, weight in blocks:
-        if weight is not None:
-            block.add_(weight.log())
-        torch.maximum(top, block.amax(1), out=top)
-    top_column = top.unsqueeze(1)
-    d_pos = torch.exp(pos - top)
-    total = d_pos.clone()
-    for block, _ in blocks:
-        total += block.sub_(top_column).exp_().sum(1)
-    loss = (top + total.log() - pos)[:num_pos].sum()
-    d_pos.div_(total).sub_(1)
-    inverse_total = total.reciprocal_().unsqueeze(1)
-    for block, _ in blocks:
-        block.mul_(inverse_total)
-    return loss, d_pos
-
-
-@BLOCKWISE_LOSSES.register("ranking")
-def _ranking_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: int,
-                    num_pos: int) -> tuple[Tensor, Tensor]:
-    loss = pos.new_zeros(())
-    d_pos = torch.zeros_like(pos)
-    threshold = (margin - pos).unsqueeze(1)
-    for block, weight in blocks:
-        violation = block.add_(threshold)
-        active = (violation > 0).to(pos.dtype)
-        if weight is not None:
-            active.mul_(weight)
-        loss = loss + (violation.clamp_min_(0) * active)[:num_pos].sum()
-        d_pos -= active.sum(1)
-        block.copy_(active)
-    return loss, d_pos
-
-
-@BLOCKWISE_LOSSES.register("logistic")
-def _logistic_blocks(margin: float, pos: Tensor, blocks: list[Block], num_neg: int,
-                     num_pos: int) -> tuple[Tensor, Tensor]:
-    loss = F.softplus(-pos)[:num_pos].sum()
-    d_pos = torch.sigmoid(-pos).neg_()
-    for block, weight in blocks:
-        terms = F.softplus(block)
-        if weight is not None:
-            terms.mul_(weight)
-        loss = loss + terms[:num_pos].sum() / num_neg
-        block.sigmoid_().div_(num_neg)
-        if weight is not None:
-            block.mul_(weight)
-    return loss, d_pos
 
 
 def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
@@ -370,7 +283,7 @@ def _in_place(rows: Tensor, side: _Chunks) -> Tensor:
 
 def negatives_in_place(neg_inv: Optional[Tensor], num_rows: int) -> Optional[int]:
     """Where the uniform negatives start among ``num_rows`` candidate rows when they lie there one row per
-    draw, in draw order (every occurrence gathered: ``job.train.step``); None when they do not.
+    draw, in draw order (every occurrence gathered: ``job.train.rowops.select_rows``); None when they do not.
 
     Read from the indices themselves (a CPU pass over 20,000 ints), so no caller has to vouch for a layout.
     On a GPU reading them would wait for the device: there the negatives are always gathered.

@@ -1,7 +1,7 @@
 """PBG's losses in torch, one registered class per name of ``job.model.names.LOSS_FUNCTIONS``.
 
 ``compute_loss`` is the autograd form used by evaluation and by the comparators the fused path
-does not handle; ``job.model.fused`` has the same sums with their gradients written out
+does not handle; ``job.model.fused_losses`` has the same sums with their gradients written out
 (``BLOCKWISE_LOSSES``, registered under the same names).
 """
 

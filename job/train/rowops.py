@@ -1,4 +1,5 @@
-"""Row bookkeeping of a batch: unique rows without sorting, shared rows of two sides, cached scratch arrays.
+"""Row bookkeeping of a batch: unique rows without sorting, shared rows of two sides, cached scratch arrays,
+and which rows a batch gathers (``select_rows``: the unique rows, or every occurrence where that pays).
 
 Per-thread caches (``scratch``, ``positions``) keep the batch code from allocating every batch; a
 captured CUDA graph keeps them alive through ``cached_tensors``.
@@ -7,12 +8,13 @@ captured CUDA graph keeps them alive through ``cached_tensors``.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from job.model.scoring import _MASK_CACHE
+from job.model.scoring import _MASK_CACHE, Table
 
 
 def unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
@@ -91,3 +93,75 @@ def positions(begin: int, end: int, device: torch.device) -> Tensor:
     if cached is None:
         cached = _POSITIONS[key] = torch.arange(end, device=device)
     return cached[begin:]
+
+
+# On the CPU a trained batch of a large table gathers every occurrence too (``occurrences_pay``); off: the
+# unique rows (tests/test_fused.py turns it off to hold the two paths to each other).
+OCCURRENCES_ON_CPU = True
+
+
+def occurrences_pay(lhs_table: Table, same_table: bool, all_negs: bool, train: bool) -> bool:
+    """Whether to gather every occurrence of a batch's rows rather than its unique rows (CPU).
+
+    On a large table the uniform draws barely repeat (~5% of 20,000 draws from 112k rows), so deduplicating
+    saves few rows and costs what the fused scorer then has to undo: a copy of the negatives' rows out of the
+    unique rows, a zero-filled gradient buffer and a scatter-add of every negative's gradient into it. With
+    every occurrence gathered the negatives lie in draw order among the rows, are scored where they lie and
+    their gradients are written in place (``job.model.fused.score_side``); the few repeats are merged before
+    the Adagrad step (``row_adagrad_occurrences``). Small tables (the joint gather) keep deduplicating:
+    there the draws collapse onto few rows.
+    """
+    return OCCURRENCES_ON_CPU and train and not all_negs and not same_table and lhs_table.weight.device.type == "cpu"
+
+
+@dataclass
+class SelectedRows:
+    """The rows a batch gathers per side, and where its positives and negatives sit among them."""
+
+    lhs_uniq: Tensor
+    lhs_inv: Tensor
+    lhs_neg_inv: Optional[Tensor]
+    rhs_uniq: Tensor
+    rhs_inv: Tensor
+    rhs_neg_inv: Optional[Tensor]
+    same_table: bool  # both sides gather one set of rows
+    static: bool  # every occurrence gathered (fixed shapes), not the unique rows
+
+
+def select_rows(lhs_ids: Tensor, rhs_ids: Tensor, lhs_neg: Optional[Tensor], rhs_neg: Optional[Tensor],
+                lhs_table: Table, rhs_table: Table, same_table: bool, all_negs: bool, static: bool) -> SelectedRows:
+    """The unique rows per table (all of them with ``all_negs``; every occurrence when ``static``)."""
+    num_pos = int(lhs_ids.shape[0])
+    device = lhs_table.weight.device
+    lhs_count = lhs_table.weight.shape[0]
+    rhs_count = rhs_table.weight.shape[0]
+    if static:
+        # On a GPU finding the unique rows costs more than it saves: the number of unique rows is only
+        # known after waiting for the device. Every occurrence is gathered instead (a few thousand rows
+        # are nothing to a GPU), the shapes depend only on the batch size, and the Adagrad step sums the
+        # gradients of repeated rows itself (``row_adagrad_repeated``): the same update, no waiting.
+        return SelectedRows(*every_occurrence(lhs_ids, lhs_neg), *every_occurrence(rhs_ids, rhs_neg), False, True)
+    if all_negs:
+        lhs_uniq = torch.arange(lhs_count, device=device)
+        rhs_uniq = lhs_uniq if same_table else torch.arange(rhs_count, device=device)
+        return SelectedRows(lhs_uniq, lhs_ids, None, rhs_uniq, rhs_ids, None, same_table, False)
+    if same_table:
+        pieces = [lhs_ids, rhs_ids] + [n.reshape(-1) for n in (lhs_neg, rhs_neg) if n is not None]
+        uniq, inverse = unique_inverse(torch.cat(pieces), lhs_count)
+        offset = 2 * num_pos
+        lhs_neg_inv = rhs_neg_inv = None
+        if lhs_neg is not None:
+            lhs_neg_inv = inverse[offset : offset + lhs_neg.numel()].view_as(lhs_neg)
+            offset += lhs_neg.numel()
+        if rhs_neg is not None:
+            rhs_neg_inv = inverse[offset : offset + rhs_neg.numel()].view_as(rhs_neg)
+        return SelectedRows(uniq, inverse[:num_pos], lhs_neg_inv, uniq, inverse[num_pos : 2 * num_pos],
+                            rhs_neg_inv, True, False)
+
+    def uniq_of(ids: Tensor, neg: Optional[Tensor], count: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
+        uniq, inverse = unique_inverse(joined, count)
+        neg_inv = None if neg is None else inverse[num_pos:].view_as(neg)
+        return uniq, inverse[:num_pos], neg_inv
+
+    return SelectedRows(*uniq_of(lhs_ids, lhs_neg, lhs_count), *uniq_of(rhs_ids, rhs_neg, rhs_count), False, False)

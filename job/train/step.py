@@ -1,6 +1,7 @@
 """One batch: gather unique rows, score, loss, backward, and the two Adagrad updates.
 
-(The optimizers are in job/train/optim.py, the row bookkeeping in job/train/rowops.py.)
+(The optimizers are in job/train/optim.py; which rows a batch gathers, and the row bookkeeping, in
+job/train/rowops.py.)
 
 This is the hot path of training and of sampled evaluation. It runs unchanged in the
 main process (workers=1) and in each Hogwild worker; all tensors it updates live in
@@ -27,7 +28,7 @@ from job.train.optim import (
     row_adagrad_occurrences,
     row_adagrad_repeated,
 )
-from job.train.rowops import every_occurrence, overlap, unique_inverse
+from job.train.rowops import SelectedRows, occurrences_pay, overlap, select_rows
 
 # Both sides of a batch gather their rows together when the shared table has at most this many rows per
 # positive edge (they then touch mostly the same rows); otherwise each side gathers its own.
@@ -108,79 +109,7 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
 
 # Tests run the GPU's static-shape path on the CPU by setting this.
 STATIC_SHAPES_ON_CPU = False
-# On the CPU a trained batch of a large table gathers every occurrence too (``_occurrences_pay``); off: the
-# unique rows (for comparisons: bench/precision_bench.py --occurrences).
-OCCURRENCES_ON_CPU = True
-
-
-def _occurrences_pay(lhs_table: Table, same_table: bool, all_negs: bool, train: bool) -> bool:
-    """Whether to gather every occurrence of a batch's rows rather than its unique rows (CPU).
-
-    On a large table the uniform draws barely repeat (~5% of 20,000 draws from 112k rows), so deduplicating
-    saves few rows and costs what the fused scorer then has to undo: a copy of the negatives' rows out of the
-    unique rows, a zero-filled gradient buffer and a scatter-add of every negative's gradient into it. With
-    every occurrence gathered the negatives lie in draw order among the rows, are scored where they lie and
-    their gradients are written in place (``job.model.fused.score_side``); the few repeats are merged before
-    the Adagrad step (``row_adagrad_occurrences``). Small tables (the joint gather) keep deduplicating:
-    there the draws collapse onto few rows.
-    """
-    return OCCURRENCES_ON_CPU and train and not all_negs and not same_table and lhs_table.weight.device.type == "cpu"
-
-
-@dataclass
-class _Rows:
-    """The rows a batch gathers per side, and where its positives and negatives sit among them."""
-
-    lhs_uniq: Tensor
-    lhs_inv: Tensor
-    lhs_neg_inv: Optional[Tensor]
-    rhs_uniq: Tensor
-    rhs_inv: Tensor
-    rhs_neg_inv: Optional[Tensor]
-    same_table: bool  # both sides gather one set of rows
-    static: bool  # every occurrence gathered (fixed shapes), not the unique rows
-
-
-def _select_rows(lhs_ids: Tensor, rhs_ids: Tensor, lhs_neg: Optional[Tensor], rhs_neg: Optional[Tensor],
-                 lhs_table: Table, rhs_table: Table, same_table: bool, all_negs: bool, static: bool) -> _Rows:
-    """The unique rows per table (all of them with ``all_negs``; every occurrence when ``static``)."""
-    num_pos = int(lhs_ids.shape[0])
-    device = lhs_table.weight.device
-    lhs_count = lhs_table.weight.shape[0]
-    rhs_count = rhs_table.weight.shape[0]
-    if static:
-        # On a GPU finding the unique rows costs more than it saves: the number of unique rows is only
-        # known after waiting for the device. Every occurrence is gathered instead (a few thousand rows
-        # are nothing to a GPU), the shapes depend only on the batch size, and the Adagrad step sums the
-        # gradients of repeated rows itself (``row_adagrad_repeated``): the same update, no waiting.
-        return _Rows(*every_occurrence(lhs_ids, lhs_neg), *every_occurrence(rhs_ids, rhs_neg), False, True)
-    if all_negs:
-        lhs_uniq = torch.arange(lhs_count, device=device)
-        rhs_uniq = lhs_uniq if same_table else torch.arange(rhs_count, device=device)
-        return _Rows(lhs_uniq, lhs_ids, None, rhs_uniq, rhs_ids, None, same_table, False)
-    if same_table:
-        pieces = [lhs_ids, rhs_ids] + [n.reshape(-1) for n in (lhs_neg, rhs_neg) if n is not None]
-        uniq, inverse = unique_inverse(torch.cat(pieces), lhs_count)
-        offset = 2 * num_pos
-        lhs_neg_inv = rhs_neg_inv = None
-        if lhs_neg is not None:
-            lhs_neg_inv = inverse[offset : offset + lhs_neg.numel()].view_as(lhs_neg)
-            offset += lhs_neg.numel()
-        if rhs_neg is not None:
-            rhs_neg_inv = inverse[offset : offset + rhs_neg.numel()].view_as(rhs_neg)
-        return _Rows(uniq, inverse[:num_pos], lhs_neg_inv, uniq, inverse[num_pos : 2 * num_pos], rhs_neg_inv,
-                     True, False)
-
-    def uniq_of(ids: Tensor, neg: Optional[Tensor], count: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-        joined = ids if neg is None else torch.cat((ids, neg.reshape(-1)))
-        uniq, inverse = unique_inverse(joined, count)
-        neg_inv = None if neg is None else inverse[num_pos:].view_as(neg)
-        return uniq, inverse[:num_pos], neg_inv
-
-    return _Rows(*uniq_of(lhs_ids, lhs_neg, lhs_count), *uniq_of(rhs_ids, rhs_neg, rhs_count), False, False)
-
-
-def _update_rows(ctx: BatchContext, rows: _Rows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
+def _update_rows(ctx: BatchContext, rows: SelectedRows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
                  rhs_rows: Tensor, shared_storage: bool) -> None:
     """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
     lr = ctx.config.lr
@@ -246,9 +175,9 @@ def run_batch(
     same_table = shared_storage and (relation.all_negs or lhs_table.weight.shape[0] <= JOINT_GATHER_ROWS_PER_EDGE * num_pos)
     lhs_neg, rhs_neg = negatives if negatives is not None else draw_negatives(ctx, rel_idx, num_pos, generator)
     static = train and not relation.all_negs and (lhs_table.weight.device.type != "cpu" or STATIC_SHAPES_ON_CPU)
-    static = static or _occurrences_pay(lhs_table, same_table, relation.all_negs, train)
-    rows = _select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg, lhs_table, rhs_table, same_table, relation.all_negs,
-                        static)
+    static = static or occurrences_pay(lhs_table, same_table, relation.all_negs, train)
+    rows = select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg, lhs_table, rhs_table, same_table, relation.all_negs,
+                       static)
     if config.max_norm is not None and train:
         # a table without optimizer state is read-only (a frozen entity type): not even renormalised
         if lhs_table.optim_sum is not None:
