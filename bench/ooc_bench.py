@@ -116,7 +116,7 @@ def config_for(data: str, checkpoints: str, partitions: int, args: argparse.Name
         "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"} for i in range(10)],
         "dimension": args.dim, "comparator": "dot", "loss_fn": "softmax", "num_epochs": args.epochs,
         "num_batch_negs": 50, "num_uniform_negs": 50, "batch_size": 1000, "lr": 0.1, "eval_fraction": 0.0,
-        "workers": args.workers, "bucket_order": "inside_out",
+        "workers": args.workers, "bucket_order": "inside_out", "hogwild_delay": args.hogwild_delay,
     }
     config.update(extra)
     return config
@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hogwild-delay", type=float, default=2.0,
+                        help="seconds the Hogwild workers but the first wait on every bucket of epoch 0 (PBG's default "
+                             "2 s: on a one-epoch run with many small buckets it dominates, for PBG as for biggraph)")
     parser.add_argument("--skew", type=float, default=2.5, help="power-law skew (1: uniform)")
     parser.add_argument("--runs", default="p1,p8:buffer=3,p16:buffer=4")
     parser.add_argument("--backend", choices=("local", "s3"), default="local", help="where checkpoints live")
@@ -196,6 +199,9 @@ def main() -> None:
                 config.pop("storage_options", None)
             else:
                 command = [PYTHON, "-m", "job", "train"]
+            if "://" not in config["checkpoint_path"]:
+                # a checkpoint left by an earlier invocation in the same --work would be resumed, not trained
+                shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
             write_py_config(path, config)
             measured = run_measured(command + [str(path)], log=work / f"{path.stem}.log")
             result: dict[str, Any] = {"run": run["label"], "wall_s": round(measured["wall"], 1),

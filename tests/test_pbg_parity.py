@@ -229,3 +229,17 @@ def test_featurized_type_on_both_sides_takes_one_adagrad_step_per_feature_row(tm
     expected[touched] -= 0.1 * grad[touched] / (expected_sum[touched].sqrt() + ADAGRAD_EPS).unsqueeze(1)
     torch.testing.assert_close(table.optim_sum, expected_sum, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(table.weight, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_the_log_says_what_hogwild_delay_will_cost_the_first_epoch() -> None:
+    """PBG's delay on every bucket of epoch 0 is announced with its total, and only where it applies."""
+    def config(**overrides: Any) -> Any:
+        return parse_config({"entities": {"e": {"num_partitions": 8}}, "relations": [{"name": "r", "lhs": "e", "rhs": "e"}],
+                             "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x",
+                             **overrides})
+
+    note = bucket_run.hogwild_delay_cost(config(workers=4), 64)
+    assert note is not None and "3 of 4 Hogwild workers wait 2 s" in note and "64 buckets" in note and "128 s" in note
+    assert bucket_run.hogwild_delay_cost(config(workers=4, hogwild_delay=0.0), 64) is None
+    assert bucket_run.hogwild_delay_cost(config(workers=1), 64) is None
+    assert bucket_run.hogwild_delay_cost(config(workers=4), 1) is None  # one bucket: PBG's single delay, as ever

@@ -182,7 +182,8 @@ class ConfigSchema:
     verbose: int = _help("The verbosity level of logging, currently 0 or 1.", default=0)
     hogwild_delay: float = _help(
         "The number of seconds by which to delay the start of all 'Hogwild!' processes except the first one, "
-        "on the first epoch.",
+        "on the first epoch (as PBG: on every bucket of epoch 0, so P x P delays on a partitioned graph; the "
+        "trainer logs the total; 0 skips it).",
         default=2.0,
     )
     dynamic_relations: bool = _help(

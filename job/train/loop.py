@@ -29,7 +29,7 @@ from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model
 from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
-from job.train.bucket_run import BucketRunner
+from job.train.bucket_run import BucketRunner, hogwild_delay_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
@@ -230,6 +230,9 @@ class Trainer(BucketRunner):
             logger.info("training already complete: checkpoint version %d covers all %d passes",
                         self.version, len(self.iterations))
             return {"version": self.version, "passes": 0}
+        if todo[0].epoch == 0 and self.scheduler.delays_hogwild and self.workers > 1:
+            if note := hogwild_delay_cost(config, self.nparts_lhs * self.nparts_rhs * self.num_chunks * len(config.edge_paths)):
+                logger.info(note)
         started = time.perf_counter()
         total_edges = 0
         last_eval: Optional[float] = None
