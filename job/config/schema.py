@@ -120,9 +120,10 @@ class ConfigSchema:
     )
     bucket_order: BucketOrder = _help(
         "The order in which to iterate over the buckets: random, affinity, inside_out or outside_in (PBG's), or "
-        "buffer: an order close to the fewest partition loads for the partition buffer (groups of "
-        "partition_buffer - 1 partitions stay while every other partition passes through the last slot; "
-        "single-machine runs, other trainers walk inside_out).",
+        "buffer: an order close to the fewest partition loads for the partition buffer (partition_buffer - 1 "
+        "partitions stay while the others pass through the last slot, the changes of group searched for fewer "
+        "loads; each pass logs its loads against the lower bound; single-machine runs, other trainers walk "
+        "inside_out).",
         default=BucketOrder.INSIDE_OUT,
     )
     workers: int | None = _help(

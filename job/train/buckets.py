@@ -1,8 +1,9 @@
-"""Bucket orders: PBG's four ways of walking the (lhs partition, rhs partition) grid.
+"""Bucket orders: PBG's four ways of walking the (lhs partition, rhs partition) grid, and ``buffer``.
 
 Orders that make consecutive buckets share a partition save a swap (a write and a
 read of a whole partition) per shared partition, which is what makes partitioned
-training cheap when embeddings live on S3.
+training cheap when embeddings live on S3. ``buffer`` walks for a buffer of several
+partitions (``buffer_walk``); ``plan_loads`` counts what an order costs such a buffer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from job.config import BucketOrder
+from job.train.buffer_walk import lower_bound_loads, walk
+
+__all__ = ["Bucket", "all_buckets", "buffer_order", "lower_bound_loads", "order_buckets", "plan_loads", "swaps_needed"]
 
 
 class Bucket(NamedTuple):
@@ -100,100 +104,65 @@ def swaps_needed(order: list[Bucket]) -> int:
 
 def buffer_order(nparts: int, capacity: int, rng: random.Random, resident: Sequence[int] = ()) -> list[Bucket]:
     """Every bucket of a square grid once, in an order that needs few partition loads with ``capacity``
-    partitions in memory (``bucket_order: buffer``).
-
-    The partitions are cut into groups of ``capacity - 1``. While a group is held, every partition of the
-    later groups passes through the one remaining slot, so each load pairs the newcomer with all of the
-    group: ``capacity - 1`` new pairs per load, which is the most a load can add. The last partition to
-    pass through belongs to the next group, so it is already in memory when that group takes over. The
-    partitions already ``resident`` form the first group (nothing to load to start). Loads per pass stay
-    within ~10% of ``lower_bound_loads`` (tests/test_train.py checks several grids).
+    partitions in memory (``bucket_order: buffer``): ``buffer_walk.walk``'s loads over labels, the labels given
+    to the partitions at random except that the partitions already ``resident`` take the labels loaded first,
+    so a pass that starts with r of them in memory loads exactly r fewer. Each bucket comes right after the load
+    that brings its second partition in; Belady's rule (``plan_loads``, the trainer's buffer) replays the walk's
+    loads. Loads per pass against ``lower_bound_loads``: tests/test_bucket_order.py.
     """
     if capacity < 2:
         raise ValueError("a bucket needs two partitions in memory: capacity >= 2")
-    first = [p for p in dict.fromkeys(resident) if 0 <= p < nparts]
+    steps = walk(nparts, max(2, min(capacity, nparts)))  # c >= P: every partition fits, one walk for them all
+    first = [p for p in dict.fromkeys(resident) if 0 <= p < nparts][: min(capacity, nparts)]
     rest = [p for p in range(nparts) if p not in first]
     rng.shuffle(rest)
-    indices = first + rest
-    if capacity >= nparts:
-        groups = [indices]
-    else:
-        size = capacity - 1
-        groups = [indices[i: i + size] for i in range(0, nparts, size)]
+    partition = first + rest  # label -> partition
     order: list[Bucket] = []
     done: set[Bucket] = set()
-
-    def emit(a: int, b: int) -> None:
-        for bucket in (Bucket(a, b), Bucket(b, a)):
-            if bucket not in done:
-                done.add(bucket)
-                order.append(bucket)
-
-    for k, group in enumerate(groups):
-        # buckets within the group, spread between the newcomers: while one trains, the last newcomer
-        # (used no more) is written back and the next one read in the background (prefetch_partitions)
-        inside = [(a, b) for i, a in enumerate(group) for b in group[i:]]
-        inside.reverse()
-        if inside:
-            emit(*inside.pop())
-        later = [p for g in groups[k + 1:] for p in g]
-        if k + 1 < len(groups):  # end on a partition of the next group: it stays for the next phase
-            nxt = next((p for p in groups[k + 1] if p not in first), groups[k + 1][0])
-            later.remove(nxt)
-            later.append(nxt)
-        if k == 0:  # partitions already in memory beyond the first group pass through first: no load
-            extra = [p for p in first[len(group):] if p in later[:-1]]
-            later = extra + [p for p in later if p not in extra]
-        for newcomer in later:
-            emit(newcomer, newcomer)
-            for member in group:
-                emit(newcomer, member)
-            if inside:
-                emit(*inside.pop())
-        while inside:
-            emit(*inside.pop())
+    held: list[int] = []
+    for evicted, loaded in steps:
+        if evicted >= 0:
+            held.remove(partition[evicted])
+        newcomer = partition[loaded]
+        held.append(newcomer)
+        for other in held:
+            for bucket in (Bucket(newcomer, other), Bucket(other, newcomer)):
+                if bucket not in done:
+                    done.add(bucket)
+                    order.append(bucket)
     return order
 
 
-def lower_bound_loads(nparts: int, capacity: int, resident: int = 0) -> int:
-    """The fewest partition loads that train every bucket of a square grid with ``capacity`` partitions in
-    memory, ``resident`` of them already there: every pair of partitions must meet in memory once, a full
-    buffer holds C(c, 2) pairs, and each further load can add at most ``capacity - 1`` new pairs."""
-    if capacity >= nparts:
-        return nparts - min(resident, nparts)
-    pairs_left = nparts * (nparts - 1) // 2 - capacity * (capacity - 1) // 2
-    return capacity - min(resident, capacity) + -(-pairs_left // (capacity - 1))
-
-
 def plan_loads(order: Sequence[Bucket], capacity: int, resident: Sequence[int] = ()) -> tuple[int, int]:
-    """(loads, evictions) of walking ``order`` with ``capacity`` partitions in memory, evicting the
-    partition whose next use is farthest away (Belady's rule, optimal for a known sequence)."""
-    held = list(dict.fromkeys(resident))[:capacity]
-    loads = evictions = 0
+    """(loads, evictions) of walking ``order`` with ``capacity`` partitions in memory, ``resident`` there at the
+    start, evicting the partition whose next use is farthest away (Belady's rule, what the trainer does:
+    ``buffer.pick_victim``). Each partition's uses are indexed once, so a pass of P = 64 plans in milliseconds."""
+    uses: dict[int, list[int]] = {}
     for position, bucket in enumerate(order):
         for part in dict.fromkeys((bucket.lhs, bucket.rhs)):
+            uses.setdefault(part, []).append(position)
+    following = dict.fromkeys(uses, 0)  # index into uses[part] of its next use at or after the current bucket
+    never = len(order)
+    held = list(dict.fromkeys(resident))[:capacity]
+    loads = evictions = 0
+    for bucket in order:
+        parts = tuple(dict.fromkeys((bucket.lhs, bucket.rhs)))
+        for part in parts:
             if part in held:
                 continue
             if len(held) >= capacity:
-                victim = farthest_next_use(held, order, position, keep={bucket.lhs, bucket.rhs})
+                candidates = [p for p in held if p not in parts]
+                if not candidates:
+                    raise ValueError("no partition can be evicted: the bucket needs more than the buffer holds")
+                victim = max(candidates, key=lambda p: _next_use(uses.get(p, ()), following.get(p, 0), never))
                 held.remove(victim)
                 evictions += 1
             held.append(part)
             loads += 1
+        for part in parts:
+            following[part] += 1
     return loads, evictions
 
 
-def farthest_next_use(held: Sequence[int], order: Sequence[Bucket], position: int, keep: set[int]) -> int:
-    """Among ``held`` (minus ``keep``), the partition next used latest after ``position`` (never: first)."""
-    best, best_distance = None, -1
-    for part in held:
-        if part in keep:
-            continue
-        distance = next(
-            (i for i in range(position, len(order)) if part in (order[i].lhs, order[i].rhs)), len(order) + 1
-        )
-        if distance > best_distance:
-            best, best_distance = part, distance
-    if best is None:
-        raise ValueError("no partition can be evicted: the bucket needs more than the buffer holds")
-    return best
+def _next_use(positions: Sequence[int], index: int, never: int) -> int:
+    return positions[index] if index < len(positions) else never
