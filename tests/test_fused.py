@@ -218,18 +218,21 @@ def test_every_occurrence_on_the_cpu_updates_as_the_unique_rows_do(loss_fn: str,
     ("logistic", "dot", (0, 30), "linear", 0.01), ("softmax", "dot", (10, 0), "diagonal", 0.01),
 ])
 @pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("num_entities,static", [(40, False), (5000, False), (5000, True)])
 def test_positives_gathered_off_autograd_update_as_autograd_does(loss_fn: str, comparator: str, negs: tuple,
-                                                                 operator: str, reg: float, fused: bool) -> None:
+                                                                 operator: str, reg: float, fused: bool,
+                                                                 num_entities: int, static: bool) -> None:
     """Reciprocal scoring gathers the positives as their own leaf and adds their gradient to the rows' after
     backward (job.model.deferred): the same update, relation gradients and loss as autograd's gather, in
-    float64, with positives repeating (57 edges over 40 rows) and the N3 regulariser on the positives."""
+    float64, with the N3 regulariser on the positives; 57 edges over 40 rows (one joint gather, positives
+    repeating), over 5,000 (each side its own rows: every occurrence on the CPU) and the GPU's static shapes."""
     results = {}
     for enabled in (True, False):
         deferred.ENABLED = enabled
         try:
             overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
                          "num_uniform_negs": negs[1], "operator": operator, "regularization_coef": reg}
-            results[enabled] = _run(overrides, 40, 57, True, fused)
+            results[enabled] = _run(overrides, num_entities, 57, True, fused, static=static)
         finally:
             deferred.ENABLED = True
     (weight, optim_sum, grads, stats), (ref_weight, ref_sum, ref_grads, ref_stats) = results[True], results[False]

@@ -72,8 +72,8 @@ def test_reciprocal_eval_ranks_each_side_through_its_own_operator(tmp_path: Path
     assert evaluate(plain, candidates="all")["mean_rank"] == pytest.approx(np.mean([2, 1, 3, 2]))
 
 
-def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_operator() -> None:
-    raw = line_graph(Path("/nonexistent"), "diagonal", reciprocal_relations=True, dimension=4, loss_fn="softmax")
+def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_operator(tmp_path: Path) -> None:
+    raw = line_graph(tmp_path, "diagonal", reciprocal_relations=True, dimension=4, loss_fn="softmax")
     raw["relations"][0]["operator"] = "complex_diagonal"
     model = Model(parse_config(raw))
     assert model.reciprocal and len(model.lhs_operators[0].param_names) == 2

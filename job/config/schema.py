@@ -183,7 +183,7 @@ class ConfigSchema:
     verbose: int = _help("The verbosity level of logging, currently 0 or 1.", default=0)
     hogwild_delay: float = _help(
         "The number of seconds by which to delay the start of all 'Hogwild!' processes except the first one, "
-        "on the first epoch (as PBG: on every bucket of epoch 0, so P x P delays on a partitioned graph; the "
+        "on the first epoch (as PBG: on every bucket of epoch 0: P x P per edge path and chunk on a partitioned graph; the "
         "trainer logs the total; 0 skips it).",
         default=2.0,
     )

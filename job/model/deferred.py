@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# off: the positives are gathered through autograd (for comparisons: bench/precision_bench.py)
+# off: the positives are gathered through autograd (the reference tests/test_fused.py compares against)
 ENABLED = True
 
 

@@ -50,6 +50,9 @@ class _AttachGradients(torch.autograd.Function):
         # let go of them: a leaf takes a gradient nobody else holds as its .grad; one still held here would be
         # copied (a pass over ~17 MB per side of a large-table batch)
         grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("fused scoring: its gradients were handed over by an earlier backward (retain_graph "
+                               "is not supported on the fused path)")
         return (None, None, *(d if unit else d.mul_(grad) for d in grads))
 
 

@@ -14,8 +14,10 @@ loads (a filling load meets mostly partitions it has met): about P/2 loads per p
 ``_refine`` changes the walk where that pays, by rollout (the "pilot method"): at each step the greedy move and
 up to ``REFINE_WIDTH`` - 1 other moves meeting at most one new partner fewer are each followed by a greedy
 finish, and the move whose finished walk loads least is taken. It keeps the greedy move on ties, so it never
-loads more than the greedy walk; it stops trying once a finished walk reaches the lower bound, or after
-``REFINE_BUDGET`` units of work, so a walk is the same on every machine (P = 64: a few seconds, once).
+loads more than the greedy walk; it stops trying once a finished walk reaches the lower bound, and starts no
+step's rollouts after ``REFINE_BUDGET`` units of work (a started step finishes its few), so a walk is the same
+on every machine (P = 64: a few seconds, once per process). Above ``REFINE_MAX_PARTS`` partitions it tries no
+rollouts at all: the greedy walk alone costs ~P^3/c units there, and every trainer process finds its walk.
 
 What it takes: the lower bound for c = 2, for c = 3 up to P = 32 and for c >= P/2 (checked up to P = 40); the
 fewest loads there are on every grid where an exhaustive search finished (45 grids with P <= 13 and c >= 3,
@@ -34,6 +36,7 @@ Step = tuple[int, int]  # (evicted label or -1 while the buffer fills, loaded la
 # rollout work spent refining one walk, in partitions scanned (a greedy step scans P): ~7 s of CPU at P = 64
 REFINE_BUDGET = 10_000_000
 REFINE_WIDTH = 6  # moves tried per step by rollout (the greedy one and the next best, up to labels)
+REFINE_MAX_PARTS = 128  # above this many partitions the greedy walk is taken as it is
 
 
 class _Walk:
@@ -201,7 +204,7 @@ def walk(nparts: int, capacity: int) -> tuple[Step, ...]:
         raise ValueError("a bucket needs two partitions in memory: capacity >= 2")
     greedy = _Walk(nparts, capacity)
     floor = lower_bound_loads(nparts, capacity)
-    if greedy.finish_greedily([0]) == floor:
+    if greedy.finish_greedily([0]) == floor or nparts > REFINE_MAX_PARTS:
         return tuple(greedy.steps)
     state = _Walk(nparts, capacity)
     _refine(state, [REFINE_BUDGET], floor)

@@ -109,6 +109,8 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
 
 # Tests run the GPU's static-shape path on the CPU by setting this.
 STATIC_SHAPES_ON_CPU = False
+
+
 def _update_rows(ctx: BatchContext, rows: SelectedRows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
                  rhs_rows: Tensor, shared_storage: bool) -> None:
     """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
