@@ -182,7 +182,8 @@ def lower_bound_loads(nparts: int, capacity: int, resident: int = 0) -> int:
     Hence P - r + max(P - c, ceil(C(P - c + 1, 2) / min(c - 1, P - c))); for c >= P, P - r. The old count
     (first c loads meet C(c, 2) pairs, each later load c - 1) is the second term without the max and the min,
     which is loose for c above ~(P + 3)/3 (P = 16, c = 8: 22, where 24 are needed). The fewest loads equal it on every
-    grid with P <= 8 (tests/test_bucket_order.py searches them) and on c >= P/2 (the walk takes it); it is one
+    grid with P <= 8 that was searched (tests/test_bucket_order.py: all but c = 2 above P = 5, (6, 2) checked once:
+    16, and (8, 3), whose searches take minutes) and on c >= P/2 (the walk takes it); it is one
     short on P = 9, c = 4, P = 10, c = 4 and P = 11, c = 5.
     """
     if capacity < 2:
