@@ -20,6 +20,7 @@ the way an agent is started and killed should not drift between what is tested a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,10 +58,8 @@ def kill_tree(agent: subprocess.Popen) -> None:
     so killing the agent's process group would miss them), and reap the agent."""
     children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
     for pid in [agent.pid, *map(int, children)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     agent.wait()
 
 

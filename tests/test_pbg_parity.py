@@ -238,8 +238,8 @@ def test_the_log_says_what_hogwild_delay_will_cost_the_first_epoch() -> None:
                              "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x",
                              **overrides})
 
-    note = bucket_run.hogwild_delay_cost(config(workers=4), 64)
+    note = bucket_run.hogwild_delay_cost(config(), 4, 64)
     assert note is not None and "3 of 4 Hogwild workers wait 2 s" in note and "64 buckets" in note and "128 s" in note
-    assert bucket_run.hogwild_delay_cost(config(workers=4, hogwild_delay=0.0), 64) is None
-    assert bucket_run.hogwild_delay_cost(config(workers=1), 64) is None
-    assert bucket_run.hogwild_delay_cost(config(workers=4), 1) is None  # one bucket: PBG's single delay, as ever
+    assert bucket_run.hogwild_delay_cost(config(hogwild_delay=0.0), 4, 64) is None
+    assert bucket_run.hogwild_delay_cost(config(), 1, 64) is None  # one worker (or a GPU): nobody waits
+    assert bucket_run.hogwild_delay_cost(config(), 4, 1) is None  # one bucket: PBG's single delay, as ever

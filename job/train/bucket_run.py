@@ -203,15 +203,15 @@ class BucketRunner:
                              config.dynamic_relations, generator, False)
 
 
-def hogwild_delay_cost(config: ConfigSchema, buckets_in_epoch_0: int) -> Optional[str]:
+def hogwild_delay_cost(config: ConfigSchema, workers: int, buckets_in_epoch_0: int) -> Optional[str]:
     """What PBG's ``hogwild_delay`` will cost the first epoch, when it is worth a line in the log.
 
     PBG holds every Hogwild worker but the first back by ``hogwild_delay`` seconds on each bucket of epoch 0,
     and biggraph does the same so that PBG configs train alike. On a partitioned graph that is seconds of a
     worker idle per bucket: 64 buckets at the default 2 s made a one-epoch benchmark run 2.2x longer
-    (bench/RESULTS.md). A user should see that before waiting for it.
+    (bench/RESULTS.md). A user should see that before waiting for it. ``workers``: the trainer's Hogwild
+    workers (1 on a GPU, which runs its slices one after another and never waits).
     """
-    workers = config.effective_workers()
     if workers < 2 or config.hogwild_delay <= 0 or buckets_in_epoch_0 < 2:
         return None
     idle = config.hogwild_delay * buckets_in_epoch_0

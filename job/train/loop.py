@@ -230,9 +230,9 @@ class Trainer(BucketRunner):
             logger.info("training already complete: checkpoint version %d covers all %d passes",
                         self.version, len(self.iterations))
             return {"version": self.version, "passes": 0}
-        if todo[0].epoch == 0 and self.scheduler.delays_hogwild and self.workers > 1:
-            if note := hogwild_delay_cost(config, self.nparts_lhs * self.nparts_rhs * self.num_chunks * len(config.edge_paths)):
-                logger.info(note)
+        buckets = self.nparts_lhs * self.nparts_rhs * self.num_chunks * len(config.edge_paths)
+        if todo[0].epoch == 0 and self.scheduler.delays_hogwild and (note := hogwild_delay_cost(config, self.workers, buckets)):
+            logger.info(note)
         started = time.perf_counter()
         total_edges = 0
         last_eval: Optional[float] = None
