@@ -121,48 +121,88 @@ def process_edges(
     train: bool,
     graphs: Optional[GraphedSteps] = None,
 ) -> BatchStats:
-    """Run every batch of the edges selected by ``indices`` (already shuffled); ``graphs``: the bucket's
-    CUDA graphs when its training runs on a GPU (``process_slices`` makes them)."""
+    """Run every batch of the edges selected by ``indices`` (already shuffled), in the planned order;
+    ``graphs``: the bucket's CUDA graphs when its training runs on a GPU (``process_slices`` makes them)."""
     total = BatchStats()
     if indices.numel() == 0:
         return total
-    rel = edges.rel[indices]
-    if not dynamic:
-        # group by relation, keeping the shuffled order within each group
-        order = torch.argsort(rel, stable=True)
-        indices = indices[order]
-        rel = rel[order]
-    lhs = edges.lhs[indices]
-    rhs = edges.rhs[indices]
-    lhs_features = select_features(edges.lhs_features, indices.cpu()) if edges.lhs_features is not None else None
-    rhs_features = select_features(edges.rhs_features, indices.cpu()) if edges.rhs_features is not None else None
+    planned = PlannedSlice(edges, plan_batches(edges.rel, indices, batch_size, dynamic, generator))
+    for k in range(planned.plan.num_batches):
+        total.add(planned.run(ctx, k, generator, train, graphs))
+    return total
 
-    if lhs_features is not None or rhs_features is not None:
-        graphs = None  # batches with feature lists run eagerly
 
-    def batch(rel_idx: int, start: int, end: int, rel_ids: Optional[Tensor]) -> BatchStats:
-        if graphs is not None:
-            return graphs.run(rel_idx, lhs[start:end], rhs[start:end], rel_ids, generator)
-        return run_batch(ctx, rel_idx, lhs[start:end], rhs[start:end], rel_ids, generator, train,
-                         lhs_features=slice_features(lhs_features, start, end),
-                         rhs_features=slice_features(rhs_features, start, end))
+@dataclass
+class BatchPlan:
+    """A slice's batches, in the order a worker takes them: batch ``k`` is the edges
+    ``indices[starts[k]:ends[k]]``, all of relation ``relations[k]`` (dynamic relations: mixed, 0).
 
+    Planning first, from the generator alone, makes the batches a pure function of (slice, seed): two
+    processes that plan the same slice with the same seed get the same batches, so a Hogwild worker can
+    take another worker's batches by number (``hogwild.py``, the productive ``hogwild_delay``)."""
+
+    indices: Tensor
+    relations: Tensor
+    starts: Tensor
+    ends: Tensor
+    dynamic: bool
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.starts.numel())
+
+
+def plan_batches(rel: Tensor, indices: Tensor, batch_size: int, dynamic: bool,
+                 generator: torch.Generator) -> BatchPlan:
+    """PBG's batches of the edges ``indices``: contiguous with dynamic relations; otherwise grouped by
+    relation (keeping the shuffled order within each group) and taken ``batch_size`` at a time from a
+    relation drawn with probability proportional to its edges left."""
+    chosen = rel[indices].cpu()
     if dynamic:
-        for start in range(0, rel.shape[0], batch_size):
-            end = min(start + batch_size, rel.shape[0])
-            total.add(batch(0, start, end, rel[start:end]))
-        return total
-    rel_values, counts = torch.unique_consecutive(rel.cpu(), return_counts=True)
+        starts = torch.arange(0, chosen.numel(), batch_size, dtype=torch.long)
+        ends = torch.clamp(starts + batch_size, max=chosen.numel())
+        return BatchPlan(indices, torch.zeros_like(starts), starts, ends, True)
+    order = torch.argsort(chosen, stable=True)
+    indices = indices[order.to(indices.device)]
+    rel_values, counts = torch.unique_consecutive(chosen[order], return_counts=True)
     offsets = torch.cumsum(counts, 0) - counts
     left = counts.clone()
-    while True:
-        remaining = int(left.sum())
-        if remaining == 0:
-            break
+    relations: list[int] = []
+    starts_list: list[int] = []
+    sizes: list[int] = []
+    remaining = int(left.sum())
+    while remaining > 0:
         group = 0 if len(left) == 1 else int(torch.multinomial(left.double(), 1, generator=generator))
-        taken = int(counts[group] - left[group])
         size = min(batch_size, int(left[group]))
-        start = int(offsets[group]) + taken
-        total.add(batch(int(rel_values[group]), start, start + size, None))
+        relations.append(int(rel_values[group]))
+        starts_list.append(int(offsets[group] + counts[group] - left[group]))
+        sizes.append(size)
         left[group] -= size
-    return total
+        remaining -= size
+    starts = torch.tensor(starts_list, dtype=torch.long)
+    return BatchPlan(indices, torch.tensor(relations, dtype=torch.long), starts,
+                     starts + torch.tensor(sizes, dtype=torch.long), False)
+
+
+class PlannedSlice:
+    """A plan's edges gathered once in this process, so that any of its batches can run by number."""
+
+    def __init__(self, edges: EdgeTensors, plan: BatchPlan) -> None:
+        self.plan = plan
+        self.rel = edges.rel[plan.indices] if plan.dynamic else None
+        self.lhs = edges.lhs[plan.indices]
+        self.rhs = edges.rhs[plan.indices]
+        self.lhs_features = select_features(edges.lhs_features, plan.indices.cpu())
+        self.rhs_features = select_features(edges.rhs_features, plan.indices.cpu())
+
+    def run(self, ctx: BatchContext, k: int, generator: torch.Generator, train: bool,
+            graphs: Optional[GraphedSteps] = None) -> BatchStats:
+        """Batch ``k`` of the plan; batches with feature lists run eagerly."""
+        plan = self.plan
+        start, end = int(plan.starts[k]), int(plan.ends[k])
+        rel_ids = self.rel[start:end] if self.rel is not None else None
+        if graphs is not None and self.lhs_features is None and self.rhs_features is None:
+            return graphs.run(int(plan.relations[k]), self.lhs[start:end], self.rhs[start:end], rel_ids, generator)
+        return run_batch(ctx, int(plan.relations[k]), self.lhs[start:end], self.rhs[start:end], rel_ids, generator,
+                         train, lhs_features=slice_features(self.lhs_features, start, end),
+                         rhs_features=slice_features(self.rhs_features, start, end))

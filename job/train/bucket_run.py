@@ -180,7 +180,8 @@ class BucketRunner:
         slices = [s.clone() for s in slices]
         seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
         # PBG delays every worker but the first by hogwild_delay on each bucket of epoch 0 (train.py,
-        # train_and_report_stats: ``delay=... if epoch_idx == 0 and rank > 0``)
+        # train_and_report_stats: ``delay=... if epoch_idx == 0 and rank > 0``); the pool keeps the first
+        # worker busy with the delayed slices' batches meanwhile
         delays = [0.0] + [config.hogwild_delay if delayed else 0.0] * (len(slices) - 1)
         edges.share_memory_()
         return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
@@ -207,13 +208,15 @@ def hogwild_delay_cost(config: ConfigSchema, workers: int, buckets_in_epoch_0: i
     """What PBG's ``hogwild_delay`` will cost the first epoch, when it is worth a line in the log.
 
     PBG holds every Hogwild worker but the first back by ``hogwild_delay`` seconds on each bucket of epoch 0,
-    and biggraph does the same so that PBG configs train alike. On a partitioned graph that is seconds of a
-    worker idle per bucket: 64 buckets at the default 2 s made a one-epoch benchmark run 2.2x longer
-    (bench/RESULTS.md). A user should see that before waiting for it. ``workers``: the trainer's Hogwild
-    workers (1 on a GPU, which runs its slices one after another and never waits).
+    and biggraph does the same so that PBG configs train alike: for those seconds one worker trains alone.
+    PBG's held workers idle meanwhile; here the first worker takes their batches (``hogwild.py``), so what is
+    lost is the other workers' share of the delay: (W-1)/W of it per bucket. With 64 buckets at the default
+    2 s, PBG's way made a one-epoch benchmark run 2.2x longer (bench/RESULTS.md). A user should see the cost
+    before waiting for it. ``workers``: the trainer's Hogwild workers (1 on a GPU, which never waits).
     """
     if workers < 2 or config.hogwild_delay <= 0 or buckets_in_epoch_0 < 2:
         return None
-    idle = config.hogwild_delay * buckets_in_epoch_0
-    return (f"hogwild_delay: {workers - 1} of {workers} Hogwild workers wait {config.hogwild_delay:g} s on each of the "
-            f"{buckets_in_epoch_0} buckets of epoch 0 (PBG's semantics), up to {idle:.0f} s; hogwild_delay: 0 skips it")
+    lost = config.hogwild_delay * buckets_in_epoch_0 * (workers - 1) / workers
+    return (f"hogwild_delay: one of {workers} Hogwild workers trains alone for the first {config.hogwild_delay:g} s "
+            f"of each of the {buckets_in_epoch_0} buckets of epoch 0 (PBG's semantics), up to {lost:.0f} s of "
+            f"wall time; hogwild_delay: 0 skips it")
