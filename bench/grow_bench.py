@@ -32,6 +32,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a package
+
 REPO = Path(__file__).resolve().parent.parent
 COLUMNS = ["-l", "0", "--rel-col", "1", "-r", "2"]
 
@@ -43,18 +46,6 @@ def read_triples(path: Path) -> list[tuple[str, str, str]]:
 def write_tsv(path: Path, rows: list[tuple[str, str, str]]) -> Path:
     path.write_text("".join(f"{h}\t{r}\t{t}\n" for h, r, t in rows))
     return path
-
-
-def matmul_rate() -> float:
-    """GFLOP/s of a float32 2048x2048 matrix product with torch's default threads (the machine's compute)."""
-    import torch
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    started = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    return 5 * 2 * 2048**3 / (time.perf_counter() - started) / 1e9
 
 
 def config_for(root: Path, args: argparse.Namespace) -> dict[str, Any]:

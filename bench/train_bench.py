@@ -33,6 +33,9 @@ from typing import Any
 import numpy as np
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a package
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
@@ -307,7 +310,9 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="biggraph-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "command": " ".join(sys.argv),
+                               "matmul_gflops": round(matmul_rate(), 1)}
+    print(json.dumps({"matmul_gflops": results["matmul_gflops"]}), flush=True)
     devices = tuple(d for d in args.devices.split(",") if d)
     for name in [d for d in args.datasets.split(",") if d]:
         results.setdefault("datasets", []).append(bench_dataset(name, args.epochs, args.workers, work, not args.no_pbg,
@@ -324,6 +329,8 @@ def main() -> None:
         print(json.dumps(results["memory"]), flush=True)
     out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
+    results["matmul_gflops_after"] = round(matmul_rate(), 1)
+    print(json.dumps({"matmul_gflops_after": results["matmul_gflops_after"]}), flush=True)
     (out / f"train_bench_{int(time.time())}.json").write_text(json.dumps(results, indent=2))
 
 
