@@ -1,13 +1,14 @@
 """PBG's ``hogwild_delay`` without idle workers: the same batches, one worker alone during the delay.
 
-PBG holds every Hogwild worker but the first back by ``hogwild_delay`` on each bucket of epoch 0. Here the
-first worker, once its own slice is done, takes the delayed slices' batches from their back (``SharedCursor``),
-so each batch still runs exactly once and a delay longer than the bucket's work costs nothing more.
+PBG holds every Hogwild worker but the first back by ``hogwild_delay`` on each bucket of epoch 0. Here a worker
+done with its own slice takes the delayed slices' batches from their back (``work_sharing.SharedSlice``), so
+each batch still runs exactly once and a delay longer than the bucket's work costs nothing more.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ from job.config import parse_config
 from job.model.scoring import Model, Table
 from job.train import batching, hogwild
 from job.train.batching import EdgeTensors, plan_batches, split_almost_equally
-from job.train.hogwild import SharedCursor, WorkerPool
+from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.step import BatchContext, BatchStats
+from job.train.work_sharing import SharedSlice
 
 NUM_EDGES = 2_000
 BATCH = 100  # a multiple of the default 50 batch negatives
@@ -59,12 +61,16 @@ def test_a_plan_is_a_function_of_slice_and_seed(dynamic: bool) -> None:
     assert not torch.equal(first.relations, other.relations)
 
 
-def test_a_cursor_hands_each_batch_out_once_from_both_ends() -> None:
-    cursor = SharedCursor(torch.zeros(2, dtype=torch.long), threading.Lock())
+def _shared(indices: torch.Tensor, seed: int) -> SharedSlice:
+    return SharedSlice.allocate(indices, seed, BATCH, 3).with_lock(threading.Lock())
+
+
+def test_a_shared_slice_hands_each_batch_out_once_from_both_ends() -> None:
+    shared = _shared(torch.arange(10), 0)
     taken: dict[str, list[int]] = {"front": [], "back": []}
 
     def take(side: str) -> None:
-        taken[side].extend(cursor.claims(5_000, side == "back"))
+        taken[side].extend(shared.claims(5_000, side == "back"))
 
     threads = [threading.Thread(target=take, args=(side,)) for side in ("front", "back")]
     for thread in threads:
@@ -74,7 +80,24 @@ def test_a_cursor_hands_each_batch_out_once_from_both_ends() -> None:
     front, back = taken["front"], taken["back"]
     assert sorted(front + back) == list(range(5_000))
     assert front == list(range(len(front))) and back == list(range(4_999, 4_999 - len(back), -1))
-    assert cursor.exhausted(5_000) and cursor.claim(5_000, False) is None
+    assert shared.claim(5_000, False) is None
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_published_plan_is_the_owners_and_an_unpublished_one_is_planned_alike(dynamic: bool) -> None:
+    edges = _edges()
+    indices = torch.randperm(NUM_EDGES, generator=torch.Generator().manual_seed(3))[:1_234]
+    shared = _shared(indices, 5)
+    owners = plan_batches(edges.rel, indices, BATCH, dynamic, torch.Generator().manual_seed(5))
+    unpublished = shared.plan(edges.rel, BATCH, dynamic)
+    assert not shared.exhausted()  # nothing published yet: nobody may think the slice is done
+    shared.publish(owners)
+    published = shared.plan(edges.rel, BATCH, dynamic)
+    for plan in (unpublished, published):
+        for name in ("indices", "relations", "starts", "ends"):
+            assert torch.equal(getattr(plan, name), getattr(owners, name)), name
+    assert list(shared.claims(owners.num_batches, True)) == list(range(owners.num_batches - 1, -1, -1))
+    assert shared.exhausted()
 
 
 @pytest.fixture
@@ -90,13 +113,13 @@ def trained_lhs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-def _tasks(edges: EdgeTensors, delay: float, taken_by_owner: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The two tasks of a bucket as ``WorkerPool.run`` makes them: the first steals, the second is delayed."""
+def _tasks(edges: EdgeTensors, delay: float) -> tuple[dict[str, Any], dict[str, Any], SharedSlice]:
+    """The two tasks of a bucket as ``WorkerPool.run`` makes them: the first takes from the second, delayed."""
     own, delayed = (torch.arange(NUM_EDGES)[s] for s in split_almost_equally(NUM_EDGES, 2))
-    cursor = torch.tensor([taken_by_owner, 0], dtype=torch.long)
+    shared = SharedSlice.allocate(delayed, 2, BATCH, 3)
     common = {"edges": edges, "train": True}
-    return ({**common, "indices": own, "seed": 1, "delay": 0.0, "cursor": None, "steal": [(delayed, 2, cursor)]},
-            {**common, "indices": delayed, "seed": 2, "delay": delay, "cursor": cursor, "steal": []})
+    return ({**common, "indices": own, "seed": 1, "delay": 0.0, "shared": None, "steal": [shared]},
+            {**common, "indices": delayed, "seed": 2, "delay": delay, "shared": shared, "steal": []}, shared)
 
 
 def _ctx() -> BatchContext:
@@ -106,7 +129,7 @@ def _ctx() -> BatchContext:
 
 @pytest.mark.timeout(120)  # the delay is 600 s: only the owner seeing its batches taken ends the wait early
 def test_the_undelayed_worker_takes_a_delayed_slice_and_its_owner_stops_waiting(trained_lhs: list[int]) -> None:
-    first, delayed = _tasks(_edges(), delay=600.0)
+    first, delayed, _ = _tasks(_edges(), delay=600.0)
     lock = threading.Lock()
     assert hogwild._run_task(_ctx(), first, lock).count == NUM_EDGES
     assert sorted(trained_lhs) == list(range(NUM_EDGES))
@@ -115,30 +138,59 @@ def test_the_undelayed_worker_takes_a_delayed_slice_and_its_owner_stops_waiting(
 
 
 def test_batches_the_owner_took_are_not_taken_again(trained_lhs: list[int]) -> None:
-    """The owner ran its first 3 batches (from the front); the other worker takes exactly the rest, which are
-    the owner's planned batches 3.. (the same plan from the same seed)."""
+    """The owner planned, published and ran its first 3 batches; the other worker takes exactly the rest."""
     edges = _edges()
-    first, delayed = _tasks(edges, delay=0.0, taken_by_owner=3)
-    plan = plan_batches(edges.rel, delayed["indices"], BATCH, False, torch.Generator().manual_seed(2))
+    first, _, shared = _tasks(edges, delay=0.0)
+    plan = plan_batches(edges.rel, shared.indices, BATCH, False, torch.Generator().manual_seed(2))
+    shared.with_lock(threading.Lock()).publish(plan)
+    shared.counters[0] = 3
     owner_took = torch.cat([plan.indices[s:e] for s, e in zip(plan.starts[:3].tolist(), plan.ends[:3].tolist())])
     stats = hogwild._run_task(_ctx(), first, threading.Lock())
     assert stats.count == NUM_EDGES - owner_took.numel()
     assert sorted(trained_lhs + owner_took.tolist()) == list(range(NUM_EDGES))
 
 
+@pytest.mark.timeout(120)
+def test_both_workers_at_once_train_every_edge_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner (a short delay) and the other worker in two threads, batches slow enough to meet midway."""
+    seen: list[tuple[str, int]] = []
+
+    def record(ctx: Any, rel_idx: int, lhs: torch.Tensor, *args: Any, **kwargs: Any) -> BatchStats:
+        time.sleep(0.002)
+        seen.extend((threading.current_thread().name, int(i)) for i in lhs)
+        return BatchStats(count=int(lhs.numel()))
+
+    monkeypatch.setattr(batching, "run_batch", record)
+    first, delayed, _ = _tasks(_edges(), delay=0.01)
+    lock = threading.Lock()
+    threads = [threading.Thread(target=hogwild._run_task, args=(_ctx(), task, lock), name=name)
+               for task, name in ((first, "first"), (delayed, "owner"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(i for _, i in seen) == list(range(NUM_EDGES))
+    delayed_ids = set(delayed["indices"].tolist())
+    by_first = {i for name, i in seen if name == "first"} & delayed_ids
+    by_owner = {i for name, i in seen if name == "owner"}
+    assert by_first and by_owner  # both took part of the delayed slice
+    assert by_owner <= delayed_ids
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # a 600 s delay: the run ends early only if the first worker takes the batches
 def test_a_real_pool_trains_every_edge_once_without_sitting_out_the_delay(tmp_path: Path) -> None:
-    config = parse_config(base_config(tmp_path, {"e": 1}, [("r", "e", "e")], batch_size=BATCH))
+    config = parse_config(base_config(tmp_path, {"e": 1}, [(f"r{i}", "e", "e") for i in range(3)], batch_size=BATCH))
     model = Model(config)
     optimizer = RelationAdagrad(list(model.parameters()), config.lr)
     table = Table(torch.randn(NUM_EDGES, 4).share_memory_(), torch.zeros(NUM_EDGES).share_memory_())
     before = table.weight.clone()
-    edges = _edges(num_relations=1).share_memory_()
+    edges = _edges().share_memory_()  # three relations: the plan draws from the seed, so seeds must match
     slices = [torch.arange(NUM_EDGES)[s] for s in split_almost_equally(NUM_EDGES, 2)]
     pool = WorkerPool(2, config, model, optimizer)
     try:
-        stats = pool.run(edges, slices, {0: table}, {0: table}, [1, 2], True, config.num_batch_negs,
+        tables = {r: table for r in range(3)}
+        stats = pool.run(edges, slices, tables, tables, [1, 2], True, config.num_batch_negs,
                          config.num_uniform_negs, [0.0, 600.0])
     finally:
         pool.close()

@@ -598,14 +598,14 @@ def test_featurized_entities_train_as_the_mean_of_their_features(tmp_path: Path)
 
 
 def test_featurized_batches_use_the_mean_of_feature_rows() -> None:
-    from job.train.batching import select_features, slice_features
+    from job.train.batching import select_features
 
     offsets = torch.tensor([0, 2, 3, 6])
     data = torch.tensor([4, 5, 6, 7, 8, 9])
     picked_offsets, picked_data = select_features((offsets, data), torch.tensor([2, 0]))
     assert picked_offsets.tolist() == [0, 3, 5]
     assert picked_data.tolist() == [7, 8, 9, 4, 5]
-    window_offsets, window_data = slice_features((offsets, data), 1, 3)
+    window_offsets, window_data = select_features((offsets, data), torch.tensor([1, 2]))
     assert window_offsets.tolist() == [0, 1, 4] and window_data.tolist() == [6, 7, 8, 9]
 
 

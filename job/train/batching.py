@@ -36,14 +36,6 @@ def select_features(features: Optional[Features], indices: Tensor) -> Optional[F
     return new_offsets, data[starts + within]
 
 
-def slice_features(features: Optional[Features], start: int, end: int) -> Optional[Features]:
-    if features is None:
-        return None
-    offsets, data = features
-    window = offsets[start:end + 1]
-    return window - window[0], data[int(window[0]):int(window[-1])]
-
-
 @dataclass
 class EdgeTensors:
     """A bucket chunk's edges (int64), shared with Hogwild workers; feature lists for featurized sides."""
@@ -157,14 +149,14 @@ def plan_batches(rel: Tensor, indices: Tensor, batch_size: int, dynamic: bool,
     """PBG's batches of the edges ``indices``: contiguous with dynamic relations; otherwise grouped by
     relation (keeping the shuffled order within each group) and taken ``batch_size`` at a time from a
     relation drawn with probability proportional to its edges left."""
-    chosen = rel[indices].cpu()
     if dynamic:
-        starts = torch.arange(0, chosen.numel(), batch_size, dtype=torch.long)
-        ends = torch.clamp(starts + batch_size, max=chosen.numel())
+        starts = torch.arange(0, indices.numel(), batch_size, dtype=torch.long)
+        ends = torch.clamp(starts + batch_size, max=indices.numel())
         return BatchPlan(indices, torch.zeros_like(starts), starts, ends, True)
-    order = torch.argsort(chosen, stable=True)
-    indices = indices[order.to(indices.device)]
-    rel_values, counts = torch.unique_consecutive(chosen[order], return_counts=True)
+    chosen = rel[indices]
+    order = torch.argsort(chosen, stable=True)  # on the edges' device; only the sorted relations come back
+    indices = indices[order]
+    rel_values, counts = torch.unique_consecutive(chosen[order].cpu(), return_counts=True)
     offsets = torch.cumsum(counts, 0) - counts
     left = counts.clone()
     relations: list[int] = []
@@ -185,24 +177,26 @@ def plan_batches(rel: Tensor, indices: Tensor, batch_size: int, dynamic: bool,
 
 
 class PlannedSlice:
-    """A plan's edges gathered once in this process, so that any of its batches can run by number."""
+    """A plan over a bucket's edges: any of its batches runs by number, its edges gathered when it runs
+    (a worker that takes a few of another slice's batches gathers only those)."""
 
     def __init__(self, edges: EdgeTensors, plan: BatchPlan) -> None:
+        self.edges = edges
         self.plan = plan
-        self.rel = edges.rel[plan.indices] if plan.dynamic else None
-        self.lhs = edges.lhs[plan.indices]
-        self.rhs = edges.rhs[plan.indices]
-        self.lhs_features = select_features(edges.lhs_features, plan.indices.cpu())
-        self.rhs_features = select_features(edges.rhs_features, plan.indices.cpu())
 
     def run(self, ctx: BatchContext, k: int, generator: torch.Generator, train: bool,
             graphs: Optional[GraphedSteps] = None) -> BatchStats:
         """Batch ``k`` of the plan; batches with feature lists run eagerly."""
-        plan = self.plan
-        start, end = int(plan.starts[k]), int(plan.ends[k])
-        rel_ids = self.rel[start:end] if self.rel is not None else None
-        if graphs is not None and self.lhs_features is None and self.rhs_features is None:
-            return graphs.run(int(plan.relations[k]), self.lhs[start:end], self.rhs[start:end], rel_ids, generator)
-        return run_batch(ctx, int(plan.relations[k]), self.lhs[start:end], self.rhs[start:end], rel_ids, generator,
-                         train, lhs_features=slice_features(self.lhs_features, start, end),
-                         rhs_features=slice_features(self.rhs_features, start, end))
+        plan, edges = self.plan, self.edges
+        chosen = plan.indices[int(plan.starts[k]):int(plan.ends[k])]
+        lhs, rhs = edges.lhs[chosen], edges.rhs[chosen]
+        rel_ids = edges.rel[chosen] if plan.dynamic else None
+        relation = int(plan.relations[k])
+        if edges.lhs_features is None and edges.rhs_features is None:
+            if graphs is not None:
+                return graphs.run(relation, lhs, rhs, rel_ids, generator)
+            return run_batch(ctx, relation, lhs, rhs, rel_ids, generator, train)
+        on_cpu = chosen.cpu()
+        return run_batch(ctx, relation, lhs, rhs, rel_ids, generator, train,
+                         lhs_features=select_features(edges.lhs_features, on_cpu),
+                         rhs_features=select_features(edges.rhs_features, on_cpu))

@@ -12,7 +12,6 @@ import logging
 import queue
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -25,69 +24,50 @@ from job.train.batching import EdgeTensors, PlannedSlice, plan_batches
 from job.train.optim import RelationAdagrad
 from job.train.spawning import main_module_hidden
 from job.train.step import BatchContext, BatchStats
+from job.train.work_sharing import SharedSlice
 
 logger = logging.getLogger("biggraph")
 
 
-class SharedCursor:
-    """Who takes which batch of a delayed slice: its owner from the front, the undelayed worker from the
-    back, until they meet. Two int64 counters in shared memory (taken from the front, from the back) under
-    the pool's lock, so each batch runs exactly once whichever worker gets it."""
-
-    def __init__(self, counters: torch.Tensor, lock: Any) -> None:
-        self.counters = counters
-        self.lock = lock
-
-    def claim(self, num_batches: int, from_back: bool) -> Optional[int]:
-        """The next batch to run, or None when every batch of the slice is taken."""
-        with self.lock:
-            front, back = int(self.counters[0]), int(self.counters[1])
-            if front + back >= num_batches:
-                return None
-            self.counters[1 if from_back else 0] += 1
-            return num_batches - 1 - back if from_back else front
-
-    def claims(self, num_batches: int, from_back: bool) -> Iterator[int]:
-        while (k := self.claim(num_batches, from_back)) is not None:
-            yield k
-
-    def exhausted(self, num_batches: int) -> bool:
-        with self.lock:
-            return int(self.counters[0] + self.counters[1]) >= num_batches
-
-
-def _wait(delay: float, cursor: SharedCursor, num_batches: int) -> None:
-    """Sleep ``delay`` seconds, or less once the other worker has taken every batch."""
+def _wait(delay: float, shared: SharedSlice) -> None:
+    """Sleep ``delay`` seconds, or less once other workers have taken every batch."""
     deadline = time.monotonic() + delay
-    while (left := deadline - time.monotonic()) > 0 and not cursor.exhausted(num_batches):
+    while (left := deadline - time.monotonic()) > 0 and not shared.exhausted():
         time.sleep(min(left, 0.02))
 
 
 def _run_task(ctx: BatchContext, task: dict[str, Any], lock: Any) -> BatchStats:
-    """One slice of a bucket. PBG's ``hogwild_delay`` holds a slice's worker back; the worker with no delay,
-    once its own slice is done, takes the delayed slices' batches from their back meanwhile. The same
-    batches run, one worker alone at the start (the delay's point), but no worker idles while batches wait."""
+    """One slice of a bucket, then batches of the delayed slices (``work_sharing``).
+
+    A delayed slice's owner plans it, publishes the plan, waits out its delay (or until its batches are all
+    taken) and takes the rest from the front; a worker done with its own slice takes delayed slices' batches
+    from their back. The same batches run, one worker alone at the start (the delay's point), none idle."""
     config = ctx.config
     generator = torch.Generator()
     generator.manual_seed(task["seed"])
     edges = task["edges"]
     total = BatchStats()
+    own: Optional[SharedSlice] = task["shared"].with_lock(lock) if task["shared"] is not None else None
     if task["indices"].numel():
-        planned = PlannedSlice(edges, plan_batches(edges.rel, task["indices"], config.batch_size,
-                                                   config.dynamic_relations, generator))
-        n = planned.plan.num_batches
-        cursor = SharedCursor(task["cursor"], lock) if task.get("cursor") is not None else None
-        if cursor is not None:
-            _wait(task["delay"], cursor, n)
-        elif task.get("delay"):
-            time.sleep(task["delay"])
-        for k in range(n) if cursor is None else cursor.claims(n, False):
-            total.add(planned.run(ctx, k, generator, task["train"]))
-    for indices, seed, counters in task.get("steal", ()):
-        victim = PlannedSlice(edges, plan_batches(edges.rel, indices, config.batch_size, config.dynamic_relations,
-                                                  torch.Generator().manual_seed(seed)))
-        for k in SharedCursor(counters, lock).claims(victim.plan.num_batches, True):
+        plan = plan_batches(edges.rel, task["indices"], config.batch_size, config.dynamic_relations, generator)
+        planned = PlannedSlice(edges, plan)
+        if own is None:
+            for k in range(plan.num_batches):
+                total.add(planned.run(ctx, k, generator, task["train"]))
+        else:
+            own.publish(plan)
+            _wait(task["delay"], own)
+            for k in own.claims(plan.num_batches, False):
+                total.add(planned.run(ctx, k, generator, task["train"]))
+        del planned, plan
+    for shared in task["steal"]:
+        shared = shared.with_lock(lock)
+        if shared.exhausted():
+            continue
+        victim = PlannedSlice(edges, shared.plan(edges.rel, config.batch_size, config.dynamic_relations))
+        for k in shared.claims(victim.plan.num_batches, True):
             total.add(victim.run(ctx, k, generator, task["train"]))
+        del victim
     return total
 
 
@@ -136,9 +116,10 @@ def _worker_main(
 class WorkerPool:
     def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad) -> None:
         context = mp.get_context("spawn")
+        self.config = config
         self.tasks = context.Queue()
         self.results = context.Queue()
-        self.lock = context.Lock()  # guards the SharedCursors of delayed slices; inherited by the workers
+        self.lock = context.Lock()  # guards the SharedSlices of delayed slices; inherited by the workers
         self.processes = []
         self._next_id = 0
         for worker_id in range(num_workers):
@@ -178,23 +159,20 @@ class WorkerPool:
         delays: Optional[list[float]] = None,
     ) -> BatchStats:
         """Process each slice of edges on its own worker; wait for all and sum their stats. ``delays``: seconds
-        each slice's worker waits (PBG's ``hogwild_delay``); the first slice with none takes the batches of the
-        delayed ones from their back while they wait (``_run_task``)."""
+        each slice's worker waits (PBG's ``hogwild_delay``); meanwhile the workers done with their own slice take
+        the delayed slices' batches (``_run_task``)."""
         delays = list(delays) if delays else [0.0] * len(index_slices)
-        cursors = [torch.zeros(2, dtype=torch.long).share_memory_() if d > 0 else None for d in delays]
-        thief = next((i for i, d in enumerate(delays) if d <= 0), None)
+        shared = [SharedSlice.allocate(indices, seed, self.config.batch_size, len(self.config.relations))
+                  if delay > 0 else None for indices, seed, delay in zip(index_slices, seeds, delays)]
         pending = set()
-        for indices in index_slices:
-            indices.share_memory_()
         for i, indices in enumerate(index_slices):
             self._next_id += 1
             pending.add(self._next_id)
-            steal = [(index_slices[j], seeds[j], cursors[j]) for j in range(len(index_slices))
-                     if cursors[j] is not None] if i == thief else []
             self.tasks.put({
-                "id": self._next_id, "edges": edges, "indices": indices, "lhs_tables": lhs_tables,
+                "id": self._next_id, "edges": edges, "indices": indices.share_memory_(), "lhs_tables": lhs_tables,
                 "rhs_tables": rhs_tables, "seed": seeds[i], "train": train, "num_batch_negs": num_batch_negs,
-                "num_uniform_negs": num_uniform_negs, "delay": delays[i], "cursor": cursors[i], "steal": steal,
+                "num_uniform_negs": num_uniform_negs, "delay": delays[i], "shared": shared[i],
+                "steal": [s for j, s in enumerate(shared) if s is not None and j != i],
             })
         total = BatchStats()
         while pending:
