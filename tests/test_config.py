@@ -509,7 +509,8 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
     assert pbg["bucket_order"] == "inside_out" and "partition_buffer" not in pbg and "memory_budget" not in pbg
     assert parse_bytes("8GiB", "k") == 8 * 2**30 and parse_bytes("500 MB", "k") == 500_000_000
     for bad, message in ((("partition_buffer", 1), "a bucket needs two partitions"),
-                         (("memory_budget", "lots"), "is not a size"), (("memory_budget", "-5GB"), "is not a size")):
+                         (("memory_budget", "lots"), "is not a size"), (("memory_budget", "-5GB"), "is not a size"),
+                         (("hogwild_delay", -1), r"'hogwild_delay': seconds, must be >= 0, got -1")):
         with pytest.raises(ConfigError, match=message):
             parse_config({**minimal(), bad[0]: bad[1]})
 

@@ -121,6 +121,8 @@ def check_ranges(config: ConfigSchema) -> None:
              f"config key 'partition_buffer': a bucket needs two partitions, got {config.partition_buffer}")
     if config.memory_budget is not None:
         parse_bytes(config.memory_budget, "memory_budget")
+    if config.hogwild_delay < 0:
+        fail("hogwild_delay", f"config key 'hogwild_delay': seconds, must be >= 0, got {config.hogwild_delay}")
     if config.grow_num_epochs < 0:
         fail("grow_num_epochs", f"config key 'grow_num_epochs': must be >= 0, got {config.grow_num_epochs}")
     for name in POSITIVE_INTS:
