@@ -6,11 +6,16 @@ The graph is deterministic (seeded) and tiny, so writing it costs a few millisec
 
 ``line_graph`` / ``save_line_checkpoint``: three entities on a line whose ranks a test can work out by
 hand (evaluation metrics, reciprocal relations, presets).
+
+``write_cycle_graph``: a graph a model can learn (relation r links i to i + r + 1 mod n), the training
+tests' workhorse (tests/test_train_*.py and many others); ``pass_losses`` and ``assert_same_run`` read and
+compare what such a run wrote. ``BIGGRAPH_TEST_DEVICE=cuda`` (``TEST_DEVICE``) trains these graphs on the GPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,3 +156,73 @@ def save_line_checkpoint(checkpoint_path: str, params: dict[str, tuple[str, np.n
     storage.save_entity_partition(1, "e", 0, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
     storage.save_model(1, params or {})
     storage.save_version(1)
+
+
+# BIGGRAPH_TEST_DEVICE=cuda trains the graphs written here on the GPU (tests/test_cuda.py: the CUDA-only tests)
+TEST_DEVICE = os.environ.get("BIGGRAPH_TEST_DEVICE", "auto")
+
+
+def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 1, num_relations: int = 2,
+                      dynamic: bool = False, **config: Any) -> dict[str, Any]:
+    """A learnable graph: relation r links entity i to i + r + 1 (mod n); spread over partitions at random."""
+    rng = np.random.default_rng(0)
+    part_of = rng.integers(0, num_partitions, num_entities)
+    offset_of = np.zeros(num_entities, dtype=np.int64)
+    counts = [0] * num_partitions
+    for entity in range(num_entities):
+        offset_of[entity] = counts[part_of[entity]]
+        counts[part_of[entity]] += 1
+    entity_path = root / "entities"
+    edge_path = root / "edges"
+    for part, count in enumerate(counts):
+        write_entity_count(str(entity_path), "node", part, count)
+    if dynamic:
+        write_dynamic_rel_count(str(entity_path), num_relations)
+    heads = np.repeat(np.arange(num_entities), num_relations)
+    rels = np.tile(np.arange(num_relations), num_entities)
+    tails = (heads + rels + 1) % num_entities
+    for lhs_part in range(num_partitions):
+        for rhs_part in range(num_partitions):
+            sel = (part_of[heads] == lhs_part) & (part_of[tails] == rhs_part)
+            write_edges(edges_file(str(edge_path), lhs_part, rhs_part), rels[sel], offset_of[heads[sel]], offset_of[tails[sel]])
+    relations = [{"name": "all", "lhs": "node", "rhs": "node", "operator": "translation"}] if dynamic else [
+        {"name": f"r{r}", "lhs": "node", "rhs": "node", "operator": "translation"} for r in range(num_relations)
+    ]
+    raw: dict[str, Any] = {
+        "entities": {"node": {"num_partitions": num_partitions}},
+        "relations": relations,
+        "dynamic_relations": dynamic,
+        "global_emb": not dynamic,
+        "dimension": 16,
+        "entity_path": str(entity_path),
+        "edge_paths": [str(edge_path)],
+        "checkpoint_path": str(root / "checkpoints"),
+        "num_epochs": 10,
+        "batch_size": 20,
+        "num_batch_negs": 10,
+        "num_uniform_negs": 10,
+        "lr": 0.1,
+        "eval_fraction": 0.0,
+        "workers": 1,
+        "seed": 3,
+        "init_scale": 0.1,
+        "hogwild_delay": 0,
+        "device": TEST_DEVICE,
+    }
+    raw.update(config)
+    return raw
+
+
+def assert_same_run(a: np.ndarray, b: np.ndarray) -> None:
+    """Two runs that must compute the same: bit for bit on the CPU; on a GPU up to the order of its atomic
+    additions (index_add_ sums a row's gradients in whatever order the threads arrive)."""
+    if TEST_DEVICE == "cuda":
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+def pass_losses(checkpoint_path: str) -> list[float]:
+    """The training loss of each committed pass, in order (from training_stats.json's pass summaries)."""
+    stats = CheckpointStorage(checkpoint_path).load_stats()
+    return [s["stats"]["metrics"]["loss"] for s in stats if s.get("pass_summary")]

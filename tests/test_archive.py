@@ -559,9 +559,9 @@ def test_cli_archive_to_a_missing_bucket(tmp_path: Path, s3_endpoint: str, capsy
 @pytest.mark.slow
 def test_trained_model_metrics_match_biggraph_eval(tmp_path: Path) -> None:
     try:
-        from test_train import write_cycle_graph
+        from helpers_graphs import write_cycle_graph
     except ImportError:  # tests/ collected as a package
-        from tests.test_train import write_cycle_graph
+        from tests.helpers_graphs import write_cycle_graph
 
     from job.evaluation import evaluate
     from job.formats.edges import edges_file, read_edges

@@ -609,9 +609,9 @@ def test_kustomize_overlays_build_and_validate_on_every_minor(overlay: str) -> N
 
 def write_tiny_graph(root: Path, **config: Any) -> dict[str, Any]:
     try:
-        from test_train import write_cycle_graph
+        from helpers_graphs import write_cycle_graph
     except ImportError:  # tests/ is a package
-        from tests.test_train import write_cycle_graph
+        from tests.helpers_graphs import write_cycle_graph
 
     return write_cycle_graph(root, num_entities=30, num_partitions=2, num_relations=1,
                              **{"num_epochs": 2, "dimension": 8, **config})

@@ -26,8 +26,8 @@ from job.train import Trainer, precision, train
 from job.train.precision import training_dtype
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers_graphs import pass_losses, write_cycle_graph  # noqa: E402
 from test_fused import CASES, STATIC_CASES, _run  # noqa: E402
-from test_train import pass_losses, write_cycle_graph  # noqa: E402
 
 LOSS_TOLERANCE = 5e-3
 # (gradients and updates, Adagrad sums), relative to their norm
@@ -135,7 +135,7 @@ def test_a_bfloat16_run_learns_as_a_float32_one(tmp_path: Path, monkeypatch: pyt
     losses, mrr = _learned_mrr(tmp_path / "bf16", compute_dtype="bfloat16")
     _, mrr_float32 = _learned_mrr(tmp_path / "fp32")
     assert losses[-1] < losses[0] * 0.5, losses
-    # random scores give MRR ~ H(40)/40 = 0.11 (see test_train.test_training_learns_the_graph)
+    # random scores give MRR ~ H(40)/40 = 0.11 (see test_train_learning.test_training_learns_the_graph)
     assert mrr > 0.25 and mrr > mrr_float32 - 0.05, (mrr, mrr_float32)
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import write_cycle_graph
+from helpers_graphs import write_cycle_graph
 
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage

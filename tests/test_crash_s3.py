@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_graphs import write_cycle_graph
 from test_crash import check_loadable, kill
 from test_crash import start as start_trainer
-from test_train import write_cycle_graph
 
 from job.formats.checkpoint import CheckpointStorage
 

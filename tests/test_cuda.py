@@ -1,7 +1,7 @@
 """CUDA: the GPU trainer computes what the CPU trainer computes, and trains one process per GPU.
 
 These need a GPU. On a machine with one, the training suites also run on it:
-``BIGGRAPH_TEST_DEVICE=cuda pytest tests/test_train.py tests/test_fused.py tests/test_cuda.py``
+``BIGGRAPH_TEST_DEVICE=cuda pytest tests/test_train_*.py tests/test_fused.py tests/test_cuda.py``
 (every operator/comparator/loss, resume, featurized entities, the fused path against autograd).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train import pass_losses, write_cycle_graph
+from helpers_graphs import pass_losses, write_cycle_graph
 
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage

@@ -210,7 +210,7 @@ def test_nodes_train_every_bucket_once_with_mrr_close_to_one_machine(
     assert mrr == pytest.approx(single_machine_mrr, abs=0.06), (mrr, single_machine_mrr)
 
 
-# the pass summary both modes write (tests/test_train.py checks a single-process run against it)
+# the pass summary both modes write (tests/test_train_buckets_and_partitions.py checks a single-process run against it)
 PASS_SUMMARY_KEYS = {
     "epoch_idx", "edge_path_idx", "edge_chunk_idx", "index", "pass_summary", "world_size", "restart_count",
     "buckets_trained", "buckets_redone", "stats", "edges_per_sec", "time", "checkpoint_version", "partition_loads",

@@ -20,7 +20,7 @@ from job.cli import main
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.checksums import EDGE_MANIFEST, checksum_file
 from job.formats.edges import edges_file, read_edges, write_edge_manifest, write_edges
-from tests.test_train import write_cycle_graph
+from tests.helpers_graphs import write_cycle_graph
 
 
 def write_config(root: Path, **overrides: Any) -> tuple[Path, dict[str, Any]]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import write_cycle_graph
+from helpers_graphs import write_cycle_graph
 
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage

@@ -326,7 +326,7 @@ def test_missing_bucket_fails_fast_with_the_url(s3_endpoint: str) -> None:
 
 
 def write_cycle_graph(root: str, num_entities: int = 40, num_partitions: int = 2, num_relations: int = 2) -> dict[str, Any]:
-    """The learnable graph of tests/test_train.py: relation r links i to i + r + 1 (mod n), at any URL."""
+    """The learnable graph of tests/helpers_graphs.py (write_cycle_graph): relation r links i to i + r + 1 (mod n), at any URL."""
     rng = np.random.default_rng(0)
     part_of = rng.integers(0, num_partitions, num_entities)
     offset_of = np.zeros(num_entities, dtype=np.int64)

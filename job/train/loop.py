@@ -1,9 +1,10 @@
-"""The training loop (``Trainer``): start-up clean-up, passes over buckets, checkpoint commits.
+"""The training loop (``Trainer``): passes over buckets, checkpoint commits.
 
 One ``_run_pass`` serves a single process and a torchrun group alike: what differs (who picks the
 next bucket, who commits, how shared parameters travel) is behind the ``BucketScheduler`` and the
 ``ParameterSync`` of job/train/schedule.py, chosen once at start-up. A bucket's own work is in
-job/train/bucket_run.py, the pass summary in job/train/pass_stats.py.
+job/train/bucket_run.py, the pass summary in job/train/pass_stats.py, what a run starts from (the
+committed version, clean-up after killed runs, the model state to load) in job/train/resume.py.
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ from typing import Any, Optional
 
 import torch
 
-import storage_adapters as storage
 from job.config import BucketOrder, ConfigSchema
-from job.errors import CheckpointError
 from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
-from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
+from job.formats.checkpoint import CheckpointStorage
 from job.formats.validate import validate_cheap
 from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model
@@ -34,12 +33,13 @@ from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buc
 from job.train.buffer import choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
 from job.train.distributed import SharedParameters
-from job.train.group import init_distributed, leave, wait_all
+from job.train.group import init_distributed, leave
 from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.precision import training_dtype
+from job.train.resume import load_model_state, open_checkpoint
 from job.train.schedule import (
     BucketScheduler,
     Iteration,
@@ -49,7 +49,6 @@ from job.train.schedule import (
     ParameterSync,
     PassGather,
     SharedSync,
-    read_progress,
 )
 from job.train.step import BatchStats
 from storage_adapters.edge_reader import prefetch
@@ -112,29 +111,9 @@ class Trainer(BucketRunner):
         self.scheduler, self.sync = self._make_scheduler()
 
     def _open_checkpoint(self) -> None:
-        """Read the committed version and clean what killed runs left (rank 0 cleans, the others wait)."""
-        if self.rank == 0:
-            self.checkpoint.prepare()
-        if self.dist is not None:
-            wait_all(self.dist, f"prepared-{self.dist.restart_count}")
-        self.version = self.checkpoint.load_version()
-        # distributed: the lock server's persisted state of an interrupted pass, resumed by its first pass
-        self.progress = read_progress(self.config.checkpoint_path, self.version) if self.dist is not None else None
-        if self.dist is not None:
-            # a partition written by one rank is read by others: they verify it against the writer's record
-            self.checkpoint.sums = SharedSumRegistry(self.dist.store, str(self.dist.restart_count))
-        if self.rank == 0:
-            self._remove_temporary_files()
-            self.checkpoint.drop_uncommitted_manifests(self.version)
-            # a kill between a commit and the clean-up after it leaves the previous version's files and, before
-            # the marker, the stats lines of a version that never committed
-            self.checkpoint.drop_older(self.version, self.all_keys)
-            self.checkpoint.trim_stats(self.version)
-            if self.progress is None:
-                # leftovers of a pass that crashed before its commit are garbage
-                self.checkpoint.drop_uncommitted(self.version, self.all_keys)
-        if self.dist is not None:
-            wait_all(self.dist, f"cleaned-{self.dist.restart_count}")
+        """The committed version, cleaned of what killed runs left (job/train/resume.py)."""
+        self.version, self.progress = open_checkpoint(self.checkpoint, self.config.checkpoint_path, self.dist,
+                                                      self.all_keys)
 
     def _build_model(self) -> None:
         config = self.config
@@ -145,7 +124,7 @@ class Trainer(BucketRunner):
             if frozen_global is not None:
                 frozen_global.requires_grad_(False)  # no gradient: RelationAdagrad leaves it as it is
         self.relation_optimizer = RelationAdagrad(list(self.model.parameters()), config.relation_lr or config.lr)
-        self._load_model()
+        load_model_state(self.model, self.relation_optimizer, self.checkpoint, self.version, config)
         if self.device.type == "cpu":
             self.model.share_memory()
             self.relation_optimizer.share_memory()
@@ -162,48 +141,7 @@ class Trainer(BucketRunner):
         self.progress = None
         return scheduler, SharedSync(shared, scheduler)
 
-    def _remove_temporary_files(self) -> None:
-        """Files a killed writer left under their temporary names are never part of any version; local
-        staging copies of uploads a killed trainer never finished are only wasted disk."""
-        for path in storage.remove_stale_upload_dirs():
-            logger.info("removed %s (left by a trainer that was killed during an upload)", path)
-        for name in storage.listdir(self.config.checkpoint_path):
-            if name.startswith(".tmp-"):
-                storage.remove(storage.join(self.config.checkpoint_path, name))
-
-    # model and checkpoint ----------------------------------------------------------------------
-    def _load_model(self) -> None:
-        if self.version > 0:
-            if not self.checkpoint.has_model(self.version):
-                raise CheckpointError(
-                    f"{self.checkpoint.model_file(self.version)}: missing although checkpoint_version.txt names "
-                    f"version {self.version}"
-                )
-            params, optim_state, _ = self.checkpoint.load_model(self.version)
-            self.model.load_public_state_dict(params, self.checkpoint.model_file(self.version))
-            self.relation_optimizer.load_state_dict(optim_state, self.checkpoint.model_file(self.version))
-            logger.info("resuming from checkpoint version %d in %s", self.version, self.config.checkpoint_path)
-        elif self.config.init_path:
-            init = CheckpointStorage(self.config.init_path)
-            init_version = init.load_version()
-            if init.has_model(init_version):
-                params, optim_state, _ = init.load_model(init_version)
-                self.model.load_public_state_dict(params, init.model_file(init_version))
-                self._load_init_optimizer(optim_state, init.model_file(init_version))
-            logger.info("initialising embeddings from %s", self.config.init_path)
-
-    def _load_init_optimizer(self, optim_state: Optional[dict[str, Any]], where: str) -> None:
-        """The relation parameters' Adagrad sums from ``init_path``, as PBG 1.0.0 loads them
-        (torchbiggraph/train.py, train_and_report_stats: ``global_optimizer.load_state_dict``). A model of
-        another shape (other relations or operators) keeps its values loaded where they fit and zero sums."""
-        try:
-            self.relation_optimizer.load_state_dict(optim_state, where)
-        except CheckpointError as err:
-            for s in self.relation_optimizer.sums:
-                s.zero_()
-            self.relation_optimizer.steps.zero_()
-            logger.warning("init_path: relation optimizer state not loaded (%s); starting with zero sums", err)
-
+    # checkpoint metadata ------------------------------------------------------------------------
     def _metadata(self, iteration: Iteration) -> dict[str, Any]:
         return {
             "config/json": self.config.to_json(exclude=("storage_options",)),  # may hold credentials
