@@ -142,7 +142,7 @@ def test_copy_sources_exist_and_survive_dockerignore() -> None:
     for src in sources:
         assert (REPO / src).exists(), src
         assert not dockerignored(src), f"{src} is excluded by .dockerignore"
-    assert dockerignored(".venv") and dockerignored("tests/test_train.py") and dockerignored(".git")
+    assert dockerignored(".venv") and dockerignored("tests/test_config.py") and dockerignored(".git")
     # tests/image.sh keeps the torch wheel and its buildah store (gigabytes) there
     assert dockerignored(".cache/image-test/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
     assert dockerignored("job/__pycache__/cli.cpython-311.pyc")
