@@ -162,9 +162,10 @@ def save_line_checkpoint(checkpoint_path: str, params: dict[str, tuple[str, np.n
 TEST_DEVICE = os.environ.get("BIGGRAPH_TEST_DEVICE", "auto")
 
 
-def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 1, num_relations: int = 2,
-                      dynamic: bool = False, **config: Any) -> dict[str, Any]:
-    """A learnable graph: relation r links entity i to i + r + 1 (mod n); spread over partitions at random."""
+def write_cycle_files(entity_path: str, edge_path: str, num_entities: int, num_partitions: int,
+                      num_relations: int) -> None:
+    """The cycle graph's entity counts and bucket files at any path or URL: relation r links entity i to
+    i + r + 1 (mod n); entities spread over partitions at random (seeded)."""
     rng = np.random.default_rng(0)
     part_of = rng.integers(0, num_partitions, num_entities)
     offset_of = np.zeros(num_entities, dtype=np.int64)
@@ -172,19 +173,25 @@ def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 
     for entity in range(num_entities):
         offset_of[entity] = counts[part_of[entity]]
         counts[part_of[entity]] += 1
-    entity_path = root / "entities"
-    edge_path = root / "edges"
     for part, count in enumerate(counts):
-        write_entity_count(str(entity_path), "node", part, count)
-    if dynamic:
-        write_dynamic_rel_count(str(entity_path), num_relations)
+        write_entity_count(entity_path, "node", part, count)
     heads = np.repeat(np.arange(num_entities), num_relations)
     rels = np.tile(np.arange(num_relations), num_entities)
     tails = (heads + rels + 1) % num_entities
     for lhs_part in range(num_partitions):
         for rhs_part in range(num_partitions):
             sel = (part_of[heads] == lhs_part) & (part_of[tails] == rhs_part)
-            write_edges(edges_file(str(edge_path), lhs_part, rhs_part), rels[sel], offset_of[heads[sel]], offset_of[tails[sel]])
+            write_edges(edges_file(edge_path, lhs_part, rhs_part), rels[sel], offset_of[heads[sel]], offset_of[tails[sel]])
+
+
+def write_cycle_graph(root: Path, num_entities: int = 40, num_partitions: int = 1, num_relations: int = 2,
+                      dynamic: bool = False, **config: Any) -> dict[str, Any]:
+    """A learnable graph (``write_cycle_files``) under ``root``, and a config dict to train it."""
+    entity_path = root / "entities"
+    edge_path = root / "edges"
+    write_cycle_files(str(entity_path), str(edge_path), num_entities, num_partitions, num_relations)
+    if dynamic:
+        write_dynamic_rel_count(str(entity_path), num_relations)
     relations = [{"name": "all", "lhs": "node", "rhs": "node", "operator": "translation"}] if dynamic else [
         {"name": f"r{r}", "lhs": "node", "rhs": "node", "operator": "translation"} for r in range(num_relations)
     ]

@@ -23,13 +23,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from helpers_graphs import write_cycle_files
 from storage_scope import use_storage
 
 import storage_adapters as storage
 from job.errors import InputFormatError
 from job.formats import edges as edge_format
 from job.formats.checkpoint import CheckpointStorage, redact_config_json
-from job.formats.entities import write_entity_count
 from storage_adapters import edge_reader
 from storage_adapters.cache import FileCache
 
@@ -326,24 +326,9 @@ def test_missing_bucket_fails_fast_with_the_url(s3_endpoint: str) -> None:
 
 
 def write_cycle_graph(root: str, num_entities: int = 40, num_partitions: int = 2, num_relations: int = 2) -> dict[str, Any]:
-    """The learnable graph of tests/helpers_graphs.py (write_cycle_graph): relation r links i to i + r + 1 (mod n), at any URL."""
-    rng = np.random.default_rng(0)
-    part_of = rng.integers(0, num_partitions, num_entities)
-    offset_of = np.zeros(num_entities, dtype=np.int64)
-    counts = [0] * num_partitions
-    for entity in range(num_entities):
-        offset_of[entity] = counts[part_of[entity]]
-        counts[part_of[entity]] += 1
-    for part, count in enumerate(counts):
-        write_entity_count(storage.join(root, "entities"), "node", part, count)
-    heads = np.repeat(np.arange(num_entities), num_relations)
-    rels = np.tile(np.arange(num_relations), num_entities)
-    tails = (heads + rels + 1) % num_entities
-    for lhs_part in range(num_partitions):
-        for rhs_part in range(num_partitions):
-            sel = (part_of[heads] == lhs_part) & (part_of[tails] == rhs_part)
-            edge_format.write_edges(edge_format.edges_file(storage.join(root, "edges"), lhs_part, rhs_part),
-                                    rels[sel], offset_of[heads[sel]], offset_of[tails[sel]])
+    """The learnable graph of tests/helpers_graphs.py at any URL, and a config dict to train it."""
+    write_cycle_files(storage.join(root, "entities"), storage.join(root, "edges"), num_entities, num_partitions,
+                      num_relations)
     return {
         "entities": {"node": {"num_partitions": num_partitions}},
         "relations": [{"name": f"r{r}", "lhs": "node", "rhs": "node", "operator": "translation"} for r in range(num_relations)],
