@@ -51,14 +51,11 @@ def _run_task(ctx: BatchContext, task: dict[str, Any], lock: Any) -> BatchStats:
     if task["indices"].numel():
         plan = plan_batches(edges.rel, task["indices"], config.batch_size, config.dynamic_relations, generator)
         planned = PlannedSlice(edges, plan)
-        if own is None:
-            for k in range(plan.num_batches):
-                total.add(planned.run(ctx, k, generator, task["train"]))
-        else:
+        if own is not None:
             own.publish(plan)
             _wait(task["delay"], own)
-            for k in own.claims(plan.num_batches, False):
-                total.add(planned.run(ctx, k, generator, task["train"]))
+        for k in range(plan.num_batches) if own is None else own.claims(plan.num_batches, False):
+            total.add(planned.run(ctx, k, generator, task["train"]))
         del planned, plan
     for shared in task["steal"]:
         shared = shared.with_lock(lock)
