@@ -184,7 +184,7 @@ class ConfigSchema:
     hogwild_delay: float = _help(
         "The number of seconds by which to delay the start of all 'Hogwild!' processes except the first one, "
         "on the first epoch (as PBG: on every bucket of epoch 0: P x P per edge path and chunk on a partitioned graph; "
-        "meanwhile the first worker takes the delayed workers' batches, so the same batches run and one worker trains "
+        "meanwhile the workers already running take the held workers' batches, so the same batches run and one worker trains "
         "alone for those seconds; the trainer logs the cost; 0 skips it).",
         default=2.0,
     )

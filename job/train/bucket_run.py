@@ -180,8 +180,8 @@ class BucketRunner:
         slices = [s.clone() for s in slices]
         seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
         # PBG delays every worker but the first by hogwild_delay on each bucket of epoch 0 (train.py,
-        # train_and_report_stats: ``delay=... if epoch_idx == 0 and rank > 0``); the pool keeps the first
-        # worker busy with the delayed slices' batches meanwhile
+        # train_and_report_stats: ``delay=... if epoch_idx == 0 and rank > 0``); meanwhile the workers already
+        # running take the delayed slices' batches (work_sharing.py)
         delays = [0.0] + [config.hogwild_delay if delayed else 0.0] * (len(slices) - 1)
         edges.share_memory_()
         return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
@@ -209,7 +209,7 @@ def hogwild_delay_cost(config: ConfigSchema, workers: int, buckets_in_epoch_0: i
 
     PBG holds every Hogwild worker but the first back by ``hogwild_delay`` seconds on each bucket of epoch 0,
     and biggraph does the same so that PBG configs train alike: for those seconds one worker trains alone.
-    PBG's held workers idle meanwhile; here the first worker takes their batches (``hogwild.py``), so what is
+    PBG's held workers idle meanwhile; here the running workers take their batches (``work_sharing.py``), so what is
     lost is the other workers' share of the delay: (W-1)/W of it per bucket. With 64 buckets at the default
     2 s, PBG's way made a one-epoch benchmark run 2.2x longer (bench/RESULTS.md). A user should see the cost
     before waiting for it. ``workers``: the trainer's Hogwild workers (1 on a GPU, which never waits).
