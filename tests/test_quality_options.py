@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import re
 import sys
@@ -34,7 +35,8 @@ from job.formats.edges import edges_file, read_edges, write_edges
 from job.formats.entities import write_entity_count
 from job.model.scoring import Model
 from job.report.collect import ReportOptions, build_report
-from job.train import train
+from job.train import bucket_run, train
+from job.train.bucket_run import ALL_NEGS_NOTE_ENTITIES, all_negs_cost
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import line_graph, save_line_checkpoint  # noqa: E402
@@ -229,16 +231,18 @@ def test_xavier_init_draws_rows_with_the_fan_standard_deviation(tmp_path: Path, 
 # the preset ------------------------------------------------------------------------------------------------
 
 
-def test_quality_preset_fills_in_the_documented_keys_and_explicit_keys_win(tmp_path: Path) -> None:
-    top, per_relation = PRESETS["quality"]
-    config = parse_config(line_graph(tmp_path, "diagonal", preset="quality"))
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_fills_in_its_keys_and_explicit_keys_win(tmp_path: Path, name: str) -> None:
+    top, per_relation = PRESETS[name]
+    config = parse_config(line_graph(tmp_path, "diagonal", preset=name))
     for key, value in top.items():
         assert getattr(config, key) == value, key
-    assert all(relation.all_negs for relation in config.relations)
-    raw = line_graph(tmp_path, "diagonal", preset="quality", lr=0.5, reciprocal_relations=False)
-    raw["relations"][0]["all_negs"] = False
+    assert all(relation.all_negs == per_relation["all_negs"] for relation in config.relations)
+    raw = line_graph(tmp_path, "diagonal", preset=name, lr=0.5, reciprocal_relations=False)
+    raw["relations"][0]["all_negs"] = not per_relation["all_negs"]
     explicit = parse_config(raw)
-    assert (explicit.lr, explicit.reciprocal_relations, explicit.relations[0].all_negs) == (0.5, False, False)
+    assert (explicit.lr, explicit.reciprocal_relations, explicit.relations[0].all_negs) == (
+        0.5, False, not per_relation["all_negs"])
     # no preset: PBG's defaults, untouched
     plain = parse_config(line_graph(tmp_path, "diagonal"))
     assert (plain.reciprocal_relations, plain.init_method, plain.preset, plain.relations[0].all_negs) == (
@@ -247,17 +251,64 @@ def test_quality_preset_fills_in_the_documented_keys_and_explicit_keys_win(tmp_p
     assert parse_config(json.loads(config.to_json())) == config
 
 
+def test_presets_differ_only_in_how_negatives_are_drawn() -> None:
+    """quality_sampled is quality's model recipe with PBG's sampled negatives (docs/quality-preset.md)."""
+    negatives = {"batch_size", "num_batch_negs", "num_uniform_negs"}
+    (full, full_rel), (sampled, sampled_rel) = PRESETS["quality"], PRESETS["quality_sampled"]
+    assert {k: v for k, v in full.items() if k not in negatives} == {
+        k: v for k, v in sampled.items() if k not in negatives}
+    assert (full_rel, sampled_rel) == ({"all_negs": True}, {"all_negs": False})
+    assert sampled["num_uniform_negs"] > 0 and sampled["num_batch_negs"] > 0
+
+
 def test_preset_page_documents_exactly_the_preset_keys() -> None:
+    """The page's table has one column per preset, in the order of PRESETS; every row is a key both set."""
     text = (ROOT / "docs" / "quality-preset.md").read_text()
-    top, per_relation = PRESETS["quality"]
-    table = dict(re.findall(r"^\| `([a-z_.\[\]*]+)` \| `([^`]+)` \|", text, re.MULTILINE))
-    expected = {key: json.dumps(value) for key, value in top.items()}
-    expected.update({f"relations[*].{key}": json.dumps(value) for key, value in per_relation.items()})
+    header = re.search(r"^\| key \|(.*)\|$", text, re.MULTILINE)
+    assert header is not None
+    assert re.findall(r"`([a-z_]+)`", header.group(1)) == list(PRESETS)
+    rows = re.findall(r"^\| `([a-z_.\[\]*]+)` \|((?: `[^`]+` \|)+)$", text, re.MULTILINE)
+    table = {key: re.findall(r"`([^`]+)`", values) for key, values in rows}
+    expected: dict[str, list[str]] = {}
+    for top, per_relation in PRESETS.values():
+        for key, value in [*top.items(), *((f"relations[*].{k}", v) for k, v in per_relation.items())]:
+            expected.setdefault(key, []).append(json.dumps(value))
     assert table == expected
 
 
+def test_all_negs_on_a_large_type_is_warned_about_with_its_cost(tmp_path: Path) -> None:
+    config = parse_config(line_graph(tmp_path, "diagonal", preset="quality", dimension=200))
+    note = all_negs_cost(config, {"e": [111_969]})
+    assert note is not None and "111,969" in note and "quality_sampled" in note
+    assert "~134 GFLOP" in note  # 12 x 500 x 111,969 x 200: the preset's batch of 500 against the WordNet KG
+    assert all_negs_cost(config, {"e": [ALL_NEGS_NOTE_ENTITIES]}) is None  # small enough: no warning
+    sampled = parse_config(line_graph(tmp_path, "diagonal", preset="quality_sampled", dimension=200))
+    assert all_negs_cost(sampled, {"e": [111_969]}) is None
+    # the largest partition counts, not the type's total
+    partitioned = parse_config({**line_graph(tmp_path, "diagonal", preset="quality"),
+                                "entities": {"e": {"num_partitions": 2}}})
+    assert all_negs_cost(partitioned, {"e": [40_000, 40_000]}) is None
+
+
+def test_training_warns_at_start_when_all_negs_meets_a_large_type(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bucket_run, "ALL_NEGS_NOTE_ENTITIES", 2)  # the line graph's 3 entities count as large
+    config = parse_config(line_graph(tmp_path, "diagonal", preset="quality", num_epochs=1, workers=1))
+    with caplog.at_level(logging.WARNING, logger="biggraph"):
+        train(config)
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "all_negs" in r.getMessage()
+            and "3 entities" in r.getMessage()]
+    caplog.clear()
+    sampled = parse_config(line_graph(tmp_path / "s", "diagonal", preset="quality_sampled", num_epochs=1, workers=1,
+                                      num_uniform_negs=2, num_batch_negs=2))
+    with caplog.at_level(logging.WARNING, logger="biggraph"):
+        train(sampled)
+    assert not [r for r in caplog.records if "all_negs" in r.getMessage()]
+
+
 @pytest.mark.parametrize(("override", "key"), [
-    ("preset=fast", "preset"), ("init_method=glorot", "init_method"), ("reciprocal_relations=3", "reciprocal_relations"),
+    ("preset=fast", "preset"), ("preset=quality-sampled", "preset"), ("init_method=glorot", "init_method"),
+    ("reciprocal_relations=3", "reciprocal_relations"),
 ])
 def test_bad_values_are_clear_errors_naming_the_key(tmp_path: Path, override: str, key: str,
                                                     capsys: pytest.CaptureFixture) -> None:

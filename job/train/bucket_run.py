@@ -220,3 +220,33 @@ def hogwild_delay_cost(config: ConfigSchema, workers: int, buckets_in_epoch_0: i
     return (f"hogwild_delay: one of {workers} Hogwild workers trains alone for the first {config.hogwild_delay:g} s "
             f"of each of the {buckets_in_epoch_0} buckets of epoch 0 (PBG's semantics), up to {lost:.0f} s of "
             f"wall time; hogwild_delay: 0 skips it")
+
+
+ALL_NEGS_NOTE_ENTITIES = 50_000  # candidates per batch above which all_negs is worth a warning
+
+
+def all_negs_cost(config: ConfigSchema, entity_counts: dict[str, list[int]]) -> Optional[str]:
+    """A warning when ``all_negs`` makes every batch a product with a large table, else None.
+
+    With ``all_negs`` each batch scores both sides of its edges against every entity of the partition: about
+    12 x batch x entities x dimension FLOPs with the gradients. On the 112k-entity WordNet KG that is ~134 GFLOP
+    per batch of 500, and one epoch took 877 s where ten epochs of the same recipe with sampled negatives took
+    75 s and ranked better (bench/RESULTS.md). A user who set ``preset: quality`` on a large graph should learn
+    that before the epoch, not after it.
+    """
+    worst: Optional[tuple[int, str, str]] = None
+    for relation in config.relations:
+        if not relation.all_negs:
+            continue
+        for entity_type in (relation.lhs, relation.rhs):
+            candidates = max(entity_counts.get(entity_type) or [0])
+            if candidates > ALL_NEGS_NOTE_ENTITIES and (worst is None or candidates > worst[0]):
+                worst = (candidates, relation.name, entity_type)
+    if worst is None:
+        return None
+    candidates, relation_name, entity_type = worst
+    gflop = 12 * config.batch_size * candidates * config.entity_dimension(entity_type) / 1e9
+    return (f"all_negs: relation '{relation_name}' scores every batch of {config.batch_size} edges against all "
+            f"{candidates:,} entities of a partition of type '{entity_type}' (~{gflop:,.0f} GFLOP per batch with its "
+            f"gradients); for types this large, sampled negatives (preset: quality_sampled, or all_negs: false) "
+            f"train far faster per unit of MRR (docs/quality-preset.md)")

@@ -28,7 +28,7 @@ from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model
 from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
-from job.train.bucket_run import BucketRunner, hogwild_delay_cost
+from job.train.bucket_run import BucketRunner, all_negs_cost, hogwild_delay_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
@@ -171,6 +171,8 @@ class Trainer(BucketRunner):
         buckets = self.nparts_lhs * self.nparts_rhs * self.num_chunks * len(config.edge_paths)
         if todo[0].epoch == 0 and self.scheduler.delays_hogwild and (note := hogwild_delay_cost(config, self.workers, buckets)):
             logger.info(note)
+        if note := all_negs_cost(config, self.entity_counts):
+            logger.warning(note)
         started = time.perf_counter()
         total_edges = 0
         last_eval: Optional[float] = None
