@@ -45,7 +45,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "lr": 0.3,
             "batch_size": 1000,
             "num_batch_negs": 50,
-            "num_uniform_negs": 1000,
+            "num_uniform_negs": 4000,
         },
         {"all_negs": False},
     ),

@@ -312,7 +312,7 @@ class ConfigSchema:
         "A named set of defaults for keys the config leaves out (keys it sets win): 'quality' is the 1-vs-all "
         "recipe of docs/quality-preset.md (reciprocal relations, all_negs, softmax, Xavier init, PBG's "
         "Adagrad at lr 0.3), for entity types of up to a few tens of thousands of entities; 'quality_sampled' "
-        "is the same recipe with PBG's sampled negatives (1000 uniform + 50 batch per chunk), for larger "
+        "is the same recipe with sampled negatives (4000 uniform + 50 batch per chunk of 50), for larger "
         "types, where all_negs costs every batch a product with the whole table. The keys each sets are "
         "listed there. Applied when the config is read; the checkpoint's metadata (model.h5 config/json) "
         "records the expanded keys.",
