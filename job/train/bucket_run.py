@@ -230,8 +230,8 @@ def all_negs_cost(config: ConfigSchema, entity_counts: dict[str, list[int]]) -> 
 
     With ``all_negs`` each batch scores both sides of its edges against every entity of the partition: about
     12 x batch x entities x dimension FLOPs with the gradients. On the 112k-entity WordNet KG that is ~134 GFLOP
-    per batch of 500, and one epoch took 877 s where ten epochs of the same recipe with sampled negatives took
-    75 s and ranked better (bench/RESULTS.md). A user who set ``preset: quality`` on a large graph should learn
+    per batch of 500, and one epoch took 877 s where ten epochs of ``quality_sampled`` (sampled negatives) took
+    415 s and ranked better (bench/RESULTS.md). A user who set ``preset: quality`` on a large graph should learn
     that before the epoch, not after it.
     """
     worst: Optional[tuple[int, str, str]] = None
