@@ -159,6 +159,11 @@ def test_partitioned_training_stays_within_its_buffer_and_writes_every_partition
         if "lhs_partition" in record:
             per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
     assert {e: sorted(b) for e, b in per_epoch.items()} == {e: sorted(all_buckets(4, 4)) for e in (0, 1)}
+    summaries = [record for record in stats if record.get("pass_summary")]
+    behind = [s["partition_writes_background"] for s in summaries]
+    assert all(0 <= b <= s["partition_writes"] for b, s in zip(behind, summaries))
+    # evictions are written while a bucket trains when prefetching; a buffer of all 4 partitions evicts none
+    assert (sum(behind) > 0) == (prefetch and buffer < 4)
     storage = CheckpointStorage(config.checkpoint_path)
     assert storage.load_version() == 2
     names = sorted(p.name for p in Path(config.checkpoint_path).iterdir())

@@ -29,6 +29,7 @@ import json
 import logging
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -118,7 +119,7 @@ class LockState:
                 and all(self.locks.get(key, rank) == rank for key in self.bucket_keys[bucket])
                 and (self._eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))]
 
-    def reserve(self, rank: int, rng: Any) -> Optional[Bucket]:
+    def reserve(self, rank: int, rng: Any, leaving: frozenset = frozenset()) -> Optional[Bucket]:
         """Grant ``rank``'s next bucket now, while it trains its current one, and lock its partitions for it.
 
         Policy (no starvation): a reservation never takes a partition another rank holds (the usual rule), and
@@ -126,11 +127,13 @@ class LockState:
         reservation) keep at least one open bucket each that the new locks do not touch. Among the grantable
         buckets the one needing the fewest new partitions wins (then random): usually a bucket sharing the
         current one's partitions, which costs nobody anything and the trainer no read. None: nothing fits (the
-        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time."""
+        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time.
+        ``leaving``: partitions the rank is writing back in the background; it holds their locks until they are
+        stored (``release``), but they count as new partitions here, as they would after the release."""
         current = self.in_flight.get(rank)
         if current is None or rank in self.reserved:
             return self.reserved.get(rank)
-        mine = {key for key, owner in self.locks.items() if owner == rank}
+        mine = {key for key, owner in self.locks.items() if owner == rank} - leaving
         by_cost: dict[int, list[Bucket]] = {}
         for bucket in self._open_to(rank, frozenset((current.lhs, current.rhs))):
             by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
@@ -290,7 +293,8 @@ class LockServer:
                 self._persist()
             elif op == "reserve":
                 # not persisted: a reservation is never started work, so a restart has nothing of it to redo
-                bucket = self.state.reserve(rank, self.rng)
+                leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
+                bucket = self.state.reserve(rank, self.rng, leaving)
                 reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
             elif op == "release":
                 self.state.release(rank, request["keys"], written=request.get("written", True))
@@ -345,10 +349,11 @@ class LockClient:
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
         return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
 
-    def reserve(self) -> tuple[Optional[Bucket], set]:
+    def reserve(self, leaving: Sequence[PartKey] = ()) -> tuple[Optional[Bucket], set]:
         """This rank's next bucket, granted while the current one trains (None: not now), and the partitions
-        written this pass so far (where to read the reserved bucket's partitions from)."""
-        reply, _ = self._call({"op": "reserve"})
+        written this pass so far (where to read the reserved bucket's partitions from). ``leaving``: partitions
+        being written back in the background (see ``LockState.reserve``)."""
+        reply, _ = self._call({"op": "reserve", "leaving": [list(k) for k in leaving]})
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
         return bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
 

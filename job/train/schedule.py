@@ -190,6 +190,7 @@ class LockServerScheduler(BucketScheduler):
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
+        self.leaving: list[PartKey] = []  # evicted, being written back in the background; released once stored
         self.round_tag = ""
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
@@ -217,6 +218,7 @@ class LockServerScheduler(BucketScheduler):
         waits = 0
         while True:
             self.ctx.check_peers()
+            self._release_written()
             kind, bucket, dirty = self.client.next_bucket(self.store.resident_partitioned(), self.current, finished)
             self.current, finished = None, None
             self.store.written = set(dirty)
@@ -235,16 +237,28 @@ class LockServerScheduler(BucketScheduler):
             return bucket
 
     def _reserve_next(self, bucket: Bucket) -> None:
-        """Write back and release what ``bucket`` does not use (so that the reservation sees this rank's locks
-        as they will be while it trains), then ask for the next bucket; its partitions' sources are those the
-        server knows now (they are locked for this rank from here on, so nobody else writes them)."""
+        """Start writing back what ``bucket`` does not use, in the background (it is released once stored, at
+        the next request to the server: ``_release_written``), then ask for the next bucket, telling the server
+        which partitions are leaving so that the reservation weighs this rank's locks as they will be while it
+        trains. The reserved bucket's partitions are read from the sources the server knows now, plus the
+        ones being written here (they are locked for this rank until released, so nobody else writes them;
+        a read of one runs after its write)."""
         started = time.perf_counter()
-        evicted = self.store.evict_except(set(self.bucket_keys[bucket]))
-        if evicted:
-            self.release(evicted)
+        self.leaving = self.store.evict_except(set(self.bucket_keys[bucket]), behind=True)
         self.store.stats.blocked_seconds += time.perf_counter() - started
-        self.ahead, dirty = self.client.reserve()
-        self.store.written = set(dirty)
+        self.ahead, dirty = self.client.reserve(self.leaving)
+        self.store.written = set(dirty) | set(self.leaving)
+
+    def _release_written(self) -> None:
+        """Wait for the background write-backs of the partitions evicted at the bucket's start (they had the
+        whole bucket to finish) and release them; a failed write raises here, before anything is released."""
+        if not self.leaving:
+            return
+        started = time.perf_counter()
+        self.store.wait_written(self.leaving)
+        self.release(self.leaving)
+        self.leaving = []
+        self.store.stats.blocked_seconds += time.perf_counter() - started
 
     def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
         if self.ahead is None:
@@ -264,6 +278,7 @@ class LockServerScheduler(BucketScheduler):
     def _give_back(self) -> float:
         """Write back and release every partition this rank holds; returns the seconds it took."""
         started = time.perf_counter()
+        self._release_written()
         released = self.store.evict_partitioned()
         if released:
             self.release(released)
