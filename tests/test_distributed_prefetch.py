@@ -84,6 +84,47 @@ def test_partitions_being_written_back_count_as_new_for_the_reservation() -> Non
     assert any(3 in (b.lhs, b.rhs) for b in picks[False])  # held, 3 costs nothing: some seed takes it
 
 
+def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_thread_asks() -> None:
+    """Real TCPStore and lock server: rank 0's main client asks for buckets while its writer client (another
+    thread, channel "/writer") releases partitions; each gets its own replies, and the releases land."""
+    import threading
+    from datetime import timedelta
+
+    import numpy as np
+    from torch.distributed import TCPStore
+
+    from job.train.distributed import LockClient, LockServer
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    state = LockState(6, 6, partition_keys(6), world_size=1)
+    server = LockServer(store, state, lambda _: None, np.zeros(1, np.float32), 0)
+    main, writer = LockClient(store, 0, timeout_s=10), LockClient(store, 0, timeout_s=10, channel="/writer")
+    errors: list[BaseException] = []
+
+    def release_all() -> None:
+        try:
+            for part in range(6):
+                writer.release([("node", part)])
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    try:
+        kind, first, _ = main.next_bucket(set(), None, None)
+        thread = threading.Thread(target=release_all)
+        thread.start()
+        buckets = [first]
+        for _ in range(10):
+            kind, bucket, _ = main.next_bucket(set(), buckets[-1], None)
+            assert kind == "bucket" and bucket is not None  # a bucket reply, never the writer's release reply
+            buckets.append(bucket)
+        thread.join(timeout=30)
+        assert not errors and not thread.is_alive()
+        assert len(set(buckets)) == len(buckets)
+        assert {("node", p) for p in range(6)} <= state.dirty  # every release of the writer reached the server
+    finally:
+        server.stop()
+
+
 def test_no_reservation_takes_the_last_partitions_another_rank_could_use() -> None:
     """P=4, two ranks: rank 0 trains (0, 1), rank 1 trains (2, 2); the buckets within {0, 1} are done. Any next
     bucket for rank 0 needs partition 3, and every bucket left to rank 1 needs 3 or rank 0's partitions:

@@ -237,8 +237,8 @@ class LockState:
 REQUESTS = "biggraph/lock/requests"
 
 
-def _response_queue(rank: int) -> str:
-    return f"biggraph/lock/response/{rank}"
+def _response_queue(rank: int, channel: str = "") -> str:
+    return f"biggraph/lock/response/{rank}{channel}"
 
 
 class LockServer:
@@ -306,7 +306,7 @@ class LockServer:
                 body = self.shared.tobytes()
             elif op == "status":
                 reply["state"] = self.state.to_json()
-        self.store.queue_push(_response_queue(rank), _pack(reply, body))
+        self.store.queue_push(_response_queue(rank, str(request.get("channel", ""))), _pack(reply, body))
 
     def _persist(self) -> None:
         self.progress_writer(self.state.to_json())
@@ -333,15 +333,19 @@ def _unpack(raw: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 class LockClient:
-    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0) -> None:
+    """One rank's connection to the lock server. ``channel``: a second client of the same rank (used from another
+    thread: the background writer releasing what it stored) gets its replies on its own queue."""
+
+    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0, channel: str = "") -> None:
         self.store = store.clone()
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.rank = rank
+        self.channel = channel
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        request = dict(request, rank=self.rank)
+        request = dict(request, rank=self.rank, channel=self.channel)
         self.store.queue_push(REQUESTS, _pack(request, payload))
-        return _unpack(self.store.queue_pop(_response_queue(self.rank), block=True))
+        return _unpack(self.store.queue_pop(_response_queue(self.rank, self.channel), block=True))
 
     def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
         reply, _ = self._call({"op": "next", "held": [list(k) for k in held],

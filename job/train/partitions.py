@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -93,6 +93,8 @@ class PartitionStore:
                 self.stats.add(prefetched=1)
             if pending is None:
                 self._wait_written(key)  # a background write-back of it must land before it is read again
+                if self.exclusive:
+                    self.drain()  # distributed: the tables being written still take room in the buffer
             table = self._place(key, pending.result() if pending is not None else self._read(key))
             self.loaded[key] = table
         return table
@@ -276,10 +278,17 @@ class PartitionStore:
         self.writing[key] = self._executor().submit(storage.carry(self._write), key, table)
         self.stats.add(written_behind=1)
 
-    def wait_written(self, keys: Sequence[Key]) -> None:
-        """Wait for the background write-backs of ``keys``; a failed write raises here."""
-        for key in keys:
-            self._wait_written(key)
+    def after_writes(self, keys: Sequence[Key], then: Callable[[list[Key]], None]) -> Future[None]:
+        """Run ``then(keys)`` on the background thread once the write-backs of ``keys`` queued there are stored
+        (the thread runs in order); if one failed, ``then`` does not run and the returned future raises."""
+        writes = [self.writing[key] for key in keys if key in self.writing]
+
+        def task() -> None:
+            for write in writes:
+                write.result()
+            then(list(keys))
+
+        return self._executor().submit(storage.carry(task))
 
     def _write(self, key: Key, table: Table) -> None:
         entity_type, part = key

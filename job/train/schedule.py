@@ -34,6 +34,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -190,7 +191,8 @@ class LockServerScheduler(BucketScheduler):
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
-        self.leaving: list[PartKey] = []  # evicted, being written back in the background; released once stored
+        self.releases: list[Future[None]] = []  # background write-backs that release their partitions once stored
+        self._writer_client: Optional[LockClient] = None  # the background thread's own channel to the server
         self.round_tag = ""
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
@@ -218,7 +220,7 @@ class LockServerScheduler(BucketScheduler):
         waits = 0
         while True:
             self.ctx.check_peers()
-            self._release_written()
+            self.store.stats.blocked_seconds += self._settle_releases()
             kind, bucket, dirty = self.client.next_bucket(self.store.resident_partitioned(), self.current, finished)
             self.current, finished = None, None
             self.store.written = set(dirty)
@@ -237,28 +239,35 @@ class LockServerScheduler(BucketScheduler):
             return bucket
 
     def _reserve_next(self, bucket: Bucket) -> None:
-        """Start writing back what ``bucket`` does not use, in the background (it is released once stored, at
-        the next request to the server: ``_release_written``), then ask for the next bucket, telling the server
-        which partitions are leaving so that the reservation weighs this rank's locks as they will be while it
-        trains. The reserved bucket's partitions are read from the sources the server knows now, plus the
-        ones being written here (they are locked for this rank until released, so nobody else writes them;
-        a read of one runs after its write)."""
+        """Start writing back what ``bucket`` does not use, in the background thread, which releases each
+        partition to the server as soon as it is stored (``_release_stored``); then ask for the next bucket,
+        naming the partitions leaving, so that the reservation weighs this rank's locks as they will be while
+        it trains. The reserved bucket's partitions are read from the sources the server knows now plus the
+        ones being written here (locked for this rank until released, so nobody else writes them; the same
+        thread reads them after their write)."""
         started = time.perf_counter()
-        self.leaving = self.store.evict_except(set(self.bucket_keys[bucket]), behind=True)
+        leaving = self.store.evict_except(set(self.bucket_keys[bucket]), behind=True)
+        if leaving:
+            self.releases.append(self.store.after_writes(leaving, self._release_stored))
         self.store.stats.blocked_seconds += time.perf_counter() - started
-        self.ahead, dirty = self.client.reserve(self.leaving)
-        self.store.written = set(dirty) | set(self.leaving)
+        self.ahead, dirty = self.client.reserve(leaving)
+        self.store.written = set(dirty) | set(leaving)
 
-    def _release_written(self) -> None:
-        """Wait for the background write-backs of the partitions evicted at the bucket's start (they had the
-        whole bucket to finish) and release them; a failed write raises here, before anything is released."""
-        if not self.leaving:
-            return
+    def _release_stored(self, keys: list[PartKey]) -> None:
+        """On the background thread, once ``keys`` are written: wait for their uploads, release their locks."""
+        if self._writer_client is None:
+            self._writer_client = LockClient(self.ctx.store, self.ctx.rank, channel="/writer")
+        self.checkpoint.flush()
+        self._writer_client.release(keys)
+
+    def _settle_releases(self) -> float:
+        """Wait for the background releases (normally long done: they had a bucket to finish), so that the
+        server's record of written partitions is whole; a failed write raises here. Returns the seconds waited."""
         started = time.perf_counter()
-        self.store.wait_written(self.leaving)
-        self.release(self.leaving)
-        self.leaving = []
-        self.store.stats.blocked_seconds += time.perf_counter() - started
+        releases, self.releases = self.releases, []
+        for release in releases:
+            release.result()
+        return time.perf_counter() - started
 
     def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
         if self.ahead is None:
@@ -278,7 +287,7 @@ class LockServerScheduler(BucketScheduler):
     def _give_back(self) -> float:
         """Write back and release every partition this rank holds; returns the seconds it took."""
         started = time.perf_counter()
-        self._release_written()
+        self._settle_releases()
         released = self.store.evict_partitioned()
         if released:
             self.release(released)
