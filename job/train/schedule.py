@@ -169,6 +169,9 @@ def read_progress(checkpoint_path: str, version: int) -> Optional[dict[str, Any]
     return data if data.get("version") == version + 1 else None
 
 
+WRITER_TIMEOUT_S = 120.0  # a release takes milliseconds; a silent server means the group is being re-formed
+
+
 class LockServerScheduler(BucketScheduler):
     """Buckets from the lock server on rank 0: the current one, and with ``prefetch_partitions`` the next one
     reserved early (see the module docstring)."""
@@ -256,7 +259,10 @@ class LockServerScheduler(BucketScheduler):
     def _release_stored(self, keys: list[PartKey]) -> None:
         """On the background thread, once ``keys`` are written: wait for their uploads, release their locks."""
         if self._writer_client is None:
-            self._writer_client = LockClient(self.ctx.store, self.ctx.rank, channel="/writer")
+            # a bounded wait: a process leaving after a peer died joins this thread first, and a release
+            # answered by no server must not hold that exit for the main client's 10 minutes
+            self._writer_client = LockClient(self.ctx.store, self.ctx.rank, timeout_s=WRITER_TIMEOUT_S,
+                                             channel="/writer")
         self.checkpoint.flush()
         self._writer_client.release(keys)
 
