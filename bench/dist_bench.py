@@ -51,6 +51,7 @@ def main() -> None:
         measured = run_measured(command, env={"OMP_NUM_THREADS": "1"}, log=root / f"{label}.log")
         records = [json.loads(line) for line in open(os.path.join(config["checkpoint_path"], "training_stats.json"))]
         buckets = [r for r in records if "lhs_partition" in r]
+        summary = next((r for r in records if r.get("pass_summary")), {})
         edges = sum(r["stats"]["count"] for r in buckets)
         compute = sum(r["time"] for r in buckets)
         swap = sum(r.get("swap_time", 0.0) for r in buckets)
@@ -63,6 +64,10 @@ def main() -> None:
             "wall_edges_per_s": edges / measured["wall"], "compute_s_total": compute, "swap_s_total": swap,
             "per_trainer_compute_edges_per_s": edges / compute if compute else 0.0,
             "buckets_per_rank": per_rank, "partition_mib": partition_bytes / 2**20, "peak_rss_mib": measured["peak_rss_mib"],
+            # every rank's partition traffic, added up: how long trainers waited on it, and how much was written
+            # behind a bucket instead of before it
+            **{key: summary.get(key) for key in ("io_blocked_seconds", "partition_loads", "partition_loads_prefetched",
+                                                  "partition_writes", "partition_writes_background")},
         }
         print(json.dumps(result), flush=True)
         results.append(result)

@@ -215,7 +215,7 @@ PASS_SUMMARY_KEYS = {
     "epoch_idx", "edge_path_idx", "edge_chunk_idx", "index", "pass_summary", "world_size", "restart_count",
     "buckets_trained", "buckets_redone", "stats", "edges_per_sec", "time", "checkpoint_version", "partition_loads",
     "partition_reads", "partition_writes", "bytes_read", "bytes_written", "io_blocked_seconds", "commit_seconds",
-    "partition_loads_prefetched",
+    "partition_loads_prefetched", "partition_writes_background",
 }
 
 

@@ -67,6 +67,64 @@ def test_the_reservation_prefers_the_bucket_needing_the_fewest_new_partitions() 
     assert 4 not in (ahead.lhs, ahead.rhs)  # never one another rank holds
 
 
+def test_partitions_being_written_back_count_as_new_for_the_reservation() -> None:
+    """Rank 0 trains (1, 2) and still holds partition 3's lock while it writes 3 back in the background: the
+    reservation must weigh 3 as a partition to read again (cost 1), not as one held (cost 0)."""
+    picks: dict[bool, set[Bucket]] = {True: set(), False: set()}
+    for seed in range(30):
+        for leaving in (True, False):
+            state = LockState(6, 6, partition_keys(6), world_size=2)
+            start(state, 0, Bucket(1, 2))
+            state.locks[("node", 3)] = 0
+            start(state, 1, Bucket(5, 5))
+            ahead = state.reserve(0, random.Random(seed), frozenset({("node", 3)}) if leaving else frozenset())
+            assert ahead is not None
+            picks[leaving].add(ahead)
+    assert picks[True] <= {Bucket(1, 1), Bucket(2, 2), Bucket(2, 1)}
+    assert any(3 in (b.lhs, b.rhs) for b in picks[False])  # held, 3 costs nothing: some seed takes it
+
+
+def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_thread_asks() -> None:
+    """Real TCPStore and lock server: rank 0's main client asks for buckets while its writer client (another
+    thread, channel "/writer") releases partitions; each gets its own replies, and the releases land."""
+    import threading
+    from datetime import timedelta
+
+    import numpy as np
+    from torch.distributed import TCPStore
+
+    from job.train.distributed import LockClient, LockServer
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    state = LockState(6, 6, partition_keys(6), world_size=1)
+    server = LockServer(store, state, lambda _: None, np.zeros(1, np.float32), 0)
+    main, writer = LockClient(store, 0, timeout_s=10), LockClient(store, 0, timeout_s=10, channel="/writer")
+    errors: list[BaseException] = []
+
+    def release_all() -> None:
+        try:
+            for part in range(6):
+                writer.release([("node", part)])
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    try:
+        kind, first, _ = main.next_bucket(set(), None, None)
+        thread = threading.Thread(target=release_all)
+        thread.start()
+        buckets = [first]
+        for _ in range(10):
+            kind, bucket, _ = main.next_bucket(set(), buckets[-1], None)
+            assert kind == "bucket" and bucket is not None  # a bucket reply, never the writer's release reply
+            buckets.append(bucket)
+        thread.join(timeout=30)
+        assert not errors and not thread.is_alive()
+        assert len(set(buckets)) == len(buckets)
+        assert {("node", p) for p in range(6)} <= state.dirty  # every release of the writer reached the server
+    finally:
+        server.stop()
+
+
 def test_no_reservation_takes_the_last_partitions_another_rank_could_use() -> None:
     """P=4, two ranks: rank 0 trains (0, 1), rank 1 trains (2, 2); the buckets within {0, 1} are done. Any next
     bucket for rank 0 needs partition 3, and every bucket left to rank 1 needs 3 or rank 0's partitions:
@@ -240,6 +298,7 @@ def check_io_stats(summary: dict, sizes: list[int]) -> None:
     """A pass's partition I/O adds up: every read or write moved one whole partition."""
     reads, writes = summary["partition_reads"], summary["partition_writes"]
     assert 0 <= summary["partition_loads_prefetched"] <= summary["partition_loads"]
+    assert 0 <= summary["partition_writes_background"] <= summary["partition_writes"]
     assert reads <= summary["partition_loads"] and writes > 0
     assert min(sizes) * reads <= summary["bytes_read"] <= max(sizes) * reads
     assert min(sizes) * writes <= summary["bytes_written"] <= max(sizes) * writes
@@ -289,5 +348,8 @@ def test_two_ranks_read_reserved_partitions_ahead_and_train_as_without(umls_p4: 
     (with_prefetch, mrr_on), (without, mrr_off) = runs[True], runs[False]
     assert sum(s["partition_loads_prefetched"] for s in with_prefetch) > 0, logs[True][-3000:]
     assert all(s["partition_loads_prefetched"] == 0 for s in without)
+    # evictions at a bucket's start are written while it trains (released once stored); without prefetch, PBG's way
+    assert sum(s["partition_writes_background"] for s in with_prefetch) > 0, logs[True][-3000:]
+    assert all(s["partition_writes_background"] == 0 for s in without)
     assert "partition buffer: 3 of 4 partitions" in logs[True], logs[True][-3000:]  # read-ahead within the buffer
     assert mrr_on == pytest.approx(mrr_off, abs=0.06), (mrr_on, mrr_off)

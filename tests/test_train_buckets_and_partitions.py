@@ -159,6 +159,11 @@ def test_partitioned_training_stays_within_its_buffer_and_writes_every_partition
         if "lhs_partition" in record:
             per_epoch.setdefault(record["epoch_idx"], []).append((record["lhs_partition"], record["rhs_partition"]))
     assert {e: sorted(b) for e, b in per_epoch.items()} == {e: sorted(all_buckets(4, 4)) for e in (0, 1)}
+    summaries = [record for record in stats if record.get("pass_summary")]
+    behind = [s["partition_writes_background"] for s in summaries]
+    assert all(0 <= b <= s["partition_writes"] for b, s in zip(behind, summaries))
+    # evictions are written while a bucket trains when prefetching; a buffer of all 4 partitions evicts none
+    assert (sum(behind) > 0) == (prefetch and buffer < 4)
     storage = CheckpointStorage(config.checkpoint_path)
     assert storage.load_version() == 2
     names = sorted(p.name for p in Path(config.checkpoint_path).iterdir())
@@ -207,3 +212,78 @@ def test_a_failed_prefetch_fails_the_run_when_its_partition_is_needed(tmp_path: 
     with pytest.raises(OSError, match="simulated read failure"):
         train(parse_config(raw))
     assert CheckpointStorage(raw["checkpoint_path"]).load_version() == 0  # nothing committed, nothing half-written
+
+
+# writing behind a bucket (distributed trainers: evicted partitions are released once stored) --------------
+
+
+def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
+    """A trainer over a 3-partition graph whose store is exclusive (as a distributed trainer's) and whose writes
+    take 0.3 s (or fail), so that a test can see what happens while one is under way."""
+    import time
+
+    from job.train.partitions import PartitionStore
+
+    raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
+    write = PartitionStore._write
+
+    def slow_write(self, key, table):
+        time.sleep(0.3)
+        if fail:
+            raise OSError(f"simulated write failure of {key}")
+        write(self, key, table)
+
+    monkeypatch.setattr(PartitionStore, "_write", slow_write)
+    trainer = Trainer(parse_config(raw))
+    trainer.store.exclusive, trainer.store.capacity = True, 3
+    return trainer
+
+
+def test_a_partition_written_behind_is_released_only_once_stored_and_reads_back_its_values(tmp_path: Path,
+                                                                                              monkeypatch) -> None:
+    trainer = slow_store(tmp_path, monkeypatch)
+    store, key = trainer.store, ("node", 0)
+    try:
+        store.get(key).weight.fill_(7.0)
+        assert store.evict_except({("node", 1)}, behind=True) == [key]
+        seen: list = []
+        store.after_writes([key], lambda keys: seen.append(
+            (keys, store.checkpoint.has_entity_partition(store.next_version, *key))
+        )).result(timeout=30)
+        assert seen == [([key], True)]  # the release ran after the file was stored, not before
+        assert store.stats.written_behind == 1
+        assert bool((store.get(key).weight == 7.0).all())  # read back from the version just written
+    finally:
+        trainer.close()
+
+
+def test_a_failed_write_behind_releases_nothing_and_raises(tmp_path: Path, monkeypatch) -> None:
+    trainer = slow_store(tmp_path, monkeypatch, fail=True)
+    store, key = trainer.store, ("node", 0)
+    try:
+        store.get(key)
+        store.evict_except(set(), behind=True)
+        released: list = []
+        with pytest.raises(OSError, match="simulated write failure"):
+            store.after_writes([key], released.append).result(timeout=30)
+        assert released == []
+    finally:
+        store.writing.clear()
+        trainer.close()
+
+
+def test_a_distributed_store_reads_in_the_foreground_only_after_its_writes_behind(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """The tables being written still take room: a read that was not prefetched waits for them, so the buffer
+    (loaded + being written) is never exceeded."""
+    trainer = slow_store(tmp_path, monkeypatch)
+    store = trainer.store
+    try:
+        store.get(("node", 0))
+        store.get(("node", 1))
+        store.evict_except(set(), behind=True)
+        assert len(store.writing) == 2
+        store.get(("node", 2))
+        assert not store.writing and list(store.loaded) == [("node", 2)]
+    finally:
+        trainer.close()

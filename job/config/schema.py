@@ -245,7 +245,8 @@ class ConfigSchema:
         "current one does not use it) and reads the one it needs into the freed room: the same loads, within the "
         "partition buffer, without the wait. Distributed runs (torchrun): the lock server reserves a trainer's next "
         "bucket when it starts one (only if that leaves the other trainers work) and the trainer reads its missing "
-        "partitions within the buffer meanwhile. false: every swap waits, as in PBG.",
+        "partitions within the buffer meanwhile, and writes back the partitions the bucket does not use (their "
+        "locks are released once stored). false: every swap waits, as in PBG.",
         default=True,
     )
     partition_buffer: int | None = _help(

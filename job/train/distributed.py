@@ -29,6 +29,7 @@ import json
 import logging
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -118,7 +119,7 @@ class LockState:
                 and all(self.locks.get(key, rank) == rank for key in self.bucket_keys[bucket])
                 and (self._eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))]
 
-    def reserve(self, rank: int, rng: Any) -> Optional[Bucket]:
+    def reserve(self, rank: int, rng: Any, leaving: frozenset = frozenset()) -> Optional[Bucket]:
         """Grant ``rank``'s next bucket now, while it trains its current one, and lock its partitions for it.
 
         Policy (no starvation): a reservation never takes a partition another rank holds (the usual rule), and
@@ -126,11 +127,13 @@ class LockState:
         reservation) keep at least one open bucket each that the new locks do not touch. Among the grantable
         buckets the one needing the fewest new partitions wins (then random): usually a bucket sharing the
         current one's partitions, which costs nobody anything and the trainer no read. None: nothing fits (the
-        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time."""
+        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time.
+        ``leaving``: partitions the rank is writing back in the background; it holds their locks until they are
+        stored (``release``), but they count as new partitions here, as they would after the release."""
         current = self.in_flight.get(rank)
         if current is None or rank in self.reserved:
             return self.reserved.get(rank)
-        mine = {key for key, owner in self.locks.items() if owner == rank}
+        mine = {key for key, owner in self.locks.items() if owner == rank} - leaving
         by_cost: dict[int, list[Bucket]] = {}
         for bucket in self._open_to(rank, frozenset((current.lhs, current.rhs))):
             by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
@@ -234,8 +237,8 @@ class LockState:
 REQUESTS = "biggraph/lock/requests"
 
 
-def _response_queue(rank: int) -> str:
-    return f"biggraph/lock/response/{rank}"
+def _response_queue(rank: int, channel: str = "") -> str:
+    return f"biggraph/lock/response/{rank}{channel}"
 
 
 class LockServer:
@@ -290,7 +293,8 @@ class LockServer:
                 self._persist()
             elif op == "reserve":
                 # not persisted: a reservation is never started work, so a restart has nothing of it to redo
-                bucket = self.state.reserve(rank, self.rng)
+                leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
+                bucket = self.state.reserve(rank, self.rng, leaving)
                 reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
             elif op == "release":
                 self.state.release(rank, request["keys"], written=request.get("written", True))
@@ -302,7 +306,7 @@ class LockServer:
                 body = self.shared.tobytes()
             elif op == "status":
                 reply["state"] = self.state.to_json()
-        self.store.queue_push(_response_queue(rank), _pack(reply, body))
+        self.store.queue_push(_response_queue(rank, str(request.get("channel", ""))), _pack(reply, body))
 
     def _persist(self) -> None:
         self.progress_writer(self.state.to_json())
@@ -329,15 +333,19 @@ def _unpack(raw: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 class LockClient:
-    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0) -> None:
+    """One rank's connection to the lock server. ``channel``: a second client of the same rank (used from another
+    thread: the background writer releasing what it stored) gets its replies on its own queue."""
+
+    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0, channel: str = "") -> None:
         self.store = store.clone()
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.rank = rank
+        self.channel = channel
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        request = dict(request, rank=self.rank)
+        request = dict(request, rank=self.rank, channel=self.channel)
         self.store.queue_push(REQUESTS, _pack(request, payload))
-        return _unpack(self.store.queue_pop(_response_queue(self.rank), block=True))
+        return _unpack(self.store.queue_pop(_response_queue(self.rank, self.channel), block=True))
 
     def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
         reply, _ = self._call({"op": "next", "held": [list(k) for k in held],
@@ -345,10 +353,11 @@ class LockClient:
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
         return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
 
-    def reserve(self) -> tuple[Optional[Bucket], set]:
+    def reserve(self, leaving: Sequence[PartKey] = ()) -> tuple[Optional[Bucket], set]:
         """This rank's next bucket, granted while the current one trains (None: not now), and the partitions
-        written this pass so far (where to read the reserved bucket's partitions from)."""
-        reply, _ = self._call({"op": "reserve"})
+        written this pass so far (where to read the reserved bucket's partitions from). ``leaving``: partitions
+        being written back in the background (see ``LockState.reserve``)."""
+        reply, _ = self._call({"op": "reserve", "leaving": [list(k) for k in leaving]})
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
         return bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
 

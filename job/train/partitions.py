@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -93,6 +93,8 @@ class PartitionStore:
                 self.stats.add(prefetched=1)
             if pending is None:
                 self._wait_written(key)  # a background write-back of it must land before it is read again
+                if self.exclusive:
+                    self.drain()  # distributed: the tables being written still take room in the buffer
             table = self._place(key, pending.result() if pending is not None else self._read(key))
             self.loaded[key] = table
         return table
@@ -186,8 +188,7 @@ class PartitionStore:
                 victim = self._victim_for(following, upcoming)
                 if victim is None or victim in current:
                     return
-                table = self.loaded.pop(victim)
-                self.writing[victim] = self._executor().submit(storage.carry(self._write), victim, table)
+                self.evict_behind(victim)
             self.pending[key] = self._executor().submit(storage.carry(self._read_after), key, self.writing.pop(key, None))
 
     def _read_after(self, key: Key, write: Optional[Future[None]]) -> _Read:
@@ -270,6 +271,25 @@ class PartitionStore:
         table = self.loaded.pop(key)
         self._write(key, table)
 
+    def evict_behind(self, key: Key) -> None:
+        """Take ``key`` out of memory and write it back in the background thread; a read of it (``get``,
+        ``prefetch``) runs after that write, on the same thread or by waiting for it."""
+        table = self.loaded.pop(key)
+        self.writing[key] = self._executor().submit(storage.carry(self._write), key, table)
+        self.stats.add(written_behind=1)
+
+    def after_writes(self, keys: Sequence[Key], then: Callable[[list[Key]], None]) -> Future[None]:
+        """Run ``then(keys)`` on the background thread once the write-backs of ``keys`` queued there are stored
+        (the thread runs in order); if one failed, ``then`` does not run and the returned future raises."""
+        writes = [self.writing[key] for key in keys if key in self.writing]
+
+        def task() -> None:
+            for write in writes:
+                write.result()
+            then(list(keys))
+
+        return self._executor().submit(storage.carry(task))
+
     def _write(self, key: Key, table: Table) -> None:
         entity_type, part = key
         started = time.perf_counter()
@@ -297,12 +317,15 @@ class PartitionStore:
     def resident_partitioned(self) -> set[Key]:
         return {k for k in self.loaded if self.is_partitioned(k)}
 
-    def evict_except(self, keys: set[Key]) -> list[Key]:
+    def evict_except(self, keys: set[Key], behind: bool = False) -> list[Key]:
         """Write out every resident partitioned partition not in ``keys`` (distributed: at the start of a bucket,
-        before asking for the next one); returns those written out."""
+        before asking for the next one), in the background with ``behind``; returns those evicted."""
         evicted = sorted(k for k in self.resident_partitioned() if k not in keys)
         for key in evicted:
-            self.evict(key)
+            if behind:
+                self.evict_behind(key)
+            else:
+                self.evict(key)
         return evicted
 
     def evict_partitioned(self) -> list[Key]:

@@ -34,6 +34,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -168,6 +169,9 @@ def read_progress(checkpoint_path: str, version: int) -> Optional[dict[str, Any]
     return data if data.get("version") == version + 1 else None
 
 
+WRITER_TIMEOUT_S = 120.0  # a release takes milliseconds; a silent server means the group is being re-formed
+
+
 class LockServerScheduler(BucketScheduler):
     """Buckets from the lock server on rank 0: the current one, and with ``prefetch_partitions`` the next one
     reserved early (see the module docstring)."""
@@ -190,6 +194,8 @@ class LockServerScheduler(BucketScheduler):
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
+        self.releases: list[Future[None]] = []  # background write-backs that release their partitions once stored
+        self._writer_client: Optional[LockClient] = None  # the background thread's own channel to the server
         self.round_tag = ""
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
@@ -217,6 +223,7 @@ class LockServerScheduler(BucketScheduler):
         waits = 0
         while True:
             self.ctx.check_peers()
+            self.store.stats.blocked_seconds += self._settle_releases()
             kind, bucket, dirty = self.client.next_bucket(self.store.resident_partitioned(), self.current, finished)
             self.current, finished = None, None
             self.store.written = set(dirty)
@@ -235,16 +242,38 @@ class LockServerScheduler(BucketScheduler):
             return bucket
 
     def _reserve_next(self, bucket: Bucket) -> None:
-        """Write back and release what ``bucket`` does not use (so that the reservation sees this rank's locks
-        as they will be while it trains), then ask for the next bucket; its partitions' sources are those the
-        server knows now (they are locked for this rank from here on, so nobody else writes them)."""
+        """Start writing back what ``bucket`` does not use, in the background thread, which releases each
+        partition to the server as soon as it is stored (``_release_stored``); then ask for the next bucket,
+        naming the partitions leaving, so that the reservation weighs this rank's locks as they will be while
+        it trains. The reserved bucket's partitions are read from the sources the server knows now plus the
+        ones being written here (locked for this rank until released, so nobody else writes them; the same
+        thread reads them after their write)."""
         started = time.perf_counter()
-        evicted = self.store.evict_except(set(self.bucket_keys[bucket]))
-        if evicted:
-            self.release(evicted)
+        leaving = self.store.evict_except(set(self.bucket_keys[bucket]), behind=True)
+        if leaving:
+            self.releases.append(self.store.after_writes(leaving, self._release_stored))
         self.store.stats.blocked_seconds += time.perf_counter() - started
-        self.ahead, dirty = self.client.reserve()
-        self.store.written = set(dirty)
+        self.ahead, dirty = self.client.reserve(leaving)
+        self.store.written = set(dirty) | set(leaving)
+
+    def _release_stored(self, keys: list[PartKey]) -> None:
+        """On the background thread, once ``keys`` are written: wait for their uploads, release their locks."""
+        if self._writer_client is None:
+            # a bounded wait: a process leaving after a peer died joins this thread first, and a release
+            # answered by no server must not hold that exit for the main client's 10 minutes
+            self._writer_client = LockClient(self.ctx.store, self.ctx.rank, timeout_s=WRITER_TIMEOUT_S,
+                                             channel="/writer")
+        self.checkpoint.flush()
+        self._writer_client.release(keys)
+
+    def _settle_releases(self) -> float:
+        """Wait for the background releases (normally long done: they had a bucket to finish), so that the
+        server's record of written partitions is whole; a failed write raises here. Returns the seconds waited."""
+        started = time.perf_counter()
+        releases, self.releases = self.releases, []
+        for release in releases:
+            release.result()
+        return time.perf_counter() - started
 
     def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
         if self.ahead is None:
@@ -264,6 +293,7 @@ class LockServerScheduler(BucketScheduler):
     def _give_back(self) -> float:
         """Write back and release every partition this rank holds; returns the seconds it took."""
         started = time.perf_counter()
+        self._settle_releases()
         released = self.store.evict_partitioned()
         if released:
             self.release(released)
