@@ -3,7 +3,8 @@
 Up to ``capacity`` partitions of partitioned types are held (job/train/buffer.py), plus the
 unpartitioned types. ``exclusive`` stores (distributed trainers: what they hold is locked from the
 others) keep exactly the current bucket's partitions, plus, within ``capacity``, those of the next
-bucket read ahead (no capacity: no read-ahead, as PBG). A
+bucket read ahead (no capacity: no read-ahead, as PBG); what they evict at a bucket's start is written on the
+I/O thread while the bucket trains (``evict_behind``) and released once stored (``after_writes``). A
 partition leaving memory is written into the *next*, uncommitted checkpoint version, exactly as
 PBG does: the committed version stays intact until the pass ends and the version marker moves,
 so a crash at any moment — a background write included — leaves a loadable checkpoint.
