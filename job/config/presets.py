@@ -19,34 +19,24 @@ from typing import Any
 
 from job.config.base import ConfigKeyError
 
+# the model recipe both quality presets share; they differ only in how negatives are drawn
+_QUALITY_MODEL: dict[str, Any] = {
+    "reciprocal_relations": True,
+    "init_method": "xavier",
+    "loss_fn": "softmax",
+    "comparator": "dot",
+    "global_emb": False,
+    "lr": 0.3,
+}
+
 # name -> (top-level keys, keys of every relation type)
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "quality": (
-        {
-            "reciprocal_relations": True,
-            "init_method": "xavier",
-            "loss_fn": "softmax",
-            "comparator": "dot",
-            "global_emb": False,
-            "lr": 0.3,
-            "batch_size": 500,
-            "num_batch_negs": 0,
-            "num_uniform_negs": 0,
-        },
+        {**_QUALITY_MODEL, "batch_size": 500, "num_batch_negs": 0, "num_uniform_negs": 0},
         {"all_negs": True},
     ),
     "quality_sampled": (
-        {
-            "reciprocal_relations": True,
-            "init_method": "xavier",
-            "loss_fn": "softmax",
-            "comparator": "dot",
-            "global_emb": False,
-            "lr": 0.3,
-            "batch_size": 1000,
-            "num_batch_negs": 50,
-            "num_uniform_negs": 4000,
-        },
+        {**_QUALITY_MODEL, "batch_size": 1000, "num_batch_negs": 50, "num_uniform_negs": 4000},
         {"all_negs": False},
     ),
 }
