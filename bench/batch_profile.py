@@ -5,8 +5,8 @@ timed alone (A/B: run it from two checkouts, one after the other). Two shapes:
 
 - ``ooc``: the out-of-core benchmark's batch (bench/ooc_bench.py, issue #15 and the 1M/10M graph of #16):
   ComplEx d=100, 10 relations, 50 batch + 50 uniform negatives, softmax, power-law ids over 250k-row tables;
-- ``wordnet``: the WordNet KG's (issue #16): ComplEx d=200, 18 relations, 1,000 uniform negatives per chunk,
-  112k-row tables.
+- ``wordnet``: the WordNet KG's (issue #16, bench/kg_bench.py's config): ComplEx d=200, one entity type (both
+  sides share one 112k-row table), 18 dynamic relations, 50 batch + 1,000 uniform negatives per chunk.
 
     .venv/bin/python bench/batch_profile.py --shape ooc            # median ms per batch, then the profile
     .venv/bin/python bench/batch_profile.py --shape wordnet --no-profile -p compute_dtype=bfloat16
@@ -40,18 +40,19 @@ SHAPES: dict[str, dict[str, Any]] = {
     "ooc": {"relations": 10, "dimension": 100, "num_batch_negs": 50, "num_uniform_negs": 50, "rows": 250_000,
             "skew": 2.5},
     "wordnet": {"relations": 18, "dimension": 200, "num_batch_negs": 50, "num_uniform_negs": 1000, "rows": 112_000,
-                "skew": 1.0},
+                "skew": 1.0, "dynamic": True, "global_emb": False},
 }
 
 
 def make_config(shape: dict[str, Any], overrides: list[str]) -> Any:
-    raw = {"entities": {"node": {"num_partitions": 1}},
+    count = 1 if shape.get("dynamic") else shape["relations"]
+    raw = {"entities": {"node": {"num_partitions": 1}}, "dynamic_relations": bool(shape.get("dynamic")),
            "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}
-                         for i in range(shape["relations"])],
+                         for i in range(count)],
            "dimension": shape["dimension"], "comparator": "dot", "loss_fn": "softmax", "lr": 0.1,
            "batch_size": 1000, "num_batch_negs": shape["num_batch_negs"],
            "num_uniform_negs": shape["num_uniform_negs"], "entity_path": "x", "edge_paths": ["x"],
-           "checkpoint_path": "x"}
+           "checkpoint_path": "x", "global_emb": shape.get("global_emb", True)}
     return parse_config(apply_overrides(raw, overrides))
 
 
@@ -67,13 +68,15 @@ def main() -> None:
     torch.manual_seed(0)
     shape = SHAPES[args.shape]
     config = make_config(shape, args.overrides)
-    model = Model(config)
+    dynamic = bool(shape.get("dynamic"))
+    model = Model(config, shape["relations"] if dynamic else 0)
     model.compute_dtype = training_dtype(config, torch.device("cpu"))  # as the Trainer sets it
     rows, dim = shape["rows"], config.dimension
     lhs_table = Table(torch.randn(rows, dim) * 0.1, torch.zeros(rows))
-    rhs_table = Table(torch.randn(rows, dim) * 0.1, torch.zeros(rows))
+    # dynamic relations: one entity type on both sides, so one table (as the WordNet KG trains)
+    rhs_table = lhs_table if dynamic else Table(torch.randn(rows, dim) * 0.1, torch.zeros(rows))
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.lr)
-    n = len(config.relations)
+    n = len(config.relations)  # dynamic: one relation, the edges' types in ``rel_ids``
     ctx = BatchContext(config, model, relation_optimizer, dict.fromkeys(range(n), lhs_table),
                        dict.fromkeys(range(n), rhs_table), config.num_batch_negs, config.num_uniform_negs)
     generator = torch.Generator().manual_seed(0)
@@ -82,7 +85,9 @@ def main() -> None:
         # power-law ids (skew > 1: a few rows take most edges), as the generated graphs have
         lhs = (rows * torch.rand(config.batch_size, generator=generator) ** shape["skew"]).long()
         rhs = (rows * torch.rand(config.batch_size, generator=generator) ** shape["skew"]).long()
-        run_batch(ctx, i % n, lhs, rhs, None, generator, True)
+        rel_ids = (torch.randint(0, shape["relations"], (config.batch_size,), generator=generator) if dynamic
+                   else None)
+        run_batch(ctx, 0 if dynamic else i % n, lhs, rhs, rel_ids, generator, True)
 
     for i in range(5):
         one(i)

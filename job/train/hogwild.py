@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.multiprocessing as mp
 
+from job import native
 from job.config import ConfigSchema
 from job.model.scoring import Model, Table
 from job.train.allocator import keep_freed_memory
@@ -113,6 +114,8 @@ def _worker_main(
 class WorkerPool:
     def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad) -> None:
         context = mp.get_context("spawn")
+        # the native row kernels are compiled (on a first run) here, once, not by every worker at its first batch
+        native.library()
         self.config = config
         self.tasks = context.Queue()
         self.results = context.Queue()

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from job.errors import CheckpointError
 from job.model.scoring import Table
+from job.native import kernels
 from job.train.rowops import positions, scratch
 
 ADAGRAD_EPS = 1e-10
@@ -100,6 +101,8 @@ def row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: 
     if grad is None or table.optim_sum is None:
         return
     slots = scratch(table.weight.shape[0], ids.device)
+    if kernels.row_adagrad(table.weight, table.optim_sum, [(ids, grad)], lr, ADAGRAD_EPS, slots):
+        return
     slots.scatter_(0, ids, positions(0, ids.numel(), ids.device).to(torch.int32))
     representative = slots.index_select(0, ids).long()
     summed = torch.zeros_like(grad).index_add_(0, representative, grad).index_select(0, representative)
@@ -125,9 +128,11 @@ def row_adagrad_occurrences(table: Table, given: list[tuple[Tensor, Optional[Ten
     if not sides or table.optim_sum is None:
         return
     device = table.weight.device
+    slots = scratch(table.weight.shape[0], device)
+    if kernels.row_adagrad(table.weight, table.optim_sum, sides, lr, ADAGRAD_EPS, slots):
+        return
     ids = sides[0][0] if len(sides) == 1 else torch.cat([side_ids for side_ids, _ in sides])
     count = ids.numel()
-    slots = scratch(table.weight.shape[0], device)
     slots.scatter_(0, ids, torch.arange(count, dtype=torch.int32, device=device))
     representative = slots.index_select(0, ids).long()  # a representative is its own representative
     repeats = torch.nonzero(representative != positions(0, count, device)).flatten()
@@ -170,6 +175,9 @@ def renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
 def row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) -> None:
     """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients."""
     if grad is None or table.optim_sum is None:
+        return
+    if uniq.device.type == "cpu" and kernels.row_adagrad(table.weight, table.optim_sum, [(uniq, grad)], lr,
+                                                         ADAGRAD_EPS, scratch(table.weight.shape[0], uniq.device)):
         return
     # mean of squared gradients per row, as a fused norm (half the time of grad.pow(2).mean(1))
     table.optim_sum.index_add_(0, uniq, torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))

@@ -1,0 +1,209 @@
+"""The native row kernels (job/native): the one-pass row-wise Adagrad held to a float64 reference and to the
+torch path, its refusals, and how the library is found, built, refused and done without."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import job.native as native
+from job.model.scoring import Table
+from job.native import kernels
+from job.train import optim
+from job.train.rowops import scratch
+
+LR = 0.3
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A process-level cache emptied for the test and a private build directory."""
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("BIGGRAPH_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "PREBUILT", tmp_path / "prebuilt")
+    return tmp_path
+
+
+def reference(weight: torch.Tensor, state: torch.Tensor, lists: list[tuple[torch.Tensor, torch.Tensor]],
+              lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PBG's RowAdagrad on a merged sparse gradient, written densely in float64."""
+    weight, state = weight.double().clone(), state.double().clone()
+    summed = torch.zeros_like(weight)
+    touched = torch.zeros(weight.shape[0], dtype=torch.bool)
+    for ids, grad in lists:
+        summed.index_add_(0, ids, grad.double())
+        touched[ids] = True
+    rows = touched.nonzero().flatten()
+    state[rows] += summed[rows].pow(2).mean(1)
+    weight[rows] -= lr * summed[rows] / (state[rows].sqrt() + optim.ADAGRAD_EPS).unsqueeze(1)
+    return weight, state
+
+
+def batch(dtype: torch.dtype, rows: int = 60, dim: int = 7, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, dim, generator=g, dtype=dtype)
+    state = torch.rand(rows, generator=g, dtype=dtype)
+    # ids repeat within each list and across the two (rows < draws)
+    lists = [(torch.randint(0, rows, (n,), generator=g), torch.randn(n, dim, generator=g, dtype=dtype))
+             for n in (50, 80)]
+    return weight, state, lists
+
+
+def test_kernel_is_pbgs_row_adagrad_on_the_merged_gradient_float64(fresh_library: Path) -> None:
+    weight, state, lists = batch(torch.float64)
+    want_w, want_s = reference(weight, state, lists, LR)
+    untouched = torch.ones(weight.shape[0], dtype=torch.bool)
+    for ids, _ in lists:
+        untouched[ids] = False
+    before = weight[untouched].clone()
+    assert kernels.row_adagrad(weight, state, lists, LR, optim.ADAGRAD_EPS, scratch(weight.shape[0], weight.device))
+    torch.testing.assert_close(weight, want_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, want_s, rtol=1e-12, atol=1e-12)
+    assert torch.equal(weight[untouched], before)  # rows no list names stay as they were
+
+
+def test_kernel_float32_within_rounding(fresh_library: Path) -> None:
+    weight, state, lists = batch(torch.float32, rows=500, dim=200, seed=3)
+    want_w, want_s = reference(weight, state, lists, LR)
+    assert kernels.row_adagrad(weight, state, lists, LR, optim.ADAGRAD_EPS, scratch(500, weight.device))
+    torch.testing.assert_close(weight.double(), want_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), want_s, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("function", ["occurrences", "row_adagrad", "repeated"])
+def test_optimizer_entry_points_match_their_torch_form(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       function: str) -> None:
+    """Every CPU entry point of job/train/optim.py gives the same step with the kernel as without it."""
+    results = []
+    for use_native in (True, False):
+        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setenv("BIGGRAPH_NATIVE", "1" if use_native else "0")
+        weight, state, lists = batch(torch.float64, seed=5)
+        table = Table(weight, state)
+        if function == "occurrences":
+            optim.row_adagrad_occurrences(table, lists, LR)
+        elif function == "repeated":
+            optim.row_adagrad_repeated(table, torch.cat([i for i, _ in lists]), torch.cat([g for _, g in lists]), LR)
+        else:  # unique rows, as the unique-row path hands them
+            ids = torch.randperm(weight.shape[0], generator=torch.Generator().manual_seed(1))[:40]
+            optim.row_adagrad(table, ids, lists[0][1][:40].clone(), LR)
+        assert (native.library() is not None) == use_native
+        results.append((weight, state))
+    (w1, s1), (w2, s2) = results
+    torch.testing.assert_close(w1, w2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s1, s2, rtol=1e-12, atol=1e-12)
+
+
+def test_an_id_outside_the_table_raises_and_writes_nothing(fresh_library: Path) -> None:
+    weight, state, lists = batch(torch.float32)
+    lists[1][0][17] = weight.shape[0]  # one past the end, in the second list
+    w0, s0 = weight.clone(), state.clone()
+    with pytest.raises(IndexError, match=f"row id {weight.shape[0]} is outside the table of {weight.shape[0]} rows"):
+        kernels.row_adagrad(weight, state, lists, LR, optim.ADAGRAD_EPS, scratch(weight.shape[0], weight.device))
+    assert torch.equal(weight, w0) and torch.equal(state, s0)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "non_contiguous", "mixed_dtype", "int32_ids", "state_shape"])
+def test_what_the_kernel_does_not_take_is_left_to_torch(fresh_library: Path, case: str) -> None:
+    weight, state, lists = batch(torch.float32)
+    if case == "bfloat16":
+        weight, state = weight.bfloat16(), state.bfloat16()
+        lists = [(ids, grad.bfloat16()) for ids, grad in lists]
+    elif case == "non_contiguous":
+        lists[0] = (lists[0][0], torch.randn(weight.shape[1], 50).t())
+    elif case == "mixed_dtype":
+        lists[0] = (lists[0][0], lists[0][1].double())
+    elif case == "int32_ids":
+        lists[0] = (lists[0][0].int(), lists[0][1])
+    else:
+        state = torch.zeros(weight.shape[0] + 1)
+    w0 = weight.clone()
+    assert not kernels.row_adagrad(weight, state, lists, LR, optim.ADAGRAD_EPS, scratch(weight.shape[0], weight.device))
+    assert torch.equal(weight, w0)
+
+
+def test_disabled_by_environment(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BIGGRAPH_NATIVE", "off")
+    assert native.library() is None
+    assert not (fresh_library / "cache").exists()  # nothing built either
+
+
+def test_built_once_into_the_cache_then_loaded_from_it(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert native.library() is not None
+    built = fresh_library / "cache" / native.library_name()
+    assert built.is_file()
+    assert oct((fresh_library / "cache").stat().st_mode & 0o777) == oct(0o700)
+    stamp = built.stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "")  # no compiler at all: the cached build must do
+    assert native.library() is not None
+    assert built.stat().st_mtime_ns == stamp
+    assert not [p for p in built.parent.iterdir() if p.name.startswith(".build-")]  # no partial file left
+
+
+def test_the_file_name_follows_the_source(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edited kernel is never served from an old build: the name hashes the source and the flags."""
+    first = native.library_name()
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DCHANGED"))
+    assert native.library_name() != first
+
+
+def test_no_compiler_falls_back_with_one_warning(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "")
+    with caplog.at_level(logging.WARNING, logger="job.native"):
+        assert native.library() is None
+        assert native.library() is None  # decided once per process
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "no C compiler found" in warnings[0]
+    weight, state, lists = batch(torch.float64)
+    want_w, _ = reference(weight, state, lists, LR)
+    optim.row_adagrad_occurrences(Table(weight, state), lists, LR)  # the torch path, same step
+    torch.testing.assert_close(weight, want_w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_failing_compiler_falls_back(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger="job.native"):
+        assert native.library() is None
+    assert "false failed on rowkernels.c" in caplog.text
+    assert not list((fresh_library / "cache").glob("*.so"))
+
+
+def test_a_cache_others_can_write_to_is_not_loaded_from(fresh_library: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    cache = fresh_library / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="job.native"):
+        assert native.library() is None
+    assert "writable by others" in caplog.text
+
+
+def test_prebuilt_library_needs_no_compiler(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    done = subprocess.run([sys.executable, "-m", "job.native", "build", "--into", str(fresh_library / "prebuilt")],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.parent == fresh_library / "prebuilt" and path.name == native.library_name()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "")
+    assert native.library() is not None
+    assert not (fresh_library / "cache").exists()
+
+
+def test_build_command_reports_a_compiler_error() -> None:
+    env = {**os.environ, "CC": "false"}
+    done = subprocess.run([sys.executable, "-m", "job.native", "build", "--into", "/tmp/biggraph-native-unused"],
+                          capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: false failed on rowkernels.c") and "Traceback" not in done.stderr
