@@ -27,8 +27,8 @@ from helpers_distributed import (
 
 from job.errors import UserError
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import LockState
 from job.train.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
+from job.train.lock_state import LockState
 
 # the scheduling rules -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from helpers_distributed import (
 )
 
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import LockState
+from job.train.lock_state import LockState
 
 Key = tuple[str, int]
 

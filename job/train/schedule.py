@@ -44,8 +44,9 @@ import storage_adapters as storage
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import PROGRESS_FILE, LockClient, LockServer, LockState, SharedParameters
+from job.train.distributed import PROGRESS_FILE, LockClient, LockServer, SharedParameters
 from job.train.group import DistributedContext, wait_all
+from job.train.lock_state import LockState
 from job.train.partitions import PartitionStore
 
 logger = logging.getLogger("biggraph")
