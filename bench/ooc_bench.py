@@ -10,6 +10,9 @@ and written, seconds blocked on partition I/O and spent in the commit.
     .venv/bin/python bench/ooc_bench.py --entities 2000000 --edges 20000000 --runs p1,p8:buffer=3,p16:buffer=4
     # a budget instead of a count, checkpoints on moto S3
     .venv/bin/python bench/ooc_bench.py --entities 2000000 --edges 20000000 --runs p8:budget=400MB --backend s3
+    # checkpoints bigger than memory on S3: s3rver (npm install s3rver@3.7.1) keeps objects on disk, moto in RAM
+    .venv/bin/python bench/ooc_bench.py --entities 70000000 --edges 100000000 --runs p32:budget=8GiB --backend s3 \
+        --s3rver /work/s3rver/node_modules/.bin/s3rver --hogwild-delay 0 --work /work/ooc70
     # PBG 1.0.0 at the same P, same files
     .venv/bin/python bench/ooc_bench.py --entities 2000000 --edges 20000000 --runs p8:buffer=3,pbg-p8
 
@@ -21,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a package
-from storage_bench import start_moto  # noqa: E402
+from storage_bench import free_port, start_moto  # noqa: E402 - storage_bench puts tests/ on the path
 from train_bench import (  # noqa: E402
     PYTHON,
     pbg_compute_rate,
@@ -140,6 +147,28 @@ def summary_of(checkpoints: str, storage_options: dict) -> dict[str, Any]:
     return out
 
 
+def start_s3rver(binary: str, directory: Path, bucket: str) -> tuple[subprocess.Popen, str]:
+    """s3rver (a Node fake S3 that stores objects as files under ``directory``) on 127.0.0.1 with ``bucket``;
+    this process's AWS settings get its fixed credentials and point at nothing real."""
+    port = free_port()
+    for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        os.environ.pop(key, None)
+    os.environ.update(AWS_ACCESS_KEY_ID="S3RVER", AWS_SECRET_ACCESS_KEY="S3RVER", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    directory.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([binary, "-d", str(directory), "-a", "127.0.0.1", "-p", str(port), "-s",
+                             "--configure-bucket", bucket], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{binary} did not start")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entities", type=int, default=2_000_000)
@@ -153,6 +182,9 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=2.5, help="power-law skew (1: uniform)")
     parser.add_argument("--runs", default="p1,p8:buffer=3,p16:buffer=4")
     parser.add_argument("--backend", choices=("local", "s3"), default="local", help="where checkpoints live")
+    parser.add_argument("--s3rver", default=None, metavar="PATH",
+                        help="with --backend s3: run this s3rver executable (objects on disk, under --work) instead "
+                             "of moto, which holds every object in RAM and cannot store a checkpoint larger than it")
     parser.add_argument("--work", default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -164,14 +196,18 @@ def main() -> None:
     if args.backend == "s3":
         import s3fs
 
-        moto, endpoint = start_moto()
+        if args.s3rver:
+            shutil.rmtree(work / "s3rver-data", ignore_errors=True)
+            moto, endpoint = start_s3rver(args.s3rver, work / "s3rver-data", "ooc-bench")
+        else:
+            moto, endpoint = start_moto()
+            s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir("ooc-bench")
         storage_options = {"endpoint_url": endpoint}
-        s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir("ooc-bench")
         checkpoint_root = "s3://ooc-bench/ckpt"
     matmul = matmul_rate()
     print(json.dumps({"matmul_gflops": round(matmul, 1), "entities": args.entities, "edges": args.edges,
                       "dim": args.dim, "embeddings_gib": round(args.entities * (args.dim + 1) * 4 / 2**30, 2),
-                      "backend": args.backend}), flush=True)
+                      "backend": args.backend if not args.s3rver else "s3 (s3rver)"}), flush=True)
     results = []
     try:
         for p in sorted({r["partitions"] for r in runs}):
