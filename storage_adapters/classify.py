@@ -230,6 +230,8 @@ def permanent_reason(err: BaseException) -> str:
         return "the bucket does not exist"
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
         return f"the credentials were refused ({code}); check AWS_* variables, the profile or the role"
-    if isinstance(err, PermissionError) or code in ("AccessDenied", "403", "AllAccessDisabled"):
+    # s3fs turns several refusals into PermissionError (MethodNotAllowed: a multipart upload the server already
+    # completed or dropped, retried after a timeout): only an access code, or none at all, is "access denied"
+    if code in ("AccessDenied", "403", "AllAccessDisabled") or (isinstance(err, PermissionError) and not code):
         return f"access denied ({describe(err)})"
     return describe(err)

@@ -250,6 +250,13 @@ def test_retry_backs_off_and_is_bounded() -> None:
     with pytest.raises(FileNotFoundError):
         call_with_retry("s3://b/k", "read", lambda: (_ for _ in ()).throw(FileNotFoundError("k")), policy)
 
+    def not_allowed() -> None:  # s3fs' PermissionError for a CompleteMultipartUpload retried after a timeout
+        raise _translated("MethodNotAllowed", 405, PermissionError)
+
+    with pytest.raises(storage.StorageError, match=r"s3://b/k: write failed: MethodNotAllowed.*\(HTTP 405\)$") as info:
+        call_with_retry("s3://b/k", "write", not_allowed, policy, sleep=sleeps.append)
+    assert "access denied" not in str(info.value) and info.value.exit_code == 2
+
 
 # through the proxy ----------------------------------------------------------------------------------------
 
