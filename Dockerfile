@@ -31,7 +31,8 @@ WORKDIR /src
 # tests/audit.sh audits; torch's own pin is left out, so that TORCH_VERSION decides it.
 COPY requirements.lock ./
 # A C compiler for job/native's row kernels, built once below into the installed package (the runtime stage
-# gets the library, not the compiler; `python -P`: the installed package, not /src's copy of job/). Debian's own gcc of the base image's release: its version follows the base image.
+# gets the library, not the compiler; the console script and `python -P` import the installed package, not /src's
+# copy of job/). Debian's own gcc of the base image's release: its version follows the base image.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -56,7 +57,7 @@ COPY storage_adapters ./storage_adapters
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && whl=$(ls /wheels/biggraph-*.whl) \
  && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s]" \
- && python -P -m job.native build \
+ && biggraph build-native \
  && python -P -c "import job, job.native, storage_adapters, s3fs, kubernetes, torch; assert '/site-packages/job/native/_prebuilt/' in job.native.library()._name; print('biggraph', job.__version__, 'torch', torch.__version__)"
 # What only building needs goes before the COPY into the runtime stage: torch's C++ headers, protoc
 # and C++ test binaries (torch_shm_manager stays: torch.multiprocessing uses it), the packages' own

@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a package
-from storage_bench import free_port, start_moto  # noqa: E402 - storage_bench puts tests/ on the path
+from storage_bench import start_moto, start_s3rver  # noqa: E402
 from train_bench import (  # noqa: E402
     PYTHON,
     pbg_compute_rate,
@@ -145,28 +141,6 @@ def summary_of(checkpoints: str, storage_options: dict) -> dict[str, Any]:
     out["edges"] = sum(r["stats"]["count"] for r in buckets)
     out["compute_edges_per_s"] = out["edges"] / compute if compute else 0.0
     return out
-
-
-def start_s3rver(binary: str, directory: Path, bucket: str) -> tuple[subprocess.Popen, str]:
-    """s3rver (a Node fake S3 that stores objects as files under ``directory``) on 127.0.0.1 with ``bucket``;
-    this process's AWS settings get its fixed credentials and point at nothing real."""
-    port = free_port()
-    for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        os.environ.pop(key, None)
-    os.environ.update(AWS_ACCESS_KEY_ID="S3RVER", AWS_SECRET_ACCESS_KEY="S3RVER", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_EC2_METADATA_DISABLED="true")
-    directory.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([binary, "-d", str(directory), "-a", "127.0.0.1", "-p", str(port), "-s",
-                             "--configure-bucket", bucket], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"{binary} did not start")
 
 
 def main() -> None:

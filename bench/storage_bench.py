@@ -39,15 +39,15 @@ from job.formats.edges import edges_file, write_edges  # noqa: E402
 from job.formats.entities import write_entity_count  # noqa: E402
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """A moto S3 server in its own process on 127.0.0.1; this process's AWS settings point at nothing real."""
+def start_fake_s3(command: list[str], credential: str) -> tuple[subprocess.Popen, str]:
+    """A fake S3 server, ``command`` + its port, on 127.0.0.1; this process's AWS settings get ``credential`` as
+    key and secret and point at nothing real."""
     port = free_port()
     for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
         os.environ.pop(key, None)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+    os.environ.update(AWS_ACCESS_KEY_ID=credential, AWS_SECRET_ACCESS_KEY=credential, AWS_DEFAULT_REGION="us-east-1",
                       AWS_EC2_METADATA_DISABLED="true")
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*command, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
@@ -56,7 +56,21 @@ def start_moto() -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("moto_server did not start")
+    raise RuntimeError(f"{command[0]} did not start")
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process (every object in RAM)."""
+    server = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    return start_fake_s3([server, "-H", "127.0.0.1", "-p"], "bench")
+
+
+def start_s3rver(binary: str, directory: Path, bucket: str) -> tuple[subprocess.Popen, str]:
+    """s3rver (a Node fake S3 keeping objects as files under ``directory``) with ``bucket``; its credentials are
+    fixed (S3RVER)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return start_fake_s3([binary, "-d", str(directory), "-a", "127.0.0.1", "-s", "--configure-bucket", bucket, "-p"],
+                         "S3RVER")
 
 
 def write_graph(root: Path, num_entities: int, num_edges: int, num_partitions: int) -> None:

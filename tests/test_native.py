@@ -190,7 +190,7 @@ def test_a_cache_others_can_write_to_is_not_loaded_from(fresh_library: Path,
 
 
 def test_prebuilt_library_needs_no_compiler(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    done = subprocess.run([sys.executable, "-m", "job.native", "build", "--into", str(fresh_library / "prebuilt")],
+    done = subprocess.run([sys.executable, "-m", "job", "build-native", "--into", str(fresh_library / "prebuilt")],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     path = Path(done.stdout.strip())
@@ -203,7 +203,7 @@ def test_prebuilt_library_needs_no_compiler(fresh_library: Path, monkeypatch: py
 
 def test_build_command_reports_a_compiler_error() -> None:
     env = {**os.environ, "CC": "false"}
-    done = subprocess.run([sys.executable, "-m", "job.native", "build", "--into", "/tmp/biggraph-native-unused"],
+    done = subprocess.run([sys.executable, "-m", "job", "build-native", "--into", "/tmp/biggraph-native-unused"],
                           capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 2
-    assert done.stderr.startswith("error: false failed on rowkernels.c") and "Traceback" not in done.stderr
+    assert "false failed on rowkernels.c" in done.stderr and "Traceback" not in done.stderr

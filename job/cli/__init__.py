@@ -14,7 +14,7 @@ import select
 import sys
 
 from job import __version__
-from job.cli import archive, demo, exporting, grow, importing, k8s, legacy, report, train, validate
+from job.cli import archive, demo, exporting, grow, importing, k8s, legacy, native, report, train, validate
 from job.cli.common import add_config_arguments, overrides_of
 from job.cli.logging_setup import configure_logging
 from job.errors import UserError
@@ -23,7 +23,7 @@ from storage_adapters.errors import StorageError
 __all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "overrides_of"]
 
 # Each module registers one group of subcommands; this order is the order of ``biggraph --help``.
-COMMAND_MODULES = (train, importing, grow, validate, exporting, legacy, demo, k8s, archive, report)
+COMMAND_MODULES = (train, importing, grow, validate, exporting, legacy, demo, k8s, archive, report, native)
 
 logger = logging.getLogger("biggraph")
 

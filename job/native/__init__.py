@@ -6,7 +6,7 @@ WordNet batch in torch ops, five passes over the rows (bench/RESULTS.md, eighth 
 runtime image drops them; this source needs only libc, builds in about a second and is called with raw pointers.
 
 Where the library comes from, first found wins:
-1. ``job/native/_prebuilt/`` in the installed package (``python -m job.native build``, run by the image build);
+1. ``job/native/_prebuilt/`` in the installed package (``biggraph build-native``, run by the image build);
 2. the user's cache (``$BIGGRAPH_NATIVE_CACHE``, else ``$XDG_CACHE_HOME``/``~/.cache`` ``/biggraph/native``, else a
    private directory under the system temp dir), compiled there by ``$CC`` / ``cc`` / ``gcc`` if missing.
 The file name carries a hash of the source and flags, so an upgraded source never loads an old build. Writes go
@@ -84,7 +84,8 @@ def build(into: Path, private: bool = True) -> Path:
         done = subprocess.run([cc, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
-            raise OSError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            detail = done.stderr.strip()[-2000:] or f"exit status {done.returncode}, no message"
+            raise OSError(f"{cc} failed on {SOURCE.name}: {detail}")
         os.chmod(partial, 0o700 if private else 0o755)
         os.replace(partial, target)
     finally:
@@ -118,11 +119,13 @@ def _locate() -> ctypes.CDLL:
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernels, or None (torch fallback); built at most once per process."""
-    if not enabled():
-        return None
+    """The loaded kernels, or None (torch fallback); decided (and built) once per process, since every batch asks."""
+    if "lib" in _loaded:
+        return _loaded["lib"]
     with _lock:
-        if "lib" not in _loaded:
+        if "lib" not in _loaded and not enabled():
+            _loaded["lib"] = None
+        elif "lib" not in _loaded:
             try:
                 lib = _locate()
                 for symbol in ("row_adagrad_f32", "row_adagrad_f64"):

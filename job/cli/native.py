@@ -1,0 +1,32 @@
+"""``biggraph build-native [--into DIR]``: compile the native row kernels (job/native) ahead of time.
+
+The image build runs it, into the installed package's ``_prebuilt`` directory, so that a runtime image needs no
+compiler; elsewhere the kernels are built on first use and this only moves that second to now.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from job import native
+from job.errors import UserError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "build-native", help="compile the native row kernels now (the image build does, so pods need no compiler)",
+        description="Compile job/native's C row kernels with $CC / cc / gcc and print the library's path.")
+    parser.add_argument("--into", type=Path, default=None,
+                        help="directory for the library (default: the installed package's _prebuilt directory)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    into = args.into if args.into is not None else native.PREBUILT
+    try:
+        print(native.build(into, private=into != native.PREBUILT))
+    except OSError as exc:
+        raise UserError(str(exc)) from None
+    return 0
