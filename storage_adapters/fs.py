@@ -35,6 +35,7 @@ _SCHEME_PACKAGES = {
 }
 # Object stores: no directories, the first path component is a bucket/container that must exist.
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+S3_SCHEMES = {"s3", "s3a"}
 _LOCAL_SCHEMES = ("", "file", "local")
 
 

@@ -8,7 +8,8 @@ import tempfile
 from typing import IO, Any
 
 from storage_adapters.errors import StorageError
-from storage_adapters.fs import FILE_MODE, OBJECT_STORES, call, get_filesystem, is_local, local_path, scheme_of
+from storage_adapters.fs import FILE_MODE, OBJECT_STORES, S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
+from storage_adapters.multipart import download_file, upload_file
 from storage_adapters.retry import unreachable_marker, unreachable_since
 
 
@@ -145,7 +146,10 @@ def get_file(url: str, local: str) -> None:
 
     def get() -> None:
         try:
-            fs.get_file(path, local)
+            if scheme_of(url) in S3_SCHEMES:
+                download_file(fs, path, local)  # bounded memory (s3fs' default holds 500 MiB per file)
+            else:
+                fs.get_file(path, local)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(local)
@@ -155,6 +159,10 @@ def get_file(url: str, local: str) -> None:
 
 
 def put_file(local: str, url: str) -> None:
-    """Upload the local file ``local`` to ``url`` in one step (retried)."""
+    """Upload the local file ``local`` to ``url`` in one step: the object appears whole or not at all (retried;
+    on S3 part by part, with bounded memory: :mod:`storage_adapters.multipart`)."""
     fs, path = get_filesystem(url)
+    if scheme_of(url) in S3_SCHEMES:
+        call(url, "upload", lambda: upload_file(fs, local, path, url))
+        return
     call(url, "upload", lambda: fs.put_file(local, path))

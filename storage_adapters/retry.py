@@ -191,7 +191,7 @@ def _botocore_attempts(context: dict[str, Any]) -> int:
 
 
 def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = None,
-                    caught_exception: BaseException | None = None, **_: Any) -> bool | None:
+                    caught_exception: BaseException | None = None, operation: Any = None, **_: Any) -> bool | None:
     """botocore asks after every attempt whether to retry; registered first, so a non-None answer wins.
 
     None leaves the decision to botocore's own handlers (and the region redirector). False stops the retrying:
@@ -214,6 +214,10 @@ def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = 
     reason = unreachable_reason(caught_exception)
     if reason is not None:
         note_unreachable(reason)
+        return False
+    if getattr(operation, "name", None) == "CompleteMultipartUpload":
+        # no answer to a completion: the server may still be assembling the object, and a second request
+        # would race it; storage_adapters.multipart looks at the object instead
         return False
     if isinstance(context, dict):
         context[_REASON_KEY] = f"{type(caught_exception).__name__}: {describe(caught_exception)}"
