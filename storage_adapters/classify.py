@@ -155,7 +155,7 @@ def unreachable_reason(err: BaseException, url: str | None = None) -> str | None
     return _describe_failure(failure)
 
 
-def _client_error_info(err: BaseException) -> tuple[str | None, int | None]:
+def client_error_info(err: BaseException) -> tuple[str | None, int | None]:
     """(error code, HTTP status) of a botocore ClientError found on ``err`` or its causes."""
     seen = 0
     current: BaseException | None = err
@@ -178,7 +178,7 @@ def classify(err: BaseException, url: str | None = None) -> str:
     """
     if unreachable_reason(err, url) is not None:
         return UNREACHABLE
-    code, status = _client_error_info(err)
+    code, status = client_error_info(err)
     if code in _PERMANENT_CODES:
         return PERMANENT
     if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
@@ -212,7 +212,7 @@ def describe(err: BaseException) -> str:
         # botocore says only "Could not connect to the endpoint URL"; the cause is further down the chain
         text = f"{_FAILURE_WORDS[failure.kind]} ({failure.endpoint or 'endpoint unknown'})"
         return text if failure.kind == "refused" or not failure.detail else f"{text}: {failure.detail}"
-    code, status = _client_error_info(err)
+    code, status = client_error_info(err)
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if len(text) > 200:
         text = text[:200] + "..."
@@ -225,7 +225,7 @@ def describe(err: BaseException) -> str:
 
 def permanent_reason(err: BaseException) -> str:
     """Why a permanent failure will not go away, in the user's terms (bucket, credentials, access)."""
-    code, _ = _client_error_info(err)
+    code, _ = client_error_info(err)
     if code == "NoSuchBucket":
         return "the bucket does not exist"
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):

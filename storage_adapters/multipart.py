@@ -10,37 +10,48 @@ Why a completion of our own: ``CompleteMultipartUpload`` makes the server assemb
 answers. A store on slow disks (MinIO, Ceph, s3rver) can take longer than botocore's read timeout for a
 gigabyte; botocore then re-sends the request while the first is still assembling and s3fs aborts the upload
 when that fails, so an upload that was about to succeed is lost (seen: 500 and 405 MethodNotAllowed answers,
-then the run refused at its last commit). Here an unanswered completion is not re-sent by botocore (see
-``retry._on_needs_retry``); the object is polled instead, and the upload counts as done when it is there with
-the ETag the parts imply (the MD5 of the parts' MD5s and the part count, as S3 computes it). The completion
-is re-sent now and then in case the first request was lost; the upload is aborted only when the object never
-appears within ``settle_seconds``.
+then the run refused at its last commit). Here botocore never retries a completion (``retry._on_needs_retry``);
+the object is polled instead, and the upload counts as done when the object carries this upload's mark (a
+random token in its metadata, set when the upload was created) or the ETag of exactly these parts (the MD5 of
+the parts' MD5s and the part count, as S3 computes it). After a timeout the completion is never sent again (the
+server has it); after an error answer or a failed connection it is, once a slow store would have assembled the
+object. The upload is aborted only when the object never appears within the settle time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 
-from storage_adapters.classify import NOT_FOUND, PERMANENT, TRANSIENT, classify, describe, permanent_reason
+from storage_adapters.classify import (
+    NOT_FOUND,
+    PERMANENT,
+    TRANSIENT,
+    classify,
+    client_error_info,
+    describe,
+    permanent_reason,
+)
 from storage_adapters.errors import StorageError
 from storage_adapters.retry import call_with_retry
 
 logger = logging.getLogger("biggraph.storage")
 
-PART_BYTES = int(os.environ.get("BIGGRAPH_S3_PART_BYTES", str(16 * 2**20)))  # S3's minimum part is 5 MiB
+MIN_PART_BYTES = 5 * 2**20  # S3's smallest part (but the last)
+PART_BYTES = max(MIN_PART_BYTES, int(os.environ.get("BIGGRAPH_S3_PART_BYTES", str(16 * 2**20))))
 DOWNLOAD_CHUNKS = 2  # ranged GETs in flight for one download
 MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 SETTLE_SECONDS = float(os.environ.get("BIGGRAPH_S3_SETTLE_SECONDS", "600"))  # at least; more for larger objects
 SETTLE_BYTES_PER_SECOND = 10 * 2**20  # how slowly a store may assemble an object before we give up on it
+TOKEN_KEY = "biggraph-upload"  # user metadata naming the upload that wrote an object
 RESEND_SECONDS = 30.0  # while settling, the completion is sent again this often (the first may have been lost)
 
 
@@ -52,7 +63,7 @@ def part_bytes_for(size: int, part_bytes: int | None = None) -> int:
 
 def multipart_etag(part_md5s: list[bytes]) -> str:
     """The ETag S3 gives an object completed from parts with these MD5 digests (without the quotes)."""
-    return f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
+    return f"{hashlib.md5(b''.join(part_md5s), usedforsecurity=False).hexdigest()}-{len(part_md5s)}"
 
 
 @dataclass
@@ -63,7 +74,7 @@ class _Upload:
     key: str
     size: int
     upload_id: str = ""
-    initiated: datetime | None = None  # the server's clock when the upload was created
+    token: str = ""  # the value of TOKEN_KEY in the object's metadata
     parts: list[dict[str, Any]] = field(default_factory=list)
     md5s: list[bytes] = field(default_factory=list)
 
@@ -89,17 +100,23 @@ def upload_file(fs: Any, local: str, path: str, url: str, part_bytes: int | None
     with open(local, "rb") as handle:
         if size <= chunk:
             body = handle.read()
+            _check_size(url, local, size, len(body), handle)
             upload.call("upload", "put_object", Body=body)
             fs.invalidate_cache(path)
             return
-        created = upload.call("start of multipart upload", "create_multipart_upload")
+        # a mark of this upload on the object: what a HEAD checks when the completion's answer is lost
+        upload.token = uuid.uuid4().hex
+        created = upload.call("start of multipart upload", "create_multipart_upload",
+                              Metadata={TOKEN_KEY: upload.token})
         upload.upload_id = created["UploadId"]
-        upload.initiated = _server_time(created)
         try:
-            count = math.ceil(size / chunk)
+            count, sent = math.ceil(size / chunk), 0
             for number in range(1, count + 1):
                 body = handle.read(chunk)
-                digest = hashlib.md5(body).digest()
+                sent += len(body)
+                if number == count:
+                    _check_size(url, local, size, sent, handle)
+                digest = hashlib.md5(body, usedforsecurity=False).digest()  # the ETag's recipe, not security
                 answer = upload.call(f"upload of part {number} of {count}", "upload_part", PartNumber=number,
                                      UploadId=upload.upload_id, Body=body)
                 del body
@@ -112,79 +129,100 @@ def upload_file(fs: Any, local: str, path: str, url: str, part_bytes: int | None
     fs.invalidate_cache(path)
 
 
+def _check_size(url: str, local: str, size: int, read: int, handle: Any) -> None:
+    """The file must not change while it is uploaded (it is a finished local copy: a change is a bug)."""
+    if read != size or handle.read(1):
+        raise StorageError(f"{url}: upload of {local} refused: the file changed while it was read "
+                           f"({size} bytes expected)")
+
+
+def _no_answer(err: BaseException) -> str:
+    """How a completion failed: "timeout" (the server got the request and may still be assembling: never send
+    it again), "refused" (an error answer, or a connection that failed: sending it again is safe) or "gone"."""
+    if classify(err) == NOT_FOUND or getattr(err, "errno", None) == errno.EACCES or isinstance(err, PermissionError):
+        return "gone"  # NoSuchUpload, or 405 MethodNotAllowed: completed or aborted by an earlier request
+    names = {cls.__name__ for cause in _chain(err) for cls in type(cause).__mro__}
+    _, status = client_error_info(err)
+    if names & {"ReadTimeoutError", "ServerTimeoutError", "FSTimeoutError", "TimeoutError"} or status == 504:
+        return "timeout"
+    return "refused"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and len(out) < 10:
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
 def _complete(upload: _Upload, settle_seconds: float | None) -> None:
     def send() -> Any:
         return upload.fs.call_s3("complete_multipart_upload", Bucket=upload.bucket, Key=upload.key,
                                  UploadId=upload.upload_id, MultipartUpload={"Parts": upload.parts})
 
+    expected = multipart_etag(upload.md5s)
     try:
         send()
         return
     except Exception as err:  # classified below
-        kind = classify(err, upload.url)
-        first_error = describe(err)
-        if kind == NOT_FOUND and _object_state(upload, multipart_etag(upload.md5s)) == "done":
-            return  # completed by an earlier request that got lost on its way back
-        if kind != TRANSIENT:  # refused, or the upload is gone (NoSuchUpload): waiting would not help
+        kind, first_error = classify(err, upload.url), describe(err)
+        how = _no_answer(err)
+        if kind not in (TRANSIENT, NOT_FOUND) or how == "gone":
+            if _object_state(upload, expected):
+                return  # NoSuchUpload/405 after an earlier request completed it
             upload.abort()
             reason = permanent_reason(err) if kind == PERMANENT else first_error
             raise StorageError(f"{upload.url}: multipart upload completion failed: {reason}") from None
-    expected = multipart_etag(upload.md5s)
     limit = settle_seconds if settle_seconds is not None else max(SETTLE_SECONDS,
                                                                   upload.size / SETTLE_BYTES_PER_SECOND)
+    # after a timeout the server has the request: a second one would race its assembly. After an error answer
+    # or a failed connection it may not: ask again, first once a slow store would have assembled the object
+    resend_after = None if how == "timeout" else max(RESEND_SECONDS, upload.size / SETTLE_BYTES_PER_SECOND)
     logger.warning("%s: completing the multipart upload got no clean answer (%s); waiting up to %.0f s for the "
                    "object to appear with ETag %s instead of re-sending it blindly", upload.url, first_error, limit,
                    expected)
     started = time.monotonic()
     delay, last_send = 0.5, started
     while True:
-        state = _object_state(upload, expected)
-        if state == "done":
+        if _object_state(upload, expected):
             logger.warning("%s: the multipart upload completed (ETag %s) %.1f s after its unanswered request",
                            upload.url, expected, time.monotonic() - started)
             return
         elapsed = time.monotonic() - started
         if elapsed >= limit:
             break
-        if time.monotonic() - last_send >= RESEND_SECONDS:  # the first request may never have arrived: ask again
+        if resend_after is not None and time.monotonic() - last_send >= resend_after:
             last_send = time.monotonic()
             try:
                 send()
             except Exception as err:  # the object decides, not this answer
                 logger.warning("%s: completion re-sent: %s; still waiting for the object", upload.url, describe(err))
+                if _no_answer(err) == "timeout":
+                    resend_after = None  # this one arrived: never race it
         time.sleep(min(delay, max(0.0, limit - elapsed)))
         delay = min(10.0, delay * 2)
     upload.abort()
+    if _object_state(upload, expected):  # a completion that landed as the wait ended
+        return
     raise StorageError(f"{upload.url}: the multipart upload did not complete: no object with ETag {expected} "
                        f"{limit:.0f} s after the completion request ({first_error}); the upload was aborted")
 
 
-def _object_state(upload: _Upload, expected: str) -> str:
-    """"done" when the object is this upload's; "waiting" otherwise (absent, an older object, or no answer)."""
+def _object_state(upload: _Upload, expected: str) -> bool:
+    """Whether the object under the key is this upload's: it carries the upload's mark, or the ETag of exactly
+    these parts (an object with the same bytes). False while it is absent, older, or the HEAD goes unanswered."""
     try:
         head = upload.fs.call_s3("head_object", Bucket=upload.bucket, Key=upload.key)
     except Exception as err:  # absent or unanswered: keep waiting
         if classify(err, upload.url) == PERMANENT:
-            raise StorageError(f"{upload.url}: checking the multipart upload failed: {describe(err)}") from None
-        return "waiting"
-    etag = str(head.get("ETag", "")).strip('"')
-    if etag == expected:
-        return "done"
-    # An ETag that is not the MD5 of the parts (SSE-KMS objects): the size, and a last change no older than this
-    # upload (S3 dates a multipart object at its initiation; a previous object under the key is older).
-    modified = head.get("LastModified")
-    if (upload.initiated is not None and isinstance(modified, datetime) and int(head.get("ContentLength", -1)) ==
-            upload.size and modified >= upload.initiated.replace(microsecond=0)):
-        return "done"
-    return "waiting"
-
-
-def _server_time(response: dict[str, Any]) -> datetime | None:
-    date = ((response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}).get("date")
-    try:
-        return parsedate_to_datetime(date) if date else None
-    except (TypeError, ValueError):
-        return None
+            upload.abort()
+            raise StorageError(f"{upload.url}: checking the multipart upload failed (it was aborted): "
+                               f"{permanent_reason(err)}") from None
+        return False
+    metadata = {str(k).lower(): v for k, v in (head.get("Metadata") or {}).items()}
+    return metadata.get(TOKEN_KEY) == upload.token or str(head.get("ETag", "")).strip('"') == expected
 
 
 def download_file(fs: Any, path: str, local: str, chunk_bytes: int | None = None) -> None:

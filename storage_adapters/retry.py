@@ -208,6 +208,8 @@ def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = 
         code = ((parsed or {}).get("Error") or {}).get("Code") if isinstance(parsed, dict) else None
         if isinstance(context, dict) and status is not None and status >= 300:
             context[_REASON_KEY] = f"{code} (HTTP {status})" if code else f"HTTP {status}"
+        if status is not None and status >= 500 and getattr(operation, "name", None) == "CompleteMultipartUpload":
+            return False  # a gateway's 5xx may front a server still assembling: storage_adapters.multipart decides
         return None
     if caught_exception is None:
         return None
