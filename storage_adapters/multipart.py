@@ -225,6 +225,12 @@ def _object_state(upload: _Upload, expected: str) -> bool:
     return metadata.get(TOKEN_KEY) == upload.token or str(head.get("ETag", "")).strip('"') == expected
 
 
+def transfer_buffer_bytes(uploads: int, downloads: int) -> int:
+    """The memory ``uploads`` uploads and ``downloads`` downloads in flight at once hold at most (one part per
+    upload, ``DOWNLOAD_CHUNKS`` per download), for budgets that must count it."""
+    return (uploads + downloads * DOWNLOAD_CHUNKS) * PART_BYTES
+
+
 def download_file(fs: Any, path: str, local: str, chunk_bytes: int | None = None) -> None:
     """Download ``path`` to ``local`` holding at most ``DOWNLOAD_CHUNKS`` chunks in memory."""
     fs.get_file(path, local, chunksize=chunk_bytes or PART_BYTES, max_concurrency=DOWNLOAD_CHUNKS)

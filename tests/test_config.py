@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import string
 from pathlib import Path
 from typing import Any
@@ -537,6 +538,24 @@ def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: 
     with pytest.raises(ConfigError, match="a bucket needs 2"):
         choose_capacity(config, counts, distributed=True, runtime_bytes=2**20)
     assert choose_capacity(sized, counts, distributed=True, processes=3, runtime_bytes=2**20) == 3
+
+
+def test_memory_budget_sets_aside_the_transfer_buffers_of_a_checkpoint_on_s3(caplog: pytest.LogCaptureFixture) -> None:
+    from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
+    from storage_adapters import multipart
+
+    on_s3 = checkpoint_transfer_bytes("s3://bucket/ckpt")
+    assert on_s3 == (8 + 2 * multipart.DOWNLOAD_CHUNKS) * multipart.PART_BYTES  # 8 uploads, 2 reads
+    assert checkpoint_transfer_bytes("/local/ckpt") == 0 and checkpoint_transfer_bytes("file:///c") == 0
+    assert checkpoint_transfer_bytes("s3a://bucket/ckpt") == on_s3
+    config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 8}}, "dimension": 99,
+                           "memory_budget": str(3 * 2**20 + 8 * 4_000_000)})  # a partition in flight + 7
+    counts = {"all": [10_000] * 8}
+    assert choose_capacity(config, counts, distributed=False, processes=3, runtime_bytes=2**20) == 7
+    with caplog.at_level(logging.INFO, "biggraph"):
+        assert choose_capacity(config, counts, distributed=False, processes=3, runtime_bytes=2**20,
+                               transfer_bytes=3 * 4_000_000) == 4
+    assert "11.4 MiB for transfers to and from the object store" in caplog.text
 
 
 def test_memory_budget_counts_this_process_by_default() -> None:

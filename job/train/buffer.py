@@ -27,8 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import storage_adapters as storage
 from job.config import ConfigSchema, parse_bytes
 from job.errors import ConfigError
+from job.formats.uploads import UPLOAD_THREADS
+from storage_adapters.multipart import transfer_buffer_bytes
 
 logger = logging.getLogger("biggraph")
 
@@ -95,8 +98,17 @@ def process_bytes() -> int:
     return PROCESS_FALLBACK_BYTES
 
 
+def checkpoint_transfer_bytes(checkpoint_url: str) -> int:
+    """What the storage layer holds for a checkpoint's transfers at most: on S3, a part per background upload
+    and a prefetch's and a foreground read's chunks (s3fs' own transfers would hold 500 MiB a file); nothing
+    for local files (the page cache is the kernel's)."""
+    if storage.scheme_of(checkpoint_url) not in storage.S3_SCHEMES:
+        return 0
+    return transfer_buffer_bytes(uploads=UPLOAD_THREADS, downloads=2)
+
+
 def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distributed: bool, processes: int = 1,
-                    runtime_bytes: Optional[int] = None) -> Optional[int]:
+                    runtime_bytes: Optional[int] = None, transfer_bytes: int = 0) -> Optional[int]:
     """How many partitions (of partitioned types) the buffer holds; None: exactly the current bucket's, as
     PBG. Logs why. Distributed trainers keep only the current bucket's partitions resident (the partitions
     they hold are locked from the others); with ``prefetch_partitions`` the capacity bounds those plus the
@@ -104,8 +116,9 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
 
     ``memory_budget`` is the whole trainer's memory (what a container limit is): the ``processes`` (the
     trainer and its Hogwild workers) cost ``runtime_bytes`` each (default: measured on this one), the
-    unpartitioned types are held whole, and one partition is in flight at a swap (the one arriving is
-    allocated before every process has let go of the one leaving); the rest is the buffer."""
+    unpartitioned types are held whole, one partition is in flight at a swap (the one arriving is
+    allocated before every process has let go of the one leaving), and ``transfer_bytes`` are the storage
+    layer's transfer buffers (object stores: the parts of uploads and downloads in flight); the rest is the buffer."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
     if not partitioned or (distributed and not config.prefetch_partitions):
         return None
@@ -117,11 +130,12 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     elif config.memory_budget is not None:
         budget = parse_bytes(config.memory_budget, "memory_budget")
         runtime = processes * (process_bytes() if runtime_bytes is None else runtime_bytes)
-        fixed = unpartitioned_bytes(config, counts) + runtime + per_part
+        fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes
         capacity = (budget - fixed) // per_part if per_part else total
         why = (f"memory_budget {_gib(budget)}: {_gib(runtime)} for {processes} process(es), "
                f"{_gib(unpartitioned_bytes(config, counts))} for unpartitioned types, {_gib(per_part)} for a "
-               "partition in flight")
+               "partition in flight" + (f", {_gib(transfer_bytes)} for transfers to and from the object store"
+                                        if transfer_bytes else ""))
         if capacity < per_bucket:
             raise ConfigError(
                 f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "

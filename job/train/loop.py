@@ -30,7 +30,7 @@ from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
 from job.train.bucket_run import BucketRunner, all_negs_cost, hogwild_delay_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
-from job.train.buffer import choose_capacity
+from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
 from job.train.distributed import SharedParameters
 from job.train.group import init_distributed, leave
@@ -106,7 +106,8 @@ class Trainer(BucketRunner):
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
         processes = 1 + (self.workers if self.workers > 1 else 0)  # the trainer and its Hogwild workers
         self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None,
-                                              processes=processes)
+                                              processes=processes,
+                                              transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path))
         self.store.exclusive = self.dist is not None  # what a trainer holds is locked from the others
         self.scheduler, self.sync = self._make_scheduler()
 
