@@ -21,7 +21,8 @@ not process settings: a job passes them with ``using(StorageSettings(options=...
 
 The code is split by concern - :mod:`~storage_adapters.fs` (schemes, filesystems, the retried call),
 :mod:`~storage_adapters.ops` (operations on one URL), :mod:`~storage_adapters.staging` (local stand-ins,
-uploads' staging directories, copies) - and every name is re-exported here: callers write
+uploads' staging directories, copies), :mod:`~storage_adapters.multipart` (large S3 objects in bounded memory,
+completions settled by the object) - and every name is re-exported here: callers write
 ``import storage_adapters as storage; storage.read_text(url)``.
 """
 
