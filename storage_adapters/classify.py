@@ -57,7 +57,7 @@ class ConnectFailure:
     detail: str
 
 
-def _causes(err: BaseException) -> Iterator[BaseException]:
+def causes(err: BaseException) -> Iterator[BaseException]:
     """``err`` and what it wraps, outermost first: ``__cause__``, ``__context__``, botocore's ``kwargs['error']``
     and aiohttp's ``os_error`` (bounded: chains can be cyclic)."""
     queue: list[BaseException] = [err]
@@ -89,7 +89,7 @@ def connection_failure(err: BaseException) -> ConnectFailure | None:
     detail = ""
     endpoint: str | None = None
     host_key: str | None = None
-    for exc in _causes(err):
+    for exc in causes(err):
         names = _names(exc)
         found: str | None = None
         if isinstance(exc, ssl.SSLCertVerificationError) or "ClientConnectorCertificateError" in names:

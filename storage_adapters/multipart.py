@@ -21,7 +21,6 @@ object. The upload is aborted only when the object never appears within the sett
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import math
@@ -35,6 +34,7 @@ from storage_adapters.classify import (
     NOT_FOUND,
     PERMANENT,
     TRANSIENT,
+    causes,
     classify,
     client_error_info,
     describe,
@@ -136,25 +136,16 @@ def _check_size(url: str, local: str, size: int, read: int, handle: Any) -> None
                            f"({size} bytes expected)")
 
 
-def _no_answer(err: BaseException) -> str:
+def _failure_kind(err: BaseException) -> str:
     """How a completion failed: "timeout" (the server got the request and may still be assembling: never send
     it again), "refused" (an error answer, or a connection that failed: sending it again is safe) or "gone"."""
-    if classify(err) == NOT_FOUND or getattr(err, "errno", None) == errno.EACCES or isinstance(err, PermissionError):
+    if classify(err) == NOT_FOUND or isinstance(err, PermissionError):
         return "gone"  # NoSuchUpload, or 405 MethodNotAllowed: completed or aborted by an earlier request
-    names = {cls.__name__ for cause in _chain(err) for cls in type(cause).__mro__}
+    names = {cls.__name__ for cause in causes(err) for cls in type(cause).__mro__}
     _, status = client_error_info(err)
     if names & {"ReadTimeoutError", "ServerTimeoutError", "FSTimeoutError", "TimeoutError"} or status == 504:
         return "timeout"
     return "refused"
-
-
-def _chain(err: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    current: BaseException | None = err
-    while current is not None and len(out) < 10:
-        out.append(current)
-        current = current.__cause__ or current.__context__
-    return out
 
 
 def _complete(upload: _Upload, settle_seconds: float | None) -> None:
@@ -168,9 +159,9 @@ def _complete(upload: _Upload, settle_seconds: float | None) -> None:
         return
     except Exception as err:  # classified below
         kind, first_error = classify(err, upload.url), describe(err)
-        how = _no_answer(err)
-        if kind not in (TRANSIENT, NOT_FOUND) or how == "gone":
-            if _object_state(upload, expected):
+        how = _failure_kind(err)
+        if kind != TRANSIENT or how == "gone":
+            if _is_ours(upload, expected):
                 return  # NoSuchUpload/405 after an earlier request completed it
             upload.abort()
             reason = permanent_reason(err) if kind == PERMANENT else first_error
@@ -186,7 +177,7 @@ def _complete(upload: _Upload, settle_seconds: float | None) -> None:
     started = time.monotonic()
     delay, last_send = 0.5, started
     while True:
-        if _object_state(upload, expected):
+        if _is_ours(upload, expected):
             logger.warning("%s: the multipart upload completed (ETag %s) %.1f s after its unanswered request",
                            upload.url, expected, time.monotonic() - started)
             return
@@ -199,18 +190,18 @@ def _complete(upload: _Upload, settle_seconds: float | None) -> None:
                 send()
             except Exception as err:  # the object decides, not this answer
                 logger.warning("%s: completion re-sent: %s; still waiting for the object", upload.url, describe(err))
-                if _no_answer(err) == "timeout":
+                if _failure_kind(err) == "timeout":
                     resend_after = None  # this one arrived: never race it
         time.sleep(min(delay, max(0.0, limit - elapsed)))
         delay = min(10.0, delay * 2)
     upload.abort()
-    if _object_state(upload, expected):  # a completion that landed as the wait ended
+    if _is_ours(upload, expected):  # a completion that landed as the wait ended
         return
     raise StorageError(f"{upload.url}: the multipart upload did not complete: no object with ETag {expected} "
                        f"{limit:.0f} s after the completion request ({first_error}); the upload was aborted")
 
 
-def _object_state(upload: _Upload, expected: str) -> bool:
+def _is_ours(upload: _Upload, expected: str) -> bool:
     """Whether the object under the key is this upload's: it carries the upload's mark, or the ETag of exactly
     these parts (an object with the same bytes). False while it is absent, older, or the HEAD goes unanswered."""
     try:

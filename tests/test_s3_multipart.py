@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,18 +44,27 @@ def _requests(proxy: FaultProxy, method: str, marker: str) -> list[str]:
     return [path for m, path, _ in proxy.log if m == method and marker in path]
 
 
+def _fault(action: str, method: str, marker: str, times: int | None = None) -> Callable[[str, str], str | None]:
+    """A proxy decision: ``action`` for requests of ``method`` whose path (+ "&") holds ``marker``, the first
+    ``times`` of them (None: all)."""
+    hits: list[str] = []
+
+    def decide(request_method: str, path: str) -> str | None:
+        if request_method == method and marker in path + "&" and (times is None or len(hits) < times):
+            hits.append(path)
+            return action
+        return None
+
+    return decide
+
+
+COMPLETE = "uploadId="  # in the path of a completion (POST) and of an abort (DELETE)
+
+
 def test_parts_are_uploaded_one_at_a_time_and_retried_alone(s3_endpoint: str, s3_bucket: str, small_parts: int,
                                                            tmp_path: Path) -> None:
     data = _file(tmp_path / "big.h5", 23 * MIB)
-    failed: list[str] = []
-
-    def decide(method: str, path: str) -> str | None:
-        if method == "PUT" and "partNumber=2&" in path + "&" and not failed:
-            failed.append(path)
-            return "500"
-        return None
-
-    with FaultProxy(s3_endpoint, decide) as proxy:
+    with FaultProxy(s3_endpoint, _fault("500", "PUT", "partNumber=2&", times=1)) as proxy:
         use_storage(proxy_options(proxy.endpoint, read_timeout=30, attempts=1))
         storage.put_file(str(tmp_path / "big.h5"), f"{s3_bucket}/ckpt/big.h5")
     parts = [p for p in _requests(proxy, "PUT", "partNumber=")]
@@ -82,11 +92,8 @@ def test_a_late_completion_is_settled_by_the_object_not_sent_again(s3_endpoint: 
     """The server assembles the object but answers after the client's read timeout (a slow disk behind MinIO,
     Ceph, s3rver): the upload is done, and neither botocore nor s3fs may re-send or abort it."""
     data = _file(tmp_path / "big.h5", 12 * MIB)
-
-    def decide(method: str, path: str) -> str | None:
-        return "delay:4" if method == "POST" and "uploadId=" in path else None
-
-    with FaultProxy(s3_endpoint, decide) as proxy, caplog.at_level(logging.WARNING, "biggraph.storage"):
+    late = _fault("delay:4", "POST", COMPLETE)
+    with FaultProxy(s3_endpoint, late) as proxy, caplog.at_level(logging.WARNING, "biggraph.storage"):
         use_storage(proxy_options(proxy.endpoint, read_timeout=1, attempts=3))
         storage.put_file(str(tmp_path / "big.h5"), f"{s3_bucket}/big.h5")
     assert len(_requests(proxy, "POST", "uploadId=")) == 1  # no blind retry by botocore
@@ -100,15 +107,7 @@ def test_a_lost_completion_is_sent_again(s3_endpoint: str, s3_bucket: str, small
     """The completion never reached the server (the connection dropped first): it is sent again while waiting."""
     monkeypatch.setattr(multipart, "RESEND_SECONDS", 1.0)
     data = _file(tmp_path / "big.h5", 11 * MIB)
-    dropped: list[str] = []
-
-    def decide(method: str, path: str) -> str | None:
-        if method == "POST" and "uploadId=" in path and not dropped:
-            dropped.append(path)
-            return "drop"
-        return None
-
-    with FaultProxy(s3_endpoint, decide) as proxy:
+    with FaultProxy(s3_endpoint, _fault("drop", "POST", COMPLETE, times=1)) as proxy:
         use_storage(proxy_options(proxy.endpoint, read_timeout=5, attempts=3))
         storage.put_file(str(tmp_path / "big.h5"), f"{s3_bucket}/big.h5")
     assert len(_requests(proxy, "POST", "uploadId=")) == 2
@@ -125,11 +124,7 @@ def test_a_completion_that_never_lands_is_aborted_and_the_old_object_kept(
     old = hashlib.shake_256(b"old").digest(11 * MIB)  # the same size: not taken for the new upload's object
     direct.pipe_file(key, old)
     _file(tmp_path / "new.h5", 11 * MIB)
-
-    def decide(method: str, path: str) -> str | None:
-        return "drop" if method == "POST" and "uploadId=" in path else None
-
-    with FaultProxy(s3_endpoint, decide) as proxy:
+    with FaultProxy(s3_endpoint, _fault("drop", "POST", COMPLETE)) as proxy:
         use_storage(proxy_options(proxy.endpoint, read_timeout=5, attempts=3))
         with pytest.raises(storage.StorageError, match=rf"{s3_bucket}/part.h5: the multipart upload did not "
                                                        r"complete: no object with ETag [0-9a-f]{32}-3 .*aborted"):
@@ -146,15 +141,7 @@ def test_an_error_answer_to_the_completion_is_sent_again_by_the_upload_not_botoc
     does not re-send at once; the upload does, after polling the object, and the object is complete."""
     monkeypatch.setattr(multipart, "RESEND_SECONDS", 1.0)
     data = _file(tmp_path / "big.h5", 10 * MIB)  # exactly two parts
-    answered: list[str] = []
-
-    def decide(method: str, path: str) -> str | None:
-        if method == "POST" and "uploadId=" in path and not answered:
-            answered.append(path)
-            return "500"
-        return None
-
-    with FaultProxy(s3_endpoint, decide) as proxy:
+    with FaultProxy(s3_endpoint, _fault("500", "POST", COMPLETE, times=1)) as proxy:
         use_storage(proxy_options(proxy.endpoint, read_timeout=5, attempts=5))
         storage.put_file(str(tmp_path / "big.h5"), f"{s3_bucket}/big.h5")
     assert len(_requests(proxy, "PUT", "partNumber=")) == 2
@@ -166,16 +153,16 @@ def test_an_error_answer_to_the_completion_is_sent_again_by_the_upload_not_botoc
 
 def test_the_object_is_recognised_by_its_upload_mark(s3_endpoint: str, s3_bucket: str, small_parts: int,
                                                      tmp_path: Path) -> None:
-    """Stores whose ETags are no MD5 (SSE-KMS) are settled by the mark the upload put in the object's metadata;
-    an object of the same size and bytes' count without the mark is not taken for it."""
+    """Stores whose ETags are no MD5 (SSE-KMS) are settled by the mark the upload put in the object's metadata:
+    an object under the key without the mark (and without the parts' ETag) is not taken for the upload's."""
     fs = storage.get_filesystem(f"{s3_bucket}/k.h5")[0]
     key = f"{s3_bucket[5:]}/k.h5"
     upload = multipart._Upload(fs, f"{s3_bucket}/k.h5", s3_bucket[5:], "k.h5", 6 * MIB, token="mark-1")
     fs.call_s3("put_object", Bucket=s3_bucket[5:], Key="k.h5", Body=b"x" * 16, Metadata={"other": "1"})
-    assert not multipart._object_state(upload, "0" * 32 + "-2")
+    assert not multipart._is_ours(upload, "0" * 32 + "-2")
     fs.call_s3("put_object", Bucket=s3_bucket[5:], Key="k.h5", Body=b"x" * 16,
                Metadata={multipart.TOKEN_KEY: "mark-1"})
-    assert multipart._object_state(upload, "0" * 32 + "-2")
+    assert multipart._is_ours(upload, "0" * 32 + "-2")
     assert _direct_fs(s3_endpoint).exists(key)
 
 
@@ -192,11 +179,7 @@ def test_a_file_that_changes_while_it_is_uploaded_is_refused(s3_endpoint: str, s
 def test_a_refused_completion_fails_at_once(s3_endpoint: str, s3_bucket: str, small_parts: int,
                                             tmp_path: Path) -> None:
     _file(tmp_path / "big.h5", 11 * MIB)
-
-    def decide(method: str, path: str) -> str | None:
-        return "403" if method == "POST" and "uploadId=" in path else None
-
-    with FaultProxy(s3_endpoint, decide) as proxy:
+    with FaultProxy(s3_endpoint, _fault("403", "POST", COMPLETE)) as proxy:
         use_storage(proxy_options(proxy.endpoint, read_timeout=5))
         started = time.monotonic()
         with pytest.raises(storage.StorageError, match=rf"{s3_bucket}/big.h5: .*access denied"):
