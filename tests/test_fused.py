@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+import job.native as native
 from job.config import parse_config
 from job.model import deferred
+from job.model import fused as fused_scoring
 from job.model.operators import _ComplexDiagonal
 from job.model.scoring import Model, Table
 from job.train import rowops, step
@@ -102,6 +104,35 @@ def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tup
     tolerance = 0.1 if num_entities < 100 else 0.03
     assert float(stats.violators_lhs) == pytest.approx(float(ref_stats.violators_lhs), rel=tolerance, abs=3)
     assert float(stats.violators_rhs) == pytest.approx(float(ref_stats.violators_rhs), rel=tolerance, abs=3)
+
+
+@pytest.mark.parametrize("loss_fn,comparator,negs,num_entities,dynamic",
+                         [c[:5] for c in CASES if c[0] != "logistic" and c[5] == "complex_diagonal"])
+def test_torch_form_of_the_side_loss_matches_autograd(monkeypatch: pytest.MonkeyPatch, loss_fn: str,
+                                                      comparator: str, negs: tuple[int, int], num_entities: int,
+                                                      dynamic: bool) -> None:
+    """The fused path with the side loss in torch ops (no C compiler, another dtype) rather than the native
+    kernel, which the test above takes for softmax and ranking wherever the kernels load."""
+    monkeypatch.setattr(fused_scoring, "ENABLE_NATIVE_LOSS", False)
+    overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
+                 "num_uniform_negs": negs[1], "operator": "complex_diagonal"}
+    assert_fused_matches_autograd(overrides, num_entities, 57, dynamic)
+
+
+def test_the_native_side_loss_is_what_the_fused_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels loaded, softmax and ranking never reach the torch form (``blockwise_loss``)."""
+    if native.library() is None:
+        pytest.skip("the native kernels did not load (no C compiler here): the torch form runs, tested above")
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the torch form of the side loss ran")
+
+    monkeypatch.setattr(fused_scoring, "blockwise_loss", refuse)
+    for loss_fn in ("softmax", "ranking"):
+        overrides = {"loss_fn": loss_fn, "comparator": "dot", "num_batch_negs": 10, "num_uniform_negs": 10,
+                     "operator": "complex_diagonal"}
+        _run(dict(overrides), 5000, 57, False, fused=True)
+        _run(dict(overrides), 30, 57, True, fused=True)
 
 
 STATIC_CASES = [case for case in CASES if case[2] in ((10, 10), (10, 200))] + [

@@ -188,7 +188,7 @@ def test_runtime_stage_holds_the_venv_and_nothing_for_building(image: Image) -> 
     assert not [p for p in site.rglob("tests") if p.is_dir()]
     assert not (root / "src").exists() and not (root / "wheels").exists() and not (root / "root" / ".cache").exists()
     assert not [c for c in ("gcc", "cc", "g++", "make") if (root / "usr" / "bin" / c).exists()]
-    # ... but the native row kernels it compiled, for the runtime's CPU whatever the build host's (target_clones)
+    # ... but the native kernels it compiled, for the runtime's CPU whatever the build host's (target_clones)
     assert [p.name for p in (site / "job" / "native" / "_prebuilt").glob("rowkernels-*.so")]
     # only the packages of the wheel: no tests, no bench, no repository files
     assert {p.name for p in site.iterdir() if p.is_dir() and not p.name.endswith(".dist-info")} >= {"job", "storage_adapters"}

@@ -1,5 +1,6 @@
-"""The native row kernels (job/native): the one-pass row-wise Adagrad held to a float64 reference and to the
-torch path, its refusals, and how the library is found, built, refused and done without."""
+"""The native kernels (job/native): the one-pass row-wise Adagrad held to a float64 reference and to the torch
+path, the one-pass side loss held to its torch form, their refusals, and how the library is found, built, refused
+and done without."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import job.native as native
-from job.model.scoring import Table
+from job.model.fused_losses import blockwise_loss
+from job.model.scoring import MASKED_SCORE, Table
 from job.native import kernels
 from job.train import optim
 from job.train.rowops import scratch
@@ -207,3 +209,105 @@ def test_build_command_reports_a_compiler_error() -> None:
                           capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 2
     assert "false failed on rowkernels.c" in done.stderr and "Traceback" not in done.stderr
+
+
+def torch_side_loss(kind: str, batch: torch.Tensor | None, uniform: torch.Tensor | None, pos: torch.Tensor | None,
+                    num_pos: int) -> tuple[float, float, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The torch form of a side's loss (job.model.fused: the batch block masked, then ``blockwise_loss``)."""
+    blocks = []
+    if batch is not None:
+        chunks, chunk, _ = batch.shape
+        pos = batch.diagonal(dim1=1, dim2=2).reshape(-1).clone()
+        batch.diagonal(dim1=1, dim2=2).fill_(MASKED_SCORE)
+        padding = chunks * chunk - num_pos
+        if padding:
+            batch[-1, :, chunk - padding:] = MASKED_SCORE
+        blocks.append((batch.view(chunks * chunk, chunk), None))
+    if uniform is not None:
+        blocks.append((uniform, None))
+    assert pos is not None
+    num_neg = sum(block.shape[1] for block, _ in blocks)
+    loss, d_pos, grads, violators = blockwise_loss(kind, MARGIN, pos, blocks, num_neg, num_pos)
+    if batch is not None:
+        grads[0].view_as(batch).diagonal(dim1=1, dim2=2).copy_(d_pos.view(batch.shape[0], -1))
+    return float(loss), float(violators), pos, d_pos, grads
+
+
+MARGIN = 0.1
+
+
+def side_blocks(dtype: torch.dtype, layout: str, chunks: int = 4, chunk: int = 10, num_uniform: int = 23,
+                seed: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    padded = chunks * chunk
+    batch = torch.randn(chunks, chunk, chunk, generator=g, dtype=dtype) * 3 if layout != "uniform" else None
+    uniform = torch.randn(padded, num_uniform, generator=g, dtype=dtype) * 3 if layout != "batch" else None
+    pos = torch.randn(padded, generator=g, dtype=dtype) * 3 if batch is None else None
+    return batch, uniform, pos
+
+
+@pytest.mark.parametrize("kind", ["softmax", "ranking"])
+@pytest.mark.parametrize("layout", ["both", "batch", "uniform"])
+@pytest.mark.parametrize("num_pos", [40, 33])  # 33: the last chunk padded
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_side_loss_is_the_torch_form(kind: str, layout: str, num_pos: int, dtype: torch.dtype,
+                                     tolerance: float) -> None:
+    """Loss, violators, positives' scores and gradients, and every entry of the blocks' gradients (masked and
+    padded ones zero) as the torch form leaves them; float32 within a few ulp of its exponential."""
+    batch, uniform, pos = side_blocks(dtype, layout)
+    mine = [None if t is None else t.clone() for t in (batch, uniform, pos)]
+    want_loss, want_violators, want_pos, want_d_pos, want_grads = torch_side_loss(kind, batch, uniform, pos, num_pos)
+    done = kernels.side_loss(kind, MARGIN, *mine, num_pos)
+    assert done is not None
+    assert done.loss == pytest.approx(want_loss, rel=tolerance)
+    assert done.violators == want_violators
+    torch.testing.assert_close(done.pos[:num_pos], want_pos[:num_pos], rtol=0, atol=0)
+    torch.testing.assert_close(done.d_pos, want_d_pos, rtol=tolerance, atol=tolerance)
+    got_grads = [t.view(t.shape[0] * t.shape[1], -1) if t.dim() == 3 else t for t in mine[:2] if t is not None]
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    assert not got_grads[0][num_pos:].any()  # padding rows: no gradient
+
+
+def test_side_loss_float32_exponential_over_its_range() -> None:
+    """The kernel's own float32 exponential against float64's, from 0 down to where it returns 0: each row holds
+    one score at 0 (the row's top) and one at x, so the gradient of x's entry is exp(x) / (1 + exp(x) + exp(p))."""
+    xs = torch.linspace(-100, 0, 4001, dtype=torch.float64)
+    uniform = torch.stack((torch.zeros_like(xs), xs), 1).float()
+    pos = torch.full((xs.shape[0],), -200.0)  # exp(-200): nothing in float32
+    exact = uniform[:, 1].double()  # x as the kernel sees it, rounded to float32
+    done = kernels.side_loss("softmax", 0.0, None, uniform, pos, xs.shape[0])
+    assert done is not None
+    want = exact.exp() / (1 + exact.exp())
+    got = uniform[:, 1].double()
+    normal = exact >= -87
+    torch.testing.assert_close(got[normal], want[normal], rtol=3e-7, atol=0)
+    assert not got[~normal].any()  # below -87: 0 where expf would be denormal
+
+
+@pytest.mark.parametrize("case", ["logistic", "bfloat16", "non_contiguous", "mixed_dtype", "no_positives",
+                                  "uniform_rows", "not_square", "disabled"])
+def test_what_the_side_loss_does_not_take_is_left_to_torch(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    batch, uniform, pos = side_blocks(torch.float32, "both")
+    assert batch is not None and uniform is not None
+    kind, num_pos = "softmax", 40
+    if case == "logistic":
+        kind = "logistic"
+    elif case == "bfloat16":
+        batch, uniform = batch.bfloat16(), uniform.bfloat16()
+    elif case == "non_contiguous":
+        uniform = torch.randn(uniform.shape[1], uniform.shape[0]).t()
+    elif case == "mixed_dtype":
+        uniform = uniform.double()
+    elif case == "no_positives":
+        num_pos = 0
+    elif case == "uniform_rows":
+        uniform = uniform[:-1].contiguous()
+    elif case == "not_square":
+        batch = torch.randn(4, 10, 9)
+    else:
+        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setenv("BIGGRAPH_NATIVE", "0")
+    before = [batch.clone(), uniform.clone()]
+    assert kernels.side_loss(kind, MARGIN, batch, uniform, None, num_pos) is None
+    assert torch.equal(batch, before[0]) and torch.equal(uniform, before[1])

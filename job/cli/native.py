@@ -1,4 +1,4 @@
-"""``biggraph build-native [--into DIR]``: compile the native row kernels (job/native) ahead of time.
+"""``biggraph build-native [--into DIR]``: compile the native kernels (job/native) ahead of time.
 
 The image build runs it, into the installed package's ``_prebuilt`` directory, so that a runtime image needs no
 compiler; elsewhere the kernels are built on first use and this only moves that second to now.
@@ -16,8 +16,8 @@ from job.errors import UserError
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "build-native", help="compile the native row kernels now (the image build does, so pods need no compiler)",
-        description="Compile job/native's C row kernels with $CC / cc / gcc and print the library's path.")
+        "build-native", help="compile the native kernels now (the image build does, so pods need no compiler)",
+        description="Compile job/native's C kernels with $CC / cc / gcc and print the library's path.")
     parser.add_argument("--into", type=Path, default=None,
                         help="directory for the library (default: the installed package's _prebuilt directory)")
     parser.set_defaults(func=run)

@@ -32,6 +32,10 @@ from torch import Tensor
 
 from job.model.comparators import COMPARATORS
 from job.model.fused_losses import BLOCKWISE_LOSSES, Block, blockwise_loss
+from job.native import kernels
+
+# Off: every side's loss takes the torch form (``_side_loss``; a switch for tests and the benchmark).
+ENABLE_NATIVE_LOSS = True
 
 
 class _AttachGradients(torch.autograd.Function):
@@ -132,20 +136,20 @@ def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, 
     side = _Chunks.of(setup, a, positives, cand, neg_inv, num_uniform, uniform_anchor, negatives_at)
     if negatives_at is not None and side.neg_start is None and neg_inv is not None:
         d_cand[negatives_at : negatives_at + neg_inv.numel()].zero_()  # scored the usual way: added to, not written
-    blocks: list[Block] = []
+    batch: Optional[Tensor] = None
+    pos_padded: Optional[Tensor] = None
     if setup.num_batch_negs > 0:
         batch = batch_product if batch_product is not None else torch.bmm(side.a, side.p.transpose(1, 2)).to(acc)
-        pos_padded = _batch_block(setup, side, batch, num_pos)
-        blocks.append((batch.view(side.padded, side.chunk), None))
     else:
         pos_padded = (side.a.to(acc) * side.p.to(acc)).sum(2).view(side.padded)
+    uniform: Optional[Block] = None
     if num_uniform:
-        blocks.append(_uniform_block(side, cand, acc))
+        uniform = _uniform_block(side, cand, acc)
         if shift is not None:
-            blocks[-1][0].add_(chunk_rows(shift.to(acc).unsqueeze(1), side.chunk).view(side.padded, 1))
+            uniform[0].add_(chunk_rows(shift.to(acc).unsqueeze(1), side.chunk).view(side.padded, 1))
     num_neg = (side.chunk if setup.num_batch_negs > 0 else 0) + num_uniform
-    loss, d_pos, d_blocks, violators = blockwise_loss(setup.loss_fn, setup.margin, pos_padded, blocks, num_neg,
-                                                      num_pos)
+    loss, pos_padded, d_pos, d_blocks, violators = _side_loss(setup, side, batch, uniform, pos_padded, num_neg,
+                                                              num_pos)
     d_shift = d_blocks[-1].sum(1) if num_uniform and shift is not None else None  # before it becomes d rows
     d_a, d_p, d_batch, d_u = _row_gradients(setup, side, cand, d_pos, d_blocks, d_cand, defer_batch)
     dim = a.shape[1]
@@ -183,6 +187,35 @@ class _Chunks:
         in_place = not weighted and neg_rows is not None and neg_inv is not None and neg_rows.numel() == neg_inv.numel()
         return _Chunks(a_chunks, p_chunks, chunk, num_chunks, num_chunks * chunk, num_uniform, neg_rows,
                        weighted, u_chunks, neg_start=neg_start if in_place else None)
+
+
+def _side_loss(setup: ScoringSetup, side: _Chunks, batch: Optional[Tensor], uniform: Optional[Block],
+               pos_padded: Optional[Tensor], num_neg: int,
+               num_pos: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor], Tensor | float]:
+    """The loss of a side's blocks: (loss, positives' scores, their gradient, the blocks' gradients, violators).
+
+    ``batch``: the unmasked batch product (positives on its diagonal) or None, then ``pos_padded`` holds the
+    positives' scores. The native kernel (``job.native.kernels.side_loss``) does it in one pass per row where it
+    serves (softmax and ranking, unweighted negatives, CPU float32/float64); otherwise the torch form masks the
+    batch block and runs ``blockwise_loss``. Both leave the gradients in the blocks.
+    """
+    if ENABLE_NATIVE_LOSS and (uniform is None or uniform[1] is None):
+        done = kernels.side_loss(setup.loss_fn, setup.margin, batch, None if uniform is None else uniform[0],
+                                 pos_padded, num_pos)
+        if done is not None:
+            grads = [block.view(side.padded, -1) for block in (batch, None if uniform is None else uniform[0])
+                     if block is not None]
+            return (torch.tensor(done.loss, dtype=done.pos.dtype), done.pos, done.d_pos, grads, done.violators)
+    blocks: list[Block] = []
+    if batch is not None:
+        pos_padded = _batch_block(setup, side, batch, num_pos)
+        blocks.append((batch.view(side.padded, side.chunk), None))
+    if uniform is not None:
+        blocks.append(uniform)
+    assert pos_padded is not None
+    loss, d_pos, d_blocks, violators = blockwise_loss(setup.loss_fn, setup.margin, pos_padded, blocks, num_neg,
+                                                      num_pos)
+    return loss, pos_padded, d_pos, d_blocks, violators
 
 
 def _batch_block(setup: ScoringSetup, side: _Chunks, batch: Tensor, num_pos: int) -> Tensor:

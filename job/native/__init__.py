@@ -1,9 +1,11 @@
-"""Native row kernels: C compiled on first use by the machine's C compiler and loaded through ctypes.
+"""Native kernels: C compiled on first use by the machine's C compiler and loaded through ctypes.
 
 Why C: the row-wise Adagrad step of a large-table batch (~42,000 gradient rows of 200 floats) was a fifth of a
 WordNet batch in torch ops, five passes over the rows (bench/RESULTS.md, eighth session); the kernel in
-``rowkernels.c`` is one. Why not a torch C++ extension: torch's headers take a minute to compile against and the
-runtime image drops them; this source needs only libc, builds in about a second and is called with raw pointers.
+``rowkernels.c`` is one. A side's softmax or ranking loss over its score blocks was ~25 torch ops over the
+blocks; ``losskernels.c`` makes it one pass per row. Why not a torch C++ extension: torch's headers take a
+minute to compile against and the runtime image drops them; these sources need only libc, build in about a
+second and are called with raw pointers.
 
 Where the library comes from, first found wins:
 1. ``job/native/_prebuilt/`` in the installed package (``biggraph build-native``, run by the image build);
@@ -32,7 +34,8 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rowkernels.c")
+SOURCES = (Path(__file__).with_name("rowkernels.c"), Path(__file__).with_name("losskernels.c"))
+SYMBOLS = ("row_adagrad_f32", "row_adagrad_f64", "side_loss_f32", "side_loss_f64")
 PREBUILT = Path(__file__).with_name("_prebuilt")
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp-simd", "-std=c11")
 BUILD_TIMEOUT_S = 120
@@ -47,7 +50,7 @@ def enabled() -> bool:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     return f"rowkernels-{sys.platform}-{os.uname().machine}-{digest}.so"
 
 
@@ -81,11 +84,11 @@ def build(into: Path, private: bool = True) -> Path:
     fd, partial = tempfile.mkstemp(dir=into, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, "-o", partial, *map(str, SOURCES)], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
             detail = done.stderr.strip()[-2000:] or f"exit status {done.returncode}, no message"
-            raise OSError(f"{cc} failed on {SOURCE.name}: {detail}")
+            raise OSError(f"{cc} failed on {', '.join(source.name for source in SOURCES)}: {detail}")
         os.chmod(partial, 0o700 if private else 0o755)
         os.replace(partial, target)
     finally:
@@ -114,7 +117,7 @@ def _locate() -> ctypes.CDLL:
     path = directory / name
     if not path.is_file():
         path = build(directory)
-        log.info("built the native row kernels: %s", path)
+        log.info("built the native kernels: %s", path)
     return ctypes.CDLL(str(path))
 
 
@@ -128,10 +131,10 @@ def library() -> Optional[ctypes.CDLL]:
         elif "lib" not in _loaded:
             try:
                 lib = _locate()
-                for symbol in ("row_adagrad_f32", "row_adagrad_f64"):
+                for symbol in SYMBOLS:
                     getattr(lib, symbol).restype = ctypes.c_int
                 _loaded["lib"] = lib
             except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("native row kernels unavailable, using torch ops (slower): %s", exc)
+                log.warning("native kernels unavailable, using torch ops (slower): %s", exc)
                 _loaded["lib"] = None
         return _loaded["lib"]

@@ -1,4 +1,4 @@
-"""Typed calls into the native row kernels (``rowkernels.c``), each answering whether it ran.
+"""Typed calls into the native kernels (``rowkernels.c``, ``losskernels.c``), each answering whether it ran.
 
 A call that returns False did nothing: the kernels are unavailable (``job.native.library``), or the tensors
 are not what the kernel takes (not on the CPU, not float32/float64 alike, not contiguous), and the caller
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -16,6 +18,8 @@ from torch import Tensor
 from job.native import library
 
 _KERNELS = {torch.float32: "row_adagrad_f32", torch.float64: "row_adagrad_f64"}
+_SIDE_LOSS_KERNELS = {torch.float32: "side_loss_f32", torch.float64: "side_loss_f64"}
+_SIDE_LOSSES = {"softmax": 0, "ranking": 1}  # losskernels.c's LOSS_* codes
 
 
 def _fits(t: Tensor, dtype: torch.dtype) -> bool:
@@ -59,3 +63,60 @@ def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Ten
         bad = ids[(ids < 0) | (ids >= weight.shape[0])]
         raise IndexError(f"row id {int(bad[0])} is outside the table of {weight.shape[0]} rows")
     return True
+
+
+@dataclass
+class SideLoss:
+    """What ``side_loss`` computed: the loss and violators as numbers, the positives' scores and gradients."""
+
+    loss: float
+    violators: float
+    pos: Tensor  # (padded,)
+    d_pos: Tensor  # (padded,)
+
+
+def side_loss(kind: str, margin: float, batch: Optional[Tensor], uniform: Optional[Tensor], pos: Optional[Tensor],
+              num_pos: int) -> Optional[SideLoss]:
+    """PBG's ``softmax`` or ``ranking`` loss of one side's score blocks, and its gradient, in one pass per row.
+
+    ``batch`` (chunks x chunk x chunk): the anchors against their chunk's positives, each positive's own score
+    on the diagonal; ``uniform`` (padded x N): against the uniform negatives; ``pos`` (padded,): the positives'
+    scores when there is no ``batch``. Rows past ``num_pos`` are padding. The blocks are overwritten with the
+    gradients of the loss (the diagonal with the positives'), as ``job.model.fused_losses.blockwise_loss``
+    leaves them. None: nothing ran (another loss, dtype or layout, or no kernels), the caller's torch form runs.
+    """
+    code = _SIDE_LOSSES.get(kind)
+    given = [t for t in (batch, uniform, pos) if t is not None]
+    if code is None or not given:
+        return None
+    dtype = given[0].dtype
+    kernel = _SIDE_LOSS_KERNELS.get(dtype)
+    if kernel is None or not all(_fits(t, dtype) for t in given):
+        return None
+    if batch is not None:
+        if batch.dim() != 3 or batch.shape[1] != batch.shape[2]:
+            return None
+        chunk, padded = batch.shape[1], batch.shape[0] * batch.shape[1]
+    elif pos is not None and pos.dim() == 1:
+        chunk, padded = 1, pos.shape[0]
+    else:
+        return None
+    if (uniform is not None and (uniform.dim() != 2 or uniform.shape[0] != padded)) or not 0 < num_pos <= padded:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    pos_out = torch.empty(padded, dtype=dtype)
+    d_pos = torch.empty(padded, dtype=dtype)
+    sums = (ctypes.c_double * 2)()
+
+    def address(t: Optional[Tensor]) -> ctypes.c_void_p:
+        return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+    status = getattr(lib, kernel)(
+        ctypes.c_int32(code), ctypes.c_double(margin), address(batch), ctypes.c_int64(chunk), address(uniform),
+        ctypes.c_int64(0 if uniform is None else uniform.shape[1]), address(pos if batch is None else None),
+        address(pos_out), address(d_pos), ctypes.c_int64(padded), ctypes.c_int64(num_pos), sums)
+    if status != 0:
+        raise ValueError(f"side_loss: the native kernel does not compute the {kind!r} loss")
+    return SideLoss(sums[0], sums[1], pos_out, d_pos)

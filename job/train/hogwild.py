@@ -114,7 +114,7 @@ def _worker_main(
 class WorkerPool:
     def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad) -> None:
         context = mp.get_context("spawn")
-        # the native row kernels are compiled (on a first run) here, once, not by every worker at its first batch
+        # the native kernels are compiled (on a first run) here, once, not by every worker at its first batch
         native.library()
         self.config = config
         self.tasks = context.Queue()
