@@ -171,15 +171,51 @@ def test_fused_path_is_taken_and_has_a_fallback() -> None:
 
 
 @pytest.mark.parametrize("per_row", [False, True])
-def test_complex_diagonal_operator_gradients(per_row: bool) -> None:
+@pytest.mark.parametrize("conjugate", [False, True])
+@pytest.mark.parametrize("use_native", [True, False])
+def test_complex_diagonal_operator_gradients(monkeypatch: pytest.MonkeyPatch, per_row: bool, conjugate: bool,
+                                             use_native: bool) -> None:
+    """Forward and hand-written backward of x (re + i im) (or of the conjugate) are complex multiplication and
+    its gradients (gradcheck in float64), through the native kernel and through torch ops alike."""
+    if use_native and native.library() is None:
+        pytest.skip("the native kernels did not load (no C compiler here): the torch form is tested")
+    if not use_native:
+        monkeypatch.setattr(native, "_loaded", {"lib": None})
     torch.manual_seed(0)
     x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
     shape = (7, 3) if per_row else (3,)
     real = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     imag = torch.randn(shape, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_ComplexDiagonal.apply, (x, real, imag))
-    product = torch.complex(x[:, :3], x[:, 3:]) * torch.complex(real, imag)
-    torch.testing.assert_close(_ComplexDiagonal.apply(x, real, imag), torch.cat((product.real, product.imag), 1))
+
+    def apply(x: torch.Tensor, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
+        return _ComplexDiagonal.apply(x, real, imag, conjugate)
+
+    assert torch.autograd.gradcheck(apply, (x, real, imag))
+    factor = torch.complex(real, -imag if conjugate else imag)
+    product = torch.complex(x[:, :3], x[:, 3:]) * factor
+    torch.testing.assert_close(apply(x, real, imag), torch.cat((product.real, product.imag), 1))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_complex_diagonal_native_float32_is_the_torch_form(monkeypatch: pytest.MonkeyPatch, per_row: bool) -> None:
+    """In float32 over a batch's worth of rows (the static parameters' gradient is a sum over all of them)."""
+    if native.library() is None:
+        pytest.skip("the native kernels did not load (no C compiler here)")
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2000, 100, generator=generator)
+    real = torch.randn((2000, 50) if per_row else (50,), generator=generator)
+    imag = torch.randn(real.shape, generator=generator)
+    grad = torch.randn(2000, 100, generator=generator)
+    results = []
+    for loaded in (None, {"lib": None}):
+        if loaded is not None:
+            monkeypatch.setattr(native, "_loaded", loaded)
+        leaves = [t.clone().requires_grad_(True) for t in (x, real, imag)]
+        out = _ComplexDiagonal.apply(*leaves, True)
+        out.backward(grad)
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("fused", [False, True])

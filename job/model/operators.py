@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from job.model import names
 from job.model.registry import Registry
+from job.native import kernels
 
 Getter = Callable[[str], Tensor]  # a parameter by its static name, already gathered per row when dynamic
 Table = Callable[[str], Tensor]  # a parameter by its static name, whole (one row per relation type when dynamic)
@@ -203,13 +204,13 @@ class ComplexDiagonalOperator(OperatorKind):
     @staticmethod
     def adjoint(y: Tensor, table: Table, rel: Optional[Tensor], inverse: bool) -> Tensor:
         real, imag = _pick(table("real"), rel), _pick(table("imag"), rel)
+        if not inverse:
+            return _ComplexDiagonal.apply(y, real, imag, True)  # times the conjugate
         half = y.shape[-1] // 2
         y_re, y_im = y[..., :half], y[..., half:]
         out = torch.cat((y_re * real + y_im * imag, y_im * real - y_re * imag), dim=-1)  # times the conjugate
-        if inverse:
-            modulus = (real * real + imag * imag).clamp_min(1e-12)
-            out = out / torch.cat((modulus, modulus), dim=-1)
-        return out
+        modulus = (real * real + imag * imag).clamp_min(1e-12)
+        return out / torch.cat((modulus, modulus), dim=-1)
 
 
 class Operator(nn.Module):
@@ -265,18 +266,25 @@ def rows(table: Tensor, index: Tensor) -> Tensor:
 
 
 class _ComplexDiagonal(torch.autograd.Function):
-    """Complex multiplication of each row by (real + i imag), differentiated by hand.
+    """Complex multiplication of each row by (real + i imag), or by its conjugate, differentiated by hand.
 
-    Written into the two halves of one output with fused multiply-adds: autograd's version
-    (swap the halves, two broadcast products, a sum) made five full passes forward and more
-    backward, and the swap's backward is an index_add; on thousands of rows per batch this was
-    the most expensive elementwise step of a batch. ``real``/``imag`` are (h,) for a static
-    relation or (rows, h) when each row has its own relation.
+    One C pass forward and one backward where the native kernels take the tensors
+    (``job.native.kernels.complex_diagonal``: CPU, float32/float64, contiguous). Otherwise written into the
+    two halves of one output with fused multiply-adds: autograd's version (swap the halves, two broadcast
+    products, a sum) made five full passes forward and more backward, and the swap's backward is an
+    index_add; on thousands of rows per batch this was the most expensive elementwise step of a batch.
+    ``real``/``imag`` are (h,) for a static relation or (rows, h) when each row has its own relation.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, real: Tensor, imag: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, real: Tensor, imag: Tensor, conjugate: bool = False) -> Tensor:
         ctx.save_for_backward(x, real, imag)
+        ctx.conjugate = conjugate
+        done = kernels.complex_diagonal(x, real, imag, conjugate)
+        if done is not None:
+            return done
+        if conjugate:
+            imag = imag.neg()
         half = x.shape[-1] // 2
         x_re, x_im = x[..., :half], x[..., half:]
         out = torch.empty_like(x)
@@ -289,6 +297,11 @@ class _ComplexDiagonal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         x, real, imag = ctx.saved_tensors
+        done = kernels.complex_diagonal_backward(x, real, imag, grad, ctx.conjugate)
+        if done is not None:
+            return (*done, None)
+        if ctx.conjugate:
+            imag = imag.neg()
         half = x.shape[-1] // 2
         x_re, x_im = x[..., :half], x[..., half:]
         g_re, g_im = grad[..., :half], grad[..., half:]
@@ -306,4 +319,4 @@ class _ComplexDiagonal(torch.autograd.Function):
             d_imag = d_imag.reshape(-1, half).sum(0)
         else:
             d_real = products.sum(-2)
-        return d_x, d_real, d_imag
+        return d_x, d_real, d_imag.neg_() if ctx.conjugate else d_imag, None

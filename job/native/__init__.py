@@ -3,7 +3,8 @@
 Why C: the row-wise Adagrad step of a large-table batch (~42,000 gradient rows of 200 floats) was a fifth of a
 WordNet batch in torch ops, five passes over the rows (bench/RESULTS.md, eighth session); the kernel in
 ``rowkernels.c`` is one. A side's softmax or ranking loss over its score blocks was ~25 torch ops over the
-blocks; ``losskernels.c`` makes it one pass per row. Why not a torch C++ extension: torch's headers take a
+blocks; ``losskernels.c`` makes it one pass per row, and ``operatorkernels.c`` ComplEx's operator one pass
+forward and one backward. Why not a torch C++ extension: torch's headers take a
 minute to compile against and the runtime image drops them; these sources need only libc, build in about a
 second and are called with raw pointers.
 
@@ -34,8 +35,11 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("rowkernels.c"), Path(__file__).with_name("losskernels.c"))
-SYMBOLS = ("row_adagrad_f32", "row_adagrad_f64", "side_loss_f32", "side_loss_f64")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernels.c", "losskernels.c", "operatorkernels.c"))
+# every exported function and what it returns (a status, or nothing)
+SYMBOLS = {**dict.fromkeys(("row_adagrad_f32", "row_adagrad_f64", "side_loss_f32", "side_loss_f64",
+                            "complex_diagonal_backward_f32", "complex_diagonal_backward_f64"), ctypes.c_int),
+           **dict.fromkeys(("complex_diagonal_forward_f32", "complex_diagonal_forward_f64"), None)}
 PREBUILT = Path(__file__).with_name("_prebuilt")
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp-simd", "-std=c11")
 BUILD_TIMEOUT_S = 120
@@ -131,8 +135,8 @@ def library() -> Optional[ctypes.CDLL]:
         elif "lib" not in _loaded:
             try:
                 lib = _locate()
-                for symbol in SYMBOLS:
-                    getattr(lib, symbol).restype = ctypes.c_int
+                for symbol, returns in SYMBOLS.items():
+                    getattr(lib, symbol).restype = returns
                 _loaded["lib"] = lib
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("native kernels unavailable, using torch ops (slower): %s", exc)

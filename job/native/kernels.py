@@ -1,4 +1,5 @@
-"""Typed calls into the native kernels (``rowkernels.c``, ``losskernels.c``), each answering whether it ran.
+"""Typed calls into the native kernels (``rowkernels.c``, ``losskernels.c``, ``operatorkernels.c``), each answering
+whether it ran.
 
 A call that returns False did nothing: the kernels are unavailable (``job.native.library``), or the tensors
 are not what the kernel takes (not on the CPU, not float32/float64 alike, not contiguous), and the caller
@@ -20,6 +21,7 @@ from job.native import library
 _KERNELS = {torch.float32: "row_adagrad_f32", torch.float64: "row_adagrad_f64"}
 _SIDE_LOSS_KERNELS = {torch.float32: "side_loss_f32", torch.float64: "side_loss_f64"}
 _SIDE_LOSSES = {"softmax": 0, "ranking": 1}  # losskernels.c's LOSS_* codes
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _fits(t: Tensor, dtype: torch.dtype) -> bool:
@@ -120,3 +122,54 @@ def side_loss(kind: str, margin: float, batch: Optional[Tensor], uniform: Option
     if status != 0:
         raise ValueError(f"side_loss: the native kernel does not compute the {kind!r} loss")
     return SideLoss(sums[0], sums[1], pos_out, d_pos)
+
+
+def _complex_layout(x: Tensor, real: Tensor, imag: Tensor) -> Optional[tuple[bool, int, int]]:
+    """(per row, rows, half) when the kernels take these tensors, else None."""
+    dtype = x.dtype
+    if dtype not in _SUFFIX or not all(_fits(t, dtype) for t in (x, real, imag)) or real.shape != imag.shape:
+        return None
+    half = x.shape[-1] // 2
+    if x.dim() < 1 or x.shape[-1] != 2 * half or real.shape[-1] != half:
+        return None
+    rows = x.numel() // max(2 * half, 1)
+    if real.dim() == 1:
+        return False, rows, half
+    if tuple(real.shape) == tuple(x.shape[:-1]) + (half,):
+        return True, rows, half
+    return None
+
+
+def complex_diagonal(x: Tensor, real: Tensor, imag: Tensor, conjugate: bool) -> Optional[Tensor]:
+    """Rows ``x`` ([real | imag] halves) times (real + i imag), or its conjugate; None when not run."""
+    layout = _complex_layout(x, real, imag)
+    lib = library() if layout is not None else None
+    if layout is None or lib is None:
+        return None
+    per_row, rows, half = layout
+    out = torch.empty_like(x)
+    getattr(lib, f"complex_diagonal_forward_{_SUFFIX[x.dtype]}")(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(real.data_ptr()), ctypes.c_void_p(imag.data_ptr()),
+        ctypes.c_int32(per_row), ctypes.c_int32(conjugate), ctypes.c_int64(rows), ctypes.c_int64(half),
+        ctypes.c_void_p(out.data_ptr()))
+    return out
+
+
+def complex_diagonal_backward(x: Tensor, real: Tensor, imag: Tensor, grad: Tensor,
+                              conjugate: bool) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """(d x, d real, d imag) of ``complex_diagonal`` given the output's gradient; the parameters' summed over the
+    rows when they are one pair for all (static). None when not run."""
+    layout = _complex_layout(x, real, imag)
+    lib = library() if layout is not None else None
+    if layout is None or lib is None or not _fits(grad, x.dtype) or grad.shape != x.shape:
+        return None
+    per_row, rows, half = layout
+    d_x, d_real, d_imag = torch.empty_like(x), torch.empty_like(real), torch.empty_like(imag)
+    status = getattr(lib, f"complex_diagonal_backward_{_SUFFIX[x.dtype]}")(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(real.data_ptr()), ctypes.c_void_p(imag.data_ptr()),
+        ctypes.c_void_p(grad.data_ptr()), ctypes.c_int32(per_row), ctypes.c_int32(conjugate), ctypes.c_int64(rows),
+        ctypes.c_int64(half), ctypes.c_void_p(d_x.data_ptr()), ctypes.c_void_p(d_real.data_ptr()),
+        ctypes.c_void_p(d_imag.data_ptr()))
+    if status != 0:
+        raise MemoryError("complex_diagonal_backward: no memory for the parameters' sums")
+    return d_x, d_real, d_imag
