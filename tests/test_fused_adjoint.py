@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from job.model import fused_pair
+from job.model.fused_pair import in_order
 from job.model.names import OPERATORS
 from job.model.operators import Operator
 
@@ -76,3 +77,33 @@ def test_operator_applied_to_the_positives_only(monkeypatch: pytest.MonkeyPatch,
                  "operator": "complex_diagonal"}
     _run(overrides, 5000, NUM_POS, False, fused=True)
     assert rows_seen and (max(rows_seen) == NUM_POS) == enabled
+
+
+def test_rows_in_order_are_recognised_and_nothing_else() -> None:
+    """``in_order``: positives first in order, then the negatives one row per draw, and no other row."""
+    inv = torch.arange(6)
+    neg = torch.arange(6, 14).view(2, 4)
+    assert in_order(14, inv, neg) == 6
+    assert in_order(6, inv, None) == 6
+    assert in_order(15, inv, neg) is None  # a row no one scores
+    assert in_order(14, inv.flip(0), neg) is None  # positives out of order
+    assert in_order(14, inv, neg.flip(1)) is None  # negatives out of order
+    assert in_order(14, torch.arange(1, 7), neg - 1) is None  # positives not first
+    assert in_order(10, inv, torch.zeros(2, 4, dtype=torch.long)) is None  # deduplicated draws
+
+
+@pytest.mark.parametrize("loss_fn", ["softmax", "ranking"])
+def test_every_occurrence_layout_writes_gradients_in_place(monkeypatch: pytest.MonkeyPatch, loss_fn: str) -> None:
+    """A CPU batch of a large table takes the in-order layout on both sides (and still trains as autograd does,
+    which the test above checks for the same shapes)."""
+    seen: list[int | None] = []
+
+    def recording(num_rows: int, inv: torch.Tensor, neg_inv: torch.Tensor | None) -> int | None:
+        seen.append(in_order(num_rows, inv, neg_inv))
+        return seen[-1]
+
+    monkeypatch.setattr(fused_pair, "in_order", recording)
+    overrides = {"loss_fn": loss_fn, "comparator": "dot", "num_batch_negs": 10, "num_uniform_negs": 10,
+                 "operator": "complex_diagonal"}
+    assert_fused_matches_autograd(overrides, 5000, 57, False)
+    assert seen == [57, 57]

@@ -29,7 +29,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from job.model.fused import ScoringSetup, SideResult, attach_gradients, chunk_rows, flowed, score_side
+from job.model.fused import (
+    ScoringSetup,
+    SideResult,
+    attach_gradients,
+    chunk_rows,
+    flowed,
+    negatives_in_place,
+    score_side,
+)
 from job.model.operators import Operator
 
 # Off: ``fused_pair`` applies the operator to every rhs row, as before (a switch for the benchmark and tests).
@@ -68,8 +76,14 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs
     ``lhs is rhs`` (one gather for both sides) shares one gradient buffer.
     """
     num_pos = lhs_inv.shape[0]
+    same = lhs is rhs
+    # every occurrence gathered (job.train.rowops.select_rows): [positives | negatives] in order, each row's
+    # gradient written where it lies; otherwise summed into zeroed buffers
+    left_layout = None if same else in_order(lhs.shape[0], lhs_inv, None if disable_lhs else lhs_neg_inv)
+    right_layout = None if same else in_order(rhs.shape[0], rhs_inv, None if disable_rhs else rhs_neg_inv)
     with torch.no_grad():
-        left_raw, right_raw = lhs.detach().index_select(0, lhs_inv), rhs.detach().index_select(0, rhs_inv)
+        left_raw = lhs.detach()[:num_pos] if left_layout is not None else lhs.detach().index_select(0, lhs_inv)
+        right_raw = rhs.detach()[:num_pos] if right_layout is not None else rhs.detach().index_select(0, rhs_inv)
     # autograd reaches the operator's parameters from here, not the rows (detached: theirs are taken by hand)
     right_pos = operator(right_raw)
     uniform = not disable_rhs and rhs_neg_inv is not None and rhs_neg_inv.numel() > 0
@@ -78,15 +92,16 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs
     translation = operator.additive() if uniform else None
     shift = None if translation is None else (left_raw * translation).sum(1)
     with torch.no_grad():
-        same = lhs is rhs
-        d_left = torch.zeros_like(lhs)
-        d_right = d_left if same else torch.zeros_like(rhs)
+        d_left = torch.zeros_like(lhs) if left_layout is None else torch.empty_like(lhs)
+        d_right = d_left if same else torch.zeros_like(rhs) if right_layout is None else torch.empty_like(rhs)
         left = setup.low(lhs.detach())
         right = left if same else setup.low(rhs.detach())
-        pair = pair_scores(setup, left, right, left.index_select(0, lhs_inv), setup.low(right_pos.detach()),
+        left_pos = left_raw if setup.compute_dtype is None else left[:num_pos] if left_layout is not None else (
+            left.index_select(0, lhs_inv))
+        pair = pair_scores(setup, left, right, left_pos, setup.low(right_pos.detach()),
                            lhs_neg_inv, rhs_neg_inv, disable_lhs, disable_rhs, d_left, d_right,
                            None if anchor is None else setup.low(anchor.detach()),
-                           None if shift is None else shift.detach())
+                           None if shift is None else shift.detach(), left_layout, right_layout)
         d_left_pos = pair.d_left_pos
         d_anchor = d_shift = None
         if anchor is not None:
@@ -95,8 +110,8 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs
         if shift is not None and translation is not None:
             d_shift = flowed(pair.rhs_side.d_shift, "shift")[:num_pos]
             d_left_pos = d_left_pos.addr_(d_shift, translation)  # d u = t d<u, t>
-        d_left.index_add_(0, lhs_inv, d_left_pos)
-        d_right.index_add_(0, rhs_inv, operator.adjoint(pair.d_right_pos))  # d v = L^T d(L v + t)
+        _add_positives(d_left, lhs_inv, d_left_pos, left_layout)
+        _add_positives(d_right, rhs_inv, operator.adjoint(pair.d_right_pos), right_layout)  # d v = L^T d(L v + t)
     inputs, grads = [lhs], [d_left]
     if not same:
         inputs.append(rhs)
@@ -106,6 +121,31 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs
             inputs.append(value)
             grads.append(grad)
     return attach_gradients(pair.loss, inputs, grads), pair.lhs_side, pair.rhs_side
+
+
+def in_order(num_rows: int, inv: Tensor, neg_inv: Optional[Tensor]) -> Optional[int]:
+    """Where the negatives start when a side's rows are its positives in order, then its uniform negatives one
+    row per draw (``job.train.rowops.every_occurrence``, the CPU's layout for large tables); None otherwise.
+
+    Then the positives are the first rows themselves (no gather) and every row's gradient is written where it
+    lies (no zeroed buffer, no scatter-add): ``score_side`` writes the negatives', ``_add_positives`` the
+    positives'. Read from the indices (``negatives_in_place``), so no caller has to vouch for the layout.
+    """
+    num_pos = inv.shape[0]
+    if negatives_in_place(inv, num_rows) != 0:
+        return None
+    if neg_inv is None:
+        return num_pos if num_rows == num_pos else None
+    start = negatives_in_place(neg_inv, num_rows)
+    return start if start == num_pos and num_rows == num_pos + neg_inv.numel() else None
+
+
+def _add_positives(d_rows: Tensor, inv: Tensor, d_pos: Tensor, layout: Optional[int]) -> None:
+    """The positives' gradients into their rows: written (``in_order`` layout) or summed."""
+    if layout is None:
+        d_rows.index_add_(0, inv, d_pos)
+    else:
+        d_rows[: inv.shape[0]].copy_(d_pos)
 
 
 @dataclass
@@ -120,12 +160,15 @@ class PairResult:
 def pair_scores(setup: ScoringSetup, left: Tensor, right: Tensor, left_pos: Tensor, right_pos: Tensor,
                 lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool, disable_rhs: bool,
                 d_left: Tensor, d_right: Tensor, uniform_anchor: Optional[Tensor] = None,
-                shift: Optional[Tensor] = None) -> PairResult:
+                shift: Optional[Tensor] = None, left_negatives_at: Optional[int] = None,
+                right_negatives_at: Optional[int] = None) -> PairResult:
     """Both sides' losses and row gradients, without autograd; the negatives' gradients go to ``d_left`` /
     ``d_right``. ``left`` / ``right``: each side's unique rows, ``*_pos`` (B x d) the positives as scored, all in
     ``setup.compute_dtype`` (see ``score_side``). The lhs side's batch product (rhs positives x lhs positives) is
     the transpose of the rhs side's, so it is computed, and differentiated, once. ``uniform_anchor`` / ``shift``:
     the rhs side's uniform negatives scored against them instead of ``left_pos`` (``score_side``).
+    ``*_negatives_at``: that side's negatives lie there in draw order (``in_order``): ``score_side`` writes their
+    gradients in place.
     """
     num_pos = left_pos.shape[0]
     acc = d_left.dtype
@@ -137,10 +180,11 @@ def pair_scores(setup: ScoringSetup, left: Tensor, right: Tensor, left_pos: Tens
         product = torch.bmm(chunk_rows(right_pos, chunk), chunk_rows(left_pos, chunk).transpose(1, 2)).to(acc)
         transposed = product.transpose(1, 2).contiguous()  # each side overwrites its own
     lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, left,
-                          None if disable_lhs else lhs_neg_inv, d_left, product, share)
+                          None if disable_lhs else lhs_neg_inv, d_left, product, share,
+                          negatives_at=left_negatives_at)
     rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, right,
                           None if disable_rhs else rhs_neg_inv, d_right, transposed, share,
-                          uniform_anchor, shift)
+                          uniform_anchor, shift, negatives_at=right_negatives_at)
     d_left_pos = _sum_grads(lhs_side.d_positives, rhs_side.d_anchor)
     d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
     if share:
