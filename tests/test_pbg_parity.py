@@ -25,7 +25,7 @@ from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Model, Table
 from job.train import Trainer, batching, bucket_run, step, train
 from job.train.batching import EdgeTensors, process_edges, split_almost_equally
-from job.train.optim import ADAGRAD_EPS
+from job.train.optim import ADAGRAD_EPS, RelationAdagrad
 from job.train.step import BatchContext, BatchStats, _finish, run_batch
 
 
@@ -244,3 +244,26 @@ def test_the_log_says_what_hogwild_delay_will_cost_the_first_epoch() -> None:
     assert bucket_run.hogwild_delay_cost(config(hogwild_delay=0.0), 4, 64) is None
     assert bucket_run.hogwild_delay_cost(config(), 1, 64) is None  # one worker (or a GPU): nobody waits
     assert bucket_run.hogwild_delay_cost(config(), 4, 1) is None  # one bucket: PBG's single delay, as ever
+
+
+def test_relation_adagrad_steps_as_torch_adagrad_does() -> None:
+    """PBG steps relation parameters with torch.optim.Adagrad: the same updates and state, over several steps in
+    which only some parameters have a gradient (a batch's relation), and none after a step."""
+    generator = torch.Generator().manual_seed(0)
+    ours = [torch.randn(5, generator=generator, dtype=torch.float64) for _ in range(3)]
+    theirs = [torch.nn.Parameter(p.clone()) for p in ours]
+    optimizer = RelationAdagrad(ours, 0.1)
+    reference = torch.optim.Adagrad(theirs, lr=0.1, eps=ADAGRAD_EPS)
+    for step_index in range(4):
+        for i, (mine, other) in enumerate(zip(ours, theirs)):
+            grad = torch.randn(5, generator=generator, dtype=torch.float64)
+            stepped = i != step_index % 3  # one parameter sits each step out
+            mine.grad = grad.clone() if stepped else None
+            other.grad = grad.clone() if stepped else None
+        optimizer.step()
+        reference.step()
+        assert all(p.grad is None for p in ours)
+        for mine, other in zip(ours, theirs):
+            torch.testing.assert_close(mine, other.detach(), rtol=1e-12, atol=1e-12)
+    for i, state_sum in enumerate(optimizer.sums):
+        torch.testing.assert_close(state_sum, reference.state[theirs[i]]["sum"], rtol=1e-12, atol=1e-12)

@@ -39,13 +39,24 @@ class RelationAdagrad:
 
     @torch.no_grad()
     def step(self) -> None:
+        """One Adagrad step of every parameter with a gradient (a batch's relation and global embeddings).
+
+        Four multi-tensor (``_foreach``) ops for all of them: per parameter it was four ops each, a dozen tiny
+        ops per batch."""
         self.steps += 1
+        params, sums, grads = [], [], []
         for p, s in zip(self.params, self.sums):
-            grad = p.grad
-            if grad is None:
-                continue
-            s.addcmul_(grad, grad)
-            p.addcdiv_(grad, s.sqrt().add_(ADAGRAD_EPS), value=-self.lr)
+            if p.grad is not None:
+                params.append(p)
+                sums.append(s)
+                grads.append(p.grad)
+        if not params:
+            return
+        torch._foreach_addcmul_(sums, grads, grads)
+        scales = torch._foreach_sqrt(sums)
+        torch._foreach_add_(scales, ADAGRAD_EPS)
+        torch._foreach_addcdiv_(params, grads, scales, value=-self.lr)
+        for p in params:
             p.grad = None
 
     def state_dict(self) -> dict:
