@@ -328,9 +328,21 @@ def negatives_in_place(neg_inv: Optional[Tensor], num_rows: int) -> Optional[int
         return None
     start = int(neg_inv.reshape(-1)[0])
     stop = start + neg_inv.numel()
-    if stop > num_rows or not torch.equal(neg_inv.reshape(-1), torch.arange(start, stop)):
+    if stop > num_rows or not torch.equal(neg_inv.reshape(-1), _counting(stop)[start:stop]):
         return None
     return start
+
+
+_COUNTING: list[Tensor] = [torch.arange(0)]
+
+
+def _counting(stop: int) -> Tensor:
+    """0, 1, ..., stop - 1 (int64, CPU) from a cache that grows: ``negatives_in_place`` compares against it
+    four times a batch, and a fresh ``arange`` each time was an allocation and a pass of its own."""
+    cached = _COUNTING[0]
+    if cached.shape[0] < stop:
+        cached = _COUNTING[0] = torch.arange(max(stop, 2 * cached.shape[0]))
+    return cached[:stop]
 
 
 class _ChunkRows:
