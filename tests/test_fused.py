@@ -131,8 +131,9 @@ def test_the_native_side_loss_is_what_the_fused_path_runs(monkeypatch: pytest.Mo
     for loss_fn in ("softmax", "ranking"):
         overrides = {"loss_fn": loss_fn, "comparator": "dot", "num_batch_negs": 10, "num_uniform_negs": 10,
                      "operator": "complex_diagonal"}
-        _run(dict(overrides), 5000, 57, False, fused=True)
-        _run(dict(overrides), 30, 57, True, fused=True)
+        # on the CPU: a GPU run of this file (BIGGRAPH_TEST_DEVICE=cuda) takes the torch form, by design
+        _run(dict(overrides), 5000, 57, False, fused=True, device=torch.device("cpu"))
+        _run(dict(overrides), 30, 57, True, fused=True, device=torch.device("cpu"))
 
 
 STATIC_CASES = [case for case in CASES if case[2] in ((10, 10), (10, 200))] + [
@@ -197,7 +198,9 @@ def test_complex_diagonal_operator_gradients(monkeypatch: pytest.MonkeyPatch, pe
 
 
 @pytest.mark.parametrize("per_row", [False, True])
-def test_complex_diagonal_native_float32_is_the_torch_form(monkeypatch: pytest.MonkeyPatch, per_row: bool) -> None:
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_complex_diagonal_native_float32_is_the_torch_form(monkeypatch: pytest.MonkeyPatch, per_row: bool,
+                                                           conjugate: bool) -> None:
     """In float32 over a batch's worth of rows (the static parameters' gradient is a sum over all of them)."""
     if native.library() is None:
         pytest.skip("the native kernels did not load (no C compiler here)")
@@ -211,7 +214,7 @@ def test_complex_diagonal_native_float32_is_the_torch_form(monkeypatch: pytest.M
         if loaded is not None:
             monkeypatch.setattr(native, "_loaded", loaded)
         leaves = [t.clone().requires_grad_(True) for t in (x, real, imag)]
-        out = _ComplexDiagonal.apply(*leaves, True)
+        out = _ComplexDiagonal.apply(*leaves, conjugate)
         out.backward(grad)
         results.append([out.detach(), *(leaf.grad for leaf in leaves)])
     for got, want in zip(*results):

@@ -266,7 +266,20 @@ def test_side_loss_is_the_torch_form(kind: str, layout: str, num_pos: int, dtype
     got_grads = [t.view(t.shape[0] * t.shape[1], -1) if t.dim() == 3 else t for t in mine[:2] if t is not None]
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-    assert not got_grads[0][num_pos:].any()  # padding rows: no gradient
+    for got in got_grads:
+        assert not got[num_pos:].any()  # padding rows: no gradient, in every block
+    assert not done.d_pos[num_pos:].any()
+
+
+def test_side_loss_keeps_a_nan_score_visible() -> None:
+    """A diverged model's NaN score gives a NaN loss, as the torch form does (not a finite one with the NaN
+    dropped from the row's maximum or its exponential)."""
+    for kind in ("softmax", "ranking"):
+        batch, uniform, _ = side_blocks(torch.float32, "both")
+        assert uniform is not None
+        uniform[3, 5] = float("nan")
+        done = kernels.side_loss(kind, MARGIN, batch, uniform, None, 40)
+        assert done is not None and done.loss != done.loss, kind
 
 
 def test_side_loss_float32_exponential_over_its_range() -> None:

@@ -1,9 +1,10 @@
 """Typed calls into the native kernels (``rowkernels.c``, ``losskernels.c``, ``operatorkernels.c``), each answering
 whether it ran.
 
-A call that returns False did nothing: the kernels are unavailable (``job.native.library``), or the tensors
-are not what the kernel takes (not on the CPU, not float32/float64 alike, not contiguous), and the caller
-runs its torch form instead.
+A call that returns False (``row_adagrad``) or None (the others, which otherwise return their results) did
+nothing: the kernels are unavailable (``job.native.library``), or the tensors are not what the kernel takes (not
+on the CPU, not float32/float64 alike, not contiguous, another loss), and the caller runs its torch form
+instead.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def side_loss(kind: str, margin: float, batch: Optional[Tensor], uniform: Option
     ``batch`` (chunks x chunk x chunk): the anchors against their chunk's positives, each positive's own score
     on the diagonal; ``uniform`` (padded x N): against the uniform negatives; ``pos`` (padded,): the positives'
     scores when there is no ``batch``. Rows past ``num_pos`` are padding. The blocks are overwritten with the
-    gradients of the loss (the diagonal with the positives'), as ``job.model.fused_losses.blockwise_loss``
-    leaves them. None: nothing ran (another loss, dtype or layout, or no kernels), the caller's torch form runs.
+    gradients of the loss, as ``job.model.fused_losses.blockwise_loss`` leaves them, and the batch block's
+    diagonal with the positives' (where ``blockwise_loss`` leaves 0 for the caller to fill). None: nothing ran
+    (another loss, dtype or layout, or no kernels), the caller's torch form runs.
     """
     code = _SIDE_LOSSES.get(kind)
     given = [t for t in (batch, uniform, pos) if t is not None]

@@ -36,10 +36,11 @@ enum { LOSS_SOFTMAX = 0, LOSS_RANKING = 1 };
 
 /* exp(x) for x <= 0 in float32, within a few ulp of expf, in a form the compiler vectorises (libm's expf is
  * a call per element): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so that n ln2 is exact), exp(r) by
- * its Taylor series to r^7, 2^n from the exponent bits. Below -87 (where expf's results are denormal or zero)
- * it returns 0: a score that far under the row's largest contributes nothing a float32 sum can hold. */
+ * its Taylor series to r^7, 2^n from the exponent bits. Below -87 (expf's results turn denormal at -87.34) it
+ * returns 0: a score that far under the row's largest (whose term is 1) adds nothing to a float32 sum. A NaN
+ * stays NaN, as the torch form's would, so a diverged model still shows a NaN loss. */
 static inline float exp_nonpositive(float x) {
-    float clamped = x < -87.0f ? -87.0f : x;
+    float clamped = x >= -87.0f ? x : -87.0f; /* NaN too: no NaN reaches the integer conversion below */
     /* n = round(x / ln2) by adding and taking away 1.5 * 2^23 (floorf is a libm call on baseline x86-64) */
     float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
     float r = clamped - n * 0.693359375f;
@@ -57,7 +58,7 @@ static inline float exp_nonpositive(float x) {
         float f;
     } scale;
     scale.i = ((int32_t)n + 127) << 23;
-    return x < -87.0f ? 0.0f : p * scale.f;
+    return x < -87.0f ? 0.0f : x == x ? p * scale.f : x;
 }
 
 /* float64 keeps libm's exp: it serves the float64 tests and runs, not speed */

@@ -40,6 +40,7 @@
                         int64_t rows, int64_t half, T *d_x, T *d_re, T *d_im) {                                 \
         T sign = conjugate ? (T)-1 : (T)1;                                                                      \
         double *sum_re = 0, *sum_im = 0;                                                                        \
+        if (half <= 0) return 0; /* nothing to write; calloc(0) may answer NULL */                              \
         if (!per_row) {                                                                                         \
             sum_re = calloc((size_t)(2 * half), sizeof(double));                                                \
             if (!sum_re) return -1;                                                                             \
