@@ -129,7 +129,7 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
                     above += b[j] > p;                                                                              \
                     T v = b[j] + threshold;                                                                         \
                     T on = v > 0 ? (T)1 : (T)0;                                                                     \
-                    row_loss += v > 0 ? v : (T)0;                                                                   \
+                    row_loss += v > 0 || v != v ? v : (T)0; /* NaN kept, as torch's clamp keeps it */               \
                     active += on;                                                                                   \
                     b[j] = on;                                                                                      \
                 }                                                                                                   \
@@ -137,7 +137,7 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
                     above += u[j] > p;                                                                              \
                     T v = u[j] + threshold;                                                                         \
                     T on = v > 0 ? (T)1 : (T)0;                                                                     \
-                    row_loss += v > 0 ? v : (T)0;                                                                   \
+                    row_loss += v > 0 || v != v ? v : (T)0; /* NaN kept, as torch's clamp keeps it */               \
                     active += on;                                                                                   \
                     u[j] = on;                                                                                      \
                 }                                                                                                   \
