@@ -64,6 +64,18 @@ static inline float exp_nonpositive(float x) {
 /* float64 keeps libm's exp: it serves the float64 tests and runs, not speed */
 static inline double exp_nonpositive_f64(double x) { return exp(x); }
 
+/* ranking over one segment of a row (its batch or its uniform negatives): each score's hinge against the
+ * positive's, counted into the caller's row_loss, active and above, and overwritten by its gradient (0 or 1) */
+#define RANKING_SEGMENT(T, x, n)                                                                               \
+    _Pragma("omp simd reduction(+ : row_loss, active, above)") for (int64_t j = 0; j < (n); j++) {             \
+        above += x[j] > p;                                                                                      \
+        T v = x[j] + threshold;                                                                                 \
+        T on = v > 0 ? (T)1 : (T)0;                                                                             \
+        row_loss += v > 0 || v != v ? v : (T)0; /* NaN kept, as torch's clamp keeps it */                       \
+        active += on;                                                                                           \
+        x[j] = on;                                                                                              \
+    }
+
 #define SIDE_LOSS(NAME, T, EXP, LOG)                                                                                \
     CLONES int NAME(int32_t kind, double margin, T *batch, int64_t chunk, T *uniform, int64_t num_uniform,          \
                     const T *pos_in, T *pos_out, T *d_pos_out, int64_t padded, int64_t num_pos, double *sums) {     \
@@ -125,22 +137,8 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
             } else {                                                                                                \
                 T threshold = (T)margin - p;                                                                        \
                 T row_loss = 0, active = 0;                                                                         \
-                _Pragma("omp simd reduction(+ : row_loss, active, above)") for (int64_t j = 0; j < valid; j++) {    \
-                    above += b[j] > p;                                                                              \
-                    T v = b[j] + threshold;                                                                         \
-                    T on = v > 0 ? (T)1 : (T)0;                                                                     \
-                    row_loss += v > 0 || v != v ? v : (T)0; /* NaN kept, as torch's clamp keeps it */               \
-                    active += on;                                                                                   \
-                    b[j] = on;                                                                                      \
-                }                                                                                                   \
-                _Pragma("omp simd reduction(+ : row_loss, active, above)") for (int64_t j = 0; j < num_uniform; j++) { \
-                    above += u[j] > p;                                                                              \
-                    T v = u[j] + threshold;                                                                         \
-                    T on = v > 0 ? (T)1 : (T)0;                                                                     \
-                    row_loss += v > 0 || v != v ? v : (T)0; /* NaN kept, as torch's clamp keeps it */               \
-                    active += on;                                                                                   \
-                    u[j] = on;                                                                                      \
-                }                                                                                                   \
+                RANKING_SEGMENT(T, b, valid)                                                                        \
+                RANKING_SEGMENT(T, u, num_uniform)                                                                  \
                 loss += (double)row_loss;                                                                           \
                 d_pos = -active;                                                                                    \
             }                                                                                                       \
