@@ -192,7 +192,8 @@ class _Chunks:
 def _side_loss(setup: ScoringSetup, side: _Chunks, batch: Optional[Tensor], uniform: Optional[Block],
                pos_padded: Optional[Tensor], num_neg: int,
                num_pos: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor], Tensor | float]:
-    """The loss of a side's blocks: (loss, positives' scores, their gradient, the blocks' gradients, violators).
+    """The loss of a side's blocks: (loss, positives' scores, their gradient, the blocks' gradients, violators);
+    the batch block's gradient holds the positives' on its diagonal.
 
     ``batch``: the unmasked batch product (positives on its diagonal) or None, then ``pos_padded`` holds the
     positives' scores. The native kernel (``job.native.kernels.side_loss``) does it in one pass per row where it
@@ -215,6 +216,8 @@ def _side_loss(setup: ScoringSetup, side: _Chunks, batch: Optional[Tensor], unif
     assert pos_padded is not None
     loss, d_pos, d_blocks, violators = blockwise_loss(setup.loss_fn, setup.margin, pos_padded, blocks, num_neg,
                                                       num_pos)
+    if batch is not None:  # the positives' gradient on the diagonal, where the kernel leaves it too
+        batch.diagonal(dim1=1, dim2=2).copy_(d_pos.view(side.num_chunks, side.chunk))
     return loss, pos_padded, d_pos, d_blocks, violators
 
 
@@ -257,9 +260,8 @@ def _row_gradients(setup: ScoringSetup, side: _Chunks, cand: Tensor, d_pos: Tens
     d_p: Optional[Tensor] = None
     d_batch: Optional[Tensor] = None
     if setup.num_batch_negs > 0:
+        # masked entries have zero gradient; the positives' is on the diagonal (``_side_loss``)
         d_batch = d_blocks[0].view(side.num_chunks, side.chunk, side.chunk)
-        # masked entries have zero gradient; the positives' gradient goes on the diagonal
-        d_batch.diagonal(dim1=1, dim2=2).copy_(d_pos.view(side.num_chunks, side.chunk))
         if not defer_batch:
             d_batch_low = d_batch.to(side.a.dtype)
             d_a = torch.bmm(d_batch_low, side.p).to(acc)

@@ -96,8 +96,10 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs
         d_right = d_left if same else torch.zeros_like(rhs) if right_layout is None else torch.empty_like(rhs)
         left = setup.low(lhs.detach())
         right = left if same else setup.low(rhs.detach())
-        left_pos = left_raw if setup.compute_dtype is None else left[:num_pos] if left_layout is not None else (
-            left.index_select(0, lhs_inv))
+        if setup.compute_dtype is None:
+            left_pos = left_raw  # ``left`` is ``lhs`` itself
+        else:
+            left_pos = left[:num_pos] if left_layout is not None else left.index_select(0, lhs_inv)
         pair = pair_scores(setup, left, right, left_pos, setup.low(right_pos.detach()),
                            lhs_neg_inv, rhs_neg_inv, disable_lhs, disable_rhs, d_left, d_right,
                            None if anchor is None else setup.low(anchor.detach()),

@@ -19,14 +19,18 @@ from torch import Tensor
 
 from job.native import library
 
-_KERNELS = {torch.float32: "row_adagrad_f32", torch.float64: "row_adagrad_f64"}
-_SIDE_LOSS_KERNELS = {torch.float32: "side_loss_f32", torch.float64: "side_loss_f64"}
-_SIDE_LOSSES = {"softmax": 0, "ranking": 1}  # losskernels.c's LOSS_* codes
+# each kernel is built for these dtypes, its symbol's name ending in the suffix (row_adagrad_f32, ...)
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_SIDE_LOSSES = {"softmax": 0, "ranking": 1}  # losskernels.c's LOSS_* codes
 
 
 def _fits(t: Tensor, dtype: torch.dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _address(t: Optional[Tensor]) -> ctypes.c_void_p:
+    """A tensor's data as a C pointer argument (NULL for None)."""
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
 def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Tensor]], lr: float, eps: float,
@@ -38,8 +42,8 @@ def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Ten
     an int32 scratch array of at least ``weight.shape[0]`` entries (``job.train.rowops.scratch``).
     Raises IndexError when an id is outside the table (nothing written).
     """
-    kernel = _KERNELS.get(weight.dtype)
-    if kernel is None:
+    suffix = _SUFFIX.get(weight.dtype)
+    if suffix is None:
         return False
     lib = library()
     if lib is None or weight.dim() != 2 or not _fits(weight, weight.dtype) or not _fits(state, weight.dtype):
@@ -57,9 +61,9 @@ def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Ten
     id_ptrs = (ctypes.c_void_p * count)(*(ids.data_ptr() for ids, _ in lists))
     grad_ptrs = (ctypes.c_void_p * count)(*(grad.data_ptr() for _, grad in lists))
     counts = (ctypes.c_int64 * count)(*(ids.numel() for ids, _ in lists))
-    status = getattr(lib, kernel)(
-        ctypes.c_int32(count), id_ptrs, grad_ptrs, counts, ctypes.c_int64(dim), ctypes.c_void_p(weight.data_ptr()),
-        ctypes.c_void_p(state.data_ptr()), ctypes.c_int64(weight.shape[0]), ctypes.c_void_p(slots.data_ptr()),
+    status = getattr(lib, f"row_adagrad_{suffix}")(
+        ctypes.c_int32(count), id_ptrs, grad_ptrs, counts, ctypes.c_int64(dim), _address(weight), _address(state),
+        ctypes.c_int64(weight.shape[0]), _address(slots),
         ctypes.c_double(lr), ctypes.c_double(eps))
     if status != 0:
         ids = lists[-1 - status][0]
@@ -94,8 +98,7 @@ def side_loss(kind: str, margin: float, batch: Optional[Tensor], uniform: Option
     if code is None or not given:
         return None
     dtype = given[0].dtype
-    kernel = _SIDE_LOSS_KERNELS.get(dtype)
-    if kernel is None or not all(_fits(t, dtype) for t in given):
+    if dtype not in _SUFFIX or not all(_fits(t, dtype) for t in given):
         return None
     if batch is not None:
         if batch.dim() != 3 or batch.shape[1] != batch.shape[2]:
@@ -113,14 +116,10 @@ def side_loss(kind: str, margin: float, batch: Optional[Tensor], uniform: Option
     pos_out = torch.empty(padded, dtype=dtype)
     d_pos = torch.empty(padded, dtype=dtype)
     sums = (ctypes.c_double * 2)()
-
-    def address(t: Optional[Tensor]) -> ctypes.c_void_p:
-        return ctypes.c_void_p(None if t is None else t.data_ptr())
-
-    status = getattr(lib, kernel)(
-        ctypes.c_int32(code), ctypes.c_double(margin), address(batch), ctypes.c_int64(chunk), address(uniform),
-        ctypes.c_int64(0 if uniform is None else uniform.shape[1]), address(pos if batch is None else None),
-        address(pos_out), address(d_pos), ctypes.c_int64(padded), ctypes.c_int64(num_pos), sums)
+    status = getattr(lib, f"side_loss_{_SUFFIX[dtype]}")(
+        ctypes.c_int32(code), ctypes.c_double(margin), _address(batch), ctypes.c_int64(chunk), _address(uniform),
+        ctypes.c_int64(0 if uniform is None else uniform.shape[1]), _address(pos if batch is None else None),
+        _address(pos_out), _address(d_pos), ctypes.c_int64(padded), ctypes.c_int64(num_pos), sums)
     if status != 0:
         raise ValueError(f"side_loss: the native kernel does not compute the {kind!r} loss")
     return SideLoss(sums[0], sums[1], pos_out, d_pos)
@@ -151,9 +150,8 @@ def complex_diagonal(x: Tensor, real: Tensor, imag: Tensor, conjugate: bool) -> 
     per_row, rows, half = layout
     out = torch.empty_like(x)
     getattr(lib, f"complex_diagonal_forward_{_SUFFIX[x.dtype]}")(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(real.data_ptr()), ctypes.c_void_p(imag.data_ptr()),
-        ctypes.c_int32(per_row), ctypes.c_int32(conjugate), ctypes.c_int64(rows), ctypes.c_int64(half),
-        ctypes.c_void_p(out.data_ptr()))
+        _address(x), _address(real), _address(imag), ctypes.c_int32(per_row), ctypes.c_int32(conjugate),
+        ctypes.c_int64(rows), ctypes.c_int64(half), _address(out))
     return out
 
 
@@ -168,10 +166,9 @@ def complex_diagonal_backward(x: Tensor, real: Tensor, imag: Tensor, grad: Tenso
     per_row, rows, half = layout
     d_x, d_real, d_imag = torch.empty_like(x), torch.empty_like(real), torch.empty_like(imag)
     status = getattr(lib, f"complex_diagonal_backward_{_SUFFIX[x.dtype]}")(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(real.data_ptr()), ctypes.c_void_p(imag.data_ptr()),
-        ctypes.c_void_p(grad.data_ptr()), ctypes.c_int32(per_row), ctypes.c_int32(conjugate), ctypes.c_int64(rows),
-        ctypes.c_int64(half), ctypes.c_void_p(d_x.data_ptr()), ctypes.c_void_p(d_real.data_ptr()),
-        ctypes.c_void_p(d_imag.data_ptr()))
+        _address(x), _address(real), _address(imag), _address(grad), ctypes.c_int32(per_row),
+        ctypes.c_int32(conjugate), ctypes.c_int64(rows), ctypes.c_int64(half), _address(d_x), _address(d_real),
+        _address(d_imag))
     if status != 0:
         raise MemoryError("complex_diagonal_backward: no memory for the parameters' sums")
     return d_x, d_real, d_imag
