@@ -100,6 +100,19 @@ def test_lines_are_rate_limited_plus_one_per_pass(json_log: io.StringIO) -> None
     assert "ETA 50s" in mid["message"] and "edges/s" in mid["message"] and "eval MRR 0.2500" in mid["message"]
 
 
+def test_one_bucket_per_pass_prints_one_line_per_pass(json_log: io.StringIO) -> None:
+    clock = FakeClock()
+    progress = LineProgress(Config(), total_passes=3, buckets_per_pass=1, interval=30.0, clock=clock)
+    for index in range(3):
+        clock.now += 1.0
+        progress.on_bucket(bucket_record(index, epoch=index))
+        progress.on_pass(pass_summary(index))
+    lines = [json.loads(line) for line in json_log.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["pass", "pass", "pass"]
+    assert [line["pass"] for line in lines] == [1, 2, 3]
+    assert len({line["message"] for line in lines}) == 3
+
+
 def test_resumed_run_counts_eta_from_where_it_started(json_log: io.StringIO) -> None:
     clock = FakeClock()
     progress = LineProgress(Config(), total_passes=4, buckets_per_pass=10, interval=1e9, clock=clock)

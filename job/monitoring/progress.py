@@ -221,7 +221,10 @@ class LineProgress(Reporter):
 
     def on_bucket(self, record: dict[str, Any]) -> None:
         self.state.bucket(record)
-        if self.clock() - self.last_line >= self.interval:
+        # a bucket that ends its pass gets the pass's line instead (``on_pass`` follows at once): with one bucket
+        # per pass the first pass printed the same line twice
+        ends_pass = self.state.position % self.state.buckets_per_pass == 0
+        if not ends_pass and self.clock() - self.last_line >= self.interval:
             self._emit("progress")
 
     def on_pass(self, summary: dict[str, Any]) -> None:
