@@ -56,12 +56,17 @@ def load(args: argparse.Namespace) -> ConfigSchema:
 
 
 def _train(args: argparse.Namespace) -> int:
+    config = load(args)
+    if config.effective_workers() > 1 and (config.device == "cpu" or (config.device == "auto" and config.num_gpus == 0)):
+        # Hogwild on the CPU: the workers' fork server imports torch while this process does
+        from job.train.spawning import start_worker_server
+
+        start_worker_server()
     import torch  # heavy: only when the command runs, so that `biggraph --help` stays instant
 
     from job.train import train
     from job.train.launch import gpu_processes, partition_advice, relaunch_one_process_per_gpu
 
-    config = load(args)
     launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
     processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)

@@ -1,8 +1,9 @@
 """Hogwild! worker processes that live for the whole run.
 
-PBG forks a pool per bucket; we start ``workers`` processes once (spawn: safe beside
-the threads fsspec and torch start) and hand them, per bucket, shared-memory handles
-to the bucket's embedding tables and edges. Each worker runs one intra-op thread, so
+PBG forks a pool per bucket; we start ``workers`` processes once (from a fork server that has
+imported torch, or spawned: never forked from the trainer, whose threads a fork would copy; see
+``job.train.spawning``) and hand them, per bucket, shared-memory handles to the bucket's embedding
+tables and edges. Each worker runs one intra-op thread, so
 W workers on W cores do not oversubscribe.
 """
 
@@ -15,7 +16,6 @@ import traceback
 from typing import Any, Optional
 
 import torch
-import torch.multiprocessing as mp
 
 from job import native
 from job.config import ConfigSchema
@@ -23,7 +23,7 @@ from job.model.scoring import Model, Table
 from job.train.allocator import keep_freed_memory
 from job.train.batching import EdgeTensors, PlannedSlice, plan_batches
 from job.train.optim import RelationAdagrad
-from job.train.spawning import main_module_hidden
+from job.train.spawning import apply_environment, main_module_hidden, worker_context, worker_environment
 from job.train.step import BatchContext, BatchStats
 from job.train.work_sharing import SharedSlice
 
@@ -78,7 +78,9 @@ def _worker_main(
     tasks: Any,
     results: Any,
     lock: Any,
+    environment: dict[str, str],
 ) -> None:
+    apply_environment(environment)  # before anything reads it: a forked worker has the fork server's
     torch.set_num_threads(1)
     keep_freed_memory()
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.relation_lr or config.lr)
@@ -113,7 +115,7 @@ def _worker_main(
 
 class WorkerPool:
     def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad) -> None:
-        context = mp.get_context("spawn")
+        context = worker_context()
         # the native kernels are compiled (on a first run) here, once, not by every worker at its first batch
         native.library()
         self.config = config
@@ -126,7 +128,7 @@ class WorkerPool:
             process = context.Process(
                 target=_worker_main,
                 args=(worker_id, config, model, relation_optimizer.sums, relation_optimizer.steps, self.tasks, self.results,
-                      self.lock),
+                      self.lock, worker_environment()),
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )

@@ -50,6 +50,7 @@ from job.train.schedule import (
     PassGather,
     SharedSync,
 )
+from job.train.spawning import server_processes, start_worker_server
 from job.train.step import BatchStats
 from storage_adapters.edge_reader import prefetch
 
@@ -100,11 +101,14 @@ class Trainer(BucketRunner):
         self.reporter = make_reporter(config, rank=self.rank, total_passes=len(self.iterations),
                                       buckets_per_pass=self.nparts_lhs * self.nparts_rhs)
         self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
+        if self.workers > 1:
+            start_worker_server()  # its imports overlap the set-up below; the pool forks from it later
         # PBG cuts every bucket into one slice per worker; a GPU trains them one after another
         self.slices_per_bucket = config.effective_workers()
         self.pool: Optional[WorkerPool] = None
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
-        processes = 1 + (self.workers if self.workers > 1 else 0)  # the trainer and its Hogwild workers
+        # the trainer, its Hogwild workers and the fork server they start from
+        processes = 1 + (self.workers + server_processes() if self.workers > 1 else 0)
         self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None,
                                               processes=processes,
                                               transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path))

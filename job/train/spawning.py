@@ -1,32 +1,114 @@
-"""Start worker processes without re-running the user's ``__main__``.
+"""How Hogwild workers start: from a fork server that has imported torch once, without the caller's ``__main__``.
 
-The Hogwild workers are ``spawn``ed (safe beside the threads torch and fsspec start). A spawned child normally
-re-imports the parent's main module first - so that functions defined there can be unpickled - which breaks the
-places users call the Python API from: a script without an ``if __name__ == "__main__"`` guard runs itself again
-in every worker (and multiprocessing refuses to start), ``python - <<EOF`` fails with ``FileNotFoundError:
-'<stdin>'``. Our workers need nothing from ``__main__`` (their target and arguments live in ``job``), so while they
-start the parent shows multiprocessing an empty main module, exactly as a notebook's kernel does.
+A spawned worker is a fresh interpreter that imports torch and the batch code before it can train (~1.2 s of CPU
+each): two workers cost a second of wall time at the start of every run, sixteen on two vCPUs eleven seconds
+(bench/RESULTS.md). A fork server (``multiprocessing``'s ``forkserver``) imports them once, in a process of its
+own, and forks every worker from that clean, single-threaded state; started when a command knows it will train
+on the CPU with several workers, its imports overlap the trainer's own. Forking the trainer itself is not an
+option: it runs threads (torch, fsspec, the partition I/O), which a fork would copy mid-operation.
+
+A forked worker inherits the server's environment, from when the server started; the trainer's is handed to
+each worker with its arguments (``worker_environment``) and applied first thing, so that a variable set since
+(``BIGGRAPH_NATIVE``, credentials) reaches the workers as it did with spawn. ``BIGGRAPH_WORKER_START=spawn``
+starts every worker as a fresh interpreter again.
+
+A started child normally re-imports the parent's main module first - so that functions defined there can be
+unpickled - which breaks the places users call the Python API from: a script without an ``if __name__ ==
+"__main__"`` guard runs itself again in every worker (and multiprocessing refuses to start), ``python - <<EOF``
+fails with ``FileNotFoundError: '<stdin>'``. Our workers need nothing from ``__main__`` (their target and
+arguments live in ``job``), so while they start the parent shows multiprocessing an empty main module, exactly
+as a notebook's kernel does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import multiprocessing
+import os
 import sys
 import threading
 import types
 from collections.abc import Iterator
+from multiprocessing import forkserver
+from multiprocessing.context import ForkServerContext, SpawnContext
+
+logger = logging.getLogger("biggraph")
+
+START_ENV = "BIGGRAPH_WORKER_START"
+START_METHODS = ("forkserver", "spawn")
+# what every worker needs before its first batch: imported once, by the server
+PRELOAD = ["torch", "job.train.hogwild"]
 
 _lock = threading.Lock()
 
 
+def start_method() -> str:
+    """``forkserver`` where the platform has it, unless ``BIGGRAPH_WORKER_START`` says ``spawn``."""
+    wanted = os.environ.get(START_ENV, "").strip().lower() or "forkserver"
+    if wanted not in START_METHODS:
+        logger.warning("%s=%s is not one of %s: using forkserver", START_ENV, wanted, ", ".join(START_METHODS))
+        wanted = "forkserver"
+    if wanted == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return wanted
+
+
+def start_worker_server() -> None:
+    """Start the fork server now, in the background (it imports ``PRELOAD`` meanwhile); nothing under spawn.
+
+    Idempotent. Called where a run knows it will train on the CPU with several workers, as early as it can.
+    """
+    if start_method() == "forkserver":
+        _ensure_server(multiprocessing.get_context("forkserver"))
+
+
+def worker_context() -> ForkServerContext | SpawnContext:
+    """The multiprocessing context Hogwild workers start from (its fork server running)."""
+    if start_method() == "spawn":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    _ensure_server(context)
+    return context
+
+
+def server_processes() -> int:
+    """Processes besides the trainer and its workers that workers cost (the fork server: ~150 MiB, torch loaded)."""
+    return 1 if start_method() == "forkserver" else 0
+
+
+def worker_environment() -> dict[str, str]:
+    """The trainer's environment, for a worker to apply (``apply_environment``) before it reads any of it."""
+    return dict(os.environ)
+
+
+def apply_environment(environment: dict[str, str]) -> None:
+    """Make this worker's environment the trainer's (a forked worker starts with the server's)."""
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def _ensure_server(context: ForkServerContext) -> None:
+    with _lock, _empty_main():  # the server is handed the main module's path too: it gets none
+        # the preload list is read when the server starts; a server already running keeps its own
+        context.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+
+
 @contextlib.contextmanager
 def main_module_hidden() -> Iterator[None]:
-    """Within the block, processes started with the ``spawn`` method do not import the caller's ``__main__``."""
-    with _lock:
-        real = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            yield
-        finally:
-            if real is not None:
-                sys.modules["__main__"] = real
+    """Within the block, processes started with ``spawn`` or ``forkserver`` do not import the caller's ``__main__``."""
+    with _lock, _empty_main():
+        yield
+
+
+@contextlib.contextmanager
+def _empty_main() -> Iterator[None]:
+    real = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if real is not None:
+            sys.modules["__main__"] = real
