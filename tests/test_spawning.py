@@ -3,10 +3,15 @@ environment handed over, the server counted in the memory budget, ``BIGGRAPH_WOR
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +128,116 @@ def test_a_worker_applies_the_environment_it_is_handed(tmp_path: Path, monkeypat
     tasks: queue.Queue[Any] = queue.Queue()
     results: queue.Queue[Any] = queue.Queue()
     tasks.put(None)  # stop after start-up
+    receive, send = multiprocessing.Pipe(duplex=False)
+    send.send((model, [torch.zeros(1)], torch.zeros(1, dtype=torch.float64)))
     threads = torch.get_num_threads()
     try:
-        _worker_main(0, config, model, [torch.zeros(1)], torch.zeros(1, dtype=torch.float64), tasks, results, None,
-                     handed)
+        _worker_main(0, config, receive, tasks, results, None, handed)
         assert os.environ.get(MARK) == "the trainer's"
         assert results.get_nowait()[0] == "ready"
     finally:
         torch.set_num_threads(threads)
         os.environ.pop(MARK, None)
+
+
+@pytest.mark.parametrize("method,preloaded", [("forkserver", True), ("spawn", False)])
+def test_a_worker_starts_with_torch_imported_by_the_server(monkeypatch: pytest.MonkeyPatch, method: str,
+                                                          preloaded: bool) -> None:
+    """What a child has imported before it runs anything: torch (the server's preload) when forked, nothing
+    when spawned. The target is a builtin, so that unpickling it imports nothing."""
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("this platform has no forkserver start method")
+    monkeypatch.setenv(spawning.START_ENV, method)
+    context = worker_context()
+    queue = context.Queue()
+    probe = "import sys; queue.put(sorted(m for m in ('torch', 'job.train.hogwild') if m in sys.modules))"
+    process = context.Process(target=exec, args=(probe, {"queue": queue}), daemon=True)
+    with spawning.main_module_hidden():
+        process.start()
+    try:
+        assert queue.get(timeout=120) == (["job.train.hogwild", "torch"] if preloaded else [])
+    finally:
+        process.join(timeout=30)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_model_with_many_relations_trains_on_several_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                method: str) -> None:
+    """200 relations share 400 tensors with every worker (a parameter and its Adagrad sum each): more file
+    descriptors than a fork server passes with a start (~250), so they go through a pipe afterwards."""
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("this platform has no forkserver start method")
+    monkeypatch.setenv(spawning.START_ENV, method)
+    from job.train import train
+
+    raw = write_cycle_graph(tmp_path, num_relations=200, workers=2, num_epochs=1, device="cpu")
+    summary = train(parse_config(raw))
+    assert summary["version"] == 1 and summary["train_edges"] == 8000  # 40 per relation
+
+
+def test_the_workers_spawn_where_the_fork_server_cannot_start(tmp_path: Path) -> None:
+    """A temporary directory whose path is too long for a Unix socket: no fork server; spawn, with a warning."""
+    long_tmp = tmp_path / ("d" * 110)
+    long_tmp.mkdir()
+    code = "from job.train.spawning import server_processes, worker_context\n" \
+           "print(worker_context().get_start_method(), server_processes())"
+    env = {**os.environ, "TMPDIR": str(long_tmp)}
+    env.pop(spawning.START_ENV, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["spawn", "0"]
+    assert "the fork server could not start" in done.stderr and "spawning each worker instead" in done.stderr
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_killed_trainer_leaves_no_worker_or_server_running(tmp_path: Path, method: str) -> None:
+    """SIGKILL sends the workers no stop: they notice their trainer is gone and exit, and the fork server with
+    them (it lives while any process holds its "alive" pipe: the workers do)."""
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("this platform has no forkserver start method")
+    write_cycle_graph(tmp_path, workers=2)
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        from multiprocessing import forkserver
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from helpers_graphs import write_cycle_graph
+        from job.config import parse_config
+        from job.model.scoring import Model
+        from job.train.hogwild import WorkerPool
+        from job.train.optim import RelationAdagrad
+        from pathlib import Path
+        config = parse_config(write_cycle_graph(Path({str(tmp_path)!r}), workers=2, device="cpu"))
+        model = Model(config)
+        pool = WorkerPool(2, config, model, RelationAdagrad(list(model.parameters()), 0.1))
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        print(json.dumps({{"workers": [p.pid for p in pool.processes], "server": server}}), flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, spawning.START_ENV: method}
+    trainer = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = trainer.stdout.readline() if trainer.stdout else ""
+        assert line, "the trainer printed no pids"
+        started = json.loads(line)
+        pids = started["workers"] + ([started["server"]] if method == "forkserver" else [])
+        assert len(pids) == (3 if method == "forkserver" else 2) and all(_running(pid) for pid in pids)
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    deadline = time.monotonic() + 120  # a liveness bound, not a speed figure: the workers check every 2 s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after the trainer was killed: {left}"

@@ -10,6 +10,7 @@ W workers on W cores do not oversubscribe.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import time
 import traceback
@@ -28,6 +29,8 @@ from job.train.step import BatchContext, BatchStats
 from job.train.work_sharing import SharedSlice
 
 logger = logging.getLogger("biggraph")
+
+PARENT_CHECK_SECONDS = 2.0  # how often an idle worker checks that its trainer still runs
 
 
 def _wait(delay: float, shared: SharedSlice) -> None:
@@ -72,25 +75,35 @@ def _run_task(ctx: BatchContext, task: dict[str, Any], lock: Any) -> BatchStats:
 def _worker_main(
     worker_id: int,
     config: ConfigSchema,
-    model: Model,
-    relation_sums: list[torch.Tensor],
-    relation_steps: torch.Tensor,
+    setup: Any,
     tasks: Any,
     results: Any,
     lock: Any,
     environment: dict[str, str],
 ) -> None:
+    """A worker's life: take the trainer's environment, then the shared model from ``setup`` (a pipe's end: see
+    ``WorkerPool``), then tasks until a ``None`` or until the trainer is gone."""
     apply_environment(environment)  # before anything reads it: a forked worker has the fork server's
     torch.set_num_threads(1)
     keep_freed_memory()
+    model, relation_sums, relation_steps = setup.recv()
+    setup.close()
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.relation_lr or config.lr)
     relation_optimizer.sums = relation_sums
     relation_optimizer.steps = relation_steps
     results.put(("ready", worker_id, None, None))
     ctx: Optional[BatchContext] = None  # the current task's; dropped (None) between tasks, see below
     stats: Optional[BatchStats] = None
+    trainer = multiprocessing.parent_process()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=PARENT_CHECK_SECONDS)
+        except queue.Empty:
+            # A killed trainer (SIGKILL, an OOM kill, torchrun tearing a group down) sends no None. The workers,
+            # which hold the queue's write end themselves, would wait for ever - and keep the fork server alive.
+            if trainer is not None and not trainer.is_alive():
+                return
+            continue
         if task is None:
             return
         task_id = task["id"]
@@ -124,17 +137,28 @@ class WorkerPool:
         self.lock = context.Lock()  # guards the SharedSlices of delayed slices; inherited by the workers
         self.processes = []
         self._next_id = 0
+        shared = (model, relation_optimizer.sums, relation_optimizer.steps)
         for worker_id in range(num_workers):
+            # The shared tensors go through a pipe once the worker runs, not with its start: a fork server takes
+            # at most ~250 file descriptors with a start (one per shared tensor: a model of 300 relations
+            # failed); a pipe passes any number.
+            receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(worker_id, config, model, relation_optimizer.sums, relation_optimizer.steps, self.tasks, self.results,
-                      self.lock, worker_environment()),
+                args=(worker_id, config, receive, self.tasks, self.results, self.lock, worker_environment()),
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )
             with main_module_hidden():  # the API works from a script without a main guard, or from stdin
                 process.start()
+            receive.close()  # the worker's copy only: a worker that dies before reading breaks the pipe
             self.processes.append(process)
+            try:
+                send.send(shared)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the worker died; the wait below says so
+            finally:
+                send.close()
         # Wait until every worker has imported torch and unpickled the model: starting up costs seconds
         # of CPU, which would otherwise be taken from the first buckets' training.
         ready = 0

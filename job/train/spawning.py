@@ -3,7 +3,7 @@
 A spawned worker is a fresh interpreter that imports torch and the batch code before it can train (~1.2 s of CPU
 each): two workers cost a second of wall time at the start of every run, sixteen on two vCPUs eleven seconds
 (bench/RESULTS.md). A fork server (``multiprocessing``'s ``forkserver``) imports them once, in a process of its
-own, and forks every worker from that clean, single-threaded state; started when a command knows it will train
+own, and forks every worker from that clean state (no thread of the caller's running); started when a command knows it will train
 on the CPU with several workers, its imports overlap the trainer's own. Forking the trainer itself is not an
 option: it runs threads (torch, fsspec, the partition I/O), which a fork would copy mid-operation.
 
@@ -18,6 +18,9 @@ unpickled - which breaks the places users call the Python API from: a script wit
 fails with ``FileNotFoundError: '<stdin>'``. Our workers need nothing from ``__main__`` (their target and
 arguments live in ``job``), so while they start the parent shows multiprocessing an empty main module, exactly
 as a notebook's kernel does.
+
+Where the server cannot start (a socket path over the platform's limit under a long ``TMPDIR``, an unwritable
+temporary directory) the workers are spawned, with a warning: slower to start, never a failed run.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ START_METHODS = ("forkserver", "spawn")
 PRELOAD = ["torch", "job.train.hogwild"]
 
 _lock = threading.Lock()
+_server_failed: list[str] = []  # why the fork server could not start, once it could not: spawn from then on
 
 
 def start_method() -> str:
@@ -49,7 +53,7 @@ def start_method() -> str:
     if wanted not in START_METHODS:
         logger.warning("%s=%s is not one of %s: using forkserver", START_ENV, wanted, ", ".join(START_METHODS))
         wanted = "forkserver"
-    if wanted == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+    if wanted == "forkserver" and ("forkserver" not in multiprocessing.get_all_start_methods() or _server_failed):
         return "spawn"
     return wanted
 
@@ -60,16 +64,16 @@ def start_worker_server() -> None:
     Idempotent. Called where a run knows it will train on the CPU with several workers, as early as it can.
     """
     if start_method() == "forkserver":
-        _ensure_server(multiprocessing.get_context("forkserver"))
+        _ensure_server(multiprocessing.get_context("forkserver"))  # or spawn from now on, with a warning
 
 
 def worker_context() -> ForkServerContext | SpawnContext:
     """The multiprocessing context Hogwild workers start from (its fork server running)."""
-    if start_method() == "spawn":
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    _ensure_server(context)
-    return context
+    if start_method() == "forkserver":
+        context = multiprocessing.get_context("forkserver")
+        if _ensure_server(context):
+            return context
+    return multiprocessing.get_context("spawn")
 
 
 def server_processes() -> int:
@@ -89,11 +93,25 @@ def apply_environment(environment: dict[str, str]) -> None:
         os.environ.update(environment)
 
 
-def _ensure_server(context: ForkServerContext) -> None:
+def _ensure_server(context: ForkServerContext) -> bool:
+    """Start the fork server unless it runs; False (and spawn from then on) where it cannot start."""
     with _lock, _empty_main():  # the server is handed the main module's path too: it gets none
-        # the preload list is read when the server starts; a server already running keeps its own
-        context.set_forkserver_preload(PRELOAD)
-        forkserver.ensure_running()
+        # multiprocessing's own state, read defensively (private names): what the running server preloaded
+        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        preloaded = list(getattr(forkserver._forkserver, "_preload_modules", []))
+        if pid is not None:  # already running (ours, or a library user's): it keeps the modules it preloaded
+            logger.debug("the fork server runs already (pid %s); preloaded: %s", pid, ", ".join(preloaded))
+        # Read when the server starts. Added to the process-wide list, not replacing it: a caller may have set its
+        # own. ('__main__' in it is harmless: the server is given no main module path, see above.)
+        context.set_forkserver_preload(list(dict.fromkeys([*preloaded, *PRELOAD])))
+        try:
+            forkserver.ensure_running()
+        except OSError as error:
+            _server_failed.append(str(error))
+            logger.warning("Hogwild workers: the fork server could not start (%s); spawning each worker instead "
+                           "(slower to start)", error)
+            return False
+        return True
 
 
 @contextlib.contextmanager
