@@ -9,8 +9,9 @@ option: it runs threads (torch, fsspec, the partition I/O), which a fork would c
 
 A forked worker inherits the server's environment, from when the server started; the trainer's is handed to
 each worker with its arguments (``worker_environment``) and applied first thing, so that a variable set since
-(``BIGGRAPH_NATIVE``, credentials) reaches the workers as it did with spawn. ``BIGGRAPH_WORKER_START=spawn``
-starts every worker as a fresh interpreter again.
+(``BIGGRAPH_NATIVE``, credentials) reaches the workers as it did with spawn. What a native library reads once,
+when the server loads it (OpenMP's ``OMP_*``/``GOMP_*``/``KMP_*``, read as torch loads), is the server's: set those
+before the run starts. ``BIGGRAPH_WORKER_START=spawn`` starts every worker as a fresh interpreter again.
 
 A started child normally re-imports the parent's main module first - so that functions defined there can be
 unpickled - which breaks the places users call the Python API from: a script without an ``if __name__ ==
