@@ -164,7 +164,8 @@ def test_a_worker_starts_with_torch_imported_by_the_server(monkeypatch: pytest.M
 def test_a_model_with_many_relations_trains_on_several_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 method: str) -> None:
     """200 relations share 400 tensors with every worker (a parameter and its Adagrad sum each): more file
-    descriptors than a fork server passes with a start (~250), so they go through a pipe afterwards."""
+    descriptors than a fork server passes with a start (~250), so they go through a pipe afterwards. (Spawned
+    workers never had that limit: their case checks the pipe does not break them.)"""
     if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         pytest.skip("this platform has no forkserver start method")
     monkeypatch.setenv(spawning.START_ENV, method)
@@ -175,18 +176,68 @@ def test_a_model_with_many_relations_trains_on_several_workers(tmp_path: Path, m
     assert summary["version"] == 1 and summary["train_edges"] == 8000  # 40 per relation
 
 
-def test_the_workers_spawn_where_the_fork_server_cannot_start(tmp_path: Path) -> None:
-    """A temporary directory whose path is too long for a Unix socket: no fork server; spawn, with a warning."""
+def test_a_run_under_a_tmpdir_too_long_for_a_socket_trains(tmp_path: Path) -> None:
+    """Workers take shared tensors over Unix sockets in the temporary directory, and a socket's path has ~107
+    bytes: under a deeper TMPDIR multiprocessing's directory moves to /tmp, and two workers train (a real run, in a
+    subprocess: the directory is a process-wide setting)."""
     long_tmp = tmp_path / ("d" * 110)
     long_tmp.mkdir()
-    code = "from job.train.spawning import server_processes, worker_context\n" \
-           "print(worker_context().get_start_method(), server_processes())"
+    code = textwrap.dedent(f"""
+        import logging, sys
+        from pathlib import Path
+        logging.basicConfig(level=logging.INFO)
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from helpers_graphs import write_cycle_graph
+        from job.config import parse_config
+        from job.train import train
+        from job.train.spawning import start_method
+        raw = write_cycle_graph(Path({str(tmp_path)!r}), workers=2, num_epochs=2, device="cpu")
+        print(start_method(), train(parse_config(raw))["version"])
+    """)
     env = {**os.environ, "TMPDIR": str(long_tmp)}
     env.pop(spawning.START_ENV, None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    has_server = "forkserver" in multiprocessing.get_all_start_methods()
+    assert done.stdout.split() == ["forkserver" if has_server else "spawn", "2"]
+    assert "is too long for a Unix socket; using /tmp/pymp-" in done.stderr
+
+
+@forkserver_only
+def test_the_workers_spawn_where_the_fork_server_cannot_start(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A server that fails to start (injected here: out of file descriptors) leaves the run to spawned workers,
+    with one warning, and the memory budget then counts no server."""
+    def fail() -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.delenv(spawning.START_ENV, raising=False)
+    monkeypatch.setattr(spawning, "_server_failed", [])
+    monkeypatch.setattr(spawning.forkserver, "ensure_running", fail)
+    with caplog.at_level(logging.WARNING, logger="biggraph"):
+        assert worker_context().get_start_method() == "spawn"
+        assert start_method() == "spawn" and server_processes() == 0
+        start_worker_server()
+    assert caplog.text.count("the fork server could not start ([Errno 24] Too many open files)") == 1
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_one() -> None:
+    """Shared tensors are open descriptors until the workers take them: the pool raises the soft limit first."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256 if soft == resource.RLIM_INFINITY else min(soft, 256)
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    code = ("import resource\n"
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({low}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "from job.train.spawning import raise_open_file_limit\n"
+            "raise_open_file_limit()\n"
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["spawn", "0"]
-    assert "the fork server could not start" in done.stderr and "spawning each worker instead" in done.stderr
+    new_soft, new_hard = map(int, done.stdout.split())
+    assert new_soft > low and (new_soft == new_hard or new_hard == resource.RLIM_INFINITY)
 
 
 def _running(pid: int) -> bool:

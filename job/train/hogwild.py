@@ -9,6 +9,7 @@ W workers on W cores do not oversubscribe.
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing
 import queue
@@ -24,7 +25,13 @@ from job.model.scoring import Model, Table
 from job.train.allocator import keep_freed_memory
 from job.train.batching import EdgeTensors, PlannedSlice, plan_batches
 from job.train.optim import RelationAdagrad
-from job.train.spawning import apply_environment, main_module_hidden, worker_context, worker_environment
+from job.train.spawning import (
+    apply_environment,
+    main_module_hidden,
+    raise_open_file_limit,
+    worker_context,
+    worker_environment,
+)
 from job.train.step import BatchContext, BatchStats
 from job.train.work_sharing import SharedSlice
 
@@ -86,7 +93,10 @@ def _worker_main(
     apply_environment(environment)  # before anything reads it: a forked worker has the fork server's
     torch.set_num_threads(1)
     keep_freed_memory()
-    model, relation_sums, relation_steps = setup.recv()
+    try:
+        model, relation_sums, relation_steps = setup.recv()
+    except EOFError:  # the trainer gave up before sending (it says why)
+        return
     setup.close()
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.relation_lr or config.lr)
     relation_optimizer.sums = relation_sums
@@ -137,11 +147,13 @@ class WorkerPool:
         self.lock = context.Lock()  # guards the SharedSlices of delayed slices; inherited by the workers
         self.processes = []
         self._next_id = 0
-        shared = (model, relation_optimizer.sums, relation_optimizer.steps)
+        # The shared tensors go through a pipe once the worker runs, not with its start: a fork server takes at
+        # most ~250 file descriptors with a start (one per shared tensor: a model of 300 relations failed); a
+        # pipe passes any number. Every worker is started before any is sent its share: a send blocks until its
+        # worker reads, and spawned workers import torch meanwhile, all at once.
+        raise_open_file_limit()  # each shared tensor is an open descriptor until every worker has taken it
+        senders = []
         for worker_id in range(num_workers):
-            # The shared tensors go through a pipe once the worker runs, not with its start: a fork server takes
-            # at most ~250 file descriptors with a start (one per shared tensor: a model of 300 relations
-            # failed); a pipe passes any number.
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
@@ -153,10 +165,20 @@ class WorkerPool:
                 process.start()
             receive.close()  # the worker's copy only: a worker that dies before reading breaks the pipe
             self.processes.append(process)
+            senders.append(send)
+        shared = (model, relation_optimizer.sums, relation_optimizer.steps)
+        for worker_id, send in enumerate(senders):
             try:
                 send.send(shared)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the worker died; the wait below says so
+            except OSError as error:
+                for other in senders:  # the workers still waiting for their share end (EOF) instead of hanging
+                    other.close()
+                self.close()
+                hint = (" (the open file limit, `ulimit -n`, must cover a descriptor per parameter tensor)"
+                        if error.errno == errno.EMFILE else "")
+                raise RuntimeError(f"could not hand the shared model to Hogwild worker {worker_id}: {error}{hint}") from None
             finally:
                 send.close()
         # Wait until every worker has imported torch and unpickled the model: starting up costs seconds

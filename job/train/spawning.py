@@ -20,8 +20,10 @@ fails with ``FileNotFoundError: '<stdin>'``. Our workers need nothing from ``__m
 arguments live in ``job``), so while they start the parent shows multiprocessing an empty main module, exactly
 as a notebook's kernel does.
 
-Where the server cannot start (a socket path over the platform's limit under a long ``TMPDIR``, an unwritable
-temporary directory) the workers are spawned, with a warning: slower to start, never a failed run.
+Workers receive shared tensors over Unix sockets in multiprocessing's temporary directory (torch's file
+descriptor passing; the fork server listens there too). A socket's path has ~107 bytes on Linux, so under a
+``TMPDIR`` too long for one (some batch schedulers set deep per-job paths) that directory is moved to a short one
+in ``/tmp`` (``short_socket_dir``). Where the server still cannot start, workers are spawned, with a warning.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import resource
+import shutil
 import sys
+import tempfile
 import threading
 import types
 from collections.abc import Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, process, util
 from multiprocessing.context import ForkServerContext, SpawnContext
 
 logger = logging.getLogger("biggraph")
@@ -46,6 +51,8 @@ PRELOAD = ["torch", "job.train.hogwild"]
 
 _lock = threading.Lock()
 _server_failed: list[str] = []  # why the fork server could not start, once it could not: spawn from then on
+SOCKET_PATH_MAX = 107  # a Unix socket path's bytes (sun_path: 108 on Linux, less the terminating NUL)
+_SOCKET_NAME = len("/listener-") + 8  # multiprocessing's socket names (tempfile.mktemp's 8 random characters)
 
 
 def start_method() -> str:
@@ -64,17 +71,53 @@ def start_worker_server() -> None:
 
     Idempotent. Called where a run knows it will train on the CPU with several workers, as early as it can.
     """
+    short_socket_dir()
     if start_method() == "forkserver":
         _ensure_server(multiprocessing.get_context("forkserver"))  # or spawn from now on, with a warning
 
 
 def worker_context() -> ForkServerContext | SpawnContext:
     """The multiprocessing context Hogwild workers start from (its fork server running)."""
+    short_socket_dir()
     if start_method() == "forkserver":
         context = multiprocessing.get_context("forkserver")
         if _ensure_server(context):
             return context
     return multiprocessing.get_context("spawn")
+
+
+def short_socket_dir() -> str:
+    """multiprocessing's temporary directory, moved to a short one in ``/tmp`` if a socket's path there would not
+    fit (``SOCKET_PATH_MAX``); workers and the fork server started afterwards use it too. Idempotent."""
+    with _lock:
+        current = util.get_temp_dir()
+        if len(os.fsencode(current)) + _SOCKET_NAME <= SOCKET_PATH_MAX:
+            return current
+        try:
+            short = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+        except OSError as error:
+            logger.warning("Hogwild workers: TMPDIR's path is too long for a Unix socket and /tmp is not writable "
+                           "(%s): set TMPDIR to a short writable directory", error)
+            return current
+        # multiprocessing keeps it in the process's config (copied into every process started later); removed at exit
+        process.current_process()._config["tempdir"] = short  # type: ignore[attr-defined]
+        util.Finalize(None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True}, exitpriority=-100)
+        logger.info("Hogwild workers: TMPDIR's path (%d bytes) is too long for a Unix socket; using %s for the "
+                    "workers' sockets", len(os.fsencode(current)), short)
+        return short
+
+
+def raise_open_file_limit() -> None:
+    """The soft limit on open files raised to the hard one: torch passes a shared tensor to another process as a
+    file descriptor, held open in the sender until the receiver has taken it (a model of a few hundred relations
+    would pass a soft limit of 1,024 with two workers)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (OSError, ValueError) as error:  # best effort: a failed send says what is missing
+        logger.debug("could not raise the open file limit: %s", error)
 
 
 def server_processes() -> int:
