@@ -57,7 +57,7 @@ def load(args: argparse.Namespace) -> ConfigSchema:
 
 def _train(args: argparse.Namespace) -> int:
     config = load(args)
-    if config.effective_workers() > 1 and (config.device == "cpu" or (config.device == "auto" and config.num_gpus == 0)):
+    if config.effective_workers() > 1 and not config.wants_cuda():
         # Hogwild on the CPU: the workers' fork server imports torch while this process does
         from job.train.spawning import start_worker_server
 

@@ -362,6 +362,10 @@ class ConfigSchema:
             return math.sqrt(2.0 / (num_entities + self.entity_dimension(entity_type)))
         return self.init_scale
 
+    def wants_cuda(self) -> bool:
+        """Whether the config asks for a GPU (``device: cuda``, or ``auto`` with ``num_gpus > 0``)."""
+        return self.device == "cuda" or (self.device == "auto" and self.num_gpus > 0)
+
     def effective_workers(self) -> int:
         """The number of Hogwild workers: ``workers``, else one per CPU."""
         return self.workers if self.workers is not None else (os.cpu_count() or 1)

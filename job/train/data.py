@@ -25,8 +25,7 @@ from job.train.buckets import Bucket
 
 def pick_device(config: ConfigSchema) -> torch.device:
     """The device the config asks for; under torchrun each local rank takes its own GPU."""
-    want_cuda = config.device == "cuda" or (config.device == "auto" and config.num_gpus > 0)
-    if want_cuda:
+    if config.wants_cuda():
         if not torch.cuda.is_available():
             raise UserError(
                 f"config asks for a GPU (device={config.device!r}, num_gpus={config.num_gpus}) but CUDA is not available "

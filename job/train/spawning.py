@@ -71,9 +71,7 @@ def start_worker_server() -> None:
 
     Idempotent. Called where a run knows it will train on the CPU with several workers, as early as it can.
     """
-    short_socket_dir()
-    if start_method() == "forkserver":
-        _ensure_server(multiprocessing.get_context("forkserver"))  # or spawn from now on, with a warning
+    worker_context()  # or spawn from now on, with a warning
 
 
 def worker_context() -> ForkServerContext | SpawnContext:
