@@ -28,7 +28,8 @@ completions settled by the object) - and every name is re-exported here: callers
 
 from __future__ import annotations
 
-from storage_adapters.errors import NotHDF5Error, StorageError
+from storage_adapters.conditional import read_tagged, sync_directory, write_if
+from storage_adapters.errors import ConditionFailed, NotHDF5Error, StorageError
 from storage_adapters.fs import S3_SCHEMES, get_filesystem, is_local, join, local_path, scheme_of, storage_options_for
 from storage_adapters.ops import (
     check_bucket,
@@ -58,10 +59,11 @@ from storage_adapters.staging import (
 )
 
 __all__ = [
-    "S3_SCHEMES", "NotHDF5Error", "StorageError", "StorageSession", "StorageSettings", "carry", "current", "using",
+    "S3_SCHEMES", "ConditionFailed", "NotHDF5Error", "StorageError", "StorageSession", "StorageSettings", "carry",
+    "current", "using",
     "UPLOAD_DIR_PREFIX", "remove_stale_upload_dirs", "upload_staging_dir",
     "check_bucket", "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
     "read_bytes", "read_text", "remove", "scheme_of", "size", "storage_options_for",
-    "write_bytes", "write_text",
+    "write_bytes", "write_text", "read_tagged", "write_if", "sync_directory",
 ]

@@ -22,3 +22,8 @@ class NotHDF5Error(OSError):
         super().__init__(f"{url}: not a readable HDF5 file ({reason})")
         self.url = url
         self.reason = reason
+
+
+class ConditionFailed(StorageError):
+    """A conditional write found the object changed (or present, or gone) since the caller last read it:
+    another writer got there first. Raised only by :func:`storage_adapters.write_if`."""

@@ -59,6 +59,7 @@ def local_file_for_writing(url: str) -> Iterator[str]:
         os.close(fd)
         try:
             yield tmp
+            _fsync_file(tmp)  # durable before the rename publishes it (a power loss must not leave empty blocks)
             os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -72,6 +73,14 @@ def local_file_for_writing(url: str) -> Iterator[str]:
         put_file(tmp, url)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 UPLOAD_DIR_PREFIX = "biggraph-upload-"

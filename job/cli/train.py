@@ -25,6 +25,10 @@ def register(subparsers: Any) -> None:
         "--edge-read-mode", choices=("stage", "stream"), default=None,
         help="how to read edge files from object stores (overrides the config key edge_read_mode)",
     )
+    train.add_argument(
+        "--take-over", action="store_true",
+        help="take the checkpoint directory from a run whose heartbeat stopped (a job that was killed elsewhere); "
+             "a run whose heartbeat is fresh is never taken over")
     train.set_defaults(func=_train)
 
     evaluate = subparsers.add_parser("eval", help="rank held-out edges: MRR, Hits@1/10/50, AUC, mean rank")
@@ -77,7 +81,7 @@ def _train(args: argparse.Namespace) -> int:
         if advice:
             logger.warning(advice)
         return relaunch_one_process_per_gpu(processes, args.argv)
-    train(config)
+    train(config, take_over=args.take_over)
     return 0
 
 

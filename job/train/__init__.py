@@ -12,9 +12,11 @@ from job.train.loop import Trainer
 
 
 @storage_scoped
-def train(config, *, stop_after_iterations: int | None = None) -> dict:  # config: a ConfigSchema
-    """Train to completion (or for ``stop_after_iterations`` passes, for tests); return a summary."""
-    trainer = Trainer(config)
+def train(config, *, take_over: bool = False, stop_after_iterations: int | None = None) -> dict:  # a ConfigSchema
+    """Train to completion (or for ``stop_after_iterations`` passes, for tests); return a summary.
+
+    ``take_over``: take the checkpoint directory from a run whose heartbeat stopped (job/checkpoint/owner.py)."""
+    trainer = Trainer(config, take_over=take_over)
     try:
         return trainer.run(stop_after_iterations=stop_after_iterations)
     finally:

@@ -10,7 +10,6 @@ committed version, clean-up after killed runs, the model state to load) in job/t
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
@@ -18,13 +17,12 @@ from typing import Any, Optional
 
 import torch
 
+from job.checkpoint import CheckpointManager, ModelState
 from job.config import BucketOrder, ConfigSchema
 from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
-from job.formats.checkpoint import CheckpointStorage
 from job.formats.validate import validate_cheap
-from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model
 from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
@@ -39,7 +37,7 @@ from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.precision import training_dtype
-from job.train.resume import load_model_state, open_checkpoint
+from job.train.resume import GroupBarrier, load_model_state
 from job.train.schedule import (
     BucketScheduler,
     Iteration,
@@ -49,6 +47,7 @@ from job.train.schedule import (
     ParameterSync,
     PassGather,
     SharedSync,
+    read_progress,
 )
 from job.train.spawning import server_processes, start_worker_server
 from job.train.step import BatchStats
@@ -60,11 +59,23 @@ logger = logging.getLogger("biggraph")
 class Trainer(BucketRunner):
     """Owns the model, the partitions in memory, the worker pool, the scheduler and the checkpoint directory."""
 
-    def __init__(self, config: ConfigSchema) -> None:
+    def __init__(self, config: ConfigSchema, take_over: bool = False) -> None:
         self.config = config
-        # a grown version whose input a crash left unpublished is completed before the input is checked; the
-        # leftovers of an uncommitted grow go, like those of an uncommitted pass
-        finish_committed_grow(config.checkpoint_path, clean_uncommitted=os.environ.get("RANK", "0") == "0")
+        self.dist = init_distributed()
+        self.rank = self.dist.rank if self.dist else 0
+        self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
+        self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, take_over=take_over)
+        self.checkpoint = self.checkpoints.storage  # the format's file I/O, for the partition store and scheduler
+        # the directory taken (one writer) and cleaned; a grown version whose input a crash left unpublished is
+        # completed before the input is checked
+        self._open_checkpoint()
+        try:
+            self._set_up(config)
+        except BaseException:
+            self.checkpoints.close()
+            raise
+
+    def _set_up(self, config: ConfigSchema) -> None:
         validate_cheap(config)
         self.device = pick_device(config)
         keep_freed_memory()  # this process trains batches too (workers=1, evaluation, a GPU's host side)
@@ -76,11 +87,6 @@ class Trainer(BucketRunner):
         self.num_dynamic_rels = (
             entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
         )
-        self.dist = init_distributed()
-        self.rank = self.dist.rank if self.dist else 0
-        self.checkpoint = CheckpointStorage(config.checkpoint_path)
-        self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
-        self._open_checkpoint()
         self._build_model()
         self.num_chunks = count_edge_chunks(config)
         # the checkpoint version the first pass of this run commits minus one (biggraph grow trains on after
@@ -106,7 +112,10 @@ class Trainer(BucketRunner):
         # PBG cuts every bucket into one slice per worker; a GPU trains them one after another
         self.slices_per_bucket = config.effective_workers()
         self.pool: Optional[WorkerPool] = None
-        self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts, {}, self.device)
+        self.iteration = self.iterations[0] if self.iterations else None  # the pass in flight (file metadata)
+        self.checkpoints.add_metadata_provider(self._metadata)
+        self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
+                                    self.checkpoints.metadata, self.device)
         # the trainer, its Hogwild workers and the fork server they start from
         processes = 1 + (self.workers + server_processes() if self.workers > 1 else 0)
         self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None,
@@ -116,9 +125,15 @@ class Trainer(BucketRunner):
         self.scheduler, self.sync = self._make_scheduler()
 
     def _open_checkpoint(self) -> None:
-        """The committed version, cleaned of what killed runs left (job/train/resume.py)."""
-        self.version, self.progress = open_checkpoint(self.checkpoint, self.config.checkpoint_path, self.dist,
-                                                      self.all_keys)
+        """The committed version, cleaned of what killed runs left; in a torchrun group, the lock server's
+        persisted progress of an interrupted pass (its first pass resumes it, so its files are kept)."""
+        if self.dist is None:
+            self.version, self.progress = self.checkpoints.open(), None
+            return
+        path = self.config.checkpoint_path
+        self.version = self.checkpoints.open(GroupBarrier(self.dist),
+                                             resumes_pass=lambda version: read_progress(path, version) is not None)
+        self.progress = read_progress(path, self.version)
 
     def _build_model(self) -> None:
         config = self.config
@@ -147,7 +162,11 @@ class Trainer(BucketRunner):
         return scheduler, SharedSync(shared, scheduler)
 
     # checkpoint metadata ------------------------------------------------------------------------
-    def _metadata(self, iteration: Iteration) -> dict[str, Any]:
+    def _metadata(self) -> dict[str, Any]:
+        """The metadata of the files written during the pass in flight (a provider of the checkpoint manager)."""
+        iteration = self.iteration
+        if iteration is None:
+            return {}
         return {
             "config/json": self.config.to_json(exclude=("storage_options",)),  # may hold credentials
             "iteration/num_epochs": self.config.num_epochs,
@@ -211,7 +230,7 @@ class Trainer(BucketRunner):
         the stats lines, every process returns the same ``eval_mrr`` (the whole pass's)."""
         config = self.config
         self.store.start_pass(self.version)
-        self.store.metadata = self._metadata(iteration)
+        self.iteration = iteration
         seed_base = (config.seed if config.seed is not None else random.randrange(2**31)) + 104_729 * self.rank
         resident_at_start = len(self.store.resident_partitioned())
         pass_started = time.perf_counter()
@@ -308,33 +327,24 @@ class Trainer(BucketRunner):
         """Write the whole next version and the pass's stats lines, then move the marker, then drop the old
         version. The lines go before the marker so that a kill after it loses none; a run resumed before it
         drops them (``trim_stats``)."""
-        config = self.config
         new_version = self.version + 1
         self.store.finish_pass()
         state = self.model.public_state_dict()
-        self.checkpoint.save_model(
-            new_version,
+        self.checkpoints.write_model(new_version, ModelState(
             {name: (private, tensor.cpu().numpy()) for name, (private, tensor) in state.items()},
-            self.relation_optimizer.state_dict(),
-            self._metadata(iteration),
-        )
+            self.relation_optimizer.state_dict()))
         records = records_of(new_version)
         for record in records:
             record.setdefault("checkpoint_version", new_version)
-        self.checkpoint.append_stats(records)
-        self.checkpoint.save_version(new_version)  # the commit point
-        old_version = self.version
+        interval = self.config.checkpoint_preservation_interval
+        keep = self._ends_epoch(iteration) and interval is not None and (iteration.epoch + 1) % interval == 0
+        self.checkpoints.commit(new_version, records, snapshot_epoch=iteration.epoch if keep else None)
         self.version = new_version
-        interval = config.checkpoint_preservation_interval
-        if self._ends_epoch(iteration) and interval is not None and (iteration.epoch + 1) % interval == 0:
-            self.checkpoint.preserve(new_version, iteration.epoch, self.all_keys)
-        if old_version > 0:
-            self.checkpoint.drop_version(old_version, self.all_keys)
 
     def close(self) -> None:
         self.store.discard_prefetched()
         self.reporter.close()
-        self.checkpoint.close()  # flush and stop background uploads on every exit path
+        self.checkpoints.close()  # flush and stop background uploads on every exit path; the directory given up
         if self.dist is not None:
             if self.finished_ok:
                 leave(self.dist)

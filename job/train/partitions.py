@@ -53,14 +53,14 @@ class PartitionStore:
         checkpoint: CheckpointStorage,
         committed_version: int,
         entity_counts: dict[str, list[int]],
-        metadata: dict,
+        metadata: Callable[[], dict],
         device: torch.device,
     ) -> None:
         self.config = config
         self.checkpoint = checkpoint
         self.committed = committed_version
         self.counts = entity_counts
-        self.metadata = metadata
+        self.metadata = metadata  # the checkpoint manager's: what the files written now carry
         self.device = device
         self.init_storage = CheckpointStorage(config.init_path) if config.init_path else None
         self._init_version: Optional[int] = None
@@ -297,7 +297,7 @@ class PartitionStore:
         weight = table.weight.detach().cpu().numpy()
         optim_sum = table.optim_sum.detach().cpu() if table.optim_sum is not None else None
         state = row_adagrad_state(optim_sum, self.config.lr, self.steps.get(key, 0)) if optim_sum is not None else None
-        self.checkpoint.save_entity_partition(self.next_version, entity_type, part, weight, state, self.metadata)
+        self.checkpoint.save_entity_partition(self.next_version, entity_type, part, weight, state, self.metadata())
         self.stats.add(writes=1, bytes_written=weight.nbytes + weight.shape[0] * 4)
         self.written.add(key)
         self.io_bytes += weight.nbytes

@@ -1,10 +1,8 @@
-"""Resume: open a checkpoint directory at its committed version and load the model state a run starts from.
+"""Resume: the model state a run starts from, and the torchrun group as the checkpoint manager sees it.
 
-Separate from ``Trainer`` (job/train/loop.py) because it is the one place that decides what a run
-starts from: which version is committed, what a killed run left that must go (temporary files, the
-uncommitted leftovers of a crashed pass, a newer manifest, stats lines past the marker), and whether the
-relation parameters come from that version, from ``init_path`` or from a fresh initialisation. The
-loop itself then only ever moves forward from ``version``.
+Which version is committed and what a killed run left is the checkpoint manager's (job/checkpoint/manager.py);
+here it is decided whether the relation parameters come from that version, from ``init_path`` or from a fresh
+initialisation. The loop itself then only ever moves forward from ``version``.
 """
 
 from __future__ import annotations
@@ -12,60 +10,31 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-import storage_adapters as storage
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.model.scoring import Model
 from job.train.group import DistributedContext, wait_all
 from job.train.optim import RelationAdagrad
-from job.train.schedule import read_progress
 
 logger = logging.getLogger("biggraph")
 
 PartKey = tuple[str, int]
 
 
-def open_checkpoint(checkpoint: CheckpointStorage, checkpoint_path: str, dist: Optional[DistributedContext],
-                    all_keys: list[PartKey]) -> tuple[int, Optional[dict[str, Any]]]:
-    """Read the committed version and clean what killed runs left (rank 0 cleans, the others wait).
+class GroupBarrier:
+    """A torchrun group as the checkpoint manager sees it (``job.checkpoint.Group``): its rank, barriers named
+    per rendezvous round, and the store where ranks share the records of the files they write."""
 
-    Returns the version and, in a torchrun group, the lock server's persisted progress of an interrupted
-    pass (its first pass resumes it), else None."""
-    rank = dist.rank if dist is not None else 0
-    if rank == 0:
-        checkpoint.prepare()
-    if dist is not None:
-        wait_all(dist, f"prepared-{dist.restart_count}")
-    version = checkpoint.load_version()
-    # distributed: the lock server's persisted state of an interrupted pass, resumed by its first pass
-    progress = read_progress(checkpoint_path, version) if dist is not None else None
-    if dist is not None:
-        # a partition written by one rank is read by others: they verify it against the writer's record
-        checkpoint.sums = SharedSumRegistry(dist.store, str(dist.restart_count))
-    if rank == 0:
-        remove_temporary_files(checkpoint_path)
-        checkpoint.drop_uncommitted_manifests(version)
-        # a kill between a commit and the clean-up after it leaves the previous version's files and, before
-        # the marker, the stats lines of a version that never committed
-        checkpoint.drop_older(version, all_keys)
-        checkpoint.trim_stats(version)
-        if progress is None:
-            # leftovers of a pass that crashed before its commit are garbage
-            checkpoint.drop_uncommitted(version, all_keys)
-    if dist is not None:
-        wait_all(dist, f"cleaned-{dist.restart_count}")
-    return version, progress
+    def __init__(self, dist: DistributedContext) -> None:
+        self.dist = dist
+        self.rank = dist.rank
 
+    def barrier(self, name: str) -> None:
+        wait_all(self.dist, f"{name}-{self.dist.restart_count}")
 
-def remove_temporary_files(checkpoint_path: str) -> None:
-    """Files a killed writer left under their temporary names are never part of any version; local
-    staging copies of uploads a killed trainer never finished are only wasted disk."""
-    for path in storage.remove_stale_upload_dirs():
-        logger.info("removed %s (left by a trainer that was killed during an upload)", path)
-    for name in storage.listdir(checkpoint_path):
-        if name.startswith(".tmp-"):
-            storage.remove(storage.join(checkpoint_path, name))
+    def shared_sums(self) -> SharedSumRegistry:
+        return SharedSumRegistry(self.dist.store, str(self.dist.restart_count))
 
 
 def load_model_state(model: Model, optimizer: RelationAdagrad, checkpoint: CheckpointStorage, version: int,

@@ -1,0 +1,181 @@
+"""``CheckpointManager``: the one owner of a checkpoint directory's life.
+
+Everything that decides what a checkpoint directory holds goes through here, in one order:
+
+- :meth:`open` (a writer's start): take the directory (:mod:`job.checkpoint.owner`: one writer at a time), finish
+  the publication of a grow that committed (:mod:`job.growing.journal`), read the committed version, then remove
+  what killed runs left (temporary files, manifests and files of versions after the marker, versions before it, stats
+  lines past it). In a torchrun group rank 0 does this while the others wait (the group is one writer).
+- :meth:`write_model`, then :meth:`commit` (a writer's commit): the model file with the metadata of every provider,
+  the pass's stats lines, then the version is checked complete (every partition of every entity type and the model
+  are stored), made durable (files and directory fsynced where the storage has them), the ownership checked, the
+  manifest and the marker written (the commit point), the directory fsynced again; then retention (a snapshot kept
+  every ``checkpoint_preservation_interval`` epochs, the previous version dropped).
+- :meth:`reader` (eval, export, archive, report): finish a committed grow, then open the committed version (or one
+  kept in ``epoch_*/``) through :func:`job.formats.committed.open_committed`.
+
+Partition files themselves are written during a pass by the partition store through :attr:`storage` (the
+``CheckpointStorage`` of the format), with :meth:`metadata` as their metadata; only the commit makes them part of a
+version. The storage protocol below (``CheckpointStorage``) knows files and formats, not policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+import storage_adapters as storage
+from job.checkpoint.owner import Ownership, claim, unclaim
+from job.errors import CheckpointError
+from job.formats.checkpoint import CheckpointStorage, SumRegistry
+from job.formats.checkpoint_io import version_of
+from job.formats.committed import Committed, open_committed
+
+logger = logging.getLogger("biggraph")
+
+PartKey = tuple[str, int]
+MetadataProvider = Callable[[], dict[str, Any]]
+
+
+class Group(Protocol):
+    """What the manager needs of a torchrun group: who it is, a barrier, and where ranks share file records."""
+
+    rank: int
+
+    def barrier(self, name: str) -> None: ...
+
+    def shared_sums(self) -> SumRegistry: ...
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """The shared parameters of a version: public name -> (private name, array), and their optimizer state."""
+
+    params: dict[str, tuple[str, np.ndarray]]
+    optimizer: Optional[dict[str, Any]]
+
+
+class CheckpointManager:
+    """Opens, commits and retires the versions of one checkpoint directory; see the module docstring."""
+
+    def __init__(self, url: str, partitions: Sequence[PartKey], take_over: bool = False) -> None:
+        self.storage = CheckpointStorage(url)
+        self.url = self.storage.url
+        self.partitions = list(partitions)
+        self.take_over = take_over
+        self.version = 0
+        self._owner: Optional[Ownership] = None
+        self._providers: list[MetadataProvider] = []
+
+    # metadata ------------------------------------------------------------------------------------
+    def add_metadata_provider(self, provider: MetadataProvider) -> None:
+        """``provider()`` is merged into the metadata of every file written after this call (later ones win)."""
+        self._providers.append(provider)
+
+    def metadata(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for provider in self._providers:
+            merged.update(provider())
+        return merged
+
+    # opening -------------------------------------------------------------------------------------
+    def open(self, group: Optional[Group] = None,
+             resumes_pass: Callable[[int], bool] = lambda version: False) -> int:
+        """Take the directory and clean it for a run; returns the committed version.
+
+        ``resumes_pass(version)``: whether the files written after ``version`` belong to a pass that this run
+        resumes (a torchrun group's lock server persisted its progress); otherwise they are garbage."""
+        from job.growing.journal import finish_committed_grow  # the journal is a checkpoint file; see its docs
+
+        rank = group.rank if group is not None else 0
+        if rank == 0:
+            self._owner = claim(self.url, self.take_over)
+            finish_committed_grow(self.url, clean_uncommitted=True)
+            self.storage.prepare()
+        if group is not None:
+            group.barrier("prepared")
+        version = self.storage.load_version()
+        if group is not None:
+            # a partition written by one rank is read by others: they verify it against the writer's record
+            self.storage.sums = group.shared_sums()
+        if rank == 0:
+            self._clean(version, keep_uncommitted=resumes_pass(version))
+        if group is not None:
+            group.barrier("cleaned")
+        self.version = version
+        return version
+
+    def _clean(self, version: int, keep_uncommitted: bool) -> None:
+        for path in storage.remove_stale_upload_dirs():
+            logger.info("removed %s (left by a trainer that was killed during an upload)", path)
+        for name in storage.listdir(self.url):
+            if name.startswith(".tmp-"):  # a killed writer's file under its temporary name: never part of a version
+                storage.remove(storage.join(self.url, name))
+        self.storage.drop_uncommitted_manifests(version)
+        # a kill between a commit and the clean-up after it leaves the previous version's files and, before the
+        # marker, the stats lines of a version that never committed
+        self.storage.drop_older(version, self.partitions)
+        self.storage.trim_stats(version)
+        if not keep_uncommitted:
+            self.storage.drop_uncommitted(version, self.partitions)
+
+    # committing ----------------------------------------------------------------------------------
+    def write_model(self, version: int, state: ModelState) -> None:
+        self.storage.save_model(version, state.params, state.optimizer, self.metadata())
+
+    def commit(self, version: int, stats: Sequence[dict[str, Any]] = (), snapshot_epoch: Optional[int] = None,
+               drop_previous: bool = True) -> None:
+        """Make ``version`` (whose files are written) the committed one; see the module docstring for the order."""
+        if version <= self.version:
+            raise CheckpointError(f"{self.url}: cannot commit version {version} over committed version {self.version}")
+        if stats:
+            self.storage.append_stats(list(stats))
+        self.storage.flush()
+        self._check_complete(version)
+        storage.sync_directory(self.url)  # the renames of the version's files, before the marker names them
+        if self._owner is not None:
+            self._owner.check()
+        self.storage.save_version(version)  # manifest, then the marker: the commit point
+        storage.sync_directory(self.url)
+        previous, self.version = self.version, version
+        if snapshot_epoch is not None:
+            self.storage.preserve(version, snapshot_epoch, self.partitions)
+        if drop_previous and previous > 0:
+            self.storage.drop_version(previous, self.partitions)
+
+    def _check_complete(self, version: int) -> None:
+        """Every partition of every entity type and the model are stored: a version that lacks one is never
+        committed (a reader would otherwise start that partition afresh, or fail)."""
+        present = {name for name in storage.listdir(self.url) if version_of(name, data_only=True) == version}
+        wanted = [self.storage.partition_file(version, t, p) for t, p in self.partitions]
+        wanted.append(self.storage.model_file(version))
+        missing = [url for url in wanted if url.rsplit("/", 1)[-1] not in present]
+        if missing:
+            shown = ", ".join(u.rsplit("/", 1)[-1] for u in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise CheckpointError(f"{self.url}: version {version} is incomplete ({len(missing)} files missing: {shown}); "
+                                  f"not committed, version {self.version} stays the committed one")
+
+    # reading -------------------------------------------------------------------------------------
+    @staticmethod
+    def reader(url: str, version: Optional[int] = None, finish_grow: bool = True) -> Committed:
+        """The committed ``version`` (default: the latest) for a reader; a grow that committed but was stopped
+        before publishing its input is finished first, so the reader sees the input that belongs to it."""
+        if finish_grow:
+            from job.growing.journal import finish_committed_grow
+
+            finish_committed_grow(url)
+        return open_committed(url, version)
+
+    # the end ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for uploads (raising the first error), stop their threads, and give the directory up."""
+        try:
+            self.storage.close()
+        finally:
+            if self._owner is not None:
+                owner, self._owner = self._owner, None
+                unclaim(owner)

@@ -1,0 +1,285 @@
+"""One writer at a time: the owner record of a checkpoint directory.
+
+Two jobs that write one ``checkpoint_path`` (a resubmitted job beside the one still running, a local run beside a
+cluster job) destroy each other's work: each one's start-up deletes what it takes for the other's uncommitted
+files, and their commits interleave. So a writer first takes ``owner.json`` in the directory (run id, host, process,
+since when, heartbeat), keeps its heartbeat fresh from a thread, and checks it is still the owner right before
+every commit marker: the check *is* a conditional rewrite of the record (S3 ``If-Match`` on its ETag, a compare
+under ``flock`` locally; :mod:`storage_adapters.conditional`), so a writer that lost the directory cannot commit.
+
+Who is "the same writer": a torchrun group is one writer (every restart of it, a replaced or added pod included,
+carries the same run id: ``BIGGRAPH_RUN_ID`` if set, which the chart sets to the Job's uid, else torchrun's
+``--rdzv-id``); a process outside torchrun is its own run. A record left by a process that is provably gone (same
+machine, same PID namespace, PID no longer alive) is taken over at once; one whose heartbeat stopped elsewhere is
+taken over only when asked (``--take-over``), because a stopped heartbeat may also be a paused or partitioned
+writer; a fresh one is never taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import storage_adapters as storage
+from job.errors import CheckpointError
+
+logger = logging.getLogger("biggraph")
+
+OWNER_FILE = "owner.json"
+HEARTBEAT_SECONDS = 15.0
+# a heartbeat older than this is stale: several missed beats, long enough for an object store's slow moments
+STALE_AFTER_SECONDS = 120.0
+
+
+class OwnerBusyError(CheckpointError):
+    """Another run owns the checkpoint directory (its heartbeat is fresh, or stale without ``--take-over``)."""
+
+
+class OwnershipLost(CheckpointError):
+    """This run's owner record was taken over by another run: it must stop without committing."""
+
+
+def machine_id() -> str:
+    """This kernel and PID namespace: two records with the same one can compare PIDs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}"
+
+
+_PROCESS_RUN = f"local:{uuid.uuid4().hex[:12]}"
+
+
+def default_run_id() -> str:
+    """The run this process belongs to (see the module docstring); outside torchrun, one per process."""
+    explicit = os.environ.get("BIGGRAPH_RUN_ID")
+    if explicit:
+        return explicit
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rdzv and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+        return f"torchrun:{rdzv}"
+    return _PROCESS_RUN
+
+
+@dataclass(frozen=True)
+class OwnerRecord:
+    run_id: str
+    host: str
+    pid: int
+    machine: str
+    started: float
+    heartbeat: float
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), indent=1) + "\n").encode()
+
+    @classmethod
+    def parse(cls, url: str, data: bytes) -> OwnerRecord:
+        try:
+            raw = json.loads(data.decode("utf-8"))
+            record = cls(run_id=str(raw["run_id"]), host=str(raw["host"]), pid=int(raw["pid"]),
+                         machine=str(raw.get("machine", "")), started=float(raw["started"]),
+                         heartbeat=float(raw["heartbeat"]))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{url}: not an owner record ({type(err).__name__}: {str(err)[:80]}); if no job "
+                                  "writes this checkpoint, delete the file") from None
+        return record
+
+    def describe(self) -> str:
+        return f"run {self.run_id} on host {self.host} (pid {self.pid}) since {_when(self.started)}"
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Ownership:
+    """This run's claim on one checkpoint directory: :meth:`acquire`, :meth:`check` before each marker,
+    :meth:`release` at the end. The heartbeat thread runs between :meth:`acquire` and :meth:`release`."""
+
+    def __init__(self, checkpoint_url: str, run_id: Optional[str] = None, take_over: bool = False,
+                 heartbeat_seconds: float = HEARTBEAT_SECONDS, stale_after: float = STALE_AFTER_SECONDS,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.url = storage.join(checkpoint_url, OWNER_FILE)
+        self.run_id = run_id or default_run_id()
+        self.take_over = take_over
+        self.heartbeat_seconds = heartbeat_seconds
+        self.stale_after = stale_after
+        self.clock = clock
+        self._tag: Optional[str] = None
+        self._started = clock()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[BaseException] = None
+
+    def _record(self) -> OwnerRecord:
+        return OwnerRecord(self.run_id, socket.gethostname(), os.getpid(), machine_id(), self._started, self.clock())
+
+    def read(self) -> Optional[tuple[OwnerRecord, str]]:
+        try:
+            data, tag = storage.read_tagged(self.url)
+        except FileNotFoundError:
+            return None
+        return OwnerRecord.parse(self.url, data), tag
+
+    def acquire(self) -> None:
+        """Take the directory, or raise :class:`OwnerBusyError` naming the owner and how to take over."""
+        for _ in range(5):  # a lost race re-reads the record and decides again
+            found = self.read()
+            expect = None
+            if found is not None:
+                current, expect = found
+                self._judge(current)
+            try:
+                with self._lock:
+                    self._tag = storage.write_if(self.url, self._record().to_bytes(), expect)
+            except storage.ConditionFailed:
+                continue
+            self._start_heartbeat()
+            return
+        raise OwnerBusyError(f"{self.url}: the owner record keeps changing under this run: another job is taking "
+                             "this checkpoint directory; stop one of them")
+
+    def _judge(self, current: OwnerRecord) -> None:
+        """Return when ``current`` may be replaced by this run; raise otherwise."""
+        if current.run_id == self.run_id:
+            return  # this run again (a restarted torchrun group, a replaced pod)
+        if current.machine and current.machine == machine_id() and not _alive(current.pid):
+            logger.warning("%s: taking over the checkpoint from %s: that process is gone", self.url,
+                           current.describe())
+            return
+        age = self.clock() - current.heartbeat
+        if age < self.stale_after:
+            raise OwnerBusyError(
+                f"{self.url}: checkpoint directory in use by {current.describe()}, heartbeat {age:.0f} s ago: two "
+                "jobs must not write one checkpoint_path; stop that job, or give this one another checkpoint_path "
+                f"(if that job is gone, run again with --take-over once its heartbeat is over {self.stale_after:.0f} s "
+                "old)")
+        if not self.take_over:
+            raise OwnerBusyError(
+                f"{self.url}: checkpoint directory owned by {current.describe()}, whose heartbeat stopped "
+                f"{age:.0f} s ago (at {_when(current.heartbeat)}): if no process of that run is alive, run again with "
+                "--take-over (biggraph train --take-over, or BIGGRAPH_TAKE_OVER=1)")
+        logger.warning("%s: taking over the checkpoint from %s (heartbeat stopped %.0f s ago; --take-over)",
+                       self.url, current.describe(), age)
+
+    def check(self) -> None:
+        """Raise :class:`OwnershipLost` unless this run still owns the directory; renews the heartbeat (the
+        conditional rewrite is the check). Call right before writing a commit marker."""
+        if self._failure is not None:
+            raise self._failure
+        self._beat()
+
+    def _beat(self) -> None:
+        with self._lock:
+            if self._tag is None:
+                raise CheckpointError(f"{self.url}: not acquired")
+            try:
+                self._tag = storage.write_if(self.url, self._record().to_bytes(), self._tag)
+            except storage.ConditionFailed:
+                found = self.read()
+                other = found[0].describe() if found is not None else "someone who then removed the record"
+                raise OwnershipLost(f"{self.url}: this run ({self.run_id}) no longer owns the checkpoint directory: "
+                                    f"taken over by {other}; stopping without committing") from None
+
+    def _start_heartbeat(self) -> None:
+        if self._thread is not None or self.heartbeat_seconds <= 0:
+            return
+        self._stop.clear()
+        carried = storage.carry(self._heartbeat_loop)  # the storage settings of the job, in the thread
+        self._thread = threading.Thread(target=carried, name="biggraph-owner-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            try:
+                self._beat()
+            except OwnershipLost as err:
+                self._failure = err
+                logger.error("%s", err)
+                return
+            except Exception as err:  # a storage hiccup: the next beat (or the commit's check) tries again
+                logger.warning("%s: heartbeat not written (%s)", self.url, err)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the record if it is still this run's (a later job need not wait)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._lock:
+            if self._tag is None:
+                return
+            try:
+                found = self.read()
+                if found is not None and found[1] == self._tag:
+                    storage.remove(self.url)
+            except Exception as err:  # leaving the record only makes the next run check the PID or wait
+                logger.warning("%s: owner record not removed (%s)", self.url, err)
+            self._tag = None
+
+
+def describe_owner(checkpoint_url: str) -> Optional[dict[str, Any]]:
+    """The owner record of a checkpoint directory, for status displays (None when nobody owns it)."""
+    url = storage.join(checkpoint_url, OWNER_FILE)
+    try:
+        data = storage.read_bytes(url)
+    except FileNotFoundError:
+        return None
+    return asdict(OwnerRecord.parse(url, data))
+
+
+_claims: dict[str, tuple[Ownership, int]] = {}
+_claims_lock = threading.Lock()
+
+
+def claim(checkpoint_url: str, take_over: bool = False) -> Ownership:
+    """This process's ownership of ``checkpoint_url``, acquired on the first claim and shared by nested writers (a
+    grow and the training it runs); each claim is ended by :func:`unclaim`."""
+    key = checkpoint_url.rstrip("/")
+    with _claims_lock:
+        held = _claims.get(key)
+        if held is not None:
+            _claims[key] = (held[0], held[1] + 1)
+            return held[0]
+    ownership = Ownership(key, take_over=take_over or os.environ.get("BIGGRAPH_TAKE_OVER") == "1")
+    ownership.acquire()
+    with _claims_lock:
+        _claims[key] = (ownership, 1)
+    return ownership
+
+
+def unclaim(ownership: Ownership) -> None:
+    key = ownership.url.rsplit("/", 1)[0]
+    with _claims_lock:
+        held = _claims.get(key)
+        if held is None or held[0] is not ownership:
+            ownership.release()
+            return
+        if held[1] > 1:
+            _claims[key] = (ownership, held[1] - 1)
+            return
+        del _claims[key]
+    ownership.release()
