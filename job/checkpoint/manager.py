@@ -63,13 +63,17 @@ class CheckpointManager:
     """Opens, commits and retires the versions of one checkpoint directory; see the module docstring."""
 
     def __init__(self, url: str, partitions: Sequence[PartKey], take_over: bool = False) -> None:
-        self.storage = CheckpointStorage(url)
+        self.storage = CheckpointStorage(url, guard=self._guard)
         self.url = self.storage.url
         self.partitions = list(partitions)
         self.take_over = take_over
         self.version = 0
         self._owner: Optional[Ownership] = None
         self._providers: list[MetadataProvider] = []
+
+    def _guard(self) -> None:
+        if self._owner is not None:
+            self._owner.guard()
 
     # metadata ------------------------------------------------------------------------------------
     def add_metadata_provider(self, provider: MetadataProvider) -> None:
@@ -132,6 +136,7 @@ class CheckpointManager:
         """Make ``version`` (whose files are written) the committed one; see the module docstring for the order."""
         if version <= self.version:
             raise CheckpointError(f"{self.url}: cannot commit version {version} over committed version {self.version}")
+        self._guard()  # before the stats lines too: they go into the directory's one training_stats.json
         if stats:
             self.storage.append_stats(list(stats))
         self.storage.flush()

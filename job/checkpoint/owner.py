@@ -34,7 +34,7 @@ from job.errors import CheckpointError
 logger = logging.getLogger("biggraph")
 
 OWNER_FILE = "owner.json"
-HEARTBEAT_SECONDS = 15.0
+HEARTBEAT_SECONDS = 15.0  # BIGGRAPH_OWNER_HEARTBEAT_S changes it (the stale age follows: 8 beats)
 # a heartbeat older than this is stale: several missed beats, long enough for an object store's slow moments
 STALE_AFTER_SECONDS = 120.0
 
@@ -133,6 +133,7 @@ class Ownership:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._failure: Optional[BaseException] = None
+        self._last_beat = time.monotonic()  # of the last record this run wrote (monotonic: runs on while frozen)
 
     def _record(self) -> OwnerRecord:
         return OwnerRecord(self.run_id, socket.gethostname(), os.getpid(), machine_id(), self._started, self.clock())
@@ -155,6 +156,7 @@ class Ownership:
             try:
                 with self._lock:
                     self._tag = storage.write_if(self.url, self._record().to_bytes(), expect)
+                    self._last_beat = time.monotonic()
             except storage.ConditionFailed:
                 continue
             self._start_heartbeat()
@@ -192,17 +194,29 @@ class Ownership:
             raise self._failure
         self._beat()
 
+    def guard(self) -> None:
+        """Before writing any file: raise :class:`OwnershipLost` if the heartbeat found the directory taken, and
+        check again first when the last heartbeat is older than two beats (a process frozen for a while, then
+        resumed, must not write one file over its successor's before its heartbeat thread wakes up)."""
+        if self._failure is not None:
+            raise self._failure
+        if self.heartbeat_seconds > 0 and time.monotonic() - self._last_beat > 2 * self.heartbeat_seconds:
+            self._beat()
+
     def _beat(self) -> None:
         with self._lock:
             if self._tag is None:
                 raise CheckpointError(f"{self.url}: not acquired")
             try:
                 self._tag = storage.write_if(self.url, self._record().to_bytes(), self._tag)
+                self._last_beat = time.monotonic()
             except storage.ConditionFailed:
                 found = self.read()
                 other = found[0].describe() if found is not None else "someone who then removed the record"
-                raise OwnershipLost(f"{self.url}: this run ({self.run_id}) no longer owns the checkpoint directory: "
-                                    f"taken over by {other}; stopping without committing") from None
+                self._failure = OwnershipLost(
+                    f"{self.url}: this run ({self.run_id}) no longer owns the checkpoint directory: taken over by "
+                    f"{other}; stopping without writing or committing anything more")
+                raise self._failure from None
 
     def _start_heartbeat(self) -> None:
         if self._thread is not None or self.heartbeat_seconds <= 0:
@@ -217,7 +231,6 @@ class Ownership:
             try:
                 self._beat()
             except OwnershipLost as err:
-                self._failure = err
                 logger.error("%s", err)
                 return
             except Exception as err:  # a storage hiccup: the next beat (or the commit's check) tries again
@@ -264,7 +277,9 @@ def claim(checkpoint_url: str, take_over: bool = False) -> Ownership:
         if held is not None:
             _claims[key] = (held[0], held[1] + 1)
             return held[0]
-    ownership = Ownership(key, take_over=take_over or os.environ.get("BIGGRAPH_TAKE_OVER") == "1")
+    beat = float(os.environ.get("BIGGRAPH_OWNER_HEARTBEAT_S", HEARTBEAT_SECONDS))
+    ownership = Ownership(key, take_over=take_over or os.environ.get("BIGGRAPH_TAKE_OVER") == "1",
+                          heartbeat_seconds=beat, stale_after=beat * STALE_AFTER_SECONDS / HEARTBEAT_SECONDS)
     ownership.acquire()
     with _claims_lock:
         _claims[key] = (ownership, 1)

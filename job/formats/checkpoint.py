@@ -87,8 +87,11 @@ T = TypeVar("T")
 class CheckpointStorage:
     """Reads and writes one checkpoint directory (local path or any URL)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, guard: Callable[[], None] | None = None) -> None:
         self.url = url.rstrip("/") if url not in ("/",) else url
+        # called before every file this object writes: the checkpoint manager's ownership check (a writer that
+        # lost the directory to another run raises instead of writing over that run's files)
+        self.guard = guard or (lambda: None)
         self._remote = not storage.is_local(self.url)
         self._uploads = UploadQueue()
         self.sums = SumRegistry()
@@ -98,6 +101,7 @@ class CheckpointStorage:
     @contextlib.contextmanager
     def _h5_writer(self, url: str) -> Iterator[str]:
         """A local path to build the HDF5 file in; it becomes ``url`` (locally at once, remotely in the background)."""
+        self.guard()
         if not self._remote:
             with storage.local_file_for_writing(url) as tmp:
                 yield tmp
@@ -189,6 +193,7 @@ class CheckpointStorage:
         """Commit ``version``: wait until all its files are stored, write their checksum manifest, then the
         marker (the last object)."""
         self.flush()
+        self.guard()
         names = [n for n in storage.listdir(self.url) if version_of(n, data_only=True) == version]
         known = {n: e for n in names if (e := self.sums.get(storage.join(self.url, n))) is not None}
         manifest = build_manifest(self.url, names, known, version)  # files of other writers are read back
@@ -325,6 +330,7 @@ class CheckpointStorage:
 
     # config and stats ------------------------------------------------------------------------
     def save_config(self, config_json: str) -> None:
+        self.guard()
         storage.write_text(self.config_file(), config_json)
 
     def load_config_dict(self) -> dict[str, Any]:
