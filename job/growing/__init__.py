@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import storage_adapters as storage
+from job.checkpoint import CheckpointManager, ModelState
 from job.config import ConfigSchema
 from job.data.importing import ImportOptions, check_request
 from job.formats.checkpoint import CheckpointStorage
@@ -42,7 +43,6 @@ from job.growing.ingest import GrowImporter, read_trained_names
 from job.growing.journal import (
     GrowRecord,
     describe_files,
-    finish_committed_grow,
     journal_file,
     latest_record,
     publish,
@@ -107,14 +107,19 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
         raise GrowError("biggraph grow trains on one machine: run it outside torchrun (or with --no-train, then "
                         "train the grown model with torchrun as usual)")
     check_request(config, files, options)
-    checkpoint = CheckpointStorage(config.checkpoint_path)
-    finish_committed_grow(config.checkpoint_path, clean_uncommitted=True)
-    version = checkpoint.load_version()
+    # one writer: taken (and cleaned of what a killed grow or train left) for the grow and the training after it
+    manager = CheckpointManager(config.checkpoint_path, _keys(config))
+    try:
+        return _grow_and_train(config, files, options, manager, train)
+    finally:
+        manager.close()
+
+
+def _grow_and_train(config: ConfigSchema, files: list[str], options: ImportOptions, manager: CheckpointManager,
+                    train: bool) -> GrowSummary:
+    version = manager.open()
     if version == 0:
         raise GrowError(f"--into {config.checkpoint_path}: no committed checkpoint there (train a model first)")
-    keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
-    checkpoint.drop_uncommitted_manifests(version)
-    checkpoint.drop_uncommitted(version, keys)  # a run killed before its commit left these
     described, options_record = describe_files(files), _options_record(options)
     record = latest_record(config.checkpoint_path, version)
     if record is not None and record.same_input(described, options_record):
@@ -122,7 +127,7 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
         summary = GrowSummary(record.version, record.from_version, dict(record.new_entities), {}, list(record.new_relations),
                               record.new_edges, init=record.init, resumed=True)
     else:
-        record, summary = _grow_once(config, files, options, checkpoint, version, described, options_record)
+        record, summary = _grow_once(config, files, options, manager, version, described, options_record)
     if train and config.grow_num_epochs > 0:
         # a real cycle: job.train.loop imports job.growing.journal (finishing a committed grow), and the grow
         # trainer subclasses job.train.loop.Trainer
@@ -136,10 +141,11 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
     return summary
 
 
-def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, checkpoint: CheckpointStorage,
+def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, manager: CheckpointManager,
                version: int, described: list[dict[str, Any]], options_record: dict[str, Any]) -> tuple[GrowRecord, GrowSummary]:
     """Read the new edges, write the grown input (staged), checkpoint version and journal, commit, then publish."""
     started = time.monotonic()
+    checkpoint = manager.storage
     into = config.checkpoint_path
     params, optimizer, metadata = checkpoint.load_model(version)
     old_config = committed_config(checkpoint, metadata)
@@ -165,7 +171,8 @@ def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, c
         grown_metadata["config/json"] = config.to_json(exclude=("storage_options",))
         # through the module, as ingest.write_merged_edges: the crash tests replace both to kill a grow inside them
         grown_rows.write_grown_partitions(config, checkpoint, version, new_version, rows, grown_metadata)
-        checkpoint.save_model(new_version, model_state, model_optimizer, grown_metadata)
+        manager.add_metadata_provider(lambda: grown_metadata)
+        manager.write_model(new_version, ModelState(model_state, model_optimizer))
         new_entities = {t: int(importer.added[t].sum()) for t in config.entities}
         new_relations = (relation_names[old_num_rels:] if relation_names is not None
                          else [r.name for r in config.relations[len(old_config.relations):]])
@@ -175,7 +182,7 @@ def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, c
             new_relations=new_relations, new_edges=int(sum(int(c.sum()) for _, c in spills)), init=config.grow_init,
         )
         write_record(into, record)
-        checkpoint.save_version(new_version)  # the commit point
+        manager.commit(new_version, drop_previous=False)  # the commit point; version N goes once the input is published
     except BaseException:
         _discard(checkpoint, version, new_version, staged, _keys(config))
         raise
