@@ -32,14 +32,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from job.checkpoint import CheckpointManager
 from job.config import ConfigSchema
 from job.config.choices import EVAL_PROTOCOLS
 from job.errors import CheckpointError, UserError
 from job.eval_protocol import largest_type, protocol_fields, protocol_label, resolve_protocol
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
-from job.formats.committed import open_committed
-from job.growing.journal import finish_committed_grow
 from job.model.scoring import Model, Table
 from job.monitoring import task_progress
 from job.session import storage_scoped
@@ -59,8 +58,8 @@ class CheckpointReader:
 
     def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
         self.config = config
-        finish_committed_grow(config.checkpoint_path)  # a grown version's input, if a crash left it unpublished
-        committed = open_committed(config.checkpoint_path, version)
+        # a grown version's input is published first, if a crash left it unpublished
+        committed = CheckpointManager.reader(config.checkpoint_path, version)
         self.checkpoint, self.version = committed.checkpoint, committed.version
         if not self.checkpoint.has_model(self.version):
             raise CheckpointError(f"{self.checkpoint.model_file(self.version)}: missing (no checkpoint version {self.version})")

@@ -17,11 +17,11 @@ from typing import Any, Optional
 import numpy as np
 
 import storage_adapters as storage
+from job.checkpoint import CheckpointManager
 from job.config import ConfigSchema, parse_config
 from job.errors import CheckpointError, ConfigError, UserError
 from job.eval_protocol import protocol_label, recorded_label
 from job.formats.checkpoint import CheckpointStorage
-from job.formats.committed import open_committed
 from job.report.sampled import embedding_sample, pca_2d, relation_mrr
 
 logger = logging.getLogger("biggraph")
@@ -300,7 +300,7 @@ def _trained_config(checkpoint: CheckpointStorage, version: int) -> dict[str, An
 
 
 def _build_report(checkpoint_url: str, options: ReportOptions) -> ReportData:
-    committed = open_committed(checkpoint_url)
+    committed = CheckpointManager.reader(checkpoint_url)
     checkpoint, version = committed.checkpoint, committed.version
     raw_config = _trained_config(checkpoint, version)
     data = _training_figures(checkpoint_url, version, raw_config, checkpoint.load_stats())

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 import storage_adapters as storage
+from job.checkpoint import CheckpointManager
 from job.errors import CheckpointError, InputFormatError, UserError
 from job.formats import entities
-from job.formats.committed import open_committed
 
 logger = logging.getLogger("biggraph.export")
 
@@ -89,7 +89,7 @@ class CheckpointReader:
 
     def __init__(self, config: Any, version: int | None = None) -> None:
         self.config = config
-        committed = open_committed(config.checkpoint_path, version)
+        committed = CheckpointManager.reader(config.checkpoint_path, version)
         self.storage, self.version = committed.checkpoint, committed.version
         self._model: dict[str, np.ndarray] | None = None
 
