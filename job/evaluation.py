@@ -40,6 +40,7 @@ from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.committed import open_committed
 from job.growing.journal import finish_committed_grow
+from job.growing.journal_checks import GrowInputs
 from job.model.scoring import Model, Table
 from job.monitoring import task_progress
 from job.session import storage_scoped
@@ -59,7 +60,8 @@ class CheckpointReader:
 
     def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
         self.config = config
-        finish_committed_grow(config.checkpoint_path)  # a grown version's input, if a crash left it unpublished
+        # a grown version's input, if a crash left it unpublished (the journal confined to this config's input)
+        finish_committed_grow(config.checkpoint_path, inputs=GrowInputs.of(config))
         committed = open_committed(config.checkpoint_path, version)
         self.checkpoint, self.version = committed.checkpoint, committed.version
         if not self.checkpoint.has_model(self.version):

@@ -49,6 +49,7 @@ from job.growing.journal import (
     staging_dir,
     write_record,
 )
+from job.growing.journal_checks import GrowInputs
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
 from job.session import storage_scoped
 
@@ -108,7 +109,8 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
                         "train the grown model with torchrun as usual)")
     check_request(config, files, options)
     checkpoint = CheckpointStorage(config.checkpoint_path)
-    finish_committed_grow(config.checkpoint_path, clean_uncommitted=True)
+    inputs = GrowInputs.of(config)
+    finish_committed_grow(config.checkpoint_path, clean_uncommitted=True, inputs=inputs)
     version = checkpoint.load_version()
     if version == 0:
         raise GrowError(f"--into {config.checkpoint_path}: no committed checkpoint there (train a model first)")
@@ -116,7 +118,7 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
     checkpoint.drop_uncommitted_manifests(version)
     checkpoint.drop_uncommitted(version, keys)  # a run killed before its commit left these
     described, options_record = describe_files(files), _options_record(options)
-    record = latest_record(config.checkpoint_path, version)
+    record = latest_record(config.checkpoint_path, version, inputs)
     if record is not None and record.same_input(described, options_record):
         logger.info("grow: these files were already grown into version %d: resuming its training", record.version)
         summary = GrowSummary(record.version, record.from_version, dict(record.new_entities), {}, list(record.new_relations),

@@ -19,6 +19,8 @@ import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError, UserError
 from job.formats import entities
 from job.formats.committed import open_committed
+from job.growing.journal import finish_committed_grow
+from job.growing.journal_checks import GrowInputs
 
 logger = logging.getLogger("biggraph.export")
 
@@ -89,6 +91,8 @@ class CheckpointReader:
 
     def __init__(self, config: Any, version: int | None = None) -> None:
         self.config = config
+        # a grown version's input, if a crash left it unpublished (the journal confined to this config's input)
+        finish_committed_grow(config.checkpoint_path, inputs=GrowInputs.of(config))
         committed = open_committed(config.checkpoint_path, version)
         self.storage, self.version = committed.checkpoint, committed.version
         self._model: dict[str, np.ndarray] | None = None
