@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from job.checkpoint import CheckpointManager
+from job.checkpoint.journal_checks import GrowInputs
 from job.config import ConfigSchema
 from job.config.choices import EVAL_PROTOCOLS
 from job.errors import CheckpointError, UserError
@@ -59,7 +60,7 @@ class CheckpointReader:
     def __init__(self, config: ConfigSchema, version: Optional[int] = None, max_resident: int = 4) -> None:
         self.config = config
         # a grown version's input is published first, if a crash left it unpublished
-        committed = CheckpointManager.reader(config.checkpoint_path, version)
+        committed = CheckpointManager.reader(config.checkpoint_path, version, GrowInputs.of(config))
         self.checkpoint, self.version = committed.checkpoint, committed.version
         if not self.checkpoint.has_model(self.version):
             raise CheckpointError(f"{self.checkpoint.model_file(self.version)}: missing (no checkpoint version {self.version})")

@@ -34,6 +34,7 @@ from job.archive.errors import ArchiveError, TagError
 from job.archive.loader import ArchiveReader
 from job.archive.serialize import Variable, graph_flatbuffer, training_flatbuffer
 from job.checkpoint import CheckpointManager
+from job.checkpoint.journal_checks import GrowInputs
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.formats import entities as entity_format
@@ -83,7 +84,7 @@ def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: st
         out = storage.local_path(out)
     else:
         storage.makedirs(_parent_of(out))  # an object store checks its bucket here, before any work
-    committed = CheckpointManager.reader(config.checkpoint_path, version)
+    committed = CheckpointManager.reader(config.checkpoint_path, version, GrowInputs.of(config))
     checkpoint, version = committed.checkpoint, committed.version
     tag = container.check_tag_name(tag or f"v{version}-{dtype}", out, member=None)
     with _existing_archive(out) as existing:

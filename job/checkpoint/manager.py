@@ -3,7 +3,7 @@
 Everything that decides what a checkpoint directory holds goes through here, in one order:
 
 - :meth:`open` (a writer's start): take the directory (:mod:`job.checkpoint.owner`: one writer at a time), finish
-  the publication of a grow that committed (:mod:`job.growing.journal`), read the committed version, then remove
+  the publication of a grow that committed (:mod:`job.checkpoint.journal`), read the committed version, then remove
   what killed runs left (temporary files, manifests and files of versions after the marker, versions before it, stats
   lines past it). In a torchrun group rank 0 does this while the others wait (the group is one writer).
 - :meth:`write_model`, then :meth:`commit` (a writer's commit): the model file with the metadata of every provider,
@@ -29,6 +29,8 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 import storage_adapters as storage
+from job.checkpoint.journal import finish_committed_grow
+from job.checkpoint.journal_checks import GrowInputs
 from job.checkpoint.owner import Ownership, claim, unclaim
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SumRegistry
@@ -62,10 +64,11 @@ class ModelState:
 class CheckpointManager:
     """Opens, commits and retires the versions of one checkpoint directory; see the module docstring."""
 
-    def __init__(self, url: str, partitions: Sequence[PartKey], take_over: bool = False) -> None:
+    def __init__(self, url: str, partitions: Sequence[PartKey], inputs: GrowInputs, take_over: bool = False) -> None:
         self.storage = CheckpointStorage(url, guard=self._guard)
         self.url = self.storage.url
         self.partitions = list(partitions)
+        self.inputs = inputs  # the config's entity_path / edge_paths: the only places a grow journal may touch
         self.take_over = take_over
         self.version = 0
         self._owner: Optional[Ownership] = None
@@ -93,12 +96,10 @@ class CheckpointManager:
 
         ``resumes_pass(version)``: whether the files written after ``version`` belong to a pass that this run
         resumes (a torchrun group's lock server persisted its progress); otherwise they are garbage."""
-        from job.growing.journal import finish_committed_grow  # the journal is a checkpoint file; see its docs
-
         rank = group.rank if group is not None else 0
         if rank == 0:
             self._owner = claim(self.url, self.take_over)
-            finish_committed_grow(self.url, clean_uncommitted=True)
+            finish_committed_grow(self.url, clean_uncommitted=True, inputs=self.inputs)
             self.storage.prepare()
         if group is not None:
             group.barrier("prepared")
@@ -166,13 +167,11 @@ class CheckpointManager:
 
     # reading -------------------------------------------------------------------------------------
     @staticmethod
-    def reader(url: str, version: Optional[int] = None, finish_grow: bool = True) -> Committed:
+    def reader(url: str, version: Optional[int] = None, inputs: Optional[GrowInputs] = None) -> Committed:
         """The committed ``version`` (default: the latest) for a reader; a grow that committed but was stopped
-        before publishing its input is finished first, so the reader sees the input that belongs to it."""
-        if finish_grow:
-            from job.growing.journal import finish_committed_grow
-
-            finish_committed_grow(url)
+        before publishing its input is finished first, so the reader sees the input that belongs to it (``inputs``:
+        the reader's config's; without a config, the journal is held to the locations its own config records)."""
+        finish_committed_grow(url, inputs=inputs)
         return open_committed(url, version)
 
     # the end ----------------------------------------------------------------------------------------

@@ -34,13 +34,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.checkpoint import CheckpointManager, ModelState
-from job.config import ConfigSchema
-from job.data.importing import ImportOptions, check_request
-from job.formats.checkpoint import CheckpointStorage
-from job.growing import ingest
-from job.growing import rows as grown_rows
-from job.growing.ingest import GrowImporter, read_trained_names
-from job.growing.journal import (
+from job.checkpoint.journal import (
     GrowRecord,
     describe_files,
     journal_file,
@@ -49,7 +43,15 @@ from job.growing.journal import (
     staging_dir,
     write_record,
 )
+from job.checkpoint.journal_checks import GrowInputs
+from job.config import ConfigSchema
+from job.data.importing import ImportOptions, check_request
+from job.formats.checkpoint import CheckpointStorage
+from job.growing import ingest
+from job.growing import rows as grown_rows
+from job.growing.ingest import GrowImporter, read_trained_names
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
+from job.growing.training import GrowTrainer
 from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph")
@@ -108,7 +110,7 @@ def grow(config: ConfigSchema, files: list[str], options: ImportOptions, *, into
                         "train the grown model with torchrun as usual)")
     check_request(config, files, options)
     # one writer: taken (and cleaned of what a killed grow or train left) for the grow and the training after it
-    manager = CheckpointManager(config.checkpoint_path, _keys(config))
+    manager = CheckpointManager(config.checkpoint_path, _keys(config), GrowInputs.of(config))
     try:
         return _grow_and_train(config, files, options, manager, train)
     finally:
@@ -121,7 +123,7 @@ def _grow_and_train(config: ConfigSchema, files: list[str], options: ImportOptio
     if version == 0:
         raise GrowError(f"--into {config.checkpoint_path}: no committed checkpoint there (train a model first)")
     described, options_record = describe_files(files), _options_record(options)
-    record = latest_record(config.checkpoint_path, version)
+    record = latest_record(config.checkpoint_path, version, manager.inputs)
     if record is not None and record.same_input(described, options_record):
         logger.info("grow: these files were already grown into version %d: resuming its training", record.version)
         summary = GrowSummary(record.version, record.from_version, dict(record.new_entities), {}, list(record.new_relations),
@@ -129,10 +131,6 @@ def _grow_and_train(config: ConfigSchema, files: list[str], options: ImportOptio
     else:
         record, summary = _grow_once(config, files, options, manager, version, described, options_record)
     if train and config.grow_num_epochs > 0:
-        # a real cycle: job.train.loop imports job.growing.journal (finishing a committed grow), and the grow
-        # trainer subclasses job.train.loop.Trainer
-        from job.growing.training import GrowTrainer
-
         trainer = GrowTrainer(config, record)
         try:
             summary.training = trainer.run()

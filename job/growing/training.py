@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from job.checkpoint.journal import GrowRecord
 from job.config import ConfigSchema
 from job.formats import edges as edge_format
-from job.growing.journal import GrowRecord
 from job.monitoring import make_reporter
 from job.train.batching import EdgeTensors
 from job.train.buckets import Bucket

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from job.checkpoint import CheckpointManager, ModelState
+from job.checkpoint.journal_checks import GrowInputs
 from job.config import BucketOrder, ConfigSchema
 from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
@@ -64,7 +65,8 @@ class Trainer(BucketRunner):
         self.dist = init_distributed()
         self.rank = self.dist.rank if self.dist else 0
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
-        self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, take_over=take_over)
+        self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, GrowInputs.of(config),
+                                             take_over=take_over)
         self.checkpoint = self.checkpoints.storage  # the format's file I/O, for the partition store and scheduler
         # the directory taken (one writer) and cleaned; a grown version whose input a crash left unpublished is
         # completed before the input is checked

@@ -17,6 +17,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.checkpoint import CheckpointManager
+from job.checkpoint.journal_checks import GrowInputs
 from job.errors import CheckpointError, InputFormatError, UserError
 from job.formats import entities
 
@@ -89,7 +90,7 @@ class CheckpointReader:
 
     def __init__(self, config: Any, version: int | None = None) -> None:
         self.config = config
-        committed = CheckpointManager.reader(config.checkpoint_path, version)
+        committed = CheckpointManager.reader(config.checkpoint_path, version, GrowInputs.of(config))
         self.storage, self.version = committed.checkpoint, committed.version
         self._model: dict[str, np.ndarray] | None = None
 

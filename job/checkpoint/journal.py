@@ -19,6 +19,10 @@ removes. A crash after 3 leaves version N+1 committed and the input partly publi
 ``finish_committed_grow``, which ``grow``, ``train``, ``eval`` and ``export`` call before reading
 anything, completes the moves (each one idempotent). Readers therefore always see either the old
 model with the old input or the grown model with the grown input.
+
+A journal is read from the checkpoint directory, which may come from elsewhere: every read checks its shape
+and confines it to the ``.grow-v{N}/`` staging directories of the caller's ``entity_path`` and ``edge_paths``
+(``journal_checks``); the URLs moved and removed are rebuilt from those, never taken from the journal.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import storage_adapters as storage
+from job.checkpoint.journal_checks import GrowInputs, check_shape, confine, recorded_inputs
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.checksums import EDGE_MANIFEST
@@ -75,12 +80,16 @@ class GrowRecord:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, url: str, text: str) -> GrowRecord:
+    def from_json(cls, url: str, text: str, version: int | None = None, inputs: GrowInputs | None = None) -> GrowRecord:
+        """The journal at ``url`` (of ``version``, when known from its name), checked (``journal_checks``): its
+        moves and staging directories rebuilt from ``inputs`` (default: the input locations it records)."""
         try:
             data = json.loads(text)
-            return cls(**data)
-        except (json.JSONDecodeError, TypeError) as err:
+        except json.JSONDecodeError as err:
             raise CheckpointError(f"{url}: not a grow journal ({str(err).splitlines()[0]})") from None
+        data = check_shape(url, data, version)
+        data["moves"], data["staging_dirs"] = confine(url, data, inputs or recorded_inputs(url, data))
+        return cls(**data)
 
     def same_input(self, files: list[dict[str, Any]], options: dict[str, Any]) -> bool:
         return self.files == files and self.options == options
@@ -101,20 +110,22 @@ def list_journals(checkpoint_path: str) -> dict[int, str]:
     return out
 
 
-def read_record(url: str) -> GrowRecord:
-    return GrowRecord.from_json(url, storage.read_text(url))
+def read_record(url: str, inputs: GrowInputs | None = None) -> GrowRecord:
+    """The journal at ``url``, checked and confined to ``inputs`` (see ``GrowRecord.from_json``)."""
+    match = JOURNAL_RE.match(url.rsplit("/", 1)[-1])
+    return GrowRecord.from_json(url, storage.read_text(url), int(match.group("version")) if match else None, inputs)
 
 
 def write_record(checkpoint_path: str, record: GrowRecord) -> None:
     storage.write_text(journal_file(checkpoint_path, record.version), record.to_json())
 
 
-def latest_record(checkpoint_path: str, committed: int) -> GrowRecord | None:
+def latest_record(checkpoint_path: str, committed: int, inputs: GrowInputs | None = None) -> GrowRecord | None:
     """The journal of the last grow at or before the committed version (None when the model never grew)."""
     versions = [v for v in list_journals(checkpoint_path) if v <= committed]
     if not versions:
         return None
-    return read_record(journal_file(checkpoint_path, max(versions)))
+    return read_record(journal_file(checkpoint_path, max(versions)), inputs)
 
 
 def _move(src: str, dst: str) -> None:
@@ -150,24 +161,29 @@ def publish(checkpoint_path: str, record: GrowRecord) -> None:
     logger.info("grow: published the input of checkpoint version %d", record.version)
 
 
-def discard_uncommitted(checkpoint_path: str, committed: int) -> None:
-    """Remove the journals and staged input of grows that never committed (a crash before the marker)."""
-    for version, url in sorted(list_journals(checkpoint_path).items()):
-        if version <= committed:
-            continue
-        with contextlib.suppress(CheckpointError):
-            for directory in read_record(url).staging_dirs:
-                storage.remove(directory)
+def discard_uncommitted(checkpoint_path: str, committed: int, inputs: GrowInputs | None = None) -> None:
+    """Remove the journals and staged input of grows that never committed (a crash before the marker); a journal
+    that names anything but staging directories of ``inputs`` is refused (CheckpointError), nothing removed."""
+    uncommitted = {v: url for v, url in list_journals(checkpoint_path).items() if v > committed}
+    records = {v: read_record(url, inputs) for v, url in uncommitted.items()}  # all checked before any removal
+    for version, url in sorted(uncommitted.items()):
+        for directory in records[version].staging_dirs:
+            storage.remove(directory)
         storage.remove(url)
         logger.info("grow: removed the staged input of uncommitted version %d", version)
 
 
-def finish_committed_grow(checkpoint_path: str, clean_uncommitted: bool = False) -> None:
+def finish_committed_grow(checkpoint_path: str, clean_uncommitted: bool = False, *,
+                          inputs: GrowInputs | None = None) -> None:
     """Publish the input of the committed version if a grow committed it but stopped before publishing.
 
     Cheap when there is nothing to do (one listing of the checkpoint directory). Every reader of the
     checkpoint together with the input calls it first; writers (``train``, ``grow``) also remove what
     an uncommitted grow left (``clean_uncommitted``): readers must not, a grow may be running.
+
+    ``inputs`` (``GrowInputs.of(config)``): the caller's input locations, the only ones a journal may touch.
+    Without them a journal is held to the locations its own ``config_json`` records (still only ``.grow-v{N}/``
+    staging directories and their files), so every command passes its config's.
     """
     journals = list_journals(checkpoint_path)
     if not journals:
@@ -175,9 +191,9 @@ def finish_committed_grow(checkpoint_path: str, clean_uncommitted: bool = False)
     committed = CheckpointStorage(checkpoint_path).load_version()
     done = [v for v in journals if v <= committed]
     if done:
-        record = read_record(journals[max(done)])
+        record = read_record(journals[max(done)], inputs)
         if not record.published:
             logger.info("grow: version %d was committed but its input not yet published: publishing it", record.version)
             publish(checkpoint_path, record)
     if clean_uncommitted:
-        discard_uncommitted(checkpoint_path, committed)
+        discard_uncommitted(checkpoint_path, committed, inputs)
