@@ -41,17 +41,26 @@ PROGRESS_FILE = "distributed_progress.json"
 # the server on rank 0 ----------------------------------------------------------------------------
 
 
-REQUESTS = "biggraph/lock/requests"
+# the store queues live under a prefix of the group's round (``DistributedContext.key("lock")``), so that a request
+# of an earlier round, or a server of one, never meets this round's
+DEFAULT_PREFIX = "biggraph/lock"
 
 
-def _response_queue(rank: int, channel: str = "") -> str:
-    return f"biggraph/lock/response/{rank}{channel}"
+def _request_queue(prefix: str) -> str:
+    return f"{prefix}/requests"
+
+
+def _response_queue(prefix: str, rank: int, channel: str = "") -> str:
+    return f"{prefix}/response/{rank}{channel}"
 
 
 class LockServer:
     """Serves ``LockState`` and the shared-parameter vector to every rank over the store's queues."""
 
-    def __init__(self, store: Any, state: LockState, progress_writer: Any, shared: np.ndarray, seed: int) -> None:
+    def __init__(self, store: Any, state: LockState, progress_writer: Any, shared: np.ndarray, seed: int,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        self.requests = _request_queue(prefix)
+        self.prefix = prefix
         self.store = store.clone()
         # a long blocking pop; stop() wakes it with a message of its own
         self.store.set_timeout(datetime.timedelta(hours=24))
@@ -68,7 +77,7 @@ class LockServer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                raw = self.store.queue_pop(REQUESTS, block=True)
+                raw = self.store.queue_pop(self.requests, block=True)
             except Exception:  # the store went away (job ending): nothing left to serve
                 if not self._stop.is_set():
                     logger.warning("lock server: request queue closed")
@@ -113,7 +122,7 @@ class LockServer:
                 body = self.shared.tobytes()
             elif op == "status":
                 reply["state"] = self.state.to_json()
-        self.store.queue_push(_response_queue(rank, str(request.get("channel", ""))), _pack(reply, body))
+        self.store.queue_push(_response_queue(self.prefix, rank, str(request.get("channel", ""))), _pack(reply, body))
 
     def _persist(self) -> None:
         self.progress_writer(self.state.to_json())
@@ -125,7 +134,7 @@ class LockServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._stopper.queue_push(REQUESTS, _pack({"op": "stop", "rank": -1}))
+        self._stopper.queue_push(self.requests, _pack({"op": "stop", "rank": -1}))
         self.thread.join(timeout=5)
 
 
@@ -143,7 +152,10 @@ class LockClient:
     """One rank's connection to the lock server. ``channel``: a second client of the same rank (used from another
     thread: the background writer releasing what it stored) gets its replies on its own queue."""
 
-    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0, channel: str = "") -> None:
+    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0, channel: str = "",
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        self.requests = _request_queue(prefix)
+        self.responses = _response_queue(prefix, rank, channel)
         self.store = store.clone()
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.rank = rank
@@ -151,8 +163,8 @@ class LockClient:
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         request = dict(request, rank=self.rank, channel=self.channel)
-        self.store.queue_push(REQUESTS, _pack(request, payload))
-        return _unpack(self.store.queue_pop(_response_queue(self.rank, self.channel), block=True))
+        self.store.queue_push(self.requests, _pack(request, payload))
+        return _unpack(self.store.queue_pop(self.responses, block=True))
 
     def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
         reply, _ = self._call({"op": "next", "held": [list(k) for k in held],

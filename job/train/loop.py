@@ -33,7 +33,7 @@ from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buc
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
 from job.train.distributed import SharedParameters
-from job.train.group import init_distributed, leave
+from job.train.group import config_digest, init_distributed, leave
 from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
@@ -76,7 +76,7 @@ class Trainer(BucketRunner):
         self.num_dynamic_rels = (
             entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
         )
-        self.dist = init_distributed()
+        self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))))
         self.rank = self.dist.rank if self.dist else 0
         self.checkpoint = CheckpointStorage(config.checkpoint_path)
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]

@@ -36,13 +36,13 @@ def open_checkpoint(checkpoint: CheckpointStorage, checkpoint_path: str, dist: O
     if rank == 0:
         checkpoint.prepare()
     if dist is not None:
-        wait_all(dist, f"prepared-{dist.restart_count}")
+        wait_all(dist, "prepared")
     version = checkpoint.load_version()
     # distributed: the lock server's persisted state of an interrupted pass, resumed by its first pass
     progress = read_progress(checkpoint_path, version) if dist is not None else None
     if dist is not None:
         # a partition written by one rank is read by others: they verify it against the writer's record
-        checkpoint.sums = SharedSumRegistry(dist.store, str(dist.restart_count))
+        checkpoint.sums = SharedSumRegistry(dist.store, dist.round_id)
     if rank == 0:
         remove_temporary_files(checkpoint_path)
         checkpoint.drop_uncommitted_manifests(version)
@@ -54,7 +54,7 @@ def open_checkpoint(checkpoint: CheckpointStorage, checkpoint_path: str, dist: O
             # leftovers of a pass that crashed before its commit are garbage
             checkpoint.drop_uncommitted(version, all_keys)
     if dist is not None:
-        wait_all(dist, f"cleaned-{dist.restart_count}")
+        wait_all(dist, "cleaned")
     return version, progress
 
 

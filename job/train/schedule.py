@@ -191,16 +191,16 @@ class LockServerScheduler(BucketScheduler):
         self.shared_values = shared_values
         self.commits = ctx.rank == 0
         self.bucket_keys = bucket_locks(config, *nparts)
-        self.client = LockClient(ctx.store, ctx.rank)
+        self.client = LockClient(ctx.store, ctx.rank, prefix=ctx.key("lock"))
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
         self.releases: list[Future[None]] = []  # background write-backs that release their partitions once stored
         self._writer_client: Optional[LockClient] = None  # the background thread's own channel to the server
-        self.round_tag = ""
+        self.pass_tag = ""  # names this pass's barriers and keys within the round (``ctx.key``)
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
-        self.round_tag = f"{self.ctx.restart_count}-{pass_index}"
+        self.pass_tag = str(pass_index)
         self.current = None
         self.ahead = None
         if self.commits:
@@ -214,8 +214,9 @@ class LockServerScheduler(BucketScheduler):
                     "resuming pass %d: %d of %d buckets already done, %d to redo", pass_index + 1, len(state.done),
                     state.total, state.redone)
             self.progress = None
-            self.server = LockServer(self.ctx.store, state, self._write_progress, self.shared_values(), seed_base)
-        wait_all(self.ctx, f"pass-start-{self.round_tag}")
+            self.server = LockServer(self.ctx.store, state, self._write_progress, self.shared_values(), seed_base,
+                                     prefix=self.ctx.key("lock"))
+        wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def _write_progress(self, state: dict[str, Any]) -> None:
         storage.write_text(progress_url(self.config.checkpoint_path), json.dumps(state))
@@ -263,7 +264,7 @@ class LockServerScheduler(BucketScheduler):
             # a bounded wait: a process leaving after a peer died joins this thread first, and a release
             # answered by no server must not hold that exit for the main client's 10 minutes
             self._writer_client = LockClient(self.ctx.store, self.ctx.rank, timeout_s=WRITER_TIMEOUT_S,
-                                             channel="/writer")
+                                             channel="/writer", prefix=self.ctx.key("lock"))
         self.checkpoint.flush()
         self._writer_client.release(keys)
 
@@ -301,13 +302,13 @@ class LockServerScheduler(BucketScheduler):
         return time.perf_counter() - started
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
-        self.ctx.store.set(f"biggraph/pass-io/{self.round_tag}/{self.ctx.rank}", json.dumps(own_io))
-        wait_all(self.ctx, f"pass-written-{self.round_tag}")
+        self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
+        wait_all(self.ctx, f"pass-written-{self.pass_tag}")
         if self.server is None:
             return None
         self.store.written = set(self.server.state.dirty)
         records = self.server.take_records()
-        others = [json.loads(self.ctx.store.get(f"biggraph/pass-io/{self.round_tag}/{rank}"))
+        others = [json.loads(self.ctx.store.get(self.ctx.key(f"pass-io/{self.pass_tag}/{rank}")))
                   for rank in range(1, self.ctx.world_size)]
         self.server.stop()
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
@@ -315,12 +316,12 @@ class LockServerScheduler(BucketScheduler):
 
     def publish(self, eval_mrr: Optional[float]) -> Optional[float]:
         """Rank 0 (which committed) stores its pass MRR before the barrier; every rank reads that one."""
-        key = f"biggraph/pass-result/{self.round_tag}"
+        key = self.ctx.key(f"pass-result/{self.pass_tag}")
         if self.server is not None:
             storage.remove(progress_url(self.config.checkpoint_path))
             self.ctx.store.set(key, json.dumps({"eval_mrr": eval_mrr}))
             self.server = None
-        wait_all(self.ctx, f"pass-committed-{self.round_tag}")
+        wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
         return json.loads(self.ctx.store.get(key))["eval_mrr"]
 
 

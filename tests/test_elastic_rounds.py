@@ -1,0 +1,114 @@
+"""One round identity for the whole torchrun group: a replaced pod, whose agent counts its restarts from 0 while
+the survivors' agents count 1, joins the same barriers, lock-server queues and checksum records as they do.
+
+The identity is agreed through the process group after it forms (job/train/group.py ``agree_round``), never
+taken from ``TORCHELASTIC_RESTART_COUNT``, which each agent counts for itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_distributed import Agents, bucket_records, buckets_per_epoch, free_port, write_run_config
+
+from job.train.buckets import all_buckets
+from job.train.group import run_identity
+
+# one rank of a gloo group formed by hand (no torchrun): joins, prints what it agreed on, leaves
+RANK_SCRIPT = """
+import json, sys
+from job.train.group import init_distributed, leave
+ctx = init_distributed(sys.argv[1])
+print(json.dumps({"rank": ctx.rank, "round": ctx.round_id, "run": ctx.run_id, "restarts": ctx.restart_count,
+                  "barrier": ctx.key("barrier/x")}))
+leave(ctx)
+"""
+
+
+def form_group(restart_counts: list[int], run_ids: list[str], digests: list[str]) -> list[dict]:
+    """One process per rank, joined into a gloo group; each with its own agent's restart count and run id."""
+    port = free_port()
+    procs = []
+    for rank, (count, run_id, digest) in enumerate(zip(restart_counts, run_ids, digests)):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(len(restart_counts)), TORCHELASTIC_RESTART_COUNT=str(count),
+                   TORCHELASTIC_RUN_ID=run_id, OMP_NUM_THREADS="1")
+        env.pop("BIGGRAPH_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, digest], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    return outputs
+
+
+def test_ranks_whose_agents_count_restarts_differently_agree_on_one_round() -> None:
+    """A replaced pod's agent counts 0, the survivors' 1: the group still has one round, rank 0's, and one run id;
+    the next formation of the group has another round."""
+    first = form_group([1, 0, 1], ["job-a"] * 3, ["d0", "d1", "d2"])
+    assert [o["restarts"] for o in first] == [1, 0, 1]  # still reported as each agent counts
+    assert len({o["round"] for o in first}) == 1
+    assert {o["run"] for o in first} == {"job-a/d0"}  # rank 0's
+    assert len({o["barrier"] for o in first}) == 1 and first[0]["round"] in first[0]["barrier"]
+    again = form_group([1, 0, 1], ["job-a"] * 3, ["d0"] * 3)
+    assert again[0]["round"] != first[0]["round"]
+
+
+def test_the_run_identity_is_the_jobs_name_and_its_config() -> None:
+    assert run_identity({"TORCHELASTIC_RUN_ID": "job-a"}, "abc") == "job-a/abc"
+    assert run_identity({"TORCHELASTIC_RUN_ID": "job-a", "BIGGRAPH_RUN_ID": "uid-1"}, "abc") == "uid-1/abc"
+    assert run_identity({}, "") == "none"
+
+
+@pytest.mark.slow
+def test_a_replaced_pod_whose_agent_counts_from_zero_rejoins_and_the_run_completes(umls_p4: dict,
+                                                                                    tmp_path: Path) -> None:
+    """Three agents train; after the first commit one agent's tree is SIGKILLed and a fresh agent with the same
+    arguments is started (as the Indexed Job's replacement pod): its restart count is 0, the survivors' 1. Before
+    the round identity they waited on different barriers until the 30-minute timeout."""
+    from job.formats.checkpoint import CheckpointStorage
+
+    epochs = 10
+    path = write_run_config(umls_p4, "replaced", num_epochs=epochs)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    storage = CheckpointStorage(checkpoint_path)
+    agents = Agents(path, "1:3", tmp_path)
+    try:
+        for name in ("a", "b", "c"):
+            agents.start(name)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 240
+        while storage.load_version() < 1:
+            assert time.monotonic() < deadline, "training never got going: " + agents.tail()
+            assert all(p.poll() is None for p in agents.procs.values()), agents.tail()
+            time.sleep(0.05)
+        killed_at = storage.load_version()
+        assert killed_at < epochs, "the run ended before the kill; give it more epochs"
+        agents.kill_node("c")
+        agents.start("c-replacement")  # same arguments: a fresh agent, restart count 0
+        # a hang guard, not a timing threshold: without one round identity the group never trains again
+        codes = agents.wait(["a", "b", "c-replacement"], timeout=420)
+    finally:
+        agents.stop()
+    assert codes == {"a": 0, "b": 0, "c-replacement": 0}, agents.tail()
+    assert storage.load_version() == epochs
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert [s["checkpoint_version"] for s in summaries] == list(range(1, epochs + 1))
+    assert summaries[-1]["world_size"] == 3  # the replacement trained in the group
+    # every epoch trained every bucket; away from the kill, exactly once
+    per_epoch = buckets_per_epoch(records)
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, buckets in per_epoch.items():
+        assert set(buckets) == set(all_buckets(4, 4)), epoch
+        if epoch not in (killed_at, killed_at + 1):
+            assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
+    logs = agents.text()
+    assert "round " in logs  # every rank logged the round it joined
