@@ -10,9 +10,10 @@ socket code of ours), so only members of the job's rendezvous can talk to the se
 - ``LockState`` (job/train/lock_state.py) is the pure scheduling logic: which bucket a trainer gets,
   which partitions are locked, which are written into the next version, and the early reservation
   of a trainer's next bucket with ``prefetch_partitions``.
-- ``LockServer`` runs it in a thread on rank 0 and persists its progress into checkpoint
-  storage at every bucket boundary; after a lost pod torchrun restarts the group, the new
-  rank 0 reads that file and the pass goes on, redoing only the buckets in flight.
+- ``LockServer`` runs it in a thread on rank 0, answers every request (errors included: ``LockServerError`` on
+  the client) and persists each change into checkpoint storage before answering (job/train/progress.py: a
+  snapshot per pass plus one small record per change, bound to its run); after a lost pod torchrun restarts
+  the group, the new rank 0 replays them and the pass goes on, redoing only the buckets in flight.
 - Shared parameters (relation operators, global embeddings, unpartitioned entity tables)
   are kept by the server as one flat vector; trainers push the change they made since
   their last sync and pull the sum at every bucket boundary (staleness: one bucket).
@@ -36,8 +37,6 @@ from job.train.lock_state import LockState, PartKey
 
 logger = logging.getLogger("biggraph")
 
-PROGRESS_FILE = "distributed_progress.json"
-
 # the server on rank 0 ----------------------------------------------------------------------------
 
 
@@ -54,11 +53,24 @@ def _response_queue(prefix: str, rank: int, channel: str = "") -> str:
     return f"{prefix}/response/{rank}{channel}"
 
 
-class LockServer:
-    """Serves ``LockState`` and the shared-parameter vector to every rank over the store's queues."""
+class LockServerError(RuntimeError):
+    """The lock server answered a request with an error (its message names the server's error), or did not answer."""
 
-    def __init__(self, store: Any, state: LockState, progress_writer: Any, shared: np.ndarray, seed: int,
+
+class LockServer:
+    """Serves ``LockState`` and the shared-parameter vector to every rank over the store's queues.
+
+    The protocol: a request is ``{"op", "rank", "channel", ...}`` (+ a binary payload for ``sync``); every request
+    whose rank and channel can be read gets exactly one reply, ``{"ok": true, ...}`` or ``{"ok": false, "error":
+    "<the server's error>"}`` (an unknown op, a malformed field, a ``sync`` of the wrong shape, a failed progress
+    write), so a client raises at once (``LockServerError``) instead of waiting out its timeout. ``next`` and
+    ``release`` persist their changes (``progress.append``, job/train/progress.py) before the reply. After a
+    failed progress write the server answers every request with that error: the group restarts from what is
+    stored, never from a state ahead of it."""
+
+    def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  prefix: str = DEFAULT_PREFIX) -> None:
+        """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``)."""
         self.requests = _request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()
@@ -66,10 +78,11 @@ class LockServer:
         self.store.set_timeout(datetime.timedelta(hours=24))
         self._stopper = store.clone()
         self.state = state
-        self.progress_writer = progress_writer
+        self.progress = progress
         self.shared = shared.astype(np.float32, copy=True)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
+        self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="biggraph-lock-server", daemon=True)
         self.thread.start()
@@ -85,28 +98,42 @@ class LockServer:
             if self._stop.is_set():
                 return
             try:
-                self._handle(raw)
+                request, payload = _unpack(raw)
+                reply_to = _response_queue(self.prefix, int(request["rank"]), str(request.get("channel", "")))
+            except Exception as err:  # noqa: BLE001 - nobody to answer: log it and serve on
+                logger.error("lock server: unreadable request, no rank to answer (%s: %s)", type(err).__name__, err)
+                continue
+            try:
+                reply, body = self._handle(request, payload)
+            except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
+                logger.warning("lock server: %s request of rank %s refused: %s: %s", request.get("op"),
+                               request.get("rank"), type(err).__name__, err)
+                reply, body = {"ok": False, "error": f"{type(err).__name__}: {err}"}, b""
+            try:
+                self.store.queue_push(reply_to, _pack(reply, body))
             except Exception:
-                logger.exception("lock server: bad request")
+                if not self._stop.is_set():
+                    logger.warning("lock server: could not answer rank %s", request.get("rank"))
+                return
 
-    def _handle(self, raw: bytes) -> None:
-        header_len = int.from_bytes(raw[:4], "little")
-        request = json.loads(raw[4:4 + header_len])
-        payload = raw[4 + header_len:]
+    def _handle(self, request: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         rank = int(request["rank"])
-        op = request["op"]
+        op = request.get("op")
         reply: dict[str, Any] = {"ok": True}
         body = b""
         with self.lock:
+            if self.failed is not None:
+                raise LockServerError(f"the progress could not be saved earlier ({self.failed}); the group must "
+                                      "restart from what is stored")
             if op == "next":
                 finished = Bucket(*request["finished"]) if request.get("finished") else None
                 if request.get("record"):
-                    self.state.records.append(request["record"])
-                held = {tuple(k) for k in request.get("held", [])}
+                    self.state.add_record(request["record"])
+                held = {(k[0], int(k[1])) for k in request.get("held", [])}
                 kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
+                self._persist()
                 reply.update(kind=kind, bucket=list(bucket) if bucket else None,
                              dirty=[list(k) for k in self.state.dirty])
-                self._persist()
             elif op == "reserve":
                 # not persisted: a reservation is never started work, so a restart has nothing of it to redo
                 leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
@@ -116,16 +143,27 @@ class LockServer:
                 self.state.release(rank, request["keys"], written=request.get("written", True))
                 self._persist()
             elif op == "sync":
+                if len(payload) % 4:
+                    raise ValueError(f"sync: a payload of {len(payload)} bytes is not float32 values")
                 delta = np.frombuffer(payload, dtype=np.float32)
-                if delta.shape == self.shared.shape:
-                    self.shared += delta
+                if delta.shape != self.shared.shape:
+                    raise ValueError(f"sync: a change of {delta.size} values, but the shared parameters have "
+                                     f"{self.shared.size} (trainers built with different models?)")
+                self.shared += delta
                 body = self.shared.tobytes()
             elif op == "status":
                 reply["state"] = self.state.to_json()
-        self.store.queue_push(_response_queue(self.prefix, rank, str(request.get("channel", ""))), _pack(reply, body))
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        return reply, body
 
     def _persist(self) -> None:
-        self.progress_writer(self.state.to_json())
+        records = self.state.drain_journal()
+        try:
+            self.progress.append(records)
+        except Exception as err:
+            self.failed = f"{type(err).__name__}: {err}"
+            raise
 
     def take_records(self) -> list[dict]:
         with self.lock:
@@ -145,7 +183,10 @@ def _pack(header: dict[str, Any], body: bytes = b"") -> bytes:
 
 def _unpack(raw: bytes) -> tuple[dict[str, Any], bytes]:
     header_len = int.from_bytes(raw[:4], "little")
-    return json.loads(raw[4:4 + header_len]), raw[4 + header_len:]
+    header = json.loads(raw[4:4 + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, raw[4 + header_len:]
 
 
 class LockClient:
@@ -157,6 +198,7 @@ class LockClient:
         self.requests = _request_queue(prefix)
         self.responses = _response_queue(prefix, rank, channel)
         self.store = store.clone()
+        self.timeout_s = timeout_s
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.rank = rank
         self.channel = channel
@@ -164,7 +206,16 @@ class LockClient:
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         request = dict(request, rank=self.rank, channel=self.channel)
         self.store.queue_push(self.requests, _pack(request, payload))
-        return _unpack(self.store.queue_pop(self.responses, block=True))
+        try:
+            raw = self.store.queue_pop(self.responses, block=True)
+        except Exception as err:
+            raise LockServerError(
+                f"lock server (rank 0): no answer to {request['op']!r} in {self.timeout_s:.0f} s ({err}); rank 0 is "
+                "gone or the group is being re-formed") from err
+        reply, body = _unpack(raw)
+        if not reply.get("ok", False):
+            raise LockServerError(f"lock server (rank 0) refused {request['op']!r}: {reply.get('error')}")
+        return reply, body
 
     def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
         reply, _ = self._call({"op": "next", "held": [list(k) for k in held],

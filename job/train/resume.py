@@ -19,7 +19,7 @@ from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.model.scoring import Model
 from job.train.group import DistributedContext, wait_all
 from job.train.optim import RelationAdagrad
-from job.train.schedule import read_progress
+from job.train.progress import Progress, read_progress, remove_progress
 
 logger = logging.getLogger("biggraph")
 
@@ -27,7 +27,7 @@ PartKey = tuple[str, int]
 
 
 def open_checkpoint(checkpoint: CheckpointStorage, checkpoint_path: str, dist: Optional[DistributedContext],
-                    all_keys: list[PartKey]) -> tuple[int, Optional[dict[str, Any]]]:
+                    all_keys: list[PartKey]) -> tuple[int, Optional[Progress]]:
     """Read the committed version and clean what killed runs left (rank 0 cleans, the others wait).
 
     Returns the version and, in a torchrun group, the lock server's persisted progress of an interrupted
@@ -39,7 +39,7 @@ def open_checkpoint(checkpoint: CheckpointStorage, checkpoint_path: str, dist: O
         wait_all(dist, "prepared")
     version = checkpoint.load_version()
     # distributed: the lock server's persisted state of an interrupted pass, resumed by its first pass
-    progress = read_progress(checkpoint_path, version) if dist is not None else None
+    progress = read_progress(checkpoint_path, version, dist.run_id) if dist is not None and rank == 0 else None
     if dist is not None:
         # a partition written by one rank is read by others: they verify it against the writer's record
         checkpoint.sums = SharedSumRegistry(dist.store, dist.round_id)
@@ -51,7 +51,9 @@ def open_checkpoint(checkpoint: CheckpointStorage, checkpoint_path: str, dist: O
         checkpoint.drop_older(version, all_keys)
         checkpoint.trim_stats(version)
         if progress is None:
-            # leftovers of a pass that crashed before its commit are garbage
+            # leftovers of a pass that crashed before its commit are garbage, and so is a progress this run does
+            # not resume (another run's, or a stale one): it goes first, so that it never outlives the files it names
+            remove_progress(checkpoint_path)
             checkpoint.drop_uncommitted(version, all_keys)
     if dist is not None:
         wait_all(dist, "cleaned")

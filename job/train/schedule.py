@@ -40,14 +40,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-import storage_adapters as storage
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import PROGRESS_FILE, LockClient, LockServer, SharedParameters
+from job.train.distributed import LockClient, LockServer, SharedParameters
 from job.train.group import DistributedContext, wait_all
 from job.train.lock_state import LockState
 from job.train.partitions import PartitionStore
+from job.train.progress import Progress, ProgressLog, remove_progress
 
 logger = logging.getLogger("biggraph")
 
@@ -157,19 +157,6 @@ def bucket_locks(config: ConfigSchema, nparts_lhs: int, nparts_rhs: int) -> dict
     return out
 
 
-def progress_url(checkpoint_path: str) -> str:
-    return storage.join(checkpoint_path, PROGRESS_FILE)
-
-
-def read_progress(checkpoint_path: str, version: int) -> Optional[dict[str, Any]]:
-    """The lock server's persisted progress, if it belongs to the pass after the committed ``version``."""
-    try:
-        data = json.loads(storage.read_text(progress_url(checkpoint_path)))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if data.get("version") == version + 1 else None
-
-
 WRITER_TIMEOUT_S = 120.0  # a release takes milliseconds; a silent server means the group is being re-formed
 
 
@@ -180,7 +167,7 @@ class LockServerScheduler(BucketScheduler):
     delays_hogwild = False
 
     def __init__(self, ctx: DistributedContext, config: ConfigSchema, store: PartitionStore,
-                 checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[dict[str, Any]],
+                 checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[Progress],
                  shared_values: Callable[[], np.ndarray]) -> None:
         self.ctx = ctx
         self.config = config
@@ -207,19 +194,21 @@ class LockServerScheduler(BucketScheduler):
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
                               version=version + 1, world_size=self.ctx.world_size)
-            if self.progress is not None and self.progress.get("version") == version + 1:
-                state.restore(self.progress)
+            if self.progress is not None and self.progress.version == version + 1:
+                state.restore(self.progress.state)
+                for record in self.progress.records:
+                    state.apply(record)
                 state.forget_rank_locks()
                 logger.info(
                     "resuming pass %d: %d of %d buckets already done, %d to redo", pass_index + 1, len(state.done),
                     state.total, state.redone)
             self.progress = None
-            self.server = LockServer(self.ctx.store, state, self._write_progress, self.shared_values(), seed_base,
+            # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
+            log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
+            log.start(state.to_json())
+            self.server = LockServer(self.ctx.store, state, log, self.shared_values(), seed_base,
                                      prefix=self.ctx.key("lock"))
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
-
-    def _write_progress(self, state: dict[str, Any]) -> None:
-        storage.write_text(progress_url(self.config.checkpoint_path), json.dumps(state))
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
         waits = 0
@@ -318,7 +307,7 @@ class LockServerScheduler(BucketScheduler):
         """Rank 0 (which committed) stores its pass MRR before the barrier; every rank reads that one."""
         key = self.ctx.key(f"pass-result/{self.pass_tag}")
         if self.server is not None:
-            storage.remove(progress_url(self.config.checkpoint_path))
+            remove_progress(self.config.checkpoint_path)  # the compaction at the commit: nothing left to resume
             self.ctx.store.set(key, json.dumps({"eval_mrr": eval_mrr}))
             self.server = None
         wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
