@@ -278,3 +278,80 @@ def test_a_foreign_progress_is_cleaned_with_the_uncommitted_files_and_the_owner_
     write_progress(checkpoint, "job-a/cfg", 1)
     _, progress = open_with(checkpoint, None)  # a single-process run takes none, and leaves none for later
     assert progress is None and not (checkpoint / PROGRESS_FILE).exists()
+
+
+# shared parameters persisted with the progress -----------------------------------------------------------------------
+
+
+class Trainer:
+    """A rank as the lock server sees it: its bucket's shared update (1 in that bucket's slot) goes with the
+    request that finishes the bucket; the partitions it no longer needs are written back and released."""
+
+    def __init__(self, client: LockClient, nparts: int) -> None:
+        self.client = client
+        self.nparts = nparts
+        self.current: Any = None
+        self.held: set = set()
+
+    def step(self, state: LockState) -> str:
+        delta = None
+        if self.current is not None:
+            delta = np.zeros(self.nparts * self.nparts, np.float32)
+            delta[self.current.lhs * self.nparts + self.current.rhs] = 1.0
+        kind, bucket, _, _ = self.client.finish_and_next(self.held, self.current, None, delta)
+        self.current = bucket
+        keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
+        if self.held - keep:
+            self.client.release(sorted(self.held - keep))
+        self.held = keep
+        return kind
+
+
+def serve(store: TCPStore, checkpoint: str, progress: Any, prefix: str) -> LockServer:
+    """Rank 0's lock server for the pass committing version 1, resumed from ``progress`` if any (as
+    ``LockServerScheduler.start_pass`` does)."""
+    state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
+    shared = np.zeros(16, np.float32)
+    if progress is not None:
+        state.restore(progress.state)
+        for record in progress.records:
+            state.apply(record)
+        state.forget_rank_locks()
+        shared = progress.shared
+    log = ProgressLog(checkpoint, "run", 1)
+    log.start(state.to_json(), shared)
+    return LockServer(store, state, log, shared, 0, prefix=prefix)
+
+
+@pytest.mark.parametrize("crash_after", [0, 1, 2, 5, 9, 14, 20, 27, 35])
+def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_restart(tmp_path: Path, store: TCPStore,
+                                                                                  crash_after: int) -> None:
+    """Two ranks take buckets until the group dies after ``crash_after`` requests (each rank with a bucket in
+    flight whose update never left it); the restarted server resumes from storage and one rank finishes the
+    pass: every bucket's shared update is in the result once, none lost, none twice."""
+    checkpoint = str(tmp_path)
+    server = serve(store, checkpoint, None, "first/lock")
+    trainers = [Trainer(LockClient(store, rank, timeout_s=60, prefix="first/lock"), 4) for rank in (0, 1)]
+    try:
+        for step in range(crash_after):
+            trainers[step % 2].step(server.state)
+    finally:
+        server.stop()  # the group dies: what is in memory is gone
+    progress = read_progress(checkpoint, 0, "run")
+    assert progress is not None and progress.shared is not None
+    # the stored vector holds the buckets the restart keeps as done (done, and their partitions written), only
+    resumed = LockState(4, 4, partition_keys(4))
+    resumed.restore(progress.state)
+    for record in progress.records:
+        resumed.apply(record)
+    resumed.forget_rank_locks()
+    assert sorted(np.flatnonzero(progress.shared).tolist()) == sorted(b.lhs * 4 + b.rhs for b in resumed.done)
+    server = serve(store, checkpoint, progress, "second/lock")
+    survivor = Trainer(LockClient(store, 0, timeout_s=60, prefix="second/lock"), 4)
+    try:
+        while survivor.step(server.state) != "done":
+            pass
+        assert server.state.finished()
+        assert server.shared.tolist() == [1.0] * 16
+    finally:
+        server.stop()

@@ -64,7 +64,14 @@ class LockServer:
     whose rank and channel can be read gets exactly one reply, ``{"ok": true, ...}`` or ``{"ok": false, "error":
     "<the server's error>"}`` (an unknown op, a malformed field, a ``sync`` of the wrong shape, a failed progress
     write), so a client raises at once (``LockServerError``) instead of waiting out its timeout. ``next`` and
-    ``release`` persist their changes (``progress.append``, job/train/progress.py) before the reply. After a
+    ``release`` persist their changes (``progress.append``, job/train/progress.py) before the reply.
+
+    Shared parameters: a ``next`` carries the trainer's change since its last sync (the payload) for the bucket
+    it finishes; the server adds it to the vector it serves (``shared``) and answers with the sum. What it
+    persists (``stored``) holds the change of a bucket only once the bucket is done *and* its partitions are
+    written: until then a restart redoes the bucket (``LockState.forget_rank_locks``), so its change waits in
+    ``pending`` and enters ``stored`` with the record that saves the bucket. A restart thus resumes with every
+    saved bucket's shared update once and without any bucket it redoes. After a
     failed progress write the server answers every request with that error: the group restarts from what is
     stored, never from a state ahead of it."""
 
@@ -80,6 +87,8 @@ class LockServer:
         self.state = state
         self.progress = progress
         self.shared = shared.astype(np.float32, copy=True)
+        self.stored = self.shared.copy()  # the updates of the buckets done and saved: what a restart resumes
+        self.pending: dict[Bucket, np.ndarray] = {}  # the update of each bucket done but not yet saved
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
@@ -127,13 +136,26 @@ class LockServer:
                                       "restart from what is stored")
             if op == "next":
                 finished = Bucket(*request["finished"]) if request.get("finished") else None
+                held = {(k[0], int(k[1])) for k in request.get("held", [])}
+                delta = self._delta(payload) if payload else None
+                if delta is not None:
+                    self.shared += delta
                 if request.get("record"):
                     self.state.add_record(request["record"])
-                held = {(k[0], int(k[1])) for k in request.get("held", [])}
+                was_done = finished is not None and finished in self.state.done
                 kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
-                self._persist()
+                stored = False
+                if delta is not None and finished is not None and not was_done and finished in self.state.done:
+                    if finished in self._unsaved():
+                        self.pending[finished] = delta.copy()
+                    else:  # no partition of its own to write: saved already
+                        self.stored += delta
+                        stored = True
+                self._persist(with_shared=stored)
                 reply.update(kind=kind, bucket=list(bucket) if bucket else None,
                              dirty=[list(k) for k in self.state.dirty])
+                if delta is not None:
+                    body = self.shared.tobytes()
             elif op == "reserve":
                 # not persisted: a reservation is never started work, so a restart has nothing of it to redo
                 leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
@@ -141,15 +163,14 @@ class LockServer:
                 reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
             elif op == "release":
                 self.state.release(rank, request["keys"], written=request.get("written", True))
-                self._persist()
+                unsaved = self._unsaved()
+                saved = [b for b in self.pending if b not in unsaved]
+                for b in saved:
+                    self.stored += self.pending.pop(b)
+                self._persist(with_shared=bool(saved))
             elif op == "sync":
-                if len(payload) % 4:
-                    raise ValueError(f"sync: a payload of {len(payload)} bytes is not float32 values")
-                delta = np.frombuffer(payload, dtype=np.float32)
-                if delta.shape != self.shared.shape:
-                    raise ValueError(f"sync: a change of {delta.size} values, but the shared parameters have "
-                                     f"{self.shared.size} (trainers built with different models?)")
-                self.shared += delta
+                # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
+                self.shared += self._delta(payload)
                 body = self.shared.tobytes()
             elif op == "status":
                 reply["state"] = self.state.to_json()
@@ -157,10 +178,25 @@ class LockServer:
                 raise ValueError(f"unknown request {op!r}")
         return reply, body
 
-    def _persist(self) -> None:
+    def _unsaved(self) -> set[Bucket]:
+        return {b for pending in self.state.unsaved.values() for b in pending}
+
+    def _delta(self, payload: bytes) -> np.ndarray:
+        if len(payload) % 4:
+            raise ValueError(f"a shared-parameter change of {len(payload)} bytes is not float32 values")
+        delta = np.frombuffer(payload, dtype=np.float32)
+        if delta.shape != self.shared.shape:
+            raise ValueError(f"a shared-parameter change of {delta.size} values, but the shared parameters have "
+                             f"{self.shared.size} (trainers built with different models?)")
+        return delta
+
+    def _persist(self, with_shared: bool = False) -> None:
         records = self.state.drain_journal()
         try:
-            self.progress.append(records)
+            if with_shared:
+                self.progress.append(records, shared=self.stored)
+            else:
+                self.progress.append(records)
         except Exception as err:
             self.failed = f"{type(err).__name__}: {err}"
             raise
@@ -218,10 +254,19 @@ class LockClient:
         return reply, body
 
     def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
-        reply, _ = self._call({"op": "next", "held": [list(k) for k in held],
-                               "finished": list(finished) if finished else None, "record": record})
+        kind, bucket, dirty, _ = self.finish_and_next(held, finished, record)
+        return kind, bucket, dirty
+
+    def finish_and_next(self, held: set, finished: Optional[Bucket], record: Optional[dict],
+                        delta: Optional[np.ndarray] = None) -> tuple[str, Optional[Bucket], set, Optional[np.ndarray]]:
+        """Finish ``finished`` (its stats ``record``, and ``delta``: the shared-parameter change it made) and ask for
+        the next bucket: (kind, bucket, partitions written this pass, the shared parameters' sum if ``delta``)."""
+        payload = delta.astype(np.float32).tobytes() if delta is not None else b""
+        reply, body = self._call({"op": "next", "held": [list(k) for k in held],
+                                  "finished": list(finished) if finished else None, "record": record}, payload)
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
-        return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
+        shared = np.frombuffer(body, dtype=np.float32).copy() if delta is not None else None
+        return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}, shared
 
     def reserve(self, leaving: Sequence[PartKey] = ()) -> tuple[Optional[Bucket], set]:
         """This rank's next bucket, granted while the current one trains (None: not now), and the partitions

@@ -7,7 +7,13 @@ Two parts, beside the checkpoint (any storage URL; an object store has no append
   one, or one resumed after a restart: then it is the compaction of what was resumed);
 - ``distributed_progress.log/<log id>-<seq>.json``, the *records*: one object per request that changed the state
   (``LockState.drain_journal``), written before the request is answered, each a few hundred bytes whatever the
-  pass's size (not the whole state again under the server's lock, as before).
+  pass's size (not the whole state again under the server's lock, as before);
+- ``distributed_progress.log/<log id>-base.f32`` and ``<log id>-<seq>.f32``: the shared parameters (the server's
+  flat float32 vector: relation operators, global embeddings, unpartitioned tables) as the snapshot had them and
+  as a record left them. A trainer sends its change with the ``next`` that finishes its bucket, and the server
+  adds it, marks the bucket done and writes the vector, then the record naming it (``{"e": "shared"}``), before
+  it answers: a restart resumes with every done bucket's shared update and none of a bucket not done (no update
+  lost, none counted twice). Only the latest vector is kept.
 
 Reading (``read_progress``) takes the snapshot and replays its records in order (only those of its log id, only
 while their numbers follow each other). The commit drops both (``remove_progress``: the snapshot first, so a kill
@@ -29,6 +35,8 @@ import logging
 import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import numpy as np
 
 import storage_adapters as storage
 
@@ -55,6 +63,7 @@ class Progress:
     version: int
     state: dict[str, Any]  # LockState.to_json() of the snapshot
     records: list[dict[str, Any]]  # the changes after it, in order (LockState.apply)
+    shared: Optional[np.ndarray] = None  # the shared parameters as the last record left them (None: not stored)
 
 
 class ProgressLog:
@@ -66,29 +75,49 @@ class ProgressLog:
         self.version = version
         self.log_id = ""
         self.seq = 0
+        self.shared_name = ""  # the vector the last record names
 
-    def start(self, state: dict[str, Any]) -> None:
-        """Write the snapshot under a new log id, then drop the records of earlier snapshots (no longer read)."""
+    def _url(self, name: str) -> str:
+        return storage.join(log_url(self.checkpoint_path), name)
+
+    def start(self, state: dict[str, Any], shared: Optional[np.ndarray] = None) -> None:
+        """Write the snapshot (and the shared vector it starts from) under a new log id, then drop the records of
+        earlier snapshots (no longer read)."""
         self.log_id = secrets.token_hex(6)
         self.seq = 0
-        snapshot = {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id, "state": state}
+        snapshot: dict[str, Any] = {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id,
+                                    "state": state}
+        if shared is not None:
+            self.shared_name = f"{self.log_id}-base.f32"
+            storage.write_bytes(self._url(self.shared_name), np.ascontiguousarray(shared, np.float32).tobytes())
+            snapshot["shared"] = self.shared_name
         storage.write_text(progress_url(self.checkpoint_path), json.dumps(snapshot))
         for name in storage.listdir(log_url(self.checkpoint_path)):
             if not name.startswith(f"{self.log_id}-"):
-                storage.remove(storage.join(log_url(self.checkpoint_path), name))
+                storage.remove(self._url(name))
 
-    def append(self, records: list[dict[str, Any]]) -> None:
-        if not records:
+    def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None) -> None:
+        """One record of ``records``; with ``shared``, the vector first, then the record naming it."""
+        if not records and shared is None:
             return
         if not self.log_id:
             raise RuntimeError("progress records appended before the pass's snapshot")
-        name = f"{self.log_id}-{self.seq:08d}.json"
-        storage.write_text(storage.join(log_url(self.checkpoint_path), name), json.dumps(records))
+        name = f"{self.log_id}-{self.seq:08d}"
+        previous = self.shared_name
+        if shared is not None:
+            storage.write_bytes(self._url(f"{name}.f32"), np.ascontiguousarray(shared, np.float32).tobytes())
+            records = [*records, {"e": "shared", "file": f"{name}.f32"}]
+        storage.write_text(self._url(f"{name}.json"), json.dumps(records))
         self.seq += 1
+        if shared is not None:
+            self.shared_name = f"{name}.f32"
+            if previous:  # no record names it any more
+                storage.remove(self._url(previous))
 
 
 def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """The snapshot as stored and its records in order, whoever wrote them; None if there is none."""
+    """The snapshot as stored and its records in order, whoever wrote them (the ``shared`` records, which name the
+    vector, moved into the snapshot's ``shared``); None if there is none."""
     try:
         snapshot = json.loads(storage.read_text(progress_url(checkpoint_path)))
     except (FileNotFoundError, json.JSONDecodeError):
@@ -108,10 +137,15 @@ def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[d
             logger.warning("progress records of %s break off after %d", checkpoint_path, expected)
             break
         try:
-            records.extend(json.loads(storage.read_text(storage.join(log_url(checkpoint_path), name))))
+            changes = json.loads(storage.read_text(storage.join(log_url(checkpoint_path), name)))
         except (FileNotFoundError, json.JSONDecodeError):
             logger.warning("progress record %s unreadable; the records after it are not replayed", name)
             break
+        for change in changes:
+            if change.get("e") == "shared":
+                snapshot["shared"] = change["file"]
+            else:
+                records.append(change)
     return snapshot, records
 
 
@@ -129,11 +163,18 @@ def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Prog
         reason = f"written by run {snapshot.get('run')!r}, not this run ({run!r})"
     elif snapshot.get("version") != version + 1:
         reason = f"for version {snapshot.get('version')}, not {version + 1} (the pass after the committed version)"
+    shared = None
+    if not reason and snapshot.get("shared"):
+        try:
+            raw = storage.read_bytes(storage.join(log_url(checkpoint_path), str(snapshot["shared"])))
+            shared = np.frombuffer(raw, dtype=np.float32).copy()
+        except FileNotFoundError:
+            reason = f"its shared parameters ({snapshot['shared']}) are missing"
     if reason:
         logger.warning("%s: not resumed (%s); the pass starts over from version %d", progress_url(checkpoint_path),
                        reason, version)
         return None
-    return Progress(run=run, version=version + 1, state=dict(snapshot["state"]), records=records)
+    return Progress(run=run, version=version + 1, state=dict(snapshot["state"]), records=records, shared=shared)
 
 
 def current_state(checkpoint_path: str) -> Optional[dict[str, Any]]:

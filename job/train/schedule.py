@@ -184,6 +184,8 @@ class LockServerScheduler(BucketScheduler):
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
         self.releases: list[Future[None]] = []  # background write-backs that release their partitions once stored
         self._writer_client: Optional[LockClient] = None  # the background thread's own channel to the server
+        # the shared parameters whose change since their last sync goes with the next ``next`` (``SharedSync``)
+        self.carry: Optional[SharedParameters] = None
         self.pass_tag = ""  # names this pass's barriers and keys within the round (``ctx.key``)
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
@@ -194,7 +196,13 @@ class LockServerScheduler(BucketScheduler):
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
                               version=version + 1, world_size=self.ctx.world_size)
+            shared = self.shared_values()
             if self.progress is not None and self.progress.version == version + 1:
+                if self.progress.shared is not None and self.progress.shared.shape == shared.shape:
+                    shared = self.progress.shared  # with the shared updates of every bucket done so far
+                elif self.progress.shared is not None:
+                    logger.warning("the interrupted pass's shared parameters have %d values, the model %d: the "
+                                   "model's are used", self.progress.shared.size, shared.size)
                 state.restore(self.progress.state)
                 for record in self.progress.records:
                     state.apply(record)
@@ -205,8 +213,8 @@ class LockServerScheduler(BucketScheduler):
             self.progress = None
             # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
             log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
-            log.start(state.to_json())
-            self.server = LockServer(self.ctx.store, state, log, self.shared_values(), seed_base,
+            log.start(state.to_json(), shared)
+            self.server = LockServer(self.ctx.store, state, log, shared, seed_base,
                                      prefix=self.ctx.key("lock"))
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
@@ -215,7 +223,12 @@ class LockServerScheduler(BucketScheduler):
         while True:
             self.ctx.check_peers()
             self.store.stats.blocked_seconds += self._settle_releases()
-            kind, bucket, dirty = self.client.next_bucket(self.store.resident_partitioned(), self.current, finished)
+            carry, self.carry = self.carry, None
+            delta = carry.flatten() - carry.synced if carry is not None else None
+            kind, bucket, dirty, shared = self.client.finish_and_next(
+                self.store.resident_partitioned(), self.current, finished, delta)
+            if carry is not None and shared is not None:
+                carry.assign(shared)
             self.current, finished = None, None
             self.store.written = set(dirty)
             if kind == "done":
@@ -335,7 +348,9 @@ NoSync = ParameterSync
 
 
 class SharedSync(ParameterSync):
-    """Push/pull through the lock server of ``scheduler`` (staleness: one bucket)."""
+    """Push/pull through the lock server of ``scheduler`` (staleness: one bucket). At a bucket's end the change
+    travels with the request that finishes the bucket (``LockServerScheduler.next_bucket``), so that the server
+    stores the bucket as done and its shared update in one step (job/train/progress.py)."""
 
     def __init__(self, shared: SharedParameters, scheduler: LockServerScheduler) -> None:
         self.shared = shared
@@ -345,7 +360,10 @@ class SharedSync(ParameterSync):
         self.shared.assign(self.scheduler.client.sync(np.zeros_like(self.shared.synced)))
 
     def sync(self) -> None:
-        self.shared.sync(self.scheduler.client)
+        if self.scheduler.current is not None:
+            self.scheduler.carry = self.shared
+        else:
+            self.shared.sync(self.scheduler.client)
 
     def settle(self) -> None:
         if self.scheduler.server is not None:
