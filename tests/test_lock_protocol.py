@@ -88,6 +88,17 @@ def test_a_request_without_a_rank_is_logged_and_the_server_serves_on(store: TCPS
     assert caplog.text.count("unreadable request") == 2
 
 
+def test_a_stop_left_by_an_earlier_server_of_the_round_is_not_answered_nor_stops_this_one(
+        store: TCPStore, served: tuple[LockServer, LockClient], caplog: pytest.LogCaptureFixture) -> None:
+    """A round's passes each start a server on the round's queue; one that ended between two requests never read
+    its stop message, which the next one finds first."""
+    server, client = served
+    store.queue_push(f"{PREFIX}/requests", _pack({"op": "stop", "server": "an-earlier-one"}))
+    kind, _, _ = client.next_bucket(set(), None, None)
+    assert kind == "bucket" and server.thread.is_alive()
+    assert "refused" not in caplog.text and "unreadable" not in caplog.text
+
+
 def test_a_sync_of_the_wrong_shape_is_refused_and_changes_nothing(served: tuple[LockServer, LockClient]) -> None:
     server, client = served
     with pytest.raises(LockServerError, match="refused 'sync'.*change of 5 values.*have 3"):

@@ -25,6 +25,7 @@ import datetime
 import json
 import logging
 import random
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -92,6 +93,7 @@ class LockServer:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
+        self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="biggraph-lock-server", daemon=True)
         self.thread.start()
@@ -104,10 +106,12 @@ class LockServer:
                 if not self._stop.is_set():
                     logger.warning("lock server: request queue closed")
                 return
-            if self._stop.is_set():
-                return
             try:
                 request, payload = _unpack(raw)
+                if request.get("op") == "stop":
+                    if request.get("server") == self.server_id:
+                        return
+                    continue  # an earlier server's, which ended between two requests and never read it
                 reply_to = _response_queue(self.prefix, int(request["rank"]), str(request.get("channel", "")))
             except Exception as err:  # noqa: BLE001 - nobody to answer: log it and serve on
                 logger.error("lock server: unreadable request, no rank to answer (%s: %s)", type(err).__name__, err)
@@ -208,7 +212,7 @@ class LockServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._stopper.queue_push(self.requests, _pack({"op": "stop", "rank": -1}))
+        self._stopper.queue_push(self.requests, _pack({"op": "stop", "server": self.server_id}))
         self.thread.join(timeout=5)
 
 
