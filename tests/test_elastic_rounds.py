@@ -112,3 +112,70 @@ def test_a_replaced_pod_whose_agent_counts_from_zero_rejoins_and_the_run_complet
             assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
     logs = agents.text()
     assert "round " in logs  # every rank logged the round it joined
+
+
+def kill_mid_pass(agents: Agents, checkpoint_path: str, min_version: int) -> int:
+    """Wait until the pass after a committed version >= ``min_version`` has finished buckets, then SIGKILL every
+    agent tree at once (the whole job lost); returns the version the killed pass would have committed."""
+    from job.formats.checkpoint import CheckpointStorage
+    from job.train.progress import current_state
+
+    storage = CheckpointStorage(checkpoint_path)
+    deadline = time.monotonic() + 240
+    while True:
+        assert time.monotonic() < deadline, "training never got going: " + agents.tail()
+        assert all(p.poll() is None for p in agents.procs.values()), agents.tail()
+        version = storage.load_version()
+        progress = current_state(checkpoint_path) or {}
+        if version >= min_version and progress.get("version") == version + 1 and progress.get("done"):
+            break
+        time.sleep(0.02)
+    agents.stop()
+    return version + 1
+
+
+@pytest.mark.slow
+def test_the_same_job_restarted_resumes_its_pass_and_another_job_starts_it_over(
+        umls_p4: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every agent of a job killed mid-pass; the same job started again (same rendezvous id and config) resumes the
+    pass from the lock server's progress. Killed again; a different job (another run id) on the same checkpoint
+    refuses that progress, removes it with the pass's uncommitted files and trains the pass again."""
+    import re
+
+    epochs = 12
+    path = write_run_config(umls_p4, "rerun", num_epochs=epochs)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    resumed = re.compile(r"resuming pass (\d+): (\d+) of 16 buckets already done, (\d+) to redo")
+
+    first = Agents(path, "2", tmp_path / "first")
+    (tmp_path / "first").mkdir()
+    for name in ("a", "b"):
+        first.start(name)
+    killed_pass = kill_mid_pass(first, checkpoint_path, 2)
+
+    again = Agents(path, "2", tmp_path / "again")  # the same job: same --rdzv-id, same config
+    (tmp_path / "again").mkdir()
+    for name in ("a", "b"):
+        again.start(name)
+    killed_again = kill_mid_pass(again, checkpoint_path, killed_pass)
+    found = resumed.findall(again.text())
+    assert found and int(found[0][0]) == killed_pass and int(found[0][1]) + int(found[0][2]) > 0, again.tail()
+    assert "not resumed" not in again.text()
+
+    monkeypatch.setenv("BIGGRAPH_RUN_ID", "another-job")
+    other = Agents(path, "2", tmp_path / "other")
+    (tmp_path / "other").mkdir()
+    codes = other.run(["a", "b"], timeout=420)
+    assert codes == {"a": 0, "b": 0}, other.tail()
+    assert "not resumed (written by run 'biggraph-test/" in other.text()
+    assert not resumed.findall(other.text())
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert [s["checkpoint_version"] for s in summaries] == list(range(1, epochs + 1))
+    redone = next(s for s in summaries if s["checkpoint_version"] == killed_again)
+    assert redone["buckets_redone"] == 0 and redone["buckets_trained"] == 16  # trained from the start again
+    # every epoch trained every bucket; the pass another job started over, exactly once
+    per_epoch = buckets_per_epoch(records)
+    for epoch, buckets in per_epoch.items():
+        assert set(buckets) == set(all_buckets(4, 4)), epoch
+    assert sorted(per_epoch[killed_again - 1]) == sorted(all_buckets(4, 4))
