@@ -13,7 +13,8 @@ Two parts, beside the checkpoint (any storage URL; an object store has no append
   as a record left them. A trainer sends its change with the ``next`` that finishes its bucket, and the server
   adds it, marks the bucket done and writes the vector, then the record naming it (``{"e": "shared"}``), before
   it answers: a restart resumes with every done bucket's shared update and none of a bucket not done (no update
-  lost, none counted twice). Only the latest vector is kept.
+  lost, none counted twice). Only the latest vector is kept. It is the whole vector each time (small for
+  relation parameters; as large as the unpartitioned tables where there are some).
 
 Reading (``read_progress``) takes the snapshot and replays its records in order (only those of its log id, only
 while their numbers follow each other). The commit drops both (``remove_progress``: the snapshot first, so a kill
