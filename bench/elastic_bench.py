@@ -67,7 +67,6 @@ from helpers_distributed import agent_command, free_port, kill_tree  # noqa: E40
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRESS_FILE = "distributed_progress.json"
 
 # The rendezvous settings the project recommends (docs/kubernetes.md, the chart's torchrun.rdzvConf).
 RECOMMENDED_RDZV_CONF = "join_timeout=600,last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"
@@ -133,9 +132,12 @@ class Agent:
 
 
 def read_progress(checkpoint: Path) -> Optional[dict[str, Any]]:
+    """The lock server's progress as it stands (its snapshot with the records since replayed)."""
+    from job.train.progress import current_state
+
     try:
-        return json.loads((checkpoint / PROGRESS_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return current_state(str(checkpoint))
+    except (FileNotFoundError, ValueError):  # a record removed or rewritten while read: ask again
         return None
 
 
@@ -213,27 +215,17 @@ def one_run(index: int, args: argparse.Namespace, graph: Path, work: Path) -> di
         # the survivor trains again: the progress file shows a bucket in flight, written after the resume
         trains: Optional[float] = None
         resumed: Optional[float] = None
-        seen_after_resume: Optional[str] = None
+        seen_after_resume: Optional[dict[str, Any]] = None
         deadline = killed + args.timeout
         while time.monotonic() < deadline and a.proc.poll() is None:
             if resumed is None:
                 resumed = a.first("resume", killed)
                 if resumed is not None:
-                    try:
-                        seen_after_resume = (checkpoint / PROGRESS_FILE).read_text()
-                    except FileNotFoundError:
-                        seen_after_resume = ""
+                    seen_after_resume = read_progress(checkpoint) or {}
             else:
-                try:
-                    text = (checkpoint / PROGRESS_FILE).read_text()
-                except FileNotFoundError:
-                    text = ""
-                if text and text != seen_after_resume:
-                    try:
-                        state = json.loads(text)
-                    except json.JSONDecodeError:
-                        state = {}
-                    seen_after_resume = text
+                state = read_progress(checkpoint) or {}
+                if state and state != seen_after_resume:
+                    seen_after_resume = state
                     if state.get("in_flight"):
                         trains = time.monotonic()
                         break

@@ -266,7 +266,10 @@ def test_ranks_take_the_same_early_stopping_decision_on_the_whole_pass_mrr(umls_
 
 @pytest.mark.slow
 def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4: dict, tmp_path: Path) -> None:
+    import re
+
     from job.formats.checkpoint import CheckpointStorage
+    from job.train.progress import current_state
 
     path = write_run_config(umls_p4, "killed", num_epochs=40)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
@@ -278,11 +281,14 @@ def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4
         time.sleep(0.5)
         agents.start("b")
         deadline = time.monotonic() + 180
-        # kill b in the middle of a pass: the lock server's progress file names finished buckets
+        # kill b in the middle of a pass: the lock server's progress names finished buckets
         while time.monotonic() < deadline:
-            if storage.load_version() >= 3 and (Path(checkpoint_path) / "distributed_progress.json").exists():
+            version = storage.load_version()
+            progress = current_state(checkpoint_path) or {}
+            # the progress of the pass after the committed version (not the last one's, in the moment after its commit)
+            if version >= 3 and progress.get("version") == version + 1 and progress.get("done"):
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         else:
             raise AssertionError("training never got going: " + agents.tail())
         versions_seen.append(storage.load_version())
@@ -299,6 +305,9 @@ def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4
         agents.stop()
     assert codes["a"] == 0, agents.tail()
     assert storage.load_version() == 40
+    # the restarted rank 0 replayed the progress: the buckets done before the kill are kept or redone
+    resumed = re.findall(r"resuming pass \d+: (\d+) of 16 buckets already done, (\d+) to redo", agents.text())
+    assert resumed and int(resumed[0][0]) + int(resumed[0][1]) > 0, agents.tail()
     records = bucket_records(checkpoint_path)
     summaries = [r for r in records if r.get("pass_summary")]
     assert len(summaries) == 40

@@ -89,6 +89,7 @@ def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_t
     thread, channel "/writer") releases partitions; each gets its own replies, and the releases land."""
     import threading
     from datetime import timedelta
+    from types import SimpleNamespace
 
     import numpy as np
     from torch.distributed import TCPStore
@@ -97,7 +98,7 @@ def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_t
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     state = LockState(6, 6, partition_keys(6), world_size=1)
-    server = LockServer(store, state, lambda _: None, np.zeros(1, np.float32), 0)
+    server = LockServer(store, state, SimpleNamespace(append=lambda records: None), np.zeros(1, np.float32), 0)
     main, writer = LockClient(store, 0, timeout_s=10), LockClient(store, 0, timeout_s=10, channel="/writer")
     errors: list[BaseException] = []
 

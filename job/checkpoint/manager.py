@@ -47,6 +47,7 @@ class Group(Protocol):
     """What the manager needs of a torchrun group: who it is, a barrier, and where ranks share file records."""
 
     rank: int
+    run_id: str  # the job the group trains for: the group is one writer (the owner record's run id)
 
     def barrier(self, name: str) -> None: ...
 
@@ -98,7 +99,7 @@ class CheckpointManager:
         resumes (a torchrun group's lock server persisted its progress); otherwise they are garbage."""
         rank = group.rank if group is not None else 0
         if rank == 0:
-            self._owner = claim(self.url, self.take_over)
+            self._owner = claim(self.url, self.take_over, run_id=group.run_id if group is not None else None)
             finish_committed_grow(self.url, clean_uncommitted=True, inputs=self.inputs)
             self.storage.prepare()
         if group is not None:

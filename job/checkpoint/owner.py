@@ -8,8 +8,9 @@ every commit marker: the check *is* a conditional rewrite of the record (S3 ``If
 under ``flock`` locally; :mod:`storage_adapters.conditional`), so a writer that lost the directory cannot commit.
 
 Who is "the same writer": a torchrun group is one writer (every restart of it, a replaced or added pod included,
-carries the same run id: ``BIGGRAPH_RUN_ID`` if set, which the chart sets to the Job's uid, else torchrun's
-``--rdzv-id``); a process outside torchrun is its own run. A record left by a process that is provably gone (same
+carries the same run id, the group's ``run_identity`` of job/train/group.py: ``BIGGRAPH_RUN_ID`` if set, which the
+chart sets to the Job's uid, else torchrun's ``--rdzv-id``, with a digest of the training config); a process outside
+torchrun is its own run. A record left by a process that is provably gone (same
 machine, same PID namespace, PID no longer alive) is taken over at once; one whose heartbeat stopped elsewhere is
 taken over only when asked (``--take-over``), because a stopped heartbeat may also be a paused or partitioned
 writer; a fresh one is never taken over.
@@ -268,7 +269,7 @@ _claims: dict[str, tuple[Ownership, int]] = {}
 _claims_lock = threading.Lock()
 
 
-def claim(checkpoint_url: str, take_over: bool = False) -> Ownership:
+def claim(checkpoint_url: str, take_over: bool = False, run_id: Optional[str] = None) -> Ownership:
     """This process's ownership of ``checkpoint_url``, acquired on the first claim and shared by nested writers (a
     grow and the training it runs); each claim is ended by :func:`unclaim`."""
     key = checkpoint_url.rstrip("/")
@@ -278,7 +279,7 @@ def claim(checkpoint_url: str, take_over: bool = False) -> Ownership:
             _claims[key] = (held[0], held[1] + 1)
             return held[0]
     beat = float(os.environ.get("BIGGRAPH_OWNER_HEARTBEAT_S", HEARTBEAT_SECONDS))
-    ownership = Ownership(key, take_over=take_over or os.environ.get("BIGGRAPH_TAKE_OVER") == "1",
+    ownership = Ownership(key, run_id=run_id, take_over=take_over or os.environ.get("BIGGRAPH_TAKE_OVER") == "1",
                           heartbeat_seconds=beat, stale_after=beat * STALE_AFTER_SECONDS / HEARTBEAT_SECONDS)
     ownership.acquire()
     with _claims_lock:

@@ -1,13 +1,24 @@
-"""The torchrun group: joining it, a heartbeat that notices a lost peer, store barriers, leaving in order.
+"""The torchrun group: joining it, agreeing on its round, a heartbeat that notices a lost peer, store barriers,
+leaving in order.
 
 Everything travels through the rendezvous TCPStore that ``init_process_group`` already connected
 every rank to; the lock server (job/train/distributed.py) uses the same store.
+
+The round: every time torchrun forms the group (first start, a restart after a lost pod, a scale change) its
+ranks agree on one round id, drawn by rank 0 and broadcast over the process group (``agree_round``), and every
+store key of ours (barriers, heartbeats, the lock server's queues, checksum records, pass results) lives under
+``biggraph/<round>/``. ``TORCHELASTIC_RESTART_COUNT`` cannot name a round: each torchrun agent counts its own
+restarts, so a replaced pod (a fresh agent, 0) and the survivors (1) would wait on different barriers forever.
+The count is kept only as reported information (``restart_count`` of the pass summary).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+
+logger = logging.getLogger("biggraph")
 
 # How fast rank 0 gives up on a silent peer (env BIGGRAPH_PEER_INTERVAL / BIGGRAPH_PEER_TIMEOUT). The timeout
 # is the first term of the recovery time after a lost pod (bench/elastic_bench.py: 15 s of a 47 s recovery
@@ -34,8 +47,15 @@ class DistributedContext:
     rank: int
     world_size: int
     store: Any
-    restart_count: int
+    restart_count: int  # this agent's own count: reported, never used to name anything shared
     heartbeat: Optional[Heartbeat] = None
+    round_id: str = "0"  # the same on every rank of this group (``agree_round``): names every store key of ours
+    run_id: str = ""  # the job this group trains for (``run_identity``), rank 0's: binds the lock server's progress
+
+    def key(self, name: str) -> str:
+        """The store key ``name`` of this round (a key of an earlier round, or of a rank that counts rounds
+        otherwise, never meets it)."""
+        return round_key(self.round_id, name)
 
     def check_peers(self) -> None:
         """Raise when a peer stopped: torchrun then restarts the group and training resumes from progress."""
@@ -54,8 +74,9 @@ class Heartbeat:
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, interval: float = DEFAULT_PEER_INTERVAL_S,
-                 dead_after: float = DEFAULT_PEER_TIMEOUT_S) -> None:
+                 dead_after: float = DEFAULT_PEER_TIMEOUT_S, round_id: str = "0") -> None:
         self.store = store.clone()
+        self.round_id = round_id
         self.rank = rank
         self.world_size = world_size
         self.interval = interval
@@ -70,12 +91,12 @@ class Heartbeat:
         last_change: dict[int, float] = {}
         while not self._stop.wait(self.interval):
             try:
-                self.store.add(f"biggraph/heartbeat/{self.rank}", 1)
+                self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
                 if self.rank != 0:
                     continue
                 now = time.monotonic()
                 for peer in range(1, self.world_size):
-                    value = int(self.store.add(f"biggraph/heartbeat/{peer}", 0))
+                    value = int(self.store.add(round_key(self.round_id, f"heartbeat/{peer}"), 0))
                     if last_value.get(peer) != value:
                         last_value[peer] = value
                         last_change[peer] = now
@@ -88,8 +109,9 @@ class Heartbeat:
         self._stop.set()
 
 
-def init_distributed() -> Optional[DistributedContext]:
-    """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1)."""
+def init_distributed(digest: str = "") -> Optional[DistributedContext]:
+    """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1), and agree on its round.
+    ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Under torchrun even a group of one uses the lock server: an elastic job that shrinks to one node
     # must resume its pass from the persisted progress, and grow again later.
@@ -102,11 +124,46 @@ def init_distributed() -> Optional[DistributedContext]:
     store = distributed_c10d._get_default_store()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     interval, dead_after = peer_timing(os.environ)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
+    logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
+                round_id, run_id, restart_count)
     return DistributedContext(
-        rank=rank, world_size=world_size, store=store,
-        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after),
+        rank=rank, world_size=world_size, store=store, restart_count=restart_count,
+        heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id),
+        round_id=round_id, run_id=run_id,
     )
+
+
+def config_digest(config_json: str) -> str:
+    """A short digest of the training config's JSON (without credentials): part of the run identity."""
+    return hashlib.sha256(config_json.encode()).hexdigest()[:12]
+
+
+def round_key(round_id: str, name: str) -> str:
+    return f"biggraph/{round_id}/{name}"
+
+
+def run_identity(env: Any, digest: str = "") -> str:
+    """What a restart of the same job keeps and a later, different job does not: ``BIGGRAPH_RUN_ID`` if set, else
+    torchrun's rendezvous id (``--rdzv-id``: the same for every agent of a job and across its restarts and replaced
+    pods; a random one per ``torchrun --standalone`` launch), with a digest of the training config, so that a job
+    trained otherwise under the same name does not take up another's interrupted pass."""
+    name = env.get("BIGGRAPH_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "none"
+    return f"{name}/{digest}" if digest else name
+
+
+def agree_round(rank: int, run_id: str) -> tuple[str, str]:
+    """(round id, run id) of the group just formed, the same on every rank: rank 0 draws the round id (a nonce, so
+    no two rounds share one, whatever each agent counts) and sends both over the process group (a collective, so
+    every rank of this group and only those take part). On gloo itself, or a gloo group beside NCCL (an object
+    collective over NCCL would need each rank's card chosen first)."""
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    values: list[Optional[str]] = [secrets.token_hex(8), run_id] if rank == 0 else [None, None]
+    dist.broadcast_object_list(values, src=0, group=group)
+    round_id, agreed_run = values
+    assert round_id is not None and agreed_run is not None
+    return round_id, agreed_run
 
 
 def peer_timing(env: Any) -> tuple[float, float]:
@@ -130,8 +187,8 @@ def peer_timing(env: Any) -> tuple[float, float]:
 
 
 def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) -> None:
-    """A store-based barrier (each name used once per rendezvous round)."""
-    key = f"biggraph/barrier/{name}"
+    """A store-based barrier of this round (each name used once per round)."""
+    key = context.key(f"barrier/{name}")
     context.store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     while int(context.store.add(key, 0)) < context.world_size:
@@ -143,11 +200,12 @@ def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) 
 
 def leave(context: DistributedContext, timeout_s: float = 60.0) -> None:
     """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise)."""
+    key = context.key("left")
     try:
-        context.store.add("biggraph/left", 1)
+        context.store.add(key, 1)
         if context.rank == 0:
             deadline = time.monotonic() + timeout_s
-            while int(context.store.add("biggraph/left", 0)) < context.world_size and time.monotonic() < deadline:
+            while int(context.store.add(key, 0)) < context.world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
     except Exception:  # a peer or the store is already gone; nothing more to coordinate
         pass

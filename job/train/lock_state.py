@@ -6,7 +6,16 @@ which buckets are done and which partitions were written into the next (uncommit
 With ``prefetch_partitions`` it also *reserves* a trainer's next bucket while the current one trains
 (``reserve``; policy in its docstring). Pure state, unit-tested on its own (tests/test_distributed.py,
 tests/test_distributed_prefetch.py); ``job.train.distributed.LockServer`` serves it from rank 0 and persists
-it (``to_json``/``load_json``) at every bucket boundary.
+it (job/train/progress.py): a snapshot (``to_json``/``restore``) when its pass starts, then, at every request that
+changed it, the changes as records (``drain_journal``), which ``apply`` replays onto the snapshot after a restart.
+
+The records (``{"e": kind, ...}``) are the changes to what a restart keeps, nothing else (locks and reservations
+are forgotten by a restart: ``forget_rank_locks``):
+
+- ``start``: ``rank`` trains ``bucket`` (in flight);  ``stop``: ``rank`` has nothing in flight any more
+- ``finish``: ``rank`` finished ``bucket`` (done); ``keys``: its partitions, still unwritten by that rank
+- ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten)
+- ``record``: a finished bucket's ``training_stats.json`` line
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class LockState:
     # training dies with them, so it goes back to the queue
     unsaved: dict = field(default_factory=dict)
     records: list = field(default_factory=list)  # training_stats.json lines of the finished buckets
+    journal: list = field(default_factory=list)  # the changes not yet persisted (``drain_journal``)
 
     @property
     def total(self) -> int:
@@ -58,16 +68,13 @@ class LockState:
         """Finish ``finished`` (if any) and pick the next bucket for ``rank``: ("bucket", b), ("wait", None) or ("done", None).
         A bucket reserved for ``rank`` is its next one (its partitions are locked for it already)."""
         if finished is not None and self.in_flight.get(rank) == finished:
-            self.done.add(finished)
-            self.trained_parts.update((finished.lhs, finished.rhs))
-            del self.in_flight[rank]
-            if self.bucket_keys[finished]:
-                self.unsaved.setdefault(rank, {})[finished] = set(self.bucket_keys[finished])
-        self.in_flight.pop(rank, None)
+            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
+                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
+        if rank in self.in_flight:
+            self._change({"e": "stop", "rank": rank})
         ahead = self.reserved.pop(rank, None)
         if ahead is not None:
-            self.in_flight[rank] = ahead
-            self.acquired += 1
+            self._change({"e": "start", "rank": rank, "bucket": list(ahead)})
             return "bucket", ahead
         candidates = self._open_to(rank)
         if not candidates:
@@ -78,8 +85,7 @@ class LockState:
         choice = rng.choice([b for b in candidates if len(self.bucket_keys[b] & held) == best])
         for key in self.bucket_keys[choice]:
             self.locks[key] = rank
-        self.in_flight[rank] = choice
-        self.acquired += 1
+        self._change({"e": "start", "rank": rank, "bucket": list(choice)})
         return "bucket", choice
 
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
@@ -155,17 +161,58 @@ class LockState:
         for bucket in (self.in_flight.get(rank), self.reserved.get(rank)):
             if bucket is not None:
                 needed |= self.bucket_keys[bucket]
+        keys = [(k[0], int(k[1])) for k in keys]
         for key in keys:
-            key = tuple(key)
             if self.locks.get(key) == rank and key not in needed:
                 del self.locks[key]
-            if written:
+        if written and keys:
+            self._change({"e": "written", "rank": rank, "keys": [list(k) for k in keys]})
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        """A finished bucket's stats line (the committing rank writes them all at the commit)."""
+        self._change({"e": "record", "record": record})
+
+    def _change(self, event: dict[str, Any]) -> None:
+        self.apply(event)
+        self.journal.append(event)
+
+    def drain_journal(self) -> list[dict[str, Any]]:
+        """The changes since the last call, to persist (see the module docstring)."""
+        events, self.journal = self.journal, []
+        return events
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """One change (a record of ``drain_journal``): made here as the server runs, and replayed onto the pass's
+        snapshot after a restart."""
+        kind = event["e"]
+        rank = int(event.get("rank", -1))
+        if kind == "start":
+            self.in_flight[rank] = Bucket(*event["bucket"])
+            self.acquired += 1
+        elif kind == "stop":
+            self.in_flight.pop(rank, None)
+        elif kind == "finish":
+            bucket = Bucket(*event["bucket"])
+            self.done.add(bucket)
+            self.trained_parts.update((bucket.lhs, bucket.rhs))
+            self.in_flight.pop(rank, None)
+            if event["keys"]:
+                self.unsaved.setdefault(rank, {})[bucket] = {(k[0], int(k[1])) for k in event["keys"]}
+        elif kind == "written":
+            pending = self.unsaved.get(rank, {})
+            for k in event["keys"]:
+                key = (k[0], int(k[1]))
                 self.dirty.add(key)
-                pending = self.unsaved.get(rank, {})
                 for bucket in list(pending):
                     pending[bucket].discard(key)
                     if not pending[bucket]:
                         del pending[bucket]
+            if rank in self.unsaved and not pending:
+                del self.unsaved[rank]
+        elif kind == "record":
+            self.records.append(event["record"])
+        else:
+            raise ValueError(f"unknown progress record {kind!r}")
 
     def forget_rank_locks(self) -> None:
         """After a restart nobody holds anything: in-flight buckets will be redone, and so will finished ones

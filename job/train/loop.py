@@ -32,12 +32,13 @@ from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buc
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
 from job.train.distributed import SharedParameters
-from job.train.group import init_distributed, leave
+from job.train.group import config_digest, init_distributed, leave
 from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.precision import training_dtype
+from job.train.progress import Progress, read_progress, remove_progress
 from job.train.resume import GroupBarrier, load_model_state
 from job.train.schedule import (
     BucketScheduler,
@@ -48,7 +49,6 @@ from job.train.schedule import (
     ParameterSync,
     PassGather,
     SharedSync,
-    read_progress,
 )
 from job.train.spawning import server_processes, start_worker_server
 from job.train.step import BatchStats
@@ -62,7 +62,7 @@ class Trainer(BucketRunner):
 
     def __init__(self, config: ConfigSchema, take_over: bool = False) -> None:
         self.config = config
-        self.dist = init_distributed()
+        self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))))
         self.rank = self.dist.rank if self.dist else 0
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
         self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, GrowInputs.of(config),
@@ -129,13 +129,19 @@ class Trainer(BucketRunner):
     def _open_checkpoint(self) -> None:
         """The committed version, cleaned of what killed runs left; in a torchrun group, the lock server's
         persisted progress of an interrupted pass (its first pass resumes it, so its files are kept)."""
-        if self.dist is None:
-            self.version, self.progress = self.checkpoints.open(), None
-            return
+        self.progress: Optional[Progress] = None
+        group = GroupBarrier(self.dist) if self.dist is not None else None
+        self.version = self.checkpoints.open(group, resumes_pass=self._resumes_pass)
+
+    def _resumes_pass(self, version: int) -> bool:
+        """(Rank 0, while the directory is cleaned.) Whether the lock server's persisted progress of the pass after
+        ``version`` is this run's to resume. One it does not resume (another run's, a stale one, any left in a
+        single-process run's directory) is removed first, so that it never outlives the files it names."""
         path = self.config.checkpoint_path
-        self.version = self.checkpoints.open(GroupBarrier(self.dist),
-                                             resumes_pass=lambda version: read_progress(path, version) is not None)
-        self.progress = read_progress(path, self.version)
+        self.progress = read_progress(path, version, self.dist.run_id) if self.dist is not None else None
+        if self.progress is None:
+            remove_progress(path)
+        return self.progress is not None
 
     def _build_model(self) -> None:
         config = self.config

@@ -23,18 +23,20 @@ PartKey = tuple[str, int]
 
 
 class GroupBarrier:
-    """A torchrun group as the checkpoint manager sees it (``job.checkpoint.Group``): its rank, barriers named
-    per rendezvous round, and the store where ranks share the records of the files they write."""
+    """A torchrun group as the checkpoint manager sees it (``job.checkpoint.Group``): its rank, the run it trains
+    for (one writer), barriers of this round, and the store where ranks share the records of the files they write."""
 
     def __init__(self, dist: DistributedContext) -> None:
         self.dist = dist
         self.rank = dist.rank
 
+        self.run_id = dist.run_id
+
     def barrier(self, name: str) -> None:
-        wait_all(self.dist, f"{name}-{self.dist.restart_count}")
+        wait_all(self.dist, name)  # under this round's keys (job/train/group.py)
 
     def shared_sums(self) -> SharedSumRegistry:
-        return SharedSumRegistry(self.dist.store, str(self.dist.restart_count))
+        return SharedSumRegistry(self.dist.store, self.dist.round_id)
 
 
 def load_model_state(model: Model, optimizer: RelationAdagrad, checkpoint: CheckpointStorage, version: int,

@@ -40,14 +40,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-import storage_adapters as storage
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.buckets import Bucket, all_buckets
-from job.train.distributed import PROGRESS_FILE, LockClient, LockServer, SharedParameters
+from job.train.distributed import LockClient, LockServer, SharedParameters
 from job.train.group import DistributedContext, wait_all
 from job.train.lock_state import LockState
 from job.train.partitions import PartitionStore
+from job.train.progress import Progress, ProgressLog, remove_progress
 
 logger = logging.getLogger("biggraph")
 
@@ -157,19 +157,6 @@ def bucket_locks(config: ConfigSchema, nparts_lhs: int, nparts_rhs: int) -> dict
     return out
 
 
-def progress_url(checkpoint_path: str) -> str:
-    return storage.join(checkpoint_path, PROGRESS_FILE)
-
-
-def read_progress(checkpoint_path: str, version: int) -> Optional[dict[str, Any]]:
-    """The lock server's persisted progress, if it belongs to the pass after the committed ``version``."""
-    try:
-        data = json.loads(storage.read_text(progress_url(checkpoint_path)))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if data.get("version") == version + 1 else None
-
-
 WRITER_TIMEOUT_S = 120.0  # a release takes milliseconds; a silent server means the group is being re-formed
 
 
@@ -180,7 +167,7 @@ class LockServerScheduler(BucketScheduler):
     delays_hogwild = False
 
     def __init__(self, ctx: DistributedContext, config: ConfigSchema, store: PartitionStore,
-                 checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[dict[str, Any]],
+                 checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[Progress],
                  shared_values: Callable[[], np.ndarray]) -> None:
         self.ctx = ctx
         self.config = config
@@ -191,41 +178,57 @@ class LockServerScheduler(BucketScheduler):
         self.shared_values = shared_values
         self.commits = ctx.rank == 0
         self.bucket_keys = bucket_locks(config, *nparts)
-        self.client = LockClient(ctx.store, ctx.rank)
+        self.client = LockClient(ctx.store, ctx.rank, prefix=ctx.key("lock"))
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
         self.releases: list[Future[None]] = []  # background write-backs that release their partitions once stored
         self._writer_client: Optional[LockClient] = None  # the background thread's own channel to the server
-        self.round_tag = ""
+        # the shared parameters whose change since their last sync goes with the next ``next`` (``SharedSync``)
+        self.carry: Optional[SharedParameters] = None
+        self.pass_tag = ""  # names this pass's barriers and keys within the round (``ctx.key``)
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
-        self.round_tag = f"{self.ctx.restart_count}-{pass_index}"
+        self.pass_tag = str(pass_index)
         self.current = None
         self.ahead = None
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
                               version=version + 1, world_size=self.ctx.world_size)
-            if self.progress is not None and self.progress.get("version") == version + 1:
-                state.restore(self.progress)
+            shared = self.shared_values()
+            if self.progress is not None and self.progress.version == version + 1:
+                if self.progress.shared is not None and self.progress.shared.shape == shared.shape:
+                    shared = self.progress.shared  # with the shared updates of every bucket done so far
+                elif self.progress.shared is not None:
+                    logger.warning("the interrupted pass's shared parameters have %d values, the model %d: the "
+                                   "model's are used", self.progress.shared.size, shared.size)
+                state.restore(self.progress.state)
+                for record in self.progress.records:
+                    state.apply(record)
                 state.forget_rank_locks()
                 logger.info(
                     "resuming pass %d: %d of %d buckets already done, %d to redo", pass_index + 1, len(state.done),
                     state.total, state.redone)
             self.progress = None
-            self.server = LockServer(self.ctx.store, state, self._write_progress, self.shared_values(), seed_base)
-        wait_all(self.ctx, f"pass-start-{self.round_tag}")
-
-    def _write_progress(self, state: dict[str, Any]) -> None:
-        storage.write_text(progress_url(self.config.checkpoint_path), json.dumps(state))
+            # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
+            log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
+            log.start(state.to_json(), shared)
+            self.server = LockServer(self.ctx.store, state, log, shared, seed_base,
+                                     prefix=self.ctx.key("lock"))
+        wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
         waits = 0
         while True:
             self.ctx.check_peers()
             self.store.stats.blocked_seconds += self._settle_releases()
-            kind, bucket, dirty = self.client.next_bucket(self.store.resident_partitioned(), self.current, finished)
+            carry, self.carry = self.carry, None
+            delta = carry.flatten() - carry.synced if carry is not None else None
+            kind, bucket, dirty, shared = self.client.finish_and_next(
+                self.store.resident_partitioned(), self.current, finished, delta)
+            if carry is not None and shared is not None:
+                carry.assign(shared)
             self.current, finished = None, None
             self.store.written = set(dirty)
             if kind == "done":
@@ -263,7 +266,7 @@ class LockServerScheduler(BucketScheduler):
             # a bounded wait: a process leaving after a peer died joins this thread first, and a release
             # answered by no server must not hold that exit for the main client's 10 minutes
             self._writer_client = LockClient(self.ctx.store, self.ctx.rank, timeout_s=WRITER_TIMEOUT_S,
-                                             channel="/writer")
+                                             channel="/writer", prefix=self.ctx.key("lock"))
         self.checkpoint.flush()
         self._writer_client.release(keys)
 
@@ -301,13 +304,13 @@ class LockServerScheduler(BucketScheduler):
         return time.perf_counter() - started
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
-        self.ctx.store.set(f"biggraph/pass-io/{self.round_tag}/{self.ctx.rank}", json.dumps(own_io))
-        wait_all(self.ctx, f"pass-written-{self.round_tag}")
+        self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
+        wait_all(self.ctx, f"pass-written-{self.pass_tag}")
         if self.server is None:
             return None
         self.store.written = set(self.server.state.dirty)
         records = self.server.take_records()
-        others = [json.loads(self.ctx.store.get(f"biggraph/pass-io/{self.round_tag}/{rank}"))
+        others = [json.loads(self.ctx.store.get(self.ctx.key(f"pass-io/{self.pass_tag}/{rank}")))
                   for rank in range(1, self.ctx.world_size)]
         self.server.stop()
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
@@ -315,12 +318,12 @@ class LockServerScheduler(BucketScheduler):
 
     def publish(self, eval_mrr: Optional[float]) -> Optional[float]:
         """Rank 0 (which committed) stores its pass MRR before the barrier; every rank reads that one."""
-        key = f"biggraph/pass-result/{self.round_tag}"
+        key = self.ctx.key(f"pass-result/{self.pass_tag}")
         if self.server is not None:
-            storage.remove(progress_url(self.config.checkpoint_path))
+            remove_progress(self.config.checkpoint_path)  # the compaction at the commit: nothing left to resume
             self.ctx.store.set(key, json.dumps({"eval_mrr": eval_mrr}))
             self.server = None
-        wait_all(self.ctx, f"pass-committed-{self.round_tag}")
+        wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
         return json.loads(self.ctx.store.get(key))["eval_mrr"]
 
 
@@ -345,7 +348,9 @@ NoSync = ParameterSync
 
 
 class SharedSync(ParameterSync):
-    """Push/pull through the lock server of ``scheduler`` (staleness: one bucket)."""
+    """Push/pull through the lock server of ``scheduler`` (staleness: one bucket). At a bucket's end the change
+    travels with the request that finishes the bucket (``LockServerScheduler.next_bucket``), so that the server
+    stores the bucket as done and its shared update in one step (job/train/progress.py)."""
 
     def __init__(self, shared: SharedParameters, scheduler: LockServerScheduler) -> None:
         self.shared = shared
@@ -355,7 +360,10 @@ class SharedSync(ParameterSync):
         self.shared.assign(self.scheduler.client.sync(np.zeros_like(self.shared.synced)))
 
     def sync(self) -> None:
-        self.shared.sync(self.scheduler.client)
+        if self.scheduler.current is not None:
+            self.scheduler.carry = self.shared
+        else:
+            self.shared.sync(self.scheduler.client)
 
     def settle(self) -> None:
         if self.scheduler.server is not None:

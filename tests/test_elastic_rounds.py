@@ -1,0 +1,181 @@
+"""One round identity for the whole torchrun group: a replaced pod, whose agent counts its restarts from 0 while
+the survivors' agents count 1, joins the same barriers, lock-server queues and checksum records as they do.
+
+The identity is agreed through the process group after it forms (job/train/group.py ``agree_round``), never
+taken from ``TORCHELASTIC_RESTART_COUNT``, which each agent counts for itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_distributed import Agents, bucket_records, buckets_per_epoch, free_port, write_run_config
+
+from job.train.buckets import all_buckets
+from job.train.group import run_identity
+
+# one rank of a gloo group formed by hand (no torchrun): joins, prints what it agreed on, leaves
+RANK_SCRIPT = """
+import json, sys
+from job.train.group import init_distributed, leave
+ctx = init_distributed(sys.argv[1])
+print(json.dumps({"rank": ctx.rank, "round": ctx.round_id, "run": ctx.run_id, "restarts": ctx.restart_count,
+                  "barrier": ctx.key("barrier/x")}))
+leave(ctx)
+"""
+
+
+def form_group(restart_counts: list[int], run_ids: list[str], digests: list[str]) -> list[dict]:
+    """One process per rank, joined into a gloo group; each with its own agent's restart count and run id."""
+    port = free_port()
+    procs = []
+    for rank, (count, run_id, digest) in enumerate(zip(restart_counts, run_ids, digests)):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(len(restart_counts)), TORCHELASTIC_RESTART_COUNT=str(count),
+                   TORCHELASTIC_RUN_ID=run_id, OMP_NUM_THREADS="1")
+        env.pop("BIGGRAPH_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, digest], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    return outputs
+
+
+def test_ranks_whose_agents_count_restarts_differently_agree_on_one_round() -> None:
+    """A replaced pod's agent counts 0, the survivors' 1: the group still has one round, rank 0's, and one run id;
+    the next formation of the group has another round."""
+    first = form_group([1, 0, 1], ["job-a"] * 3, ["d0", "d1", "d2"])
+    assert [o["restarts"] for o in first] == [1, 0, 1]  # still reported as each agent counts
+    assert len({o["round"] for o in first}) == 1
+    assert {o["run"] for o in first} == {"job-a/d0"}  # rank 0's
+    assert len({o["barrier"] for o in first}) == 1 and first[0]["round"] in first[0]["barrier"]
+    again = form_group([1, 0, 1], ["job-a"] * 3, ["d0"] * 3)
+    assert again[0]["round"] != first[0]["round"]
+
+
+def test_the_run_identity_is_the_jobs_name_and_its_config() -> None:
+    assert run_identity({"TORCHELASTIC_RUN_ID": "job-a"}, "abc") == "job-a/abc"
+    assert run_identity({"TORCHELASTIC_RUN_ID": "job-a", "BIGGRAPH_RUN_ID": "uid-1"}, "abc") == "uid-1/abc"
+    assert run_identity({}, "") == "none"
+
+
+@pytest.mark.slow
+def test_a_replaced_pod_whose_agent_counts_from_zero_rejoins_and_the_run_completes(umls_p4: dict,
+                                                                                    tmp_path: Path) -> None:
+    """Three agents train; after the first commit one agent's tree is SIGKILLed and a fresh agent with the same
+    arguments is started (as the Indexed Job's replacement pod): its restart count is 0, the survivors' 1. Before
+    the round identity they waited on different barriers until the 30-minute timeout."""
+    from job.formats.checkpoint import CheckpointStorage
+
+    epochs = 10
+    path = write_run_config(umls_p4, "replaced", num_epochs=epochs)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    storage = CheckpointStorage(checkpoint_path)
+    agents = Agents(path, "1:3", tmp_path)
+    try:
+        for name in ("a", "b", "c"):
+            agents.start(name)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 240
+        while storage.load_version() < 1:
+            assert time.monotonic() < deadline, "training never got going: " + agents.tail()
+            assert all(p.poll() is None for p in agents.procs.values()), agents.tail()
+            time.sleep(0.05)
+        killed_at = storage.load_version()
+        assert killed_at < epochs, "the run ended before the kill; give it more epochs"
+        agents.kill_node("c")
+        agents.start("c-replacement")  # same arguments: a fresh agent, restart count 0
+        # a hang guard, not a timing threshold: without one round identity the group never trains again
+        codes = agents.wait(["a", "b", "c-replacement"], timeout=420)
+    finally:
+        agents.stop()
+    assert codes == {"a": 0, "b": 0, "c-replacement": 0}, agents.tail()
+    assert storage.load_version() == epochs
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert [s["checkpoint_version"] for s in summaries] == list(range(1, epochs + 1))
+    assert summaries[-1]["world_size"] == 3  # the replacement trained in the group
+    # every epoch trained every bucket; away from the kill, exactly once
+    per_epoch = buckets_per_epoch(records)
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, buckets in per_epoch.items():
+        assert set(buckets) == set(all_buckets(4, 4)), epoch
+        if epoch not in (killed_at, killed_at + 1):
+            assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
+    logs = agents.text()
+    assert "round " in logs  # every rank logged the round it joined
+
+
+def kill_mid_pass(agents: Agents, checkpoint_path: str, min_version: int) -> int:
+    """Wait until the pass after a committed version >= ``min_version`` has finished buckets, then SIGKILL every
+    agent tree at once (the whole job lost); returns the version the killed pass would have committed."""
+    from job.formats.checkpoint import CheckpointStorage
+    from job.train.progress import current_state
+
+    storage = CheckpointStorage(checkpoint_path)
+    deadline = time.monotonic() + 240
+    while True:
+        assert time.monotonic() < deadline, "training never got going: " + agents.tail()
+        assert all(p.poll() is None for p in agents.procs.values()), agents.tail()
+        version = storage.load_version()
+        progress = current_state(checkpoint_path) or {}
+        if version >= min_version and progress.get("version") == version + 1 and progress.get("done"):
+            break
+        time.sleep(0.02)
+    agents.stop()
+    return version + 1
+
+
+@pytest.mark.slow
+def test_the_same_job_restarted_resumes_its_pass_and_another_job_starts_it_over(
+        umls_p4: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every agent of a job killed mid-pass; the same job started again (same rendezvous id and config) resumes the
+    pass from the lock server's progress. Killed again; a different job (another run id) on the same checkpoint
+    refuses that progress, removes it with the pass's uncommitted files and trains the pass again."""
+    import re
+
+    epochs = 12
+    path = write_run_config(umls_p4, "rerun", num_epochs=epochs)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    resumed = re.compile(r"resuming pass (\d+): (\d+) of 16 buckets already done, (\d+) to redo")
+
+    first = Agents(path, "2", tmp_path / "first")
+    (tmp_path / "first").mkdir()
+    for name in ("a", "b"):
+        first.start(name)
+    killed_pass = kill_mid_pass(first, checkpoint_path, 2)
+
+    again = Agents(path, "2", tmp_path / "again")  # the same job: same --rdzv-id, same config
+    (tmp_path / "again").mkdir()
+    for name in ("a", "b"):
+        again.start(name)
+    killed_again = kill_mid_pass(again, checkpoint_path, killed_pass)
+    found = resumed.findall(again.text())
+    assert found and int(found[0][0]) == killed_pass and int(found[0][1]) + int(found[0][2]) > 0, again.tail()
+    assert "not resumed" not in again.text()
+
+    monkeypatch.setenv("BIGGRAPH_RUN_ID", "another-job")
+    other = Agents(path, "2", tmp_path / "other")
+    (tmp_path / "other").mkdir()
+    codes = other.run(["a", "b"], timeout=420)
+    assert codes == {"a": 0, "b": 0}, other.tail()
+    assert "not resumed (written by run 'biggraph-test/" in other.text()
+    assert not resumed.findall(other.text())
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert [s["checkpoint_version"] for s in summaries] == list(range(1, epochs + 1))
+    redone = next(s for s in summaries if s["checkpoint_version"] == killed_again)
+    assert redone["buckets_redone"] == 0 and redone["buckets_trained"] == 16  # trained from the start again
+    # every epoch trained every bucket; the pass another job started over, exactly once
+    per_epoch = buckets_per_epoch(records)
+    for epoch, buckets in per_epoch.items():
+        assert set(buckets) == set(all_buckets(4, 4)), epoch
+    assert sorted(per_epoch[killed_again - 1]) == sorted(all_buckets(4, 4))

@@ -1,0 +1,368 @@
+"""The lock server as a service: every request answered (errors included), a ``sync`` of the wrong shape refused,
+progress persisted as a snapshot plus one record per change and replayed after a restart, and a progress file
+bound to its run (a stale or foreign one refused and cleaned, never resumed).
+
+Real TCPStore and server threads; no torchrun (tests/test_elastic_rounds.py has the real-process test)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers_distributed import partition_keys
+from torch.distributed import TCPStore
+
+from job.train.distributed import LockClient, LockServer, LockServerError, _pack
+from job.train.lock_state import LockState
+from job.train.progress import (
+    PROGRESS_FILE,
+    PROGRESS_LOG,
+    ProgressLog,
+    current_state,
+    read_progress,
+    remove_progress,
+)
+
+PREFIX = "biggraph/test-round/lock"
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+@pytest.fixture
+def served(store: TCPStore) -> Iterator[tuple[LockServer, LockClient]]:
+    state = LockState(4, 4, partition_keys(4), world_size=2)
+    server = LockServer(store, state, SimpleNamespace(append=lambda records: None), np.zeros(3, np.float32), 0,
+                        prefix=PREFIX)
+    # a bounded wait, far above any answer: a request left unanswered fails the test with "no answer", not a hang
+    client = LockClient(store, 1, timeout_s=60, prefix=PREFIX)
+    try:
+        yield server, client
+    finally:
+        server.stop()
+
+
+def persisted(state: LockState) -> dict[str, Any]:
+    """What a restart keeps of a state (reservations are forgotten by a restart, so not compared)."""
+    data = state.to_json()
+    data.pop("reserved")
+    return data
+
+
+# every request answered ----------------------------------------------------------------------------------------
+
+
+def test_an_unknown_request_is_answered_with_an_error_naming_it(served: tuple[LockServer, LockClient]) -> None:
+    _, client = served
+    with pytest.raises(LockServerError, match="refused 'shuffle'.*unknown request 'shuffle'"):
+        client._call({"op": "shuffle"})
+    kind, bucket, _ = client.next_bucket(set(), None, None)  # and it serves on
+    assert kind == "bucket" and bucket is not None
+
+
+def test_a_malformed_request_is_answered_with_the_servers_error(served: tuple[LockServer, LockClient]) -> None:
+    _, client = served
+    with pytest.raises(LockServerError, match="refused 'release'.*KeyError"):
+        client._call({"op": "release"})  # no "keys"
+    with pytest.raises(LockServerError, match="refused 'next'"):
+        client._call({"op": "next", "finished": [1, 2, 3]})  # a bucket has two partitions
+
+
+def test_a_request_without_a_rank_is_logged_and_the_server_serves_on(store: TCPStore,
+                                                                    served: tuple[LockServer, LockClient],
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    _, client = served
+    store.queue_push(f"{PREFIX}/requests", _pack({"op": "next"}))  # nobody to answer
+    store.queue_push(f"{PREFIX}/requests", b"\x05\x00\x00\x00{oops")  # not JSON
+    kind, _, _ = client.next_bucket(set(), None, None)
+    assert kind == "bucket"
+    assert caplog.text.count("unreadable request") == 2
+
+
+def test_a_stop_left_by_an_earlier_server_of_the_round_is_not_answered_nor_stops_this_one(
+        store: TCPStore, served: tuple[LockServer, LockClient], caplog: pytest.LogCaptureFixture) -> None:
+    """A round's passes each start a server on the round's queue; one that ended between two requests never read
+    its stop message, which the next one finds first."""
+    server, client = served
+    store.queue_push(f"{PREFIX}/requests", _pack({"op": "stop", "server": "an-earlier-one"}))
+    kind, _, _ = client.next_bucket(set(), None, None)
+    assert kind == "bucket" and server.thread.is_alive()
+    assert "refused" not in caplog.text and "unreadable" not in caplog.text
+
+
+def test_a_sync_of_the_wrong_shape_is_refused_and_changes_nothing(served: tuple[LockServer, LockClient]) -> None:
+    server, client = served
+    with pytest.raises(LockServerError, match="refused 'sync'.*change of 5 values.*have 3"):
+        client.sync(np.ones(5, np.float32))
+    assert server.shared.tolist() == [0.0, 0.0, 0.0]
+    assert client.sync(np.array([1.0, 2.0, 3.0], np.float32)).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_failed_progress_write_is_answered_and_every_later_request_refused(store: TCPStore) -> None:
+    def fail(records: list) -> None:
+        raise OSError("disk full")
+
+    server = LockServer(store, LockState(4, 4, partition_keys(4)), SimpleNamespace(append=fail),
+                        np.zeros(1, np.float32), 0, prefix=PREFIX)
+    client = LockClient(store, 0, timeout_s=60, prefix=PREFIX)
+    try:
+        with pytest.raises(LockServerError, match="OSError: disk full"):
+            client.next_bucket(set(), None, None)
+        with pytest.raises(LockServerError, match="could not be saved earlier.*disk full"):
+            client.status()
+    finally:
+        server.stop()
+
+
+def test_a_client_whose_server_is_gone_raises_naming_it(store: TCPStore) -> None:
+    client = LockClient(store, 0, timeout_s=1, prefix=PREFIX)  # no server on this prefix
+    with pytest.raises(LockServerError, match="no answer to 'next'"):
+        client.next_bucket(set(), None, None)
+
+
+# progress: a snapshot, then a record per change -------------------------------------------------------------------
+
+
+def run_pass_steps(state: LockState, rng: random.Random, steps: int) -> None:
+    """Ranks asking for buckets, finishing them, reserving and releasing, in a random order."""
+    held: dict[int, set] = {r: set() for r in range(state.world_size)}
+    current: dict[int, Any] = {r: None for r in range(state.world_size)}
+    for _ in range(steps):
+        rank = rng.randrange(state.world_size)
+        if current[rank] is not None and rng.random() < 0.3:
+            state.reserve(rank, rng)
+            continue
+        if current[rank] is not None:
+            state.add_record({"bucket": list(current[rank]), "rank": rank})
+        kind, bucket = state.next_bucket(rank, held[rank], current[rank], rng)
+        current[rank] = bucket
+        if kind != "bucket":
+            state.release(rank, sorted(held[rank]))
+            held[rank] = set()
+            continue
+        keep = set(state.bucket_keys[bucket])
+        if state.reserved.get(rank) is not None:
+            keep |= state.bucket_keys[state.reserved[rank]]
+        state.release(rank, sorted(held[rank] - keep), written=rng.random() < 0.9)
+        held[rank] = set(state.bucket_keys[bucket])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_snapshot_with_its_records_replayed_is_the_servers_state(seed: int) -> None:
+    rng = random.Random(seed)
+    live = LockState(4, 4, partition_keys(4), world_size=3)
+    run_pass_steps(live, rng, 7)
+    live.drain_journal()
+    snapshot = json.loads(json.dumps(live.to_json()))
+    run_pass_steps(live, rng, 25)
+    records = json.loads(json.dumps(live.drain_journal()))
+    replayed = LockState(4, 4, partition_keys(4), world_size=3)
+    replayed.restore(snapshot)
+    for record in records:
+        replayed.apply(record)
+    assert persisted(replayed) == persisted(live)
+    # and a restart from either forgets the same locks and redoes the same buckets
+    live.forget_rank_locks()
+    replayed.forget_rank_locks()
+    assert replayed.to_json() == live.to_json()
+
+
+def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(tmp_path: Path,
+                                                                               store: TCPStore) -> None:
+    checkpoint = str(tmp_path)
+    state = LockState(4, 4, partition_keys(4), world_size=1, version=3)
+    log = ProgressLog(checkpoint, "job-a/cfg", 3)
+    log.start(state.to_json())
+    snapshot = (tmp_path / PROGRESS_FILE).read_bytes()
+    server = LockServer(store, state, log, np.zeros(1, np.float32), 0, prefix=PREFIX)
+    client = LockClient(store, 0, timeout_s=60, prefix=PREFIX)
+    try:
+        finished = None
+        for _ in range(16):
+            kind, finished, _ = client.next_bucket(set(), finished, {"n": 1} if finished else None)
+            assert kind == "bucket" and finished is not None
+            client.release(sorted(state.bucket_keys[finished]))
+        client.next_bucket(set(), finished, {"n": 1})
+        assert (tmp_path / PROGRESS_FILE).read_bytes() == snapshot  # never rewritten under the lock
+        records = sorted((tmp_path / PROGRESS_LOG).iterdir())
+        assert len(records) == 33  # one per next and per release
+        assert max(r.stat().st_size for r in records) < 1000  # each holds its own change, not the state so far
+        resumed = read_progress(checkpoint, 2, "job-a/cfg")
+        assert resumed is not None and resumed.version == 3
+        again = LockState(4, 4, partition_keys(4), world_size=1, version=3)
+        again.restore(resumed.state)
+        for record in resumed.records:
+            again.apply(record)
+        assert persisted(again) == persisted(state)
+        assert len(again.done) == 16 and len(again.records) == 16
+        assert current_state(checkpoint)["done"] == state.to_json()["done"]  # what benches and tools watch
+    finally:
+        server.stop()
+
+
+def test_records_are_replayed_only_while_their_numbers_follow_each_other(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path)
+    state = LockState(2, 2, partition_keys(2))
+    log = ProgressLog(checkpoint, "run", 1)
+    log.start(state.to_json())
+    for bucket in ([0, 0], [0, 1], [1, 1]):
+        log.append([{"e": "start", "rank": 0, "bucket": bucket}])
+    (tmp_path / PROGRESS_LOG / f"{log.log_id}-00000001.json").unlink()
+    progress = read_progress(checkpoint, 0, "run")
+    assert progress is not None and progress.records == [{"e": "start", "rank": 0, "bucket": [0, 0]}]
+
+
+def test_a_new_snapshot_drops_the_records_of_the_last(tmp_path: Path) -> None:
+    """A resumed pass writes the compaction of what it resumed under a new log id; the old records go."""
+    checkpoint = str(tmp_path)
+    first = ProgressLog(checkpoint, "run", 1)
+    first.start(LockState(2, 2, partition_keys(2)).to_json())
+    first.append([{"e": "start", "rank": 0, "bucket": [0, 0]}])
+    second = ProgressLog(checkpoint, "run", 1)
+    second.start(LockState(2, 2, partition_keys(2)).to_json())
+    assert not list((tmp_path / PROGRESS_LOG).iterdir())
+    progress = read_progress(checkpoint, 0, "run")
+    assert progress is not None and progress.records == []
+    remove_progress(checkpoint)
+    assert not (tmp_path / PROGRESS_FILE).exists() and not (tmp_path / PROGRESS_LOG).exists()
+
+
+# bound to its run --------------------------------------------------------------------------------------------------
+
+
+def write_progress(checkpoint: Path, run: str, version: int) -> None:
+    state = LockState(4, 4, partition_keys(4), version=version)
+    log = ProgressLog(str(checkpoint), run, version)
+    log.start(state.to_json())
+    log.append([{"e": "start", "rank": 0, "bucket": [0, 0]}, {"e": "finish", "rank": 0, "bucket": [0, 0],
+                                                           "keys": []}])
+
+
+def test_only_the_run_that_wrote_the_progress_resumes_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_progress(tmp_path, "job-a/cfg1", 4)
+    resumed = read_progress(str(tmp_path), 3, "job-a/cfg1")  # the same job restarted: resumes
+    assert resumed is not None and len(resumed.records) == 2
+    assert read_progress(str(tmp_path), 3, "job-b/cfg1") is None  # another job
+    assert read_progress(str(tmp_path), 3, "job-a/cfg2") is None  # the same name, another config
+    assert read_progress(str(tmp_path), 4, "job-a/cfg1") is None  # a stale one: its version is committed
+    assert "written by run 'job-a/cfg1', not this run ('job-b/cfg1')" in caplog.text
+    assert "for version 4, not 5" in caplog.text
+
+
+def test_a_progress_file_of_the_old_format_is_refused(tmp_path: Path) -> None:
+    (tmp_path / PROGRESS_FILE).write_text(json.dumps(dict(LockState(4, 4, partition_keys(4), version=1).to_json())))
+    assert read_progress(str(tmp_path), 0, "none") is None
+
+
+def open_with(checkpoint: Path, run: str | None) -> Any:
+    """``open_checkpoint`` as rank 0 of a one-rank group of ``run`` (None: a single-process run)."""
+    from job.formats.checkpoint import CheckpointStorage
+    from job.train.group import DistributedContext
+    from job.train.resume import open_checkpoint
+
+    ctx = None
+    if run is not None:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        ctx = DistributedContext(rank=0, world_size=1, store=store, restart_count=0, round_id="r", run_id=run)
+    return open_checkpoint(CheckpointStorage(str(checkpoint)), str(checkpoint), ctx, [("node", p) for p in range(4)])
+
+
+def test_a_foreign_progress_is_cleaned_with_the_uncommitted_files_and_the_owner_resumes(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    write_progress(checkpoint, "job-a/cfg", 1)
+    version, progress = open_with(checkpoint, "job-a/cfg")  # a restart of the run that wrote it
+    assert version == 0 and progress is not None and progress.version == 1
+    assert (checkpoint / PROGRESS_FILE).exists()
+    version, progress = open_with(checkpoint, "job-b/cfg")  # a later, different job
+    assert progress is None
+    assert not (checkpoint / PROGRESS_FILE).exists() and not (checkpoint / PROGRESS_LOG).exists()
+    write_progress(checkpoint, "job-a/cfg", 1)
+    _, progress = open_with(checkpoint, None)  # a single-process run takes none, and leaves none for later
+    assert progress is None and not (checkpoint / PROGRESS_FILE).exists()
+
+
+# shared parameters persisted with the progress -----------------------------------------------------------------------
+
+
+class Trainer:
+    """A rank as the lock server sees it: its bucket's shared update (1 in that bucket's slot) goes with the
+    request that finishes the bucket; the partitions it no longer needs are written back and released."""
+
+    def __init__(self, client: LockClient, nparts: int) -> None:
+        self.client = client
+        self.nparts = nparts
+        self.current: Any = None
+        self.held: set = set()
+
+    def step(self, state: LockState) -> str:
+        delta = None
+        if self.current is not None:
+            delta = np.zeros(self.nparts * self.nparts, np.float32)
+            delta[self.current.lhs * self.nparts + self.current.rhs] = 1.0
+        kind, bucket, _, _ = self.client.finish_and_next(self.held, self.current, None, delta)
+        self.current = bucket
+        keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
+        if self.held - keep:
+            self.client.release(sorted(self.held - keep))
+        self.held = keep
+        return kind
+
+
+def serve(store: TCPStore, checkpoint: str, progress: Any, prefix: str) -> LockServer:
+    """Rank 0's lock server for the pass committing version 1, resumed from ``progress`` if any (as
+    ``LockServerScheduler.start_pass`` does)."""
+    state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
+    shared = np.zeros(16, np.float32)
+    if progress is not None:
+        state.restore(progress.state)
+        for record in progress.records:
+            state.apply(record)
+        state.forget_rank_locks()
+        shared = progress.shared
+    log = ProgressLog(checkpoint, "run", 1)
+    log.start(state.to_json(), shared)
+    return LockServer(store, state, log, shared, 0, prefix=prefix)
+
+
+@pytest.mark.parametrize("crash_after", [0, 1, 2, 5, 9, 14, 20, 27, 35])
+def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_restart(tmp_path: Path, store: TCPStore,
+                                                                                  crash_after: int) -> None:
+    """Two ranks take buckets until the group dies after ``crash_after`` requests (each rank with a bucket in
+    flight whose update never left it); the restarted server resumes from storage and one rank finishes the
+    pass: every bucket's shared update is in the result once, none lost, none twice."""
+    checkpoint = str(tmp_path)
+    server = serve(store, checkpoint, None, "first/lock")
+    trainers = [Trainer(LockClient(store, rank, timeout_s=60, prefix="first/lock"), 4) for rank in (0, 1)]
+    try:
+        for step in range(crash_after):
+            trainers[step % 2].step(server.state)
+    finally:
+        server.stop()  # the group dies: what is in memory is gone
+    progress = read_progress(checkpoint, 0, "run")
+    assert progress is not None and progress.shared is not None
+    # the stored vector holds the buckets the restart keeps as done (done, and their partitions written), only
+    resumed = LockState(4, 4, partition_keys(4))
+    resumed.restore(progress.state)
+    for record in progress.records:
+        resumed.apply(record)
+    resumed.forget_rank_locks()
+    assert sorted(np.flatnonzero(progress.shared).tolist()) == sorted(b.lhs * 4 + b.rhs for b in resumed.done)
+    server = serve(store, checkpoint, progress, "second/lock")
+    survivor = Trainer(LockClient(store, 0, timeout_s=60, prefix="second/lock"), 4)
+    try:
+        while survivor.step(server.state) != "done":
+            pass
+        assert server.state.finished()
+        assert server.shared.tolist() == [1.0] * 16
+    finally:
+        server.stop()
