@@ -264,16 +264,28 @@ def test_a_progress_file_of_the_old_format_is_refused(tmp_path: Path) -> None:
 
 
 def open_with(checkpoint: Path, run: str | None) -> Any:
-    """``open_checkpoint`` as rank 0 of a one-rank group of ``run`` (None: a single-process run)."""
-    from job.formats.checkpoint import CheckpointStorage
+    """What a trainer's start does, as rank 0 of a one-rank group of ``run`` (None: a single-process run): the
+    checkpoint manager opens the directory, asking which progress this run resumes."""
+    from job.checkpoint import CheckpointManager
     from job.train.group import DistributedContext
-    from job.train.resume import open_checkpoint
+    from job.train.resume import GroupBarrier, progress_to_resume
 
     ctx = None
     if run is not None:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         ctx = DistributedContext(rank=0, world_size=1, store=store, restart_count=0, round_id="r", run_id=run)
-    return open_checkpoint(CheckpointStorage(str(checkpoint)), str(checkpoint), ctx, [("node", p) for p in range(4)])
+    found: list[Any] = [None]
+
+    def resumes(version: int) -> bool:
+        found[0] = progress_to_resume(str(checkpoint), version, ctx)
+        return found[0] is not None
+
+    manager = CheckpointManager(str(checkpoint), [("node", p) for p in range(4)])
+    try:
+        version = manager.open(GroupBarrier(ctx) if ctx is not None else None, resumes_pass=resumes)
+    finally:
+        manager.close()
+    return version, found[0]
 
 
 def test_a_foreign_progress_is_cleaned_with_the_uncommitted_files_and_the_owner_resumes(tmp_path: Path) -> None:

@@ -65,11 +65,14 @@ class ModelState:
 class CheckpointManager:
     """Opens, commits and retires the versions of one checkpoint directory; see the module docstring."""
 
-    def __init__(self, url: str, partitions: Sequence[PartKey], inputs: GrowInputs, take_over: bool = False) -> None:
+    def __init__(self, url: str, partitions: Sequence[PartKey], inputs: Optional[GrowInputs] = None,
+                 take_over: bool = False) -> None:
         self.storage = CheckpointStorage(url, guard=self._guard)
         self.url = self.storage.url
         self.partitions = list(partitions)
-        self.inputs = inputs  # the config's entity_path / edge_paths: the only places a grow journal may touch
+        # the config's entity_path / edge_paths: the only places a grow journal may touch (None: those the journal's
+        # own config records)
+        self.inputs = inputs
         self.take_over = take_over
         self.version = 0
         self._owner: Optional[Ownership] = None

@@ -38,8 +38,8 @@ from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.precision import training_dtype
-from job.train.progress import Progress, read_progress, remove_progress
-from job.train.resume import GroupBarrier, load_model_state
+from job.train.progress import Progress
+from job.train.resume import GroupBarrier, load_model_state, progress_to_resume
 from job.train.schedule import (
     BucketScheduler,
     Iteration,
@@ -134,13 +134,7 @@ class Trainer(BucketRunner):
         self.version = self.checkpoints.open(group, resumes_pass=self._resumes_pass)
 
     def _resumes_pass(self, version: int) -> bool:
-        """(Rank 0, while the directory is cleaned.) Whether the lock server's persisted progress of the pass after
-        ``version`` is this run's to resume. One it does not resume (another run's, a stale one, any left in a
-        single-process run's directory) is removed first, so that it never outlives the files it names."""
-        path = self.config.checkpoint_path
-        self.progress = read_progress(path, version, self.dist.run_id) if self.dist is not None else None
-        if self.progress is None:
-            remove_progress(path)
+        self.progress = progress_to_resume(self.config.checkpoint_path, version, self.dist)
         return self.progress is not None
 
     def _build_model(self) -> None:

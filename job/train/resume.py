@@ -16,6 +16,7 @@ from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.model.scoring import Model
 from job.train.group import DistributedContext, wait_all
 from job.train.optim import RelationAdagrad
+from job.train.progress import Progress, read_progress, remove_progress
 
 logger = logging.getLogger("biggraph")
 
@@ -37,6 +38,16 @@ class GroupBarrier:
 
     def shared_sums(self) -> SharedSumRegistry:
         return SharedSumRegistry(self.dist.store, self.dist.round_id)
+
+
+def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[DistributedContext]) -> Optional[Progress]:
+    """(Rank 0, while the checkpoint manager cleans the directory.) The lock server's persisted progress of the pass
+    after ``version`` if this run resumes it. One it does not resume (another run's, a stale one, any found by a
+    single-process run) is removed first, so that it never outlives the uncommitted files it names."""
+    progress = read_progress(checkpoint_path, version, dist.run_id) if dist is not None else None
+    if progress is None:
+        remove_progress(checkpoint_path)
+    return progress
 
 
 def load_model_state(model: Model, optimizer: RelationAdagrad, checkpoint: CheckpointStorage, version: int,
