@@ -644,6 +644,8 @@ def pod_processes(docs: list[dict[str, Any]], root: Path, replicas: int) -> list
                 env[item["name"]] = local(item["value"])
             elif item["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.name":
                 env[item["name"]] = f"{name}-{index}-local"
+            elif "controller-uid" in item["valueFrom"].get("fieldRef", {}).get("fieldPath", ""):
+                env[item["name"]] = f"{name}-uid-local"  # the Job's uid: the same in every pod of the Job
             else:
                 raise AssertionError(f"unmapped env {item}")
         (root / "tmp").mkdir(exist_ok=True)
