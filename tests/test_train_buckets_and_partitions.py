@@ -222,7 +222,7 @@ def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
     take 0.3 s (or fail), so that a test can see what happens while one is under way."""
     import time
 
-    from job.train.partitions import PartitionStore
+    from job.train.partitions import PartitionStore, Residency
 
     raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
     write = PartitionStore._write
@@ -235,7 +235,9 @@ def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
 
     monkeypatch.setattr(PartitionStore, "_write", slow_write)
     trainer = Trainer(parse_config(raw))
-    trainer.store.exclusive, trainer.store.capacity = True, 3
+    # a distributed trainer's store: what it holds is locked from the others
+    trainer.store = PartitionStore(trainer.config, trainer.checkpoint, trainer.version, trainer.entity_counts,
+                                   trainer.checkpoints.metadata, trainer.device, Residency(capacity=3, exclusive=True))
     return trainer
 
 

@@ -35,7 +35,7 @@ from job.train.distributed import SharedParameters
 from job.train.group import config_digest, init_distributed, leave
 from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
-from job.train.partitions import PartitionStore
+from job.train.partitions import PartitionStore, Residency
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.precision import training_dtype
 from job.train.progress import Progress
@@ -116,14 +116,13 @@ class Trainer(BucketRunner):
         self.pool: Optional[WorkerPool] = None
         self.iteration = self.iterations[0] if self.iterations else None  # the pass in flight (file metadata)
         self.checkpoints.add_metadata_provider(self._metadata)
-        self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
-                                    self.checkpoints.metadata, self.device)
         # the trainer, its Hogwild workers and the fork server they start from
         processes = 1 + (self.workers + server_processes() if self.workers > 1 else 0)
-        self.store.capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None,
-                                              processes=processes,
-                                              transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path))
-        self.store.exclusive = self.dist is not None  # what a trainer holds is locked from the others
+        capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None, processes=processes,
+                                   transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path))
+        # distributed: what a trainer holds is locked from the others
+        self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
+                                    self.checkpoints.metadata, self.device, Residency(capacity, self.dist is not None))
         self.scheduler, self.sync = self._make_scheduler()
 
     def _open_checkpoint(self) -> None:

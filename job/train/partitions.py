@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -46,6 +46,16 @@ class _Read:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Residency:
+    """What a store may hold: ``capacity`` partitioned partitions at most (None: the bucket's only), and whether
+    what it holds is locked from other trainers (``exclusive``: distributed; resident = the current bucket's, plus
+    the next one's read ahead). Fixed for the store's life: decided once from the memory budget and the mode."""
+
+    capacity: Optional[int] = None
+    exclusive: bool = False
+
+
 class PartitionStore:
     def __init__(
         self,
@@ -55,6 +65,7 @@ class PartitionStore:
         entity_counts: dict[str, list[int]],
         metadata: Callable[[], dict],
         device: torch.device,
+        residency: Residency = Residency(),
     ) -> None:
         self.config = config
         self.checkpoint = checkpoint
@@ -73,9 +84,21 @@ class PartitionStore:
         self.writing: dict[Key, Future[None]] = {}  # background write-backs not yet known to be done
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
-        self.capacity: Optional[int] = None  # partitioned partitions held at most (None: the bucket's only)
-        self.exclusive = False  # distributed: resident = the current bucket's (+ the next one's read ahead)
+        self.residency = residency
         self.stats = IOStats()
+
+    @property
+    def capacity(self) -> Optional[int]:
+        return self.residency.capacity
+
+    @property
+    def exclusive(self) -> bool:
+        return self.residency.exclusive
+
+    def set_written(self, keys: Iterable[Key]) -> None:
+        """The partitions of the next version already written, by any trainer (a torchrun group's lock server
+        keeps that record): they are read from the next version, not the committed one."""
+        self.written = set(keys)
 
     @property
     def next_version(self) -> int:

@@ -230,7 +230,7 @@ class LockServerScheduler(BucketScheduler):
             if carry is not None and shared is not None:
                 carry.assign(shared)
             self.current, finished = None, None
-            self.store.written = set(dirty)
+            self.store.set_written(dirty)
             if kind == "done":
                 return None
             if kind == "wait" or bucket is None:
@@ -258,7 +258,7 @@ class LockServerScheduler(BucketScheduler):
             self.releases.append(self.store.after_writes(leaving, self._release_stored))
         self.store.stats.blocked_seconds += time.perf_counter() - started
         self.ahead, dirty = self.client.reserve(leaving)
-        self.store.written = set(dirty) | set(leaving)
+        self.store.set_written(set(dirty) | set(leaving))
 
     def _release_stored(self, keys: list[PartKey]) -> None:
         """On the background thread, once ``keys`` are written: wait for their uploads, release their locks."""
@@ -308,7 +308,7 @@ class LockServerScheduler(BucketScheduler):
         wait_all(self.ctx, f"pass-written-{self.pass_tag}")
         if self.server is None:
             return None
-        self.store.written = set(self.server.state.dirty)
+        self.store.set_written(self.server.state.dirty)
         records = self.server.take_records()
         others = [json.loads(self.ctx.store.get(self.ctx.key(f"pass-io/{self.pass_tag}/{rank}")))
                   for rank in range(1, self.ctx.world_size)]
