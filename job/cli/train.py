@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from typing import Any
 
 from job.cli.common import add_config_arguments, overrides_of
@@ -66,23 +65,9 @@ def _train(args: argparse.Namespace) -> int:
         from job.train.spawning import start_worker_server
 
         start_worker_server()
-    import torch  # heavy: only when the command runs, so that `biggraph --help` stays instant
+    from job.train.launch import launch  # heavy (torch): only when the command runs, so `biggraph --help` is instant
 
-    from job.train import train
-    from job.train.launch import gpu_processes, partition_advice, relaunch_one_process_per_gpu
-
-    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)
-    if 0 < cards < config.num_gpus and not launched_by_torchrun and config.device != "cpu":
-        logger.warning("num_gpus=%d but this machine has %d GPU(s): training with %d", config.num_gpus, cards, cards)
-    if processes > 1:
-        advice = partition_advice(config, processes)
-        if advice:
-            logger.warning(advice)
-        return relaunch_one_process_per_gpu(processes, args.argv)
-    train(config, take_over=args.take_over)
-    return 0
+    return launch(config, args.argv, take_over=args.take_over)
 
 
 def _eval(args: argparse.Namespace) -> int:

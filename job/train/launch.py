@@ -8,6 +8,7 @@ ordinary single-node torchrun group, so they share buckets through the same lock
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -40,3 +41,24 @@ def relaunch_one_process_per_gpu(processes: int, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                "-m", "job", *argv]
     return subprocess.call(command)
+
+
+def launch(config: ConfigSchema, argv: list[str], take_over: bool = False) -> int:
+    """What ``biggraph train`` does once its config is read: train in this process, or, with several GPUs and no
+    torchrun around it, re-launch itself as one process per GPU. Returns the exit code."""
+    import torch
+
+    from job.train import train
+
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = gpu_processes(config.num_gpus, config.device, cards, launched_by_torchrun)
+    if 0 < cards < config.num_gpus and not launched_by_torchrun and config.device != "cpu":
+        logger.warning("num_gpus=%d but this machine has %d GPU(s): training with %d", config.num_gpus, cards, cards)
+    if processes > 1:
+        advice = partition_advice(config, processes)
+        if advice:
+            logger.warning(advice)
+        return relaunch_one_process_per_gpu(processes, argv)
+    train(config, take_over=take_over)
+    return 0
