@@ -32,6 +32,7 @@ from storage_adapters.conditional import read_tagged, sync_directory, write_if
 from storage_adapters.errors import ConditionFailed, NotHDF5Error, StorageError
 from storage_adapters.fs import S3_SCHEMES, get_filesystem, is_local, join, local_path, scheme_of, storage_options_for
 from storage_adapters.ops import (
+    append_text,
     check_bucket,
     exists,
     get_file,
@@ -54,6 +55,7 @@ from storage_adapters.staging import (
     copy,
     local_copy_for_reading,
     local_file_for_writing,
+    move,
     remove_stale_upload_dirs,
     upload_staging_dir,
 )
@@ -65,5 +67,5 @@ __all__ = [
     "check_bucket", "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
     "read_bytes", "read_text", "remove", "scheme_of", "size", "storage_options_for",
-    "write_bytes", "write_text", "read_tagged", "write_if", "sync_directory",
+    "write_bytes", "write_text", "read_tagged", "write_if", "sync_directory", "append_text", "move",
 ]

@@ -123,6 +123,21 @@ def write_text(url: str, text: str) -> None:
     write_bytes(url, text.encode("utf-8"))
 
 
+def append_text(url: str, text: str) -> None:
+    """Append to a text object: in place locally; object stores cannot append, so there it is rewritten whole."""
+    if is_local(url):
+        path = local_path(url)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(text)
+        return
+    try:
+        old = read_text(url)
+    except FileNotFoundError:
+        old = ""
+    write_text(url, old + text)
+
+
 def open_file(url: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
     """An fsspec file object (the opening is retried; reads and writes on it are the backend's own)."""
     fs, path = get_filesystem(url)

@@ -52,7 +52,14 @@ class StorageSession:
     def __init__(self, settings: StorageSettings) -> None:
         self.settings = settings
         self._cache: FileCache | None = None
+        self._memos: dict[str, dict[Any, Any]] = {}
         self._lock = threading.Lock()
+
+    def memo(self, name: str) -> dict[Any, Any]:
+        """A dictionary that lives as long as this session: what callers remember about URLs (a manifest read, a
+        file verified) is only true under these settings (another endpoint may serve the same URL otherwise)."""
+        with self._lock:
+            return self._memos.setdefault(name, {})
 
     def cache(self) -> FileCache:
         with self._lock:

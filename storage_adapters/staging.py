@@ -13,10 +13,20 @@ from storage_adapters.fs import FILE_MODE, call, get_filesystem, is_local, local
 from storage_adapters.ops import get_file, put_file
 
 
-def copy(src: str, dst: str) -> None:
-    """Copy one object; on the same remote filesystem the store copies it server-side (retried)."""
+def copy(src: str, dst: str, link: bool = False) -> None:
+    """Copy one object; on the same remote filesystem the store copies it server-side (retried). ``link``: locally,
+    a hard link where the file system allows it (same bytes, no copy: for files never modified in place)."""
     if is_local(src) and is_local(dst):
         os.makedirs(os.path.dirname(os.path.abspath(local_path(dst))), exist_ok=True)
+        if link:
+            try:
+                os.link(local_path(src), local_path(dst))
+                return
+            except FileExistsError:
+                os.unlink(local_path(dst))
+                return copy(src, dst, link)
+            except OSError:
+                pass  # another file system, or links not supported: copy
         shutil.copyfile(local_path(src), local_path(dst))
         return
     if scheme_of(src) == scheme_of(dst):
@@ -27,6 +37,19 @@ def copy(src: str, dst: str) -> None:
     with local_copy_for_reading(src) as local:
         with local_file_for_writing(dst) as tmp:
             shutil.copyfile(local, tmp)
+
+
+def move(src: str, dst: str) -> None:
+    """Move one object over ``dst``: a rename locally (atomic), else a whole copy and then the removal of the source
+    (a crash between the two leaves both; moving again finishes it). FileNotFoundError when ``src`` is gone."""
+    if is_local(src) and is_local(dst):
+        os.replace(local_path(src), local_path(dst))
+        return
+    fs, path = get_filesystem(src)
+    if not call(src, "exists", lambda: fs.exists(path)):
+        raise FileNotFoundError(src)
+    copy(src, dst)
+    call(src, "remove", lambda: fs.rm(path))
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -130,20 +129,12 @@ def latest_record(checkpoint_path: str, committed: int, inputs: GrowInputs | Non
 
 def _move(src: str, dst: str) -> None:
     """Move one staged file over its final name; a source already gone was moved by an earlier attempt."""
-    if storage.is_local(src) and storage.is_local(dst):
-        try:
-            os.replace(storage.local_path(src), storage.local_path(dst))
-        except FileNotFoundError:
-            if not storage.exists(dst):
-                raise CheckpointError(f"{src}: missing, and {dst} was never published (the grow's staged "
-                                      "input was removed by hand?)") from None
-        return
-    if not storage.exists(src):
+    try:
+        storage.move(src, dst)  # remotely the copy is whole before the source goes: a re-run finds one or the other
+    except FileNotFoundError:
         if not storage.exists(dst):
-            raise CheckpointError(f"{src}: missing, and {dst} was never published")
-        return
-    storage.copy(src, dst)  # the copy is whole before the source goes: a re-run finds one or the other
-    storage.remove(src)
+            raise CheckpointError(f"{src}: missing, and {dst} was never published (the grow's staged input was "
+                                  "removed by hand?)") from None
 
 
 def publish(checkpoint_path: str, record: GrowRecord) -> None:

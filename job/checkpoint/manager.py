@@ -100,6 +100,13 @@ class CheckpointManager:
 
         ``resumes_pass(version)``: whether the files written after ``version`` belong to a pass that this run
         resumes (a torchrun group's lock server persisted its progress); otherwise they are garbage."""
+        try:
+            return self._open(group, resumes_pass)
+        except BaseException:
+            self.close()  # a run refused or failing here leaves the directory as it found it (no owner record)
+            raise
+
+    def _open(self, group: Optional[Group], resumes_pass: Callable[[int], bool]) -> int:
         rank = group.rank if group is not None else 0
         if rank == 0:
             self._owner = claim(self.url, self.take_over, run_id=group.run_id if group is not None else None)

@@ -7,9 +7,7 @@ layout is described there.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import shutil
 from typing import Any
 
 import h5py
@@ -113,22 +111,9 @@ def read_model_params(handle: h5py.File) -> dict[str, np.ndarray]:
 
 
 def copy_file(src: str, dst: str) -> None:
-    """Copy one checkpoint file: a hard link locally, a server-side copy within one object store."""
-    if storage.is_local(src) and storage.is_local(dst):
-        dst_path = storage.local_path(dst)
-        try:
-            os.link(storage.local_path(src), dst_path)  # same data, no copy; the original is never modified
-        except OSError:
-            shutil.copyfile(storage.local_path(src), dst_path)
-        return
-    if storage.scheme_of(src) == storage.scheme_of(dst) and storage.scheme_of(src) in ("s3", "s3a", "gs", "gcs"):
-        storage.copy(src, dst)  # server-side copy: no bytes through this machine
-        return
-    with storage.local_copy_for_reading(src) as local:
-        if storage.is_local(dst):
-            shutil.copyfile(local, storage.local_path(dst))
-        else:
-            storage.put_file(local, dst)
+    """Copy one checkpoint file: a hard link locally (checkpoint files are never modified in place), a server-side
+    copy within one object store."""
+    storage.copy(src, dst, link=True)
 
 
 class open_for_reading:  # lower case: used like a function,: ``with open_for_reading(url) as handle``

@@ -87,11 +87,18 @@ def damaged_file_errors(url: str, expected: str = "an HDF5 edge file") -> Iterat
         raise InputFormatError(url, f"damaged HDF5 file ({_short(err)})", expected=expected) from None
 
 
-# Checksum manifests of edge directories, and the files already verified, per process. A manifest is
-# re-read when its local file changes; remote ones are read once (write_edge_manifest refreshes them).
-_manifests: dict[str, tuple[Any, Manifest | None]] = {}
-_verified: set[tuple[Any, ...]] = set()
+# Checksum manifests of edge directories, and the files already verified, per storage session (what a URL holds is
+# only known under the settings it was read with). A manifest is re-read when its local file changes; remote ones
+# are read once (write_edge_manifest refreshes them).
 _lock = threading.Lock()
+
+
+def _manifests() -> dict[str, tuple[Any, Manifest | None]]:
+    return storage.current().memo("edge-manifests")
+
+
+def _verified() -> dict[tuple[Any, ...], bool]:
+    return storage.current().memo("edge-files-verified")
 
 
 def _manifest_of(directory: str) -> Manifest | None:
@@ -105,12 +112,12 @@ def _manifest_of(directory: str) -> Manifest | None:
     else:
         identity = "remote"
     with _lock:
-        cached = _manifests.get(directory)
+        cached = _manifests().get(directory)
     if cached is not None and cached[0] == identity:
         return cached[1]
     manifest = read_manifest(url)
     with _lock:
-        _manifests[directory] = (identity, manifest)
+        _manifests()[directory] = (identity, manifest)
     return manifest
 
 
@@ -132,7 +139,7 @@ def verify_edge_file(url: str, path: str | None) -> None:
         key: tuple[Any, ...] = (path, stat.st_size, stat.st_mtime_ns, expected)
     else:
         key = (url, expected)
-    if key in _verified:
+    if key in _verified():
         return
     try:
         if path is not None:
@@ -145,22 +152,20 @@ def verify_edge_file(url: str, path: str | None) -> None:
     except InputFormatError as err:
         raise InputFormatError(url, err.problem, expected=f"the bytes `biggraph import` wrote (listed in {EDGE_MANIFEST}; "
                                "if another tool rewrote the edge files, delete that manifest)") from None
-    _verified.add(key)
+    _verified()[key] = True
 
 
 def write_edge_manifest(edge_path: str, entries: dict[str, tuple[int, str]]) -> None:
     """Record the edge files just written into ``edge_path`` (file name -> (size, crc32))."""
     write_manifest(storage.join(edge_path, EDGE_MANIFEST), Manifest(dict(entries)))
-    with _lock:
-        _manifests.pop(edge_path.rstrip("/"), None)
-        _manifests.pop(edge_path, None)
+    forget_edge_manifest(edge_path)
 
 
 def forget_edge_manifest(edge_path: str) -> None:
-    """Drop this process's cached manifest of ``edge_path`` (``biggraph grow`` replaced it with another's)."""
+    """Drop the session's cached manifest of ``edge_path`` (``biggraph grow`` replaced it with another's)."""
     with _lock:
-        _manifests.pop(edge_path.rstrip("/"), None)
-        _manifests.pop(edge_path, None)
+        _manifests().pop(edge_path.rstrip("/"), None)
+        _manifests().pop(edge_path, None)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ is skipped on reading and rewritten away before the next append.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import storage_adapters as storage
@@ -17,18 +16,7 @@ def append_stats(url: str, records: list[dict[str, Any]]) -> None:
     """Append JSON lines; object stores cannot append, so the file is rewritten whole."""
     if not records:
         return
-    new_text = "".join(json.dumps(r) + "\n" for r in records)
-    if storage.is_local(url):
-        path = storage.local_path(url)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(new_text)
-        return
-    try:
-        old = storage.read_text(url)
-    except FileNotFoundError:
-        old = ""
-    storage.write_text(url, old + new_text)
+    storage.append_text(url, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def trim_stats(url: str, committed: int) -> int:
