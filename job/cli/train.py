@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from typing import Any
 
 from job.cli.common import add_config_arguments, overrides_of
 from job.config import ConfigSchema, config_help, load_config
-from job.config.choices import EVAL_PROTOCOLS
+from job.config.choices import EDGE_READ_MODES, EVAL_PROTOCOLS
 
 logger = logging.getLogger("biggraph")
 
@@ -21,7 +22,7 @@ def register(subparsers: Any) -> None:
     train = subparsers.add_parser("train", help="train embeddings (resumes from the last checkpoint if any)")
     add_config_arguments(train)
     train.add_argument(
-        "--edge-read-mode", choices=("stage", "stream"), default=None,
+        "--edge-read-mode", choices=EDGE_READ_MODES, default=None,
         help="how to read edge files from object stores (overrides the config key edge_read_mode)",
     )
     train.add_argument(
@@ -51,11 +52,12 @@ def _config_help(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace) -> ConfigSchema:
-    """The config of a command: CONFIG with its ``-p`` overrides (and ``--edge-read-mode`` where the command has it)."""
-    extra = []
+    """The config of a command: CONFIG with its ``-p`` overrides (and ``--edge-read-mode`` where the command has it,
+    a typed value: argparse already checked it against the choices)."""
+    config = load_config(args.config, overrides_of(args))
     if getattr(args, "edge_read_mode", None):
-        extra.append(f"edge_read_mode={args.edge_read_mode}")
-    return load_config(args.config, overrides_of(args) + extra)
+        config = dataclasses.replace(config, edge_read_mode=args.edge_read_mode)
+    return config
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from job.config.base import ConfigKeyError, parse_bytes
+from job.config.base import ConfigKeyError
 from job.config.choices import (
     COMPARATORS,
     COMPUTE_DTYPES,
@@ -119,8 +119,6 @@ def check_ranges(config: ConfigSchema) -> None:
     if config.partition_buffer is not None and config.partition_buffer < 2:
         fail("partition_buffer",
              f"config key 'partition_buffer': a bucket needs two partitions, got {config.partition_buffer}")
-    if config.memory_budget is not None:
-        parse_bytes(config.memory_budget, "memory_budget")
     if config.hogwild_delay < 0:
         fail("hogwild_delay", f"config key 'hogwild_delay': seconds, must be >= 0, got {config.hogwild_delay}")
     if config.grow_num_epochs < 0:

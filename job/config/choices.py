@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 from job.model.names import COMPARATORS, LOSS_FUNCTIONS, OPERATORS
+from storage_adapters.session import EDGE_READ_MODES  # the storage layer's own list: it reads edges that way
 
 
 class BucketOrder(str, enum.Enum):
@@ -23,7 +24,6 @@ class BucketOrder(str, enum.Enum):
 
 
 REGULARIZERS = ("N3",)
-EDGE_READ_MODES = ("stage", "stream")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 GROW_INITS = ("random", "neighbours")

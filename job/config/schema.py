@@ -12,9 +12,9 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from job.config.base import _help, _to_plain
+from job.config.base import _help, _to_plain, parse_bytes
 from job.config.checks import validate_config
 from job.config.choices import COMPARATORS, GROW_NUM_EPOCHS_DEFAULT, LOSS_FUNCTIONS, BucketOrder
 from job.config.graph_schema import EntitySchema, RelationSchema
@@ -340,9 +340,20 @@ class ConfigSchema:
         default=0.1,
     )
 
+    # parsed once by __post_init__ (per instance; not a config key, so not a dataclass field)
+    _memory_budget_bytes: ClassVar[int | None] = None
+
     def __post_init__(self) -> None:
-        """Refuse impossible values and combinations now, naming the key (see ``job.config.checks``)."""
+        """Refuse impossible values and combinations now, naming the key (see ``job.config.checks``), and parse
+        what has a typed form once (sizes in bytes), so that no reader parses it again."""
+        budget = parse_bytes(self.memory_budget, "memory_budget") if self.memory_budget is not None else None
+        object.__setattr__(self, "_memory_budget_bytes", budget)
         validate_config(self)
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (None: no budget)."""
+        return self._memory_budget_bytes
 
     # Derived values -----------------------------------------------------------------
 

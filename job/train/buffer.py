@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import storage_adapters as storage
-from job.config import ConfigSchema, parse_bytes
+from job.config import ConfigSchema
 from job.errors import ConfigError
 from job.formats.uploads import UPLOAD_THREADS
 from storage_adapters.multipart import transfer_buffer_bytes
@@ -127,8 +127,7 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     per_bucket = 2 * len(partitioned)  # what one bucket may need at most
     if config.partition_buffer is not None:
         capacity, why = config.partition_buffer * len(partitioned), "partition_buffer"
-    elif config.memory_budget is not None:
-        budget = parse_bytes(config.memory_budget, "memory_budget")
+    elif (budget := config.memory_budget_bytes) is not None:
         runtime = processes * (process_bytes() if runtime_bytes is None else runtime_bytes)
         fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes
         capacity = (budget - fixed) // per_part if per_part else total
