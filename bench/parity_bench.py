@@ -33,9 +33,8 @@ from train_bench import filtered_mrr, kg_config, pbg_train_command, write_py_con
 ONE_PROCESS = (
     "import sys\n"
     "from job.config import load_config\n"
-    "from job.train import Trainer\n"
-    "trainer = Trainer(load_config(sys.argv[1], sys.argv[2:]))\n"
-    "trainer.workers = 1  # no Hogwild pool: as on a GPU\n"
+    "from job.train import Collaborators, Trainer\n"
+    "trainer = Trainer(load_config(sys.argv[1], sys.argv[2:]), parts=Collaborators(hogwild=False))  # as on a GPU\n"
     "try:\n"
     "    trainer.run()\n"
     "finally:\n"

@@ -23,7 +23,7 @@ from helpers_graphs import write_cycle_graph
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Model, Table
-from job.train import Trainer, batching, bucket_run, step, train
+from job.train import Collaborators, Trainer, batching, bucket_run, step, train
 from job.train.batching import EdgeTensors, process_edges, split_almost_equally
 from job.train.optim import ADAGRAD_EPS, RelationAdagrad
 from job.train.step import BatchContext, BatchStats, _finish, run_batch
@@ -117,9 +117,8 @@ def test_steps_per_epoch_are_pbgs(tmp_path: Path, recorded: dict[str, list], num
     """One relation (or dynamic relations), one bucket: the batches of an epoch are exactly PBG's."""
     raw = write_cycle_graph(tmp_path, num_entities=num_edges, num_relations=1, dynamic=dynamic, num_epochs=2,
                             workers=workers, batch_size=batch_size, device="cpu")
-    trainer = Trainer(parse_config(raw))
-    if one_process:
-        trainer.workers = 1  # as on a GPU: Trainer keeps the slices (slices_per_bucket) but no Hogwild pool
+    # one_process: as on a GPU, the trainer keeps the slices (slices_per_bucket) but runs no Hogwild pool
+    trainer = Trainer(parse_config(raw), parts=Collaborators(hogwild=not one_process))
     try:
         trainer.run()
     finally:
@@ -143,8 +142,7 @@ def test_the_gpus_static_shapes_train_partial_batches_of_every_slice(tmp_path: P
         monkeypatch.setattr(step, "STATIC_SHAPES_ON_CPU", static)
         raw = write_cycle_graph(tmp_path / str(static), num_entities=200, num_relations=2, num_epochs=3, workers=3,
                                 batch_size=50, device="cpu")
-        trainer = Trainer(parse_config(raw))
-        trainer.workers = 1
+        trainer = Trainer(parse_config(raw), parts=Collaborators(hogwild=False))
         try:
             trainer.run()
         finally:

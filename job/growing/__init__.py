@@ -51,7 +51,7 @@ from job.growing import ingest
 from job.growing import rows as grown_rows
 from job.growing.ingest import GrowImporter, read_trained_names
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
-from job.growing.training import GrowTrainer
+from job.growing.training import grow_trainer
 from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph")
@@ -131,7 +131,7 @@ def _grow_and_train(config: ConfigSchema, files: list[str], options: ImportOptio
     else:
         record, summary = _grow_once(config, files, options, manager, version, described, options_record)
     if train and config.grow_num_epochs > 0:
-        trainer = GrowTrainer(config, record)
+        trainer = grow_trainer(config, record)
         try:
             summary.training = trainer.run()
         finally:

@@ -8,7 +8,7 @@ so a crash loses at most the pass in flight.
 from __future__ import annotations
 
 from job.session import storage_scoped
-from job.train.loop import Trainer
+from job.train.loop import Collaborators, PassPlan, Trainer
 
 
 @storage_scoped
@@ -23,4 +23,4 @@ def train(config, *, take_over: bool = False, stop_after_iterations: int | None 
         trainer.close()
 
 
-__all__ = ["Trainer", "train"]
+__all__ = ["Collaborators", "PassPlan", "Trainer", "train"]

@@ -1,8 +1,8 @@
-"""One bucket of a pass: hold its partitions, read its edge chunk, hold out its eval edges, train, evaluate.
+"""One bucket of a pass: hold its partitions, read its edges, hold out its eval edges, train, evaluate.
 
-``BucketRunner`` is the part of ``Trainer`` (job/train/loop.py) that works on one bucket whoever
-scheduled it; it is a base class so that a subclass (``GrowTrainer``) can read a bucket's edges its
-own way (``_read_bucket_chunk``).
+``BucketRunner`` works on one bucket whoever scheduled it. The trainer (job/train/loop.py) owns one, built from
+its collaborators (``BucketWork``: the model, the partition store, the edge source ...); the runner owns the
+Hogwild worker pool it starts on first need.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ import logging
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from job.config import ConfigSchema
 from job.eval_protocol import largest_partition, protocol_fields, resolve_protocol
-from job.formats import edges as edge_format
 from job.model.scoring import Model, Table
 from job.train.batching import EdgeTensors, process_edges, process_slices, split_almost_equally
 from job.train.buckets import Bucket
-from job.train.data import edge_limits, edge_tensors
+from job.train.data import edge_limits
+from job.train.edge_source import EdgeSource
 from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore
@@ -35,22 +36,41 @@ logger = logging.getLogger("biggraph")
 PartKey = tuple[str, int]
 
 
-class BucketRunner:
-    """Trains and evaluates one bucket with the trainer's model, partition store and worker pool."""
+@dataclass(frozen=True)
+class BucketWork:
+    """What training a bucket needs, given once (the trainer builds it; ``biggraph grow`` passes its edge source)."""
 
     config: ConfigSchema
     model: Model
     relation_optimizer: RelationAdagrad
     store: PartitionStore
     device: torch.device
-    workers: int  # Hogwild processes (1 on a GPU)
+    workers: int  # Hogwild processes (1 on a GPU, or when the trainer is asked for none)
     slices_per_bucket: int  # PBG's workers: how many slices a bucket's edges are cut into, on every device
-    pool: Optional[WorkerPool]
     entity_counts: dict[str, list[int]]
     num_dynamic_rels: int
     num_chunks: int
-    nparts_lhs: int
-    nparts_rhs: int
+    grid: tuple[int, int]  # partitions on the lhs and rhs sides: buckets per pass = lhs x rhs
+    edge_source: EdgeSource
+
+
+class BucketRunner:
+    """Trains and evaluates one bucket with the trainer's model, partition store and its own worker pool."""
+
+    def __init__(self, work: BucketWork) -> None:
+        self.work = work
+        self.config = work.config
+        self.model = work.model
+        self.relation_optimizer = work.relation_optimizer
+        self.store = work.store
+        self.device = work.device
+        self.entity_counts = work.entity_counts
+        self.pool: Optional[WorkerPool] = None  # started on first need (small graphs never pay for it)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def _keys_for(self, bucket: Bucket) -> tuple[dict[int, PartKey], dict[int, PartKey]]:
         """Per relation, the (entity type, partition) of its lhs and rhs tables in ``bucket``."""
@@ -64,7 +84,8 @@ class BucketRunner:
             rhs_keys[rel_idx] = (relation.rhs, rhs_part)
         return lhs_keys, rhs_keys
 
-    def _needs(self, bucket: Bucket) -> set[PartKey]:
+    def needs(self, bucket: Bucket) -> set[PartKey]:
+        """The partitions ``bucket`` holds."""
         lhs_keys, rhs_keys = self._keys_for(bucket)
         return set(lhs_keys.values()) | set(rhs_keys.values())
 
@@ -84,16 +105,6 @@ class BucketRunner:
         table = self.store.get(key)
         return Table(table.weight, None) if self.config.entities[key[0]].frozen else table
 
-    def _read_bucket_chunk(self, edge_path: str, bucket: Bucket, chunk_idx: int) -> EdgeTensors:
-        url = edge_format.edges_file(edge_path, bucket.lhs, bucket.rhs)
-        with edge_format.open_h5(url) as handle:
-            num_edges = edge_format.check_edge_file(handle, url)
-            begin, end = edge_format.chunk_bounds(num_edges, chunk_idx, self.num_chunks)
-            arrays = edge_format.read_edges_from_handle(handle, url, begin, end)
-        # before any update: an id beyond the partition would index another row (or wrap around)
-        edge_limits(self.config, self.entity_counts, self.num_dynamic_rels, bucket).check(arrays, url, begin)
-        return edge_tensors(arrays)
-
     def _split(self, iteration: Iteration, bucket: Bucket, bucket_idx: int, num_edges: int, seed_base: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
         """(shuffled training edges, held-out eval edges, the bucket's generator). The held-out edges depend
@@ -111,7 +122,7 @@ class BucketRunner:
         train_indices = train_indices[torch.randperm(train_indices.numel(), generator=shuffle_generator)]
         return train_indices.to(self.device), eval_indices.to(self.device), shuffle_generator
 
-    def _run_bucket(
+    def run(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, delayed: bool,
         on_evicted: Optional[Callable[[list[PartKey]], None]] = None, upcoming: Sequence[set[PartKey]] = (),
     ) -> tuple[dict[str, Any], BatchStats, float]:
@@ -125,17 +136,19 @@ class BucketRunner:
             on_evicted(evicted)
         if upcoming and config.prefetch_partitions:
             # while this bucket trains: write back what the next one evicts, read what it needs
-            self.store.prepare(upcoming[0], self._needs(bucket), upcoming[1:])
-        edges = self._read_bucket_chunk(edge_path, bucket, iteration.chunk_idx)
+            self.store.prepare(upcoming[0], self.needs(bucket), upcoming[1:])
+        work = self.work
+        edges = work.edge_source.read(iteration, edge_path, bucket, work.num_chunks,
+                                      edge_limits(self.config, self.entity_counts, work.num_dynamic_rels, bucket))
         if self.device.type == "cuda":
             edges = edges.to(self.device)
         io_seconds = time.perf_counter() - swap_started
         train_indices, eval_indices, generator = self._split(iteration, bucket, bucket_idx, len(edges), seed_base)
         evaluating = eval_indices.numel() > 0
         eval_before = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
-        if self.workers > 1 and self.pool is None and train_indices.numel() >= 2 * config.batch_size:
+        if work.workers > 1 and self.pool is None and train_indices.numel() >= 2 * config.batch_size:
             # started on first need (small graphs never pay for it), and before the compute clock starts
-            self.pool = WorkerPool(self.workers, config, self.model, self.relation_optimizer)
+            self.pool = WorkerPool(work.workers, config, self.model, self.relation_optimizer)
         compute_started = time.perf_counter()
         train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, delayed)
         compute_seconds = time.perf_counter() - compute_started
@@ -143,7 +156,7 @@ class BucketRunner:
         record: dict[str, Any] = {
             "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
             "edge_chunk_idx": iteration.chunk_idx, "lhs_partition": bucket.lhs, "rhs_partition": bucket.rhs,
-            "index": iteration.index * self.nparts_lhs * self.nparts_rhs + bucket_idx,
+            "index": iteration.index * work.grid[0] * work.grid[1] + bucket_idx,
             "stats": {"count": train_stats.count, "metrics": train_stats.training_metrics()},
             "edges_per_sec": train_stats.count / compute_seconds if compute_seconds > 0 else 0.0,
             "time": compute_seconds, "io_time": io_seconds, "swap_time": self.store.io_seconds - io_before,
@@ -173,7 +186,7 @@ class BucketRunner:
         least two full batches); otherwise one after another in this process (a GPU, a tiny bucket): the
         same batches, without the overlap of concurrent workers."""
         config = self.config
-        slices = [indices[s] for s in split_almost_equally(indices.numel(), self.slices_per_bucket)]
+        slices = [indices[s] for s in split_almost_equally(indices.numel(), self.work.slices_per_bucket)]
         if self.pool is None or indices.numel() < 2 * config.batch_size:
             return process_slices(self._context(lhs_tables, rhs_tables, True), edges, slices, config.batch_size,
                                   config.dynamic_relations, generator, True)

@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -27,13 +28,13 @@ from job.formats.validate import validate_cheap
 from job.model.scoring import Model
 from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
-from job.train.bucket_run import BucketRunner, all_negs_cost, hogwild_delay_cost
+from job.train.bucket_run import BucketRunner, BucketWork, all_negs_cost, hogwild_delay_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
 from job.train.distributed import SharedParameters
+from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
-from job.train.hogwild import WorkerPool
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore, Residency
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
@@ -57,11 +58,37 @@ from storage_adapters.edge_reader import prefetch
 logger = logging.getLogger("biggraph")
 
 
-class Trainer(BucketRunner):
-    """Owns the model, the partitions in memory, the worker pool, the scheduler and the checkpoint directory."""
+@dataclass(frozen=True)
+class PassPlan:
+    """Which passes a run makes: every (epoch, edge set, chunk) of the config, numbered from ``first_index`` (the
+    committed version the first one follows: ``biggraph grow`` trains on after the version it committed)."""
 
-    def __init__(self, config: ConfigSchema, take_over: bool = False) -> None:
+    first_index: int = 0
+
+    def iterations(self, config: ConfigSchema, num_chunks: int) -> list[Iteration]:
+        triples = ((e, p, c) for e in range(config.num_epochs) for p in range(len(config.edge_paths))
+                   for c in range(num_chunks))
+        return [Iteration(self.first_index + i, e, p, c) for i, (e, p, c) in enumerate(triples)]
+
+
+@dataclass(frozen=True)
+class Collaborators:
+    """What a caller may give a trainer instead of its defaults (PBG's ``train(config, model, trainer, evaluator)``
+    idea): where the edges come from, which passes to make, what ``config.json`` describes, and whether Hogwild
+    worker processes may run (False: slices one after another in this process, as on a GPU)."""
+
+    edge_source: EdgeSource = field(default_factory=ChunkedEdges)
+    plan: PassPlan = PassPlan()
+    described_config: Optional[ConfigSchema] = None  # config.json's (default: the training config)
+    hogwild: bool = True
+
+
+class Trainer:
+    """Owns the model, the partitions in memory, the bucket runner, the scheduler and the checkpoint directory."""
+
+    def __init__(self, config: ConfigSchema, take_over: bool = False, parts: Collaborators = Collaborators()) -> None:
         self.config = config
+        self.parts = parts
         self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))))
         self.rank = self.dist.rank if self.dist else 0
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
@@ -91,29 +118,18 @@ class Trainer(BucketRunner):
         )
         self._build_model()
         self.num_chunks = count_edge_chunks(config)
-        # the checkpoint version the first pass of this run commits minus one (biggraph grow trains on after
-        # the version it committed, so its passes start there)
-        self.first_index = 0
-        self.iterations = [
-            Iteration(i, epoch, path_idx, chunk_idx)
-            for i, (epoch, path_idx, chunk_idx) in enumerate(
-                (e, p, c)
-                for e in range(config.num_epochs)
-                for p in range(len(config.edge_paths))
-                for c in range(self.num_chunks)
-            )
-        ]
+        self.first_index = self.parts.plan.first_index
+        self.iterations = self.parts.plan.iterations(config, self.num_chunks)
         self.finished_ok = False
         self.nparts_lhs, self.nparts_rhs = bucket_grid(config)
-        # progress display, TensorBoard, Pushgateway: whatever the environment and config ask for
-        self.reporter = make_reporter(config, rank=self.rank, total_passes=len(self.iterations),
+        # progress display, TensorBoard, Pushgateway: whatever the environment and config ask for; passes are
+        # counted by checkpoint version, as on any resume
+        self.reporter = make_reporter(config, rank=self.rank, total_passes=self.first_index + len(self.iterations),
                                       buckets_per_pass=self.nparts_lhs * self.nparts_rhs)
-        self.workers = 1 if self.device.type == "cuda" else config.effective_workers()
+        hogwild = self.device.type != "cuda" and self.parts.hogwild
+        self.workers = config.effective_workers() if hogwild else 1
         if self.workers > 1:
             start_worker_server()  # its imports overlap the set-up below; the pool forks from it later
-        # PBG cuts every bucket into one slice per worker; a GPU trains them one after another
-        self.slices_per_bucket = config.effective_workers()
-        self.pool: Optional[WorkerPool] = None
         self.iteration = self.iterations[0] if self.iterations else None  # the pass in flight (file metadata)
         self.checkpoints.add_metadata_provider(self._metadata)
         # the trainer, its Hogwild workers and the fork server they start from
@@ -123,6 +139,11 @@ class Trainer(BucketRunner):
         # distributed: what a trainer holds is locked from the others
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
                                     self.checkpoints.metadata, self.device, Residency(capacity, self.dist is not None))
+        # PBG cuts every bucket into one slice per worker (slices_per_bucket); a GPU trains them one after another
+        self.buckets = BucketRunner(BucketWork(
+            config, self.model, self.relation_optimizer, self.store, self.device, self.workers,
+            config.effective_workers(), self.entity_counts, self.num_dynamic_rels, self.num_chunks,
+            (self.nparts_lhs, self.nparts_rhs), self.parts.edge_source))
         self.scheduler, self.sync = self._make_scheduler()
 
     def _open_checkpoint(self) -> None:
@@ -153,7 +174,7 @@ class Trainer(BucketRunner):
     def _make_scheduler(self) -> tuple[BucketScheduler, ParameterSync]:
         """The one place that knows whether this process trains alone."""
         if self.dist is None:
-            return LocalScheduler(self._pass_order, self._needs), NoSync()
+            return LocalScheduler(self._pass_order, self.buckets.needs), NoSync()
         # relation parameters, global embeddings and unpartitioned tables are the same on every trainer
         tables = self.store.load_unpartitioned()
         shared = SharedParameters(list(self.model.parameters()) + [t.weight for t in tables])
@@ -186,7 +207,8 @@ class Trainer(BucketRunner):
     def run(self, stop_after_iterations: Optional[int] = None) -> dict:
         config = self.config
         if self.rank == 0:
-            self.checkpoint.save_config(config.to_pbg_json())  # PBG rejects keys it does not know
+            # PBG rejects keys it does not know; a grow's passes describe the user's config, not theirs
+            self.checkpoint.save_config((self.parts.described_config or config).to_pbg_json())
         todo = [iteration for iteration in self.iterations if iteration.index >= self.version]
         if not todo:
             self.finished_ok = True
@@ -211,7 +233,7 @@ class Trainer(BucketRunner):
             # the pass's MRR is the same on every rank (``BucketScheduler.publish``): all stop together
             eval_mrr = pass_stats.get("eval_mrr")
             if self._ends_epoch(iteration) and config.early_stopping and eval_mrr is not None:
-                label = protocol_label(self.eval_protocol())
+                label = protocol_label(self.buckets.eval_protocol())
                 logger.info("early stopping check after epoch %d: eval MRR %.6f (%s)", iteration.epoch + 1, eval_mrr,
                             label)
                 if last_eval is not None and eval_mrr < last_eval:
@@ -274,7 +296,7 @@ class Trainer(BucketRunner):
                 prefetch(edge_format.edges_file(edge_path, following[0].lhs, following[0].rhs))
             # PBG staggers its workers on every bucket of epoch 0 (torchbiggraph/train.py, train_and_report_stats)
             delayed = self.scheduler.delays_hogwild and iteration.epoch == 0
-            record, stats, compute_seconds = self._run_bucket(
+            record, stats, compute_seconds = self.buckets.run(
                 iteration, bucket, bucket_idx, edge_path, seed_base, delayed=delayed,
                 on_evicted=self.scheduler.release, upcoming=needs,
             )
@@ -351,6 +373,4 @@ class Trainer(BucketRunner):
                 leave(self.dist)
             elif self.dist.heartbeat is not None:
                 self.dist.heartbeat.stop()  # failing: exit now so that torchrun restarts the group
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self.buckets.close()
