@@ -48,7 +48,7 @@ class SubmitOptions:
     dry_run: bool = False  # render only; no cluster needed
     helm: str | None = None  # default: `helm` on PATH, else k8s/base is rendered
     no_helm: bool = False
-    chart: str | None = None  # default: $BIGGRAPH_CHART or charts/biggraph
+    chart: str | None = None  # default: $BIGGRAPH_CHART, else the installed package's charts/biggraph
 
 
 @dataclass
