@@ -21,6 +21,7 @@ from job.errors import UserError
 from job.k8s.cluster import Cluster, ClusterAccess, pod_index
 from job.k8s.names import CONFIG_MAP_ANNOTATION, NETWORK_POLICY_ANNOTATION, QUEUE_LABEL, SERVICE_ANNOTATION
 from job.k8s.progress import training_progress
+from job.k8s.reach import check_reachable
 from job.k8s.render import (
     KubeVersion,
     RenderOptions,
@@ -94,8 +95,8 @@ def _check_render_options(options: RenderOptions) -> None:
 def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> Submission:
     """Render the job for ``config_path`` and create its objects (all or none), unless ``options.dry_run``.
 
-    Everything a user can fix (a bad config, flag or name, no cluster, an existing job) is a
-    ``UserError`` raised before or instead of a half-created job.
+    Everything a user can fix (a bad config, flag or name, a local path no volume of the Job mounts, no cluster,
+    an existing job) is a ``UserError`` raised before or instead of a half-created job.
     """
     _check_render_options(options.render)
     kube_version = parse_kube_version(options.kube_version) if options.kube_version else None
@@ -108,6 +109,7 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
         kube_version = cluster.kube_version()
     check_kube_version(kube_version)
     objects = _render(helm, options, name, namespace, config, kube_version)
+    check_reachable(parse_config(config), objects, helm=helm is not None)  # before anything is created
     objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
     if cluster is None:
         for obj in objects:
