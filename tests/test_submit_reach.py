@@ -105,3 +105,11 @@ def test_mounts_are_read_from_the_rendered_job() -> None:
         init_path, tensorboard_dir = None, "s3://b/tb"
 
     assert unreachable(Config(), objects) == [("edge_paths[0]", "/shared/../etc/e"), ("checkpoint_path", "/sharedx/ck")]
+
+
+def test_refused_before_the_cluster_is_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(demo_config(str(tmp_path / "demo-output"))))
+    assert main(["submit", str(path), "--no-helm", "--kubeconfig", str(tmp_path / "missing")]) == 2  # no dry run
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "the pods cannot reach entity_path" in line and "kubeconfig" not in line

@@ -103,13 +103,17 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
     config = plain_config(config_path)
     name = job_name(options.name, config_path)
     helm = find_helm(options.helm, no_helm=options.no_helm)
-    cluster = None if options.dry_run else Cluster(access)
-    namespace = cluster.namespace if cluster else (access.namespace or "default")
-    if kube_version is None and cluster is not None:
-        kube_version = cluster.kube_version()
     check_kube_version(kube_version)
+    namespace = access.namespace or "default"
     objects = _render(helm, options, name, namespace, config, kube_version)
-    check_reachable(parse_config(config), objects, helm=helm is not None)  # before anything is created
+    # what the pods can reach is part of the config's checks: before the cluster is asked anything
+    check_reachable(parse_config(config), objects, helm=helm is not None)
+    cluster = None if options.dry_run else Cluster(access)
+    if cluster is not None:  # rendered again for the cluster's namespace and Kubernetes version
+        namespace = cluster.namespace
+        kube_version = kube_version or cluster.kube_version()
+        check_kube_version(kube_version)
+        objects = _render(helm, options, name, namespace, config, kube_version)
     objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
     if cluster is None:
         for obj in objects:
