@@ -5,10 +5,12 @@ model, a shared bucket). Publishing a journal moves and deletes what it names, s
 
 - its shape is checked field by field (types, a 2-element move, non-negative counts) and its version must be
   the N of its file name;
-- it may name only the staging directory ``.grow-v{N}/`` of the input locations (``entity_path`` and each of
-  ``edge_paths``: the caller's config, or when a caller has no config the ones the journal's own
-  ``config_json`` records), and moves only of a plain file name from that staging directory to the same
-  name directly inside the same input location;
+- before it is acted on (publishing a committed grow, removing an uncommitted one: ``confine``) it may name only
+  the staging directory ``.grow-v{N}/`` of the input locations (``entity_path`` and each of ``edge_paths``: the
+  caller's config, or when a caller has no config the ones the journal's own ``config_json`` records), and
+  moves only of a plain file name from that staging directory to the same name directly inside the same input
+  location; a published journal is only read (a re-run's files, the boundaries), so its paths are not held
+  to the caller's input (``eval`` of a test split names other ``edge_paths``);
 - the URLs that are then moved and deleted are built from the input locations, never taken from the journal.
 
 Local paths are compared absolute and normalised (``entities/.grow-v3/x`` from the model's directory is

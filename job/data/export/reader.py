@@ -19,8 +19,6 @@ import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError, UserError
 from job.formats import entities
 from job.formats.committed import open_committed
-from job.growing.journal import finish_committed_grow
-from job.growing.journal_checks import GrowInputs
 
 logger = logging.getLogger("biggraph.export")
 
@@ -90,6 +88,10 @@ class CheckpointReader:
     """The committed (or a chosen) version of a checkpoint, read one partition at a time."""
 
     def __init__(self, config: Any, version: int | None = None) -> None:
+        # job.growing loads torch: not at import (`import job.cli` stays torch-free, tests/test_api.py)
+        from job.growing.journal import finish_committed_grow
+        from job.growing.journal_checks import GrowInputs
+
         self.config = config
         # a grown version's input, if a crash left it unpublished (the journal confined to this config's input)
         finish_committed_grow(config.checkpoint_path, inputs=GrowInputs.of(config))
