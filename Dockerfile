@@ -48,10 +48,13 @@ RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
     else \
       pip install --no-cache-dir --no-compile -c /src/constraints.txt --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"; \
     fi
-# only what the wheel needs (see .dockerignore): metadata first, then the packages
-COPY pyproject.toml README.md ./
+# only what the wheel needs (see .dockerignore): metadata first, then the packages, and the chart and k8s/base,
+# which setup.py copies into the wheel (biggraph submit renders them)
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY job ./job
 COPY storage_adapters ./storage_adapters
+COPY charts ./charts
+COPY k8s ./k8s
 # DL3013: this installs the local wheel file; its dependencies are bounded by pyproject.toml
 # hadolint ignore=DL3013
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \

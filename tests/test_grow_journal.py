@@ -111,6 +111,27 @@ def test_train_refuses_a_planted_uncommitted_journal_instead_of_cleaning_up_what
     assert snapshot(outside) == before and journal.exists()
 
 
+def test_a_published_journal_is_only_read_so_eval_may_name_other_edge_paths(
+        model: Path, template: tuple[Path, dict[str, Any]]) -> None:
+    """After a grow, ``eval -p edge_paths=[...]`` (a test split) reads the journal but touches nothing it names."""
+    plant(planted(template[1], 2, published=True))
+    shutil.copytree("edges", "held-out")
+    code, _, err = run_cli("eval", "config.json", "-p", "edge_paths=held-out")
+    assert code == 0, err
+    # unpublished, the same journal names files outside held-out/: finishing it needs the config that grew it
+    plant(planted(template[1], 2))
+    code, _, err = run_cli("eval", "config.json", "-p", "edge_paths=held-out")
+    assert code == 2 and "finish it with the config that grew this model" in err
+
+
+def test_a_resumed_grow_refuses_boundaries_that_do_not_fit_the_config(model: Path,
+                                                                     template: tuple[Path, dict[str, Any]]) -> None:
+    plant(planted(template[1], 2, published=True, files=[{"url": "new.tsv", "size": Path("new.tsv").stat().st_size}],
+                  boundaries=[[1, 2, 3]]))  # 4 buckets (user: 2 partitions)
+    code, _, err = run_cli("grow", "config.json", "new.tsv", *COLUMNS)
+    assert code == 2 and "grow.v2.json: its 'boundaries' are not one list of 4 bucket edge counts" in err
+
+
 def test_without_a_config_a_journal_is_held_to_its_own_recorded_input(
         model: Path, outside: Path, template: tuple[Path, dict[str, Any]]) -> None:
     """What ``Trainer`` still calls (the checkpoint path alone): the issue's journal is refused there too."""
@@ -157,7 +178,7 @@ def journal_text(moves: list[list[str]], staging_dirs: list[str], **changes: Any
 
 
 def read(text: str, version: int | None = 3) -> GrowRecord:
-    return GrowRecord.from_json("s3://ckpt/grow.v3.json", text, version, INPUTS)
+    return GrowRecord.from_json("s3://ckpt/grow.v3.json", text, version).confined("s3://ckpt/grow.v3.json", INPUTS)
 
 
 def test_a_real_shape_is_accepted_and_its_urls_rebuilt_from_the_config() -> None:
@@ -238,4 +259,4 @@ def test_read_record_takes_the_version_from_the_file_name(tmp_path: Path) -> Non
     path = tmp_path / "grow.v5.json"
     path.write_text(journal_text([], []))
     with pytest.raises(CheckpointError, match="but the file is the journal of version 5"):
-        read_record(str(path), INPUTS)
+        read_record(str(path))

@@ -146,18 +146,30 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClu
         thread.join(5)
 
 
-@pytest.fixture()
-def user_config(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+def write_user_config(tmp_path: Path, root: str) -> tuple[Path, dict[str, Any]]:
     raw = {
         "entities": {"node": {"num_partitions": 2}},
         "relations": [{"name": "r0", "lhs": "node", "rhs": "node", "operator": "translation"}],
         "dimension": 8, "num_epochs": 3,
-        "entity_path": str(tmp_path / "graph" / "entities"), "edge_paths": [str(tmp_path / "graph" / "edges")],
-        "checkpoint_path": str(tmp_path / "graph" / "checkpoints"),
+        "entity_path": f"{root}/graph/entities", "edge_paths": [f"{root}/graph/edges"],
+        "checkpoint_path": f"{root}/graph/checkpoints",
     }
     path = tmp_path / "mygraph.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path, raw
+
+
+@pytest.fixture()
+def user_config(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A config the pods can reach: object storage (fsspec's in-process memory:// stands in for s3://, so that
+    ``status`` reads the progress this process writes there)."""
+    return write_user_config(tmp_path, f"memory://{tmp_path.name}")
+
+
+@pytest.fixture()
+def local_config(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A config of local paths (what ``biggraph demo`` leaves): the pods reach them only on a mounted volume."""
+    return write_user_config(tmp_path, str(tmp_path))
 
 
 def created_job(cluster: FakeCluster, name: str) -> Any:
@@ -318,6 +330,15 @@ def test_submit_to_a_kueue_queue_waits_suspended(cluster: FakeCluster, user_conf
     assert "--queue 'team a'" in capsys.readouterr().err and "emb14" not in cluster.names("Job")
 
 
+def test_submit_of_local_paths_is_refused_before_anything_is_created(cluster: FakeCluster, local_config: Any,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = local_config  # tests/test_submit_reach.py: the rule, with and without a mounted claim
+    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb20")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"the pods cannot reach entity_path {raw['entity_path']}, " in line
+    assert cluster.names("Job") == set() and cluster.names("ConfigMap") == set()
+
+
 def test_submit_rejects_a_bad_config_before_touching_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"entities": {"n": {"num_partitions": 1}}, "relations": [], "dimensoin": 3}))
@@ -460,8 +481,8 @@ def test_library_submit_dry_run_returns_the_manifests_without_printing(user_conf
     assert capsys.readouterr().out == ""
 
 
-def test_check_storage_reports_each_check_that_passed(user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    path, raw = user_config
+def test_check_storage_reports_each_check_that_passed(local_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path, raw = local_config
     for url in (raw["entity_path"], *raw["edge_paths"]):
         Path(url).mkdir(parents=True)
     config = load_config(str(path), [])

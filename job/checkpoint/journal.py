@@ -28,6 +28,7 @@ and confines it to the ``.grow-v{N}/`` staging directories of the caller's ``ent
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -79,16 +80,21 @@ class GrowRecord:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, url: str, text: str, version: int | None = None, inputs: GrowInputs | None = None) -> GrowRecord:
-        """The journal at ``url`` (of ``version``, when known from its name), checked (``journal_checks``): its
-        moves and staging directories rebuilt from ``inputs`` (default: the input locations it records)."""
+    def from_json(cls, url: str, text: str, version: int | None = None) -> GrowRecord:
+        """The journal at ``url`` (of ``version``, when known from its name), its shape checked (``journal_checks``).
+        Its paths are still the journal's: ``confined`` before anything is moved or removed."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{url}: not a grow journal ({str(err).splitlines()[0]})") from None
-        data = check_shape(url, data, version)
-        data["moves"], data["staging_dirs"] = confine(url, data, inputs or recorded_inputs(url, data))
-        return cls(**data)
+        return cls(**check_shape(url, data, version))
+
+    def confined(self, url: str, inputs: GrowInputs | None) -> GrowRecord:
+        """This journal (read from ``url``) with its moves and staging directories rebuilt from ``inputs`` (default:
+        the input locations it records), or a CheckpointError naming a path outside their ``.grow-v{N}/``."""
+        moves, staging_dirs = confine(url, self.version, self.moves, self.staging_dirs,
+                                      inputs or recorded_inputs(url, self.config_json))
+        return dataclasses.replace(self, moves=moves, staging_dirs=staging_dirs)
 
     def same_input(self, files: list[dict[str, Any]], options: dict[str, Any]) -> bool:
         return self.files == files and self.options == options
@@ -109,22 +115,22 @@ def list_journals(checkpoint_path: str) -> dict[int, str]:
     return out
 
 
-def read_record(url: str, inputs: GrowInputs | None = None) -> GrowRecord:
-    """The journal at ``url``, checked and confined to ``inputs`` (see ``GrowRecord.from_json``)."""
+def read_record(url: str) -> GrowRecord:
+    """The journal at ``url``, its shape checked (``GrowRecord.from_json``)."""
     match = JOURNAL_RE.match(url.rsplit("/", 1)[-1])
-    return GrowRecord.from_json(url, storage.read_text(url), int(match.group("version")) if match else None, inputs)
+    return GrowRecord.from_json(url, storage.read_text(url), int(match.group("version")) if match else None)
 
 
 def write_record(checkpoint_path: str, record: GrowRecord) -> None:
     storage.write_text(journal_file(checkpoint_path, record.version), record.to_json())
 
 
-def latest_record(checkpoint_path: str, committed: int, inputs: GrowInputs | None = None) -> GrowRecord | None:
+def latest_record(checkpoint_path: str, committed: int) -> GrowRecord | None:
     """The journal of the last grow at or before the committed version (None when the model never grew)."""
     versions = [v for v in list_journals(checkpoint_path) if v <= committed]
     if not versions:
         return None
-    return read_record(journal_file(checkpoint_path, max(versions)), inputs)
+    return read_record(journal_file(checkpoint_path, max(versions)))
 
 
 def _move(src: str, dst: str) -> None:
@@ -156,7 +162,7 @@ def discard_uncommitted(checkpoint_path: str, committed: int, inputs: GrowInputs
     """Remove the journals and staged input of grows that never committed (a crash before the marker); a journal
     that names anything but staging directories of ``inputs`` is refused (CheckpointError), nothing removed."""
     uncommitted = {v: url for v, url in list_journals(checkpoint_path).items() if v > committed}
-    records = {v: read_record(url, inputs) for v, url in uncommitted.items()}  # all checked before any removal
+    records = {v: read_record(url).confined(url, inputs) for v, url in uncommitted.items()}  # all before any removal
     for version, url in sorted(uncommitted.items()):
         for directory in records[version].staging_dirs:
             storage.remove(directory)
@@ -182,9 +188,10 @@ def finish_committed_grow(checkpoint_path: str, clean_uncommitted: bool = False,
     committed = CheckpointStorage(checkpoint_path).load_version()
     done = [v for v in journals if v <= committed]
     if done:
-        record = read_record(journals[max(done)], inputs)
-        if not record.published:
+        url = journals[max(done)]
+        record = read_record(url)
+        if not record.published:  # a published journal is only read (its boundaries): nothing it names is touched
             logger.info("grow: version %d was committed but its input not yet published: publishing it", record.version)
-            publish(checkpoint_path, record)
+            publish(checkpoint_path, record.confined(url, inputs))
     if clean_uncommitted:
         discard_uncommitted(checkpoint_path, committed, inputs)

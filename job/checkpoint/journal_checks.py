@@ -5,10 +5,12 @@ model, a shared bucket). Publishing a journal moves and deletes what it names, s
 
 - its shape is checked field by field (types, a 2-element move, non-negative counts) and its version must be
   the N of its file name;
-- it may name only the staging directory ``.grow-v{N}/`` of the input locations (``entity_path`` and each of
-  ``edge_paths``: the caller's config, or when a caller has no config the ones the journal's own
-  ``config_json`` records), and moves only of a plain file name from that staging directory to the same
-  name directly inside the same input location;
+- before it is acted on (publishing a committed grow, removing an uncommitted one: ``confine``) it may name only
+  the staging directory ``.grow-v{N}/`` of the input locations (``entity_path`` and each of ``edge_paths``: the
+  caller's config, or when a caller has no config the ones the journal's own ``config_json`` records), and
+  moves only of a plain file name from that staging directory to the same name directly inside the same input
+  location; a published journal is only read (a re-run's files, the boundaries), so its paths are not held
+  to the caller's input (``eval`` of a test split names other ``edge_paths``);
 - the URLs that are then moved and deleted are built from the input locations, never taken from the journal.
 
 Local paths are compared absolute and normalised (``entities/.grow-v3/x`` from the model's directory is
@@ -116,11 +118,11 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def confine(url: str, data: dict[str, Any], inputs: GrowInputs) -> tuple[list[list[str]], list[str]]:
+def confine(url: str, version: int, moves: list[list[str]], staging_dirs: list[str],
+            inputs: GrowInputs) -> tuple[list[list[str]], list[str]]:
     """The journal's moves and staging directories, rebuilt from ``inputs``: every one it names must be the
     ``.grow-v{N}/`` staging directory of an input location, or a plain file inside it moved to the same name
     in that location; anything else is a CheckpointError naming it (before anything is touched)."""
-    version = data["version"]
     roots = inputs.roots()
     staging = {_key(storage.join(root, f".grow-v{version}")): root for root in roots}
     where = (f"the staging directory .grow-v{version}/ of entity_path {inputs.entity_path} or edge_paths "
@@ -128,24 +130,25 @@ def confine(url: str, data: dict[str, Any], inputs: GrowInputs) -> tuple[list[li
 
     def refuse(path: str, what: str) -> CheckpointError:
         return CheckpointError(f"{url}: names {path}, {what}: refusing this journal (nothing was moved or deleted; "
-                               "remove the journal if it does not belong to this model)")
+                               "finish it with the config that grew this model, or remove the journal if it is not "
+                               "this model's)")
 
-    staging_dirs = []
-    for directory in data["staging_dirs"]:
+    confined_dirs = []
+    for directory in staging_dirs:
         root = staging.get(_key(directory))
         if root is None:
             raise refuse(directory, f"which is not {where}")
-        staging_dirs.append(storage.join(root, f".grow-v{version}"))
-    moves = []
-    for src, dst in data["moves"]:
+        confined_dirs.append(storage.join(root, f".grow-v{version}"))
+    confined_moves = []
+    for src, dst in moves:
         parent, name = _split(src)
         root = staging.get(parent) if name else None
         if root is None:
             raise refuse(src, f"which is not a file directly inside {where}")
         if _key(dst) != _key(storage.join(root, name)):
             raise refuse(dst, f"which is not where its staged file {src} goes ({storage.join(root, name)})")
-        moves.append([storage.join(root, f".grow-v{version}", name), storage.join(root, name)])
-    return moves, staging_dirs
+        confined_moves.append([storage.join(root, f".grow-v{version}", name), storage.join(root, name)])
+    return confined_moves, confined_dirs
 
 
 def _key(url: str) -> tuple[str, ...]:
@@ -169,9 +172,9 @@ def _split(url: str) -> tuple[tuple[str, ...], str]:
     return key[:-1], name
 
 
-def recorded_inputs(url: str, data: dict[str, Any]) -> GrowInputs:
+def recorded_inputs(url: str, config_json: str) -> GrowInputs:
     """The input locations the journal's own ``config_json`` records (for a caller without a config)."""
     try:
-        return GrowInputs.of(json.loads(data["config_json"]))
+        return GrowInputs.of(json.loads(config_json))
     except CheckpointError as err:
         raise CheckpointError(f"{url}: {err}") from None

@@ -66,7 +66,7 @@ def _register_submit(subparsers: Any) -> None:
     add("--dry-run", action="store_true", help="print the manifests instead of creating them")
     add("--helm", help="helm binary (default: `helm` on PATH; without one, k8s/base is rendered)")
     add("--no-helm", action="store_true", help="render k8s/base with Python even if helm is available")
-    add("--chart", help="chart directory (default: $BIGGRAPH_CHART or charts/biggraph)")
+    add("--chart", help="chart directory (default: $BIGGRAPH_CHART, else the chart installed with biggraph)")
     _cluster_arguments(submit_parser)
     submit_parser.set_defaults(func=_submit)
 

@@ -123,7 +123,7 @@ def _grow_and_train(config: ConfigSchema, files: list[str], options: ImportOptio
     if version == 0:
         raise GrowError(f"--into {config.checkpoint_path}: no committed checkpoint there (train a model first)")
     described, options_record = describe_files(files), _options_record(options)
-    record = latest_record(config.checkpoint_path, version, manager.inputs)
+    record = latest_record(config.checkpoint_path, version)
     if record is not None and record.same_input(described, options_record):
         logger.info("grow: these files were already grown into version %d: resuming its training", record.version)
         summary = GrowSummary(record.version, record.from_version, dict(record.new_entities), {}, list(record.new_relations),
@@ -131,6 +131,7 @@ def _grow_and_train(config: ConfigSchema, files: list[str], options: ImportOptio
     else:
         record, summary = _grow_once(config, files, options, manager, version, described, options_record)
     if train and config.grow_num_epochs > 0:
+        _check_boundaries(config, record)
         trainer = grow_trainer(config, record)
         try:
             summary.training = trainer.run()
@@ -216,6 +217,16 @@ def _stage_input(config: ConfigSchema, importer: GrowImporter, members: list[lis
     written = importer.write_entities(members, relation_names, entity_target)
     moves += [[url, storage.join(config.entity_path, url.rsplit("/", 1)[-1])] for url in written]
     return moves, boundaries
+
+
+def _check_boundaries(config: ConfigSchema, record: GrowRecord) -> None:
+    """The journal's boundaries (where the new edges start) fit this config: one count per bucket per edge path."""
+    from job.train.data import bucket_grid
+
+    lhs, rhs = bucket_grid(config)
+    if len(record.boundaries) != len(config.edge_paths) or any(len(b) != lhs * rhs for b in record.boundaries):
+        raise GrowError(f"{journal_file(config.checkpoint_path, record.version)}: its 'boundaries' are not one list of "
+                        f"{lhs * rhs} bucket edge counts per edge path ({len(config.edge_paths)}) of this config")
 
 
 def _keys(config: ConfigSchema) -> list[tuple[str, int]]:

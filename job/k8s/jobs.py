@@ -21,6 +21,7 @@ from job.errors import UserError
 from job.k8s.cluster import Cluster, ClusterAccess, pod_index
 from job.k8s.names import CONFIG_MAP_ANNOTATION, NETWORK_POLICY_ANNOTATION, QUEUE_LABEL, SERVICE_ANNOTATION
 from job.k8s.progress import training_progress
+from job.k8s.reach import check_reachable
 from job.k8s.render import (
     KubeVersion,
     RenderOptions,
@@ -48,7 +49,7 @@ class SubmitOptions:
     dry_run: bool = False  # render only; no cluster needed
     helm: str | None = None  # default: `helm` on PATH, else k8s/base is rendered
     no_helm: bool = False
-    chart: str | None = None  # default: $BIGGRAPH_CHART or charts/biggraph
+    chart: str | None = None  # default: $BIGGRAPH_CHART, else the installed package's charts/biggraph
 
 
 @dataclass
@@ -94,20 +95,25 @@ def _check_render_options(options: RenderOptions) -> None:
 def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> Submission:
     """Render the job for ``config_path`` and create its objects (all or none), unless ``options.dry_run``.
 
-    Everything a user can fix (a bad config, flag or name, no cluster, an existing job) is a
-    ``UserError`` raised before or instead of a half-created job.
+    Everything a user can fix (a bad config, flag or name, a local path no volume of the Job mounts, no cluster,
+    an existing job) is a ``UserError`` raised before or instead of a half-created job.
     """
     _check_render_options(options.render)
     kube_version = parse_kube_version(options.kube_version) if options.kube_version else None
     config = plain_config(config_path)
     name = job_name(options.name, config_path)
     helm = find_helm(options.helm, no_helm=options.no_helm)
-    cluster = None if options.dry_run else Cluster(access)
-    namespace = cluster.namespace if cluster else (access.namespace or "default")
-    if kube_version is None and cluster is not None:
-        kube_version = cluster.kube_version()
     check_kube_version(kube_version)
+    namespace = access.namespace or "default"
     objects = _render(helm, options, name, namespace, config, kube_version)
+    # what the pods can reach is part of the config's checks: before the cluster is asked anything
+    check_reachable(parse_config(config), objects, helm=helm is not None)
+    cluster = None if options.dry_run else Cluster(access)
+    if cluster is not None:  # rendered again for the cluster's namespace and Kubernetes version
+        namespace = cluster.namespace
+        kube_version = kube_version or cluster.kube_version()
+        check_kube_version(kube_version)
+        objects = _render(helm, options, name, namespace, config, kube_version)
     objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
     if cluster is None:
         for obj in objects:

@@ -23,6 +23,8 @@ from job.errors import UserError
 from job.k8s.names import QUEUE_LABEL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+# an installed wheel's copy of charts/biggraph and k8s/base (setup.py puts them there; a checkout has none)
+PACKAGED = Path(__file__).resolve().parent / "_bundled"
 BASE_NAME = "biggraph-job"  # the name used throughout k8s/base
 # Kubernetes minors (charts/biggraph/Chart.yaml kubeVersion and the capability checks in its job.yaml)
 MIN_KUBE_MINOR = 31  # podFailurePolicy GA
@@ -74,9 +76,18 @@ def find_helm(helm: str | None = None, *, no_helm: bool = False) -> str | None:
     return shutil.which("helm")
 
 
+def shipped(relative: str, marker: str) -> Path:
+    """``charts/biggraph`` or ``k8s/base`` (holding ``marker``): the installed package's copy, else the checkout's
+    (which the error names when neither has it)."""
+    for root in (PACKAGED, REPO_ROOT):
+        if (root / relative / marker).is_file():
+            return root / relative
+    return REPO_ROOT / relative
+
+
 def find_chart(chart: str | None = None) -> Path:
-    """The chart directory: ``chart``, else $BIGGRAPH_CHART, else this checkout's charts/biggraph."""
-    for candidate in (chart, os.environ.get("BIGGRAPH_CHART"), REPO_ROOT / "charts" / "biggraph"):
+    """The chart directory: ``chart``, else $BIGGRAPH_CHART, else the installed package's (or checkout's) chart."""
+    for candidate in (chart, os.environ.get("BIGGRAPH_CHART"), shipped("charts/biggraph", "Chart.yaml")):
         if candidate and (Path(candidate) / "Chart.yaml").is_file():
             return Path(candidate)
     raise UserError("the biggraph Helm chart was not found: pass --chart DIR or set BIGGRAPH_CHART")
@@ -143,7 +154,7 @@ def render_plain(name: str, config: dict[str, Any], options: RenderOptions,
 
 def _load_base(name: str) -> list[dict[str, Any]]:
     """The objects of k8s/base (its kustomization's resources) with ``BASE_NAME`` renamed to ``name``."""
-    base = REPO_ROOT / "k8s" / "base"
+    base = shipped("k8s/base", "kustomization.yaml")
     kustomization = base / "kustomization.yaml"
     if not kustomization.is_file():
         raise UserError(f"{base}: the plain manifests were not found (and no helm binary): pass --helm PATH")

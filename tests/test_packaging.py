@@ -1,0 +1,118 @@
+"""What ``pip install`` of the wheel gives a user: ``biggraph submit`` renders a job from anywhere, with the chart and
+``k8s/base`` the wheel ships (setup.py copies the top-level ``charts/biggraph`` and ``k8s/base`` into
+``job/k8s/_bundled/``), not with files of a checkout the user does not have.
+
+The wheel is built from a copy of the repository's files (``git ls-files``), installed with its dependencies into
+a fresh venv outside the repository (no system site-packages, no PYTHONPATH), and run from a directory outside it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+HELM = REPO / ".cache" / "bin" / "helm"
+
+
+def _source_copy(target: Path) -> Path:
+    """The files a checkout holds (tracked, and new ones not ignored): no build/, .venv or stale egg-info."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.decode().strip()[:200]}")
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = REPO / name
+        if source.is_file() and not name.startswith("tests/"):
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    return target
+
+
+def _has_setuptools() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return int(setuptools.__version__.split(".")[0]) >= 68  # pyproject.toml's build-system requirement
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("wheel")
+    source = _source_copy(root / "src")
+    # the build backend of this environment when it has one (offline, fast); else pip fetches pyproject's
+    isolation = ["--no-build-isolation"] if _has_setuptools() else []
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
+                            "--wheel-dir", str(root / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    return next((root / "dist").glob("biggraph-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv (outside the repository) with the wheel and its dependencies: its bin directory."""
+    venv = tmp_path_factory.mktemp("user-venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BIGGRAPH_CHART", "VIRTUAL_ENV")}
+    # torch pinned as tests/run.sh installs it (the CPU wheel); unpinned, pip may take a newer CUDA build (GBs)
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "torch==2.13.0", str(wheel)],
+                             capture_output=True, text=True, timeout=600, env=env)
+    if install.returncode != 0:
+        pytest.skip(f"cannot install the wheel's dependencies: {install.stderr.strip()[-300:]}")
+    return venv / "bin"
+
+
+def test_the_wheel_ships_the_chart_and_the_plain_manifests(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for relative in ("charts/biggraph", "k8s/base"):
+        expected = {f"job/k8s/_bundled/{p.relative_to(REPO)}" for p in (REPO / relative).rglob("*") if p.is_file()}
+        assert expected and expected <= names, sorted(expected - names)
+
+
+def user_run(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A command of the venv as a user runs it: no PYTHONPATH to the checkout, no BIGGRAPH_CHART."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BIGGRAPH_CHART", "VIRTUAL_ENV")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run([str(bin_dir / args[0]), *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+CONFIG = {
+    "entities": {"node": {"num_partitions": 1}},
+    "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": "diagonal"}],
+    "dimension": 16, "entity_path": "s3://bucket/graph/entities", "edge_paths": ["s3://bucket/graph/edges"],
+    "checkpoint_path": "s3://bucket/graph/model",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("renderer", ["plain", "helm"])
+def test_an_installed_wheel_renders_a_job_from_outside_the_repository(installed: Path, tmp_path: Path,
+                                                                      renderer: str) -> None:
+    work = tmp_path / "user"
+    work.mkdir()
+    (work / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    where = user_run(installed, work, "python", "-c", "import job.k8s.render as r; print(r.find_chart())")
+    assert where.returncode == 0 and where.stdout.startswith(str(installed.parent)), where  # the wheel's chart
+    flags = ["--no-helm"]
+    if renderer == "helm":
+        if not HELM.is_file():
+            pytest.skip(f"no helm at {HELM} (tests/k8s_tools.sh installs it)")
+        flags = ["--helm", str(HELM)]
+    done = user_run(installed, work, "biggraph", "submit", "config.yaml", "--dry-run", "--name", "user-job", *flags)
+    assert done.returncode == 0, done.stderr[-2000:]
+    objects = [o for o in yaml.safe_load_all(done.stdout) if o]
+    kinds = {o["kind"] for o in objects}
+    assert {"Job", "ConfigMap", "Service", "NetworkPolicy"} <= kinds
+    job = next(o for o in objects if o["kind"] == "Job")
+    assert job["metadata"]["name"] == "user-job"
+    config_map = next(o for o in objects if o["kind"] == "ConfigMap")
+    assert yaml.safe_load(config_map["data"]["config.yaml"])["checkpoint_path"] == CONFIG["checkpoint_path"]
