@@ -22,7 +22,6 @@ from job.errors import UserError
 from job.k8s.cluster import Cluster, ClusterAccess, pod_index
 from job.k8s.names import CONFIG_MAP_ANNOTATION, NETWORK_POLICY_ANNOTATION, QUEUE_LABEL, SERVICE_ANNOTATION
 from job.k8s.progress import training_progress
-from job.k8s.sizing import check_fits, config_needs, job_sizes, sized_volumes
 from job.k8s.render import (
     KubeVersion,
     RenderOptions,
@@ -33,6 +32,7 @@ from job.k8s.render import (
     render_plain,
     render_with_helm,
 )
+from job.k8s.sizing import check_fits, config_needs, job_sizes, sized_volumes
 
 # the NetworkPolicy before the Job, so that no pod runs unprotected
 CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job")

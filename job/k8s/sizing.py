@@ -123,7 +123,8 @@ def job_sizes(job: dict[str, Any]) -> PodSizes:
     container = next(c for c in pod["containers"] if c["name"] == "trainer")
     volumes = {v["name"]: (v.get("emptyDir") or {}) for v in pod.get("volumes") or []}
     limits = (container.get("resources") or {}).get("limits") or {}
-    return PodSizes(memory_limit=parse_quantity(limits.get("memory")), shm=parse_quantity(volumes.get("dshm", {}).get("sizeLimit")),
+    return PodSizes(memory_limit=parse_quantity(limits.get("memory")),
+                    shm=parse_quantity(volumes.get("dshm", {}).get("sizeLimit")),
                     tmp=parse_quantity(volumes.get("tmp", {}).get("sizeLimit")))
 
 
