@@ -674,7 +674,8 @@ def pod_processes(docs: list[dict[str, Any]], root: Path, replicas: int) -> list
         (etc / key).write_text(text)
 
     def local(value: str) -> str:
-        for mount, path in (("/etc/biggraph", etc), ("/tmp", root / "tmp")):  # the pod's volumes
+        mounts = [("/etc/biggraph", etc), ("/tmp", root / "tmp"), ("/var/cache/biggraph/edges", root / "edge-cache")]
+        for mount, path in mounts:  # the pod's volumes
             if value == mount or value.startswith(mount + "/"):
                 return str(path) + value[len(mount):]
         return value.replace(f"{name}-0.{svc}:", "127.0.0.1:")  # the headless Service's DNS name of pod 0
@@ -692,6 +693,10 @@ def pod_processes(docs: list[dict[str, Any]], root: Path, replicas: int) -> list
                 env[item["name"]] = f"{name}-{index}-local"
             elif "controller-uid" in item["valueFrom"].get("fieldRef", {}).get("fieldPath", ""):
                 env[item["name"]] = f"{name}-uid-local"  # the Job's uid: the same in every pod of the Job
+            elif item["valueFrom"].get("resourceFieldRef", {}).get("resource") == "limits.memory":
+                from job.k8s.sizing import parse_quantity  # the API gives the container's limit in bytes
+
+                env[item["name"]] = str(parse_quantity(container["resources"]["limits"]["memory"]))
             else:
                 raise AssertionError(f"unmapped env {item}")
         (root / "tmp").mkdir(exist_ok=True)
