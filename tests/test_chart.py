@@ -409,6 +409,52 @@ def test_long_release_names_are_truncated_to_valid_names(tmp_path: Path) -> None
     assert one(override, "Job")["metadata"]["name"] == "b" * 56
 
 
+# pods sized by what the trainer uses -----------------------------------------------------------------
+
+
+def volumes_of(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_shm_and_tmp_follow_the_memory_budget_and_explicit_values_win(tmp_path: Path) -> None:
+    """/dev/shm holds every partition, its Adagrad sums and the unpartitioned tables (up to memory_budget); /tmp the
+    staged checkpoint files on top of 2Gi; without a budget both follow the memory limit (8Gi in cpu-values)."""
+    cpu = CHART / "ci" / "cpu-values.yaml"
+    for budget, shm, tmp in (("6GiB", "6Gi", "8Gi"), ("1.5e9", "1431Mi", "3479Mi"), (None, "8Gi", "10Gi")):
+        sets = [f"config.memory_budget={budget}"] if budget else []
+        job = one(render(tmp_path, values=[cpu], sets=sets), "Job")
+        volumes = volumes_of(job)
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}, budget
+        assert volumes["tmp"]["emptyDir"] == {"sizeLimit": tmp}, budget
+        env = env_of(trainer(job))
+        assert env["BIGGRAPH_SHM_LIMIT"] == shm and env["BIGGRAPH_TMP_LIMIT"] == tmp  # what the preflight checks
+        assert env["BIGGRAPH_MEMORY_LIMIT"] == {"resourceFieldRef": {"containerName": "trainer",
+                                                                     "resource": "limits.memory"}}
+    job = one(render(tmp_path, values=[cpu], sets=["config.memory_budget=6GiB", "shm.sizeLimit=3Gi",
+                                                   "tmp.sizeLimit=1500Mi"]), "Job")
+    assert volumes_of(job)["dshm"]["emptyDir"]["sizeLimit"] == "3Gi"
+    assert volumes_of(job)["tmp"]["emptyDir"]["sizeLimit"] == "1500Mi"
+    assert env_of(trainer(job))["BIGGRAPH_SHM_LIMIT"] == "3Gi"
+
+
+def test_the_edge_cache_is_bounded_by_its_own_volume(tmp_path: Path) -> None:
+    job = one(render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"], sets=["edgeCache.sizeLimit=4Gi"]), "Job")
+    container = trainer(job)
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes_of(job)["edge-cache"]["emptyDir"] == {"sizeLimit": "4Gi"}
+    env = env_of(container)
+    assert env["BIGGRAPH_EDGE_CACHE_DIR"] == mounts["edge-cache"] == "/var/cache/biggraph/edges"
+    assert env["BIGGRAPH_EDGE_CACHE_BYTES"] == str(2 * 2**30)  # half: the file in use and the one arriving on top
+
+
+def test_a_memory_budget_above_the_memory_limit_is_refused(tmp_path: Path) -> None:
+    done = run_helm(tmp_path, "template", "rel", str(CHART), "-f", str(CHART / "ci" / "cpu-values.yaml"),
+                    "--set", "config.memory_budget=9GiB")
+    assert done.returncode != 0
+    assert ("resources.limits.memory 8Gi is below the config's memory_budget 9GiB: raise resources.limits.memory "
+            "to at least 9Gi") in done.stderr, done.stderr
+
+
 # values the schema (or the templates) reject --------------------------------------------------------
 
 BAD_VALUES = {
@@ -628,7 +674,8 @@ def pod_processes(docs: list[dict[str, Any]], root: Path, replicas: int) -> list
         (etc / key).write_text(text)
 
     def local(value: str) -> str:
-        for mount, path in (("/etc/biggraph", etc), ("/tmp", root / "tmp")):  # the pod's volumes
+        mounts = [("/etc/biggraph", etc), ("/tmp", root / "tmp"), ("/var/cache/biggraph/edges", root / "edge-cache")]
+        for mount, path in mounts:  # the pod's volumes
             if value == mount or value.startswith(mount + "/"):
                 return str(path) + value[len(mount):]
         return value.replace(f"{name}-0.{svc}:", "127.0.0.1:")  # the headless Service's DNS name of pod 0
@@ -646,6 +693,10 @@ def pod_processes(docs: list[dict[str, Any]], root: Path, replicas: int) -> list
                 env[item["name"]] = f"{name}-{index}-local"
             elif "controller-uid" in item["valueFrom"].get("fieldRef", {}).get("fieldPath", ""):
                 env[item["name"]] = f"{name}-uid-local"  # the Job's uid: the same in every pod of the Job
+            elif item["valueFrom"].get("resourceFieldRef", {}).get("resource") == "limits.memory":
+                from job.k8s.sizing import parse_quantity  # the API gives the container's limit in bytes
+
+                env[item["name"]] = str(parse_quantity(container["resources"]["limits"]["memory"]))
             else:
                 raise AssertionError(f"unmapped env {item}")
         (root / "tmp").mkdir(exist_ok=True)

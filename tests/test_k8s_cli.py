@@ -500,3 +500,115 @@ def test_check_storage_reports_each_check_that_passed(local_config: Any, capsys:
         check_storage(config, write=True, report=lines.append)
     assert lines == []
     assert capsys.readouterr().out == ""  # the library reports through `report` only
+
+
+# pods sized by what the trainer uses ----------------------------------------------------------------
+
+
+def write_counts(raw: dict[str, Any], per_partition: int) -> None:
+    from job.formats.entities import write_entity_count
+
+    for part in range(2):
+        write_entity_count(raw["entity_path"], "node", part, per_partition)
+
+
+def dry_run_job(path: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    options = SubmitOptions(render=RenderOptions(), name="sized", no_helm=True, dry_run=True)
+    return submit(str(path), options, ClusterAccess(kubeconfig=str(tmp_path / "missing"))).job
+
+
+def test_submit_sizes_shm_and_tmp_from_the_entity_counts(user_config: Any, tmp_path: Path) -> None:
+    """2 partitions of 2M rows of dimension 8: a partition and its Adagrad sums are 72 MB; the default buffer holds a
+    bucket's 2 plus one in flight (206Mi) in /dev/shm, with 512Mi headroom; /tmp: the checkpoint is on an object
+    store (memory:// standing in for s3://), so two whole reads and two pending uploads of a 72 MB file are staged
+    there (275Mi) besides 512Mi."""
+    path, raw = user_config
+    write_counts(raw, 2_000_000)
+    job = dry_run_job(path, tmp_path)
+    volumes = {v["name"]: v["emptyDir"] for v in job["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v}
+    assert volumes["dshm"] == {"medium": "Memory", "sizeLimit": "718Mi"}  # 3 x 72 MB + 512Mi
+    assert volumes["tmp"] == {"sizeLimit": "787Mi"}
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["BIGGRAPH_SHM_LIMIT"] == "718Mi" and env["BIGGRAPH_TMP_LIMIT"] == "787Mi"
+    # no counts readable from here: the chart's defaults, which follow memory_budget
+    import storage_adapters as storage
+
+    storage.remove(raw["entity_path"])  # the counts gone (a local entity_path or an object store alike)
+    raw["memory_budget"] = "3GiB"
+    path.write_text(yaml.safe_dump(raw))
+    volumes = {v["name"]: v["emptyDir"] for v in dry_run_job(path, tmp_path)["spec"]["template"]["spec"]["volumes"]
+               if "emptyDir" in v}
+    assert volumes["dshm"]["sizeLimit"] == "3Gi" and volumes["tmp"]["sizeLimit"] == "5Gi"
+
+
+def test_submit_refuses_a_pod_that_cannot_hold_the_partitions(user_config: Any, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """50M rows a partition: 3 x 1.8 GB in /dev/shm cannot fit the 4Gi memory limit of k8s/base."""
+    path, raw = user_config
+    write_counts(raw, 50_000_000)
+    assert main(["submit", str(path), "--no-helm", "--dry-run", "--name", "big", "--kubeconfig",
+                 str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "resources.limits.memory 4Gi cannot hold the 5150Mi of tables the trainer keeps in /dev/shm" in err
+    assert "raise resources.limits.memory to at least 5342Mi, or set memory_budget" in err
+    # a budget that holds no bucket names memory_budget and what it needs
+    raw["memory_budget"] = "2GiB"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["submit", str(path), "--no-helm", "--dry-run", "--name", "big", "--kubeconfig",
+                 str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config key 'memory_budget': 2GiB holds 0 partition(s)" in err and "raise it to at least" in err
+
+
+def test_submit_with_helm_refuses_values_below_what_the_config_needs(user_config: Any, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        from test_chart import helm_binary, helm_env
+    except ImportError:  # tests/ is a package
+        from tests.test_chart import helm_binary, helm_env
+
+    helm = helm_binary()
+    monkeypatch.setattr("os.environ", helm_env(tmp_path))
+    path, raw = user_config
+    write_counts(raw, 2_000_000)
+    base = ["submit", str(path), "--helm", helm, "--dry-run", "--name", "sized", "--kubeconfig", str(tmp_path / "x")]
+    assert main([*base, "--set", "shm.sizeLimit=2Gi"]) == 0  # explicit values win when they hold enough
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    dshm = next(v for d in docs if d["kind"] == "Job" for v in d["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == "dshm")
+    assert dshm["emptyDir"]["sizeLimit"] == "2Gi"
+    assert main([*base, "--set", "shm.sizeLimit=128Mi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "shm.sizeLimit 128Mi is below the 206Mi the trainer keeps in /dev/shm" in err
+    assert "set shm.sizeLimit to at least 206Mi" in err
+    raw["checkpoint_path"] = "s3://bucket/ckpt"  # checkpoint files are staged whole in /tmp
+    path.write_text(yaml.safe_dump(raw))
+    assert main([*base, "--set", "tmp.sizeLimit=256Mi"]) == 2
+    err = capsys.readouterr().err
+    assert "tmp.sizeLimit 256Mi is below the 787Mi the trainer stages in /tmp (checkpoint files read and uploaded)" in err
+    assert "set tmp.sizeLimit to at least 787Mi" in err  # (2 read + 2 uploaded) x 72 MB + 512Mi
+
+
+def test_preflight_refuses_a_pod_that_cannot_hold_the_config(user_config: Any, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    path, raw = user_config
+    write_counts(raw, 2_000_000)
+    monkeypatch.setenv("BIGGRAPH_MEMORY_LIMIT", str(4 * 2**30))  # as the resourceFieldRef gives it: bytes
+    monkeypatch.setenv("BIGGRAPH_SHM_LIMIT", "718Mi")
+    monkeypatch.setenv("BIGGRAPH_TMP_LIMIT", "6Gi")
+    assert main(["preflight", str(path)]) == 0
+    # /tmp: 512Mi plus the checkpoint files staged for an object store (memory:// here)
+    assert "preflight: pod sizes ok: /dev/shm 206Mi of 718Mi, /tmp 787Mi of 6Gi" in capsys.readouterr().out
+    monkeypatch.setenv("BIGGRAPH_SHM_LIMIT", "64Mi")
+    assert main(["preflight", str(path)]) == 2
+    assert "preflight: shm.sizeLimit 64Mi is below the 206Mi" in capsys.readouterr().err
+    raw["memory_budget"] = "5GiB"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["preflight", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "preflight: resources.limits.memory 4Gi is below the config's memory_budget 5Gi: raise " \
+           "resources.limits.memory to at least 5Gi or lower memory_budget" in err

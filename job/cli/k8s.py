@@ -19,6 +19,7 @@ from job.k8s.jobs import Submission, SubmitOptions, cancel_job, follow_log, job_
 from job.k8s.names import QUEUE_LABEL
 from job.k8s.preflight import check_storage
 from job.k8s.render import RenderOptions
+from job.k8s.sizing import check_config_fits, pod_sizes_from_env, quantity
 
 
 def register(subparsers: Any) -> None:
@@ -162,6 +163,13 @@ def _preflight(args: argparse.Namespace) -> int:
     config = load_config(args.config, [])
     print(f"preflight: {args.config}: config ok ({len(config.entities)} entity type(s), {len(config.relations)} "
           f"relation type(s), checkpoint_path {config.checkpoint_path})")
+    sizes = pod_sizes_from_env()
+    if sizes != type(sizes)():  # in a pod of the chart: its memory limit, /dev/shm and /tmp hold what training uses
+        needs = check_config_fits(config, sizes, "preflight")
+        print("preflight: pod sizes ok: " + ", ".join(
+            f"{what} {quantity(need)} of {quantity(have)}" for what, need, have in (
+                ("memory_budget", needs.memory_budget, sizes.memory_limit), ("/dev/shm", needs.shm, sizes.shm),
+                ("/tmp", needs.tmp, sizes.tmp)) if need is not None and have is not None) or "nothing to check")
     if args.check_storage or args.check_write:
         check_storage(config, write=args.check_write, report=print)
     return 0

@@ -7,6 +7,7 @@ call them the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import secrets
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from job.k8s.render import (
     render_plain,
     render_with_helm,
 )
+from job.k8s.sizing import check_fits, config_needs, job_sizes, sized_volumes
 
 # the NetworkPolicy before the Job, so that no pod runs unprotected
 CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job")
@@ -101,6 +103,12 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
     _check_render_options(options.render)
     kube_version = parse_kube_version(options.kube_version) if options.kube_version else None
     config = plain_config(config_path)
+    # what the trainer will hold (from the entity counts, when entity_path is readable from here): the volumes
+    # are sized for it unless the values say otherwise, and a pod that cannot hold it is refused below
+    needs = config_needs(parse_config(config), "submit")
+    shm, tmp = sized_volumes(needs)
+    options = dataclasses.replace(options, render=dataclasses.replace(
+        options.render, shm=options.render.shm or shm, tmp=options.render.tmp or tmp))
     name = job_name(options.name, config_path)
     helm = find_helm(options.helm, no_helm=options.no_helm)
     check_kube_version(kube_version)
@@ -115,6 +123,7 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
         check_kube_version(kube_version)
         objects = _render(helm, options, name, namespace, config, kube_version)
     objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
+    check_fits(needs, job_sizes(next(o for o in objects if o["kind"] == "Job")), "submit")
     if cluster is None:
         for obj in objects:
             obj.setdefault("metadata", {})["namespace"] = namespace

@@ -48,6 +48,10 @@ class RenderOptions:
     queue: str | None = None  # a Kueue LocalQueue: the Job starts suspended
     values: tuple[str, ...] = ()
     set: tuple[str, ...] = ()
+    # /dev/shm and /tmp sizes (Kubernetes quantities) sized from the config (job/k8s/sizing.py); the values files
+    # and --set win over them; None: the chart's defaults, which follow the config's memory_budget
+    shm: str | None = None
+    tmp: str | None = None
 
 
 def parse_kube_version(text: str) -> KubeVersion:
@@ -112,12 +116,18 @@ def render_with_helm(helm: str, chart: Path, name: str, namespace: str, config: 
         values["image"] = {"repository": repository, "tag": tag}
     if options.queue:
         values["kueue"] = {"queueName": options.queue}
+    sized: dict[str, Any] = {key: {"sizeLimit": size} for key, size in (("shm", options.shm), ("tmp", options.tmp))
+                             if size}
     with tempfile.TemporaryDirectory(prefix="biggraph-submit-") as tmp:
         generated = Path(tmp) / "submit-values.yaml"
         generated.write_text(yaml.safe_dump(values, sort_keys=False))
         command = [helm, "template", name, str(chart), "--namespace", namespace, "--skip-tests"]
         if kube_version is not None:  # the chart's capability checks see the cluster's version
             command += ["--kube-version", f"{kube_version[0]}.{kube_version[1]}.0"]
+        if sized:  # the volume sizes the config needs: before the user's files, which win
+            sizes = Path(tmp) / "sized-values.yaml"
+            sizes.write_text(yaml.safe_dump(sized, sort_keys=False))
+            command += ["--values", str(sizes)]
         for file in options.values:
             command += ["--values", file]
         command += ["--values", str(generated)]  # the CLI's own flags win over the files ...
@@ -146,6 +156,7 @@ def render_plain(name: str, config: dict[str, Any], options: RenderOptions,
             obj["data"]["config.yaml"] = yaml.safe_dump(config, sort_keys=False)
         if obj["kind"] == "Job":
             _fill_job(obj, name, options)
+            _size_volumes(obj, config, options)
             _newer_job_fields(obj["spec"], kube_version)
         if obj["kind"] == "Service":
             obj["spec"]["selector"]["app.kubernetes.io/instance"] = name
@@ -182,6 +193,29 @@ def _fill_job(job: dict[str, Any], name: str, options: RenderOptions) -> None:
     if options.queue:
         job["metadata"]["labels"][QUEUE_LABEL] = options.queue
         spec["suspend"] = True  # Kueue resumes it on admission
+
+
+def _size_volumes(job: dict[str, Any], config: dict[str, Any], options: RenderOptions) -> None:
+    """/dev/shm and /tmp as the chart sizes them: ``options.shm``/``tmp``, else from the config's memory_budget (else
+    the memory limit), with the environment that tells the pod's preflight (charts/biggraph/templates/_helpers.tpl)."""
+    from job.k8s.sizing import default_volume_sizes, parse_quantity
+
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    limit = parse_quantity(((container.get("resources") or {}).get("limits") or {}).get("memory"))
+    shm, tmp = default_volume_sizes(config.get("memory_budget"), limit)
+    sizes = {"dshm": options.shm or shm, "tmp": options.tmp or tmp}
+    for volume in pod["volumes"]:
+        if volume["name"] in sizes:
+            if sizes[volume["name"]]:
+                volume["emptyDir"]["sizeLimit"] = sizes[volume["name"]]
+            else:
+                volume["emptyDir"].pop("sizeLimit", None)
+    for env in container["env"]:
+        if env["name"] == "BIGGRAPH_SHM_LIMIT":
+            env["value"] = sizes["dshm"]
+        elif env["name"] == "BIGGRAPH_TMP_LIMIT":
+            env["value"] = sizes["tmp"]
 
 
 def _newer_job_fields(spec: dict[str, Any], kube_version: KubeVersion | None) -> None:

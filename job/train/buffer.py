@@ -30,7 +30,7 @@ from typing import Optional
 import storage_adapters as storage
 from job.config import ConfigSchema
 from job.errors import ConfigError
-from job.formats.uploads import UPLOAD_THREADS
+from job.formats.uploads import MAX_PENDING_UPLOADS, UPLOAD_THREADS
 from storage_adapters.multipart import transfer_buffer_bytes
 
 logger = logging.getLogger("biggraph")
@@ -153,6 +153,26 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     logger.info("partition buffer: %d of %d partitions in memory (%s; up to %s each, %s in all)", capacity, total,
                 why, _gib(per_part), _gib(capacity * per_part))
     return capacity
+
+
+def shared_memory_bytes(config: ConfigSchema, counts: dict[str, list[int]], capacity: Optional[int]) -> int:
+    """What a CPU trainer keeps in /dev/shm (torch's shared memory, where every table is allocated even with no
+    Hogwild worker): the ``capacity`` resident partitions (None: a bucket's, as ``choose_capacity`` means it),
+    one more in flight at a swap, and the unpartitioned types, each with its row-wise Adagrad sums: the
+    tables ``choose_capacity`` counts in ``memory_budget``."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    resident = (capacity if capacity is not None else 2 * len(partitioned)) + (1 if partitioned else 0)
+    return resident * partition_bytes(config, counts) + unpartitioned_bytes(config, counts)
+
+
+def staging_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """The local disk (TMPDIR) a trainer stages checkpoint files in when checkpoint_path is on an object store:
+    whole files read (the one needed now and one read ahead) and the files of a version built before their
+    upload (at most ``MAX_PENDING_UPLOADS`` at once), each up to the largest table; nothing for a local one."""
+    if storage.is_local(config.checkpoint_path):
+        return 0
+    tables = [count * (config.entity_dimension(t) + 1) * 4 for t in config.entities for count in counts[t]]
+    return (2 + min(MAX_PENDING_UPLOADS, len(tables))) * max(tables, default=0)
 
 
 def _gib(nbytes: int) -> str:

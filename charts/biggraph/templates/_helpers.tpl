@@ -121,3 +121,79 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
+
+{{/*
+A size in bytes (an int64): a Kubernetes quantity ("4Gi", "500M", 1073741824) or a memory_budget ("8GiB",
+"500MB", "1e9"); units are read case-insensitively, as the trainer reads memory_budget.
+*/}}
+{{- define "biggraph.bytes" -}}
+{{- $text := toString . | trim -}}
+{{- $pattern := "^([0-9.]+(?:[eE][-+]?[0-9]+)?)\\s*([A-Za-z]*)$" -}}
+{{- if not (regexMatch $pattern $text) -}}
+{{- fail (printf "%q is not a size (e.g. 8Gi, 8GiB, 500MB or a number of bytes)" $text) -}}
+{{- end -}}
+{{- $units := dict "" 1 "b" 1 "k" 1e3 "kb" 1e3 "m" 1e6 "mb" 1e6 "g" 1e9 "gb" 1e9 "t" 1e12 "tb" 1e12 "ki" 1024 "kib" 1024 "mi" 1048576 "mib" 1048576 "gi" 1073741824 "gib" 1073741824 "ti" 1099511627776 "tib" 1099511627776 -}}
+{{- $unit := regexReplaceAll $pattern $text "${2}" | lower -}}
+{{- if not (hasKey $units $unit) -}}
+{{- fail (printf "%q is not a size: unknown unit %q" $text $unit) -}}
+{{- end -}}
+{{- ceil (mulf (float64 (regexReplaceAll $pattern $text "${1}")) (get $units $unit)) | int64 -}}
+{{- end -}}
+
+{{/* Bytes as the smallest whole Mi quantity holding them (whole Gi as "6Gi"), as job/k8s/sizing.py writes them. */}}
+{{- define "biggraph.quantity" -}}
+{{- $mib := div (add (int64 .) 1048575) 1048576 | int64 -}}
+{{- if eq (mod $mib 1024) 0 -}}{{ printf "%dGi" (div $mib 1024) }}{{- else -}}{{ printf "%dMi" $mib }}{{- end -}}
+{{- end -}}
+
+{{/* The config's memory_budget in bytes, 0 when it has none. */}}
+{{- define "biggraph.memoryBudget" -}}
+{{- $budget := (default dict .Values.config).memory_budget -}}
+{{- if kindIs "invalid" $budget -}}0{{- else -}}{{ include "biggraph.bytes" $budget }}{{- end -}}
+{{- end -}}
+
+{{/*
+The memory a trainer's tables may take, in bytes: the config's memory_budget (the trainer keeps its partitions,
+their Adagrad sums and the unpartitioned tables within it), else the container's memory limit (shared memory
+counts against it); 0 when neither is set. Refuses a memory_budget above the memory limit.
+*/}}
+{{- define "biggraph.tableBytes" -}}
+{{- $budget := int64 (include "biggraph.memoryBudget" .) -}}
+{{- $limit := dig "limits" "memory" "" (default dict .Values.resources) -}}
+{{- $limitBytes := 0 | int64 -}}
+{{- if $limit -}}{{- $limitBytes = int64 (include "biggraph.bytes" $limit) -}}{{- end -}}
+{{- if and (gt $budget 0) (gt $limitBytes 0) (gt $budget $limitBytes) -}}
+{{- fail (printf "resources.limits.memory %s is below the config's memory_budget %s: raise resources.limits.memory to at least %s or lower config.memory_budget" (toString $limit) (toString .Values.config.memory_budget) (include "biggraph.quantity" $budget)) -}}
+{{- end -}}
+{{- if gt $budget 0 -}}{{ $budget }}{{- else -}}{{ $limitBytes }}{{- end -}}
+{{- end -}}
+
+{{/*
+/dev/shm's sizeLimit: shm.sizeLimit, else what the trainer's tables may take (every partition and its Adagrad
+sums live in shared memory on a CPU trainer, with or without Hogwild workers); "" (no limit) when unknown.
+*/}}
+{{- define "biggraph.shmSizeLimit" -}}
+{{- if .Values.shm.sizeLimit -}}
+{{- .Values.shm.sizeLimit -}}
+{{- else -}}
+{{- $tables := int64 (include "biggraph.tableBytes" .) -}}
+{{- if gt $tables 0 -}}{{ include "biggraph.quantity" $tables }}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+/tmp's sizeLimit: tmp.sizeLimit, else 2Gi plus what the trainer's tables may take (with checkpoint_path on an
+object store, partition files are read and uploaded through whole local copies in /tmp).
+*/}}
+{{- define "biggraph.tmpSizeLimit" -}}
+{{- if .Values.tmp.sizeLimit -}}
+{{- .Values.tmp.sizeLimit -}}
+{{- else -}}
+{{- include "biggraph.quantity" (add 2147483648 (int64 (include "biggraph.tableBytes" .))) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The edge cache's bound in bytes: half its volume (the file in use and the one downloading come on top). */}}
+{{- define "biggraph.edgeCacheBytes" -}}
+{{- div (int64 (include "biggraph.bytes" .Values.edgeCache.sizeLimit)) 2 -}}
+{{- end -}}
