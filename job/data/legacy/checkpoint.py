@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 import storage_adapters as storage
+from job.checkpoint import CheckpointManager, ModelState
 from job.config import ConfigError, ConfigSchema, parse_config
 from job.data.legacy.config_map import map_legacy_config, map_state_dict_key
 from job.data.legacy.inputs import partition_shift
 from job.data.legacy.loading import LegacyFormatError, safe_torch_load, to_numpy
 from job.errors import UserError
-from job.formats.checkpoint import CheckpointStorage
 
 logger = logging.getLogger("biggraph.legacy")
 
@@ -165,7 +165,7 @@ class _Target:
     storage: Any  # CheckpointStorage
     version: int
     attrs: dict[str, Any]
-    partition_base: str
+    shifts: dict[str, int]  # per entity type: what to subtract from a legacy partition number (0-based v1 ones)
     expected_counts: dict[str, list[int]] | None
 
 
@@ -174,7 +174,7 @@ def _write_partitions(
 ) -> None:
     """Every legacy embedding file, renumbered 0-based, as a v1 partition (checked against the counts)."""
     for entity_type, files in sorted(by_type.items()):
-        shift = partition_shift(entity_type, set(files), target.partition_base, "checkpoint files", 1)
+        shift = target.shifts[entity_type]
         if config is not None and len(files) != config.entities[entity_type].num_partitions:
             raise UserError(
                 f"{old}: {len(files)} embedding files for entity type '{entity_type}', but the config gives it "
@@ -225,13 +225,20 @@ def convert_checkpoint(
     if full_json is not None:
         attrs["config/json"] = full_json
     by_type = _partition_files(old, names, suffix, config)
-    target = CheckpointStorage(new)
-    target.prepare()
-    _write_partitions(old, by_type, config, _Target(target, out_version, attrs, partition_base, expected_counts))
-    target.save_model(out_version, metadata.model_state, metadata.model_optimizer, metadata=attrs)
-    if config_json is not None:
-        target.save_config(config_json)
-    target.save_version(out_version)  # the commit marker: last
+    shifts = {t: partition_shift(t, set(files), partition_base, "checkpoint files", 1) for t, files in sorted(by_type.items())}
+    keys = [(t, part - shifts[t]) for t, files in sorted(by_type.items()) for part in sorted(files)]
+    # a writer like any other: the directory taken, the version checked whole and committed durably
+    manager = CheckpointManager(new, keys)
+    try:
+        manager.open()
+        manager.add_metadata_provider(lambda: attrs)
+        _write_partitions(old, by_type, config, _Target(manager.storage, out_version, attrs, shifts, expected_counts))
+        manager.write_model(out_version, ModelState(metadata.model_state, metadata.model_optimizer))
+        if config_json is not None:
+            manager.storage.save_config(config_json)
+        manager.commit(out_version)  # the commit marker: last
+    finally:
+        manager.close()
     logger.info(
         "converted legacy checkpoint %s (version %s) to %s version %d: %d partitions, %d model parameters",
         old, legacy_version if legacy_version is not None else "unversioned", new, out_version,
