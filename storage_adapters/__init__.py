@@ -30,9 +30,19 @@ from __future__ import annotations
 
 from storage_adapters.conditional import read_tagged, sync_directory, write_if
 from storage_adapters.errors import ConditionFailed, NotHDF5Error, StorageError
-from storage_adapters.fs import S3_SCHEMES, get_filesystem, is_local, join, local_path, scheme_of, storage_options_for
+from storage_adapters.fs import (
+    S3_SCHEMES,
+    get_filesystem,
+    is_local,
+    join,
+    local_path,
+    local_path_if_local,
+    scheme_of,
+    storage_options_for,
+)
 from storage_adapters.ops import (
     append_text,
+    change_marker,
     check_bucket,
     exists,
     get_file,
@@ -68,4 +78,5 @@ __all__ = [
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
     "read_bytes", "read_text", "remove", "scheme_of", "size", "storage_options_for",
     "write_bytes", "write_text", "read_tagged", "write_if", "sync_directory", "append_text", "move",
+    "change_marker", "local_path_if_local",
 ]

@@ -27,13 +27,14 @@ import h5py
 
 import storage_adapters as storage
 from storage_adapters.errors import NotHDF5Error
+from storage_adapters.fs import is_local, local_path
 from storage_adapters.retry import TRANSIENT, call_with_retry, classify
 from storage_adapters.session import EDGE_READ_MODES, current
 
 logger = logging.getLogger("biggraph.storage")
 
 STREAM_BLOCK_SIZE = 50 * 2**20  # measured: 166-216 MB/s from moto with 50 MiB, 15-18 MB/s with 1 MiB
-__all__ = ["EDGE_READ_MODES", "STREAM_BLOCK_SIZE", "RetryingFile", "get_edge_read_mode", "open_remote_h5", "prefetch"]
+__all__ = ["EDGE_READ_MODES", "STREAM_BLOCK_SIZE", "RetryingFile", "get_edge_read_mode", "open_h5", "prefetch"]
 
 
 _gc_lock = threading.Lock()
@@ -89,17 +90,27 @@ def prefetch(url: str) -> Future | None:
 def _open_h5(source: Any, url: str) -> h5py.File:
     try:
         return h5py.File(source, "r")
+    except FileNotFoundError:
+        raise
     except OSError as err:
-        raise NotHDF5Error(url, str(err).split("(")[0].strip()) from None
+        text = str(err)
+        raise NotHDF5Error(url, text.split("(")[0].strip() or text[:80], text) from None
 
 
 @contextlib.contextmanager
-def open_remote_h5(url: str, verify: Callable[[str | None], None] | None = None) -> Iterator[h5py.File]:
-    """An h5py handle on a remote edge file; ``verify`` is called first with the staged local copy's path
-    (stage mode) or None (stream mode: it must read the object itself).
+def open_h5(url: str, verify: Callable[[str | None], None] | None = None) -> Iterator[h5py.File]:
+    """An h5py handle on an HDF5 file at any URL; ``verify`` is called first with a local path holding its bytes
+    (the file itself, or stage mode's staged copy) or None (stream mode: it must read the object itself).
 
     A missing object raises ``FileNotFoundError``, bytes that are not HDF5 ``NotHDF5Error``.
     """
+    if is_local(url):
+        path = local_path(url)
+        if verify is not None:
+            verify(path)
+        with _open_h5(path, url) as handle:
+            yield handle
+        return
     if get_edge_read_mode() == "stream":
         if verify is not None:
             verify(None)

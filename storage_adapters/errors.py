@@ -18,10 +18,11 @@ class StorageError(Exception):
 class NotHDF5Error(OSError):
     """h5py could not open the object as an HDF5 file (its reason is in the message)."""
 
-    def __init__(self, url: str, reason: str) -> None:
+    def __init__(self, url: str, reason: str, detail: str = "") -> None:
         super().__init__(f"{url}: not a readable HDF5 file ({reason})")
         self.url = url
         self.reason = reason
+        self.detail = detail or reason  # HDF5's whole message (it tells a truncated file from garbage)
 
 
 class ConditionFailed(StorageError):

@@ -83,6 +83,11 @@ def local_path(url: str) -> str:
     return url
 
 
+def local_path_if_local(url: str) -> str | None:
+    """The OS path of a local URL, None for any other (for callers that can use a path when there is one)."""
+    return local_path(url) if is_local(url) else None
+
+
 def join(base: str, *parts: str) -> str:
     """Join URL components with '/' (keeps the scheme and never normalises '//')."""
     out = base

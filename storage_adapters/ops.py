@@ -18,6 +18,16 @@ def exists(url: str) -> bool:
     return bool(call(url, "exists", lambda: fs.exists(path)))
 
 
+def change_marker(url: str) -> tuple[int, int] | None:
+    """What changes when a local file is rewritten (size, mtime in ns), to tell a cached reading of it stale; None
+    for an object store (whose objects a reader caches for its session). FileNotFoundError for a missing local
+    file."""
+    if not is_local(url):
+        return None
+    stat = os.stat(local_path(url))
+    return stat.st_size, stat.st_mtime_ns
+
+
 def isdir(url: str) -> bool:
     fs, path = get_filesystem(url)
     return bool(call(url, "isdir", lambda: fs.isdir(path)))

@@ -106,6 +106,37 @@ def test_objects_roundtrip(base: str) -> None:
     assert storage.listdir(base) == ["a.txt", "c.txt"]
 
 
+def test_conditional_writes_let_one_writer_win(base: str) -> None:
+    """Compare-and-swap on one object (what the checkpoint owner record stands on): create only if absent, replace
+    only if unchanged since read; the loser is told, the object keeps the winner's bytes."""
+    url = storage.join(base, "owner.json")
+    first = storage.write_if(url, b"first", None)
+    with pytest.raises(storage.ConditionFailed):
+        storage.write_if(url, b"second", None)  # it exists now
+    assert storage.read_tagged(url) == (b"first", first)
+    second = storage.write_if(url, b"second", first)
+    with pytest.raises(storage.ConditionFailed):
+        storage.write_if(url, b"stale", first)  # read before the second write
+    assert storage.read_tagged(url) == (b"second", second)
+    storage.remove(url)
+    with pytest.raises(storage.ConditionFailed):
+        storage.write_if(url, b"late", second)  # removed meanwhile
+    with pytest.raises(FileNotFoundError):
+        storage.read_tagged(url)
+
+
+def test_move_copy_and_append(base: str) -> None:
+    storage.write_text(storage.join(base, "a.txt"), "one\n")
+    storage.append_text(storage.join(base, "a.txt"), "two\n")
+    assert storage.read_text(storage.join(base, "a.txt")) == "one\ntwo\n"
+    storage.copy(storage.join(base, "a.txt"), storage.join(base, "b.txt"), link=True)
+    storage.move(storage.join(base, "b.txt"), storage.join(base, "c.txt"))
+    assert storage.read_text(storage.join(base, "c.txt")) == "one\ntwo\n"
+    assert not storage.exists(storage.join(base, "b.txt"))
+    with pytest.raises(FileNotFoundError):
+        storage.move(storage.join(base, "b.txt"), storage.join(base, "d.txt"))
+
+
 def test_local_file_for_writing_appears_only_on_success(base: str) -> None:
     storage.makedirs(base)
     target = storage.join(base, "out.bin")

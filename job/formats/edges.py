@@ -40,7 +40,7 @@ from job.formats.checksums import (
     verify_local,
     write_manifest,
 )
-from storage_adapters.edge_reader import open_remote_h5
+from storage_adapters.edge_reader import open_h5 as open_edge_h5
 from storage_adapters.errors import NotHDF5Error
 
 FORMAT_VERSION_ATTR = "format_version"
@@ -103,14 +103,10 @@ def _verified() -> dict[tuple[Any, ...], bool]:
 
 def _manifest_of(directory: str) -> Manifest | None:
     url = storage.join(directory, EDGE_MANIFEST)
-    if storage.is_local(url):
-        try:
-            stat = os.stat(storage.local_path(url))
-            identity: Any = (stat.st_size, stat.st_mtime_ns)
-        except FileNotFoundError:
-            return None
-    else:
-        identity = "remote"
+    try:
+        identity: Any = storage.change_marker(url) or "remote"  # a local manifest rewritten is read again
+    except FileNotFoundError:
+        return None
     with _lock:
         cached = _manifests().get(directory)
     if cached is not None and cached[0] == identity:
@@ -174,26 +170,10 @@ def open_h5(url: str, mode: str = "r", verify: bool = True) -> Iterator[h5py.Fil
     look at the header only must not download a whole remote file), turning HDF5's errors into clear ones."""
     if mode != "r":
         raise ValueError("open_h5 only reads; write through write_edges")
-    if storage.is_local(url):
-        path = storage.local_path(url)
-        try:
-            if verify:
-                verify_edge_file(url, path)
-        except FileNotFoundError:
-            raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
-        try:
-            handle = h5py.File(path, "r")
-        except FileNotFoundError:
-            raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
-        except OSError as err:
-            raise InputFormatError(url, f"not a readable HDF5 file ({_short(err)})", expected="an HDF5 file") from None
-        with handle, damaged_file_errors(url):
-            yield handle
-        return
     check = (lambda path: verify_edge_file(url, path)) if verify else None
     with contextlib.ExitStack() as stack:
         try:  # only the opening: an error of the caller's block must pass through unchanged
-            handle = stack.enter_context(open_remote_h5(url, check))
+            handle = stack.enter_context(open_edge_h5(url, check))
         except FileNotFoundError:
             raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
         except NotHDF5Error as err:

@@ -21,9 +21,10 @@ from job.formats.edges import (
     FORMAT_VERSION_ATTR,
     HDF5_READ_ERRORS,
     EdgeLimits,
-    open_h5,
     verify_edge_file,
 )
+from storage_adapters.edge_reader import open_h5 as open_edge_h5
+from storage_adapters.errors import NotHDF5Error
 
 MAX_PROBLEMS_PER_FILE = 20
 
@@ -170,7 +171,7 @@ def _scan_values(
         collect.error(InputFormatError(url, entry.problem + more, dataset=dataset, row=entry.row, expected=entry.expected))
 
 
-def _first_line(err: BaseException) -> str:
+def _first_line(err: BaseException | str) -> str:
     text = str(err).strip()
     return text.splitlines()[0][:120] if text else type(err).__name__
 
@@ -178,21 +179,20 @@ def _first_line(err: BaseException) -> str:
 @contextlib.contextmanager
 def _open_edge_file(url: str) -> Iterator[h5py.File]:
     """Open a bucket file, telling a truncated file (the common corruption: an interrupted copy) from garbage."""
-    if not storage.is_local(url):
-        with open_h5(url, verify=False) as handle:  # the checksum is checked by the caller (full scans only)
-            yield handle
-        return
-    try:
-        handle = h5py.File(storage.local_path(url), "r")
-    except OSError as err:
-        match = _TRUNCATED_RE.search(str(err))
-        if match:
-            raise InputFormatError(
-                url, f"truncated HDF5 file ({match.group('eof')} bytes, its header says {match.group('stored')})",
-                expected="a complete HDF5 file",
-            ) from None
-        raise InputFormatError(url, f"not a readable HDF5 file ({_first_line(err)})", expected="an HDF5 file") from None
-    with handle:
+    with contextlib.ExitStack() as stack:
+        try:  # only the opening (the checksum is checked by the caller, full scans only)
+            handle = stack.enter_context(open_edge_h5(url))
+        except FileNotFoundError:
+            raise InputFormatError(url, "missing", expected="an HDF5 edge file") from None
+        except NotHDF5Error as err:
+            match = _TRUNCATED_RE.search(err.detail)
+            if match:
+                raise InputFormatError(
+                    url, f"truncated HDF5 file ({match.group('eof')} bytes, its header says {match.group('stored')})",
+                    expected="a complete HDF5 file",
+                ) from None
+            raise InputFormatError(url, f"not a readable HDF5 file ({_first_line(err.detail)})",
+                                   expected="an HDF5 file") from None
         yield handle
 
 
@@ -208,7 +208,7 @@ def check_edge_file(
     num_edges: int | None = None
     try:
         if full:  # the importer's checksum manifest, when the directory has one
-            verify_edge_file(url, storage.local_path(url) if storage.is_local(url) else None)
+            verify_edge_file(url, storage.local_path_if_local(url))
         with _open_edge_file(url) as handle:
             num_edges = _check_structure(handle, url, per_file)
             if full and num_edges and ctx is not None:
