@@ -41,16 +41,20 @@ SHAPES: dict[str, dict[str, Any]] = {
             "skew": 2.5},
     "wordnet": {"relations": 18, "dimension": 200, "num_batch_negs": 50, "num_uniform_negs": 1000, "rows": 112_000,
                 "skew": 1.0, "dynamic": True, "global_emb": False},
+    # preset: quality on WN18RR (issue #33): 1-vs-all (every row a negative), ComplEx d=256, batch 500
+    "wn18rr": {"relations": 11, "dimension": 256, "num_batch_negs": 0, "num_uniform_negs": 0, "rows": 40_943,
+               "skew": 1.0, "dynamic": True, "global_emb": False, "all_negs": True, "batch_size": 500, "lr": 0.3,
+               "init_method": "xavier"},
 }
 
 
 def make_config(shape: dict[str, Any], overrides: list[str]) -> Any:
     count = 1 if shape.get("dynamic") else shape["relations"]
     raw = {"entities": {"node": {"num_partitions": 1}}, "dynamic_relations": bool(shape.get("dynamic")),
-           "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}
-                         for i in range(count)],
-           "dimension": shape["dimension"], "comparator": "dot", "loss_fn": "softmax", "lr": 0.1,
-           "batch_size": 1000, "num_batch_negs": shape["num_batch_negs"],
+           "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal",
+                          "all_negs": bool(shape.get("all_negs"))} for i in range(count)],
+           "dimension": shape["dimension"], "comparator": "dot", "loss_fn": "softmax", "lr": shape.get("lr", 0.1),
+           "batch_size": shape.get("batch_size", 1000), "num_batch_negs": shape["num_batch_negs"],
            "num_uniform_negs": shape["num_uniform_negs"], "entity_path": "x", "edge_paths": ["x"],
            "checkpoint_path": "x", "global_emb": shape.get("global_emb", True)}
     return parse_config(apply_overrides(raw, overrides))
