@@ -25,7 +25,7 @@ class BucketOrder(str, enum.Enum):
 REGULARIZERS = ("N3",)
 EDGE_READ_MODES = ("stage", "stream")
 DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
 GROW_INITS = ("random", "neighbours")
 INIT_METHODS = ("normal", "xavier")
 GROW_NUM_EPOCHS_DEFAULT = 5
