@@ -209,8 +209,8 @@ def run_batch(
     return stats
 
 
-def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], lhs_scores: SideScores, rhs_scores: SideScores, lhs_raw: Tensor,
-            rhs_raw: Tensor, num_pos: int, train: bool) -> BatchStats:
+def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], lhs_scores: SideScores,
+            rhs_scores: SideScores, lhs_raw: Tensor, rhs_raw: Tensor, num_pos: int, train: bool) -> BatchStats:
     """Loss (and its backward) plus statistics, shared by plain and featurized batches."""
     config = ctx.config
     relation = config.relations[rel_idx]
