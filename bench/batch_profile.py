@@ -30,6 +30,7 @@ from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a pa
 
 from job.config import parse_config  # noqa: E402
 from job.config.overrides import apply_overrides  # noqa: E402
+from job.model import fused_all  # noqa: E402
 from job.model.scoring import Model, Table  # noqa: E402
 from job.train.allocator import keep_freed_memory  # noqa: E402
 from job.train.optim import RelationAdagrad  # noqa: E402
@@ -65,9 +66,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="ooc")
     parser.add_argument("--batches", type=int, default=60, help="timed batches (after 5 warm-up ones)")
     parser.add_argument("--no-profile", action="store_true", help="only the median time")
+    parser.add_argument("--autograd-all", action="store_true",
+                        help="1-vs-all softmax through autograd (job.model.fused_all off): the reference to compare")
     parser.add_argument("-p", dest="overrides", action="append", default=[], help="config override key=value")
     args = parser.parse_args()
     keep_freed_memory()
+    fused_all.ENABLED = not args.autograd_all
     torch.set_num_threads(1)
     torch.manual_seed(0)
     shape = SHAPES[args.shape]
@@ -100,7 +104,8 @@ def main() -> None:
         started = time.perf_counter()
         one(i)
         times.append(time.perf_counter() - started)
-    print(json.dumps({"shape": args.shape, "overrides": args.overrides, "median_ms": round(statistics.median(times) * 1e3, 2),
+    print(json.dumps({"shape": args.shape, "overrides": args.overrides, "fused_all": fused_all.ENABLED,
+                      "median_ms": round(statistics.median(times) * 1e3, 2),
                       "matmul_gflops_1_thread": round(matmul_rate(), 1)}), flush=True)
     if not args.no_profile:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
