@@ -51,3 +51,16 @@ def test_dynamic_relations_are_counted_once_per_edge_static_ones_times_the_batch
     real_entities = cubed_magnitudes(lhs, False) + cubed_magnitudes(rhs, False)
     expected = float(real_entities) + 4 * float(static.diagonal.abs().pow(3).sum())
     assert float(n3_penalty([static, Operator("none", 6)], None, lhs, rhs, 4)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_shared_relations_form_counts_operator_parameters_once_per_batch() -> None:
+    """biggraph's earlier form (preset: quality): coordinates' |x|^3 per edge, every operator parameter once."""
+    torch.manual_seed(0)
+    lhs, rhs = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    dynamic = Operator("complex_diagonal", 6, 3).double()
+    with torch.no_grad():
+        dynamic.real.normal_()
+    expected = (lhs.abs().pow(3).sum() + rhs.abs().pow(3).sum() + dynamic.real.abs().pow(3).sum()
+                + dynamic.imag.abs().pow(3).sum())
+    got = n3_penalty([dynamic], torch.tensor([0, 2, 2, 1]), lhs, rhs, 4, "N3_shared_relations")
+    assert float(got) == pytest.approx(float(expected), rel=1e-12)

@@ -22,7 +22,7 @@ class BucketOrder(str, enum.Enum):
     BUFFER = "buffer"  # ours: few partition swaps for a buffer of partition_buffer partitions
 
 
-REGULARIZERS = ("N3",)
+REGULARIZERS = ("N3", "N3_shared_relations")
 EDGE_READ_MODES = ("stage", "stream")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")

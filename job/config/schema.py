@@ -73,14 +73,16 @@ class ConfigSchema:
     )
     regularization_coef: float = _help(
         "The coefficient of the regularization term added to the loss (0 disables it). preset: quality sets "
-        "it (N3 at 0.05, the ComplEx-N3 recipe of Lacroix et al. 2018).",
+        "0.1 (with regularizer N3_shared_relations).",
         default=0.0,
     )
     regularizer: str = _help(
         "The regularization applied when regularization_coef > 0. N3 (Lacroix et al. 2018, as PBG implements "
         "it): the sum of the cubed magnitudes of the factors of each batch's positive edges, both entities' "
         "rows and the relation's parameters once per edge; a complex_diagonal coordinate's magnitude is its "
-        "modulus, any other's its absolute value.",
+        "modulus, any other's its absolute value. N3_shared_relations (preset: quality): the cubed absolute "
+        "values of the positives' row coordinates once per edge and of the relation's operator parameters once "
+        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first).",
         default="N3",
     )
 

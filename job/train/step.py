@@ -220,7 +220,7 @@ def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], lhs_scor
         total = loss
         if config.regularization_coef > 0:
             reg = config.regularization_coef * n3_penalty(_operators(ctx.model, rel_idx), rel_ids, lhs_raw, rhs_raw,
-                                                          num_pos)
+                                                          num_pos, config.regularizer)
             total = total + reg
             stats.reg = _statistic(reg)
         total.backward()
