@@ -72,15 +72,15 @@ class ConfigSchema:
         default=0.1,
     )
     regularization_coef: float = _help(
-        "The coefficient of the regularization term added to the loss (0 disables it). preset: quality sets "
-        "0.1 (with regularizer N3_shared_relations).",
+        "The coefficient of the regularization term added to the loss (0 disables it). See "
+        "docs/quality-preset.md for N3 on WN18RR and the small KGs.",
         default=0.0,
     )
     regularizer: str = _help(
         "The regularization applied when regularization_coef > 0. N3 (Lacroix et al. 2018, as PBG implements "
         "it): the sum of the cubed magnitudes of the factors of each batch's positive edges, both entities' "
         "rows and the relation's parameters once per edge; a complex_diagonal coordinate's magnitude is its "
-        "modulus, any other's its absolute value. N3_shared_relations (preset: quality): the cubed absolute "
+        "modulus, any other's its absolute value. N3_shared_relations (biggraph's earlier form): the cubed absolute "
         "values of the positives' row coordinates once per edge and of the relation's operator parameters once "
         "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first).",
         default="N3",

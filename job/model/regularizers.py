@@ -9,7 +9,7 @@ numbers ([real | imag] halves) and a coordinate's magnitude is its modulus, as i
 with every other operator it is the absolute value. The cube of the modulus is taken as
 ``(re^2 + im^2)^1.5``, smooth at 0 where the modulus itself has no gradient.
 
-``N3_shared_relations`` (biggraph's form before issue #33, what ``preset: quality`` uses): the cubed absolute
+``N3_shared_relations`` (biggraph's form before issue #33): the cubed absolute
 values of every coordinate of the positives' rows, once per edge, plus those of every parameter of the
 relation's operators once per batch. The operators start at the identity (modulus 1 in every coordinate, where
 the paper starts every factor near 0): counted once per edge their penalty outweighs the loss at the start
