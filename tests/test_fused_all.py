@@ -110,3 +110,17 @@ def test_bfloat16_products_stay_near_float32() -> None:
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-2)
     torch.testing.assert_close(d_q.double(), ref_q, rtol=0.05, atol=0.02)
     torch.testing.assert_close(d_t.double(), ref_t, rtol=0.05, atol=0.02)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="needs native bfloat16 products")
+def test_a_well_fit_target_keeps_its_gradient_in_bfloat16() -> None:
+    """p_target near 1: p - 1 is below bfloat16's spacing there; the target's gradient must not round to 0."""
+    table = torch.zeros(14, 4)
+    table[0, 0] = 1.0
+    queries = torch.tensor([[9.0, 0.0, 0.0, 0.0]])  # p_target = e^9 / (e^9 + 13) ~ 0.9984
+    _, _, d_q, d_t = fused_all.all_negs_softmax(queries, table, torch.tensor([0]), torch.bfloat16)
+    _, _, ref_q, ref_t = fused_all.all_negs_softmax(queries.double(), table.double(), torch.tensor([0]), None)
+    assert float(d_t[0, 0]) < 0
+    torch.testing.assert_close(d_t.double(), ref_t, rtol=0.02, atol=1e-4)
+    torch.testing.assert_close(d_q.double(), ref_q, rtol=0.02, atol=1e-4)

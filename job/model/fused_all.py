@@ -10,9 +10,11 @@ rows at d=256 about half of a batch's time went to those passes (bench/RESULTS.m
 Here the queries of both sides of a reciprocal batch are stacked when they rank the same table, so the
 batch is three products of (2B x N x d): the scores, the queries' gradient ``G E`` and the table's
 ``G^T Q``, with ``G = softmax(scores) - onehot(target)`` (torch's fused softmax: one pass over the scores).
-With a reduced ``compute_dtype`` (bfloat16) the scores and ``G`` are held in it (oneDNN's products
-accumulate in float32 and round their result; softmax accumulates in float32): no (B x N) matrix is
-converted. The gradients handed back are float32.
+With a reduced ``compute_dtype`` (bfloat16) the scores and ``G`` are held in it for the products (oneDNN's
+products accumulate in float32 and round their result), but the softmax is written in float32 and the one-hot
+subtracted there: a well-fit target's ``p - 1`` is below bfloat16's spacing near 1 (2^-8) and would round to 0,
+while its negatives' gradients would not (on Nations, 14 entities, that cost 0.05 MRR). The gradients handed
+back are float32.
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
     ``splits`` (one group when empty), the rows scoring above the target (estimated from every k-th query
     of a group beyond ``VIOLATOR_ENTRIES`` scores).
 
-    With a reduced ``compute_dtype`` the score matrix itself is held in it: torch's softmax reads it and
-    accumulates in float32, and its output, less the one-hot, is the reduced-precision input the two
-    gradient products need, so no (Q x N) matrix is ever converted. The loss is read off the softmax at the
-    target, ``-log p_target`` (recomputed in float32 from the scores where ``p_target`` is too small for that).
+    With a reduced ``compute_dtype`` the score matrix is held in it; torch's softmax reads it and writes
+    float32, the one-hot is subtracted in float32 and the result cast down once for the two gradient
+    products. The loss is read off the softmax at the target, ``-log p_target`` (recomputed in float32 from
+    the scores where ``p_target`` is too small for that).
     """
     acc = table.dtype
     low = compute_dtype if compute_dtype is not None and compute_dtype != acc else None
@@ -91,7 +93,9 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
         scores = torch.mm(q_low, table_low.t())
         rows = torch.arange(end - begin, device=table.device)
         target = targets[begin:end]
-        grad = torch.softmax(scores, 1)
+        # the softmax in float32 whatever the scores' dtype: near 1, bfloat16 cannot hold 1 - p (its spacing
+        # there is 2^-8), so a well-fit target's gradient would round to 0 while its negatives' did not
+        grad = torch.softmax(scores, 1, dtype=acc)
         p_target = grad[rows, target]
         # counting is slower than the softmax itself on a large table (a bool reduction): every
         # ``stride``-th query is counted for its group and stands for the ``stride`` around it
@@ -111,6 +115,8 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
             loss += (exact + p_acc[small].clamp_min(tiny).log()).sum()
         del scores
         grad[rows, target] -= 1.0
+        if low is not None:
+            grad = grad.to(low)
         d_queries[begin:end] = torch.mm(grad, table_low)
         d_part = torch.mm(grad.t(), q_low)
         if d_table is None:
