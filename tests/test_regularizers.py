@@ -64,3 +64,14 @@ def test_shared_relations_form_counts_operator_parameters_once_per_batch() -> No
                 + dynamic.imag.abs().pow(3).sum())
     got = n3_penalty([dynamic], torch.tensor([0, 2, 2, 1]), lhs, rhs, 4, "N3_shared_relations")
     assert float(got) == pytest.approx(float(expected), rel=1e-12)
+
+
+def test_pbg_defaults_leave_the_regulariser_off() -> None:
+    """A PBG config (no regularization_coef) trains without any penalty: PBG's results are unchanged."""
+    from job.config import parse_config
+
+    config = parse_config({"entities": {"e": {"num_partitions": 1}},
+                           "relations": [{"name": "r", "lhs": "e", "rhs": "e", "operator": "complex_diagonal"}],
+                           "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x"})
+    assert config.regularization_coef == 0.0 and config.regularizer == "N3"
+    assert config.compute_dtype is None and config.eval_fraction == 0.05
