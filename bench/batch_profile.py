@@ -30,6 +30,7 @@ from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a pa
 
 from job.config import parse_config  # noqa: E402
 from job.config.overrides import apply_overrides  # noqa: E402
+from job.model import fused_all  # noqa: E402
 from job.model.scoring import Model, Table  # noqa: E402
 from job.train.allocator import keep_freed_memory  # noqa: E402
 from job.train.optim import RelationAdagrad  # noqa: E402
@@ -41,16 +42,20 @@ SHAPES: dict[str, dict[str, Any]] = {
             "skew": 2.5},
     "wordnet": {"relations": 18, "dimension": 200, "num_batch_negs": 50, "num_uniform_negs": 1000, "rows": 112_000,
                 "skew": 1.0, "dynamic": True, "global_emb": False},
+    # preset: quality on WN18RR (issue #33): 1-vs-all (every row a negative), ComplEx d=256, batch 500
+    "wn18rr": {"relations": 11, "dimension": 256, "num_batch_negs": 0, "num_uniform_negs": 0, "rows": 40_943,
+               "skew": 1.0, "dynamic": True, "global_emb": False, "all_negs": True, "batch_size": 500, "lr": 0.3,
+               "init_method": "xavier"},
 }
 
 
 def make_config(shape: dict[str, Any], overrides: list[str]) -> Any:
     count = 1 if shape.get("dynamic") else shape["relations"]
     raw = {"entities": {"node": {"num_partitions": 1}}, "dynamic_relations": bool(shape.get("dynamic")),
-           "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}
-                         for i in range(count)],
-           "dimension": shape["dimension"], "comparator": "dot", "loss_fn": "softmax", "lr": 0.1,
-           "batch_size": 1000, "num_batch_negs": shape["num_batch_negs"],
+           "relations": [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal",
+                          "all_negs": bool(shape.get("all_negs"))} for i in range(count)],
+           "dimension": shape["dimension"], "comparator": "dot", "loss_fn": "softmax", "lr": shape.get("lr", 0.1),
+           "batch_size": shape.get("batch_size", 1000), "num_batch_negs": shape["num_batch_negs"],
            "num_uniform_negs": shape["num_uniform_negs"], "entity_path": "x", "edge_paths": ["x"],
            "checkpoint_path": "x", "global_emb": shape.get("global_emb", True)}
     return parse_config(apply_overrides(raw, overrides))
@@ -61,9 +66,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="ooc")
     parser.add_argument("--batches", type=int, default=60, help="timed batches (after 5 warm-up ones)")
     parser.add_argument("--no-profile", action="store_true", help="only the median time")
+    parser.add_argument("--autograd-all", action="store_true",
+                        help="1-vs-all softmax through autograd (job.model.fused_all off): the reference to compare")
     parser.add_argument("-p", dest="overrides", action="append", default=[], help="config override key=value")
     args = parser.parse_args()
     keep_freed_memory()
+    fused_all.ENABLED = not args.autograd_all
     torch.set_num_threads(1)
     torch.manual_seed(0)
     shape = SHAPES[args.shape]
@@ -96,7 +104,8 @@ def main() -> None:
         started = time.perf_counter()
         one(i)
         times.append(time.perf_counter() - started)
-    print(json.dumps({"shape": args.shape, "overrides": args.overrides, "median_ms": round(statistics.median(times) * 1e3, 2),
+    print(json.dumps({"shape": args.shape, "overrides": args.overrides, "fused_all": fused_all.ENABLED,
+                      "median_ms": round(statistics.median(times) * 1e3, 2),
                       "matmul_gflops_1_thread": round(matmul_rate(), 1)}), flush=True)
     if not args.no_profile:
         with profile(activities=[ProfilerActivity.CPU]) as prof:

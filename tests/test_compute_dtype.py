@@ -146,8 +146,15 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def test_an_unknown_dtype_is_a_config_error() -> None:
     with pytest.raises(ConfigKeyError, match="config key 'compute_dtype': unknown value 'bf16' "
-                                             r"\(expected one of float32, bfloat16, float16\)"):
+                                             r"\(expected one of float32, bfloat16, float16, auto\)"):
         parse_config({**CONFIG, "compute_dtype": "bf16"})
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_is_bfloat16_where_native_else_float32(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    monkeypatch.setattr(precision, "_cpu_has", lambda name: native and name == "bfloat16")
+    expected = torch.bfloat16 if native else None
+    assert training_dtype(parse_config({**CONFIG, "compute_dtype": "auto"}), CPU) == expected
 
 
 def test_a_dtype_the_device_cannot_do_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,9 +23,9 @@ class BucketOrder(str, enum.Enum):
     BUFFER = "buffer"  # ours: few partition swaps for a buffer of partition_buffer partitions
 
 
-REGULARIZERS = ("N3",)
+REGULARIZERS = ("N3", "N3_shared_relations")
 DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
 GROW_INITS = ("random", "neighbours")
 INIT_METHODS = ("normal", "xavier")
 GROW_NUM_EPOCHS_DEFAULT = 5

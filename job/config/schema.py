@@ -72,12 +72,17 @@ class ConfigSchema:
         default=0.1,
     )
     regularization_coef: float = _help(
-        "The coefficient of the regularization term added to the loss (0 disables it).",
+        "The coefficient of the regularization term added to the loss (0 disables it). See "
+        "docs/quality-preset.md for N3 on WN18RR and the small KGs.",
         default=0.0,
     )
     regularizer: str = _help(
-        "The regularization applied when regularization_coef > 0 (N3: the sum of the "
-        "cubed absolute values of the embeddings and operator parameters).",
+        "The regularization applied when regularization_coef > 0. N3 (Lacroix et al. 2018, as PBG implements "
+        "it): the sum of the cubed magnitudes of the factors of each batch's positive edges, both entities' "
+        "rows and the relation's parameters once per edge; a complex_diagonal coordinate's magnitude is its "
+        "modulus, any other's its absolute value. N3_shared_relations (biggraph's earlier form): the cubed absolute "
+        "values of the positives' row coordinates once per edge and of the relation's operator parameters once "
+        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first).",
         default="N3",
     )
 
@@ -224,7 +229,8 @@ class ConfigSchema:
     )
     compute_dtype: str | None = _help(
         "The precision of the training step's scores and matrix products: 'float32', 'bfloat16' (CPUs with "
-        "AVX512-BF16/AMX, GPUs from Ampere on) or 'float16' (GPUs; CPUs with AVX512-FP16/AMX-FP16). The "
+        "AVX512-BF16/AMX, GPUs from Ampere on), 'float16' (GPUs; CPUs with AVX512-FP16/AMX-FP16) or 'auto' "
+        "(bfloat16 where the device has native kernels for it, else float32; preset: quality sets it). The "
         "embeddings, their gradients, the loss and the Adagrad state stay float32, and evaluation scores in "
         "float32. null: float32, or half_precision's choice on a GPU. A device that cannot compute in the "
         "dtype is a config error.",

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from job.config import ConfigSchema
 from job.errors import CheckpointError
+from job.model import fused_all
 from job.model.comparators import Comparator
 from job.model.deferred import DeferredRows, gather_positives
 from job.model.fused import ScoringSetup, SideResult, fused_side, fused_supported
@@ -183,6 +184,13 @@ class Model(nn.Module):
         rhs_pos_raw, rhs_deferred = gather_positives(rhs_base, batch.rhs_inv)
         # "forward": c(u, h_r(v)) against lhs negatives u' (positives gathered from candidates[own])
         rhs_pos_transformed = comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_pos_raw, batch.rel))
+        if batch.all_negs and torch.is_grad_enabled() and fused_all.applies(comparator.kind, comparator.bias,
+                                                                            self.config.loss_fn):
+            lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
+            lhs_scores, rhs_scores = self._all_negs_pair(batch, lhs_prepared, rhs_prepared, rhs_pos_transformed,
+                                                         lhs_pos_transformed)
+            lhs_scores.deferred, rhs_scores.deferred = lhs_deferred, rhs_deferred
+            return lhs_scores, rhs_scores, lhs_pos_raw, rhs_pos_raw
         lhs_scores = self._side_scores(
             anchor=rhs_pos_transformed, positives=None, candidates=lhs_prepared,
             neg_inv=batch.lhs_neg_inv, own=batch.lhs_inv, num_batch_negs=batch.num_batch_negs,
@@ -236,6 +244,33 @@ class Model(nn.Module):
                 all_negs=batch.all_negs, disabled=batch.disable_rhs,
             )
         return self._static_result(batch, lhs_scores, rhs_scores, lhs_base, rhs_base)
+
+    def _all_negs_pair(self, batch: _Batch, lhs_candidates: Tensor, rhs_candidates: Tensor, lhs_queries: Tensor,
+                       rhs_queries: Tensor) -> tuple[SideScores, SideScores]:
+        """Both sides of a reciprocal 1-vs-all softmax batch (``job.model.fused_all``): ``lhs_queries`` rank
+        ``lhs_candidates`` for the lhs targets, ``rhs_queries`` the rhs ones; stacked into one set of products
+        when both sides rank the same table."""
+        num_pos = batch.lhs_inv.shape[0]
+        sides = [(lhs_candidates, lhs_queries, batch.lhs_inv, batch.disable_lhs),
+                 (rhs_candidates, rhs_queries, batch.rhs_inv, batch.disable_rhs)]
+        live = [side for side in sides if not side[3] and num_pos > 0]
+        zero = lhs_queries.new_zeros(())
+        losses: list[Tensor] = [zero, zero]
+        violators: list[Tensor | float] = [0.0, 0.0]
+        if len(live) == 2 and lhs_candidates is rhs_candidates:
+            loss, counts = fused_all.softmax_all(torch.cat((lhs_queries, rhs_queries)), lhs_candidates,
+                                                 torch.cat((batch.lhs_inv, batch.rhs_inv)), self.compute_dtype,
+                                                 (num_pos, num_pos))
+            losses[0], violators = loss, [counts[0], counts[1]]
+        else:
+            for index, (candidates, queries, targets, disabled) in enumerate(sides):
+                if not disabled and num_pos > 0:
+                    losses[index], counts = fused_all.softmax_all(queries, candidates, targets, self.compute_dtype)
+                    violators[index] = counts[0]
+        empty = lhs_queries.new_empty((num_pos, 0))
+        pos = lhs_queries.new_zeros(num_pos)  # not needed: the loss and the violators are already counted
+        return tuple(SideScores(pos, empty, num_neg=candidates.shape[0], loss=loss, violators=count)  # type: ignore[return-value]
+                     for (candidates, *_), loss, count in zip(sides, losses, violators))
 
     def _static_result(self, batch: _Batch, lhs_scores: SideScores, rhs_scores: SideScores, lhs_base: Tensor,
                        rhs_base: Tensor) -> tuple[SideScores, SideScores, Tensor, Tensor]:

@@ -49,6 +49,9 @@ def training_dtype(config: ConfigSchema, device: torch.device) -> Optional[torch
     Raises ``ConfigKeyError`` naming ``compute_dtype`` when the device cannot compute in it.
     """
     name = config.compute_dtype
+    if name == "auto":  # the fastest this device computes natively (preset: quality)
+        name = "bfloat16" if device_supports("bfloat16", device) else "float32"
+        logger.info("compute_dtype auto: the training step computes its scores in %s", name)
     if name is None:
         if not config.half_precision:
             return None

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from job.config import ConfigSchema
 from job.model.losses import compute_loss
+from job.model.operators import Operator
+from job.model.regularizers import n3_penalty
 from job.model.scoring import Model, SideScores, Table
 from job.train.optim import (
     RelationAdagrad,
@@ -201,14 +203,14 @@ def run_batch(
             rows.lhs_neg_inv, rows.rhs_neg_inv, rows.same_table, ctx.num_batch_negs, relation.all_negs,
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
-        stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+        stats = _finish(ctx, rel_idx, rel_ids, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
         _update_rows(ctx, rows, lhs_table, rhs_table, lhs_rows, rhs_rows, shared_storage)
     return stats
 
 
-def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores: SideScores, lhs_raw: Tensor,
-            rhs_raw: Tensor, num_pos: int, train: bool) -> BatchStats:
+def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], lhs_scores: SideScores,
+            rhs_scores: SideScores, lhs_raw: Tensor, rhs_raw: Tensor, num_pos: int, train: bool) -> BatchStats:
     """Loss (and its backward) plus statistics, shared by plain and featurized batches."""
     config = ctx.config
     relation = config.relations[rel_idx]
@@ -217,10 +219,8 @@ def _finish(ctx: BatchContext, rel_idx: int, lhs_scores: SideScores, rhs_scores:
         loss = relation.weight * (_side_loss(config, lhs_scores) + _side_loss(config, rhs_scores))
         total = loss
         if config.regularization_coef > 0:
-            reg = lhs_raw.abs().pow(3).sum() + rhs_raw.abs().pow(3).sum()
-            for param in _operator_params(ctx.model, rel_idx):
-                reg = reg + param.abs().pow(3).sum()
-            reg = config.regularization_coef * reg
+            reg = config.regularization_coef * n3_penalty(_operators(ctx.model, rel_idx), rel_ids, lhs_raw, rhs_raw,
+                                                          num_pos, config.regularizer)
             total = total + reg
             stats.reg = _statistic(reg)
         total.backward()
@@ -310,7 +310,7 @@ def _run_featurized_batch(
             lhs_neg_inv, rhs_neg_inv, False, ctx.num_batch_negs, False,
             config.disable_lhs_negs, config.disable_rhs_negs,
         )
-        stats = _finish(ctx, rel_idx, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+        stats = _finish(ctx, rel_idx, rel_ids, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
     if train:
         (lhs_table, lhs_uniq, lhs_leaf), (rhs_table, rhs_uniq, rhs_leaf) = leaves
         if lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr():
@@ -340,8 +340,9 @@ def _statistic(value: Tensor | float) -> Tensor | float:
     return value
 
 
-def _operator_params(model: Model, rel_idx: int) -> list[torch.nn.Parameter]:
-    return list(model.rhs_operators[rel_idx].parameters()) + list(model.lhs_operators[rel_idx].parameters())
+def _operators(model: Model, rel_idx: int) -> list[Operator]:
+    """The relation's operators a batch goes through (the lhs one is parameterless unless reciprocal)."""
+    return [op for op in (model.rhs_operators[rel_idx], model.lhs_operators[rel_idx]) if isinstance(op, Operator)]
 
 
 def _add_ranks(stats: BatchStats, scores: SideScores) -> None:
