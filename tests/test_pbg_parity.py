@@ -217,7 +217,7 @@ def test_featurized_type_on_both_sides_takes_one_adagrad_step_per_feature_row(tm
     positions = torch.arange(4)
     lhs_scores, rhs_scores, lhs_raw, rhs_raw = model.score_batch(
         0, None, lhs_rows, rhs_rows, "tag", "tag", positions, positions, None, None, False, 2, False, False, False)
-    _finish(ctx, 0, lhs_scores, rhs_scores, lhs_raw, rhs_raw, 4, True)
+    _finish(ctx, 0, None, lhs_scores, rhs_scores, lhs_raw, rhs_raw, 4, True)
     grad = reference.grad
     assert grad is not None
     touched = torch.tensor([0, 1, 2, 3, 4])
