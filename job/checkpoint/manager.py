@@ -109,9 +109,9 @@ class CheckpointManager:
     def _open(self, group: Optional[Group], resumes_pass: Callable[[int], bool]) -> int:
         rank = group.rank if group is not None else 0
         if rank == 0:
+            self.storage.prepare()  # the directory made (on an object store: its bucket checked, named if missing)
             self._owner = claim(self.url, self.take_over, run_id=group.run_id if group is not None else None)
             finish_committed_grow(self.url, clean_uncommitted=True, inputs=self.inputs)
-            self.storage.prepare()
         if group is not None:
             group.barrier("prepared")
         version = self.storage.load_version()
@@ -182,8 +182,9 @@ class CheckpointManager:
         """The committed ``version`` (default: the latest) for a reader; a grow that committed but was stopped
         before publishing its input is finished first, so the reader sees the input that belongs to it (``inputs``:
         the reader's config's; without a config, the journal is held to the locations its own config records)."""
-        finish_committed_grow(url, inputs=inputs)
-        return open_committed(url, version)
+        committed = open_committed(url, version)  # first: its errors name the marker (nothing committed, no such
+        finish_committed_grow(url, inputs=inputs)  # version, an endpoint that cannot be reached)
+        return committed
 
     # the end ----------------------------------------------------------------------------------------
     def close(self) -> None:
