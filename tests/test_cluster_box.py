@@ -1,0 +1,231 @@
+"""The chart's Indexed Job in a cluster in a box (tests/cluster_box.py): pods in network namespaces, started with
+what ``helm template`` renders, replaced when they die, added and removed when ``replicas`` changes.
+
+Each test ends with the Job complete (every index's pod exited 0), the committed checkpoint at the final version
+and loadable, and every bucket of every epoch trained. What each event cost (from the event to a bucket finished
+by the group formed after it; buckets redone) is printed (``-s``) and recorded in docs/kubernetes.md.
+
+Run: ``.venv/bin/python -m pytest -m slow tests/test_cluster_box.py -s`` (root, iproute2)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from cluster_box import ClusterBox, RenderedJob, available
+from helpers_distributed import buckets_per_epoch
+from helpers_graphs import write_cycle_graph
+from test_chart import render
+
+from job.train.buckets import all_buckets
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+PARTITIONS = 4
+BUCKETS = PARTITIONS * PARTITIONS
+JOINED = re.compile(r"joined round (\w+)")
+
+
+class Run:
+    """A box training a tiny graph (200 entities, 400 edges, P=4) and what the test watches of it."""
+
+    def __init__(self, box: ClusterBox, config: dict[str, Any]) -> None:
+        self.box = box
+        self.config = config
+        self.checkpoint = config["checkpoint_path"]
+        self.epochs = int(config["num_epochs"])
+        self.costs: list[dict[str, Any]] = []
+
+    def trained(self) -> tuple[int, int]:
+        """(committed version, buckets done of the pass after it)."""
+        from job.formats.checkpoint import CheckpointStorage
+        from job.train.progress import current_state
+
+        version = CheckpointStorage(self.checkpoint).load_version()
+        try:
+            state = current_state(self.checkpoint) or {}
+        except Exception:  # caught between a compaction's writes; the next look sees it whole
+            return version, 0
+        done = len(state.get("done") or []) if state.get("version") == version + 1 else 0
+        return version, done
+
+    def until(self, what: str, predicate: Callable[[], bool], timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert self.box.failed_reason is None, f"{what}: the Job failed: {self.box.failed_reason}\n{self.box.tail()}"
+            assert not self.box.complete, f"{what}: the Job completed first; give it more epochs"
+            assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s\n{self.box.tail()}"
+            time.sleep(0.02)
+
+    def mid_pass(self, min_version: int) -> int:
+        """Wait until a pass after committed version >= ``min_version`` has finished buckets; its committed version."""
+        def ready() -> bool:
+            version, done = self.trained()
+            return version >= min_version and 0 < done < BUCKETS
+
+        self.until(f"a pass after version {min_version} under way", ready)
+        version = self.trained()[0]
+        assert version < self.epochs - 2, "too close to the end; give it more epochs"
+        return version
+
+    def rounds(self) -> set[str]:
+        return set(JOINED.findall(self.box.logs()))
+
+    def recovered(self, label: str, since: float, rounds_before: set[str], world: int) -> None:
+        """Wait until a group formed after the event (a round not in ``rounds_before``, of ``world`` ranks) has
+        finished a bucket; record the time from ``since`` (the event)."""
+        joined: dict[str, int] = {}
+
+        def formed() -> bool:
+            joined.clear()
+            for round_id in JOINED.findall(self.box.logs()):
+                if round_id not in rounds_before:
+                    joined[round_id] = joined.get(round_id, 0) + 1
+            return any(count >= world for count in joined.values())
+
+        self.until(f"{label}: a group of {world} formed", formed)
+        formed_at = time.monotonic()
+        before = self.trained()
+        self.until(f"{label}: training again", lambda: self.trained() != before)
+        self.costs.append({"event": label, "to_new_group_s": round(formed_at - since, 1),
+                           "to_training_s": round(time.monotonic() - since, 1)})
+
+    def finish(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+        """The Job completes; the checkpoint is at the last version, loadable, every bucket of every epoch trained.
+        Returns the pass summaries."""
+        from job.checkpoint.manager import CheckpointManager
+        from job.formats.checkpoint import CheckpointStorage
+
+        self.box.wait(timeout_s)
+        storage = CheckpointStorage(self.checkpoint)
+        assert storage.load_version() == self.epochs
+        committed = CheckpointManager.reader(self.checkpoint)
+        assert committed.version == self.epochs
+        model = committed.checkpoint.load_model(committed.version)
+        assert model[0], "no model parameters"
+        for part in range(PARTITIONS):
+            embeddings, _ = committed.checkpoint.load_entity_partition(committed.version, "node", part)
+            assert embeddings.shape[0] > 0 and np.isfinite(embeddings).all()
+        records = storage.load_stats()
+        summaries = [r for r in records if r.get("pass_summary")]
+        assert [s["checkpoint_version"] for s in summaries] == list(range(1, self.epochs + 1))
+        per_epoch = buckets_per_epoch(records)
+        assert sorted(per_epoch) == list(range(self.epochs))
+        for epoch, buckets in per_epoch.items():
+            assert set(buckets) == set(all_buckets(PARTITIONS, PARTITIONS)), epoch
+        redone = sum(s["buckets_redone"] for s in summaries)
+        extra = sum(len(b) - BUCKETS for b in per_epoch.values())
+        print(f"\n{self.box.job.name}: costs {self.costs}; buckets_redone {redone}, bucket records beyond one per "
+              f"bucket and epoch {extra}; world sizes {[s['world_size'] for s in summaries]}")
+        return summaries
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    """Builds boxes; each is torn down (processes, namespaces, links, hosts files) however the test ends."""
+    boxes: list[ClusterBox] = []
+
+    def make(replicas: int, min_replicas: int, epochs: int, initial: int | None = None) -> Run:
+        root = tmp_path / f"box{len(boxes)}"
+        config = write_cycle_graph(root / "graph", num_entities=200, num_partitions=PARTITIONS, num_relations=2,
+                                   num_epochs=epochs, dimension=8)
+        docs = render(root, release="box", extra={
+            "replicas": replicas, "elastic": {"minReplicas": min_replicas}, "config": config,
+            "torchrun": {"maxRestarts": 10, "rdzvConf": {"join_timeout": 120}},
+        })
+        # the image's prebuilt row kernels: one cache for every pod, built by the first
+        box = ClusterBox(RenderedJob.from_docs(docs), root / "box", max_replicas=replicas, initial=initial,
+                         extra_env={"BIGGRAPH_NATIVE_CACHE": str(tmp_path / "native")})
+        boxes.append(box)
+        box.start()
+        return Run(box, config)
+
+    yield make
+    errors = []
+    for box in boxes:
+        try:
+            box.close()
+        except Exception as err:
+            errors.append(err)
+    assert not errors, errors
+
+
+def test_a_replaced_pod_rejoins_and_the_job_completes(cluster: Callable[..., Run]) -> None:
+    run = cluster(replicas=3, min_replicas=2, epochs=30)
+    run.mid_pass(1)
+    rounds = run.rounds()
+    killed_at = time.monotonic()
+    run.box.kill(2)
+    run.recovered("pod 2 killed", killed_at, rounds, world=2)  # the survivors, or already with the replacement
+    run.until("the replacement in the group", lambda: _in_group(run, 3, rounds))
+    summaries = run.finish()
+    assert summaries[-1]["world_size"] == 3  # the replacement trained in the group
+    assert run.box.incarnations[2] == 2 and run.box.failures == {2: 1}
+
+
+def _in_group(run: Run, world: int, before: set[str]) -> bool:
+    """A round of ``world`` ranks, not one of ``before``, that every rank joined ('rank r of n joined round')."""
+    text = run.box.logs()
+    counts: dict[str, set[str]] = {}
+    for rank, size, round_id in re.findall(r"rank (\d+) of (\d+) joined round (\w+)", text):
+        if int(size) == world and round_id not in before:
+            counts.setdefault(round_id, set()).add(rank)
+    return any(len(ranks) == world for ranks in counts.values())
+
+
+def test_scale_2_to_4_to_3_mid_pass(cluster: Callable[..., Run]) -> None:
+    """Rendered with replicas 4 (``--nnodes=2:4``), started at 2 (the Job patched down), scaled to 4 mid-pass, then
+    to 3 mid-pass: the torchrun maximum is the rendered ``replicas``, a Job's pod template cannot change."""
+    run = cluster(replicas=4, min_replicas=2, epochs=40, initial=2)
+    run.mid_pass(1)
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.box.scale(4)
+    run.until("a group of 4", lambda: _in_group(run, 4, rounds))
+    run.recovered("scale 2->4", at, rounds, world=4)
+    run.mid_pass(run.trained()[0])
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.box.scale(3)
+    run.recovered("scale 4->3", at, rounds, world=3)
+    summaries = run.finish()
+    sizes = [s["world_size"] for s in summaries]
+    assert 2 in sizes and 4 in sizes and sizes[-1] == 3, sizes
+    assert run.box.failures == {}, run.box.failures  # a scale change fails no pod
+
+
+def test_the_rendezvous_host_pod_killed_and_replaced(cluster: Callable[..., Run]) -> None:
+    """Index 0 hosts torchrun's c10d store: every agent exits when it dies, the Job replaces every pod, and the new
+    pods resume the pass from the lock server's progress (same Job uid: same run)."""
+    run = cluster(replicas=3, min_replicas=2, epochs=30)
+    run.mid_pass(1)
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.box.kill(0)
+    run.recovered("pod 0 killed", at, rounds, world=3)
+    summaries = run.finish()
+    assert summaries[-1]["world_size"] == 3
+    assert run.box.failures.get(0) == 1
+    assert "resuming pass" in run.box.logs()
+
+
+def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[..., Run]) -> None:
+    """SIGSTOP of a pod (not the store host) past rank 0's peer timeout: the others re-form without it and train;
+    thawed, it finds its group gone, and its pod rejoins (or is replaced) and the Job completes."""
+    run = cluster(replicas=3, min_replicas=2, epochs=40)
+    run.mid_pass(1)
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.box.freeze(2)
+    run.recovered("pod 2 frozen", at, rounds, world=2)
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.box.thaw(2)
+    run.until("the thawed pod back in a group of 3", lambda: _in_group(run, 3, rounds))
+    run.recovered("pod 2 thawed", at, rounds, world=3)
+    summaries = run.finish()
+    assert summaries[-1]["world_size"] == 3
