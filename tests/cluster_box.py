@@ -419,5 +419,8 @@ class ClusterBox:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)  # its veth end goes with it
                 shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
         self.namespaces.clear()
+        for index in range(self.max_replicas):  # a veth pair left outside by a set-up that failed half-way
+            if Path(f"/sys/class/net/{self.tag}v{index}").exists():
+                subprocess.run(["ip", "link", "del", f"{self.tag}v{index}"], capture_output=True)
         if errors:
             raise RuntimeError("; ".join(errors))

@@ -24,7 +24,7 @@ from test_chart import render
 
 from job.train.buckets import all_buckets
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=str(available()))]
+needs_box = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 PARTITIONS = 4
 BUCKETS = PARTITIONS * PARTITIONS
@@ -155,6 +155,8 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     assert not errors, errors
 
 
+@pytest.mark.slow
+@needs_box
 def test_a_replaced_pod_rejoins_and_the_job_completes(cluster: Callable[..., Run]) -> None:
     run = cluster(replicas=3, min_replicas=2, epochs=30)
     run.mid_pass(1)
@@ -178,6 +180,8 @@ def _in_group(run: Run, world: int, before: set[str]) -> bool:
     return any(len(ranks) == world for ranks in counts.values())
 
 
+@pytest.mark.slow
+@needs_box
 def test_scale_2_to_4_to_3_mid_pass(cluster: Callable[..., Run]) -> None:
     """Rendered with replicas 4 (``--nnodes=2:4``), started at 2 (the Job patched down), scaled to 4 mid-pass, then
     to 3 mid-pass: the torchrun maximum is the rendered ``replicas``, a Job's pod template cannot change."""
@@ -199,6 +203,8 @@ def test_scale_2_to_4_to_3_mid_pass(cluster: Callable[..., Run]) -> None:
     assert run.box.failures == {}, run.box.failures  # a scale change fails no pod
 
 
+@pytest.mark.slow
+@needs_box
 def test_the_rendezvous_host_pod_killed_and_replaced(cluster: Callable[..., Run]) -> None:
     """Index 0 hosts torchrun's c10d store: every agent exits when it dies, the Job replaces every pod, and the new
     pods resume the pass from the lock server's progress (same Job uid: same run)."""
@@ -214,6 +220,8 @@ def test_the_rendezvous_host_pod_killed_and_replaced(cluster: Callable[..., Run]
     assert "resuming pass" in run.box.logs()
 
 
+@pytest.mark.slow
+@needs_box
 def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[..., Run]) -> None:
     """SIGSTOP of a pod (not the store host) past rank 0's peer timeout: the others re-form without it and train;
     thawed, it finds its group gone, and its pod rejoins (or is replaced) and the Job completes."""
@@ -230,3 +238,63 @@ def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[
     run.recovered("pod 2 thawed", at, rounds, world=3)
     summaries = run.finish()
     assert summaries[-1]["world_size"] == 3
+
+
+@needs_box
+def test_the_box_runs_pods_as_the_job_controller_does(tmp_path: Path) -> None:
+    """The supervisor alone, with a pod that prints what it sees and sleeps: its hostname and the Service's names,
+    its env; a killed pod replaced at the same address; a frozen pod's processes stopped; scale; all torn down."""
+    import os
+    import signal
+    import subprocess
+
+    script = ('echo "host=$(hostname) idx=$JOB_COMPLETION_INDEX pod=$POD_NAME uid=$BIGGRAPH_RUN_ID"; '
+              'getent hosts job-0.svc job-1.svc.default.svc.cluster.local; exec sleep 600')
+    job = RenderedJob("job", "svc", ["/bin/sh", "-c", script], [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "BIGGRAPH_RUN_ID", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}},
+        {"name": "HOME", "value": "/tmp"}], {"config.yaml": "{}"}, 2)
+    box = ClusterBox(job, tmp_path / "box", max_replicas=3, job_uid="uid-1", grace_period_s=2)
+    try:
+        box.start()
+        logs = tmp_path / "box" / "logs"
+
+        def until(what: str, predicate: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 60
+            while not predicate():
+                assert time.monotonic() < deadline, what + "\n" + box.tail()
+                time.sleep(0.05)
+
+        until("both pods up", lambda: all("job-1.svc" in p.read_text() for p in logs.glob("*.log"))
+              and len(list(logs.glob("*.log"))) == 2)
+        first = (logs / "job-1-0.log").read_text()
+        assert "host=job-1 idx=1 pod=job-1-0 uid=uid-1" in first
+        assert f"{box.address(0)}  " in first and f"{box.address(1)}  " in first
+        members = box.members(1)
+        assert members and all(os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+                               for pid in members)
+        box.freeze(1)
+        state = subprocess.run(["ps", "-o", "stat=", "-p", ",".join(map(str, box.members(1)))],
+                               capture_output=True, text=True).stdout.split()
+        assert state and all(s.startswith("T") for s in state), state
+        box.thaw(1)
+        box.kill(1)
+        until("pod 1 replaced", lambda: (logs / "job-1-1.log").exists()
+              and "host=job-1 idx=1 pod=job-1-1" in (logs / "job-1-1.log").read_text())
+        assert box.failures == {1: 1} and box.incarnations[1] == 2
+        box.scale(3)
+        until("pod 2 added", lambda: (logs / "job-2-0.log").exists() and "idx=2" in (logs / "job-2-0.log").read_text())
+        box.scale(1)
+        assert not box.members(1) and not box.members(2)
+        assert box.failures == {1: 1}  # deletions are not failures
+        for pid in box.members(0):
+            os.kill(pid, signal.SIGTERM)  # sleep ends: the pod exits 143, and is replaced
+        until("pod 0 replaced", lambda: (logs / "job-0-1.log").exists())
+        assert not box.complete
+    finally:
+        box.close()
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert box.tag not in leftovers
+    assert not list(Path("/etc/netns").glob(f"{box.tag}*"))
+    assert box.tag not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
