@@ -130,7 +130,8 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     """Builds boxes; each is torn down (processes, namespaces, links, hosts files) however the test ends."""
     boxes: list[ClusterBox] = []
 
-    def make(replicas: int, min_replicas: int, epochs: int, initial: int | None = None) -> Run:
+    def make(replicas: int, min_replicas: int, epochs: int, initial: int | None = None,
+             env: dict[str, str] | None = None) -> Run:
         root = tmp_path / f"box{len(boxes)}"
         config = write_cycle_graph(root / "graph", num_entities=200, num_partitions=PARTITIONS, num_relations=2,
                                    num_epochs=epochs, dimension=8)
@@ -140,7 +141,7 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Run]]:
         })
         # the image's prebuilt row kernels: one cache for every pod, built by the first
         box = ClusterBox(RenderedJob.from_docs(docs), root / "box", max_replicas=replicas, initial=initial,
-                         extra_env={"BIGGRAPH_NATIVE_CACHE": str(tmp_path / "native")})
+                         extra_env={"BIGGRAPH_NATIVE_CACHE": str(tmp_path / "native"), **(env or {})})
         boxes.append(box)
         box.start()
         return Run(box, config)
@@ -239,6 +240,37 @@ def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[
     summaries = run.finish()
     assert summaries[-1]["world_size"] == 3
 
+
+@pytest.mark.slow
+@needs_box
+def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Callable[..., Run],
+                                                                     tmp_path: Path) -> None:
+    """The dangerous moment of a stall: pod 2's trainer has trained a bucket (its rows in memory, not yet written
+    back) when the pod is frozen. The others re-form without it, redo that bucket and commit the pass. Thawed then,
+    the stale trainer must not write its rows over the committed version's partition files."""
+    hold = tmp_path / "hold"
+    run = cluster(replicas=3, min_replicas=2, epochs=40, env={
+        "BIGGRAPH_BOX_HOLD_FILE": str(hold), "BIGGRAPH_BOX_HOLD_INDEX": "2",
+        "PYTHONPATH": f"{Path(__file__).parent / 'box_hooks'}:{Path(__file__).parent.parent}"})
+    run.mid_pass(1)
+    hold.touch()
+    run.until("pod 2 holding a trained bucket", (tmp_path / "hold.held").exists)
+    run.box.freeze(2)
+    hold.unlink()  # the stopped trainer goes on to its write-back the moment it is thawed
+    frozen_in = run.trained()[0] + 1  # the pass whose bucket the frozen trainer holds
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.recovered("pod 2 frozen holding a bucket", at, rounds, world=2)
+    run.until(f"pass {frozen_in} committed without pod 2", lambda: run.trained()[0] >= frozen_in)
+    committed = run.trained()[0]
+    run.box.thaw(2)
+    run.until("the thawed trainer gone", lambda: "exitcode: 1" in (run.box.root / "logs" / "box-biggraph-2-0.log")
+              .read_text(errors="replace"))
+    summaries = run.finish()
+    log = (run.box.root / "logs" / "box-biggraph-2-0.log").read_text(errors="replace")
+    print(f"committed at the thaw: {committed}; the thawed trainer's last words:\n"
+          + "\n".join(line for line in log.splitlines() if "Error" in line or "round" in line)[-3000:])
+    assert summaries[-1]["world_size"] == 3
 
 @needs_box
 def test_the_box_runs_pods_as_the_job_controller_does(tmp_path: Path) -> None:
