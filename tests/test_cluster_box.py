@@ -271,6 +271,12 @@ def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Cal
     print(f"committed at the thaw: {committed}; the thawed trainer's last words:\n"
           + "\n".join(line for line in log.splitlines() if "Error" in line or "round" in line)[-3000:])
     assert summaries[-1]["world_size"] == 3
+    # nothing written by the stale trainer survives as a file of an older version (had it written after the others
+    # retired that version) or as a damaged file of the committed one (read back above against the checksums)
+    left = sorted(p.name for p in Path(run.checkpoint).iterdir() if re.search(r"\.v\d+\.", p.name)
+                  and f".v{run.epochs}." not in p.name)
+    assert not left, left
+
 
 @needs_box
 def test_the_box_runs_pods_as_the_job_controller_does(tmp_path: Path) -> None:
