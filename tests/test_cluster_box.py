@@ -243,14 +243,17 @@ def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[
 
 @pytest.mark.slow
 @needs_box
-def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Callable[..., Run],
-                                                                     tmp_path: Path) -> None:
-    """The dangerous moment of a stall: pod 2's trainer has trained a bucket (its rows in memory, not yet written
-    back) when the pod is frozen. The others re-form without it, redo that bucket and commit the pass. Thawed then,
-    the stale trainer must not write its rows over the committed version's partition files."""
+@pytest.mark.parametrize("hold_at", ["train", "write"])
+def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Callable[..., Run], tmp_path: Path,
+                                                                     hold_at: str) -> None:
+    """The dangerous moments of a stall: pod 2's trainer has trained a bucket (its rows in memory, not yet written
+    back; ``train``) or is about to write a partition back (``write``) when the pod is frozen. The others re-form
+    without it, redo what it held and commit the pass. Thawed then, the stale trainer must not write its rows over
+    the committed version's partition files: it finds its round over (``RoundOver``: its store is gone, rank 0
+    declared it dead) before it writes, or its next lock-server request fails first."""
     hold = tmp_path / "hold"
     run = cluster(replicas=3, min_replicas=2, epochs=40, env={
-        "BIGGRAPH_BOX_HOLD_FILE": str(hold), "BIGGRAPH_BOX_HOLD_INDEX": "2",
+        "BIGGRAPH_BOX_HOLD_FILE": str(hold), "BIGGRAPH_BOX_HOLD_INDEX": "2", "BIGGRAPH_BOX_HOLD_AT": hold_at,
         "PYTHONPATH": f"{Path(__file__).parent / 'box_hooks'}:{Path(__file__).parent.parent}"})
     run.mid_pass(1)
     hold.touch()
@@ -276,6 +279,8 @@ def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Cal
     left = sorted(p.name for p in Path(run.checkpoint).iterdir() if re.search(r"\.v\d+\.", p.name)
                   and f".v{run.epochs}." not in p.name)
     assert not left, left
+    if hold_at == "write":  # its write-back was fenced off (before the fence: a committed file overwritten, "damaged")
+        assert "of the group is over" in log, log[-3000:]
 
 
 @needs_box
