@@ -179,3 +179,65 @@ def test_the_same_job_restarted_resumes_its_pass_and_another_job_starts_it_over(
     for epoch, buckets in per_epoch.items():
         assert set(buckets) == set(all_buckets(4, 4)), epoch
     assert sorted(per_epoch[killed_again - 1]) == sorted(all_buckets(4, 4))
+
+
+def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -> None:
+    """A rank rank 0 declared dead (its heartbeat stopped: a SIGSTOPped pod), or whose round's store is gone (the
+    group re-formed without it), raises before writing a checkpoint file; a live rank of a live round writes."""
+    from datetime import timedelta
+
+    import numpy as np
+    from torch.distributed import TCPStore
+
+    from job.checkpoint.manager import CheckpointManager
+    from job.train.group import DistributedContext, RoundOver, round_key
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ctx = DistributedContext(rank=1, world_size=2, store=store, restart_count=0, round_id="r1")
+    manager = CheckpointManager(str(tmp_path / "cp"), [("node", 0)])
+    manager.fence = ctx.fence
+    manager.storage.save_entity_partition(1, "node", 0, np.zeros((3, 2), np.float32))
+    written = sorted(p.name for p in (tmp_path / "cp").iterdir())
+    assert written == ["embeddings_node_0.v1.h5"]
+    store.set(round_key("r1", "dead/1"), "1")
+    with pytest.raises(RoundOver, match="rank 1: round r1 of the group is over .rank 0 declared this rank dead"):
+        manager.storage.save_entity_partition(2, "node", 0, np.zeros((3, 2), np.float32))
+    assert sorted(p.name for p in (tmp_path / "cp").iterdir()) == written  # nothing new, no temporary file left
+
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import time; from datetime import timedelta; from torch.distributed import TCPStore; "
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)); "
+        "print(s.port, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        remote = TCPStore("127.0.0.1", int(host.stdout.readline()), is_master=False, timeout=timedelta(seconds=30))
+        gone = DistributedContext(rank=2, world_size=3, store=remote, restart_count=0, round_id="r2")
+        gone.fence()  # the round stands
+        host.kill()
+        host.wait()
+        with pytest.raises(RoundOver, match="rank 2: round r2 of the group is over .its store is gone"):
+            gone.fence()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
+def test_a_writer_stopped_while_it_built_a_file_checks_again_before_publishing(tmp_path: Path) -> None:
+    """The guard runs before a file is built and again right before the rename publishes it: a writer frozen in
+    between, whose round ended meanwhile, publishes nothing."""
+    import numpy as np
+
+    from job.formats.checkpoint import CheckpointStorage
+
+    calls: list[int] = []
+
+    def guard() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("round over")
+
+    storage = CheckpointStorage(str(tmp_path), guard=guard)
+    with pytest.raises(RuntimeError, match="round over"):
+        storage.save_entity_partition(1, "node", 0, np.zeros((3, 2), np.float32))
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []

@@ -129,6 +129,32 @@ def test_a_client_whose_server_is_gone_raises_naming_it(store: TCPStore) -> None
         client.next_bucket(set(), None, None)
 
 
+def test_a_client_whose_store_host_is_gone_says_so_at_once_not_after_the_timeout() -> None:
+    """What a rank frozen (SIGSTOP) past the peer timeout meets once thawed: the others re-formed the group, the
+    store of its round is gone. It is told so at once, not as a wait of the whole timeout that never happened."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)); "
+        "print(s.port, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        remote = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        client = LockClient(remote, 1, timeout_s=600, prefix=PREFIX)
+        host.kill()
+        host.wait()
+        with pytest.raises(LockServerError, match=r"lost the store while asking 'next' after \d+\.\d s .*the group "
+                                                  "this rank belonged to is gone"):
+            client.next_bucket(set(), None, None)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 # progress: a snapshot, then a record per change -------------------------------------------------------------------
 
 

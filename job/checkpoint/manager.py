@@ -77,8 +77,12 @@ class CheckpointManager:
         self.version = 0
         self._owner: Optional[Ownership] = None
         self._providers: list[MetadataProvider] = []
+        # a torchrun rank's round check (``DistributedContext.fence``): a rank whose group went on without it
+        # raises instead of writing
+        self.fence: Callable[[], None] = lambda: None
 
     def _guard(self) -> None:
+        self.fence()
         if self._owner is not None:
             self._owner.guard()
 

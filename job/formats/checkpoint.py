@@ -106,6 +106,7 @@ class CheckpointStorage:
             with storage.local_file_for_writing(url) as tmp:
                 yield tmp
                 entry = checksum_file(tmp)  # from the page cache, before the rename publishes it
+                self.guard()  # again right before the rename: the writer may have been stopped while it built the file
             self.sums.record(url, entry)
             return
         self._wait(url)
@@ -118,6 +119,7 @@ class CheckpointStorage:
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         self.sums.record(url, checksum_file(tmp))
+        self.guard()  # again before the upload publishes it
 
         def upload() -> None:
             try:

@@ -27,6 +27,7 @@ import logging
 import random
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -245,10 +246,17 @@ class LockClient:
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         request = dict(request, rank=self.rank, channel=self.channel)
-        self.store.queue_push(self.requests, _pack(request, payload))
+        asked = time.monotonic()
         try:
+            self.store.queue_push(self.requests, _pack(request, payload))
             raw = self.store.queue_pop(self.responses, block=True)
         except Exception as err:
+            waited = time.monotonic() - asked
+            if waited < self.timeout_s - 1.0:  # not the timeout: the store itself went away (its host is gone)
+                raise LockServerError(
+                    f"lock server (rank 0): lost the store while asking {request['op']!r} after {waited:.1f} s "
+                    f"({err}); the group this rank belonged to is gone (rank 0 died, or this rank was stopped and "
+                    "the others re-formed the group without it)") from err
             raise LockServerError(
                 f"lock server (rank 0): no answer to {request['op']!r} in {self.timeout_s:.0f} s ({err}); rank 0 is "
                 "gone or the group is being re-formed") from err

@@ -21,7 +21,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -51,11 +51,33 @@ class DistributedContext:
     heartbeat: Optional[Heartbeat] = None
     round_id: str = "0"  # the same on every rank of this group (``agree_round``): names every store key of ours
     run_id: str = ""  # the job this group trains for (``run_identity``), rank 0's: binds the lock server's progress
+    _fence_store: Any = None  # a store client of its own for ``fence`` (called from writer threads too)
+    _fence_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def key(self, name: str) -> str:
         """The store key ``name`` of this round (a key of an earlier round, or of a rank that counts rounds
         otherwise, never meets it)."""
         return round_key(self.round_id, name)
+
+    def fence(self) -> None:
+        """Raise :class:`RoundOver` unless this rank's round still stands: called before every checkpoint file this
+        rank writes (``CheckpointManager.fence``). A rank stopped (SIGSTOP, a paused VM, a stalled node) past rank
+        0's peer timeout wakes up with rows the others have trained again since; it must not write them over theirs.
+        Its round is over when rank 0 declared it dead (``dead/<rank>``) or the round's store is gone (the rank-0
+        agent closes it when it re-forms the group). One store round trip per file written."""
+        with self._fence_lock:
+            try:
+                if self._fence_store is None:
+                    self._fence_store = self.store.clone()
+                    self._fence_store.set_timeout(datetime.timedelta(seconds=60))
+                declared = self._fence_store.check([self.key(f"dead/{self.rank}")])
+            except Exception as err:  # the store is gone with its round
+                raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (its store is gone: "
+                                f"{err}); writing nothing more, torchrun restarts this worker into the next "
+                                "round") from err
+        if declared:
+            raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (rank 0 declared this "
+                            "rank dead); writing nothing more, torchrun restarts this worker into the next round")
 
     def check_peers(self) -> None:
         """Raise when a peer stopped: torchrun then restarts the group and training resumes from progress."""
@@ -64,6 +86,10 @@ class DistributedContext:
                 f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.dead_after:.0f} s; "
                 "exiting so that torchrun re-forms the group without it"
             )
+
+
+class RoundOver(RuntimeError):
+    """This rank's round of the group ended without it (see ``DistributedContext.fence``)."""
 
 
 class Heartbeat:
@@ -101,6 +127,8 @@ class Heartbeat:
                         last_value[peer] = value
                         last_change[peer] = now
                     elif now - last_change[peer] > self.dead_after:
+                        if self.dead_rank is None:  # fenced: should it wake up, it writes nothing (``fence``)
+                            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
                         self.dead_rank = peer
             except Exception:  # the store is gone: the main thread will fail on its next call
                 return

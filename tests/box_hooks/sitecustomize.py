@@ -1,0 +1,41 @@
+"""A test hook for the cluster box (tests/test_cluster_box.py), loaded by Python at start-up from the pods' PYTHONPATH.
+
+In the torchrun worker of the pod whose index is ``BIGGRAPH_BOX_HOLD_INDEX``, while the file
+``BIGGRAPH_BOX_HOLD_FILE`` exists, wait (having touched ``<file>.held``): after training a bucket, before it goes on
+to its write-back (``BIGGRAPH_BOX_HOLD_AT=train``, the default), or at the start of writing a partition back
+(``write``). The test freezes the pod there: the moments a stalled node's trainer is most dangerous in, since,
+woken after the group went on without it, it holds rows to write over the others'."""
+
+import os
+
+_FILE = os.environ.get("BIGGRAPH_BOX_HOLD_FILE")
+if _FILE and "LOCAL_RANK" in os.environ and os.environ.get("JOB_COMPLETION_INDEX") == os.environ.get(
+        "BIGGRAPH_BOX_HOLD_INDEX"):
+    import time
+
+    from job.formats.checkpoint import CheckpointStorage
+    from job.train import bucket_run
+
+    def _hold() -> None:
+        if os.path.exists(_FILE):
+            open(_FILE + ".held", "w").close()
+            while os.path.exists(_FILE):
+                time.sleep(0.01)
+
+    if os.environ.get("BIGGRAPH_BOX_HOLD_AT", "train") == "write":
+        _save = CheckpointStorage.save_entity_partition
+
+        def _held_save(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            _hold()
+            return _save(self, *args, **kwargs)
+
+        CheckpointStorage.save_entity_partition = _held_save  # type: ignore[method-assign]
+    else:
+        _train = bucket_run.BucketRunner._train
+
+        def _held_train(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            stats = _train(self, *args, **kwargs)
+            _hold()
+            return stats
+
+        bucket_run.BucketRunner._train = _held_train  # type: ignore[method-assign]
