@@ -194,8 +194,7 @@ def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     ctx = DistributedContext(rank=1, world_size=2, store=store, restart_count=0, round_id="r1")
-    manager = CheckpointManager(str(tmp_path / "cp"), [("node", 0)])
-    manager.fence = ctx.fence
+    manager = CheckpointManager(str(tmp_path / "cp"), [("node", 0)], fence=ctx.fence)
     manager.storage.save_entity_partition(1, "node", 0, np.zeros((3, 2), np.float32))
     written = sorted(p.name for p in (tmp_path / "cp").iterdir())
     assert written == ["embeddings_node_0.v1.h5"]

@@ -66,7 +66,7 @@ class CheckpointManager:
     """Opens, commits and retires the versions of one checkpoint directory; see the module docstring."""
 
     def __init__(self, url: str, partitions: Sequence[PartKey], inputs: Optional[GrowInputs] = None,
-                 take_over: bool = False) -> None:
+                 take_over: bool = False, fence: Optional[Callable[[], None]] = None) -> None:
         self.storage = CheckpointStorage(url, guard=self._guard)
         self.url = self.storage.url
         self.partitions = list(partitions)
@@ -79,10 +79,10 @@ class CheckpointManager:
         self._providers: list[MetadataProvider] = []
         # a torchrun rank's round check (``DistributedContext.fence``): a rank whose group went on without it
         # raises instead of writing
-        self.fence: Callable[[], None] = lambda: None
+        self._fence: Callable[[], None] = fence or (lambda: None)
 
     def _guard(self) -> None:
-        self.fence()
+        self._fence()
         if self._owner is not None:
             self._owner.guard()
 

@@ -93,9 +93,8 @@ class Trainer:
         self.rank = self.dist.rank if self.dist else 0
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
         self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, GrowInputs.of(config),
-                                             take_over=take_over)
-        if self.dist is not None:
-            self.checkpoints.fence = self.dist.fence
+                                             take_over=take_over,
+                                             fence=self.dist.fence if self.dist is not None else None)
         self.checkpoint = self.checkpoints.storage  # the format's file I/O, for the partition store and scheduler
         # the directory taken (one writer) and cleaned; a grown version whose input a crash left unpublished is
         # completed before the input is checked
