@@ -3,12 +3,29 @@
 ``train(config)`` is what ``biggraph train`` runs. It resumes from the last committed
 checkpoint; every edge chunk pass ends with a new committed version (PBG's rhythm),
 so a crash loses at most the pass in flight.
+
+The trainer's names load torch, so they are resolved on first use (PEP 562): torch-free modules of this package
+(``buffer``: what a pod needs, read by ``biggraph submit``) import without it, and ``import job.cli`` stays instant.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from job.session import storage_scoped
-from job.train.loop import Collaborators, PassPlan, Trainer
+
+if TYPE_CHECKING:
+    from job.train.loop import Collaborators, PassPlan, Trainer
+
+_TRAINER_NAMES = ("Collaborators", "PassPlan", "Trainer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRAINER_NAMES:
+        from job.train import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'job.train' has no attribute {name!r}")
 
 
 @storage_scoped
@@ -16,6 +33,8 @@ def train(config, *, take_over: bool = False, stop_after_iterations: int | None 
     """Train to completion (or for ``stop_after_iterations`` passes, for tests); return a summary.
 
     ``take_over``: take the checkpoint directory from a run whose heartbeat stopped (job/checkpoint/owner.py)."""
+    from job.train.loop import Trainer  # torch: when training starts
+
     trainer = Trainer(config, take_over=take_over)
     try:
         return trainer.run(stop_after_iterations=stop_after_iterations)
