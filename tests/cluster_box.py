@@ -100,6 +100,7 @@ class RenderedJob:
     env: list[dict[str, Any]]
     config_files: dict[str, str]  # the ConfigMap's data, mounted at /etc/biggraph
     replicas: int
+    memory_limit: str  # the container's resources.limits.memory (what its resourceFieldRef env gives, in bytes)
 
     @staticmethod
     def from_docs(docs: list[dict[str, Any]]) -> RenderedJob:
@@ -113,7 +114,8 @@ class RenderedJob:
         [container] = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
         return RenderedJob(job["metadata"]["name"], service["metadata"]["name"],
                            list(container["command"]) + list(container["args"]), list(container.get("env", [])),
-                           dict(config_map["data"]), int(job["spec"]["completions"]))
+                           dict(config_map["data"]), int(job["spec"]["completions"]),
+                           str(container["resources"]["limits"]["memory"]))
 
 
 @dataclass
@@ -249,13 +251,18 @@ class ClusterBox:
                 env[item["name"]] = pod_name
             elif "controller-uid" in path:
                 env[item["name"]] = self.job_uid  # the Job's uid: one for every pod, replaced and added ones too
+            elif (item.get("valueFrom") or {}).get("resourceFieldRef", {}).get("resource") == "limits.memory":
+                from job.k8s.sizing import parse_quantity  # the API gives the container's limit in bytes
+
+                env[item["name"]] = str(parse_quantity(self.job.memory_limit))
             else:
                 raise ValueError(f"the box cannot map the env entry {item}")
         env.update(self.extra_env)
         return env
 
     def _local(self, value: str, tmp: Path) -> str:
-        for mount, path in (("/etc/biggraph", self.etc), ("/tmp", tmp)):  # the pod's volumes
+        # the pod's volumes (the edge cache is an emptyDir of the pod, as /tmp: under the pod's directory)
+        for mount, path in (("/etc/biggraph", self.etc), ("/tmp", tmp), ("/var/cache/biggraph/edges", tmp.parent / "edge-cache")):
             if value == mount or value.startswith(mount + "/"):
                 return str(path) + value[len(mount):]
         return value
