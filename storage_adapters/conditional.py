@@ -19,7 +19,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -27,8 +26,8 @@ from typing import Any, Optional
 from fsspec.asyn import sync
 
 from storage_adapters.errors import ConditionFailed, StorageError
-from storage_adapters.fs import FILE_MODE, S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
-from storage_adapters.ops import read_bytes, write_bytes
+from storage_adapters.fs import S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
+from storage_adapters.ops import read_bytes, replace_local, write_bytes
 
 _fallback_lock = threading.Lock()
 
@@ -103,18 +102,7 @@ def _write_local(url: str, data: bytes, expect: Optional[str]) -> str:
                 current = None
             if current != expect:
                 raise ConditionFailed(f"{url}: changed by another writer (expected {_what(expect)})")
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-            os.fchmod(fd, FILE_MODE)
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
+            replace_local(path, data)
             os.fsync(dir_fd)
     except PermissionError as err:
         raise StorageError(f"{url}: write failed: permission denied ({err.strerror})") from None

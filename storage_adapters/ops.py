@@ -112,21 +112,28 @@ def write_bytes(url: str, data: bytes) -> None:
     if is_local(url):
         path = local_path(url)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-        os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; outputs get the usual umask-derived mode
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        replace_local(path, data)
         return
     fs, path = get_filesystem(url)
     call(url, "write", lambda: fs.pipe_file(path, data))
+
+
+def replace_local(path: str, data: bytes) -> None:
+    """Replace the local file ``path`` atomically with ``data``: a temporary file beside it, fsynced, renamed over
+    it (a reader sees the old bytes or the new ones, and after a power loss the new ones are whole)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; outputs get the usual umask-derived mode
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def write_text(url: str, text: str) -> None:

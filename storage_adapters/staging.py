@@ -131,7 +131,7 @@ def remove_stale_upload_dirs(root: str | None = None) -> list[str]:
         if not name.startswith(UPLOAD_DIR_PREFIX):
             continue
         pid_text = name[len(UPLOAD_DIR_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or _process_exists(int(pid_text)):
+        if not pid_text.isdigit() or process_exists(int(pid_text)):
             continue
         path = os.path.join(root, name)
         try:
@@ -144,7 +144,8 @@ def remove_stale_upload_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process with this PID runs on this machine (in this PID namespace)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

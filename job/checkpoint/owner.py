@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import storage_adapters as storage
 from job.errors import CheckpointError
+from storage_adapters.staging import process_exists
 
 logger = logging.getLogger("biggraph")
 
@@ -105,16 +106,6 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Ownership:
     """This run's claim on one checkpoint directory: :meth:`acquire`, :meth:`check` before each marker,
     :meth:`release` at the end. The heartbeat thread runs between :meth:`acquire` and :meth:`release`."""
@@ -169,7 +160,7 @@ class Ownership:
         """Return when ``current`` may be replaced by this run; raise otherwise."""
         if current.run_id == self.run_id:
             return  # this run again (a restarted torchrun group, a replaced pod)
-        if current.machine and current.machine == machine_id() and not _alive(current.pid):
+        if current.machine and current.machine == machine_id() and not process_exists(current.pid):
             logger.warning("%s: taking over the checkpoint from %s: that process is gone", self.url,
                            current.describe())
             return
