@@ -202,17 +202,23 @@ def check_submitted(cluster: FakeCluster, name: str, raw: dict[str, Any], replic
     assert rule._from[0].pod_selector.match_labels["app.kubernetes.io/instance"] == name
 
 
-@pytest.mark.slow
-def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster, user_config: Any, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def use_helm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The real helm binary (skipping the test without it), with its home directories under ``tmp_path``."""
     try:
         from test_chart import helm_binary, helm_env
     except ImportError:  # tests/ is a package
         from tests.test_chart import helm_binary, helm_env
 
-    helm = helm_binary()
+    helm = helm_binary()  # before the environment changes: it may run tests/k8s_tools.sh
     monkeypatch.setattr("os.environ", helm_env(tmp_path))
+    return helm
+
+
+@pytest.mark.slow
+def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster, user_config: Any, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    helm = use_helm(tmp_path, monkeypatch)
     path, raw = user_config
     values = tmp_path / "more-values.yaml"
     values.write_text(yaml.safe_dump({"backoffLimit": 7, "backoffLimitPerIndex": 5, "replicas": 5}))
@@ -564,13 +570,7 @@ def test_submit_refuses_a_pod_that_cannot_hold_the_partitions(user_config: Any, 
 def test_submit_with_helm_refuses_values_below_what_the_config_needs(user_config: Any, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    try:
-        from test_chart import helm_binary, helm_env
-    except ImportError:  # tests/ is a package
-        from tests.test_chart import helm_binary, helm_env
-
-    helm = helm_binary()
-    monkeypatch.setattr("os.environ", helm_env(tmp_path))
+    helm = use_helm(tmp_path, monkeypatch)
     path, raw = user_config
     write_counts(raw, 2_000_000)
     base = ["submit", str(path), "--helm", helm, "--dry-run", "--name", "sized", "--kubeconfig", str(tmp_path / "x")]
