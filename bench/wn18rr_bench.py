@@ -123,11 +123,12 @@ def main() -> None:
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "biggraph-wn18rr"))
     parser.add_argument("--test", action="store_true", help="also score the last snapshot on the test split")
     parser.add_argument("--every", type=int, default=1, help="score every so many epochs on valid")
+    parser.add_argument("--data", default=str(DATA), help="the WN18RR files (train/valid/test.txt)")
     args = parser.parse_args()
     root = Path(args.work)
     if not (root / "data" / "test").exists():
         root.mkdir(parents=True, exist_ok=True)
-        import_kg(str(DATA), root)
+        import_kg(args.data, root)
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "label": args.label, "overrides": args.param,
                       "product_gflops_1_thread": product_rates(), "load": os.getloadavg()}), flush=True)
     config = base_config(root, args.label, args.epochs)

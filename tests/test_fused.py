@@ -313,7 +313,8 @@ def test_positives_gathered_off_autograd_update_as_autograd_does(loss_fn: str, c
         assert (grad is None) == (ref is None)
         if grad is not None:
             torch.testing.assert_close(grad, ref, rtol=0, atol=1e-10)
-    assert stats.loss == pytest.approx(ref_stats.loss, rel=1e-12)
+    # the stats stay on the batch's device until the bucket ends (no host synchronisation per batch)
+    assert float(stats.loss) == pytest.approx(float(ref_stats.loss), rel=1e-12)
 
 
 def test_a_deferred_merge_creates_the_rows_gradient_when_nothing_else_reached_them() -> None:

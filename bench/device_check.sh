@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one go on a lent machine (~15 minutes of device time per issue, start-up
+# included, so this is sized to end within ~7 minutes and leave room for a second run).
+#
+#   bench/device_check.sh [OUTDIR] [SECTIONS]   SECTIONS: comma-separated of tests,wn18rr,generated (default),
+#                                               and sweep (WN18RR recipe variants in parallel, valid split only)
+#
+# It runs from the repository root with PYTHONPATH (no install: the device image already has torch, numpy, h5py,
+# pyyaml, pyarrow, fsspec, flatbuffers, tqdm, pytest, hypothesis, psutil, pytest-xdist). WN18RR is read from
+# .devdata/wn18rr (a copy of ../shared/data/wn18rr, which does not travel; .git/info/exclude ignores .devdata).
+# Each section has its own time limit and writes its log into OUTDIR, so one slow section cannot eat the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-/tmp/device-check}}
+SECTIONS=${2:-tests,wn18rr,generated}
+mkdir -p "$OUTDIR"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BIGGRAPH_NATIVE_CACHE=/tmp/biggraph-native
+want() { [[ ",$SECTIONS," == *",$1,"* ]]; }
+
+{
+  date -u '+%Y-%m-%d %H:%M UTC'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+  nproc
+} 2>&1 | tee "$OUTDIR/card.txt"
+
+if want tests; then
+  # the training suites on the GPU (helpers_graphs / test_fused read BIGGRAPH_TEST_DEVICE), plus the CUDA-only tests
+  BIGGRAPH_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 -m "not slow" \
+    tests/test_train_*.py tests/test_fused*.py tests/test_compute_dtype.py tests/test_regularizers.py \
+    tests/test_checkpoint_manager.py tests/test_quality_options.py 2>&1 | tail -40 | tee "$OUTDIR/tests.log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_cuda.py 2>&1 | tail -30 \
+    | tee "$OUTDIR/test_cuda.log"
+fi
+
+if want wn18rr; then
+  # the quality recipe's convergence, free of the 2-vCPU machine's speed: valid MRR every 5 epochs
+  timeout 240 python3 bench/wn18rr_bench.py --data .devdata/wn18rr --work /tmp/wn18rr --epochs 40 --every 5 \
+    --label cuda-auto -p device=cuda 2>&1 | tee "$OUTDIR/wn18rr.log"
+fi
+
+if want generated; then
+  # the generated 1M-entity / 10M-edge graph at P=1 and P=4: compare with bench/RESULTS.md "Training on a GPU"
+  timeout 240 python3 bench/train_bench.py --generated --edges 10000000 --entities 1000000 --partitions 1,4 \
+    --devices cuda --no-pbg 2>&1 | tail -30 | tee "$OUTDIR/generated.log"
+fi
+if want sweep; then
+  # recipe variants of `preset: quality` (ComplEx, d=256) side by side on the one GPU, scored on valid only
+  # (tune on valid: issue #33); each line of SWEEP is "label override...". The GPU frees the comparison from the
+  # 2-vCPU machine's speed: what a recipe reaches when epochs are cheap.
+  mkdir -p /tmp/wn18rr
+  python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from train_bench import import_kg
+import_kg('.devdata/wn18rr', Path('/tmp/wn18rr'))" >/dev/null 2>&1
+  SWEEP=${SWEEP:-"f32 compute_dtype=float32
+n3e01 regularization_coef=0.01
+n3e03 regularization_coef=0.03
+n3e1 regularization_coef=0.1
+n3s03 regularizer=N3_shared_relations regularization_coef=0.03
+n3s1 regularizer=N3_shared_relations regularization_coef=0.1
+lr01 lr=0.1
+n3e03lr01 regularization_coef=0.03 lr=0.1"}
+  while read -r label overrides; do
+    params=(-p device=cuda)
+    for item in $overrides; do params+=(-p "$item"); done
+    OMP_NUM_THREADS=2 timeout 200 python3 bench/wn18rr_bench.py --data .devdata/wn18rr --work /tmp/wn18rr \
+      --epochs "${SWEEP_EPOCHS:-30}" --every 5 --label "$label" "${params[@]}" >"/tmp/sweep_$label.log" 2>&1 &
+  done <<<"$SWEEP"
+  wait
+  grep -h '^{' /tmp/sweep_*.log | grep -v product_gflops | tee "$OUTDIR/sweep.log"
+  tail -n 5 /tmp/sweep_*.log | grep -iE 'error|Traceback' | tee -a "$OUTDIR/sweep.log"
+fi
+date -u '+%H:%M:%S done' | tee -a "$OUTDIR/card.txt"
