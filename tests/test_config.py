@@ -508,10 +508,13 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
     assert config.bucket_order is BucketOrder.BUFFER and config.partition_buffer == 4
     pbg = config.to_pbg_dict()  # config.json must stay readable by PBG 1.0.0, which knows four orders
     assert pbg["bucket_order"] == "inside_out" and "partition_buffer" not in pbg and "memory_budget" not in pbg
+    assert "hogwild_delay_scope" not in pbg and "hogwild_delay" in pbg  # PBG's key kept, ours left out
     assert parse_bytes("8GiB", "k") == 8 * 2**30 and parse_bytes("500 MB", "k") == 500_000_000
     for bad, message in ((("partition_buffer", 1), "a bucket needs two partitions"),
                          (("memory_budget", "lots"), "is not a size"), (("memory_budget", "-5GB"), "is not a size"),
-                         (("hogwild_delay", -1), r"'hogwild_delay': seconds, must be >= 0, got -1")):
+                         (("hogwild_delay", -1), r"'hogwild_delay': seconds, must be >= 0, got -1"),
+                         (("hogwild_delay_scope", "always"),
+                          r"'hogwild_delay_scope': unknown value 'always' \(expected one of first_visit, epoch_0\)")):
         with pytest.raises(ConfigError, match=message):
             parse_config({**minimal(), bad[0]: bad[1]})
 

@@ -3,7 +3,8 @@
 - every bucket is cut into exactly ``workers`` slices of floor/ceil sizes (torchbiggraph/util.py
   ``split_almost_equally``), each processed in batches of ``batch_size``: the number of optimizer steps
   per epoch is PBG's, also for tiny buckets and on the one-process (GPU) path;
-- ``hogwild_delay`` staggers the workers of every bucket of epoch 0, and of no later bucket;
+- ``hogwild_delay`` staggers the workers of buckets of epoch 0 (PBG's every bucket with
+  ``hogwild_delay_scope: epoch_0``; by default those with a partition not trained before), of no later bucket;
 - ``init_path`` brings the Adagrad state saved beside the embeddings;
 - a featurized entity type on both sides of a relation gets one Adagrad step per feature row.
 """
@@ -155,13 +156,27 @@ def test_the_gpus_static_shapes_train_partial_batches_of_every_slice(tmp_path: P
     np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-5)
 
 
-def test_hogwild_delay_staggers_every_bucket_of_epoch_zero_only(tmp_path: Path, recorded: dict[str, list]) -> None:
-    raw = write_cycle_graph(tmp_path, num_entities=400, num_partitions=2, num_relations=2, num_epochs=3,
-                            workers=3, batch_size=20, hogwild_delay=0.25, device="cpu")
+@pytest.mark.parametrize("scope", ["epoch_0", "first_visit"])
+def test_hogwild_delay_staggers_buckets_of_epoch_zero_only(tmp_path: Path, recorded: dict[str, list],
+                                                           scope: str) -> None:
+    """``epoch_0`` (PBG 1.0.0): every bucket of epoch 0 staggers its workers; ``first_visit`` (the default): only
+    a bucket with a partition not trained before, whatever order the buckets come in; no bucket after epoch 0."""
+    raw = write_cycle_graph(tmp_path, num_entities=800, num_partitions=4, num_relations=2, num_epochs=2,
+                            workers=3, batch_size=20, hogwild_delay=0.25, hogwild_delay_scope=scope, device="cpu")
     train(parse_config(raw))
-    assert len(recorded["delays"]) == 3 * 4  # 3 epochs of 4 buckets, each big enough for the pool
-    assert recorded["delays"][:4] == [[0.0, 0.25, 0.25]] * 4
-    assert recorded["delays"][4:] == [[0.0, 0.0, 0.0]] * 8
+    order = [(r["lhs_partition"], r["rhs_partition"]) for r in CheckpointStorage(raw["checkpoint_path"]).load_stats()
+             if "lhs_partition" in r and r["epoch_idx"] == 0]
+    assert len(order) == 16 and len(recorded["delays"]) == 2 * 16  # every bucket big enough for the pool
+    trained: set[int] = set()
+    expected = []
+    for lhs, rhs in order:
+        expected.append(scope == "epoch_0" or not {lhs, rhs} <= trained)
+        trained |= {lhs, rhs}
+    assert [delays == [0.0, 0.25, 0.25] for delays in recorded["delays"][:16]] == expected
+    assert all(delays == [0.0, 0.0, 0.0] for delays in recorded["delays"][:16] if delays != [0.0, 0.25, 0.25])
+    assert recorded["delays"][16:] == [[0.0, 0.0, 0.0]] * 16
+    if scope == "first_visit":
+        assert expected[0] and 2 <= sum(expected) <= 4  # one bucket per new partition at most, of 16
 
 
 def test_init_path_brings_the_optimizer_state(tmp_path: Path) -> None:
@@ -230,18 +245,22 @@ def test_featurized_type_on_both_sides_takes_one_adagrad_step_per_feature_row(tm
 
 
 def test_the_log_says_what_hogwild_delay_will_cost_the_first_epoch() -> None:
-    """PBG's delay on every bucket of epoch 0 is announced with its total, and only where it applies."""
-    def config(**overrides: Any) -> Any:
-        return parse_config({"entities": {"e": {"num_partitions": 8}}, "relations": [{"name": "r", "lhs": "e", "rhs": "e"}],
-                             "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x",
-                             **overrides})
+    """The delay is announced with its total, and only where it applies: PBG's every bucket of epoch 0, or the
+    default's at most one bucket per partition."""
+    def note(workers: int = 4, buckets: int = 64, **overrides: Any) -> Optional[str]:
+        config = parse_config({"entities": {"e": {"num_partitions": 8}}, "relations": [{"name": "r", "lhs": "e", "rhs": "e"}],
+                               "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x",
+                               **overrides})
+        return bucket_run.HogwildStagger(config, workers, enabled=True).cost_note(buckets, 8)
 
-    note = bucket_run.hogwild_delay_cost(config(), 4, 64)
-    assert note is not None and "one of 4 Hogwild workers trains alone for the first 2 s" in note
-    assert "64 buckets" in note and "up to 96 s" in note  # 3 of 4 workers' share of 2 s, 64 times
-    assert bucket_run.hogwild_delay_cost(config(hogwild_delay=0.0), 4, 64) is None
-    assert bucket_run.hogwild_delay_cost(config(), 1, 64) is None  # one worker (or a GPU): nobody waits
-    assert bucket_run.hogwild_delay_cost(config(), 4, 1) is None  # one bucket: PBG's single delay, as ever
+    pbg = note(hogwild_delay_scope="epoch_0")
+    assert pbg is not None and "one of 4 Hogwild workers trains alone for the first 2 s" in pbg
+    assert "each of the 64 buckets" in pbg and "up to 96 s" in pbg  # 3 of 4 workers' share of 2 s, 64 times
+    default = note()
+    assert default is not None and "at most 8 buckets" in default and "up to 12 s" in default
+    assert note(hogwild_delay=0.0) is None
+    assert note(workers=1) is None  # one worker (or a GPU): nobody waits
+    assert note(buckets=1, hogwild_delay_scope="epoch_0") is None  # one bucket: PBG's single delay, as ever
 
 
 def test_relation_adagrad_steps_as_torch_adagrad_does() -> None:

@@ -19,6 +19,7 @@ from job.config.choices import (
     EDGE_READ_MODES,
     EVAL_PROTOCOLS,
     GROW_INITS,
+    HOGWILD_DELAY_SCOPES,
     INIT_METHODS,
     LOSS_FUNCTIONS,
     REGULARIZERS,
@@ -91,7 +92,7 @@ def check_choices(config: ConfigSchema) -> None:
     for name, choices in (("comparator", COMPARATORS), ("loss_fn", LOSS_FUNCTIONS), ("regularizer", REGULARIZERS),
                           ("edge_read_mode", EDGE_READ_MODES), ("device", DEVICES), ("grow_init", GROW_INITS),
                           ("eval_protocol", EVAL_PROTOCOLS), ("compute_dtype", COMPUTE_DTYPES),
-                          ("init_method", INIT_METHODS)):
+                          ("init_method", INIT_METHODS), ("hogwild_delay_scope", HOGWILD_DELAY_SCOPES)):
         value = getattr(config, name)
         if value not in choices and not (name == "compute_dtype" and value is None):
             raise ConfigKeyError(

@@ -28,9 +28,12 @@ DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
 GROW_INITS = ("random", "neighbours")
 INIT_METHODS = ("normal", "xavier")
+# which buckets of epoch 0 stagger their Hogwild workers by hogwild_delay (job/train/loop.py)
+HOGWILD_DELAY_SCOPES = ("first_visit", "epoch_0")
 GROW_NUM_EPOCHS_DEFAULT = 5
 # how held-out edges are ranked (job/eval_protocol.py): "pbg" is PBG 1.0's sampled protocol, exactly
 EVAL_PROTOCOLS = ("auto", "all", "sampled", "pbg")
 
 __all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "EDGE_READ_MODES", "EVAL_PROTOCOLS", "GROW_INITS",
-           "GROW_NUM_EPOCHS_DEFAULT", "INIT_METHODS", "LOSS_FUNCTIONS", "OPERATORS", "REGULARIZERS", "BucketOrder"]
+           "GROW_NUM_EPOCHS_DEFAULT", "HOGWILD_DELAY_SCOPES", "INIT_METHODS", "LOSS_FUNCTIONS", "OPERATORS",
+           "REGULARIZERS", "BucketOrder"]

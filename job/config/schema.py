@@ -188,10 +188,17 @@ class ConfigSchema:
     verbose: int = _help("The verbosity level of logging, currently 0 or 1.", default=0)
     hogwild_delay: float = _help(
         "The number of seconds by which to delay the start of all 'Hogwild!' processes except the first one, "
-        "on the first epoch (as PBG: on every bucket of epoch 0: P x P per edge path and chunk on a partitioned graph; "
-        "meanwhile the workers already running take the held workers' batches, so the same batches run and one worker trains "
-        "alone for those seconds; the trainer logs the cost; 0 skips it).",
+        "on the first epoch, on the buckets hogwild_delay_scope names (meanwhile the workers already running take "
+        "the held workers' batches, so the same batches run and one worker trains alone for those seconds; the "
+        "trainer logs the cost; 0 skips it).",
         default=2.0,
+    )
+    hogwild_delay_scope: str = _help(
+        "Which buckets of epoch 0 hogwild_delay staggers: 'first_visit' (a bucket with a left or right partition "
+        "this process trains for the first time in the run: fresh rows, where PBG's reason for the delay holds; "
+        "on an unpartitioned graph the first bucket, as PBG; on a P x P grid at most 2P - 1 of its P x P buckets) "
+        "or 'epoch_0' (PBG 1.0.0: every bucket of epoch 0, P x P per edge path and chunk).",
+        default="first_visit",
     )
     dynamic_relations: bool = _help(
         "If enabled, activates the dynamic relation mode, in which case, there must be a single relation type "

@@ -217,22 +217,42 @@ class BucketRunner:
                              config.dynamic_relations, generator, False)
 
 
-def hogwild_delay_cost(config: ConfigSchema, workers: int, buckets_in_epoch_0: int) -> Optional[str]:
-    """What PBG's ``hogwild_delay`` will cost the first epoch, when it is worth a line in the log.
+class HogwildStagger:
+    """Which buckets of epoch 0 hold every Hogwild worker but the first back by ``hogwild_delay`` seconds.
 
-    PBG holds every Hogwild worker but the first back by ``hogwild_delay`` seconds on each bucket of epoch 0,
-    and biggraph does the same so that PBG configs train alike: for those seconds one worker trains alone.
-    PBG's held workers idle meanwhile; here the running workers take their batches (``work_sharing.py``), so what is
-    lost is the other workers' share of the delay: (W-1)/W of it per bucket. With 64 buckets at the default
-    2 s, PBG's way made a one-epoch benchmark run 2.2x longer (bench/RESULTS.md). A user should see the cost
-    before waiting for it. ``workers``: the trainer's Hogwild workers (1 on a GPU, which never waits).
-    """
-    if workers < 2 or config.hogwild_delay <= 0 or buckets_in_epoch_0 < 2:
-        return None
-    lost = config.hogwild_delay * buckets_in_epoch_0 * (workers - 1) / workers
-    return (f"hogwild_delay: one of {workers} Hogwild workers trains alone for the first {config.hogwild_delay:g} s "
-            f"of each of the {buckets_in_epoch_0} buckets of epoch 0 (PBG's semantics), up to {lost:.0f} s of "
-            f"wall time; hogwild_delay: 0 skips it")
+    PBG's reason for the delay is fresh rows: on a table nobody has trained yet, workers starting together
+    make their first large updates to the same rows at once. That holds for a bucket with a partition this
+    process has not trained before, not for the other buckets of epoch 0, which PBG 1.0.0 delays too (P x P
+    per edge path and chunk: at P=16 with 2 workers an epoch of the generated 2M-entity graph took 86.8 s
+    against 59.9 s without the delay, bench/RESULTS.md). ``first_visit`` (the default) delays a bucket only
+    when one of its partitions is new to this process, so at most one bucket per partition; ``epoch_0`` is
+    PBG's rule. A resumed epoch 0 forgets what the killed process trained: it delays those buckets again,
+    which costs seconds and changes nothing that matters."""
+
+    def __init__(self, config: ConfigSchema, workers: int, enabled: bool) -> None:
+        self.seconds = config.hogwild_delay
+        self.every_bucket = config.hogwild_delay_scope == "epoch_0"
+        self.workers = workers
+        self.enabled = enabled and workers > 1 and config.hogwild_delay > 0
+        self.trained: set[PartKey] = set()
+
+    def delays(self, epoch: int, partitions: set[PartKey]) -> bool:
+        """Whether the bucket of ``epoch`` holding ``partitions`` staggers its workers; records them as trained."""
+        fresh = not partitions <= self.trained
+        self.trained |= partitions
+        return self.enabled and epoch == 0 and (self.every_bucket or fresh)
+
+    def cost_note(self, buckets_in_epoch_0: int, partitions: int) -> Optional[str]:
+        """What the delay will cost the first epoch, when it is worth a line in the log: the running workers
+        take the held ones' batches (``work_sharing.py``), so what is lost is (W-1)/W of the delay per bucket."""
+        delayed = buckets_in_epoch_0 if self.every_bucket else min(buckets_in_epoch_0, partitions)
+        if not self.enabled or delayed < 2:
+            return None
+        lost = self.seconds * delayed * (self.workers - 1) / self.workers
+        which = ("each of the {} buckets of epoch 0 (hogwild_delay_scope: epoch_0, PBG's rule)" if self.every_bucket
+                 else "at most {} buckets of epoch 0, those with a partition not trained before")
+        return (f"hogwild_delay: one of {self.workers} Hogwild workers trains alone for the first {self.seconds:g} s "
+                f"of {which.format(delayed)}, up to {lost:.0f} s of wall time; hogwild_delay: 0 skips it")
 
 
 ALL_NEGS_NOTE_ENTITIES = 50_000  # candidates per batch above which all_negs is worth a warning

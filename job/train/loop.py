@@ -28,7 +28,7 @@ from job.formats.validate import validate_cheap
 from job.model.scoring import Model
 from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
-from job.train.bucket_run import BucketRunner, BucketWork, all_negs_cost, hogwild_delay_cost
+from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_negs_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
@@ -146,6 +146,7 @@ class Trainer:
             config.effective_workers(), self.entity_counts, self.num_dynamic_rels, self.num_chunks,
             (self.nparts_lhs, self.nparts_rhs), self.parts.edge_source))
         self.scheduler, self.sync = self._make_scheduler()
+        self.stagger = HogwildStagger(config, self.workers, enabled=self.scheduler.delays_hogwild)
 
     def _open_checkpoint(self) -> None:
         """The committed version, cleaned of what killed runs left; in a torchrun group, the lock server's
@@ -217,7 +218,7 @@ class Trainer:
                         self.version, len(self.iterations))
             return {"version": self.version, "passes": 0}
         buckets = self.nparts_lhs * self.nparts_rhs * self.num_chunks * len(config.edge_paths)
-        if todo[0].epoch == 0 and self.scheduler.delays_hogwild and (note := hogwild_delay_cost(config, self.workers, buckets)):
+        if todo[0].epoch == 0 and (note := self.stagger.cost_note(buckets, len(self.all_keys))):
             logger.info(note)
         if note := all_negs_cost(config, self.entity_counts):
             logger.warning(note)
@@ -295,8 +296,9 @@ class Trainer:
             following, needs = self.scheduler.upcoming()
             if following:  # object stores: download the next bucket while this one trains
                 prefetch(edge_format.edges_file(edge_path, following[0].lhs, following[0].rhs))
-            # PBG staggers its workers on every bucket of epoch 0 (torchbiggraph/train.py, train_and_report_stats)
-            delayed = self.scheduler.delays_hogwild and iteration.epoch == 0
+            # PBG staggers its workers on every bucket of epoch 0 (torchbiggraph/train.py, train_and_report_stats);
+            # by default only those with a partition not trained before (HogwildStagger)
+            delayed = self.stagger.delays(iteration.epoch, self.buckets.needs(bucket))
             record, stats, compute_seconds = self.buckets.run(
                 iteration, bucket, bucket_idx, edge_path, seed_base, delayed=delayed,
                 on_evicted=self.scheduler.release, upcoming=needs,
