@@ -19,6 +19,7 @@ import pytest
 from job.checkpoint import CheckpointManager
 from job.cli import main
 from job.config import parse_config
+from job.errors import UserError
 from job.evaluation import evaluate
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, write_edges
@@ -149,3 +150,58 @@ def test_bad_validation_input_exits_2_naming_the_path(tmp_path: Path, case: str,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert not (Path(raw["checkpoint_path"]) / "checkpoint_version.txt").exists()  # refused before training
+
+
+def test_the_report_draws_validation_mrr_against_wall_time_or_says_it_was_not_recorded(tmp_path: Path) -> None:
+    from job.report import ReportOptions, write_report
+    from job.report.html import validation_chart
+
+    valid = write_split(tmp_path / "with" / "valid", np.arange(0, N, 4))
+    raw = write_cycle_graph(tmp_path / "with", num_epochs=3, validation_edge_paths=[valid])
+    train(parse_config(raw))
+    options = ReportOptions(sample=0, relation_edges=0)
+    data = write_report(raw["checkpoint_path"], str(tmp_path / "with.html"), options=options)
+    lines = validation_lines(raw["checkpoint_path"])
+    assert [(p.version, p.seconds, p.mrr) for p in data.validation] == [
+        (r["checkpoint_version"], r["seconds"], r["metrics"]["mrr"]) for r in lines]
+    best = max(lines, key=lambda r: r["metrics"]["mrr"])
+    assert data.best_version == best["checkpoint_version"] == lines[-1]["best_version"]
+    page = (tmp_path / "with.html").read_text()
+    figure = page[page.index('<figure id="chart-validation">'):]
+    figure = figure[:figure.index("</figure>")]
+    assert "Validation MRR against wall time (all candidates, filtered)" in figure
+    assert "seconds since training started" in figure
+    assert figure.count("<circle") == 2 * len(lines)  # MRR and Hits@10 at each validation
+    for line in lines:
+        assert f"MRR {line['seconds']:g}: {line['metrics']['mrr']:.4g}</title>" in figure
+    assert f"Best: version {best['checkpoint_version']}" in figure
+    assert f"best validation MRR (version {best['checkpoint_version']})" in page
+    try:
+        from job.report.png import render_png
+
+        assert render_png(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    except UserError:  # matplotlib is optional ('biggraph[report]'): the PNG is not drawn without it
+        pass
+
+    plain = write_cycle_graph(tmp_path / "without", num_epochs=1)
+    train(parse_config(plain))
+    data = write_report(plain["checkpoint_path"], str(tmp_path / "without.html"), options=options)
+    assert data.validation == [] and data.validation_note.startswith("not recorded: no validation_edge_paths")
+    page = (tmp_path / "without.html").read_text()
+    figure = page[page.index('<figure id="chart-validation">'):]
+    figure = figure[:figure.index("</figure>")]
+    assert "not recorded: no validation_edge_paths" in figure and "<circle" not in figure
+    assert validation_chart(data) in figure
+
+
+def test_patience_counts_validations_since_the_best_and_a_better_one_resets_it() -> None:
+    from job.train.validation import Patience
+
+    patience = Patience()
+    stale, best = [], []
+    for version, mrr in enumerate([0.1, 0.2, 0.15, 0.25, 0.25, 0.2], start=1):
+        patience.observe({"checkpoint_version": version, "metrics": {"mrr": mrr}})
+        stale.append(patience.stale)
+        best.append(patience.best_version)
+    assert stale == [0, 0, 1, 0, 1, 2]  # an equal MRR is no improvement
+    assert best == [1, 2, 2, 4, 4, 4]

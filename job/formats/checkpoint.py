@@ -79,7 +79,8 @@ from job.formats.sums import Entry, SharedSumRegistry, SumRegistry
 from job.formats.uploads import MAX_PENDING_UPLOADS, UPLOAD_THREADS, UploadQueue
 
 __all__ = [  # the names callers import from here (the format's pieces live in the modules above)
-    "BEST_FILE", "CONFIG_FILE", "EMBEDDING_DATASET", "FORMAT_VERSION", "FORMAT_VERSION_ATTR", "MAX_PENDING_UPLOADS", "MODEL_GROUP",
+    "BEST_FILE", "CONFIG_FILE",
+    "EMBEDDING_DATASET", "FORMAT_VERSION", "FORMAT_VERSION_ATTR", "MAX_PENDING_UPLOADS", "MODEL_GROUP",
     "OPTIMIZER_DATASET", "STATE_DICT_KEY_ATTR", "STATS_FILE", "UPLOAD_THREADS", "VERSION_FILE", "CheckpointStorage",
     "Entry", "SharedSumRegistry", "SumRegistry", "deserialize_optimizer_state", "redact_config_json", "redact_secrets",
     "serialize_optimizer_state",

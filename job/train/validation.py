@@ -121,7 +121,12 @@ class Validation:
     def stops(self, record: dict[str, Any]) -> bool:
         """Every process, with the published line: whether early stopping ends training here."""
         self.patience.observe(record)
-        if not self.config.early_stopping or self.patience.stale < self.config.early_stopping_patience:
+        if not self.config.early_stopping:
+            return False
+        logger.info("early stopping check after the validation of version %d: MRR %.6f, best %.6f (version %d), %d "
+                    "validation(s) without improvement", record["checkpoint_version"], record["metrics"]["mrr"],
+                    self.patience.best_mrr, self.patience.best_version, self.patience.stale)
+        if self.patience.stale < self.config.early_stopping_patience:
             return False
         logger.info("early stopping: the validation MRR has not beaten %.4f (version %d) for %d validation(s) "
                     "(early_stopping_patience %d)", self.patience.best_mrr, self.patience.best_version,
