@@ -205,3 +205,20 @@ def test_patience_counts_validations_since_the_best_and_a_better_one_resets_it()
         best.append(patience.best_version)
     assert stale == [0, 0, 1, 0, 1, 2]  # an equal MRR is no improvement
     assert best == [1, 2, 2, 4, 4, 4]
+
+
+@pytest.mark.parametrize("changes, keys", [
+    ({"validation_filter_paths": ["test"]}, "validation_filter_paths"),
+    ({"validation_edge_paths": ["valid"], "validation_filter_paths": ["test"], "validation_filtered": False},
+     "validation_filtered"),
+    ({"validation_edge_paths": ["valid"], "validation_interval": 0}, "validation_interval"),
+    ({"validation_edge_paths": ["valid"], "early_stopping_patience": 0}, "early_stopping_patience"),
+])
+def test_impossible_validation_settings_are_config_errors_naming_the_key(tmp_path: Path, changes: dict[str, Any],
+                                                                         keys: str) -> None:
+    from job.config.base import ConfigKeyError
+
+    raw = write_cycle_graph(tmp_path, **changes)
+    with pytest.raises(ConfigKeyError) as err:
+        parse_config(raw)
+    assert keys in err.value.keys and keys in str(err.value)
