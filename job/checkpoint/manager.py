@@ -209,6 +209,16 @@ class CheckpointManager:
             raise CheckpointError(f"{self.url}: version {version} is incomplete ({len(missing)} files missing: {shown}); "
                                   f"not committed, version {self.version} stays the committed one")
 
+    def forget_best(self) -> None:
+        """A grow changed the entity set: a best version from before it has other entity counts and cannot be read
+        with the grown config, so its pointer and its files go (validation keeps a new best from then on)."""
+        if self.best is None:
+            return
+        best, self.best = self.best, None
+        self.storage.remove_best()
+        if best != self.version:
+            self.storage.drop_version(best, self.partitions)
+
     # reading -------------------------------------------------------------------------------------
     @staticmethod
     def reader(url: str, version: Optional[int] = None, inputs: Optional[GrowInputs] = None) -> Committed:
