@@ -223,3 +223,61 @@ def test_open_refuses_a_busy_directory_before_touching_anything(tmp_path: Path) 
         second.open()
     assert (tmp_path / "model.v2.h5").exists()  # the running job's uncommitted files are left alone
     assert owner_of(tmp_path)["run_id"] == "torchrun:cluster-job"
+
+
+# the best version (validation_edge_paths) -------------------------------------------------------------------------
+
+
+def _versions_in(directory: Path) -> set[int]:
+    return {int(p.name[len("model.v"):-len(".h5")]) for p in directory.glob("model.v*.h5")}
+
+
+def test_the_best_version_survives_later_commits_until_a_better_one_replaces_it(tmp_path: Path) -> None:
+    manager = CheckpointManager(str(tmp_path), KEYS)
+    manager.open()
+    _write_version(manager, 1)
+    manager.commit(1)
+    manager.keep_best(1)
+    for version in (2, 3):
+        _write_version(manager, version)
+        manager.commit(version)
+    # retention dropped 2 (not the best) but kept 1 beside the latest
+    assert _versions_in(tmp_path) == {1, 3}
+    assert not (tmp_path / "checksums.v2.json").exists() and (tmp_path / "checksums.v1.json").exists()
+    assert (tmp_path / "best_version.txt").read_text().strip() == "1"
+    # readers find it by number and by name, its files verified against its own manifest
+    assert CheckpointManager.version_named(str(tmp_path), "best") == 1
+    committed = CheckpointManager.reader(str(tmp_path), 1)
+    assert committed.version == 1 and committed.latest == 3
+    assert committed.checkpoint.load_entity_partition(1, "node", 1)[0][0, 0] == 1
+    manager.keep_best(3)  # a better one: the old best goes
+    assert _versions_in(tmp_path) == {3}
+    _write_version(manager, 4)
+    manager.commit(4)  # 3, the best, stays beside 4
+    assert _versions_in(tmp_path) == {3, 4}
+    with pytest.raises(CheckpointError, match="only the committed version"):
+        manager.keep_best(3)
+    manager.close()
+
+
+def test_open_keeps_the_best_version_and_drops_what_a_kill_left(tmp_path: Path) -> None:
+    manager = CheckpointManager(str(tmp_path), KEYS)
+    manager.open()
+    for version in (1, 2, 3):
+        _write_version(manager, version)
+        manager.commit(version, drop_previous=False)  # a kill after each commit: older versions left behind
+    (tmp_path / "best_version.txt").write_text("2\n")
+    manager.close()
+    again = CheckpointManager(str(tmp_path), KEYS)
+    assert again.open() == 3
+    assert _versions_in(tmp_path) == {2, 3} and again.best == 2
+    again.close()
+    # a pointer naming a version that is not there (copied from elsewhere, or past the marker) is removed
+    (tmp_path / "best_version.txt").write_text("7\n")
+    third = CheckpointManager(str(tmp_path), KEYS)
+    third.open()
+    assert not (tmp_path / "best_version.txt").exists() and third.best is None
+    assert _versions_in(tmp_path) == {3}
+    with pytest.raises(CheckpointError, match="no best version recorded"):
+        CheckpointManager.version_named(str(tmp_path), "best")
+    third.close()

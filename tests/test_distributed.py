@@ -265,6 +265,35 @@ def test_ranks_take_the_same_early_stopping_decision_on_the_whole_pass_mrr(umls_
 
 
 @pytest.mark.slow
+def test_ranks_receive_the_validation_of_rank_0_and_stop_together(umls_p4: dict, tmp_path: Path) -> None:
+    """validation_edge_paths in a group: rank 0 scores the committed version, every rank decides on its line. The
+    entity type is frozen and the relations have no operator, so nothing trains and no validation beats the first:
+    the group must stop after epoch 3 (patience 2) of 6, both ranks together, version 1 kept as the best."""
+    import re
+
+    data = umls_p4["root"] / "data"
+    path = write_run_config(umls_p4, "validated", num_epochs=6, early_stopping=True, early_stopping_patience=2,
+                            validation_edge_paths=[str(data / "valid")], validation_filter_paths=[str(data / "test")],
+                            entities={"all": {"num_partitions": 4, "frozen": True}},
+                            relations=[{"name": "all_edges", "lhs": "all", "rhs": "all", "operator": "none"}])
+    agents = Agents(path, "2", tmp_path)
+    codes = agents.run(["a", "b"], timeout=300)
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    pattern = re.compile(r"early stopping check after the validation of version (\d+): MRR ([0-9.]+)")
+    checks = {name: pattern.findall((tmp_path / f"{name}.log").read_text()) for name in ("a", "b")}
+    assert [v for v, _ in checks["a"]] == ["1", "2", "3"] and checks["a"] == checks["b"], checks
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("a", "b")}
+    assert all("early stopping: the validation MRR has not beaten" in text for text in logs.values())
+    checkpoint_path = Path(json.loads(path.read_text())["checkpoint_path"])
+    lines = [r for r in bucket_records(str(checkpoint_path)) if r.get("validation")]
+    assert [r["checkpoint_version"] for r in lines] == [1, 2, 3]
+    assert [r["improved"] for r in lines] == [True, False, False]
+    assert (checkpoint_path / "checkpoint_version.txt").read_text().strip() == "3"
+    assert (checkpoint_path / "best_version.txt").read_text().strip() == "1"
+    assert (checkpoint_path / "model.v1.h5").exists() and not (checkpoint_path / "model.v2.h5").exists()
+
+
+@pytest.mark.slow
 def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4: dict, tmp_path: Path) -> None:
     import re
 

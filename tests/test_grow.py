@@ -588,3 +588,14 @@ def test_config_help_lists_the_grow_keys() -> None:
     assert code == 0
     for key in ("grow_init", "grow_num_epochs", "grow_replay_fraction", "entities.<type>.frozen"):
         assert key in out
+
+
+def test_a_grow_forgets_the_best_version_of_the_old_entity_set(model: Path) -> None:
+    """best_version.txt (validation_edge_paths) names a version of the entities before the grow: its rows no longer
+    match the entity counts, so the grow removes the pointer (and the version's files)."""
+    version = CheckpointStorage("model").load_version()
+    Path("model/best_version.txt").write_text(f"{version}\n")
+    assert run_cli("grow", "config.json", "new.tsv", *COLUMNS, "--no-train")[0] == 0
+    assert CheckpointStorage("model").load_version() == version + 1
+    assert not Path("model/best_version.txt").exists()
+    assert not Path(f"model/model.v{version}.h5").exists()

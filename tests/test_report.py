@@ -229,7 +229,7 @@ def test_report_html_holds_the_figures_of_the_run(trained: dict[str, Any]) -> No
     figures = expected_figures(trained["stats"])
     headline = page[page.index('<table id="headline">'):page.index('<table id="facts">')]
     assert figures["loss"] in headline and figures["mrr"] in headline
-    assert page.count("<svg") == 6
+    assert page.count("<svg") == 7
     assert "MRR per relation" in page and ">buys<" in page and ">follows<" in page
     assert "user (" in page and "item (" in page  # both entity types in the projection legend
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # self-contained: nothing to fetch
@@ -263,7 +263,7 @@ def test_report_renders_in_a_real_browser(trained: dict[str, Any], tmp_path: Pat
     text = dom.stdout
     assert "biggraph training report" in text
     assert figures["loss"] in text and figures["mrr"] in text
-    assert text.count("<svg") == 6 and text.count("<circle") > 20  # the scatter and the line charts' points
+    assert text.count("<svg") == 7 and text.count("<circle") > 20  # the scatter and the line charts' points
     shot = tmp_path / "shot.png"
     result = run_chromium([f"--screenshot={shot}", "--window-size=1200,2000", url], tmp_path)
     assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]

@@ -10,9 +10,14 @@ Everything that decides what a checkpoint directory holds goes through here, in 
   the pass's stats lines, then the version is checked complete (every partition of every entity type and the model
   are stored), made durable (files and directory fsynced where the storage has them), the ownership checked, the
   manifest and the marker written (the commit point), the directory fsynced again; then retention (a snapshot kept
-  every ``checkpoint_preservation_interval`` epochs, the previous version dropped).
+  every ``checkpoint_preservation_interval`` epochs, the previous version dropped unless it is the best one).
+- :meth:`record` and :meth:`keep_best` (validation during training, after a commit): the committed version's
+  validation line appended to the stats, then ``best_version.txt`` made to name it when it scored best, and the
+  previous best's files dropped. The best version's files stay in the directory beside the latest (no copy;
+  PBG reads the latest and ignores them) until a better one replaces it; :meth:`open` keeps it too.
 - :meth:`reader` (eval, export, archive, report): finish a committed grow, then open the committed version (or one
-  kept in ``epoch_*/``) through :func:`job.formats.committed.open_committed`.
+  kept in ``epoch_*/``, or the best one) through :func:`job.formats.committed.open_committed`;
+  :meth:`version_named` turns ``best`` into the version ``best_version.txt`` names.
 
 Partition files themselves are written during a pass by the partition store through :attr:`storage` (the
 ``CheckpointStorage`` of the format), with :meth:`metadata` as their metadata; only the commit makes them part of a
@@ -75,6 +80,7 @@ class CheckpointManager:
         self.inputs = inputs
         self.take_over = take_over
         self.version = 0
+        self.best: Optional[int] = None  # the version best_version.txt names (validation_edge_paths), kept
         self._owner: Optional[Ownership] = None
         self._providers: list[MetadataProvider] = []
         # a torchrun rank's round check (``DistributedContext.fence``): a rank whose group went on without it
@@ -127,6 +133,7 @@ class CheckpointManager:
         if group is not None:
             group.barrier("cleaned")
         self.version = version
+        self.best = self.storage.load_best()
         return version
 
     def _clean(self, version: int, keep_uncommitted: bool) -> None:
@@ -136,9 +143,15 @@ class CheckpointManager:
             if name.startswith(".tmp-"):  # a killed writer's file under its temporary name: never part of a version
                 storage.remove(storage.join(self.url, name))
         self.storage.drop_uncommitted_manifests(version)
+        best = self.storage.load_best()
+        if best is not None and (best > version or not self.storage.has_model(best)):
+            logger.warning("%s names version %d, which is not in the directory (committed: %d): removed",
+                           self.storage.best_file(), best, version)
+            self.storage.remove_best()
+            best = None
         # a kill between a commit and the clean-up after it leaves the previous version's files and, before the
-        # marker, the stats lines of a version that never committed
-        self.storage.drop_older(version, self.partitions)
+        # marker, the stats lines of a version that never committed; the best version stays
+        self.storage.drop_older(version, self.partitions, keep=best)
         self.storage.trim_stats(version)
         if not keep_uncommitted:
             self.storage.drop_uncommitted(version, self.partitions)
@@ -165,7 +178,23 @@ class CheckpointManager:
         previous, self.version = self.version, version
         if snapshot_epoch is not None:
             self.storage.preserve(version, snapshot_epoch, self.partitions)
-        if drop_previous and previous > 0:
+        if drop_previous and previous > 0 and previous != self.best:
+            self.storage.drop_version(previous, self.partitions)
+
+    def record(self, stats: Sequence[dict[str, Any]]) -> None:
+        """Append stats lines about the committed version (its validation, scored after the commit)."""
+        self._guard()
+        self.storage.append_stats(list(stats))
+
+    def keep_best(self, version: int) -> None:
+        """Keep the committed ``version`` as the best one: ``best_version.txt`` names it first, then the previous
+        best's files are dropped (a kill in between leaves files that :meth:`open` drops)."""
+        if version != self.version:
+            raise CheckpointError(f"{self.url}: only the committed version ({self.version}) can become the best one, "
+                                  f"not {version}")
+        previous, self.best = self.best, version
+        self.storage.save_best(version)
+        if previous is not None and previous not in (version, self.version):
             self.storage.drop_version(previous, self.partitions)
 
     def _check_complete(self, version: int) -> None:
@@ -180,6 +209,16 @@ class CheckpointManager:
             raise CheckpointError(f"{self.url}: version {version} is incomplete ({len(missing)} files missing: {shown}); "
                                   f"not committed, version {self.version} stays the committed one")
 
+    def forget_best(self) -> None:
+        """A grow changed the entity set: a best version from before it has other entity counts and cannot be read
+        with the grown config, so its pointer and its files go (validation keeps a new best from then on)."""
+        if self.best is None:
+            return
+        best, self.best = self.best, None
+        self.storage.remove_best()
+        if best != self.version:
+            self.storage.drop_version(best, self.partitions)
+
     # reading -------------------------------------------------------------------------------------
     @staticmethod
     def reader(url: str, version: Optional[int] = None, inputs: Optional[GrowInputs] = None) -> Committed:
@@ -189,6 +228,19 @@ class CheckpointManager:
         committed = open_committed(url, version)  # first: its errors name the marker (nothing committed, no such
         finish_committed_grow(url, inputs=inputs)  # version, an endpoint that cannot be reached)
         return committed
+
+    @staticmethod
+    def version_named(url: str, name: str | int | None) -> Optional[int]:
+        """A version a user named: a number, None (the latest), or ``best`` (the one best_version.txt names)."""
+        if name is None or isinstance(name, int):
+            return name
+        if name != "best":
+            raise CheckpointError(f"{url}: version '{name}' is neither a number nor 'best'")
+        best = CheckpointStorage(url).load_best()
+        if best is None:
+            raise CheckpointError(f"{url}: no best version recorded (best_version.txt is written by training with "
+                                  "validation_edge_paths)")
+        return best
 
     # the end ----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -19,7 +19,14 @@ import sys
 import time
 from typing import Any
 
-from job.cli.common import add_config_arguments, add_storage_option_argument, overrides_of, parse_storage_options
+from job.cli.common import (
+    add_config_arguments,
+    add_storage_option_argument,
+    add_version_argument,
+    overrides_of,
+    parse_storage_options,
+    resolve_version,
+)
 from job.config import load_config
 from storage_adapters import StorageSettings, using
 
@@ -38,8 +45,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tag", default=None, help="tag name (letters, digits, _ - . +; case-insensitive); default v{N}-{dtype}")
     parser.add_argument("--dtype", choices=("fp32", "fp16", "int8"), default="fp32",
                         help="storage of the embedding tables (int8: per-row scales); default fp32")
-    parser.add_argument("--version", type=int, default=None,
-                        help="checkpoint version (default: the latest committed; older ones from epoch_*/ snapshots)")
+    add_version_argument(parser, "checkpoint version (default: the latest committed; older ones from epoch_*/ "
+                                 "snapshots)")
     parser.add_argument("--updater", action="store_true", help="also store the Adagrad state (updater.txt, updater/*.fb)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=_archive)
@@ -73,7 +80,8 @@ def _archive(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     config = load_config(args.config, overrides_of(args))
-    summary = add_tag(config, args.out, tag=args.tag, dtype=args.dtype, version=args.version,
+    summary = add_tag(config, args.out, tag=args.tag, dtype=args.dtype,
+                      version=resolve_version(config, args.version),
                       include_updater=args.updater)
     elapsed = time.perf_counter() - started
     if args.json:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Optional
 
 from job.errors import UserError
+from job.session import storage_scoped
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,30 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     """The ``-p`` overrides, in command-line order (later ones win)."""
     return list(args.param or [])
 
+
+
+def add_version_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--version N`` or ``--version best`` (the version that scored best on the validation edges)."""
+    parser.add_argument("--version", type=_version_value, default=None, metavar="N|best",
+                        help=f"{help_text}; 'best': the version that scored best on validation_edge_paths "
+                             "(best_version.txt)")
+
+
+def _version_value(text: str) -> int | str:
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a version number or 'best', got '{text}'") from None
+
+
+@storage_scoped
+def resolve_version(config: Any, value: int | str | None) -> Optional[int]:
+    """``--version``'s value as a number (``best`` read from the config's checkpoint directory)."""
+    from job.checkpoint import CheckpointManager
+
+    return CheckpointManager.version_named(config.checkpoint_path, value)
 
 
 def add_storage_option_argument(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from job.cli.common import add_config_arguments, overrides_of
+from job.cli.common import add_config_arguments, add_version_argument, overrides_of, resolve_version
 from job.config import load_config
 from job.data.export import DEFAULT_ROW_GROUP_ROWS, FORMATS, ExportError, export_checkpoint
 
@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
     add_config_arguments(parser)
     parser.add_argument("--out", metavar="DIR", help="output directory (path or URL)")
     parser.add_argument("--format", choices=FORMATS, default=None, help="output format for --out (default: tsv)")
-    parser.add_argument("--version", type=int, default=None, help="checkpoint version (default: the committed one)")
+    add_version_argument(parser, "checkpoint version (default: the committed one)")
     parser.add_argument("--entities-output", metavar="FILE", help="PBG-style: the entity TSV file")
     parser.add_argument("--relation-types-output", metavar="FILE", help="PBG-style: the relation parameter TSV file")
     parser.add_argument("--no-global-emb", action="store_true",
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         config,
         args.out,
         fmt=args.format or "tsv",
-        version=args.version,
+        version=resolve_version(config, args.version),
         entities_output=args.entities_output,
         relation_types_output=args.relation_types_output,
         add_global=not args.no_global_emb,

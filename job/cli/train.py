@@ -8,7 +8,7 @@ import json
 import logging
 from typing import Any
 
-from job.cli.common import add_config_arguments, overrides_of
+from job.cli.common import add_config_arguments, add_version_argument, overrides_of, resolve_version
 from job.config import ConfigSchema, config_help, load_config
 from job.config.choices import EDGE_READ_MODES, EVAL_PROTOCOLS
 
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
              "(repeats and draws of the positive count against it); 'auto' all when a type has no more entities than "
              "the draws, else sampled")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
-    evaluate.add_argument("--version", type=int, default=None, help="checkpoint version (default: the latest)")
+    add_version_argument(evaluate, "checkpoint version (default: the latest)")
     evaluate.set_defaults(func=_eval)
 
 
@@ -76,7 +76,9 @@ def _eval(args: argparse.Namespace) -> int:
     from job.eval_protocol import protocol_label
     from job.evaluation import evaluate  # torch: only when the command runs
 
-    metrics = evaluate(load(args), filter_paths=args.filter, candidates=args.candidates, version=args.version)
+    config = load(args)
+    metrics = evaluate(config, filter_paths=args.filter, candidates=args.candidates,
+                       version=resolve_version(config, args.version))
     if args.json:
         print(json.dumps(metrics))
     else:

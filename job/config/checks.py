@@ -29,7 +29,8 @@ from job.config.presets import PRESETS
 if TYPE_CHECKING:  # schema.py imports this module to run the checks
     from job.config.schema import ConfigSchema
 
-POSITIVE_INTS = ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk")
+POSITIVE_INTS = ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk", "validation_interval",
+                 "early_stopping_patience")
 NON_NEGATIVE_INTS = ("num_batch_negs", "num_uniform_negs", "eval_num_batch_negs", "eval_num_uniform_negs", "num_gpus")
 
 
@@ -207,6 +208,23 @@ def check_eval_protocol(config: ConfigSchema) -> None:
         )
 
 
+def check_validation(config: ConfigSchema) -> None:
+    """Validation during training: its filter needs validation edges and rows to rank (all candidates)."""
+    if config.validation_filter_paths and not config.validation_edge_paths:
+        raise ConfigKeyError("config key 'validation_filter_paths': set without validation_edge_paths (nothing to "
+                             "validate)", ["validation_filter_paths", "validation_edge_paths"])
+    if config.validation_filter_paths and not config.validation_filtered:
+        raise ConfigKeyError("config key 'validation_filter_paths': set with validation_filtered false (raw ranks "
+                             "use no filter)", ["validation_filter_paths", "validation_filtered"])
+    featurized = sorted({t for r in config.relations for t in (r.lhs, r.rhs) if config.entities[t].featurized})
+    if config.validation_edge_paths and config.validation_filtered and featurized:
+        raise ConfigKeyError(
+            "config key 'validation_filtered': filtered ranks are against every entity, which featurized entity "
+            f"types ({', '.join(featurized)}) cannot list; set validation_filtered false (eval_protocol 'pbg')",
+            ["validation_filtered"] + [f"entities.{t}.featurized" for t in featurized],
+        )
+
+
 CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_required_lists,
     check_relation_entity_types,
@@ -220,6 +238,7 @@ CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_relation_options,
     check_model_combinations,
     check_eval_protocol,
+    check_validation,
 )
 
 

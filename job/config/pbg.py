@@ -19,6 +19,8 @@ NON_PBG_1_0_KEYS = frozenset({
     "eval_protocol",
     "tensorboard_dir", "pushgateway_url", "pushgateway_job", "grow_init", "grow_num_epochs", "grow_replay_fraction",
     "reciprocal_relations", "init_method", "preset", "hogwild_delay_scope",
+    "early_stopping_patience", "validation_edge_paths", "validation_interval", "validation_filtered",
+    "validation_filter_paths",
 })
 NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension", "frozen"})
 

@@ -179,8 +179,40 @@ class ConfigSchema:
         default="auto",
     )
     early_stopping: bool = _help(
-        "Stop training when the evaluation MRR stops improving from one epoch to the next.",
+        "Stop training when the evaluation MRR stops improving from one epoch to the next. With "
+        "validation_edge_paths it follows the validation MRR instead: training stops once "
+        "early_stopping_patience validations in a row have not beaten the best one, and the best version is kept "
+        "(checkpoint_path/best_version.txt names it; `biggraph eval --version best` reads it).",
         default=False,
+    )
+    early_stopping_patience: int = _help(
+        "With early_stopping and validation_edge_paths: how many validations in a row without a better validation "
+        "MRR than the best so far stop training (1: the first one that does not improve, PBG's 'fell once'). "
+        "Without validation edges, PBG's rule applies (stop when the in-training eval MRR falls).",
+        default=1,
+    )
+    validation_edge_paths: list[str] = _help(
+        "Directories (paths or URLs) of validation edges, imported like edge_paths (the same entities, e.g. a "
+        "dataset's valid split). Every validation_interval epochs the version just committed is read back and "
+        "ranked on them (as `biggraph eval`: all candidates, filtered by validation_filtered); the result is a "
+        "line of training_stats.json (epoch, version, MRR, Hits@1/10, protocol, seconds since training started), "
+        "logged, drawn by `biggraph report`, and followed by early_stopping. The best-scoring version is kept "
+        "(best_version.txt). Empty: no validation.",
+        default_factory=list,
+    )
+    validation_interval: int = _help(
+        "Validate every so many epochs (and after the last epoch).", default=1
+    )
+    validation_filtered: bool = _help(
+        "Rank validation edges against all entities with the other known true edges removed from the candidates "
+        "(the training edges of edge_paths, the validation edges and validation_filter_paths), as `biggraph eval "
+        "--candidates all --filter ...` does; false ranks them raw under eval_protocol.",
+        default=True,
+    )
+    validation_filter_paths: list[str] = _help(
+        "More directories of true edges removed from the validation candidates besides the training and validation "
+        "edges (e.g. the test split, as in the standard filtered protocol); needs validation_filtered.",
+        default_factory=list,
     )
 
     # expert options

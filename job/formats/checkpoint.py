@@ -13,6 +13,9 @@ Layout of ``checkpoint_path`` (identical to PBG 1.x, so each side reads the othe
   ``checkpoint_version.txt``: the commit marker. A version is complete exactly when
   this file names it, so files of version N+1 may exist half-written without harm.
 - ``epoch_{E}/``: preserved snapshots (checkpoint_preservation_interval).
+- ``best_version.txt`` (biggraph's, only with ``validation_edge_paths``): the version that scored best on the
+  validation edges; its files stay in the directory beside the latest version's (PBG reads the latest and
+  ignores them).
 
 Optimizer blobs are only ever read with ``torch.load(weights_only=True)``: a checkpoint
 directory is untrusted input.
@@ -47,6 +50,7 @@ import numpy as np
 import storage_adapters as storage
 from job.errors import CheckpointError
 from job.formats.checkpoint_io import (
+    BEST_FILE,
     CONFIG_FILE,
     EMBEDDING_DATASET,
     FORMAT_VERSION,
@@ -75,7 +79,8 @@ from job.formats.sums import Entry, SharedSumRegistry, SumRegistry
 from job.formats.uploads import MAX_PENDING_UPLOADS, UPLOAD_THREADS, UploadQueue
 
 __all__ = [  # the names callers import from here (the format's pieces live in the modules above)
-    "CONFIG_FILE", "EMBEDDING_DATASET", "FORMAT_VERSION", "FORMAT_VERSION_ATTR", "MAX_PENDING_UPLOADS", "MODEL_GROUP",
+    "BEST_FILE", "CONFIG_FILE",
+    "EMBEDDING_DATASET", "FORMAT_VERSION", "FORMAT_VERSION_ATTR", "MAX_PENDING_UPLOADS", "MODEL_GROUP",
     "OPTIMIZER_DATASET", "STATE_DICT_KEY_ATTR", "STATS_FILE", "UPLOAD_THREADS", "VERSION_FILE", "CheckpointStorage",
     "Entry", "SharedSumRegistry", "SumRegistry", "deserialize_optimizer_state", "redact_config_json", "redact_secrets",
     "serialize_optimizer_state",
@@ -187,6 +192,25 @@ class CheckpointStorage:
         if version < 0:
             raise CheckpointError(f"{url}: negative version {version}")
         return version
+
+    def best_file(self) -> str:
+        return storage.join(self.url, BEST_FILE)
+
+    def load_best(self) -> int | None:
+        """The version ``best_version.txt`` names (None: no such file, or not a version)."""
+        try:
+            text = storage.read_text(self.best_file()).strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text.isdigit() and int(text) > 0 else None
+
+    def save_best(self, version: int) -> None:
+        self.guard()
+        storage.write_text(self.best_file(), f"{version}\n")
+
+    def remove_best(self) -> None:
+        self.guard()
+        storage.remove(self.best_file())
 
     def manifest_file(self, version: int, base: str | None = None) -> str:
         return storage.join(base or self.url, f"checksums.v{version}.json")
@@ -381,10 +405,11 @@ class CheckpointStorage:
                 storage.remove(storage.join(self.url, name))
                 self._manifests.pop((self.url, int(match.group("version"))), None)
 
-    def drop_older(self, committed: int, partitions: list[tuple[str, int]]) -> None:
-        """Remove versions before the committed one (a kill between a commit and the deletion after it)."""
+    def drop_older(self, committed: int, partitions: list[tuple[str, int]], keep: int | None = None) -> None:
+        """Remove versions before the committed one (a kill between a commit and the deletion after it), except
+        ``keep`` (the best version)."""
         for version in sorted(self.list_versions()):
-            if version < committed:
+            if version < committed and version != keep:
                 self.drop_version(version, partitions)
 
     def drop_uncommitted(self, committed: int, partitions: list[tuple[str, int]]) -> None:

@@ -29,6 +29,8 @@ MODEL_GROUP = "model"
 VERSION_FILE = "checkpoint_version.txt"
 CONFIG_FILE = "config.json"
 STATS_FILE = "training_stats.json"
+# the version that scored best on the validation edges, kept beside the latest (validation_edge_paths)
+BEST_FILE = "best_version.txt"
 
 _PARTITION_RE = re.compile(r"^embeddings_(?P<type>.+)_(?P<part>\d+)\.v(?P<version>\d+)\.h5$")
 _MODEL_RE = re.compile(r"^model\.v(?P<version>\d+)\.h5$")

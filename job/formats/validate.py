@@ -136,13 +136,14 @@ def _check_extra_count_files(config: ConfigSchema, collect: Collector) -> None:
             )
 
 
-def _edge_path_exists(edge_path: str, collect: Collector) -> bool:
+def _edge_path_exists(edge_path: str, collect: Collector, key: str = "edge_paths") -> bool:
     if storage.isdir(edge_path):
         return True
     if _missing_bucket(edge_path, collect):
         return False
     collect.error(
-        InputFormatError(edge_path, "directory not found", expected="an edge_paths directory holding edges_{l}_{r}.h5 files")
+        InputFormatError(edge_path, "directory not found",
+                         expected=f"{'an' if key[0] in 'aeiou' else 'a'} {key} directory holding edges_{{l}}_{{r}}.h5 files")
     )
     return False
 
@@ -175,21 +176,35 @@ def run_validation(
         num_rel_ids = _num_relation_ids(config, collect)
     nparts = (side_partitions(config, "lhs"), side_partitions(config, "rhs"))
     empty_referenced: set[tuple[str, int]] = set()
-    for edge_path in config.edge_paths:
+
+    def check_path(edge_path: str, key: str, scan: bool) -> int | None:
+        """The edges of one directory (None: it is missing); ``scan``: every value checked."""
         total = 0
-        if not _edge_path_exists(edge_path, collect):
-            continue
+        if not _edge_path_exists(edge_path, collect, key):
+            return None
         if full:
             _check_extra_edge_files(edge_path, nparts, collect)
         for lhs_part in range(nparts[0]):
             for rhs_part in range(nparts[1]):
                 ctx = None
-                if full and num_rel_ids is not None and counts:
+                if scan and num_rel_ids is not None and counts:
                     ctx = EdgeLimits.for_bucket(config, counts, num_rel_ids, (lhs_part, rhs_part))
                 url = edges_file(edge_path, lhs_part, rhs_part)
-                total += check_edge_file(url, collect, full, ctx, chunk_rows, empty_referenced)
+                total += check_edge_file(url, collect, scan, ctx, chunk_rows, empty_referenced)
                 report.edge_files += 1
         report.edges_per_path[edge_path] = total
+        return total
+
+    for edge_path in config.edge_paths:
+        check_path(edge_path, "edge_paths", full)
+    # validation edges are read whole at every validation, after an epoch of training: every value is checked now,
+    # also by the cheap check that train runs first
+    for edge_path in config.validation_edge_paths:
+        if check_path(edge_path, "validation_edge_paths", True) == 0:
+            collect.error(InputFormatError(edge_path, "no edges (config key 'validation_edge_paths')",
+                                           expected="the validation split's edges, imported like edge_paths"))
+    for edge_path in config.validation_filter_paths:
+        check_path(edge_path, "validation_filter_paths", True)
     for entity_type, per_part in counts.items():
         for part, count in enumerate(per_part):
             if count == 0 and (entity_type, part) not in empty_referenced:

@@ -189,6 +189,7 @@ def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, m
         shutil.rmtree(workdir, ignore_errors=True)
     publish(into, record)
     checkpoint.drop_version(version, _keys(config))
+    manager.forget_best()  # a best version of the old entity set cannot be read with the grown one
     summary = GrowSummary(
         new_version, version, record.new_entities, dict(importer.summary.entities), record.new_relations,
         record.new_edges, importer.summary.skipped_rows, sum(r.from_neighbours for r in rows.values()),

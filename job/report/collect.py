@@ -1,6 +1,7 @@
 """What ``biggraph report`` shows, gathered from a checkpoint directory: ``build_report`` returns ``ReportData``.
 
-Loss, held-out MRR, throughput and the time split come from ``training_stats.json``; the per-relation MRR
+Loss, held-out MRR, throughput, the time split and the validation MRR against wall time (the validation lines
+of ``validation_edge_paths``) come from ``training_stats.json``; the per-relation MRR
 and the 2-D PCA projection are computed from the checkpoint itself (``job.report.sampled``). Anything that
 was not recorded gets a note saying so, never an invented figure.
 """
@@ -60,6 +61,17 @@ class EpochRow:
 
 
 @dataclass
+class ValidationPoint:
+    """One validation line of training_stats.json (validation_edge_paths)."""
+
+    seconds: float  # since training started
+    epoch: int  # 1-based
+    version: int
+    mrr: Optional[float]
+    hits10: Optional[float]
+
+
+@dataclass
 class ReportData:
     checkpoint: str
     version: int
@@ -78,6 +90,14 @@ class ReportData:
     mrr_note: str = ""
     heldout_label: str = ""  # the protocol of the held-out MRR ("all candidates, raw"...), from the records
     relation_label: str = ""  # the protocol of the per-relation MRR
+    validation: list[ValidationPoint] = field(default_factory=list)
+    validation_label: str = ""  # the protocol of the validation MRR
+    validation_note: str = ""  # why there is no validation chart
+    best_version: Optional[int] = None  # the version that scored best on the validation edges
+
+    @property
+    def best_validation(self) -> Optional[ValidationPoint]:
+        return next((p for p in self.validation if p.version == self.best_version), None)
 
     @property
     def eval_metrics_label(self) -> str:
@@ -115,6 +135,8 @@ def _unique_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]]
     buckets: dict[tuple[Any, ...], dict[str, Any]] = {}
     passes: dict[int, dict[str, Any]] = {}
     for record in records:
+        if record.get("validation"):  # not a bucket's: validation_lines reads them
+            continue
         if record.get("pass_summary"):
             passes[int(record.get("index", len(passes)))] = record
         else:
@@ -190,6 +212,27 @@ def epoch_rows(records: list[dict[str, Any]]) -> tuple[list[EpochRow], int, int]
     return [rows[e] for e in sorted(rows)], len(buckets), len(passes)
 
 
+def validation_lines(records: list[dict[str, Any]]) -> tuple[list[ValidationPoint], str, Optional[int]]:
+    """The validation lines (one per version, the last kept: a resumed run may redo one) in wall-time order, their
+    protocol label(s), and the best version the last line names."""
+    by_version: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if record.get("validation") and isinstance(record.get("checkpoint_version"), int):
+            by_version[record["checkpoint_version"]] = record
+    points, labels, best = [], set(), None
+    for version in sorted(by_version):
+        record = by_version[version]
+        metrics = record.get("metrics") or {}
+        seconds = num(record.get("seconds"))
+        if seconds is None:
+            continue
+        points.append(ValidationPoint(seconds, int(record.get("epoch_idx", 0)) + 1, version, num(metrics.get("mrr")),
+                                      num(metrics.get("hits@10"))))
+        labels.add(recorded_label(record, legacy=None))
+        best = record.get("best_version") if isinstance(record.get("best_version"), int) else best
+    return points, " / ".join(sorted(labels)), best
+
+
 # the whole report ----------------------------------------------------------------------------
 
 
@@ -206,6 +249,12 @@ def _training_figures(checkpoint_url: str, version: int, raw_config: dict[str, A
     rows, num_buckets, num_passes = epoch_rows(records)
     data = ReportData(checkpoint_url, version, raw_config, rows, num_buckets, num_passes)
     data.heldout_label = heldout_labels(records)
+    data.validation, data.validation_label, data.best_version = validation_lines(records)
+    if not records:
+        data.validation_note = "training_stats.json is missing or empty"
+    elif not data.validation:
+        data.validation_note = ("not recorded: no validation_edge_paths in this run's config, so no validation split "
+                                "was scored during training (docs/quality-preset.md says how to set one)")
     if not records:
         data.mrr_note = "training_stats.json is missing or empty"
     elif not any(r.mrr is not None for r in rows):

@@ -27,8 +27,27 @@ def _titled(title: str, label: str) -> str:
     return f"{title} ({label})" if label else title
 
 
+def validation_chart(data: ReportData) -> str:
+    """Validation MRR and Hits@10 against the seconds since training started (validation_edge_paths)."""
+    seconds = [p.seconds for p in data.validation]
+    series = [("MRR", seconds, [p.mrr for p in data.validation], PALETTE[0]),
+              ("Hits@10", seconds, [p.hits10 for p in data.validation], PALETTE[1])]
+    return svg_line_chart(_titled("Validation MRR against wall time", data.validation_label), series,
+                          "seconds since training started", "MRR / Hits@10", data.validation_note)
+
+
+def _validation_caption(data: ReportData) -> str:
+    best = data.best_validation
+    if best is None:
+        return "The validation split (validation_edge_paths) ranked after each validation_interval epochs: not recorded."
+    return (f"The validation split (validation_edge_paths) ranked with the version committed at each validation, "
+            f"{data.validation_label}; {len(data.validation)} validations. Best: version {best.version} (epoch "
+            f"{best.epoch}, MRR {_f(best.mrr)}, after {best.seconds:.1f} s), kept in the checkpoint directory "
+            "(best_version.txt): `biggraph eval CONFIG --version best`. A flat curve means the run has converged.")
+
+
 def charts(data: ReportData) -> dict[str, str]:
-    """The six SVG charts of the page, by figure id."""
+    """The seven SVG charts of the page, by figure id."""
     epochs = [float(r.epoch) for r in data.epochs]
     labels = [str(r.epoch) for r in data.epochs]
     time_values = [
@@ -42,6 +61,7 @@ def charts(data: ReportData) -> dict[str, str]:
                                "epoch", "mean loss per edge", "training_stats.json has no loss"),
         "mrr": svg_line_chart(_titled("Held-out MRR per epoch", data.heldout_label), mrr_series, "epoch",
                               "MRR / Hits@10", data.mrr_note),
+        "validation": validation_chart(data),
         "speed": svg_line_chart("Throughput per epoch",
                                 [("edges/s", epochs, [r.edges_per_sec for r in data.epochs], PALETTE[2])],
                                 "epoch", "edges / s of compute", "training_stats.json has no timings"),
@@ -94,6 +114,10 @@ def _headline(data: ReportData) -> list[tuple[str, str]]:
     headline = [("final loss", _f(final.loss)), (_titled("final held-out MRR", held_out), _f(final.mrr)),
                 (_titled("final held-out Hits@10", held_out), _f(final.hits10)),
                 ("edges/s (last epoch)", _f(final.edges_per_sec, 0))]
+    best = data.best_validation
+    if best is not None:
+        headline.append((_titled(f"best validation MRR (version {best.version})", data.validation_label),
+                         _f(best.mrr)))
     if data.eval_metrics:
         m = data.eval_metrics
         source = os.path.basename(data.eval_metrics_source)
@@ -136,6 +160,7 @@ def render_html(data: ReportData) -> str:
 <figure id="chart-mrr">{c["mrr"]}<figcaption>MRR of the edges held out of each bucket (eval_fraction), after
 training on it, averaged over the epoch's buckets; ranked {esc(data.heldout_label or "(not recorded)")}
 (eval_protocol).</figcaption></figure>
+<figure id="chart-validation">{c["validation"]}<figcaption>{esc(_validation_caption(data))}</figcaption></figure>
 <figure id="chart-speed">{c["speed"]}<figcaption>Edges trained per second of bucket compute (all Hogwild workers of a
 trainer together).</figcaption></figure>
 <figure id="chart-time">{c["time"]}<figcaption>compute: training the buckets; partition swap: loading and writing

@@ -61,6 +61,28 @@ def _relations(ax: Any, data: ReportData) -> None:
         ax.set_axis_off()
 
 
+def _validation(ax: Any, data: ReportData) -> None:
+    label = f" ({data.validation_label})" if data.validation_label else ""
+    ax.set_title("Validation MRR against wall time" + label, fontsize=10)
+    seconds = [p.seconds for p in data.validation]
+    drawn = False
+    for name, values, color in (("MRR", [p.mrr for p in data.validation], PALETTE[0]),
+                                ("Hits@10", [p.hits10 for p in data.validation], PALETTE[1])):
+        pts = [(x, y) for x, y in zip(seconds, values) if y is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=name)
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, data.validation_note[:80] or "not recorded", ha="center", va="center", wrap=True,
+                fontsize=9, transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    ax.set_xlabel("seconds since training started")
+    ax.set_ylabel("MRR / Hits@10")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def _projection(ax: Any, data: ReportData) -> None:
     ax.set_title("Embeddings (PCA)")
     if data.projection:
@@ -75,7 +97,7 @@ def _projection(ax: Any, data: ReportData) -> None:
 
 
 def render_png(data: ReportData) -> bytes:
-    """The same charts as the HTML page, on a 3 x 2 grid; UserError when matplotlib is not installed."""
+    """The same charts as the HTML page, on a 4 x 2 grid; UserError when matplotlib is not installed."""
     try:  # optional dependency (see the module docstring)
         import matplotlib
 
@@ -84,7 +106,7 @@ def render_png(data: ReportData) -> bytes:
     except ImportError:
         raise UserError("--png needs matplotlib: pip install 'biggraph[report]' (the HTML report needs nothing)") from None
     epochs = [r.epoch for r in data.epochs]
-    fig, axes = plt.subplots(3, 2, figsize=(12, 13))
+    fig, axes = plt.subplots(4, 2, figsize=(12, 17))
     fig.suptitle(f"biggraph report: {data.checkpoint} (version {data.version})", fontsize=12)
     _line(axes[0, 0], epochs, [r.loss for r in data.epochs], "Training loss", "mean loss", "", PALETTE[3])
     held_out = f"Held-out MRR ({data.heldout_label})" if data.heldout_label else "Held-out MRR"
@@ -94,6 +116,8 @@ def render_png(data: ReportData) -> bytes:
     _time_bars(axes[1, 1], data)
     _relations(axes[2, 0], data)
     _projection(axes[2, 1], data)
+    _validation(axes[3, 0], data)
+    axes[3, 1].set_axis_off()
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=80)

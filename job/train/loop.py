@@ -53,6 +53,7 @@ from job.train.schedule import (
 )
 from job.train.spawning import server_processes, start_worker_server
 from job.train.step import BatchStats
+from job.train.validation import Validation
 from storage_adapters.edge_reader import prefetch
 
 logger = logging.getLogger("biggraph")
@@ -147,6 +148,7 @@ class Trainer:
             (self.nparts_lhs, self.nparts_rhs), self.parts.edge_source))
         self.scheduler, self.sync = self._make_scheduler()
         self.stagger = HogwildStagger(config, self.workers, enabled=self.scheduler.delays_hogwild)
+        self.validation = Validation(config, self.checkpoints)  # validation_edge_paths: scored after commits
 
     def _open_checkpoint(self) -> None:
         """The committed version, cleaned of what killed runs left; in a torchrun group, the lock server's
@@ -223,6 +225,7 @@ class Trainer:
         if note := all_negs_cost(config, self.entity_counts):
             logger.warning(note)
         started = time.perf_counter()
+        self.validation.start()
         total_edges = 0
         last_eval: Optional[float] = None
         summary: dict[str, Any] = {}
@@ -234,7 +237,11 @@ class Trainer:
             summary = pass_stats
             # the pass's MRR is the same on every rank (``BucketScheduler.publish``): all stop together
             eval_mrr = pass_stats.get("eval_mrr")
-            if self._ends_epoch(iteration) and config.early_stopping and eval_mrr is not None:
+            # so is its validation line (validation_edge_paths), which early stopping then follows
+            if pass_stats.get("validation") is not None and self.validation.stops(pass_stats["validation"]):
+                break
+            if (self._ends_epoch(iteration) and config.early_stopping and eval_mrr is not None
+                    and not self.validation.enabled):
                 label = protocol_label(self.buckets.eval_protocol())
                 logger.info("early stopping check after epoch %d: eval MRR %.6f (%s)", iteration.epoch + 1, eval_mrr,
                             label)
@@ -248,6 +255,8 @@ class Trainer:
                         "edges_per_sec": total_edges / elapsed if elapsed > 0 else 0.0})
         logger.info("training finished: checkpoint version %d in %s (%.1f s, %.0f edges/s)",
                     self.version, config.checkpoint_path, elapsed, summary["edges_per_sec"])
+        if (best := self.validation.summary()) is not None:
+            logger.info(best)
         return summary
 
     def _run_pass(self, iteration: Iteration) -> dict[str, Any]:
@@ -267,9 +276,13 @@ class Trainer:
         gathered = self.scheduler.gather(self.store.stats.as_record())
         self.sync.settle()
         summary = None
+        validation = None
         if gathered is not None:
             summary = self._commit_pass(iteration, gathered, pass_started, resident_at_start)
-        eval_mrr = self.scheduler.publish(eval_mrr_of(summary))
+            if self.validation.due(iteration.epoch, self._ends_epoch(iteration)):
+                validation = self.validation.score(iteration.epoch, self.version)
+        published = self.scheduler.publish({"eval_mrr": eval_mrr_of(summary), "validation": validation})
+        eval_mrr = published["eval_mrr"]
         if summary is None:
             self.version += 1  # committed by rank 0
         edges_per_sec = own.count / own_seconds if own_seconds > 0 else 0.0
@@ -282,7 +295,8 @@ class Trainer:
             logger.info("epoch %d/%d chunk %d/%d: this trainer did %d buckets, %d edges, %.0f edges/s, loss %.4f",
                         iteration.epoch + 1, config.num_epochs, iteration.chunk_idx + 1, self.num_chunks,
                         own_buckets, own.count, edges_per_sec, loss)
-        return {"train_edges": own.count, "eval_mrr": eval_mrr, "loss": loss, "edges_per_sec_pass": edges_per_sec}
+        return {"train_edges": own.count, "eval_mrr": eval_mrr, "loss": loss, "edges_per_sec_pass": edges_per_sec,
+                "validation": published["validation"]}
 
     def _train_buckets(self, iteration: Iteration, seed_base: int) -> tuple[BatchStats, float, int]:
         """Train the buckets the scheduler hands this process; returns their training sums, compute seconds

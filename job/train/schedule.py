@@ -107,9 +107,10 @@ class BucketScheduler(ABC):
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
         """Wait until every process has finished the pass's buckets; the committing one gets the records."""
 
-    def publish(self, eval_mrr: Optional[float]) -> Optional[float]:
-        """After the commit: the committing process's pass MRR, the same on every process."""
-        return eval_mrr
+    def publish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """After the commit: the committing process's pass result (its eval MRR, its validation line: JSON
+        values), the same on every process."""
+        return result
 
 
 class LocalScheduler(BucketScheduler):
@@ -316,15 +317,16 @@ class LockServerScheduler(BucketScheduler):
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
                           restart_count=self.ctx.restart_count, buckets_redone=self.server.state.redone)
 
-    def publish(self, eval_mrr: Optional[float]) -> Optional[float]:
-        """Rank 0 (which committed) stores its pass MRR before the barrier; every rank reads that one."""
+    def publish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 (which committed) stores its pass result before the barrier; every rank reads that one."""
         key = self.ctx.key(f"pass-result/{self.pass_tag}")
         if self.server is not None:
             remove_progress(self.config.checkpoint_path)  # the compaction at the commit: nothing left to resume
-            self.ctx.store.set(key, json.dumps({"eval_mrr": eval_mrr}))
+            self.ctx.store.set(key, json.dumps(result))
             self.server = None
         wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
-        return json.loads(self.ctx.store.get(key))["eval_mrr"]
+        published: dict[str, Any] = json.loads(self.ctx.store.get(key))
+        return published
 
 
 class ParameterSync:
