@@ -243,12 +243,7 @@ def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[
 
 @pytest.mark.slow
 @needs_box
-@pytest.mark.parametrize("hold_at", ["train", pytest.param("write", marks=pytest.mark.skip(reason=(
-    "flaky: on a quiet machine the two other pods finish every epoch before the held pod is thawed, and a pod "
-    "that comes back after the rendezvous host exited can never rendezvous, so its index runs out of retries "
-    "and the Job fails although training completed (a product gap: an agent that finds training complete should "
-    "exit 0; see the session note). The fence it tests is held by the 'train' case and "
-    "tests/test_elastic_rounds.py::test_a_rank_whose_round_is_over_is_fenced_off_from_writing")))])
+@pytest.mark.parametrize("hold_at", ["train", "write"])
 def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Callable[..., Run], tmp_path: Path,
                                                                      hold_at: str) -> None:
     """The dangerous moments of a stall: pod 2's trainer has trained a bucket (its rows in memory, not yet written
