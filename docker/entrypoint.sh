@@ -11,7 +11,13 @@
 #                              is_host=true in --rdzv-conf, the others is_host=false (torchrun's own
 #                              guess compares DNS answers, which lag while the headless Service fills)
 #   BIGGRAPH_CONFIG            config to check before torchrun starts (`biggraph preflight`): a bad
-#                              config exits 2 at once, which the Job's podFailurePolicy treats as fatal
+#                              config exits 2 at once, which the Job's podFailurePolicy treats as fatal.
+#                              Set (a pod of the chart) and the command `-m job train ...`: whether
+#                              training is already complete is asked too (`biggraph completed` with
+#                              train's arguments), before torchrun and again when torchrun fails; when
+#                              it is, the pod exits 0 at once. A pod that comes back after the others
+#                              finished (replaced, thawed) cannot rendezvous any more: the rendezvous
+#                              host exited with them, and retrying would only fail the Job's index.
 #   BIGGRAPH_TORCHRUN          the launcher (default: torchrun)
 set -uo pipefail
 
@@ -49,10 +55,39 @@ if [ -n "${BIGGRAPH_CONFIG:-}" ] && [ "${BIGGRAPH_PREFLIGHT:-1}" != 0 ]; then
     fi
 fi
 
+# train's arguments (CONFIG, -p overrides...) when torchrun is to run `-m job train`, for the completion check
+train_args=()
+checks_completion=0
+if [ -n "${BIGGRAPH_CONFIG:-}" ]; then
+    for i in "${!args[@]}"; do
+        if [ "${args[$i]}" = "-m" ] && [ "${args[$((i + 1))]:-}" = job ] && [ "${args[$((i + 2))]:-}" = train ]; then
+            train_args=("${args[@]:$((i + 3))}")
+            checks_completion=1
+            break
+        fi
+    done
+fi
+
+# `biggraph completed`: 0 complete (its one line is logged, the pod exits 0), 3 not complete, 2 bad input (exits
+# 2: the podFailurePolicy's fatal code). Anything else is the check's own failure: torchrun decides then.
+completed() {
+    local when=$1 message rc
+    message=$(python -m job completed "${train_args[@]}")
+    rc=$?
+    case "$rc" in
+        0) log "exit code=0 reason=complete index=${index:-none} ($when): $message"; exit 0 ;;
+        2) log "exit code=2 reason=completion-check index=${index:-none}"; exit 2 ;;
+        3) [ "$when" = start ] || log "$message" ;;
+        *) log "completion check failed (code $rc): going on" ;;
+    esac
+}
+[ "$checks_completion" = 1 ] && completed start
+
 started=$(date +%s)
 ${BIGGRAPH_TORCHRUN:-torchrun} "${args[@]}" &
 child=$!
-forward() { log "signal $1: stopping torchrun (pid $child)"; kill -s "$1" "$child" 2>/dev/null; }
+signalled=""
+forward() { signalled=$1; log "signal $1: stopping torchrun (pid $child)"; kill -s "$1" "$child" 2>/dev/null; }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 # wait returns early (>128) when a trapped signal arrives: keep waiting for torchrun itself
@@ -61,5 +96,10 @@ while true; do
     rc=$?
     kill -0 "$child" 2>/dev/null || break
 done
+# a failed agent (its rendezvous gone: the others finished while this pod waited or was frozen) may have nothing
+# left to do; a pod being stopped (a forwarded signal) is not asked: the kubelet is waiting for it
+if [ "$rc" != 0 ] && [ "$checks_completion" = 1 ] && [ -z "$signalled" ]; then
+    completed "after torchrun exited $rc"
+fi
 log "exit code=$rc seconds=$(( $(date +%s) - started )) index=${index:-none}"
 exit "$rc"

@@ -243,12 +243,7 @@ def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[
 
 @pytest.mark.slow
 @needs_box
-@pytest.mark.parametrize("hold_at", ["train", pytest.param("write", marks=pytest.mark.skip(reason=(
-    "flaky: on a quiet machine the two other pods finish every epoch before the held pod is thawed, and a pod "
-    "that comes back after the rendezvous host exited can never rendezvous, so its index runs out of retries "
-    "and the Job fails although training completed (a product gap: an agent that finds training complete should "
-    "exit 0; see the session note). The fence it tests is held by the 'train' case and "
-    "tests/test_elastic_rounds.py::test_a_rank_whose_round_is_over_is_fenced_off_from_writing")))])
+@pytest.mark.parametrize("hold_at", ["train", "write"])
 def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Callable[..., Run], tmp_path: Path,
                                                                      hold_at: str) -> None:
     """The dangerous moments of a stall: pod 2's trainer has trained a bucket (its rows in memory, not yet written
@@ -286,6 +281,43 @@ def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Cal
     assert not left, left
     if hold_at == "write":  # its write-back was fenced off (before the fence: a committed file overwritten, "damaged")
         assert "of the group is over" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@needs_box
+@pytest.mark.parametrize("back", ["thawed", "replaced"])
+def test_a_pod_back_after_the_others_finished_exits_0_and_the_job_completes(cluster: Callable[..., Run],
+                                                                            back: str) -> None:
+    """Pod 2 frozen mid-run; the others train on without it to the last epoch and exit 0, the rendezvous host (index
+    0) with them. Then pod 2 comes back: thawed (its agent fails to rendezvous, and asked again, the entrypoint finds
+    training complete) or, killed, replaced by a fresh pod (the entrypoint finds it complete before torchrun). Either
+    way its index exits 0 and the Job completes, instead of the index running out of retries."""
+    run = cluster(replicas=3, min_replicas=2, epochs=8)
+    run.mid_pass(1)
+    rounds = run.rounds()
+    at = time.monotonic()
+    run.box.freeze(2)
+    run.recovered("pod 2 frozen", at, rounds, world=2)
+    run.until("the other pods finished", lambda: run.box.succeeded == {0, 1}, timeout_s=600)
+    assert run.trained()[0] == run.epochs
+    at = time.monotonic()
+    if back == "thawed":
+        run.box.thaw(2)
+    else:
+        run.box.kill(2)
+    summaries = run.finish()
+    print(f"pod 2 {back}: its index complete after {time.monotonic() - at:.1f} s")
+    assert summaries[-1]["world_size"] == 2
+    last = run.box.root / "logs" / f"box-biggraph-2-{run.box.incarnations[2] - 1}.log"
+    said = [line for line in last.read_text(errors="replace").splitlines() if "reason=complete" in line]
+    assert len(said) == 1 and f"checkpoint version {run.epochs} in " in said[0], last.read_text()[-3000:]
+    if back == "thawed":
+        assert "(after torchrun exited" in said[0] and run.box.failures == {}, run.box.failures
+    else:
+        assert "(start)" in said[0] and run.box.failures == {2: 1}, run.box.failures
+        lines = last.read_text(errors="replace").splitlines()
+        # the fresh pod's whole log: the entrypoint's start line, the preflight's, the one line saying why it exits
+        assert all(line.startswith("preflight:") or "biggraph-entrypoint:" in line for line in lines), lines
 
 
 @needs_box

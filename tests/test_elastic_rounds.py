@@ -222,6 +222,34 @@ def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -
             host.wait()
 
 
+def test_a_rank_frozen_before_its_first_write_finds_its_round_over_when_thawed() -> None:
+    """A rank stopped before it wrote anything in its round, woken after the round's store went away: its first fence
+    fails on the connection it opened with the round, instead of dialling the dead store for the whole timeout of
+    the store (here two hours: the test's watchdog, not an assertion on time, would end a fence that dialled)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from job.train.group import DistributedContext, RoundOver
+
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import time; from datetime import timedelta; from torch.distributed import TCPStore; "
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)); "
+        "print(s.port, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        remote = TCPStore("127.0.0.1", int(host.stdout.readline()), is_master=False, timeout=timedelta(hours=2))
+        frozen = DistributedContext(rank=2, world_size=3, store=remote, restart_count=0, round_id="r3")
+        host.kill()  # the group re-formed without the frozen rank: the round's store is gone
+        host.wait()
+        with pytest.raises(RoundOver, match="rank 2: round r3 of the group is over .its store is gone"):
+            frozen.fence()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 def test_a_writer_stopped_while_it_built_a_file_checks_again_before_publishing(tmp_path: Path) -> None:
     """The guard runs before a file is built and again right before the rename publishes it: a writer frozen in
     between, whose round ended meanwhile, publishes nothing."""

@@ -1,4 +1,5 @@
-"""``biggraph config-help``, ``biggraph train`` and ``biggraph eval``."""
+"""``biggraph config-help``, ``biggraph train`` (and ``completed``, its check whether there is anything to train) and
+``biggraph eval``."""
 
 from __future__ import annotations
 
@@ -14,22 +15,24 @@ from job.config.choices import EDGE_READ_MODES, EVAL_PROTOCOLS
 
 logger = logging.getLogger("biggraph")
 
+# ``biggraph completed``'s answer "not complete": apart from 0 (complete), 1 (a crash) and 2 (bad input, one line)
+EXIT_NOT_COMPLETE = 3
+
 
 def register(subparsers: Any) -> None:
     help_parser = subparsers.add_parser("config-help", help="print every config key with its type, default and help")
     help_parser.set_defaults(func=_config_help)
 
     train = subparsers.add_parser("train", help="train embeddings (resumes from the last checkpoint if any)")
-    add_config_arguments(train)
-    train.add_argument(
-        "--edge-read-mode", choices=EDGE_READ_MODES, default=None,
-        help="how to read edge files from object stores (overrides the config key edge_read_mode)",
-    )
-    train.add_argument(
-        "--take-over", action="store_true",
-        help="take the checkpoint directory from a run whose heartbeat stopped (a job that was killed elsewhere); "
-             "a run whose heartbeat is fresh is never taken over")
+    _add_train_arguments(train)
     train.set_defaults(func=_train)
+
+    completed = subparsers.add_parser(
+        "completed", help="whether training is already complete: exit 0 when the checkpoint's committed version is "
+                          f"this config's last pass, {EXIT_NOT_COMPLETE} when not (takes train's arguments; run by the "
+                          "pod entrypoint before torchrun)")
+    _add_train_arguments(completed)
+    completed.set_defaults(func=_completed)
 
     evaluate = subparsers.add_parser("eval", help="rank held-out edges: MRR, Hits@1/10/50, AUC, mean rank")
     add_config_arguments(evaluate)
@@ -44,6 +47,20 @@ def register(subparsers: Any) -> None:
     evaluate.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
     add_version_argument(evaluate, "checkpoint version (default: the latest)")
     evaluate.set_defaults(func=_eval)
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """``train``'s arguments; ``completed`` takes the same, so that the entrypoint can hand it train's command line
+    and the check reads the very config the trainer would (its ``-p`` overrides included)."""
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--edge-read-mode", choices=EDGE_READ_MODES, default=None,
+        help="how to read edge files from object stores (overrides the config key edge_read_mode)",
+    )
+    parser.add_argument(
+        "--take-over", action="store_true",
+        help="take the checkpoint directory from a run whose heartbeat stopped (a job that was killed elsewhere); "
+             "a run whose heartbeat is fresh is never taken over")
 
 
 def _config_help(args: argparse.Namespace) -> int:
@@ -70,6 +87,15 @@ def _train(args: argparse.Namespace) -> int:
     from job.train.launch import launch  # heavy (torch): only when the command runs, so `biggraph --help` is instant
 
     return launch(config, args.argv, take_over=args.take_over)
+
+
+def _completed(args: argparse.Namespace) -> int:
+    """One line on stdout either way: the entrypoint logs it (docker/entrypoint.sh)."""
+    from job.checkpoint.completion import training_complete
+
+    completion = training_complete(load(args))
+    print(completion.message)
+    return 0 if completion.complete else EXIT_NOT_COMPLETE
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -349,6 +349,16 @@ class CheckpointStorage:
             metadata = {k: attr_value(v) for k, v in handle.attrs.items()}
         return params, deserialize_optimizer_state(blob, url), metadata
 
+    def load_model_metadata(self, version: int) -> dict[str, Any]:
+        """The root metadata attributes of ``model.v{version}.h5`` alone (``config/json``, ``iteration/*``): what a
+        reader that only asks which pass wrote the version needs, without the parameters or the optimizer blob (no
+        torch). The file is still checked against the version's manifest."""
+        url = self.model_file(version)
+        self._wait(url)
+        with open_for_reading(url, self.expected_entry(version, url)) as handle:
+            check_version_attr(handle, url)
+            return {k: attr_value(v) for k, v in handle.attrs.items()}
+
     def has_model(self, version: int) -> bool:
         url = self.model_file(version)
         self._wait(url)

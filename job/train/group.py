@@ -54,6 +54,16 @@ class DistributedContext:
     _fence_store: Any = None  # a store client of its own for ``fence`` (called from writer threads too)
     _fence_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        """Connect ``fence``'s client now, while the round's store certainly answers. Connected lazily, by the first
+        write of a rank that was frozen before it wrote anything in this round, the client would dial a store that
+        is gone for the whole timeout of the store it is cloned from (``init_process_group``'s: 30 min), the rank
+        stuck in it while the others finish without it (tests/test_cluster_box.py, the ``write`` freeze); an
+        open connection to a store that is gone fails at once."""
+        if self._fence_store is None and self.store is not None:
+            self._fence_store = self.store.clone()
+            self._fence_store.set_timeout(datetime.timedelta(seconds=60))
+
     def key(self, name: str) -> str:
         """The store key ``name`` of this round (a key of an earlier round, or of a rank that counts rounds
         otherwise, never meets it)."""
@@ -67,9 +77,6 @@ class DistributedContext:
         agent closes it when it re-forms the group). One store round trip per file written."""
         with self._fence_lock:
             try:
-                if self._fence_store is None:
-                    self._fence_store = self.store.clone()
-                    self._fence_store.set_timeout(datetime.timedelta(seconds=60))
                 declared = self._fence_store.check([self.key(f"dead/{self.rank}")])
             except Exception as err:  # the store is gone with its round
                 raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (its store is gone: "
