@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from job.checkpoint import CheckpointManager
+from job.checkpoint.completion import training_complete
 from job.cli import main
 from job.config import parse_config
 from job.errors import UserError
@@ -106,6 +107,16 @@ def test_early_stopping_stops_after_the_patience_and_keeps_the_best_version(tmp_
     out = tmp_path / "exported"
     assert main(["export", str(config_file), "--version", "best", "--out", str(out)]) == 0
     assert main(["eval", str(config_file), "--version", "best", "--json"]) == 0
+    # early stopping ended the run: a restarted pod or a resubmitted Job trains no further, and the pod
+    # entrypoint's question (biggraph completed) says it is complete
+    assert training_complete(config).complete
+    assert "early stopping ended it at checkpoint version 3" in training_complete(config).message
+    train(config)
+    assert (directory / "checkpoint_version.txt").read_text().strip() == "3"
+    assert len(validation_lines(config.checkpoint_path)) == 3
+    # with more patience the same checkpoint goes on training (another config: not complete, not ended)
+    more = parse_config({**raw, "early_stopping_patience": 3})
+    assert not training_complete(more).complete
 
 
 def test_without_early_stopping_the_run_goes_on_and_a_resume_keeps_the_best(tmp_path: Path) -> None:

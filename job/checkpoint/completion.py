@@ -21,8 +21,9 @@ pass, so that a pod never skips training a run of its config would do. The commi
 
 What makes the config's runs one run (the owner record's run id, the progress snapshot's binding) does not enter:
 a resubmitted Job (another uid) of the same config finds the same checkpoint complete, as its trainer would. A run
-that stopped early (``early_stopping``) commits no last pass and is not complete here: its pods go to the
-rendezvous as before. Nothing is written: the check is a reader's, run by pods that are not the writer.
+that early stopping ended (``validation_edge_paths``; its validation lines in training_stats.json say so, as
+``job.checkpoint.validation_history`` reads them) is complete at the version it stopped at.
+Nothing is written: the check is a reader's, run by pods that are not the writer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from job.checkpoint.journal import list_journals
+from job.checkpoint.validation_history import stopped_early_at
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage
@@ -107,6 +109,10 @@ def _judge(config: ConfigSchema, url: str) -> Completion:
         return incomplete("has no pass metadata (iteration/*): not written by a biggraph train")
     at = {key: value for key, value in found.items() if value is not None}
     final = FinalPass(config.num_epochs, len(config.edge_paths), at["num_edge_chunks"])
+    if (patience := stopped_early_at(config, committed.checkpoint.load_stats(), version)) is not None:
+        return Completion(True, version, f"training already complete: early stopping ended it at checkpoint version "
+                                         f"{version} in {url} (best validation MRR {patience.best_mrr:.4f}, version "
+                                         f"{patience.best_version}); nothing to train")
     if (at["num_epochs"], at["epoch_idx"] + 1, at["num_edge_paths"], at["edge_path_idx"] + 1, at["edge_chunk_idx"] + 1) \
             != (final.epochs, final.epochs, final.edge_paths, final.edge_paths, final.chunks):
         return incomplete(f"is the pass of epoch {at['epoch_idx'] + 1}/{at['num_epochs']}, edge path "

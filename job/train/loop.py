@@ -214,6 +214,11 @@ class Trainer:
             # PBG rejects keys it does not know; a grow's passes describe the user's config, not theirs
             self.checkpoint.save_config((self.parts.described_config or config).to_pbg_json())
         todo = [iteration for iteration in self.iterations if iteration.index >= self.version]
+        if todo and (ended := self.validation.ended(self.version)) is not None:
+            # a pod restarted or a Job resubmitted after early stopping ended the run: it trains no further
+            self.finished_ok = True
+            logger.info(ended)
+            return {"version": self.version, "passes": 0}
         if not todo:
             self.finished_ok = True
             logger.info("training already complete: checkpoint version %d covers all %d passes",

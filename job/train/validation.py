@@ -26,34 +26,11 @@ import time
 from typing import Any, Optional
 
 from job.checkpoint import CheckpointManager
+from job.checkpoint.validation_history import Patience, history, is_validation, stopped_early_at
 from job.config import ConfigSchema
 from job.eval_protocol import protocol_label
 
 logger = logging.getLogger("biggraph")
-
-
-def is_validation(record: dict[str, Any]) -> bool:
-    """Whether a training_stats.json line is a validation line (not a bucket record or a pass summary)."""
-    return bool(record.get("validation"))
-
-
-@dataclasses.dataclass
-class Patience:
-    """The best validation MRR so far and how many validations in a row have not beaten it."""
-
-    best_mrr: Optional[float] = None
-    best_version: Optional[int] = None
-    stale: int = 0
-
-    def improves(self, mrr: float) -> bool:
-        return self.best_mrr is None or mrr > self.best_mrr
-
-    def observe(self, record: dict[str, Any]) -> None:
-        mrr = float(record["metrics"]["mrr"])
-        if self.improves(mrr):
-            self.best_mrr, self.best_version, self.stale = mrr, int(record["checkpoint_version"]), 0
-        else:
-            self.stale += 1
 
 
 class Validation:
@@ -72,10 +49,10 @@ class Validation:
                              + list(config.validation_filter_paths)) if config.validation_filtered else []
         # what `biggraph eval` would be given: the validation edges as the edges to rank
         self.eval_config = dataclasses.replace(config, edge_paths=list(config.validation_edge_paths))
-        for record in checkpoints.storage.load_stats():  # a resumed run goes on with its earlier validations
-            if is_validation(record):
-                self.patience.observe(record)
-                self.offset = float(record.get("seconds") or 0.0)
+        records = checkpoints.storage.load_stats()  # a resumed run goes on with its earlier validations
+        self.patience = history(records)
+        self.offset = max((float(r.get("seconds") or 0.0) for r in records if is_validation(r)), default=0.0)
+        self.records = records
 
     def start(self) -> None:
         """Training starts now (``seconds`` of the lines count from here, after a resumed run's earlier ones)."""
@@ -118,6 +95,15 @@ class Validation:
                     best_version, best_mrr, extra={"fields": record})
         return record
 
+    def ended(self, version: int) -> Optional[str]:
+        """Why training is already over at the committed ``version`` because early stopping ended it (then a
+        restarted pod or a resubmitted Job trains nothing more); None when it goes on."""
+        if not self.enabled or (patience := stopped_early_at(self.config, self.records, version)) is None:
+            return None
+        return (f"training already complete: early stopping ended it at checkpoint version {version} (no validation "
+                f"MRR above {patience.best_mrr:.4f}, version {patience.best_version}, for {patience.stale} "
+                f"validation(s); early_stopping_patience {self.config.early_stopping_patience})")
+
     def stops(self, record: dict[str, Any]) -> bool:
         """Every process, with the published line: whether early stopping ends training here."""
         self.patience.observe(record)
@@ -126,7 +112,7 @@ class Validation:
         logger.info("early stopping check after the validation of version %d: MRR %.6f, best %.6f (version %d), %d "
                     "validation(s) without improvement", record["checkpoint_version"], record["metrics"]["mrr"],
                     self.patience.best_mrr, self.patience.best_version, self.patience.stale)
-        if self.patience.stale < self.config.early_stopping_patience:
+        if not self.patience.exhausted(self.config):
             return False
         logger.info("early stopping: the validation MRR has not beaten %.4f (version %d) for %d validation(s) "
                     "(early_stopping_patience %d)", self.patience.best_mrr, self.patience.best_version,
