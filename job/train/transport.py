@@ -18,10 +18,11 @@ request, and answers with the sum under the same tag.
 A send completes when the peer has taken the payload (gloo's rendezvous of an unbound buffer), so a sender may
 reuse its buffer after ``Transfer.wait``. The server's own rank has no gloo pair with itself: there (rank 0's
 trainer and its lock server, two threads of one process) a transfer is a hand-over in memory with the same
-semantics. Every wait is bounded (``timeout``): a dead peer fails the transfer (gloo closes the pair at once when
-the peer's socket closes, at the latest after the timeout) instead of holding the server forever; the round is
-then over anyway (the heartbeat names the dead rank, torchrun re-forms the group, and every worker process, with
-its transport, starts again: the group is rebuilt with the round).
+semantics. Every wait is bounded (``timeout``): a dead peer fails the transfer (at once when the peer's socket
+closes, at the latest after the timeout) instead of holding the server forever. A failed transfer ends the pair
+with that peer (gloo closes it after a timeout), so that rank cannot sync again in this round: its next request
+fails and it leaves. The round is over anyway (the heartbeat names a dead rank, torchrun re-forms the group, and
+every worker process, with its transport, starts again: the group is rebuilt with the round).
 """
 
 from __future__ import annotations
