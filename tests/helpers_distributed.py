@@ -4,6 +4,7 @@
 - ``agent_command`` / ``kill_tree``: one torchrun agent's command line (a node of a c10d rendezvous on
   127.0.0.1) and killing it together with its workers, as a lost pod dies
 - ``partition_keys``: the lock server's partition keys of every bucket, for the ``LockState`` rule tests
+- ``transports``: one real gloo tensor transport per rank, all in this process (the lock-server tests' ranks)
 - ``import_umls_p4``: UMLS imported into 4 partitions (the ``umls_p4`` fixture of tests/conftest.py), and
   ``write_run_config`` / ``filtered_mrr`` to train and score runs on it
 - ``Agents``: torchrun agents started like pods, each killable together with its worker
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from job.train.buckets import Bucket
+    from job.train.transport import TensorTransport
 
 
 def free_port() -> int:
@@ -67,6 +69,34 @@ def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
     from job.train.buckets import all_buckets
 
     return {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(nparts, nparts)}
+
+
+def transports(store: object, world_size: int, timeout_s: float = 60.0) -> list[TensorTransport]:
+    """Every rank's end of a real gloo transport (job/train/transport.py), formed over ``store`` (a real TCPStore)
+    in this process: the ranks of the lock-server tests are threads of one process, their payloads still go
+    through gloo's sockets (rank 0's to its own server in memory, as in a trainer). Each rank joins from a
+    thread of its own and through a store client of its own (the group forms only once all have joined)."""
+    import threading
+    import uuid
+
+    from torch.distributed import PrefixStore
+
+    from job.train.transport import TensorTransport
+
+    prefix = f"transport-{uuid.uuid4().hex}"
+    made: dict[int, TensorTransport] = {}
+
+    def join(rank: int) -> None:
+        made[rank] = TensorTransport.over_store(PrefixStore(prefix, store.clone()), rank, world_size,  # type: ignore[attr-defined]
+                                                timeout_s)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == world_size, "the transport's group did not form"
+    return [made[rank] for rank in range(world_size)]
 
 
 # a small real graph, and runs on it ------------------------------------------------------------------

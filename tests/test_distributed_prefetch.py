@@ -15,6 +15,7 @@ from helpers_distributed import (
     bucket_records,
     filtered_mrr,
     partition_keys,
+    transports,
     write_run_config,
 )
 
@@ -98,7 +99,9 @@ def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_t
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     state = LockState(6, 6, partition_keys(6), world_size=1)
-    server = LockServer(store, state, SimpleNamespace(append=lambda records: None), np.zeros(1, np.float32), 0)
+    transport = transports(store, 1)[0]
+    server = LockServer(store, state, SimpleNamespace(append=lambda records: None), np.zeros(1, np.float32), 0,
+                        transport)
     main, writer = LockClient(store, 0, timeout_s=10), LockClient(store, 0, timeout_s=10, channel="/writer")
     errors: list[BaseException] = []
 

@@ -1,8 +1,11 @@
 """The lock server as a service: every request answered (errors included), a ``sync`` of the wrong shape refused,
-progress persisted as a snapshot plus one record per change and replayed after a restart, and a progress file
-bound to its run (a stale or foreign one refused and cleaned, never resumed).
+progress persisted as a snapshot plus one record per change and replayed after a restart, a progress file
+bound to its run (a stale or foreign one refused and cleaned, never resumed), and the shared parameters carried
+point-to-point over gloo, never through the store.
 
-Real TCPStore and server threads; no torchrun (tests/test_elastic_rounds.py has the real-process test)."""
+Real TCPStore, real gloo transports (one per rank, the ranks being threads of this process: rank 0's trainer hands
+its vectors to its server in memory, the others' go through gloo's sockets) and server threads; no torchrun
+(tests/test_elastic_rounds.py has the real-process tests, and the end of this file a group of real processes)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers_distributed import partition_keys
+import torch
+from helpers_distributed import partition_keys, transports
 from torch.distributed import TCPStore
 
 from job.train.distributed import LockClient, LockServer, LockServerError, _pack
@@ -29,6 +33,7 @@ from job.train.progress import (
     read_progress,
     remove_progress,
 )
+from job.train.transport import TensorTransport
 
 PREFIX = "biggraph/test-round/lock"
 
@@ -39,12 +44,18 @@ def store() -> TCPStore:
 
 
 @pytest.fixture
-def served(store: TCPStore) -> Iterator[tuple[LockServer, LockClient]]:
+def ranks(store: TCPStore) -> list[TensorTransport]:
+    """Ranks 0 (the server's) and 1 of a real gloo transport."""
+    return transports(store, 2)
+
+
+@pytest.fixture
+def served(store: TCPStore, ranks: list[TensorTransport]) -> Iterator[tuple[LockServer, LockClient]]:
     state = LockState(4, 4, partition_keys(4), world_size=2)
     server = LockServer(store, state, SimpleNamespace(append=lambda records: None), np.zeros(3, np.float32), 0,
-                        prefix=PREFIX)
+                        ranks[0], prefix=PREFIX)
     # a bounded wait, far above any answer: a request left unanswered fails the test with "no answer", not a hang
-    client = LockClient(store, 1, timeout_s=60, prefix=PREFIX)
+    client = LockClient(store, 1, timeout_s=60, prefix=PREFIX, transport=ranks[1])
     try:
         yield server, client
     finally:
@@ -83,6 +94,8 @@ def test_a_request_without_a_rank_is_logged_and_the_server_serves_on(store: TCPS
     _, client = served
     store.queue_push(f"{PREFIX}/requests", _pack({"op": "next"}))  # nobody to answer
     store.queue_push(f"{PREFIX}/requests", b"\x05\x00\x00\x00{oops")  # not JSON
+    # a push is not acknowledged: a question on the same connection makes sure both are queued before the client's
+    store.queue_len(f"{PREFIX}/requests")
     kind, _, _ = client.next_bucket(set(), None, None)
     assert kind == "bucket"
     assert caplog.text.count("unreadable request") == 2
@@ -102,23 +115,30 @@ def test_a_stop_left_by_an_earlier_server_of_the_round_is_not_answered_nor_stops
 def test_a_sync_of_the_wrong_shape_is_refused_and_changes_nothing(served: tuple[LockServer, LockClient]) -> None:
     server, client = served
     with pytest.raises(LockServerError, match="refused 'sync'.*change of 5 values.*have 3"):
-        client.sync(np.ones(5, np.float32))
+        client.sync(torch.ones(5))
     assert server.shared.tolist() == [0.0, 0.0, 0.0]
-    assert client.sync(np.array([1.0, 2.0, 3.0], np.float32)).tolist() == [1.0, 2.0, 3.0]
+    # the refused payload was taken all the same: the next one travels on the same pair
+    assert client.sync(torch.tensor([1.0, 2.0, 3.0])).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(LockServerError, match="refused 'release'.*carries no shared-parameter change"):
+        client._call({"op": "release", "keys": []}, torch.ones(3))
+    assert client.sync(torch.zeros(3)).tolist() == [1.0, 2.0, 3.0]
 
 
-def test_a_failed_progress_write_is_answered_and_every_later_request_refused(store: TCPStore) -> None:
+def test_a_failed_progress_write_is_answered_and_every_later_request_refused(store: TCPStore,
+                                                                             ranks: list[TensorTransport]) -> None:
     def fail(records: list) -> None:
         raise OSError("disk full")
 
     server = LockServer(store, LockState(4, 4, partition_keys(4)), SimpleNamespace(append=fail),
-                        np.zeros(1, np.float32), 0, prefix=PREFIX)
-    client = LockClient(store, 0, timeout_s=60, prefix=PREFIX)
+                        np.zeros(1, np.float32), 0, ranks[0], prefix=PREFIX)
+    client = LockClient(store, 1, timeout_s=60, prefix=PREFIX, transport=ranks[1])
     try:
         with pytest.raises(LockServerError, match="OSError: disk full"):
             client.next_bucket(set(), None, None)
         with pytest.raises(LockServerError, match="could not be saved earlier.*disk full"):
             client.status()
+        with pytest.raises(LockServerError, match="could not be saved earlier.*disk full"):
+            client.sync(torch.ones(1))  # its payload taken, the refusal answered
     finally:
         server.stop()
 
@@ -203,13 +223,14 @@ def test_the_snapshot_with_its_records_replayed_is_the_servers_state(seed: int) 
 
 
 def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(tmp_path: Path,
-                                                                               store: TCPStore) -> None:
+                                                                               store: TCPStore,
+                                                                               ranks: list[TensorTransport]) -> None:
     checkpoint = str(tmp_path)
     state = LockState(4, 4, partition_keys(4), world_size=1, version=3)
     log = ProgressLog(checkpoint, "job-a/cfg", 3)
     log.start(state.to_json())
     snapshot = (tmp_path / PROGRESS_FILE).read_bytes()
-    server = LockServer(store, state, log, np.zeros(1, np.float32), 0, prefix=PREFIX)
+    server = LockServer(store, state, log, np.zeros(1, np.float32), 0, ranks[0], prefix=PREFIX)
     client = LockClient(store, 0, timeout_s=60, prefix=PREFIX)
     try:
         finished = None
@@ -336,18 +357,24 @@ class Trainer:
     """A rank as the lock server sees it: its bucket's shared update (1 in that bucket's slot) goes with the
     request that finishes the bucket; the partitions it no longer needs are written back and released."""
 
-    def __init__(self, client: LockClient, nparts: int) -> None:
+    def __init__(self, client: LockClient, nparts: int, block: int = 1) -> None:
+        """``block``: the values of each bucket's slot (its change is ``block`` ones)."""
         self.client = client
         self.nparts = nparts
+        self.block = block
         self.current: Any = None
         self.held: set = set()
+        self.sums: list[torch.Tensor] = []  # the sums the server answered, in order
 
     def step(self, state: LockState) -> str:
         delta = None
         if self.current is not None:
-            delta = np.zeros(self.nparts * self.nparts, np.float32)
-            delta[self.current.lhs * self.nparts + self.current.rhs] = 1.0
-        kind, bucket, _, _ = self.client.finish_and_next(self.held, self.current, None, delta)
+            delta = torch.zeros(self.nparts * self.nparts * self.block)
+            slot = self.current.lhs * self.nparts + self.current.rhs
+            delta[slot * self.block:(slot + 1) * self.block] = 1.0
+        kind, bucket, _, total = self.client.finish_and_next(self.held, self.current, None, delta)
+        if total is not None:
+            self.sums.append(total)
         self.current = bucket
         keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
         if self.held - keep:
@@ -356,7 +383,7 @@ class Trainer:
         return kind
 
 
-def serve(store: TCPStore, checkpoint: str, progress: Any, prefix: str) -> LockServer:
+def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: TensorTransport) -> LockServer:
     """Rank 0's lock server for the pass committing version 1, resumed from ``progress`` if any (as
     ``LockServerScheduler.start_pass`` does)."""
     state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
@@ -369,18 +396,20 @@ def serve(store: TCPStore, checkpoint: str, progress: Any, prefix: str) -> LockS
         shared = progress.shared
     log = ProgressLog(checkpoint, "run", 1)
     log.start(state.to_json(), shared)
-    return LockServer(store, state, log, shared, 0, prefix=prefix)
+    return LockServer(store, state, log, shared, 0, transport, prefix=prefix)
 
 
 @pytest.mark.parametrize("crash_after", [0, 1, 2, 5, 9, 14, 20, 27, 35])
 def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_restart(tmp_path: Path, store: TCPStore,
+                                                                                  ranks: list[TensorTransport],
                                                                                   crash_after: int) -> None:
     """Two ranks take buckets until the group dies after ``crash_after`` requests (each rank with a bucket in
     flight whose update never left it); the restarted server resumes from storage and one rank finishes the
     pass: every bucket's shared update is in the result once, none lost, none twice."""
     checkpoint = str(tmp_path)
-    server = serve(store, checkpoint, None, "first/lock")
-    trainers = [Trainer(LockClient(store, rank, timeout_s=60, prefix="first/lock"), 4) for rank in (0, 1)]
+    server = serve(store, checkpoint, None, "first/lock", ranks[0])
+    trainers = [Trainer(LockClient(store, rank, timeout_s=60, prefix="first/lock", transport=ranks[rank]), 4)
+                for rank in (0, 1)]
     try:
         for step in range(crash_after):
             trainers[step % 2].step(server.state)
@@ -395,8 +424,8 @@ def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_resta
         resumed.apply(record)
     resumed.forget_rank_locks()
     assert sorted(np.flatnonzero(progress.shared).tolist()) == sorted(b.lhs * 4 + b.rhs for b in resumed.done)
-    server = serve(store, checkpoint, progress, "second/lock")
-    survivor = Trainer(LockClient(store, 0, timeout_s=60, prefix="second/lock"), 4)
+    server = serve(store, checkpoint, progress, "second/lock", ranks[0])
+    survivor = Trainer(LockClient(store, 0, timeout_s=60, prefix="second/lock", transport=ranks[0]), 4)
     try:
         while survivor.step(server.state) != "done":
             pass
@@ -404,3 +433,175 @@ def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_resta
         assert server.shared.tolist() == [1.0] * 16
     finally:
         server.stop()
+
+
+# the shared parameters' transport: point-to-point over gloo, never through the store --------------------------------
+
+
+class RecordingStore:
+    """The real TCPStore, recording the size of every value written into it (clones record into the same list)."""
+
+    def __init__(self, store: Any, written: list[tuple[str, int]]) -> None:
+        self._store = store
+        self.written = written
+
+    def clone(self) -> RecordingStore:
+        return RecordingStore(self._store.clone(), self.written)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.set_timeout(timeout)
+
+    def queue_push(self, key: str, value: bytes) -> None:
+        self.written.append((key, len(value)))
+        self._store.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self._store.queue_pop(key, block=block)
+
+    def set(self, key: str, value: Any) -> None:
+        self.written.append((key, len(value)))
+        self._store.set(key, value)
+
+
+def test_the_shared_parameters_never_pass_through_the_store(tmp_path: Path, store: TCPStore,
+                                                            ranks: list[TensorTransport]) -> None:
+    """A pass of two ranks whose buckets each change their own block of a 64 KiB shared vector: every store value
+    stays far smaller than one block (requests and replies only), each sum comes back into the buffer its change
+    left from, and the pass ends with each bucket's change in the vector once."""
+    written: list[tuple[str, int]] = []
+    recording = RecordingStore(store, written)
+    block = 1024  # values per bucket: 4 KiB, a 64 KiB vector
+    state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
+    log = ProgressLog(str(tmp_path), "run", 1)
+    log.start(state.to_json(), np.zeros(16 * block, np.float32))
+    server = LockServer(recording, state, log, np.zeros(16 * block, np.float32), 0, ranks[0], prefix=PREFIX)
+    trainers = [Trainer(LockClient(recording, rank, timeout_s=60, prefix=PREFIX, transport=ranks[rank]), 4, block)
+                for rank in (0, 1)]
+    try:
+        steps = 0
+        while not (state.finished() and all(t.current is None for t in trainers)):
+            trainers[steps % 2].step(state)
+            steps += 1
+            assert steps < 200, state.to_json()
+        assert server.values().tolist() == [1.0] * (16 * block)
+        sums = [total.sum().item() for trainer in trainers for total in trainer.sums]
+        assert sorted(sums) == [block * n for n in range(1, 17)]  # each bucket's sum seen by the rank finishing it
+    finally:
+        server.stop()
+    assert written and max(size for _, size in written) < block, sorted(written, key=lambda w: -w[1])[:3]
+
+
+@pytest.mark.parametrize("stops", ["before sending its change", "before taking the sum"])
+def test_a_rank_that_stops_midway_through_a_transfer_does_not_hold_the_server(
+        store: TCPStore, caplog: pytest.LogCaptureFixture, stops: str) -> None:
+    """Rank 1 announces a change and stops before sending it, or sends it and stops before taking the sum (as a
+    rank stopped or killed midway would): the transfer fails after the transport's timeout (gloo then closes the
+    pair: that rank's round is over), the request is answered all the same, and the server serves rank 0 on."""
+    ranks = transports(store, 2, timeout_s=2.0)
+    server = LockServer(store, LockState(4, 4, partition_keys(4), world_size=2), SimpleNamespace(append=lambda r: None),
+                        np.zeros(3, np.float32), 0, ranks[0], prefix=PREFIX)
+    rank0 = LockClient(store, 0, timeout_s=60, prefix=PREFIX, transport=ranks[0])
+    stalled = LockClient(store, 1, timeout_s=60, prefix=PREFIX)  # reads its replies; its transfers are done by hand
+    try:
+        sent = ranks[1].send(torch.ones(3), 0, 7) if stops == "before taking the sum" else None
+        store.queue_push(f"{PREFIX}/requests", _pack({"op": "sync", "rank": 1, "channel": "", "values": 3, "tag": 7}))
+        reply = json.loads(stalled.store.queue_pop(stalled.responses, block=True))
+        if sent is None:
+            assert not reply["ok"] and "TransferError" in reply["error"] and "payload 7 from rank 1" in reply["error"]
+            assert rank0.sync(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]
+        else:
+            assert reply["ok"]
+            sent.wait()
+            assert rank0.sync(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]  # answered once the send to 1 failed
+            assert "the shared parameters did not reach rank 1" in caplog.text
+    finally:
+        server.stop()
+
+
+# a group of real processes: init_distributed forms the transport, ranks finish buckets at their own pace
+GROUP_SCRIPT = """
+import json, sys, time
+import numpy as np, torch
+from job.train.distributed import LockClient, LockServer, SharedParameters
+from job.train.group import init_distributed, leave, wait_all
+from job.train.lock_state import LockState
+from job.train.progress import ProgressLog
+from helpers_distributed import partition_keys
+from test_lock_protocol import RecordingStore
+
+ctx = init_distributed("digest")
+written = []
+store = RecordingStore(ctx.store, written)
+block = 1024
+state = LockState(4, 4, partition_keys(4), world_size=ctx.world_size, version=1)
+if ctx.rank == 0:
+    log = ProgressLog(sys.argv[1], ctx.run_id, 1)
+    log.start(state.to_json(), np.zeros(16 * block, np.float32))
+    server = LockServer(store, state, log, np.zeros(16 * block, np.float32), 0, ctx.transport, prefix=ctx.key("lock"))
+wait_all(ctx, "server-up")
+# this rank's copy of the shared parameters, changed by every bucket it trains (its block + 1), synced as a trainer does
+weights = torch.zeros(16 * block)
+shared = SharedParameters([weights])
+client = LockClient(store, ctx.rank, timeout_s=60, prefix=ctx.key("lock"), transport=ctx.transport)
+current, held, trained = None, set(), []
+while True:
+    kind, bucket, _, total = client.finish_and_next(held, current, None, shared.change() if current else None)
+    if total is not None:
+        shared.assign(total)
+    current = bucket
+    keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
+    if held - keep:  # written back: others may take them
+        client.release(sorted(held - keep))
+    held = keep
+    if kind == "done":
+        break
+    if bucket is None:
+        time.sleep(0.02)
+        continue
+    slot = bucket.lhs * 4 + bucket.rhs
+    weights[slot * block:(slot + 1) * block] += 1.0
+    trained.append(slot)
+    time.sleep(0.01 * (ctx.rank + 1))  # ranks at their own pace: bucket boundaries at different times
+wait_all(ctx, "pass-done")
+shared.sync(client)  # the pass's end: everyone's changes
+wait_all(ctx, "synced")  # every rank answered before rank 0 stops its server
+result = {"rank": ctx.rank, "trained": trained, "max_store_value": max(size for _, size in written),
+          "values": sorted(set(weights.tolist()))}
+if ctx.rank == 0:
+    result["server"] = sorted(set(server.values().tolist()))
+    server.stop()
+wait_all(ctx, "checked")
+print(json.dumps(result))
+leave(ctx)
+"""
+
+
+def test_a_group_of_processes_sums_every_buckets_shared_change_once_over_the_transport(tmp_path: Path) -> None:
+    """Three real processes joined by ``init_distributed`` (which forms the gloo transport): each trains the buckets
+    the server gives it at its own pace and adds 1 to its bucket's block of the shared vector. After the pass every
+    rank holds the sum with each bucket once, and no rank ever wrote a value the size of a block into the store."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers_distributed import free_port
+
+    port = free_port()
+    tests = str(Path(__file__).parent)
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
+                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+        env.pop("BIGGRAPH_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, "-c", GROUP_SCRIPT, str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    trained = [slot for r in results for slot in r["trained"]]
+    assert sorted(trained) == list(range(16))  # every bucket once
+    assert all(r["values"] == [1.0] for r in results)  # every rank: each bucket's change once, none lost
+    assert results[0]["server"] == [1.0]
+    assert max(r["max_store_value"] for r in results) < 1024  # requests only: a block is 4 KiB

@@ -108,7 +108,7 @@ def checkpoint_transfer_bytes(checkpoint_url: str) -> int:
 
 
 def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distributed: bool, processes: int = 1,
-                    runtime_bytes: Optional[int] = None, transfer_bytes: int = 0) -> Optional[int]:
+                    runtime_bytes: Optional[int] = None, transfer_bytes: int = 0, sync_bytes: int = 0) -> Optional[int]:
     """How many partitions (of partitioned types) the buffer holds; None: exactly the current bucket's, as
     PBG. Logs why. Distributed trainers keep only the current bucket's partitions resident (the partitions
     they hold are locked from the others); with ``prefetch_partitions`` the capacity bounds those plus the
@@ -117,8 +117,10 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     ``memory_budget`` is the whole trainer's memory (what a container limit is): the ``processes`` (the
     trainer and its Hogwild workers) cost ``runtime_bytes`` each (default: measured on this one), the
     unpartitioned types are held whole, one partition is in flight at a swap (the one arriving is
-    allocated before every process has let go of the one leaving), and ``transfer_bytes`` are the storage
-    layer's transfer buffers (object stores: the parts of uploads and downloads in flight); the rest is the buffer."""
+    allocated before every process has let go of the one leaving), ``transfer_bytes`` are the storage
+    layer's transfer buffers (object stores: the parts of uploads and downloads in flight), and ``sync_bytes``
+    the shared parameters' copies a distributed trainer keeps to sync them (``sync_memory_bytes`` in
+    job/train/distributed.py: a fixed number per rank, more on the lock server's); the rest is the buffer."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
     if not partitioned or (distributed and not config.prefetch_partitions):
         return None
@@ -129,12 +131,13 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
         capacity, why = config.partition_buffer * len(partitioned), "partition_buffer"
     elif (budget := config.memory_budget_bytes) is not None:
         runtime = processes * (process_bytes() if runtime_bytes is None else runtime_bytes)
-        fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes
+        fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes + sync_bytes
         capacity = (budget - fixed) // per_part if per_part else total
         why = (f"memory_budget {_gib(budget)}: {_gib(runtime)} for {processes} process(es), "
                f"{_gib(unpartitioned_bytes(config, counts))} for unpartitioned types, {_gib(per_part)} for a "
                "partition in flight" + (f", {_gib(transfer_bytes)} for transfers to and from the object store"
-                                        if transfer_bytes else ""))
+                                        if transfer_bytes else "")
+               + (f", {_gib(sync_bytes)} to sync the shared parameters" if sync_bytes else ""))
         if capacity < per_bucket:
             raise ConfigError(
                 f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "

@@ -2,7 +2,10 @@
 leaving in order.
 
 Everything travels through the rendezvous TCPStore that ``init_process_group`` already connected
-every rank to; the lock server (job/train/distributed.py) uses the same store.
+every rank to; the lock server (job/train/distributed.py) uses the same store for its requests. The
+shared parameters' vectors travel over a gloo group of their own, formed here right after the round is
+agreed (``TensorTransport.for_group``, job/train/transport.py): a worker restarted into a new round
+forms a new one with the others.
 
 The round: every time torchrun forms the group (first start, a restart after a lost pod, a scale change) its
 ranks agree on one round id, drawn by rank 0 and broadcast over the process group (``agree_round``), and every
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.transport import TensorTransport
 
 logger = logging.getLogger("biggraph")
 
@@ -51,6 +55,7 @@ class DistributedContext:
     heartbeat: Optional[Heartbeat] = None
     round_id: str = "0"  # the same on every rank of this group (``agree_round``): names every store key of ours
     run_id: str = ""  # the job this group trains for (``run_identity``), rank 0's: binds the lock server's progress
+    transport: Optional[TensorTransport] = None  # the shared parameters' point-to-point transport (this round's)
     _fence_store: Any = None  # a store client of its own for ``fence`` (called from writer threads too)
     _fence_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -161,12 +166,13 @@ def init_distributed(digest: str = "") -> Optional[DistributedContext]:
     interval, dead_after = peer_timing(os.environ)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
+    transport = TensorTransport.for_group(rank)  # collective: every rank, right after the round
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
     return DistributedContext(
         rank=rank, world_size=world_size, store=store, restart_count=restart_count,
         heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id),
-        round_id=round_id, run_id=run_id,
+        round_id=round_id, run_id=run_id, transport=transport,
     )
 
 

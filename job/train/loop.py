@@ -32,7 +32,7 @@ from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_n
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
-from job.train.distributed import SharedParameters
+from job.train.distributed import SERVER_RANK, SharedParameters, sync_memory_bytes
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
 from job.train.optim import RelationAdagrad
@@ -137,7 +137,8 @@ class Trainer:
         # the trainer, its Hogwild workers and the fork server they start from
         processes = 1 + (self.workers + server_processes() if self.workers > 1 else 0)
         capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None, processes=processes,
-                                   transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path))
+                                   transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path),
+                                   sync_bytes=self._sync_bytes())
         # distributed: what a trainer holds is locked from the others
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
                                     self.checkpoints.metadata, self.device, Residency(capacity, self.dist is not None))
@@ -174,6 +175,16 @@ class Trainer:
         if self.device.type == "cpu":
             self.model.share_memory()
             self.relation_optimizer.share_memory()
+
+    def _sync_bytes(self) -> int:
+        """What syncing the shared parameters (model parameters and unpartitioned tables, as ``_make_scheduler``
+        gathers them) costs this process in a group: nothing alone."""
+        if self.dist is None:
+            return 0
+        values = sum(p.numel() for p in self.model.parameters()) + sum(
+            self.entity_counts[t][0] * self.config.entity_dimension(t)
+            for t, e in self.config.entities.items() if e.num_partitions == 1)
+        return sync_memory_bytes(values, serves=self.dist.rank == SERVER_RANK)
 
     def _make_scheduler(self) -> tuple[BucketScheduler, ParameterSync]:
         """The one place that knows whether this process trains alone."""

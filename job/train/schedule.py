@@ -7,7 +7,8 @@ whether it runs alone (PBG splits its trainer the same way: a bucket scheduler a
 - ``LockServerScheduler`` asks the lock server on rank 0 (job/train/distributed.py) for one bucket at a
   time; rank 0 also keeps every rank's bucket records (across a group restart) and commits.
 - ``NoSync`` / ``SharedSync``: relation parameters, global embeddings and unpartitioned tables are
-  private to a lone process, and pushed/pulled through the lock server at every bucket boundary in a group.
+  private to a lone process, and pushed/pulled through the lock server at every bucket boundary in a group
+  (the request through the store, the vectors point-to-point with rank 0: job/train/transport.py).
 
 Prefetch (the next bucket's edge file and, with ``prefetch_partitions``, its partitions while the
 current bucket trains) needs ``upcoming()``: the buckets this process will train next, whose
@@ -179,7 +180,10 @@ class LockServerScheduler(BucketScheduler):
         self.shared_values = shared_values
         self.commits = ctx.rank == 0
         self.bucket_keys = bucket_locks(config, *nparts)
-        self.client = LockClient(ctx.store, ctx.rank, prefix=ctx.key("lock"))
+        if ctx.transport is None:
+            raise ValueError("a lock-server scheduler needs the group's tensor transport (init_distributed makes it)")
+        self.transport = ctx.transport
+        self.client = LockClient(ctx.store, ctx.rank, prefix=ctx.key("lock"), transport=self.transport)
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
@@ -215,7 +219,7 @@ class LockServerScheduler(BucketScheduler):
             # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
             log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
             log.start(state.to_json(), shared)
-            self.server = LockServer(self.ctx.store, state, log, shared, seed_base,
+            self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"))
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
@@ -225,9 +229,9 @@ class LockServerScheduler(BucketScheduler):
             self.ctx.check_peers()
             self.store.stats.blocked_seconds += self._settle_releases()
             carry, self.carry = self.carry, None
-            delta = carry.flatten() - carry.synced if carry is not None else None
             kind, bucket, dirty, shared = self.client.finish_and_next(
-                self.store.resident_partitioned(), self.current, finished, delta)
+                self.store.resident_partitioned(), self.current, finished,
+                carry.change() if carry is not None else None)
             if carry is not None and shared is not None:
                 carry.assign(shared)
             self.current, finished = None, None
@@ -359,7 +363,7 @@ class SharedSync(ParameterSync):
         self.scheduler = scheduler
 
     def pull(self) -> None:
-        self.shared.assign(self.scheduler.client.sync(np.zeros_like(self.shared.synced)))
+        self.shared.assign(self.scheduler.client.sync(self.shared.no_change()))
 
     def sync(self) -> None:
         if self.scheduler.current is not None:
@@ -369,4 +373,4 @@ class SharedSync(ParameterSync):
 
     def settle(self) -> None:
         if self.scheduler.server is not None:
-            self.shared.assign(self.scheduler.server.shared)
+            self.shared.assign(self.scheduler.server.values())
