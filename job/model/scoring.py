@@ -159,8 +159,11 @@ class Model(nn.Module):
         relation = self.config.relations[rel_idx]
         lhs_base = self._with_global(lhs.rows, relation.lhs)
         rhs_base = lhs_base if rhs.rows is lhs.rows else self._with_global(rhs.rows, relation.rhs)
-        batch = _Batch(rel_idx, rel, lhs.with_rows(lhs_base), rhs.with_rows(rhs_base), num_batch_negs, all_negs,
-                       options)
+        if lhs_base is not lhs.rows:  # a global embedding was added (without one, the sides as given)
+            lhs = lhs.with_rows(lhs_base)
+        if rhs_base is not rhs.rows:
+            rhs = rhs.with_rows(rhs_base)
+        batch = _Batch(rel_idx, rel, lhs, rhs, num_batch_negs, all_negs, options)
         if self.reciprocal:
             return self._score_reciprocal(batch)
         return self._score_static(batch)
