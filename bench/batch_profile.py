@@ -30,7 +30,7 @@ from machine import matmul_rate  # noqa: E402 - a sibling bench module, not a pa
 
 from job.config import parse_config  # noqa: E402
 from job.config.overrides import apply_overrides  # noqa: E402
-from job.model import fused_all  # noqa: E402
+from job.model.kernel_options import KernelOptions  # noqa: E402
 from job.model.scoring import Model, Table  # noqa: E402
 from job.train.allocator import keep_freed_memory  # noqa: E402
 from job.train.optim import RelationAdagrad  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("-p", dest="overrides", action="append", default=[], help="config override key=value")
     args = parser.parse_args()
     keep_freed_memory()
-    fused_all.ENABLED = not args.autograd_all
+    options = KernelOptions(fused_all_negs=not args.autograd_all)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     shape = SHAPES[args.shape]
@@ -86,7 +86,7 @@ def main() -> None:
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.lr)
     n = len(config.relations)  # dynamic: one relation, the edges' types in ``rel_ids``
     ctx = BatchContext(config, model, relation_optimizer, dict.fromkeys(range(n), lhs_table),
-                       dict.fromkeys(range(n), rhs_table), config.num_batch_negs, config.num_uniform_negs)
+                       dict.fromkeys(range(n), rhs_table), config.num_batch_negs, config.num_uniform_negs, options)
     generator = torch.Generator().manual_seed(0)
 
     def one(i: int) -> None:
@@ -104,7 +104,7 @@ def main() -> None:
         started = time.perf_counter()
         one(i)
         times.append(time.perf_counter() - started)
-    print(json.dumps({"shape": args.shape, "overrides": args.overrides, "fused_all": fused_all.ENABLED,
+    print(json.dumps({"shape": args.shape, "overrides": args.overrides, "fused_all": options.fused_all_negs,
                       "median_ms": round(statistics.median(times) * 1e3, 2),
                       "matmul_gflops_1_thread": round(matmul_rate(), 1)}), flush=True)
     if not args.no_profile:

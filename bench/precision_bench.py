@@ -15,6 +15,7 @@ alternated the same way: the figures to read are the ratios old / new.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Optional
@@ -22,7 +23,7 @@ from typing import Optional
 import torch
 
 from job.config import ConfigSchema, parse_config
-from job.model import fused_pair
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.step import BatchContext, run_batch
 
@@ -42,7 +43,7 @@ def batch_seconds(ctx: BatchContext, dtype: Optional[torch.dtype], seed: int, en
     """The wall time of one trained batch with products in ``dtype`` (None: float32), the operator on the
     anchors (``adjoint``) or on every rhs row."""
     ctx.model.compute_dtype = dtype
-    fused_pair.ADJOINT_ENABLED = adjoint
+    ctx = dataclasses.replace(ctx, options=KernelOptions(operator_adjoint=adjoint))
     generator = torch.Generator().manual_seed(seed)
     lhs = torch.randint(0, entities, (batch,), generator=generator)
     rhs = torch.randint(0, entities, (batch,), generator=generator)

@@ -39,6 +39,7 @@ from job.errors import UserError
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import write_dynamic_rel_count, write_dynamic_rel_names, write_entity_count, write_entity_names
 from job.model.scoring import Model
+from job.model.side import Side
 from job.train.optim import row_adagrad_state
 from storage_adapters import StorageSettings, using
 
@@ -121,10 +122,11 @@ def trainer_scores(raw: dict[str, Any], version: int, rel_idx: int, rel_rows: Op
     lhs_table = table(relation.lhs)
     rhs_table = lhs_table if relation.lhs == relation.rhs else table(relation.rhs)
     with torch.no_grad():
-        lhs_scores, _, _, _ = model.score_batch(
-            rel_idx, torch.from_numpy(rel_rows) if rel_rows is not None else None, lhs_table, rhs_table,
-            relation.lhs, relation.rhs, torch.from_numpy(lhs_rows), torch.from_numpy(rhs_rows), None, None,
-            relation.lhs == relation.rhs, 0, False, True, True,
+        # rhs_table is lhs_table when both sides are one type: one set of rows
+        lhs_scores, _ = model.score_batch(
+            rel_idx, torch.from_numpy(rel_rows) if rel_rows is not None else None,
+            lhs=Side(lhs_table, torch.from_numpy(lhs_rows), negs_disabled=True),
+            rhs=Side(rhs_table, torch.from_numpy(rhs_rows), negs_disabled=True), num_batch_negs=0, all_negs=False,
         )
     return lhs_scores.pos.numpy()
 

@@ -7,6 +7,7 @@ the autograd path, in float64, and every updated embedding and operator gradient
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from typing import Any
@@ -18,9 +19,9 @@ import job.native as native
 from job.config import parse_config
 from job.model import deferred
 from job.model import fused as fused_scoring
+from job.model.kernel_options import KernelOptions
 from job.model.operators import _ComplexDiagonal
 from job.model.scoring import Model, Table
-from job.train import rowops, step
 from job.train.step import BatchContext, run_batch
 
 DIM = 8
@@ -30,10 +31,13 @@ TEST_DEVICE = torch.device(os.environ.get("BIGGRAPH_TEST_DEVICE", "cpu"))
 
 def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool, fused: bool,
          device: torch.device = TEST_DEVICE, static: bool = False, compute_dtype: torch.dtype | None = None,
-         dtype: torch.dtype = torch.float64) -> tuple:
+         dtype: torch.dtype = torch.float64, options: KernelOptions = KernelOptions()) -> tuple:
     """One trained batch from a fixed state in ``dtype``: (updated table, Adagrad sums, parameter gradients, stats).
 
-    ``compute_dtype``: the reduced precision of the scores' products (``Model.compute_dtype``)."""
+    ``compute_dtype``: the reduced precision of the scores' products (``Model.compute_dtype``); ``options``: the
+    step's kernels; ``static``: with the GPU's static-shape step on the CPU (``static_shapes_on_cpu``)."""
+    if static:
+        options = dataclasses.replace(options, static_shapes_on_cpu=True)
     raw = {
         "entities": {"node": {"num_partitions": 1}},
         "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": config_overrides.pop("operator")}],
@@ -43,7 +47,6 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
     config = parse_config(raw)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    step.STATIC_SHAPES_ON_CPU = static
     try:
         torch.manual_seed(0)
         model = Model(config, 3 if dynamic else 0)
@@ -55,7 +58,8 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
         model.to(device)
         weight = torch.randn(num_entities, DIM).to(device)
         table = Table(weight, torch.zeros(num_entities, device=device))
-        ctx = BatchContext(config, model, None, {0: table}, {0: table}, config.num_batch_negs, config.num_uniform_negs)
+        ctx = BatchContext(config, model, None, {0: table}, {0: table}, config.num_batch_negs, config.num_uniform_negs,
+                           options)
         generator = torch.Generator().manual_seed(1)
         lhs = torch.randint(0, num_entities, (num_pos,), generator=generator).to(device)
         rhs = torch.randint(0, num_entities, (num_pos,), generator=generator).to(device)
@@ -65,7 +69,6 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
         weight, optim_sum = weight.cpu(), table.optim_sum.cpu()
     finally:
         torch.set_default_dtype(previous)
-        step.STATIC_SHAPES_ON_CPU = False
     return weight, optim_sum, grads, stats
 
 
@@ -75,11 +78,13 @@ CASES = list(itertools.product(
 ))
 
 
-def assert_fused_matches_autograd(overrides: dict, num_entities: int, num_pos: int, dynamic: bool) -> tuple[Any, Any]:
-    """One float64 batch through the fused path and the autograd path: same updates, Adagrad sums, parameter
-    gradients and loss. Returns both paths' stats (fused, reference) for further checks."""
+def assert_fused_matches_autograd(overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
+                                  options: KernelOptions = KernelOptions()) -> tuple[Any, Any]:
+    """One float64 batch through the fused path (with ``options``' kernels) and the autograd path: same updates,
+    Adagrad sums, parameter gradients and loss. Returns both paths' stats (fused, reference) for further checks."""
     ref_weight, ref_sum, ref_grads, ref_stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=False)
-    weight, optim_sum, grads, stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=True)
+    weight, optim_sum, grads, stats = _run(dict(overrides), num_entities, num_pos, dynamic, fused=True,
+                                           options=options)
     torch.testing.assert_close(weight, ref_weight, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(optim_sum, ref_sum, rtol=1e-9, atol=1e-9)
     for got, want in zip(grads, ref_grads):
@@ -108,15 +113,13 @@ def test_fused_scoring_matches_autograd(loss_fn: str, comparator: str, negs: tup
 
 @pytest.mark.parametrize("loss_fn,comparator,negs,num_entities,dynamic",
                          [c[:5] for c in CASES if c[0] != "logistic" and c[5] == "complex_diagonal"])
-def test_torch_form_of_the_side_loss_matches_autograd(monkeypatch: pytest.MonkeyPatch, loss_fn: str,
-                                                      comparator: str, negs: tuple[int, int], num_entities: int,
-                                                      dynamic: bool) -> None:
+def test_torch_form_of_the_side_loss_matches_autograd(loss_fn: str, comparator: str, negs: tuple[int, int],
+                                                      num_entities: int, dynamic: bool) -> None:
     """The fused path with the side loss in torch ops (no C compiler, another dtype) rather than the native
     kernel, which the test above takes for softmax and ranking wherever the kernels load."""
-    monkeypatch.setattr(fused_scoring, "ENABLE_NATIVE_LOSS", False)
     overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
                  "num_uniform_negs": negs[1], "operator": "complex_diagonal"}
-    assert_fused_matches_autograd(overrides, num_entities, 57, dynamic)
+    assert_fused_matches_autograd(overrides, num_entities, 57, dynamic, KernelOptions(native_loss=False))
 
 
 def test_the_native_side_loss_is_what_the_fused_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,13 +273,10 @@ def test_every_occurrence_on_the_cpu_updates_as_the_unique_rows_do(loss_fn: str,
     for num_entities in (300, 5000):
         results = {}
         for occurrences in (True, False):
-            rowops.OCCURRENCES_ON_CPU = occurrences
-            try:
-                overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
-                             "num_uniform_negs": negs[1], "operator": operator}
-                results[occurrences] = _run(overrides, num_entities, 57, dynamic, fused)
-            finally:
-                rowops.OCCURRENCES_ON_CPU = True
+            overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
+                         "num_uniform_negs": negs[1], "operator": operator}
+            results[occurrences] = _run(overrides, num_entities, 57, dynamic, fused,
+                                        options=KernelOptions(occurrences_on_cpu=occurrences))
         (weight, optim_sum, _, _), (ref_weight, ref_sum, _, _) = results[True], results[False]
         assert ref_sum.count_nonzero() > 0  # the batch did update rows
         torch.testing.assert_close(weight, ref_weight, rtol=0, atol=1e-9)
@@ -298,13 +298,10 @@ def test_positives_gathered_off_autograd_update_as_autograd_does(loss_fn: str, c
     repeating), over 5,000 (each side its own rows: every occurrence on the CPU) and the GPU's static shapes."""
     results = {}
     for enabled in (True, False):
-        deferred.ENABLED = enabled
-        try:
-            overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
-                         "num_uniform_negs": negs[1], "operator": operator, "regularization_coef": reg}
-            results[enabled] = _run(overrides, num_entities, 57, True, fused, static=static)
-        finally:
-            deferred.ENABLED = True
+        overrides = {"loss_fn": loss_fn, "comparator": comparator, "num_batch_negs": negs[0],
+                     "num_uniform_negs": negs[1], "operator": operator, "regularization_coef": reg}
+        results[enabled] = _run(overrides, num_entities, 57, True, fused, static=static,
+                                options=KernelOptions(deferred_positives=enabled))
     (weight, optim_sum, grads, stats), (ref_weight, ref_sum, ref_grads, ref_stats) = results[True], results[False]
     assert ref_sum.count_nonzero() > 0
     torch.testing.assert_close(weight, ref_weight, rtol=0, atol=1e-10)
@@ -319,7 +316,7 @@ def test_positives_gathered_off_autograd_update_as_autograd_does(loss_fn: str, c
 
 def test_a_deferred_merge_creates_the_rows_gradient_when_nothing_else_reached_them() -> None:
     rows = torch.zeros(5, 3, dtype=torch.float64, requires_grad=True)
-    positives, pending = deferred.gather_positives(rows, torch.tensor([4, 1, 4]))
+    positives, pending = deferred.gather_positives(rows, torch.tensor([4, 1, 4]), True)
     assert pending is not None and positives.is_leaf
     positives.sum().backward()
     assert rows.grad is None  # autograd did not reach the rows: the merge does
@@ -327,5 +324,7 @@ def test_a_deferred_merge_creates_the_rows_gradient_when_nothing_else_reached_th
     assert rows.grad is not None
     torch.testing.assert_close(rows.grad[:, 0], torch.tensor([0.0, 1.0, 0.0, 0.0, 2.0], dtype=torch.float64))
     with torch.no_grad():
-        _, none = deferred.gather_positives(rows, torch.tensor([0]))
+        _, none = deferred.gather_positives(rows, torch.tensor([0]), True)
     assert none is None  # evaluation gathers through the usual path
+    _, off = deferred.gather_positives(rows, torch.tensor([0]), False)
+    assert off is None  # ``deferred_positives`` off: through autograd

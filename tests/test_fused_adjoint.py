@@ -17,6 +17,7 @@ import torch
 
 from job.model import fused_pair
 from job.model.fused_pair import in_order
+from job.model.kernel_options import KernelOptions
 from job.model.names import OPERATORS
 from job.model.operators import Operator
 
@@ -64,7 +65,6 @@ def test_adjoint_is_the_transpose_of_the_linear_part(kind: str) -> None:
 @pytest.mark.parametrize("enabled", [True, False])
 def test_operator_applied_to_the_positives_only(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
     """With the shortcut on, the rhs operator sees the batch's positives, never the ~N uniform draws."""
-    monkeypatch.setattr(fused_pair, "ADJOINT_ENABLED", enabled)
     rows_seen: list[int] = []
     forward = Operator.forward
 
@@ -75,7 +75,7 @@ def test_operator_applied_to_the_positives_only(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(Operator, "forward", spy)
     overrides = {"loss_fn": "softmax", "comparator": "dot", "num_batch_negs": 10, "num_uniform_negs": 100,
                  "operator": "complex_diagonal"}
-    _run(overrides, 5000, NUM_POS, False, fused=True)
+    _run(overrides, 5000, NUM_POS, False, fused=True, options=KernelOptions(operator_adjoint=enabled))
     assert rows_seen and (max(rows_seen) == NUM_POS) == enabled
 
 

@@ -7,13 +7,15 @@ import torch
 
 from job.config import parse_config
 from job.model import fused_all
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.step import BatchContext, run_batch
 
 DIM = 8
 
 
-def _run(overrides: dict, num_entities: int, num_pos: int, dynamic: bool) -> tuple:
+def _run(overrides: dict, num_entities: int, num_pos: int, dynamic: bool, options: KernelOptions = KernelOptions()
+         ) -> tuple:
     """One trained 1-vs-all float64 batch from a fixed state: (table, Adagrad sums, parameter gradients, stats)."""
     raw = {
         "entities": {"node": {"num_partitions": 1}},
@@ -32,7 +34,7 @@ def _run(overrides: dict, num_entities: int, num_pos: int, dynamic: bool) -> tup
             param.data.normal_()
         weight = torch.randn(num_entities, DIM)
         table = Table(weight, torch.zeros(num_entities))
-        ctx = BatchContext(config, model, None, {0: table}, {0: table}, 0, 0)
+        ctx = BatchContext(config, model, None, {0: table}, {0: table}, 0, 0, options)
         generator = torch.Generator().manual_seed(1)
         lhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
         rhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
@@ -46,11 +48,7 @@ def _run(overrides: dict, num_entities: int, num_pos: int, dynamic: bool) -> tup
 
 def _both(overrides: dict, num_entities: int, num_pos: int, dynamic: bool) -> tuple:
     """(the fused path's result, the autograd path's)."""
-    fused_all.ENABLED = False
-    try:
-        reference = _run(dict(overrides), num_entities, num_pos, dynamic)
-    finally:
-        fused_all.ENABLED = True
+    reference = _run(dict(overrides), num_entities, num_pos, dynamic, KernelOptions(fused_all_negs=False))
     return _run(dict(overrides), num_entities, num_pos, dynamic), reference
 
 

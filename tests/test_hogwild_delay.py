@@ -17,6 +17,7 @@ import torch
 from helpers_graphs import base_config
 
 from job.config import parse_config
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train import batching, hogwild
 from job.train.batching import EdgeTensors, plan_batches, split_almost_equally
@@ -187,7 +188,7 @@ def test_a_real_pool_trains_every_edge_once_without_sitting_out_the_delay(tmp_pa
     before = table.weight.clone()
     edges = _edges().share_memory_()  # three relations: the plan draws from the seed, so seeds must match
     slices = [torch.arange(NUM_EDGES)[s] for s in split_almost_equally(NUM_EDGES, 2)]
-    pool = WorkerPool(2, config, model, optimizer)
+    pool = WorkerPool(2, config, model, optimizer, KernelOptions())
     try:
         tables = {r: table for r in range(3)}
         stats = pool.run(edges, slices, tables, tables, [1, 2], True, config.num_batch_negs,

@@ -23,8 +23,10 @@ from helpers_graphs import write_cycle_graph
 
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
-from job.train import Collaborators, Trainer, batching, bucket_run, step, train
+from job.model.side import Side
+from job.train import Collaborators, Trainer, batching, bucket_run, train
 from job.train.batching import EdgeTensors, process_edges, split_almost_equally
 from job.train.optim import ADAGRAD_EPS, RelationAdagrad
 from job.train.step import BatchContext, BatchStats, _finish, run_batch
@@ -61,11 +63,13 @@ class RecordingPool:
 
     delays: list[list[float]] = []
 
-    def __init__(self, num_workers: int, config: Any, model: Model, relation_optimizer: Any) -> None:
+    def __init__(self, num_workers: int, config: Any, model: Model, relation_optimizer: Any,
+                 options: KernelOptions) -> None:
         self.config = config
         self.model = model
         self.relation_optimizer = relation_optimizer
         self.num_workers = num_workers
+        self.options = options
 
     def run(self, edges: EdgeTensors, index_slices: list[torch.Tensor], lhs_tables: dict[int, Table],
             rhs_tables: dict[int, Table], seeds: list[int], train: bool, num_batch_negs: int,
@@ -74,7 +78,7 @@ class RecordingPool:
         RecordingPool.delays.append(list(delays or []))
         ctx = BatchContext(config=self.config, model=self.model, relation_optimizer=self.relation_optimizer,
                            lhs_tables=lhs_tables, rhs_tables=rhs_tables, num_batch_negs=num_batch_negs,
-                           num_uniform_negs=num_uniform_negs)
+                           num_uniform_negs=num_uniform_negs, options=self.options)
         total = BatchStats()
         for indices, seed in zip(index_slices, seeds):
             generator = torch.Generator()
@@ -133,17 +137,16 @@ def test_steps_per_epoch_are_pbgs(tmp_path: Path, recorded: dict[str, list], num
     assert len(recorded["delays"]) == (2 if used_pool else 0)
 
 
-def test_the_gpus_static_shapes_train_partial_batches_of_every_slice(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_gpus_static_shapes_train_partial_batches_of_every_slice(tmp_path: Path) -> None:
     """The GPU's organisation on the CPU: one process, 3 slices of 133-134 edges in batches of 50 (a partial
     batch per relation and slice), through the static-shape step the CUDA graphs capture: the same training as
     the dynamic-shape step."""
     results = []
     for static in (False, True):
-        monkeypatch.setattr(step, "STATIC_SHAPES_ON_CPU", static)
         raw = write_cycle_graph(tmp_path / str(static), num_entities=200, num_relations=2, num_epochs=3, workers=3,
                                 batch_size=50, device="cpu")
-        trainer = Trainer(parse_config(raw), parts=Collaborators(hogwild=False))
+        trainer = Trainer(parse_config(raw), parts=Collaborators(
+            hogwild=False, kernel_options=KernelOptions(static_shapes_on_cpu=static)))
         try:
             trainer.run()
         finally:
@@ -230,9 +233,9 @@ def test_featurized_type_on_both_sides_takes_one_adagrad_step_per_feature_row(tm
     lhs_rows = F.embedding_bag(lhs_features[1], reference, lhs_features[0][:-1], mode="mean")
     rhs_rows = F.embedding_bag(rhs_features[1], reference, rhs_features[0][:-1], mode="mean")
     positions = torch.arange(4)
-    lhs_scores, rhs_scores, lhs_raw, rhs_raw = model.score_batch(
-        0, None, lhs_rows, rhs_rows, "tag", "tag", positions, positions, None, None, False, 2, False, False, False)
-    _finish(ctx, 0, None, lhs_scores, rhs_scores, lhs_raw, rhs_raw, 4, True)
+    lhs_scores, rhs_scores = model.score_batch(0, None, lhs=Side(lhs_rows, positions), rhs=Side(rhs_rows, positions),
+                                               num_batch_negs=2, all_negs=False)
+    _finish(ctx, 0, None, 4, True, lhs=lhs_scores, rhs=rhs_scores)
     grad = reference.grad
     assert grad is not None
     touched = torch.tensor([0, 1, 2, 3, 4])

@@ -33,8 +33,9 @@ from job.evaluation import evaluate
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, read_edges, write_edges
 from job.formats.entities import write_entity_count
-from job.model import fused_all
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model
+from job.model.side import Side
 from job.report.collect import ReportOptions, build_report
 from job.train import bucket_run, train
 from job.train.bucket_run import ALL_NEGS_NOTE_ENTITIES, all_negs_cost
@@ -75,11 +76,9 @@ def test_reciprocal_eval_ranks_each_side_through_its_own_operator(tmp_path: Path
     assert evaluate(plain, candidates="all")["mean_rank"] == pytest.approx(np.mean([2, 1, 3, 2]))
 
 
-def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_operator(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_operator(tmp_path: Path) -> None:
     # the score matrices themselves, as the autograd path forms them (the hand-differentiated 1-vs-all path forms
     # them inside and is held to this one by tests/test_fused_all.py)
-    monkeypatch.setattr(fused_all, "ENABLED", False)
     raw = line_graph(tmp_path, "diagonal", reciprocal_relations=True, dimension=4, loss_fn="softmax")
     raw["relations"][0]["operator"] = "complex_diagonal"
     model = Model(parse_config(raw))
@@ -90,8 +89,8 @@ def test_reciprocal_scores_only_query_sides_and_each_direction_trains_its_own_op
             p.add_(torch.randn_like(p))
     rows = torch.randn(3, 4, requires_grad=True)
     lhs_inv, rhs_inv = torch.tensor([0, 1]), torch.tensor([1, 2])
-    lhs, rhs, _, _ = model.score_batch(0, None, rows, rows, "e", "e", lhs_inv, rhs_inv, None, None, True, 0, True,
-                                       False, False)
+    lhs, rhs = model.score_batch(0, None, lhs=Side(rows, lhs_inv), rhs=Side(rows, rhs_inv), num_batch_negs=0,
+                                 all_negs=True, options=KernelOptions(fused_all_negs=False))
     g, h = model.lhs_operators[0], model.rhs_operators[0]
     # rhs side: c(g_r(u), v') for every v'; lhs side: c(u', h_r(v)) for every u' (own column masked)
     expected_rhs = g(rows[lhs_inv]) @ rows.T

@@ -118,6 +118,7 @@ def test_a_worker_applies_the_environment_it_is_handed(tmp_path: Path, monkeypat
 
     import torch
 
+    from job.model.kernel_options import KernelOptions
     from job.model.scoring import Model
     from job.train.hogwild import _worker_main
 
@@ -132,7 +133,7 @@ def test_a_worker_applies_the_environment_it_is_handed(tmp_path: Path, monkeypat
     send.send((model, [torch.zeros(1)], torch.zeros(1, dtype=torch.float64)))
     threads = torch.get_num_threads()
     try:
-        _worker_main(0, config, receive, tasks, results, None, handed)
+        _worker_main(0, config, receive, tasks, results, None, handed, KernelOptions())
         assert os.environ.get(MARK) == "the trainer's"
         assert results.get_nowait()[0] == "ready"
     finally:
@@ -174,6 +175,73 @@ def test_a_model_with_many_relations_trains_on_several_workers(tmp_path: Path, m
     raw = write_cycle_graph(tmp_path, num_relations=200, workers=2, num_epochs=1, device="cpu")
     summary = train(parse_config(raw))
     assert summary["version"] == 1 and summary["train_edges"] == 8000  # 40 per relation
+
+
+def _one_slice(options: Any, pool_workers: int = 0) -> Any:
+    """A slice of 1,000 edges over 3,000 rows trained from a fixed state with the kernel ``options``: here, or on a
+    pool of ``pool_workers`` Hogwild processes (one thread each, as here). Returns the trained table."""
+    import torch
+
+    from job.model.scoring import Model, Table
+    from job.train.batching import EdgeTensors, process_edges
+    from job.train.hogwild import WorkerPool
+    from job.train.optim import RelationAdagrad
+    from job.train.step import BatchContext
+
+    rows, num_edges = 3000, 1000
+    config = parse_config({
+        "entities": {"node": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}],
+        "dimension": 16, "comparator": "dot", "loss_fn": "softmax", "batch_size": 100, "num_batch_negs": 20,
+        "num_uniform_negs": 50, "lr": 0.1, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x"})
+    torch.manual_seed(0)
+    model = Model(config)
+    optimizer = RelationAdagrad(list(model.parameters()), config.lr)
+    table = Table(torch.randn(rows, 16) * 0.1, torch.zeros(rows))
+    draws = torch.Generator().manual_seed(5)
+    edges = EdgeTensors(torch.zeros(num_edges, dtype=torch.long), torch.randint(0, rows, (num_edges,), generator=draws),
+                        torch.randint(0, rows, (num_edges,), generator=draws))
+    indices, seed = torch.arange(num_edges), 7
+    if not pool_workers:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            ctx = BatchContext(config, model, optimizer, {0: table}, {0: table}, config.num_batch_negs,
+                               config.num_uniform_negs, options)
+            process_edges(ctx, edges, indices, config.batch_size, False, torch.Generator().manual_seed(seed), True)
+        finally:
+            torch.set_num_threads(threads)
+        return table.weight
+    model.share_memory()
+    optimizer.share_memory()
+    table = Table(table.weight.share_memory_(), table.optim_sum.share_memory_())
+    pool = WorkerPool(pool_workers, config, model, optimizer, options)
+    try:
+        tables = {0: table}
+        pool.run(edges.share_memory_(), [indices], tables, tables, [seed], True, config.num_batch_negs,
+                 config.num_uniform_negs)
+    finally:
+        pool.close()
+    return table.weight
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_kernel_options_set_in_the_trainer_reach_its_workers(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """The pool hands its workers the trainer's ``KernelOptions`` at start: a worker trains a slice exactly as this
+    process does with the same options, and not as with the defaults (the module globals these options replaced,
+    set in the trainer, never reached a worker: it imports the modules afresh, or from the fork server's start)."""
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("this platform has no forkserver start method")
+    import torch
+
+    from job.model.kernel_options import KernelOptions
+
+    monkeypatch.setenv(spawning.START_ENV, method)
+    # the reference paths, each a different sum order in float32 (native_loss: where the kernels load)
+    options = KernelOptions(native_loss=False, occurrences_on_cpu=False, operator_adjoint=False)
+    here = _one_slice(options)
+    assert not torch.equal(here, _one_slice(KernelOptions()))  # the options change the bits
+    assert torch.equal(_one_slice(options, pool_workers=1), here)
 
 
 def test_a_run_under_a_tmpdir_too_long_for_a_socket_trains(tmp_path: Path) -> None:
@@ -263,13 +331,14 @@ def test_a_killed_trainer_leaves_no_worker_or_server_running(tmp_path: Path, met
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
         from helpers_graphs import write_cycle_graph
         from job.config import parse_config
+        from job.model.kernel_options import KernelOptions
         from job.model.scoring import Model
         from job.train.hogwild import WorkerPool
         from job.train.optim import RelationAdagrad
         from pathlib import Path
         config = parse_config(write_cycle_graph(Path({str(tmp_path)!r}), workers=2, device="cpu"))
         model = Model(config)
-        pool = WorkerPool(2, config, model, RelationAdagrad(list(model.parameters()), 0.1))
+        pool = WorkerPool(2, config, model, RelationAdagrad(list(model.parameters()), 0.1), KernelOptions())
         server = getattr(forkserver._forkserver, "_forkserver_pid", None)
         print(json.dumps({{"workers": [p.pid for p in pool.processes], "server": server}}), flush=True)
         time.sleep(600)

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# off: the positives are gathered through autograd (the reference tests/test_fused.py compares against)
-ENABLED = True
-
 
 @dataclass
 class DeferredRows:
@@ -39,13 +36,15 @@ class DeferredRows:
         self.positives.grad = None
 
 
-def gather_positives(rows: Tensor, inv: Tensor) -> tuple[Tensor, DeferredRows | None]:
-    """``rows[inv]``, as its own leaf with a ``DeferredRows`` when ``rows`` is a leaf being trained.
+def gather_positives(rows: Tensor, inv: Tensor, defer: bool) -> tuple[Tensor, DeferredRows | None]:
+    """``rows[inv]``, as its own leaf with a ``DeferredRows`` when ``defer`` (``KernelOptions.deferred_positives``)
+    and ``rows`` is a leaf being trained.
 
     Anything else (evaluation, rows computed from a leaf: global embeddings, feature bags) is gathered
-    through autograd as usual and needs no merge.
+    through autograd as usual and needs no merge; so is everything with ``defer`` off (the reference
+    tests/test_fused.py compares against).
     """
-    if not (ENABLED and torch.is_grad_enabled() and rows.is_leaf and rows.requires_grad):
+    if not (defer and torch.is_grad_enabled() and rows.is_leaf and rows.requires_grad):
         return rows.index_select(0, inv), None
     positives = rows.detach().index_select(0, inv).requires_grad_(True)
     return positives, DeferredRows(rows, inv, positives)

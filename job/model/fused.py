@@ -34,9 +34,6 @@ from job.model.comparators import COMPARATORS
 from job.model.fused_losses import BLOCKWISE_LOSSES, Block, blockwise_loss
 from job.native import kernels
 
-# Off: every side's loss takes the torch form (``_side_loss``; a switch for tests and the benchmark).
-ENABLE_NATIVE_LOSS = True
-
 
 class _AttachGradients(torch.autograd.Function):
     """A precomputed loss whose gradients with respect to its inputs are already known."""
@@ -79,6 +76,8 @@ class ScoringSetup:
     margin: float
     num_batch_negs: int
     masked_score: float
+    # the native kernel for a side's loss where it serves (``KernelOptions.native_loss``); False: the torch form
+    native_loss: bool
     # the dtype of the scores' matrix products (bfloat16, float16); None: the embeddings' own
     compute_dtype: Optional[torch.dtype] = None
 
@@ -197,10 +196,11 @@ def _side_loss(setup: ScoringSetup, side: _Chunks, batch: Optional[Tensor], unif
 
     ``batch``: the unmasked batch product (positives on its diagonal) or None, then ``pos_padded`` holds the
     positives' scores. The native kernel (``job.native.kernels.side_loss``) does it in one pass per row where it
-    serves (softmax and ranking, unweighted negatives, CPU float32/float64); otherwise the torch form masks the
-    batch block and runs ``blockwise_loss``. Both leave the gradients in the blocks.
+    serves (softmax and ranking, unweighted negatives, CPU float32/float64) and ``setup.native_loss`` asks for it;
+    otherwise the torch form masks the batch block and runs ``blockwise_loss``. Both leave the gradients in the
+    blocks.
     """
-    if ENABLE_NATIVE_LOSS and (uniform is None or uniform[1] is None):
+    if setup.native_loss and (uniform is None or uniform[1] is None):
         done = kernels.side_loss(setup.loss_fn, setup.margin, batch, None if uniform is None else uniform[0],
                                  pos_padded, num_pos)
         if done is not None:

@@ -24,9 +24,6 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-# Off: 1-vs-all softmax takes the autograd path (tests hold the two to each other).
-ENABLED = True
-
 # Rows of the score matrix formed at a time: bounds the (rows x N) float32 scratch; on WN18RR's 40,943 rows
 # 2,048 queries take 335 MB (both sides of a batch of 1,000 at once).
 MAX_QUERY_ROWS = 2048
@@ -129,8 +126,9 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
 
 
 def applies(comparator_kind: str, bias: bool, loss_fn: str) -> bool:
-    """Whether 1-vs-all training with these settings takes this path (training only: see ``softmax_all``)."""
-    return ENABLED and comparator_kind == "dot" and not bias and loss_fn == "softmax"
+    """Whether 1-vs-all training with these settings can take this path (training only: see ``softmax_all``; the
+    caller also asks ``KernelOptions.fused_all_negs``: off, the autograd path, which tests hold this one to)."""
+    return comparator_kind == "dot" and not bias and loss_fn == "softmax"
 
 
 def softmax_all(queries: Tensor, table: Tensor, targets: Tensor, compute_dtype: Optional[torch.dtype],

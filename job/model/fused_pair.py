@@ -39,71 +39,71 @@ from job.model.fused import (
     score_side,
 )
 from job.model.operators import Operator
-
-# Off: ``fused_pair`` applies the operator to every rhs row, as before (a switch for the benchmark and tests).
-ADJOINT_ENABLED = True
+from job.model.side import Side
 
 
 def adjoint_applies(comparator: str, operator: Operator) -> bool:
-    """Whether ``fused_pair_adjoint`` serves this comparator and (static) operator."""
-    return ADJOINT_ENABLED and comparator == "dot" and not operator.dynamic and "linear" in vars(operator.spec)
+    """Whether ``fused_pair_adjoint`` serves this comparator and (static) operator (the caller also asks
+    ``KernelOptions.operator_adjoint``: off, ``fused_pair`` runs instead, for the benchmark and tests)."""
+    return comparator == "dot" and not operator.dynamic and "linear" in vars(operator.spec)
 
 
-def fused_pair(setup: ScoringSetup, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor, rhs_inv: Tensor,
-               lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool,
-               disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
+def fused_pair(setup: ScoringSetup, *, lhs: Side, rhs: Side) -> tuple[Tensor, SideResult, SideResult]:
     """Both sides of a static relation: each side's positives are the other's anchors.
 
-    ``lhs`` / ``rhs``: the prepared unique rows of each side (rhs after the operator). Each row's gradient
-    from every role it plays (positive, anchor, negative) is summed before autograd sees it.
+    ``lhs.rows`` / ``rhs.rows``: the prepared unique rows of each side (rhs after the operator). Each row's
+    gradient from every role it plays (positive, anchor, negative) is summed before autograd sees it.
     """
     with torch.no_grad():
-        d_left, d_right = torch.zeros_like(lhs), torch.zeros_like(rhs)
-        left, right = setup.low(lhs.detach()), setup.low(rhs.detach())
-        pair = pair_scores(setup, left, right, left.index_select(0, lhs_inv), right.index_select(0, rhs_inv),
-                           lhs_neg_inv, rhs_neg_inv, disable_lhs, disable_rhs, d_left, d_right)
-        d_left.index_add_(0, lhs_inv, pair.d_left_pos)
-        d_right.index_add_(0, rhs_inv, pair.d_right_pos)
-    loss = attach_gradients(pair.loss, (lhs, rhs), (d_left, d_right))
+        d_left, d_right = torch.zeros_like(lhs.rows), torch.zeros_like(rhs.rows)
+        left, right = setup.low(lhs.rows.detach()), setup.low(rhs.rows.detach())
+        pair = pair_scores(
+            setup, lhs=ScoredSide(left, left.index_select(0, lhs.inv), lhs.neg_inv, lhs.negs_disabled, d_left),
+            rhs=ScoredSide(right, right.index_select(0, rhs.inv), rhs.neg_inv, rhs.negs_disabled, d_right))
+        d_left.index_add_(0, lhs.inv, pair.d_left_pos)
+        d_right.index_add_(0, rhs.inv, pair.d_right_pos)
+    loss = attach_gradients(pair.loss, (lhs.rows, rhs.rows), (d_left, d_right))
     return loss, pair.lhs_side, pair.rhs_side
 
 
-def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs: Tensor, lhs_inv: Tensor,
-                       rhs_inv: Tensor, lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor],
-                       disable_lhs: bool, disable_rhs: bool) -> tuple[Tensor, SideResult, SideResult]:
-    """``fused_pair`` for ``dot`` with ``lhs`` / ``rhs`` the unique rows *before* the rhs ``operator``.
+def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, *, lhs: Side,
+                       rhs: Side) -> tuple[Tensor, SideResult, SideResult]:
+    """``fused_pair`` for ``dot`` with ``lhs.rows`` / ``rhs.rows`` the unique rows *before* the rhs ``operator``.
 
-    ``lhs is rhs`` (one gather for both sides) shares one gradient buffer.
+    ``lhs.rows is rhs.rows`` (one gather for both sides) shares one gradient buffer.
     """
+    lhs_rows, rhs_rows, lhs_inv, rhs_inv = lhs.rows, rhs.rows, lhs.inv, rhs.inv
     num_pos = lhs_inv.shape[0]
-    same = lhs is rhs
+    same = lhs_rows is rhs_rows
     # every occurrence gathered (job.train.rowops.select_rows): [positives | negatives] in order, each row's
     # gradient written where it lies; otherwise summed into zeroed buffers
-    left_layout = None if same else in_order(lhs.shape[0], lhs_inv, None if disable_lhs else lhs_neg_inv)
-    right_layout = None if same else in_order(rhs.shape[0], rhs_inv, None if disable_rhs else rhs_neg_inv)
+    left_layout = None if same else in_order(lhs_rows.shape[0], lhs_inv, None if lhs.negs_disabled else lhs.neg_inv)
+    right_layout = None if same else in_order(rhs_rows.shape[0], rhs_inv, None if rhs.negs_disabled else rhs.neg_inv)
     with torch.no_grad():
-        left_raw = lhs.detach()[:num_pos] if left_layout is not None else lhs.detach().index_select(0, lhs_inv)
-        right_raw = rhs.detach()[:num_pos] if right_layout is not None else rhs.detach().index_select(0, rhs_inv)
+        left_raw = lhs_rows.detach()[:num_pos] if left_layout is not None else lhs_rows.detach().index_select(0, lhs_inv)
+        right_raw = (rhs_rows.detach()[:num_pos] if right_layout is not None
+                     else rhs_rows.detach().index_select(0, rhs_inv))
     # autograd reaches the operator's parameters from here, not the rows (detached: theirs are taken by hand)
     right_pos = operator(right_raw)
-    uniform = not disable_rhs and rhs_neg_inv is not None and rhs_neg_inv.numel() > 0
+    uniform = not rhs.negs_disabled and rhs.neg_inv is not None and rhs.neg_inv.numel() > 0
     anchor = operator.adjoint(left_raw) if uniform else None
     anchor = None if anchor is left_raw else anchor  # the identity: score the uniform draws against u itself
     translation = operator.additive() if uniform else None
     shift = None if translation is None else (left_raw * translation).sum(1)
     with torch.no_grad():
-        d_left = torch.zeros_like(lhs) if left_layout is None else torch.empty_like(lhs)
-        d_right = d_left if same else torch.zeros_like(rhs) if right_layout is None else torch.empty_like(rhs)
-        left = setup.low(lhs.detach())
-        right = left if same else setup.low(rhs.detach())
+        d_left = torch.zeros_like(lhs_rows) if left_layout is None else torch.empty_like(lhs_rows)
+        d_right = d_left if same else torch.zeros_like(rhs_rows) if right_layout is None else torch.empty_like(rhs_rows)
+        left = setup.low(lhs_rows.detach())
+        right = left if same else setup.low(rhs_rows.detach())
         if setup.compute_dtype is None:
-            left_pos = left_raw  # ``left`` is ``lhs`` itself
+            left_pos = left_raw  # ``left`` is ``lhs_rows`` itself
         else:
             left_pos = left[:num_pos] if left_layout is not None else left.index_select(0, lhs_inv)
-        pair = pair_scores(setup, left, right, left_pos, setup.low(right_pos.detach()),
-                           lhs_neg_inv, rhs_neg_inv, disable_lhs, disable_rhs, d_left, d_right,
-                           None if anchor is None else setup.low(anchor.detach()),
-                           None if shift is None else shift.detach(), left_layout, right_layout)
+        pair = pair_scores(
+            setup, lhs=ScoredSide(left, left_pos, lhs.neg_inv, lhs.negs_disabled, d_left, left_layout),
+            rhs=ScoredSide(right, setup.low(right_pos.detach()), rhs.neg_inv, rhs.negs_disabled, d_right, right_layout),
+            uniform_anchor=None if anchor is None else setup.low(anchor.detach()),
+            shift=None if shift is None else shift.detach())
         d_left_pos = pair.d_left_pos
         d_anchor = d_shift = None
         if anchor is not None:
@@ -114,9 +114,9 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, lhs: Tensor, rhs
             d_left_pos = d_left_pos.addr_(d_shift, translation)  # d u = t d<u, t>
         _add_positives(d_left, lhs_inv, d_left_pos, left_layout)
         _add_positives(d_right, rhs_inv, operator.adjoint(pair.d_right_pos), right_layout)  # d v = L^T d(L v + t)
-    inputs, grads = [lhs], [d_left]
+    inputs, grads = [lhs_rows], [d_left]
     if not same:
-        inputs.append(rhs)
+        inputs.append(rhs_rows)
         grads.append(d_right)
     for value, grad in ((right_pos, pair.d_right_pos), (anchor, d_anchor), (shift, d_shift)):
         if value is not None and grad is not None and value.requires_grad:
@@ -159,41 +159,52 @@ class PairResult:
     d_right_pos: Tensor  # (B, d): the same for the rhs positives (as scored: after the operator)
 
 
-def pair_scores(setup: ScoringSetup, left: Tensor, right: Tensor, left_pos: Tensor, right_pos: Tensor,
-                lhs_neg_inv: Optional[Tensor], rhs_neg_inv: Optional[Tensor], disable_lhs: bool, disable_rhs: bool,
-                d_left: Tensor, d_right: Tensor, uniform_anchor: Optional[Tensor] = None,
-                shift: Optional[Tensor] = None, left_negatives_at: Optional[int] = None,
-                right_negatives_at: Optional[int] = None) -> PairResult:
-    """Both sides' losses and row gradients, without autograd; the negatives' gradients go to ``d_left`` /
-    ``d_right``. ``left`` / ``right``: each side's unique rows, ``*_pos`` (B x d) the positives as scored, all in
-    ``setup.compute_dtype`` (see ``score_side``). The lhs side's batch product (rhs positives x lhs positives) is
-    the transpose of the rhs side's, so it is computed, and differentiated, once. ``uniform_anchor`` / ``shift``:
-    the rhs side's uniform negatives scored against them instead of ``left_pos`` (``score_side``).
-    ``*_negatives_at``: that side's negatives lie there in draw order (``in_order``): ``score_side`` writes their
-    gradients in place.
+@dataclass(frozen=True)
+class ScoredSide:
+    """One side as ``pair_scores`` scores it: its rows and positives in the products' dtype, its negatives, and
+    the buffer its rows' gradients go to."""
+
+    rows: Tensor  # (U x d): the side's unique rows (or every occurrence), in ``setup.compute_dtype``
+    positives: Tensor  # (B x d): its positives as scored (the rhs ones after the operator)
+    neg_inv: Optional[Tensor]  # (chunks x N): its uniform negatives' rows in ``rows``, or None
+    negs_disabled: bool  # never corrupted: no batch or uniform negatives, no loss of its own
+    d_rows: Tensor  # (U x d): its negatives' gradients are added here (written, with ``negatives_at``)
+    # the negatives lie in ``rows`` from here on in draw order (``in_order``): their gradients are written in place
+    negatives_at: Optional[int] = None
+
+
+def pair_scores(setup: ScoringSetup, *, lhs: ScoredSide, rhs: ScoredSide, uniform_anchor: Optional[Tensor] = None,
+                shift: Optional[Tensor] = None) -> PairResult:
+    """Both sides' losses and row gradients, without autograd; the negatives' gradients go to each side's
+    ``d_rows``. All rows are in ``setup.compute_dtype`` (see ``score_side``). The lhs side's batch product (rhs
+    positives x lhs positives) is the transpose of the rhs side's, so it is computed, and differentiated, once.
+    ``uniform_anchor`` / ``shift``: the rhs side's uniform negatives scored against them instead of the lhs
+    positives (``score_side``).
     """
+    left_pos, right_pos = lhs.positives, rhs.positives
+    disable_lhs, disable_rhs = lhs.negs_disabled, rhs.negs_disabled
     num_pos = left_pos.shape[0]
-    acc = d_left.dtype
-    off = ScoringSetup(setup.loss_fn, setup.margin, 0, setup.masked_score, setup.compute_dtype)
+    acc = lhs.d_rows.dtype
+    off = ScoringSetup(setup.loss_fn, setup.margin, 0, setup.masked_score, setup.native_loss, setup.compute_dtype)
     share = setup.num_batch_negs > 0 and not disable_lhs and not disable_rhs
     product = transposed = None
     if share:
         chunk = setup.num_batch_negs
         product = torch.bmm(chunk_rows(right_pos, chunk), chunk_rows(left_pos, chunk).transpose(1, 2)).to(acc)
         transposed = product.transpose(1, 2).contiguous()  # each side overwrites its own
-    lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, left,
-                          None if disable_lhs else lhs_neg_inv, d_left, product, share,
-                          negatives_at=left_negatives_at)
-    rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, right,
-                          None if disable_rhs else rhs_neg_inv, d_right, transposed, share,
-                          uniform_anchor, shift, negatives_at=right_negatives_at)
+    lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, lhs.rows,
+                          None if disable_lhs else lhs.neg_inv, lhs.d_rows, product, share,
+                          negatives_at=lhs.negatives_at)
+    rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, rhs.rows,
+                          None if disable_rhs else rhs.neg_inv, rhs.d_rows, transposed, share,
+                          uniform_anchor, shift, negatives_at=rhs.negatives_at)
     d_left_pos = _sum_grads(lhs_side.d_positives, rhs_side.d_anchor)
     d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
     if share:
         chunk = setup.num_batch_negs
         joint = flowed(lhs_side.d_batch, "lhs batch product").add_(
-            flowed(rhs_side.d_batch, "rhs batch product").transpose(1, 2)).to(left.dtype)  # rows: rhs positives
-        dim = left.shape[1]
+            flowed(rhs_side.d_batch, "rhs batch product").transpose(1, 2)).to(lhs.rows.dtype)  # rows: rhs positives
+        dim = lhs.rows.shape[1]
         from_batch_right = torch.bmm(joint, chunk_rows(left_pos, chunk)).view(-1, dim).to(acc)
         from_batch_left = torch.bmm(joint.transpose(1, 2), chunk_rows(right_pos, chunk)).view(-1, dim).to(acc)
         d_left_pos = _sum_grads(d_left_pos, from_batch_left)

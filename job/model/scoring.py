@@ -36,8 +36,10 @@ from job.model.comparators import Comparator
 from job.model.deferred import DeferredRows, gather_positives
 from job.model.fused import ScoringSetup, SideResult, fused_side, fused_supported
 from job.model.fused_pair import adjoint_applies, fused_pair, fused_pair_adjoint
+from job.model.kernel_options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from job.model.operators import Operator
 from job.model.operators import rows as _rows
+from job.model.side import Side
 
 MASKED_SCORE = -1e9
 
@@ -62,6 +64,9 @@ class SideScores:
     violators: Optional[Tensor | float] = None  # already counted by job.model.fused (then ``neg`` holds no scores)
     # this side's positives gathered off autograd: merge their gradient after backward (job.model.deferred)
     deferred: Optional[DeferredRows] = None
+    # this side's positive embeddings before any operator, one row per edge (the regulariser's input); set by
+    # ``Model.score_batch`` (without a regulariser: the side's rows, unused)
+    raw: Optional[Tensor] = None
 
 
 class Model(nn.Module):
@@ -136,130 +141,112 @@ class Model(nn.Module):
         self,
         rel_idx: int,
         rel: Optional[Tensor],
-        lhs_rows: Tensor,
-        rhs_rows: Tensor,
-        lhs_type: str,
-        rhs_type: str,
-        lhs_inv: Tensor,
-        rhs_inv: Tensor,
-        lhs_neg_inv: Optional[Tensor],
-        rhs_neg_inv: Optional[Tensor],
-        lhs_same_table: bool,
+        *,
+        lhs: Side,
+        rhs: Side,
         num_batch_negs: int,
         all_negs: bool,
-        disable_lhs: bool,
-        disable_rhs: bool,
-    ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
-        """Scores of one batch of a single relation (or of dynamic relations ``rel``).
+        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+    ) -> tuple[SideScores, SideScores]:
+        """Scores of one batch of a single relation (or of dynamic relations ``rel``): (lhs side, rhs side), each
+        with its positives' raw embeddings in ``raw`` (for the regulariser).
 
-        ``*_rows`` are the gathered unique rows of each side's table (the same tensor when
-        both sides share a table); ``*_inv`` index positives into them; ``*_neg_inv``
-        (chunks x N) index uniformly sampled negatives. With ``all_negs`` the rows must be the
-        whole partition in id order (so ``*_inv`` are the entity ids). Returns per-side scores and the raw positive embeddings
-        (for the regulariser).
+        ``lhs`` / ``rhs``: each side's gathered rows (the same tensor when both sides share one gather) with
+        their positives' and uniform negatives' positions. With ``all_negs`` the rows must be the whole partition
+        in id order (so ``inv`` are the entity ids). ``options``: which kernels score it (the trainer's; evaluation
+        takes the defaults).
         """
-        lhs_base = self._with_global(lhs_rows, lhs_type)
-        rhs_base = lhs_base if lhs_same_table else self._with_global(rhs_rows, rhs_type)
-        batch = _Batch(rel_idx, rel, lhs_inv, rhs_inv, lhs_neg_inv, rhs_neg_inv, num_batch_negs, all_negs,
-                       disable_lhs, disable_rhs)
+        relation = self.config.relations[rel_idx]
+        lhs_base = self._with_global(lhs.rows, relation.lhs)
+        rhs_base = lhs_base if rhs.rows is lhs.rows else self._with_global(rhs.rows, relation.rhs)
+        if lhs_base is not lhs.rows:  # a global embedding was added (without one, the sides as given)
+            lhs = lhs.with_rows(lhs_base)
+        if rhs_base is not rhs.rows:
+            rhs = rhs.with_rows(rhs_base)
+        batch = _Batch(rel_idx, rel, lhs, rhs, num_batch_negs, all_negs, options)
         if self.reciprocal:
-            return self._score_reciprocal(batch, lhs_base, rhs_base)
-        return self._score_static(batch, lhs_base, rhs_base)
+            return self._score_reciprocal(batch)
+        return self._score_static(batch)
 
     def _with_global(self, rows: Tensor, entity_type: str) -> Tensor:
         g = self.global_emb(entity_type)
         return rows if g is None else rows + g
 
-    def _score_reciprocal(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
-                          ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+    def _score_reciprocal(self, batch: _Batch) -> tuple[SideScores, SideScores]:
         """Each side's negatives against the other side's positive transformed by that side's operator.
 
         Only the query side goes through an operator, so the candidates of both sides are the plain prepared
         rows (with ``all_negs``: the whole table once), which is what makes 1-vs-all training cheap.
         """
         comparator = self.comparator
-        lhs_prepared = comparator.prepare(lhs_base)
-        rhs_prepared = comparator.prepare(rhs_base)
-        lhs_pos_raw, lhs_deferred = gather_positives(lhs_base, batch.lhs_inv)
-        rhs_pos_raw, rhs_deferred = gather_positives(rhs_base, batch.rhs_inv)
+        lhs, rhs = batch.lhs, batch.rhs
+        lhs_prepared = comparator.prepare(lhs.rows)
+        rhs_prepared = comparator.prepare(rhs.rows)
+        defer = batch.options.deferred_positives
+        lhs_pos_raw, lhs_deferred = gather_positives(lhs.rows, lhs.inv, defer)
+        rhs_pos_raw, rhs_deferred = gather_positives(rhs.rows, rhs.inv, defer)
         # "forward": c(u, h_r(v)) against lhs negatives u' (positives gathered from candidates[own])
         rhs_pos_transformed = comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_pos_raw, batch.rel))
-        if batch.all_negs and torch.is_grad_enabled() and fused_all.applies(comparator.kind, comparator.bias,
-                                                                            self.config.loss_fn):
+        if (batch.all_negs and torch.is_grad_enabled() and batch.options.fused_all_negs
+                and fused_all.applies(comparator.kind, comparator.bias, self.config.loss_fn)):
             lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
             lhs_scores, rhs_scores = self._all_negs_pair(batch, lhs_prepared, rhs_prepared, rhs_pos_transformed,
                                                          lhs_pos_transformed)
-            lhs_scores.deferred, rhs_scores.deferred = lhs_deferred, rhs_deferred
-            return lhs_scores, rhs_scores, lhs_pos_raw, rhs_pos_raw
-        lhs_scores = self._side_scores(
-            anchor=rhs_pos_transformed, positives=None, candidates=lhs_prepared,
-            neg_inv=batch.lhs_neg_inv, own=batch.lhs_inv, num_batch_negs=batch.num_batch_negs,
-            all_negs=batch.all_negs, disabled=batch.disable_lhs,
-        )
-        # "reverse": c(g_r(u), v) against rhs negatives v'
-        lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
-        rhs_scores = self._side_scores(
-            anchor=lhs_pos_transformed, positives=None, candidates=rhs_prepared,
-            neg_inv=batch.rhs_neg_inv, own=batch.rhs_inv, num_batch_negs=batch.num_batch_negs,
-            all_negs=batch.all_negs, disabled=batch.disable_rhs,
-        )
+        else:
+            lhs_scores = self._side_scores(batch, lhs, anchor=rhs_pos_transformed, positives=None,
+                                           candidates=lhs_prepared)
+            # "reverse": c(g_r(u), v) against rhs negatives v'
+            lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
+            rhs_scores = self._side_scores(batch, rhs, anchor=lhs_pos_transformed, positives=None,
+                                           candidates=rhs_prepared)
         lhs_scores.deferred, rhs_scores.deferred = lhs_deferred, rhs_deferred
-        return lhs_scores, rhs_scores, lhs_pos_raw, rhs_pos_raw
+        lhs_scores.raw, rhs_scores.raw = lhs_pos_raw, rhs_pos_raw
+        return lhs_scores, rhs_scores
 
-    def _score_static(self, batch: _Batch, lhs_base: Tensor, rhs_base: Tensor
-                      ) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+    def _score_static(self, batch: _Batch) -> tuple[SideScores, SideScores]:
         """c(u, f_r(v)): the operator on the right-hand side only; the lhs side never has one on its negatives."""
         operator = self.rhs_operators[batch.rel_idx]
         assert isinstance(operator, Operator)
-        fused = self._use_fused(batch.all_negs) and batch.lhs_inv.shape[0] > 0
-        if fused and adjoint_applies(self.comparator.kind, operator):
+        lhs, rhs = batch.lhs, batch.rhs
+        fused = self._use_fused(batch.all_negs) and lhs.inv.shape[0] > 0
+        if fused and batch.options.operator_adjoint and adjoint_applies(self.comparator.kind, operator):
             # dot: f_r's adjoint on the anchors, the rhs rows unprepared (job.model.fused_pair)
-            loss, lhs_result, rhs_result = fused_pair_adjoint(
-                self._scoring_setup(batch.num_batch_negs), operator, lhs_base, rhs_base, batch.lhs_inv,
-                batch.rhs_inv, batch.lhs_neg_inv, batch.rhs_neg_inv, batch.disable_lhs, batch.disable_rhs,
-            )
+            loss, lhs_result, rhs_result = fused_pair_adjoint(self._scoring_setup(batch), operator, lhs=lhs, rhs=rhs)
             lhs_scores = _side_scores_of(lhs_result, loss)
             rhs_scores = _side_scores_of(rhs_result, loss.new_zeros(()))
-            return self._static_result(batch, lhs_scores, rhs_scores, lhs_base, rhs_base)
-        lhs_prepared = self.comparator.prepare(lhs_base)
-        rhs_prepared = self.comparator.prepare(operator(rhs_base))
+            return self._static_result(batch, lhs_scores, rhs_scores)
+        lhs_prepared = self.comparator.prepare(lhs.rows)
+        rhs_prepared = self.comparator.prepare(operator(rhs.rows))
         if fused:
-            loss, lhs_result, rhs_result = fused_pair(
-                self._scoring_setup(batch.num_batch_negs), lhs_prepared, rhs_prepared, batch.lhs_inv, batch.rhs_inv,
-                batch.lhs_neg_inv, batch.rhs_neg_inv, batch.disable_lhs, batch.disable_rhs,
-            )
+            loss, lhs_result, rhs_result = fused_pair(self._scoring_setup(batch), lhs=lhs.with_rows(lhs_prepared),
+                                                      rhs=rhs.with_rows(rhs_prepared))
             lhs_scores = _side_scores_of(lhs_result, loss)
             rhs_scores = _side_scores_of(rhs_result, loss.new_zeros(()))
         else:
-            lhs_pos_vec = _rows(lhs_prepared, batch.lhs_inv)
-            rhs_pos_vec = _rows(rhs_prepared, batch.rhs_inv)
-            lhs_scores = self._side_scores(
-                anchor=rhs_pos_vec, positives=lhs_pos_vec, candidates=lhs_prepared,
-                neg_inv=batch.lhs_neg_inv, own=batch.lhs_inv, num_batch_negs=batch.num_batch_negs,
-                all_negs=batch.all_negs, disabled=batch.disable_lhs,
-            )
-            rhs_scores = self._side_scores(
-                anchor=lhs_pos_vec, positives=rhs_pos_vec, candidates=rhs_prepared,
-                neg_inv=batch.rhs_neg_inv, own=batch.rhs_inv, num_batch_negs=batch.num_batch_negs,
-                all_negs=batch.all_negs, disabled=batch.disable_rhs,
-            )
-        return self._static_result(batch, lhs_scores, rhs_scores, lhs_base, rhs_base)
+            lhs_pos_vec = _rows(lhs_prepared, lhs.inv)
+            rhs_pos_vec = _rows(rhs_prepared, rhs.inv)
+            lhs_scores = self._side_scores(batch, lhs, anchor=rhs_pos_vec, positives=lhs_pos_vec,
+                                           candidates=lhs_prepared)
+            rhs_scores = self._side_scores(batch, rhs, anchor=lhs_pos_vec, positives=rhs_pos_vec,
+                                           candidates=rhs_prepared)
+        return self._static_result(batch, lhs_scores, rhs_scores)
 
     def _all_negs_pair(self, batch: _Batch, lhs_candidates: Tensor, rhs_candidates: Tensor, lhs_queries: Tensor,
                        rhs_queries: Tensor) -> tuple[SideScores, SideScores]:
         """Both sides of a reciprocal 1-vs-all softmax batch (``job.model.fused_all``): ``lhs_queries`` rank
         ``lhs_candidates`` for the lhs targets, ``rhs_queries`` the rhs ones; stacked into one set of products
         when both sides rank the same table."""
-        num_pos = batch.lhs_inv.shape[0]
-        sides = [(lhs_candidates, lhs_queries, batch.lhs_inv, batch.disable_lhs),
-                 (rhs_candidates, rhs_queries, batch.rhs_inv, batch.disable_rhs)]
+        lhs, rhs = batch.lhs, batch.rhs
+        num_pos = lhs.inv.shape[0]
+        sides = [(lhs_candidates, lhs_queries, lhs.inv, lhs.negs_disabled),
+                 (rhs_candidates, rhs_queries, rhs.inv, rhs.negs_disabled)]
         live = [side for side in sides if not side[3] and num_pos > 0]
         zero = lhs_queries.new_zeros(())
         losses: list[Tensor] = [zero, zero]
         violators: list[Tensor | float] = [0.0, 0.0]
         if len(live) == 2 and lhs_candidates is rhs_candidates:
             loss, counts = fused_all.softmax_all(torch.cat((lhs_queries, rhs_queries)), lhs_candidates,
-                                                 torch.cat((batch.lhs_inv, batch.rhs_inv)), self.compute_dtype,
+                                                 torch.cat((lhs.inv, rhs.inv)), self.compute_dtype,
                                                  (num_pos, num_pos))
             losses[0], violators = loss, [counts[0], counts[1]]
         else:
@@ -272,52 +259,49 @@ class Model(nn.Module):
         return tuple(SideScores(pos, empty, num_neg=candidates.shape[0], loss=loss, violators=count)  # type: ignore[return-value]
                      for (candidates, *_), loss, count in zip(sides, losses, violators))
 
-    def _static_result(self, batch: _Batch, lhs_scores: SideScores, rhs_scores: SideScores, lhs_base: Tensor,
-                       rhs_base: Tensor) -> tuple[SideScores, SideScores, Tensor, Tensor]:
+    def _static_result(self, batch: _Batch, lhs_scores: SideScores,
+                       rhs_scores: SideScores) -> tuple[SideScores, SideScores]:
+        """The scores with each side's raw positives (``raw``): gathered only when the regulariser reads them."""
+        lhs, rhs = batch.lhs, batch.rhs
         if self.config.regularization_coef > 0:  # only the regulariser needs the raw positive embeddings
-            return lhs_scores, rhs_scores, _rows(lhs_base, batch.lhs_inv), _rows(rhs_base, batch.rhs_inv)
-        return lhs_scores, rhs_scores, lhs_base, rhs_base
+            lhs_scores.raw, rhs_scores.raw = _rows(lhs.rows, lhs.inv), _rows(rhs.rows, rhs.inv)
+        else:
+            lhs_scores.raw, rhs_scores.raw = lhs.rows, rhs.rows
+        return lhs_scores, rhs_scores
 
     def _use_fused(self, all_negs: bool) -> bool:
         return self.fused and not all_negs and torch.is_grad_enabled()
 
-    def _scoring_setup(self, num_batch_negs: int) -> ScoringSetup:
-        return ScoringSetup(self.config.loss_fn, self.config.margin, num_batch_negs, MASKED_SCORE, self.compute_dtype)
+    def _scoring_setup(self, batch: _Batch) -> ScoringSetup:
+        return ScoringSetup(self.config.loss_fn, self.config.margin, batch.num_batch_negs, MASKED_SCORE,
+                            batch.options.native_loss, self.compute_dtype)
 
     def _products_dtype(self) -> Optional[torch.dtype]:
         """The reduced precision of the autograd path's products: training only (ranks need exact ties)."""
         return self.compute_dtype if torch.is_grad_enabled() else None
 
-    def _side_scores(
-        self,
-        anchor: Tensor,
-        positives: Optional[Tensor],
-        candidates: Tensor,
-        neg_inv: Optional[Tensor],
-        own: Tensor,
-        num_batch_negs: int,
-        all_negs: bool,
-        disabled: bool,
-    ) -> SideScores:
-        """Positive scores and negatives for corrupting one side.
+    def _side_scores(self, batch: _Batch, side: Side, *, anchor: Tensor, positives: Optional[Tensor],
+                     candidates: Tensor) -> SideScores:
+        """Positive scores and negatives for corrupting one side, ``side`` (its positions and negatives switch).
 
         ``anchor`` holds the other side's prepared positive vectors (B x d), ``positives``
         this side's (B x d), ``candidates`` this side's prepared unique rows (U x d).
         """
         num_pos = anchor.shape[0]
-        if self._use_fused(all_negs) and not disabled and num_pos > 0:
-            loss, result = fused_side(self._scoring_setup(num_batch_negs), anchor, candidates, own, neg_inv)
+        own, neg_inv, disabled = side.inv, side.neg_inv, side.negs_disabled
+        if self._use_fused(batch.all_negs) and not disabled and num_pos > 0:
+            loss, result = fused_side(self._scoring_setup(batch), anchor, candidates, own, neg_inv)
             return _side_scores_of(result, loss)
         if positives is None:  # the fused path gathers its own; only this one needs them as a tensor
             positives = _rows(candidates, own)
         pos = self.comparator.pos(anchor, positives)
         if disabled or num_pos == 0:
             return SideScores(pos, pos.new_empty((num_pos, 0)))
-        if all_negs:
+        if batch.all_negs:
             # every entity of the partition (candidates are the whole table); mask each positive's own column
             scores = self.comparator.pairwise(anchor, candidates, self._products_dtype())  # (B, N)
             return SideScores(pos, scores.scatter(1, own.unsqueeze(1), MASKED_SCORE))
-        return self._sampled_negatives(pos, anchor, positives, candidates, neg_inv, num_batch_negs)
+        return self._sampled_negatives(pos, anchor, positives, candidates, neg_inv, batch.num_batch_negs)
 
     def _sampled_negatives(self, pos: Tensor, anchor: Tensor, positives: Tensor, candidates: Tensor,
                            neg_inv: Optional[Tensor], num_batch_negs: int) -> SideScores:
@@ -372,18 +356,16 @@ class Model(nn.Module):
 
 @dataclass
 class _Batch:
-    """What ``score_batch`` is given besides the rows: positives' and negatives' indices and the negatives' setup."""
+    """What ``score_batch`` is given: the relation, each side (its rows with any global embedding added, its
+    positives' and negatives' positions), the negatives' setup and the kernel options."""
 
     rel_idx: int
     rel: Optional[Tensor]
-    lhs_inv: Tensor
-    rhs_inv: Tensor
-    lhs_neg_inv: Optional[Tensor]
-    rhs_neg_inv: Optional[Tensor]
+    lhs: Side
+    rhs: Side
     num_batch_negs: int
     all_negs: bool
-    disable_lhs: bool
-    disable_rhs: bool
+    options: KernelOptions
 
 
 def _side_scores_of(result: SideResult, loss: Tensor) -> SideScores:

@@ -19,6 +19,7 @@ import torch
 
 from job.config import ConfigSchema
 from job.eval_protocol import largest_partition, protocol_fields, resolve_protocol
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.batching import EdgeTensors, process_edges, process_slices, split_almost_equally
 from job.train.buckets import Bucket
@@ -52,6 +53,7 @@ class BucketWork:
     num_chunks: int
     grid: tuple[int, int]  # partitions on the lhs and rhs sides: buckets per pass = lhs x rhs
     edge_source: EdgeSource
+    kernel_options: KernelOptions  # the training step's kernels, here and in every Hogwild worker
 
 
 class BucketRunner:
@@ -148,7 +150,7 @@ class BucketRunner:
         eval_before = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
         if work.workers > 1 and self.pool is None and train_indices.numel() >= 2 * config.batch_size:
             # started on first need (small graphs never pay for it), and before the compute clock starts
-            self.pool = WorkerPool(work.workers, config, self.model, self.relation_optimizer)
+            self.pool = WorkerPool(work.workers, config, self.model, self.relation_optimizer, work.kernel_options)
         compute_started = time.perf_counter()
         train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, delayed)
         compute_seconds = time.perf_counter() - compute_started
@@ -175,6 +177,7 @@ class BucketRunner:
             lhs_tables=lhs_tables, rhs_tables=rhs_tables,
             num_batch_negs=config.num_batch_negs if train else config.eval_num_batch_negs,
             num_uniform_negs=config.num_uniform_negs if train else config.eval_num_uniform_negs,
+            options=self.work.kernel_options,
         )
 
     def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],

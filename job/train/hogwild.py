@@ -21,6 +21,7 @@ import torch
 
 from job import native
 from job.config import ConfigSchema
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.allocator import keep_freed_memory
 from job.train.batching import EdgeTensors, PlannedSlice, plan_batches
@@ -87,9 +88,12 @@ def _worker_main(
     results: Any,
     lock: Any,
     environment: dict[str, str],
+    options: KernelOptions,
 ) -> None:
     """A worker's life: take the trainer's environment, then the shared model from ``setup`` (a pipe's end: see
-    ``WorkerPool``), then tasks until a ``None`` or until the trainer is gone."""
+    ``WorkerPool``), then tasks until a ``None`` or until the trainer is gone. ``options``: the trainer's kernel
+    options, for every batch it runs (a module global set in the trainer would not reach a forked or spawned
+    worker: it imports the module afresh)."""
     apply_environment(environment)  # before anything reads it: a forked worker has the fork server's
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -126,6 +130,7 @@ def _worker_main(
                 rhs_tables=task["rhs_tables"],
                 num_batch_negs=task["num_batch_negs"],
                 num_uniform_negs=task["num_uniform_negs"],
+                options=options,
             )
             stats = _run_task(ctx, task, lock)
             results.put((task_id, worker_id, stats, None))
@@ -137,7 +142,11 @@ def _worker_main(
 
 
 class WorkerPool:
-    def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad) -> None:
+    """``num_workers`` Hogwild processes sharing ``model`` and its relation optimizer state, started once; each
+    trains with ``options`` (the trainer's kernel options, handed over at start)."""
+
+    def __init__(self, num_workers: int, config: ConfigSchema, model: Model, relation_optimizer: RelationAdagrad,
+                 options: KernelOptions) -> None:
         context = worker_context()
         # the native kernels are compiled (on a first run) here, once, not by every worker at its first batch
         native.library()
@@ -157,7 +166,7 @@ class WorkerPool:
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(worker_id, config, receive, self.tasks, self.results, self.lock, worker_environment()),
+                args=(worker_id, config, receive, self.tasks, self.results, self.lock, worker_environment(), options),
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )

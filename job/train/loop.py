@@ -25,6 +25,7 @@ from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
 from job.formats.validate import validate_cheap
+from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model
 from job.monitoring import make_reporter
 from job.train.allocator import keep_freed_memory
@@ -75,13 +76,15 @@ class PassPlan:
 @dataclass(frozen=True)
 class Collaborators:
     """What a caller may give a trainer instead of its defaults (PBG's ``train(config, model, trainer, evaluator)``
-    idea): where the edges come from, which passes to make, what ``config.json`` describes, and whether Hogwild
-    worker processes may run (False: slices one after another in this process, as on a GPU)."""
+    idea): where the edges come from, which passes to make, what ``config.json`` describes, whether Hogwild
+    worker processes may run (False: slices one after another in this process, as on a GPU), and which of the
+    step's kernels run (tests and benchmarks choose the reference paths here)."""
 
     edge_source: EdgeSource = field(default_factory=ChunkedEdges)
     plan: PassPlan = PassPlan()
     described_config: Optional[ConfigSchema] = None  # config.json's (default: the training config)
     hogwild: bool = True
+    kernel_options: KernelOptions = KernelOptions()  # no config key or variable sets one: the defaults train
 
 
 class Trainer:
@@ -146,7 +149,7 @@ class Trainer:
         self.buckets = BucketRunner(BucketWork(
             config, self.model, self.relation_optimizer, self.store, self.device, self.workers,
             config.effective_workers(), self.entity_counts, self.num_dynamic_rels, self.num_chunks,
-            (self.nparts_lhs, self.nparts_rhs), self.parts.edge_source))
+            (self.nparts_lhs, self.nparts_rhs), self.parts.edge_source, self.parts.kernel_options))
         self.scheduler, self.sync = self._make_scheduler()
         self.stagger = HogwildStagger(config, self.workers, enabled=self.scheduler.delays_hogwild)
         self.validation = Validation(config, self.checkpoints)  # validation_edge_paths: scored after commits

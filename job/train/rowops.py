@@ -95,11 +95,6 @@ def positions(begin: int, end: int, device: torch.device) -> Tensor:
     return cached[begin:]
 
 
-# On the CPU a trained batch of a large table gathers every occurrence too (``occurrences_pay``); off: the
-# unique rows (tests/test_fused.py turns it off to hold the two paths to each other).
-OCCURRENCES_ON_CPU = True
-
-
 def occurrences_pay(lhs_table: Table, same_table: bool, all_negs: bool, train: bool) -> bool:
     """Whether to gather every occurrence of a batch's rows rather than its unique rows (CPU).
 
@@ -109,9 +104,10 @@ def occurrences_pay(lhs_table: Table, same_table: bool, all_negs: bool, train: b
     every occurrence gathered the negatives lie in draw order among the rows, are scored where they lie and
     their gradients are written in place (``job.model.fused.score_side``); the few repeats are merged before
     the Adagrad step (``row_adagrad_occurrences``). Small tables (the joint gather) keep deduplicating:
-    there the draws collapse onto few rows.
+    there the draws collapse onto few rows. (The step asks ``KernelOptions.occurrences_on_cpu`` first: off, the
+    unique rows, which tests/test_fused.py holds this path to.)
     """
-    return OCCURRENCES_ON_CPU and train and not all_negs and not same_table and lhs_table.weight.device.type == "cpu"
+    return train and not all_negs and not same_table and lhs_table.weight.device.type == "cpu"
 
 
 @dataclass

@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from job.config import ConfigSchema
+from job.model.kernel_options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from job.model.losses import compute_loss
 from job.model.operators import Operator
 from job.model.regularizers import n3_penalty
 from job.model.scoring import Model, SideScores, Table
+from job.model.side import Side
 from job.train.optim import (
     RelationAdagrad,
     cat_grads,
@@ -83,6 +85,9 @@ class BatchContext:
     rhs_tables: dict[int, Table]
     num_batch_negs: int
     num_uniform_negs: int
+    # which kernels the step runs: the trainer's (its Collaborators'), handed to every Hogwild worker at start;
+    # evaluation and the report score with the defaults
+    options: KernelOptions = DEFAULT_KERNEL_OPTIONS
 
 
 def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: int, disabled: bool,
@@ -109,15 +114,11 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
             _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator))
 
 
-# Tests run the GPU's static-shape path on the CPU by setting this.
-STATIC_SHAPES_ON_CPU = False
-
-
 def _update_rows(ctx: BatchContext, rows: SelectedRows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
                  rhs_rows: Tensor, shared_storage: bool) -> None:
     """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
     lr = ctx.config.lr
-    if rows.static and lhs_table.weight.device.type == "cpu" and not STATIC_SHAPES_ON_CPU:
+    if rows.static and lhs_table.weight.device.type == "cpu" and not ctx.options.static_shapes_on_cpu:
         if shared_storage:
             row_adagrad_occurrences(lhs_table, [(rows.lhs_uniq, lhs_rows.grad), (rows.rhs_uniq, rhs_rows.grad)], lr)
         else:
@@ -178,8 +179,9 @@ def run_batch(
     # rows that side needs; the two gradients are merged before the one Adagrad update per row.
     same_table = shared_storage and (relation.all_negs or lhs_table.weight.shape[0] <= JOINT_GATHER_ROWS_PER_EDGE * num_pos)
     lhs_neg, rhs_neg = negatives if negatives is not None else draw_negatives(ctx, rel_idx, num_pos, generator)
-    static = train and not relation.all_negs and (lhs_table.weight.device.type != "cpu" or STATIC_SHAPES_ON_CPU)
-    static = static or occurrences_pay(lhs_table, same_table, relation.all_negs, train)
+    options = ctx.options
+    static = train and not relation.all_negs and (lhs_table.weight.device.type != "cpu" or options.static_shapes_on_cpu)
+    static = static or (options.occurrences_on_cpu and occurrences_pay(lhs_table, same_table, relation.all_negs, train))
     rows = select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg, lhs_table, rhs_table, same_table, relation.all_negs,
                        static)
     if config.max_norm is not None and train:
@@ -198,38 +200,41 @@ def run_batch(
             rhs_rows = rhs_table.weight.index_select(0, rows.rhs_uniq)
             if train:
                 rhs_rows.requires_grad_(True)
-        lhs_scores, rhs_scores, lhs_raw, rhs_raw = ctx.model.score_batch(
-            rel_idx, rel_ids, lhs_rows, rhs_rows, relation.lhs, relation.rhs, rows.lhs_inv, rows.rhs_inv,
-            rows.lhs_neg_inv, rows.rhs_neg_inv, rows.same_table, ctx.num_batch_negs, relation.all_negs,
-            config.disable_lhs_negs, config.disable_rhs_negs,
+        lhs_scores, rhs_scores = ctx.model.score_batch(
+            rel_idx, rel_ids,
+            lhs=Side(lhs_rows, rows.lhs_inv, rows.lhs_neg_inv, config.disable_lhs_negs),
+            rhs=Side(rhs_rows, rows.rhs_inv, rows.rhs_neg_inv, config.disable_rhs_negs),
+            num_batch_negs=ctx.num_batch_negs, all_negs=relation.all_negs, options=options,
         )
-        stats = _finish(ctx, rel_idx, rel_ids, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+        stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
         _update_rows(ctx, rows, lhs_table, rhs_table, lhs_rows, rhs_rows, shared_storage)
     return stats
 
 
-def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], lhs_scores: SideScores,
-            rhs_scores: SideScores, lhs_raw: Tensor, rhs_raw: Tensor, num_pos: int, train: bool) -> BatchStats:
-    """Loss (and its backward) plus statistics, shared by plain and featurized batches."""
+def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], num_pos: int, train: bool, *,
+            lhs: SideScores, rhs: SideScores) -> BatchStats:
+    """Loss (and its backward) plus statistics, shared by plain and featurized batches; ``lhs`` / ``rhs``: each
+    side's scores as ``Model.score_batch`` returns them."""
     config = ctx.config
     relation = config.relations[rel_idx]
     stats = BatchStats(count=num_pos)
     if train:
-        loss = relation.weight * (_side_loss(config, lhs_scores) + _side_loss(config, rhs_scores))
+        loss = relation.weight * (_side_loss(config, lhs) + _side_loss(config, rhs))
         total = loss
         if config.regularization_coef > 0:
-            reg = config.regularization_coef * n3_penalty(_operators(ctx.model, rel_idx), rel_ids, lhs_raw, rhs_raw,
+            assert lhs.raw is not None and rhs.raw is not None  # score_batch sets them
+            reg = config.regularization_coef * n3_penalty(_operators(ctx.model, rel_idx), rel_ids, lhs.raw, rhs.raw,
                                                           num_pos, config.regularizer)
             total = total + reg
             stats.reg = _statistic(reg)
         total.backward()
-        for side_scores in (lhs_scores, rhs_scores):
+        for side_scores in (lhs, rhs):
             if side_scores.deferred is not None:
                 side_scores.deferred.merge()
         stats.loss = _statistic(loss)
     with torch.no_grad():
-        for side_scores, name in ((lhs_scores, "lhs"), (rhs_scores, "rhs")):
+        for side_scores, name in ((lhs, "lhs"), (rhs, "rhs")):
             if side_scores.violators is not None:
                 setattr(stats, f"violators_{name}", _statistic(side_scores.violators))
                 continue
@@ -305,12 +310,13 @@ def _run_featurized_batch(
     with torch.set_grad_enabled(train):
         lhs_rows, lhs_inv, lhs_neg_inv = sides["lhs"]
         rhs_rows, rhs_inv, rhs_neg_inv = sides["rhs"]
-        lhs_scores, rhs_scores, lhs_raw, rhs_raw = ctx.model.score_batch(
-            rel_idx, rel_ids, lhs_rows, rhs_rows, relation.lhs, relation.rhs, lhs_inv, rhs_inv,
-            lhs_neg_inv, rhs_neg_inv, False, ctx.num_batch_negs, False,
-            config.disable_lhs_negs, config.disable_rhs_negs,
+        lhs_scores, rhs_scores = ctx.model.score_batch(
+            rel_idx, rel_ids,
+            lhs=Side(lhs_rows, lhs_inv, lhs_neg_inv, config.disable_lhs_negs),
+            rhs=Side(rhs_rows, rhs_inv, rhs_neg_inv, config.disable_rhs_negs),
+            num_batch_negs=ctx.num_batch_negs, all_negs=False, options=ctx.options,
         )
-        stats = _finish(ctx, rel_idx, rel_ids, lhs_scores, rhs_scores, lhs_raw, rhs_raw, num_pos, train)
+        stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
         (lhs_table, lhs_uniq, lhs_leaf), (rhs_table, rhs_uniq, rhs_leaf) = leaves
         if lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr():
