@@ -26,10 +26,10 @@ want() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
 if want tests; then
   # the training suites on the GPU (helpers_graphs / test_fused read BIGGRAPH_TEST_DEVICE), plus the CUDA-only tests
-  BIGGRAPH_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 -m "not slow" \
+  BIGGRAPH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 -m "not slow" \
     tests/test_train_*.py tests/test_fused*.py tests/test_compute_dtype.py tests/test_regularizers.py \
-    tests/test_checkpoint_manager.py tests/test_quality_options.py 2>&1 | tail -40 | tee "$OUTDIR/tests.log"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_cuda.py 2>&1 | tail -30 \
+    tests/test_checkpoint_manager.py tests/test_quality_options.py tests/test_validation.py 2>&1 | tail -40 | tee "$OUTDIR/tests.log"
+  timeout ${CUDA_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_cuda.py 2>&1 | tail -30 \
     | tee "$OUTDIR/test_cuda.log"
 fi
 
