@@ -255,28 +255,31 @@ def test_preset_fills_in_its_keys_and_explicit_keys_win(tmp_path: Path, name: st
     assert parse_config(json.loads(config.to_json())) == config
 
 
-def test_presets_differ_only_in_how_negatives_are_drawn() -> None:
-    """quality_sampled is quality's model recipe with PBG's sampled negatives (docs/quality-preset.md)."""
-    negatives = {"batch_size", "num_batch_negs", "num_uniform_negs"}
+def test_presets_differ_only_in_how_negatives_are_drawn_and_n3() -> None:
+    """quality_sampled is quality's model recipe with PBG's sampled negatives and without N3, which helped 1-vs-all
+    only (docs/quality-preset.md)."""
+    negatives = {"batch_size", "num_batch_negs", "num_uniform_negs", "regularizer", "regularization_coef"}
     (full, full_rel), (sampled, sampled_rel) = PRESETS["quality"], PRESETS["quality_sampled"]
     assert {k: v for k, v in full.items() if k not in negatives} == {
         k: v for k, v in sampled.items() if k not in negatives}
     assert (full_rel, sampled_rel) == ({"all_negs": True}, {"all_negs": False})
     assert sampled["num_uniform_negs"] > 0 and sampled["num_batch_negs"] > 0
+    assert (full["regularizer"], full["regularization_coef"]) == ("N3_shared_relations", 0.1)
+    assert "regularization_coef" not in sampled  # PBG's default, 0: off
 
 
 def test_preset_page_documents_exactly_the_preset_keys() -> None:
-    """The page's table has one column per preset, in the order of PRESETS; every row is a key both set."""
+    """The page's table has one column per preset, in the order of PRESETS; every row is a key a preset sets, its
+    value in each preset's column, "-" where that preset leaves the key to its default."""
     text = (ROOT / "docs" / "quality-preset.md").read_text()
     header = re.search(r"^\| key \|(.*)\|$", text, re.MULTILINE)
     assert header is not None
     assert re.findall(r"`([a-z_]+)`", header.group(1)) == list(PRESETS)
-    rows = re.findall(r"^\| `([a-z_.\[\]*]+)` \|((?: `[^`]+` \|)+)$", text, re.MULTILINE)
-    table = {key: re.findall(r"`([^`]+)`", values) for key, values in rows}
-    expected: dict[str, list[str]] = {}
-    for top, per_relation in PRESETS.values():
-        for key, value in [*top.items(), *((f"relations[*].{k}", v) for k, v in per_relation.items())]:
-            expected.setdefault(key, []).append(json.dumps(value))
+    rows = re.findall(r"^\| `([a-z_.\[\]*]+)` \|((?: (?:`[^`]+`|-) \|)+)$", text, re.MULTILINE)
+    table = {key: [cell.strip().strip("`") for cell in values.split("|")[:-1]] for key, values in rows}
+    settings = [{**top, **{f"relations[*].{k}": v for k, v in per_relation.items()}} for top, per_relation in PRESETS.values()]
+    expected = {key: [json.dumps(preset[key]) if key in preset else "-" for preset in settings]
+                for key in dict.fromkeys(k for preset in settings for k in preset)}
     assert table == expected
 
 
