@@ -37,6 +37,7 @@ from storage_adapters.fs import (
     join,
     local_path,
     local_path_if_local,
+    renames_into_place,
     scheme_of,
     storage_options_for,
 )
@@ -78,5 +79,5 @@ __all__ = [
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
     "read_bytes", "read_text", "remove", "scheme_of", "size", "storage_options_for",
     "write_bytes", "write_text", "read_tagged", "write_if", "sync_directory", "append_text", "move",
-    "change_marker", "local_path_if_local",
+    "change_marker", "local_path_if_local", "renames_into_place",
 ]

@@ -74,6 +74,13 @@ def is_local(url: str) -> bool:
     return scheme_of(url) in _LOCAL_SCHEMES
 
 
+def renames_into_place(url: str) -> bool:
+    """Whether a file for ``url`` is written next to it and renamed into place (a filesystem: the write is durable
+    when the rename is), rather than built in a local staging file and uploaded, which a writer may leave to the
+    background (an object store). The formats ask this capability, not which backend it is."""
+    return is_local(url)
+
+
 def local_path(url: str) -> str:
     """The OS path of a local URL."""
     if not is_local(url):

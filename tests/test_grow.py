@@ -422,7 +422,11 @@ def test_kill_mid_grow_leaves_the_old_or_the_new_version_and_a_rerun_finishes_it
         model: Path, trained: Path, reference: tuple[dict, dict, dict], point: tuple[str, str, int, str, int]) -> None:
     module, name, nth, when, expected_version = point
     original_input = input_state(model)
-    killed = subprocess.run(grow_command(module, name, str(nth), when), cwd=model, capture_output=True, text=True)
+    # the killed grow cannot remove its work directory: keep it under the model's tmp, not the machine's /tmp
+    scratch = model / "scratch"
+    scratch.mkdir()
+    killed = subprocess.run(grow_command(module, name, str(nth), when), cwd=model, capture_output=True, text=True,
+                            env=dict(os.environ, TMPDIR=str(scratch)))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     committed = CheckpointStorage("model").load_version()
     assert committed == expected_version

@@ -73,6 +73,9 @@ def test_urls_are_never_paths() -> None:
     assert storage.join("gs://b/x/", "/y") == "gs://b/x/y"
     assert storage.scheme_of("s3://b/k") == "s3" and storage.scheme_of("/a/b") == "" and storage.scheme_of("a:b") == ""
     assert not storage.is_local("s3://b/k") and storage.is_local("file:///x")
+    # what the checkpoint writer asks: a rename into place (durable at once) or an upload (may go to the background)
+    assert storage.renames_into_place("/x/y") and storage.renames_into_place("file:///x")
+    assert not storage.renames_into_place("s3://b/k") and not storage.renames_into_place("memory://m/x")
     cp = CheckpointStorage("s3://bucket/run/")
     assert cp.model_file(3) == "s3://bucket/run/model.v3.h5"
     assert cp.partition_file(2, "user", 1) == "s3://bucket/run/embeddings_user_1.v2.h5"

@@ -97,7 +97,7 @@ class CheckpointStorage:
         # called before every file this object writes: the checkpoint manager's ownership check (a writer that
         # lost the directory to another run raises instead of writing over that run's files)
         self.guard = guard or (lambda: None)
-        self._remote = not storage.is_local(self.url)
+        self._remote = not storage.renames_into_place(self.url)  # object stores: uploads in the background
         self._uploads = UploadQueue()
         self.sums = SumRegistry()
         self._manifests: dict[tuple[str, int], Manifest] = {}
