@@ -78,7 +78,9 @@ def test_losses_match_hand_computed_values() -> None:
 @pytest.mark.parametrize("loss_fn", ["ranking", "logistic", "softmax"])
 def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, loss_fn: str) -> None:
     """Few candidates, many samples: scoring each candidate once with its draw count must give PBG's sums."""
-    from job.model.scoring import Model
+    from job.model.kernel_options import KernelOptions
+    from job.model.scoring import Model, _Batch
+    from job.model.side import Side
     from job.train.step import BatchStats, _add_ranks
 
     config = parse_config(write_cycle_graph(tmp_path, loss_fn=loss_fn, comparator="dot"))
@@ -89,7 +91,9 @@ def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, 
     candidates = torch.randn(5, 16, generator=generator)
     neg_inv = torch.randint(0, 5, (2, 9), generator=generator)  # 2 chunks of 4, 9 draws each > 5 candidates
     with torch.no_grad():  # the scoring used by evaluation; training's fused twin is held to it in test_fused.py
-        weighted = model._side_scores(anchor, positives, candidates, neg_inv, torch.arange(7), 4, False, False)
+        side = Side(candidates, torch.arange(7), neg_inv)
+        batch = _Batch(0, None, side, side, num_batch_negs=4, all_negs=False, options=KernelOptions())
+        weighted = model._side_scores(batch, side, anchor=anchor, positives=positives, candidates=candidates)
     assert weighted.weight is not None  # the counted path was taken
     # the same negatives, one column per draw, as PBG lays them out
     padded_anchor = torch.cat((anchor, torch.zeros(1, 16))).view(2, 4, 16)
