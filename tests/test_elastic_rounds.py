@@ -6,11 +6,13 @@ taken from ``TORCHELASTIC_RESTART_COUNT``, which each agent counts for itself.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,6 +183,23 @@ def test_the_same_job_restarted_resumes_its_pass_and_another_job_starts_it_over(
     assert sorted(per_epoch[killed_again - 1]) == sorted(all_buckets(4, 4))
 
 
+@contextlib.contextmanager
+def store_in_another_process() -> Iterator[tuple[int, subprocess.Popen]]:
+    """A TCPStore hosted by a child process (its port, the process): the test kills the process to make the store
+    go away, as a round's host pod does; it is killed at the end whatever happened."""
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import time; from datetime import timedelta; from torch.distributed import TCPStore; "
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)); "
+        "print(s.port, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        yield int(host.stdout.readline()), host
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -> None:
     """A rank rank 0 declared dead (its heartbeat stopped: a SIGSTOPped pod), or whose round's store is gone (the
     group re-formed without it), raises before writing a checkpoint file; a live rank of a live round writes."""
@@ -203,23 +222,14 @@ def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -
         manager.storage.save_entity_partition(2, "node", 0, np.zeros((3, 2), np.float32))
     assert sorted(p.name for p in (tmp_path / "cp").iterdir()) == written  # nothing new, no temporary file left
 
-    host = subprocess.Popen([sys.executable, "-c", (
-        "import time; from datetime import timedelta; from torch.distributed import TCPStore; "
-        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)); "
-        "print(s.port, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert host.stdout is not None
-        remote = TCPStore("127.0.0.1", int(host.stdout.readline()), is_master=False, timeout=timedelta(seconds=30))
+    with store_in_another_process() as (port, host):
+        remote = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         gone = DistributedContext(rank=2, world_size=3, store=remote, restart_count=0, round_id="r2")
         gone.fence()  # the round stands
         host.kill()
         host.wait()
         with pytest.raises(RoundOver, match="rank 2: round r2 of the group is over .its store is gone"):
             gone.fence()
-    finally:
-        if host.poll() is None:
-            host.kill()
-            host.wait()
 
 
 def test_a_rank_frozen_before_its_first_write_finds_its_round_over_when_thawed() -> None:
@@ -232,22 +242,13 @@ def test_a_rank_frozen_before_its_first_write_finds_its_round_over_when_thawed()
 
     from job.train.group import DistributedContext, RoundOver
 
-    host = subprocess.Popen([sys.executable, "-c", (
-        "import time; from datetime import timedelta; from torch.distributed import TCPStore; "
-        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)); "
-        "print(s.port, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert host.stdout is not None
-        remote = TCPStore("127.0.0.1", int(host.stdout.readline()), is_master=False, timeout=timedelta(hours=2))
+    with store_in_another_process() as (port, host):
+        remote = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(hours=2))
         frozen = DistributedContext(rank=2, world_size=3, store=remote, restart_count=0, round_id="r3")
         host.kill()  # the group re-formed without the frozen rank: the round's store is gone
         host.wait()
         with pytest.raises(RoundOver, match="rank 2: round r3 of the group is over .its store is gone"):
             frozen.fence()
-    finally:
-        if host.poll() is None:
-            host.kill()
-            host.wait()
 
 
 def test_a_writer_stopped_while_it_built_a_file_checks_again_before_publishing(tmp_path: Path) -> None:
