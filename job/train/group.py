@@ -44,6 +44,7 @@ logger = logging.getLogger("biggraph")
 # (about 20 s) and the in-flight buckets, never data.
 DEFAULT_PEER_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 6.0
+MIN_TRANSFER_TIMEOUT_S = 30.0  # a shared-parameter transfer's least timeout (init_distributed)
 
 
 @dataclass
@@ -166,7 +167,10 @@ def init_distributed(digest: str = "") -> Optional[DistributedContext]:
     interval, dead_after = peer_timing(os.environ)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
-    transport = TensorTransport.for_group(rank)  # collective: every rank, right after the round
+    # collective: every rank, right after the round. The lock server's thread blocks on a transfer, so a frozen peer
+    # stalls every rank for the transfer's timeout (300 s held a thawed-pod group past its re-forming): it follows
+    # the dead-peer timeout, with a floor for large payloads on a slow network
+    transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
     return DistributedContext(
