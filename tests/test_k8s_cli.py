@@ -567,6 +567,31 @@ def test_submit_refuses_a_pod_that_cannot_hold_the_partitions(user_config: Any, 
     assert "config key 'memory_budget': 2GiB holds 0 partition(s)" in err and "raise it to at least" in err
 
 
+def test_submit_refuses_a_group_whose_budget_cannot_also_hold_the_shared_parameters_sync(
+        user_config: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unpartitioned type of 20M rows (720 MB with its sums): one pod's 2GiB budget holds it, a bucket and a
+    partition in flight; pods of a group also keep the vectors that sync it with the lock server's rank (5 copies
+    of it and its sums on the server's pod), which that budget cannot hold beside them."""
+    from job.formats.entities import write_entity_count
+
+    path, raw = user_config
+    raw["entities"]["tag"] = {"num_partitions": 1}
+    raw["relations"].append({"name": "r1", "lhs": "node", "rhs": "tag", "operator": "translation"})
+    raw["memory_budget"] = "2GiB"
+    path.write_text(yaml.safe_dump(raw))
+    write_counts(raw, 2_000_000)
+    write_entity_count(raw["entity_path"], "tag", 0, 20_000_000)
+    args = ["submit", str(path), "--no-helm", "--dry-run", "--name", "grouped", "--kubeconfig", str(tmp_path / "missing")]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args + ["--replicas", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "config key 'memory_budget': 2GiB holds 0 partition(s)" in err
+    assert "unpartitioned types, the shared parameters' sync with the group, and a partition in flight" in err
+    assert "raise it to at least" in err
+
+
 def test_submit_with_helm_refuses_values_below_what_the_config_needs(user_config: Any, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -732,3 +732,44 @@ def test_a_group_of_processes_sums_every_buckets_shared_change_once_over_the_tra
     assert all(r["values"] == [1.0] for r in results)  # every rank: each bucket's change once, none lost
     assert results[0]["server"] == [1.0]
     assert max(r["max_store_value"] for r in results) < 1024  # requests only: a block is 4 KiB
+
+
+def test_adagrad_sums_are_shared_so_every_trainer_steps_with_the_groups_sums(store: TCPStore,
+                                                                              ranks: list[TensorTransport]) -> None:
+    """Each rank steps a relation parameter (dense Adagrad) and a table's rows (row-wise sums) with its own
+    gradient and syncs: both then hold the group's sums (each rank's squared gradients added), and rank 1's next
+    step is scaled by those sums, as two Hogwild workers of one process would be, not by its own alone."""
+    from job.model.scoring import Table
+    from job.train.distributed import SharedParameters, shared_state
+    from job.train.optim import RelationAdagrad
+
+    def trainer(gradient: float) -> tuple[torch.Tensor, RelationAdagrad, Table, SharedParameters]:
+        parameter = torch.zeros(2, requires_grad=True)
+        optimizer = RelationAdagrad([parameter], lr=1.0)
+        table = Table(weight=torch.zeros(3, 2), optim_sum=torch.zeros(3))
+        shared = SharedParameters(shared_state([parameter], optimizer.sums, [table]))
+        parameter.grad = torch.full((2,), gradient)
+        optimizer.step()
+        table.optim_sum.add_(gradient ** 2)
+        return parameter, optimizer, table, shared
+
+    zeros = shared_state([torch.zeros(2)], [torch.zeros(2)], [Table(torch.zeros(3, 2), torch.zeros(3))])
+    start = SharedParameters(zeros).flatten()
+    assert start.size == 2 + 2 + 6 + 3
+    server = LockServer(store, LockState(4, 4, partition_keys(4), world_size=2), SimpleNamespace(append=lambda r: None),
+                        start, 0, ranks[0], prefix=PREFIX)
+    try:
+        ranks_state = [trainer(gradient) for gradient in (3.0, 4.0)]
+        clients = [LockClient(store, rank, timeout_s=60, prefix=PREFIX, transport=ranks[rank]) for rank in (0, 1)]
+        for rank in (0, 1, 0):  # rank 0 again: to take rank 1's change
+            ranks_state[rank][3].sync(clients[rank])
+        for parameter, optimizer, table, _ in ranks_state:
+            assert optimizer.sums[0].tolist() == [25.0, 25.0]  # 3^2 + 4^2
+            assert table.optim_sum.tolist() == [25.0] * 3
+            assert parameter.detach().tolist() == pytest.approx([-2.0, -2.0])  # -3/3 and -4/4, summed
+        parameter, optimizer, _, _ = ranks_state[1]
+        parameter.grad = torch.full((2,), 12.0)
+        optimizer.step()
+        assert parameter.detach().tolist() == pytest.approx([-2.0 - 12.0 / 13.0] * 2)  # sqrt(25 + 144) = 13
+    finally:
+        server.stop()

@@ -33,7 +33,7 @@ from job.k8s.render import (
     render_plain,
     render_with_helm,
 )
-from job.k8s.sizing import check_fits, config_needs, job_sizes, sized_volumes
+from job.k8s.sizing import check_fits, config_needs, job_sizes, job_trains_in_a_group, sized_volumes
 
 # the NetworkPolicy before the Job, so that no pod runs unprotected
 CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job")
@@ -123,7 +123,10 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
         check_kube_version(kube_version)
         objects = _render(helm, options, name, namespace, config, kube_version)
     objects.sort(key=lambda o: CREATE_ORDER.index(o["kind"]) if o["kind"] in CREATE_ORDER else len(CREATE_ORDER))
-    check_fits(needs, job_sizes(next(o for o in objects if o["kind"] == "Job")), "submit")
+    rendered_job = next(o for o in objects if o["kind"] == "Job")
+    if job_trains_in_a_group(rendered_job):  # a budget that holds a bucket alone may not hold it beside the sync
+        config_needs(parse_config(config), "submit", group=True)
+    check_fits(needs, job_sizes(rendered_job), "submit")
     if cluster is None:
         for obj in objects:
             obj.setdefault("metadata", {})["namespace"] = namespace

@@ -21,8 +21,10 @@ from typing import Any, Optional
 from job.config import ConfigSchema, parse_bytes
 from job.errors import ConfigError, UserError
 from job.formats import entities as entity_format
+from job.model.scoring import Model
 from job.session import storage_scoped
 from job.train.buffer import PROCESS_FALLBACK_BYTES, choose_capacity, shared_memory_bytes, staging_bytes
+from job.train.distributed import shared_values, sync_memory_bytes
 
 TMP_BASE_BYTES = 512 * 2**20  # /tmp besides staged checkpoint files: native builds, sockets, HOME
 TMP_DEFAULT_BYTES = 2 * 2**30  # the chart's /tmp besides the tables when it cannot size the staged files
@@ -81,9 +83,22 @@ def entity_counts(config: ConfigSchema) -> Optional[dict[str, list[int]]]:
         return None
 
 
-def trainer_needs(config: ConfigSchema, counts: Optional[dict[str, list[int]]]) -> Needs:
+def group_sync_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """What syncing the shared parameters costs the lock server's pod of a group (the most any pod of it pays):
+    its vectors of the model's parameters, their Adagrad sums and the unpartitioned tables (job/train/distributed.py).
+    The model is built to count its parameters (relation operators: small)."""
+    dynamic = 0
+    if config.dynamic_relations:
+        with contextlib.suppress(Exception):  # unreadable here: the pod checks again where the data is
+            dynamic = entity_format.read_dynamic_rel_count(config.entity_path)
+    parameters = sum(p.numel() for p in Model(config, dynamic).parameters())
+    return sync_memory_bytes(shared_values(parameters, config, counts), serves=True)
+
+
+def trainer_needs(config: ConfigSchema, counts: Optional[dict[str, list[int]]], group: bool = False) -> Needs:
     """What one trainer pod of ``config`` uses (the partitions it holds counted as a single-machine trainer holds
-    them, an upper bound for distributed ones). ``choose_capacity``'s ConfigError (a budget that holds no
+    them, an upper bound for distributed ones; in a ``group`` of pods, besides them, the vectors that sync the shared
+    parameters, which the ``memory_budget`` holds too). ``choose_capacity``'s ConfigError (a budget that holds no
     bucket) is raised as it is."""
     budget = config.memory_budget_bytes
     if counts is None:
@@ -93,7 +108,8 @@ def trainer_needs(config: ConfigSchema, counts: Optional[dict[str, list[int]]]) 
     logger.setLevel(logging.WARNING)  # choose_capacity says what a trainer will hold; here it is only asked
     try:
         capacity = choose_capacity(config, counts, distributed=False, processes=1,
-                                   runtime_bytes=PROCESS_FALLBACK_BYTES)
+                                   runtime_bytes=PROCESS_FALLBACK_BYTES,
+                                   sync_bytes=group_sync_bytes(config, counts) if group else 0)
     finally:
         logger.setLevel(level)
     shm = shared_memory_bytes(config, counts, capacity) if config.device != "cuda" else 0
@@ -115,6 +131,18 @@ def sized_volumes(needs: Needs) -> tuple[Optional[str], Optional[str]]:
     if needs.shm is None or needs.tmp is None:
         return None, None
     return quantity(needs.shm + SHM_HEADROOM_BYTES), quantity(needs.tmp)
+
+
+def job_trains_in_a_group(job: dict[str, Any]) -> bool:
+    """Whether a rendered Job's trainers form a group (more than one pod, or more than one process per pod,
+    torchrun's ``--nnodes`` / ``--nproc-per-node``): then each pays for syncing the shared parameters."""
+    container = next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
+    for arg in container.get("args") or []:
+        flag, _, value = str(arg).partition("=")
+        most = value.split(":")[-1]  # --nnodes=MIN:MAX
+        if flag in ("--nnodes", "--nproc-per-node") and most.isdigit() and int(most) > 1:
+            return True
+    return int(job["spec"].get("completions") or 1) > 1
 
 
 def job_sizes(job: dict[str, Any]) -> PodSizes:
@@ -164,11 +192,12 @@ def check_fits(needs: Needs, sizes: PodSizes, where: str) -> None:
                         f"{quantity(needs.tmp)}")
 
 
-def config_needs(config: ConfigSchema, where: str, counts: Optional[dict[str, list[int]]] = None) -> Needs:
+def config_needs(config: ConfigSchema, where: str, counts: Optional[dict[str, list[int]]] = None,
+                 group: bool = False) -> Needs:
     """``trainer_needs`` of ``config``, its entity counts read when not given; a budget that holds no bucket is a
     UserError naming memory_budget."""
     try:
-        return trainer_needs(config, counts if counts is not None else entity_counts(config))
+        return trainer_needs(config, counts if counts is not None else entity_counts(config), group)
     except ConfigError as err:
         raise UserError(f"{where}: {err}") from None
 

@@ -141,9 +141,10 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
         if capacity < per_bucket:
             raise ConfigError(
                 f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "
-                f"{_gib(per_part)} next to {_gib(fixed)} for the processes, unpartitioned types and a partition in "
-                f"flight; a bucket needs {per_bucket}: raise it to at least {_gib(per_bucket * per_part + fixed)} "
-                "or use more partitions"
+                f"{_gib(per_part)} next to {_gib(fixed)} for the processes, unpartitioned types, "
+                + ("the shared parameters' sync with the group, " if sync_bytes else "")
+                + f"and a partition in flight; a bucket needs {per_bucket}: raise it to at least "
+                f"{_gib(per_bucket * per_part + fixed)} or use more partitions"
             )
     else:
         # one more than a bucket needs: room for the next partition to arrive while another bucket trains

@@ -407,6 +407,33 @@ class SharedParameters:
         self.assign(client.sync(self.change()))
 
 
+def shared_state(parameters: list[torch.Tensor], parameter_sums: list[torch.Tensor],
+                 tables: Sequence[Any]) -> list[torch.Tensor]:
+    """What every trainer shares: the model's parameters (relation operators, global embeddings) with their dense
+    Adagrad sums, and each unpartitioned table's rows with its row-wise Adagrad sums.
+
+    Why the sums too: Adagrad's sums add up as the parameters' changes do (each step adds its squared gradient), so
+    the server sums them like any change, and every trainer then steps with the group's sums, as Hogwild workers
+    of one process share theirs. Kept per trainer instead, each would step as if it alone trained the relations
+    (larger steps than one process takes), and a restart would resume them from the committed version, dropping
+    the sums of every bucket saved since; in the vector, the persisted progress carries them (the invariant of
+    docs/ARCHITECTURE.md, "Shared parameters across a restart")."""
+    tensors = list(parameters) + list(parameter_sums)
+    for table in tables:
+        tensors.append(table.weight)
+        if table.optim_sum is not None:
+            tensors.append(table.optim_sum)
+    return tensors
+
+
+def shared_values(parameters: int, config: Any, counts: dict[str, list[int]]) -> int:
+    """How many values ``shared_state`` holds: the model's ``parameters`` and their dense Adagrad sums, each
+    unpartitioned table's rows and their row sums (from the config and the entity counts, before anything is
+    loaded: what ``memory_budget`` and a pod's sizing count)."""
+    return 2 * parameters + sum(counts[t][0] * (config.entity_dimension(t) + 1)
+                                for t, e in config.entities.items() if e.num_partitions == 1)
+
+
 def sync_memory_bytes(values: int, serves: bool) -> int:
     """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
     ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (the vectors of buckets done

@@ -33,7 +33,7 @@ from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_n
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
-from job.train.distributed import SERVER_RANK, SharedParameters, sync_memory_bytes
+from job.train.distributed import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
 from job.train.optim import RelationAdagrad
@@ -184,9 +184,7 @@ class Trainer:
         gathers them) costs this process in a group: nothing alone."""
         if self.dist is None:
             return 0
-        values = sum(p.numel() for p in self.model.parameters()) + sum(
-            self.entity_counts[t][0] * self.config.entity_dimension(t)
-            for t, e in self.config.entities.items() if e.num_partitions == 1)
+        values = shared_values(sum(p.numel() for p in self.model.parameters()), self.config, self.entity_counts)
         return sync_memory_bytes(values, serves=self.dist.rank == SERVER_RANK)
 
     def _make_scheduler(self) -> tuple[BucketScheduler, ParameterSync]:
@@ -195,7 +193,7 @@ class Trainer:
             return LocalScheduler(self._pass_order, self.buckets.needs), NoSync()
         # relation parameters, global embeddings and unpartitioned tables are the same on every trainer
         tables = self.store.load_unpartitioned()
-        shared = SharedParameters(list(self.model.parameters()) + [t.weight for t in tables])
+        shared = SharedParameters(shared_state(list(self.model.parameters()), self.relation_optimizer.sums, tables))
         scheduler = LockServerScheduler(self.dist, self.config, self.store, self.checkpoint,
                                         (self.nparts_lhs, self.nparts_rhs), self.progress, shared.flatten)
         self.progress = None
