@@ -120,6 +120,7 @@ class Run:
             assert set(buckets) == set(all_buckets(PARTITIONS, PARTITIONS)), epoch
         redone = sum(s["buckets_redone"] for s in summaries)
         extra = sum(len(b) - BUCKETS for b in per_epoch.values())
+        assert extra == 0, f"{extra} bucket records beyond one per bucket and epoch: a redone bucket's line kept"
         print(f"\n{self.box.job.name}: costs {self.costs}; buckets_redone {redone}, bucket records beyond one per "
               f"bucket and epoch {extra}; world sizes {[s['world_size'] for s in summaries]}")
         return summaries

@@ -124,8 +124,10 @@ def test_a_finished_bucket_whose_partitions_died_unwritten_is_redone() -> None:
         for key in keys[bucket]:
             state.locks[key] = rank
     state.next_bucket(1, set(), z, rng)
+    state.add_record({"epoch_idx": 0, "lhs_partition": 1, "rhs_partition": 1})  # z's stats line
     state.release(1, [("node", 1)])  # z finished and its partition written: safe
     state.next_bucket(0, {("node", 0), ("node", 3)}, x, rng)  # x finished; rank 0 keeps its partitions
+    state.add_record({"epoch_idx": 0, "lhs_partition": 3, "rhs_partition": 0})  # x's
     state.in_flight[0] = y
     in_flight = len(state.in_flight)  # y, and whatever rank 1 took next
     restored = LockState(4, 4, keys, version=1)
@@ -133,6 +135,8 @@ def test_a_finished_bucket_whose_partitions_died_unwritten_is_redone() -> None:
     restored.forget_rank_locks()
     assert x not in restored.done and y not in restored.done and z in restored.done
     assert restored.redone == in_flight + 1  # the buckets in flight + x, finished but unsaved
+    # x's stats line goes with it (its redo writes one), z's stays: the pass's stats hold each bucket once
+    assert [(r["lhs_partition"], r["rhs_partition"]) for r in restored.records] == [(1, 1)]
     # released partitions make a finished bucket safe
     state.release(0, [("node", 0), ("node", 3)])
     state.forget_rank_locks()

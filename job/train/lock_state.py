@@ -224,6 +224,9 @@ class LockState:
         lost = {b for pending in self.unsaved.values() for b in pending}
         self.done -= lost
         self.redone += len(lost)
+        # their stats lines go with them: the redo writes its own, and the pass's stats count each bucket once
+        self.records = [r for r in self.records
+                        if Bucket(r.get("lhs_partition", -1), r.get("rhs_partition", -1)) not in lost]
         self.unsaved.clear()
         self.locks.clear()
 
