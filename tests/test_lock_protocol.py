@@ -10,6 +10,7 @@ its vectors to its server in memory, the others' go through gloo's sockets) and 
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from datetime import timedelta
@@ -37,6 +38,7 @@ from job.train.progress import (
     remove_progress,
 )
 from job.train.transport import TensorTransport
+from job.train.write_groups import STAGED_PREFIX, roll_forward
 
 PREFIX = "biggraph/test-round/lock"
 
@@ -445,11 +447,12 @@ class RowTrainer:
     """A rank as ``LockServerScheduler`` drives it, over a real ``PartitionStore`` (its partitions read from and
     written into real checkpoint files): training bucket (l, r) adds 1 to column ``4 * l + r`` of every row of each
     of its partitions (``("node", l)`` and ``("node", r)``), and its shared update (1 in the same slot) goes with
-    the request that finishes it. At a bucket switch the partitions the new bucket does not use are written back
-    into the uncommitted version (``PartitionStore.evict``), then released in one request, as ``_reserve_next`` and
-    ``hold_only`` + ``release`` do; a partition is read from the uncommitted version when the server says it was
-    written this pass (``set_written``). ``actions`` yields after every request and every file written, so that the
-    group can die between any two of them."""
+    the request that finishes it. At a bucket switch that lets partitions go, the rank writes them and the ones it
+    keeps as one write group, as ``_switch_to`` and ``_commit_group`` do (job/train/write_groups.py): each under its
+    staged name, one ``written`` request naming the group, each moved to its PBG name, then one ``release`` freeing
+    the leaving ones; a partition is read from the uncommitted version when the server says it was written this
+    pass (``set_written``). ``actions`` yields after every request, every file written and every file moved, so
+    that the group can die between any two of them."""
 
     def __init__(self, client: LockClient, partitions: PartitionStore) -> None:
         self.client = client
@@ -468,12 +471,17 @@ class RowTrainer:
             yield
             self.current = bucket
             keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
-            leaving = sorted(held - keep)
-            for key in leaving:
-                self.partitions.evict(key)
+            group = self.partitions.take_group(keep, copy_kept=False)
+            if group is not None:
+                for key in group.keys:
+                    self.partitions.stage(group, [key])
+                    yield
+                self.client.written(group.keys, group.staged())
                 yield
-            if leaving:
-                self.client.release(leaving)
+                for key in group.keys:
+                    self.partitions.publish(group, [key])
+                    yield
+                self.client.release(group.leaving, written=False)
                 yield
             if kind == "done":
                 return
@@ -497,22 +505,15 @@ def row_store(root: Path, store: Any = None, round_id: str = "") -> PartitionSto
     return PartitionStore(config, checkpoint, 0, {"node": [3] * 4}, lambda: {}, torch.device("cpu"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue #30 item 3: a bucket is saved only once every partition of it is written, but they are written one "
-    "release at a time (the partitions the next bucket does not use leave at the switch, LockServerScheduler."
-    "_reserve_next / PartitionStore.hold_only, the shared one stays held), so a death in between makes "
-    "forget_rank_locks redo the bucket, and PartitionStore._read takes the side already written (a `written` key) "
-    "from the uncommitted version, which holds the bucket's update; and PartitionStore._write overwrites a partition's "
-    "uncommitted file in place before its `written` record, so a death in between leaves a file already dirty "
-    "holding updates of buckets the restart redoes (see docs/ARCHITECTURE.md, 'A redone bucket's rows')"))
 def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_restart(
         tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:
     """Two ranks train buckets on partition rows kept in real files until the group dies after every number of
-    actions of the protocol (requests, and each partition file written back); the restarted server resumes from
-    storage and one rank finishes the pass. Then each bucket's update is in the rows of each of its partitions as
-    the pass commits them exactly once (and in no other partition), as its shared update is in the vector: a done
-    bucket whose partitions were only partly written back when the group died is redone from rows that do not hold
-    its update yet."""
+    actions of the protocol (requests, each partition file staged and each one moved to its PBG name); the
+    restarted group finishes the publication of the groups its progress recorded (``roll_forward``, as rank 0 does
+    when it resumes the pass) and one rank finishes the pass. Then each bucket's update is in the rows of each of
+    its partitions as the pass commits them exactly once (and in no other partition), as its shared update is in
+    the vector: a done bucket whose partitions were only partly written back when the group died is redone from
+    rows that do not hold its update yet. No staged file is left."""
     expected = np.zeros((4, 16))
     for bucket, keys in partition_keys(4).items():
         for _, part in keys:
@@ -522,7 +523,7 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
     crash_after, complete = 0, False
     while not complete:
         root = tmp_path / str(crash_after)
-        checkpoint = str(root / "progress")
+        checkpoint = str(root / "checkpoint")  # the progress beside the partition files, as in a run
         server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0])
         trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix=f"{crash_after}/first/lock",
                                           transport=ranks[rank]), row_store(root, store, f"{crash_after}/first"))
@@ -540,6 +541,8 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
             server.stop()  # the group dies: what is in memory is gone (rows and shared values alike)
         progress = read_progress(checkpoint, 0, "run")
         assert progress is not None
+        roll_forward(checkpoint, progress.version, progress.records)  # job/train/resume.py: progress_to_resume
+        assert not [name for name in os.listdir(checkpoint) if name.startswith(STAGED_PREFIX)]
         server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0])
         survivor = RowTrainer(LockClient(store, 0, timeout_s=60, prefix=f"{crash_after}/second/lock",
                                          transport=ranks[0]), row_store(root, store, f"{crash_after}/second"))
@@ -552,6 +555,7 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
             reader.set_written(server.state.dirty)
             assert reader.written == {("node", part) for part in range(4)}
             rows = np.stack([reader.get(("node", part)).weight.numpy() for part in range(4)])
+            assert not [name for name in os.listdir(checkpoint) if name.startswith(STAGED_PREFIX)]
         finally:
             server.stop()
         # per partition and bucket: how many times the bucket's update reached the committed rows (once, in each row)
