@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+import storage_adapters as storage
 from job.train.buckets import Bucket
 from job.train.lock_state import LockState, PartKey
 from job.train.transport import TensorTransport, TransferError
@@ -119,7 +120,8 @@ class LockServer:
         self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="biggraph-lock-server", daemon=True)
+        # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
+        self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
