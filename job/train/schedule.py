@@ -14,7 +14,8 @@ Prefetch (the next bucket's edge file and, with ``prefetch_partitions``, its par
 current bucket trains) needs ``upcoming()``: the buckets this process will train next, whose
 partitions no other process can write meanwhile. Locally that is the rest of the pass. In a group
 the lock server picks buckets as ranks ask, so the rank asks for its next one early: right after it
-receives a bucket (and has written back and released the partitions the new bucket does not use) it
+receives a bucket (and has started writing back the partitions the new bucket does not use, as one write group
+with the ones it keeps: job/train/write_groups.py) it
 asks the server to *reserve* the following one (``LockState.reserve``: the reserved bucket's
 partitions are locked for this rank, and it is granted only when it leaves the other ranks work).
 ``upcoming()`` is then that one bucket, and the trainer reads its missing partitions in the background
