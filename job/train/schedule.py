@@ -263,10 +263,10 @@ class LockServerScheduler(BucketScheduler):
         started = time.perf_counter()
         behind = self.config.prefetch_partitions
         client = self._writer() if behind else self.client
-        leaving, group = self.store.write_group(set(self.bucket_keys[bucket]),
-                                                lambda written: self._commit_group(client, written), behind)
-        if group is not None:
-            self.releases.append(group)
+        leaving, pending = self.store.write_group(set(self.bucket_keys[bucket]),
+                                                  lambda group: self._commit_group(client, group), behind)
+        if pending is not None:
+            self.releases.append(pending)
         self.store.stats.blocked_seconds += time.perf_counter() - started
         if behind:
             self.ahead, dirty = self.client.reserve(leaving)
@@ -318,7 +318,7 @@ class LockServerScheduler(BucketScheduler):
         """Write back (as one group) and release every partition this rank holds; returns the seconds it took."""
         started = time.perf_counter()
         self._settle_releases()
-        self.store.write_group(set(), lambda written: self._commit_group(self.client, written), behind=False)
+        self.store.write_group(set(), lambda group: self._commit_group(self.client, group), behind=False)
         return time.perf_counter() - started
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
