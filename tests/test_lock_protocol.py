@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +23,7 @@ import torch
 from helpers_distributed import partition_keys, transports
 from torch.distributed import TCPStore
 
+import storage_adapters as storage
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.train.distributed import LockClient, LockServer, LockServerError, _pack
@@ -37,6 +38,7 @@ from job.train.progress import (
     remove_progress,
 )
 from job.train.transport import TensorTransport
+from job.train.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
 
 PREFIX = "biggraph/test-round/lock"
 
@@ -445,11 +447,12 @@ class RowTrainer:
     """A rank as ``LockServerScheduler`` drives it, over a real ``PartitionStore`` (its partitions read from and
     written into real checkpoint files): training bucket (l, r) adds 1 to column ``4 * l + r`` of every row of each
     of its partitions (``("node", l)`` and ``("node", r)``), and its shared update (1 in the same slot) goes with
-    the request that finishes it. At a bucket switch the partitions the new bucket does not use are written back
-    into the uncommitted version (``PartitionStore.evict``), then released in one request, as ``_reserve_next`` and
-    ``hold_only`` + ``release`` do; a partition is read from the uncommitted version when the server says it was
-    written this pass (``set_written``). ``actions`` yields after every request and every file written, so that the
-    group can die between any two of them."""
+    the request that finishes it. At a bucket switch that lets partitions go, the rank writes them and the ones it
+    keeps as one write group, as ``_switch_to`` and ``_commit_group`` do (job/train/write_groups.py): each under its
+    staged name, one ``written`` request naming the group, each moved to its PBG name, then one ``release`` freeing
+    the leaving ones; a partition is read from the uncommitted version when the server says it was written this
+    pass (``set_written``). ``actions`` yields after every request, every file written and every file moved, so
+    that the group can die between any two of them."""
 
     def __init__(self, client: LockClient, partitions: PartitionStore) -> None:
         self.client = client
@@ -468,12 +471,17 @@ class RowTrainer:
             yield
             self.current = bucket
             keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
-            leaving = sorted(held - keep)
-            for key in leaving:
-                self.partitions.evict(key)
+            group = self.partitions.take_group(keep, copy_kept=False)
+            if group is not None:
+                for key in group.keys:
+                    self.partitions.stage(group, [key])
+                    yield
+                self.client.written(group.keys, group.staged())
                 yield
-            if leaving:
-                self.client.release(leaving)
+                for key in group.keys:
+                    self.partitions.publish(group, [key])
+                    yield
+                self.client.release(group.leaving, written=False)
                 yield
             if kind == "done":
                 return
@@ -483,49 +491,45 @@ class RowTrainer:
                 self.partitions.get(key).weight[:, bucket.lhs * 4 + bucket.rhs] += 1.0
 
 
-def row_store(root: Path, store: Any = None, round_id: str = "") -> PartitionStore:
-    """A trainer's partition store over the checkpoint under ``root`` (4 partitions of 3 rows, 16 columns: one per
-    bucket), committed version 0 (nothing stored: the partitions start from their seeded initialisation), its
+def row_store(checkpoint_url: str, store: Any = None, round_id: str = "") -> PartitionStore:
+    """A trainer's partition store over the checkpoint at ``checkpoint_url`` (4 partitions of 3 rows, 16 columns: one
+    per bucket), committed version 0 (nothing stored: the partitions start from their seeded initialisation), its
     files' checksums shared through ``store`` with the other ranks of the round ``round_id``, as a group's are."""
     config = parse_config({"entities": {"node": {"num_partitions": 4}},
                            "relations": [{"name": "r", "lhs": "node", "rhs": "node"}], "dimension": 16,
-                           "entity_path": str(root / "entities"), "edge_paths": [str(root / "edges")],
-                           "checkpoint_path": str(root / "checkpoint"), "device": "cpu", "seed": 3})
+                           "entity_path": "unused-entities", "edge_paths": ["unused-edges"],
+                           "checkpoint_path": checkpoint_url, "device": "cpu", "seed": 3})
     checkpoint = CheckpointStorage(config.checkpoint_path)
     if store is not None:
         checkpoint.sums = SharedSumRegistry(store, round_id)
     return PartitionStore(config, checkpoint, 0, {"node": [3] * 4}, lambda: {}, torch.device("cpu"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue #30 item 3: a bucket is saved only once every partition of it is written, but they are written one "
-    "release at a time (the partitions the next bucket does not use leave at the switch, LockServerScheduler."
-    "_reserve_next / PartitionStore.hold_only, the shared one stays held), so a death in between makes "
-    "forget_rank_locks redo the bucket, and PartitionStore._read takes the side already written (a `written` key) "
-    "from the uncommitted version, which holds the bucket's update; and PartitionStore._write overwrites a partition's "
-    "uncommitted file in place before its `written` record, so a death in between leaves a file already dirty "
-    "holding updates of buckets the restart redoes (see docs/ARCHITECTURE.md, 'A redone bucket's rows')"))
-def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_restart(
-        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:
+def staged_left(checkpoint_url: str) -> list[str]:
+    return [name for name in storage.listdir(checkpoint_url) if name.startswith(STAGED_PREFIX)]
+
+
+def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ranks: list[TensorTransport]) -> int:
     """Two ranks train buckets on partition rows kept in real files until the group dies after every number of
-    actions of the protocol (requests, and each partition file written back); the restarted server resumes from
-    storage and one rank finishes the pass. Then each bucket's update is in the rows of each of its partitions as
-    the pass commits them exactly once (and in no other partition), as its shared update is in the vector: a done
-    bucket whose partitions were only partly written back when the group died is redone from rows that do not hold
-    its update yet."""
+    actions of the protocol (requests, each partition file staged and each one moved to its PBG name), ``crash_after``
+    0, 1, 2, ... until a pass completes, each in the checkpoint ``checkpoint_of(crash_after)``. The restarted group
+    finishes the publication of the groups its progress recorded (``roll_forward``, as rank 0 does when it resumes
+    the pass; first one file by hand, as a roll-forward killed after its first move leaves it) and one rank
+    finishes the pass. Then each bucket's update must be in the rows of each of its partitions as the pass commits
+    them exactly once (and in no other partition), as its shared update is in the vector, and no staged file left.
+    Returns the number of points of death."""
     expected = np.zeros((4, 16))
     for bucket, keys in partition_keys(4).items():
         for _, part in keys:
             expected[part, bucket.lhs * 4 + bucket.rhs] = 1.0
-    initial = row_store(tmp_path / "nothing-written")
+    initial = row_store(checkpoint_of(-1))
     start = np.stack([initial.get(("node", part)).weight.numpy().copy() for part in range(4)])
     crash_after, complete = 0, False
     while not complete:
-        root = tmp_path / str(crash_after)
-        checkpoint = str(root / "progress")
+        checkpoint = checkpoint_of(crash_after)  # the progress beside the partition files, as in a run
         server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0])
         trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix=f"{crash_after}/first/lock",
-                                          transport=ranks[rank]), row_store(root, store, f"{crash_after}/first"))
+                                          transport=ranks[rank]), row_store(checkpoint, store, f"{crash_after}/first"))
                     for rank in (0, 1)]
         running = [trainer.actions(server.state) for trainer in trainers]
         try:
@@ -540,18 +544,24 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
             server.stop()  # the group dies: what is in memory is gone (rows and shared values alike)
         progress = read_progress(checkpoint, 0, "run")
         assert progress is not None
+        recorded = [s for r in progress.records if r["e"] == "written" for s in r.get("staged", [])]
+        if recorded:  # a roll-forward killed after its first move
+            publish(CheckpointStorage(checkpoint), 1, (recorded[0][0], recorded[0][1]), recorded[0][2])
+        roll_forward(checkpoint, progress.version, progress.records)  # job/train/resume.py: progress_to_resume
+        assert not staged_left(checkpoint)
         server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0])
         survivor = RowTrainer(LockClient(store, 0, timeout_s=60, prefix=f"{crash_after}/second/lock",
-                                         transport=ranks[0]), row_store(root, store, f"{crash_after}/second"))
+                                         transport=ranks[0]), row_store(checkpoint, store, f"{crash_after}/second"))
         try:
             for _ in survivor.actions(server.state):
                 pass
             assert server.state.finished()
             assert server.shared.tolist() == [1.0] * 16, crash_after
-            reader = row_store(root, store, f"{crash_after}/second")  # the pass's rows as its commit takes them
+            reader = row_store(checkpoint, store, f"{crash_after}/second")  # the pass's rows as its commit takes them
             reader.set_written(server.state.dirty)
             assert reader.written == {("node", part) for part in range(4)}
             rows = np.stack([reader.get(("node", part)).weight.numpy() for part in range(4)])
+            assert not staged_left(checkpoint)
         finally:
             server.stop()
         # per partition and bucket: how many times the bucket's update reached the committed rows (once, in each row)
@@ -559,7 +569,49 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
         assert (counts == expected[:, None, :]).all(), (crash_after, [
             (part, divmod(column, 4), counts[part, 0, column]) for part, column in zip(*(counts[:, 0] - expected).nonzero())])
         crash_after += 1
-    assert crash_after > 40  # every step of a whole pass was a point of death
+    return crash_after
+
+
+def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_restart(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:
+    """A done bucket whose partitions were only partly written back when the group died is redone from rows that do
+    not hold its update yet, whatever step of the protocol the group died at (``kill_at_every_step``)."""
+    points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store, ranks)
+    assert points > 60  # every step of a whole pass was a point of death (45 before write groups)
+
+
+@pytest.mark.slow
+def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_restart_on_s3(
+        s3_bucket: str, store: TCPStore, ranks: list[TensorTransport]) -> None:
+    """The same on S3 (moto): staged files uploaded, moved by a copy and a removal."""
+    points = kill_at_every_step(lambda crash_after: f"{s3_bucket}/{crash_after}/checkpoint", store, ranks)
+    assert points > 60
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_restart_finishes_the_publication_of_recorded_groups_and_drops_unrecorded_ones(
+        where: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """``roll_forward`` moves each staged file a record names that is still there (one not yet moved, one whose move
+    a kill cut between its copy and its removal on S3) and none already moved, removes the staged files no record
+    names (written, never made current), and does nothing more when run again (a kill during it is harmless)."""
+    url = str(tmp_path / "checkpoint") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/checkpoint"
+    checkpoint = CheckpointStorage(url)
+    names = {part: staged_name(("node", part), 1, f"t{part}") for part in range(4)}
+    for part, name in names.items():
+        checkpoint.save_entity_partition(1, "node", part, np.full((3, 2), float(part)), name=name)
+    checkpoint.flush()
+    assert publish(checkpoint, 1, ("node", 1), names[1])  # moved before the kill
+    storage.copy(storage.join(url, names[2]), checkpoint.partition_file(1, "node", 2))  # copied, not removed
+    records = [{"e": "finish", "rank": 0, "bucket": [0, 1], "keys": []},
+               {"e": "written", "rank": 0, "keys": [["node", p] for p in range(3)],
+                "staged": [["node", p, names[p]] for p in range(3)]}]  # part 3: staged, never recorded
+    for attempt in range(2):
+        assert roll_forward(url, 1, records) == (2 if attempt == 0 else 0)
+        assert not staged_left(url)
+        for part in range(3):
+            weights, _ = checkpoint.load_entity_partition(1, "node", part)
+            assert (weights == float(part)).all()
+        assert not checkpoint.has_entity_partition(1, "node", 3)
 
 
 # the shared parameters' transport: point-to-point over gloo, never through the store --------------------------------

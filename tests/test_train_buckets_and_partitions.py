@@ -3,6 +3,7 @@ traffic, a partition buffer that is never exceeded, prefetching that changes onl
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -214,7 +215,7 @@ def test_a_failed_prefetch_fails_the_run_when_its_partition_is_needed(tmp_path: 
     assert CheckpointStorage(raw["checkpoint_path"]).load_version() == 0  # nothing committed, nothing half-written
 
 
-# writing behind a bucket (distributed trainers: evicted partitions are released once stored) --------------
+# write groups behind a bucket (distributed trainers: job/train/write_groups.py) ------------------------------
 
 
 def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
@@ -225,15 +226,15 @@ def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
     from job.train.partitions import PartitionStore, Residency
 
     raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
-    write = PartitionStore._write
+    save = PartitionStore._save
 
-    def slow_write(self, key, table):
+    def slow_save(self, key, table, name=None):
         time.sleep(0.3)
         if fail:
             raise OSError(f"simulated write failure of {key}")
-        write(self, key, table)
+        save(self, key, table, name)
 
-    monkeypatch.setattr(PartitionStore, "_write", slow_write)
+    monkeypatch.setattr(PartitionStore, "_save", slow_save)
     trainer = Trainer(parse_config(raw))
     # a distributed trainer's store: what it holds is locked from the others
     trainer.store = PartitionStore(trainer.config, trainer.checkpoint, trainer.version, trainer.entity_counts,
@@ -241,36 +242,64 @@ def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
     return trainer
 
 
-def test_a_partition_written_behind_is_released_only_once_stored_and_reads_back_its_values(tmp_path: Path,
-                                                                                              monkeypatch) -> None:
+def test_a_write_group_behind_stages_the_leaving_and_kept_partitions_then_publishes_them(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """The partition leaving and the one kept are written as one group, under staged names only until the commit
+    callback (the server's record) publishes them; the kept one is written as it was at the switch, not as the next
+    bucket changes it meanwhile; the leaving one reads back from the version just written."""
     trainer = slow_store(tmp_path, monkeypatch)
-    store, key = trainer.store, ("node", 0)
+    store, leaving, kept = trainer.store, ("node", 0), ("node", 1)
+    checkpoint = store.checkpoint
     try:
-        store.get(key).weight.fill_(7.0)
-        assert store.evict_except({("node", 1)}, behind=True) == [key]
+        store.get(leaving).weight.fill_(7.0)
+        store.get(kept).weight.fill_(3.0)
         seen: list = []
-        store.after_writes([key], lambda keys: seen.append(
-            (keys, store.checkpoint.has_entity_partition(store.next_version, *key))
-        )).result(timeout=30)
-        assert seen == [([key], True)]  # the release ran after the file was stored, not before
-        assert store.stats.written_behind == 1
-        assert bool((store.get(key).weight == 7.0).all())  # read back from the version just written
+
+        def commit(group) -> None:
+            seen.append((group.leaving, group.keys, [checkpoint.has_entity_partition(group.version, *k)
+                                                     for k in group.keys]))
+            store.publish(group)
+
+        released, future = store.write_group({kept, ("node", 2)}, commit, behind=True)
+        assert released == [leaving] and future is not None
+        store.get(kept).weight.fill_(5.0)  # the next bucket trains on the kept partition while the group is written
+        future.result(timeout=30)
+        assert seen == [([leaving], [leaving, kept], [False, False])]  # staged names only before the commit
+        assert store.stats.written_behind == 2 and {leaving, kept} <= store.written
+        weights, _ = checkpoint.load_entity_partition(store.next_version, *kept)
+        assert (weights == 3.0).all()  # the copy taken at the switch
+        assert bool((store.get(leaving).weight == 7.0).all())  # read back from the version just written
+        assert not [n for n in os.listdir(trainer.config.checkpoint_path) if n.startswith(".tmp-")]
     finally:
         trainer.close()
 
 
-def test_a_failed_write_behind_releases_nothing_and_raises(tmp_path: Path, monkeypatch) -> None:
+def test_a_failed_write_group_commits_nothing_and_raises(tmp_path: Path, monkeypatch) -> None:
     trainer = slow_store(tmp_path, monkeypatch, fail=True)
     store, key = trainer.store, ("node", 0)
     try:
         store.get(key)
-        store.evict_except(set(), behind=True)
-        released: list = []
+        committed: list = []
+        _, future = store.write_group(set(), committed.append, behind=True)
+        assert future is not None
         with pytest.raises(OSError, match="simulated write failure"):
-            store.after_writes([key], released.append).result(timeout=30)
-        assert released == []
+            future.result(timeout=30)
+        assert committed == [] and not store.checkpoint.has_entity_partition(store.next_version, *key)
     finally:
         store.writing.clear()
+        trainer.close()
+
+
+def test_a_switch_that_lets_nothing_go_writes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Every row of the finished bucket stays in memory: a redo would read files without its update already."""
+    trainer = slow_store(tmp_path, monkeypatch)
+    store = trainer.store
+    try:
+        store.get(("node", 0))
+        store.get(("node", 1))
+        assert store.write_group({("node", 0), ("node", 1)}, store.publish, behind=True) == ([], None)
+        assert store.stats.writes == 0 and not store.writing
+    finally:
         trainer.close()
 
 
@@ -283,7 +312,7 @@ def test_a_distributed_store_reads_in_the_foreground_only_after_its_writes_behin
     try:
         store.get(("node", 0))
         store.get(("node", 1))
-        store.evict_except(set(), behind=True)
+        store.write_group(set(), store.publish, behind=True)
         assert len(store.writing) == 2
         store.get(("node", 2))
         assert not store.writing and list(store.loaded) == [("node", 2)]

@@ -283,8 +283,11 @@ class CheckpointStorage:
         optimizer_state: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         base: str | None = None,
+        name: str | None = None,
     ) -> None:
-        url = self.partition_file(version, entity_type, partition, base)
+        """``name``: a file name in the directory to write under instead of the PBG name (a distributed trainer's
+        staged write, moved to the PBG name later: job/train/write_groups.py)."""
+        url = storage.join(base or self.url, name) if name else self.partition_file(version, entity_type, partition, base)
         blob = serialize_optimizer_state(optimizer_state)
         with self._h5_writer(url) as tmp:
             with h5py.File(tmp, "w") as handle:

@@ -120,7 +120,9 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     allocated before every process has let go of the one leaving), ``transfer_bytes`` are the storage
     layer's transfer buffers (object stores: the parts of uploads and downloads in flight), and ``sync_bytes``
     the shared parameters' copies a distributed trainer keeps to sync them (``sync_memory_bytes`` in
-    job/train/distributed.py: a fixed number per rank, more on the lock server's); the rest is the buffer."""
+    job/train/distributed.py: a fixed number per rank, more on the lock server's); a distributed trainer also
+    holds host copies of the partitions it keeps at a switch while its write group is written behind
+    (``kept_copy_bytes``); the rest is the buffer."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
     if not partitioned or (distributed and not config.prefetch_partitions):
         return None
@@ -131,13 +133,15 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
         capacity, why = config.partition_buffer * len(partitioned), "partition_buffer"
     elif (budget := config.memory_budget_bytes) is not None:
         runtime = processes * (process_bytes() if runtime_bytes is None else runtime_bytes)
-        fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes + sync_bytes
+        copies = kept_copy_bytes(config, counts) if distributed else 0
+        fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes + sync_bytes + copies
         capacity = (budget - fixed) // per_part if per_part else total
         why = (f"memory_budget {_gib(budget)}: {_gib(runtime)} for {processes} process(es), "
                f"{_gib(unpartitioned_bytes(config, counts))} for unpartitioned types, {_gib(per_part)} for a "
                "partition in flight" + (f", {_gib(transfer_bytes)} for transfers to and from the object store"
                                         if transfer_bytes else "")
-               + (f", {_gib(sync_bytes)} to sync the shared parameters" if sync_bytes else ""))
+               + (f", {_gib(sync_bytes)} to sync the shared parameters" if sync_bytes else "")
+               + (f", {_gib(copies)} for the kept partitions' copies of a write group" if copies else ""))
         if capacity < per_bucket:
             raise ConfigError(
                 f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "
@@ -157,6 +161,14 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     logger.info("partition buffer: %d of %d partitions in memory (%s; up to %s each, %s in all)", capacity, total,
                 why, _gib(per_part), _gib(capacity * per_part))
     return capacity
+
+
+def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """The host copies a distributed trainer takes at a bucket switch of the partitions it keeps, to write them
+    in its write group while the next bucket trains on the originals (job/train/write_groups.py): at most a
+    bucket's partitions less the one leaving."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    return max(0, 2 * len(partitioned) - 1) * partition_bytes(config, counts)
 
 
 def shared_memory_bytes(config: ConfigSchema, counts: dict[str, list[int]], capacity: Optional[int]) -> int:

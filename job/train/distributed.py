@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+import storage_adapters as storage
 from job.train.buckets import Bucket
 from job.train.lock_state import LockState, PartKey
 from job.train.transport import TensorTransport, TransferError
@@ -81,8 +82,9 @@ class LockServer:
     channel can be read gets exactly one reply, ``{"ok": true, ...}`` or ``{"ok": false, "error": "<the server's
     error>"}`` (an unknown op, a malformed field, a change of the wrong shape, a failed progress write, a payload
     that did not arrive), so a client raises at once (``LockServerError``) instead of waiting out its timeout. An
-    ``ok`` reply to a request that carried a change is followed by the sum, sent under the request's tag. ``next``
-    and ``release`` persist their changes (``progress.append``, job/train/progress.py) before the reply.
+    ``ok`` reply to a request that carried a change is followed by the sum, sent under the request's tag. ``next``,
+    ``written`` (a write group's one record) and ``release`` persist their changes (``progress.append``,
+    job/train/progress.py) before the reply.
 
     Shared parameters: a ``next`` carries the trainer's change since its last sync for the bucket it finishes; the
     server adds it to the vector it serves (``shared``) and answers with the sum. What it persists (``stored``)
@@ -118,7 +120,8 @@ class LockServer:
         self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="biggraph-lock-server", daemon=True)
+        # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
+        self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -207,13 +210,14 @@ class LockServer:
                 leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
                 bucket = self.state.reserve(rank, self.rng, leaving)
                 reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
+            elif op == "written":
+                # a write group (job/train/write_groups.py): one record makes all its files current and saves its
+                # buckets, shared updates included; the locks stay until the rank has published the files
+                self.state.record_written(rank, request["keys"], request.get("staged", []))
+                self._persist(with_shared=self._save_pending())
             elif op == "release":
                 self.state.release(rank, request["keys"], written=request.get("written", True))
-                unsaved = self._unsaved()
-                saved = [b for b in self.pending if b not in unsaved]
-                for b in saved:
-                    self.stored += self.pending.pop(b)
-                self._persist(with_shared=bool(saved))
+                self._persist(with_shared=self._save_pending())
             elif op == "sync":
                 # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
                 if change is None:
@@ -225,6 +229,15 @@ class LockServer:
                 raise ValueError(f"unknown request {op!r}")
         # sent from the vector itself: only this thread changes it, and it waits for the send
         return reply, (torch.from_numpy(self.shared) if change is not None else None)
+
+    def _save_pending(self) -> bool:
+        """Move the shared updates of the buckets saved now (done, and no partition unwritten) into ``stored``;
+        whether there were any."""
+        unsaved = self._unsaved()
+        saved = [b for b in self.pending if b not in unsaved]
+        for b in saved:
+            self.stored += self.pending.pop(b)
+        return bool(saved)
 
     def _unsaved(self) -> set[Bucket]:
         return {b for pending in self.state.unsaved.values() for b in pending}
@@ -350,7 +363,13 @@ class LockClient:
         return bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
 
     def release(self, keys: list, written: bool = True) -> None:
+        """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
         self._call({"op": "release", "keys": [list(k) for k in keys], "written": written})
+
+    def written(self, keys: Sequence[PartKey], staged: Sequence[Sequence[Any]]) -> None:
+        """Have the server record a write group (``keys``, their staged files ``[type, partition, name]``) as one
+        change; the locks stay with this rank (``release`` after the files are published)."""
+        self._call({"op": "written", "keys": [list(k) for k in keys], "staged": [list(s) for s in staged]})
 
     def sync(self, change: torch.Tensor) -> torch.Tensor:
         """Outside a bucket (a pass's start and end): push ``change``, receive the sum into it and return it."""

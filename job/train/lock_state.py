@@ -14,12 +14,14 @@ are forgotten by a restart: ``forget_rank_locks``):
 
 - ``start``: ``rank`` trains ``bucket`` (in flight);  ``stop``: ``rank`` has nothing in flight any more
 - ``finish``: ``rank`` finished ``bucket`` (done); ``keys``: its partitions, still unwritten by that rank
-- ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten)
+- ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten); ``staged`` (a write
+  group, job/train/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there
 - ``record``: a finished bucket's ``training_stats.json`` line
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -166,7 +168,15 @@ class LockState:
             if self.locks.get(key) == rank and key not in needed:
                 del self.locks[key]
         if written and keys:
-            self._change({"e": "written", "rank": rank, "keys": [list(k) for k in keys]})
+            self.record_written(rank, keys)
+
+    def record_written(self, rank: int, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]] = ()) -> None:
+        """``rank`` made ``keys`` current in the next version, all in this one record (a write group: ``staged``
+        names each one's staged file, ``[type, partition, name]``); its locks stay (``release`` frees them)."""
+        event: dict[str, Any] = {"e": "written", "rank": rank, "keys": [[k[0], int(k[1])] for k in keys]}
+        if staged:
+            event["staged"] = [[t, int(p), str(name)] for t, p, name in staged]
+        self._change(event)
 
     def add_record(self, record: dict[str, Any]) -> None:
         """A finished bucket's stats line (the committing rank writes them all at the commit)."""

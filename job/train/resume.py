@@ -17,6 +17,7 @@ from job.model.scoring import Model
 from job.train.group import DistributedContext, wait_all
 from job.train.optim import RelationAdagrad
 from job.train.progress import Progress, read_progress, remove_progress
+from job.train.write_groups import roll_forward
 
 logger = logging.getLogger("biggraph")
 
@@ -42,11 +43,15 @@ class GroupBarrier:
 
 def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[DistributedContext]) -> Optional[Progress]:
     """(Rank 0, while the checkpoint manager cleans the directory.) The lock server's persisted progress of the pass
-    after ``version`` if this run resumes it. One it does not resume (another run's, a stale one, any found by a
-    single-process run) is removed first, so that it never outlives the uncommitted files it names."""
+    after ``version`` if this run resumes it, with the publication of the write groups it recorded finished
+    (``roll_forward``: before the manager's clean-up removes staged files). One it does not resume (another run's,
+    a stale one, any found by a single-process run) is removed first, so that it never outlives the uncommitted
+    files it names."""
     progress = read_progress(checkpoint_path, version, dist.run_id) if dist is not None else None
     if progress is None:
         remove_progress(checkpoint_path)
+    else:
+        roll_forward(checkpoint_path, progress.version, progress.records)
     return progress
 
 

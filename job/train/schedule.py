@@ -14,7 +14,8 @@ Prefetch (the next bucket's edge file and, with ``prefetch_partitions``, its par
 current bucket trains) needs ``upcoming()``: the buckets this process will train next, whose
 partitions no other process can write meanwhile. Locally that is the rest of the pass. In a group
 the lock server picks buckets as ranks ask, so the rank asks for its next one early: right after it
-receives a bucket (and has written back and released the partitions the new bucket does not use) it
+receives a bucket (and has started writing back the partitions the new bucket does not use, as one write group
+with the ones it keeps: job/train/write_groups.py) it
 asks the server to *reserve* the following one (``LockState.reserve``: the reserved bucket's
 partitions are locked for this rank, and it is granted only when it leaves the other ranks work).
 ``upcoming()`` is then that one bucket, and the trainer reads its missing partitions in the background
@@ -49,6 +50,7 @@ from job.train.group import DistributedContext, wait_all
 from job.train.lock_state import LockState
 from job.train.partitions import PartitionStore
 from job.train.progress import Progress, ProgressLog, remove_progress
+from job.train.write_groups import WriteGroup
 
 logger = logging.getLogger("biggraph")
 
@@ -187,7 +189,7 @@ class LockServerScheduler(BucketScheduler):
         self.server: Optional[LockServer] = None
         self.current: Optional[Bucket] = None
         self.ahead: Optional[Bucket] = None  # the next bucket, reserved for this rank (prefetch_partitions)
-        self.releases: list[Future[None]] = []  # background write-backs that release their partitions once stored
+        self.releases: list[Future[None]] = []  # background write groups (each frees its partitions once published)
         self._writer_client: Optional[LockClient] = None  # the background thread's own channel to the server
         # the shared parameters whose change since their last sync goes with the next ``next`` (``SharedSync``)
         self.carry: Optional[SharedParameters] = None
@@ -246,34 +248,46 @@ class LockServerScheduler(BucketScheduler):
                 continue
             self.current = bucket
             self.ahead = None
-            if self.config.prefetch_partitions:
-                self._reserve_next(bucket)
+            self._switch_to(bucket)
             return bucket
 
-    def _reserve_next(self, bucket: Bucket) -> None:
-        """Start writing back what ``bucket`` does not use, in the background thread, which releases each
-        partition to the server as soon as it is stored (``_release_stored``); then ask for the next bucket,
-        naming the partitions leaving, so that the reservation weighs this rank's locks as they will be while
-        it trains. The reserved bucket's partitions are read from the sources the server knows now plus the
-        ones being written here (locked for this rank until released, so nobody else writes them; the same
-        thread reads them after their write)."""
+    def _switch_to(self, bucket: Bucket) -> None:
+        """Let go of what ``bucket`` does not use: the partitions leaving and the ones kept are written as one
+        group (``PartitionStore.write_group``, job/train/write_groups.py), so that the finished bucket is saved by
+        one record of the server or not at all. With ``prefetch_partitions`` the group is written on the
+        background thread, which commits it through the rank's second client (``_commit_group``), and the next
+        bucket is reserved at once, naming the partitions leaving, so that the reservation weighs this rank's
+        locks as they will be while it trains. The reserved bucket's partitions are read from the sources the
+        server knows now plus the ones leaving (locked for this rank until published, so nobody else writes
+        them; the same thread reads them after their group). Without it the group is written now (PBG's way)."""
         started = time.perf_counter()
-        leaving = self.store.evict_except(set(self.bucket_keys[bucket]), behind=True)
-        if leaving:
-            self.releases.append(self.store.after_writes(leaving, self._release_stored))
+        behind = self.config.prefetch_partitions
+        client = self._writer() if behind else self.client
+        leaving, pending = self.store.write_group(set(self.bucket_keys[bucket]),
+                                                  lambda group: self._commit_group(client, group), behind)
+        if pending is not None:
+            self.releases.append(pending)
         self.store.stats.blocked_seconds += time.perf_counter() - started
-        self.ahead, dirty = self.client.reserve(leaving)
-        self.store.set_written(set(dirty) | set(leaving))
+        if behind:
+            self.ahead, dirty = self.client.reserve(leaving)
+            self.store.set_written(set(dirty) | set(leaving))
 
-    def _release_stored(self, keys: list[PartKey]) -> None:
-        """On the background thread, once ``keys`` are written: wait for their uploads, release their locks."""
+    def _writer(self) -> LockClient:
+        """The rank's second client, for the background thread (its replies come on their own queue)."""
         if self._writer_client is None:
             # a bounded wait: a process leaving after a peer died joins this thread first, and a release
             # answered by no server must not hold that exit for the main client's 10 minutes
             self._writer_client = LockClient(self.ctx.store, self.ctx.rank, timeout_s=WRITER_TIMEOUT_S,
                                              channel="/writer", prefix=self.ctx.key("lock"))
+        return self._writer_client
+
+    def _commit_group(self, client: LockClient, group: WriteGroup) -> None:
+        """Once the group's staged files are written: wait for their uploads, have the server record the group
+        (one record: its buckets saved), move the files to their PBG names, then free the leaving ones' locks."""
         self.checkpoint.flush()
-        self._writer_client.release(keys)
+        client.written(group.keys, group.staged())
+        self.store.publish(group)
+        client.release(group.leaving, written=False)
 
     def _settle_releases(self) -> float:
         """Wait for the background releases (normally long done: they had a bucket to finish), so that the
@@ -290,8 +304,9 @@ class LockServerScheduler(BucketScheduler):
         return (self.ahead,), (set(self.bucket_keys[self.ahead]),)
 
     def release(self, keys: list[PartKey]) -> None:
-        """Give partitions back once their files are stored: on object stores uploads run in the background,
-        and the next holder (another rank) must read what we wrote, not an older file or none."""
+        """Give back tables the buffer wrote out on its own (an unpartitioned type no bucket uses: partitioned ones
+        leave in write groups, ``_switch_to``) once their files are stored: on object stores uploads run in the
+        background, and the next holder must read what was written, not an older file or none."""
         self.checkpoint.flush()
         self.client.release(keys)
 
@@ -300,12 +315,10 @@ class LockServerScheduler(BucketScheduler):
         self.store.stats.commit_seconds += self._give_back()
 
     def _give_back(self) -> float:
-        """Write back and release every partition this rank holds; returns the seconds it took."""
+        """Write back (as one group) and release every partition this rank holds; returns the seconds it took."""
         started = time.perf_counter()
         self._settle_releases()
-        released = self.store.evict_partitioned()
-        if released:
-            self.release(released)
+        self.store.write_group(set(), lambda group: self._commit_group(self.client, group), behind=False)
         return time.perf_counter() - started
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
