@@ -64,6 +64,7 @@ from chaos_checks import (  # noqa: E402
 )
 from chaos_events import Chaos, ChaosPlan  # noqa: E402
 from cluster_box import ClusterBox, RenderedJob, available, free_subnet  # noqa: E402
+from machine import matmul_rate  # noqa: E402
 from storage_bench import start_fake_s3  # noqa: E402
 from test_chart import render  # noqa: E402
 
@@ -158,6 +159,7 @@ def wait_training(box: ClusterBox, tail: LogTail, timeout_s: float) -> None:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    machine = {"load_at_start": os.getloadavg(), "matmul_gflops_at_start": round(matmul_rate(), 1)}
     moto, endpoint = start_fake_s3([str(Path(sys.executable).parent / "moto_server"), "-H", "0.0.0.0", "-p"],
                                    CREDENTIAL)
     os.environ["AWS_ENDPOINT_URL"] = endpoint  # this process's reads and the import; the pods get the box's address
@@ -199,7 +201,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             final_problem, values = f"v{final}: {type(err).__name__}: {err}", [float("nan")]
         stats = stats_buckets(checkpoint, args.epochs, PARTITIONS)
         mrr = filtered_mrr(config, data, work)
-        return report(args, chaos, tail, watcher, stats, mrr, final, values, final_problem, seconds)
+        machine.update(load_at_end=os.getloadavg(), matmul_gflops_at_end=round(matmul_rate(), 1))
+        return {**report(args, chaos, tail, watcher, stats, mrr, final, values, final_problem, seconds),
+                "machine": machine}
     finally:
         if box is not None:
             box.close()
@@ -282,7 +286,7 @@ def main() -> int:
 
 
 def print_summary(r: dict[str, Any]) -> None:
-    print(f"\nchaos: {r['events']} events {r['events_by_kind']} in {r['seconds']:.0f} s, load {r['load_avg']}")
+    print(f"\nchaos: {r['events']} events {r['events_by_kind']} in {r['seconds']:.0f} s; machine {r['machine']}")
     superseded = len(r["versions_superseded_before_read"])
     print(f"  versions verified {len(r['versions_verified'])} (superseded before read {superseded}), "
           f"failing {len(r['versions_failing'])}: {r['versions_failing'][:5]}")
