@@ -200,10 +200,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001 - counted
             final_problem, values = f"v{final}: {type(err).__name__}: {err}", [float("nan")]
         stats = stats_buckets(checkpoint, args.epochs, PARTITIONS)
-        mrr = filtered_mrr(config, data, work)
         machine.update(load_at_end=os.getloadavg(), matmul_gflops_at_end=round(matmul_rate(), 1))
-        return {**report(args, chaos, tail, watcher, stats, mrr, final, values, final_problem, seconds),
-                "machine": machine}
+        result = {**report(args, chaos, tail, watcher, stats, {}, final, values, final_problem, seconds),
+                  "machine": machine}
+        if args.json:  # what the events cost is kept even if the evaluation fails
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        result["mrr"] = filtered_mrr(config, data, work)
+        return result
     finally:
         if box is not None:
             box.close()
