@@ -34,6 +34,12 @@ Every event (start, exit, kill, freeze, thaw, scale) is kept in ``events`` with 
 that tests and benches can measure what an event costs. ``close`` always kills every process and removes every
 namespace, link and hosts file the box made (tests call it from a fixture's finalizer).
 
+The host is on the bridge too (``host_address``, the subnet's ``.1``), as a cluster's nodes reach services outside
+it: a server the pods need (a fake S3 for the checkpoint) listens there, or on 0.0.0.0. ``subnet`` may be chosen before
+the box is built (``free_subnet``), so that what is rendered into the pods (an endpoint URL) can name that address.
+``secrets`` stands in for the Secrets that ``secretKeyRef`` entries of the container's env name (the chart's
+``s3.existingSecret``).
+
 Needs root and iproute2's ``ip`` (``available`` says why not, for a skip); Linux only.
 """
 
@@ -68,6 +74,12 @@ def available() -> Optional[str]:
         if shutil.which(tool) is None:
             return f"needs the '{tool}' command (iproute2 / util-linux)"
     return None
+
+
+def free_subnet() -> str:
+    """A /24 (its first three octets) for one box: per process and at random, so that boxes of concurrent sessions
+    rarely meet (a clash fails ``ip addr add`` loudly, never silently)."""
+    return f"10.{200 + os.getpid() % 50}.{int(uuid.uuid4().hex[:2], 16)}"
 
 
 @dataclass
@@ -131,13 +143,14 @@ class ClusterBox:
     extra_env: dict[str, str] = field(default_factory=dict)
     initial: Optional[int] = None  # pods at the start (the Job patched to fewer than its rendered replicas)
     events: list[Event] = field(default_factory=list)
+    subnet: str = field(default_factory=free_subnet)  # the pods' /24: pod i at .10+i, the host at .1
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # Secret name -> its data (secretKeyRef)
 
     def __post_init__(self) -> None:
         reason = available()
         if reason is not None:
             raise RuntimeError(reason)
         self.tag = f"bgb{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"  # <= 11 characters: link names fit in 15
-        self.subnet = f"10.{200 + os.getpid() % 50}.{int(uuid.uuid4().hex[:2], 16)}"
         self.completions = self.initial or self.job.replicas
         self.pods: dict[int, Pod] = {}
         self.succeeded: set[int] = set()
@@ -164,6 +177,11 @@ class ClusterBox:
     def address(self, index: int) -> str:
         return f"{self.subnet}.{10 + index}"
 
+    @property
+    def host_address(self) -> str:
+        """The host's address on the box's bridge: what a pod dials to reach a server running outside the box."""
+        return f"{self.subnet}.1"
+
     def netns(self, index: int) -> str:
         return f"{self.tag}-{index}"
 
@@ -177,6 +195,7 @@ class ClusterBox:
         bridge = f"{self.tag}br"
         self.namespaces.append(bridge)  # removed in close (a link name, not a namespace: close tells them apart)
         self._run("ip", "link", "add", bridge, "type", "bridge")
+        self._run("ip", "addr", "add", f"{self.host_address}/24", "dev", bridge)
         self._run("ip", "link", "set", bridge, "up")
         hosts = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
         for index in range(self.max_replicas):
@@ -251,6 +270,11 @@ class ClusterBox:
                 env[item["name"]] = pod_name
             elif "controller-uid" in path:
                 env[item["name"]] = self.job_uid  # the Job's uid: one for every pod, replaced and added ones too
+            elif "secretKeyRef" in (item.get("valueFrom") or {}):
+                ref = item["valueFrom"]["secretKeyRef"]
+                if ref["key"] not in self.secrets.get(ref["name"], {}):
+                    raise ValueError(f"the box has no secret {ref['name']} with the key {ref['key']} (secrets=)")
+                env[item["name"]] = self.secrets[ref["name"]][ref["key"]]
             elif (item.get("valueFrom") or {}).get("resourceFieldRef", {}).get("resource") == "limits.memory":
                 from job.k8s.sizing import parse_quantity  # the API gives the container's limit in bytes
 
@@ -330,6 +354,11 @@ class ClusterBox:
             for index in range(self.completions):
                 if index not in self.pods and index not in self.succeeded:
                     self._start(index)
+
+    def running(self) -> list[int]:
+        """The indexes whose pod is running now (started, not exited; frozen ones included)."""
+        with self._lock:
+            return sorted(i for i, pod in self.pods.items() if pod.exit_code is None and pod.proc.poll() is None)
 
     def kill(self, index: int) -> None:
         """SIGKILL every process of the pod at once (a lost node, an OOM kill); the controller replaces it."""

@@ -379,3 +379,57 @@ def test_the_box_runs_pods_as_the_job_controller_does(tmp_path: Path) -> None:
     assert box.tag not in leftovers
     assert not list(Path("/etc/netns").glob(f"{box.tag}*"))
     assert box.tag not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+
+
+@needs_box
+def test_a_pod_reaches_the_host_address_and_reads_its_secret(tmp_path: Path) -> None:
+    """What a pod needs of a server outside the box (a fake S3 for the checkpoint: bench/chaos_bench.py): the host's
+    address on the bridge, chosen before the box is built (``subnet``), answers; a ``secretKeyRef`` env entry (the
+    chart's ``s3.existingSecret``) gets the value the box was given; ``running`` lists the pod."""
+    import socket
+    import threading
+
+    from cluster_box import free_subnet
+
+    subnet = free_subnet()
+    script = ('echo "key=$AWS_ACCESS_KEY_ID"; exec python -c "import socket, sys, time\n'
+              'for _ in range(200):\n'
+              '    try:\n'
+              '        s = socket.create_connection((sys.argv[1], int(sys.argv[2])), 2); break\n'
+              '    except OSError: time.sleep(0.05)\n'
+              'print(s.recv(100).decode(), flush=True); time.sleep(600)" "$HOST" "$PORT"')
+    job = RenderedJob("job", "svc", ["/bin/sh", "-c", script], [
+        {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}}},
+        {"name": "HOST", "value": f"{subnet}.1"}], {"config.yaml": "{}"}, 1, "4Gi")
+    box = ClusterBox(job, tmp_path / "box", max_replicas=1, subnet=subnet, grace_period_s=2,
+                     secrets={"s3": {"AWS_ACCESS_KEY_ID": "key-1"}})
+    assert box.host_address == f"{subnet}.1" and box.address(0).startswith(subnet + ".")
+    server = socket.socket()
+    try:
+        server.bind(("0.0.0.0", 0))
+        server.listen(1)
+        box.extra_env["PORT"] = str(server.getsockname()[1])
+        box.start()
+        accepted: list[str] = []
+
+        def serve() -> None:
+            conn, peer = server.accept()
+            accepted.append(peer[0])
+            conn.sendall(b"hello from the host")
+            conn.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        log = tmp_path / "box" / "logs" / "job-0-0.log"
+        deadline = time.monotonic() + 30
+        while "hello from the host" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+        assert "key=key-1" in text and "hello from the host" in text, text
+        assert accepted == [box.address(0)]  # the pod dialled from its own address, through the bridge
+        assert box.running() == [0]
+    finally:
+        server.close()
+        box.close()
+    assert box.running() == []

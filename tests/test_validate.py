@@ -411,6 +411,33 @@ def test_validate_cheap_raises_first_structural_problem_only(graph: SmallGraph) 
         validate_cheap(config)
 
 
+def test_validate_cheap_on_s3_checks_every_bucket_and_raises_the_first_problem_in_bucket_order(
+        tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    """On an object store the cheap check opens the bucket files together (a trainer restarted into a torchrun round
+    pays it again): whichever finishes first, the problem of the first bucket in (lhs, rhs) order is the one raised,
+    and a whole graph passes."""
+    import dataclasses
+
+    import s3fs
+
+    graph = make_graph(tmp_path, entities={"user": 4, "item": 4}, counts={"user": [3, 2, 2, 3], "item": [2, 2, 2, 2]})
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+
+    def upload(name: str) -> Any:
+        fs.put(str(graph.entity_path), f"{s3_bucket}/{name}/entities", recursive=True)
+        fs.put(str(graph.edge_path), f"{s3_bucket}/{name}/edges", recursive=True)
+        return dataclasses.replace(load_config(str(graph.config_path)), entity_path=f"{s3_bucket}/{name}/entities",
+                                   edge_paths=[f"{s3_bucket}/{name}/edges"], storage_options={"endpoint_url": s3_endpoint})
+
+    validate_cheap(upload("whole"))
+    config = upload("holed")  # (another prefix: the storage layer's listing of the first one is cached)
+    for lhs, rhs in ((3, 1), (1, 2), (2, 0)):
+        fs.rm(f"{s3_bucket}/holed/edges/edges_{lhs}_{rhs}.h5")
+    with pytest.raises(InputFormatError) as info:
+        validate_cheap(config)
+    assert str(info.value).startswith(f"{s3_bucket}/holed/edges/edges_1_2.h5: missing"), str(info.value)
+
+
 # Through a real process -----------------------------------------------------------------------------------
 
 

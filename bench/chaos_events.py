@@ -1,0 +1,106 @@
+"""The events of bench/chaos_bench.py: seeded random kills, scale changes and freezes on a running ``ClusterBox``.
+
+One event at a time, each after a random gap: a freeze holds the loop until its thaw, a scale-down until the
+deleted pods are gone (the kubelet's grace period), so that each event's cost can be read from the logs afterwards
+(``recoveries``), flagged when the next event came before the group trained again."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from chaos_checks import LogTail
+from cluster_box import ClusterBox
+
+PEER_TIMEOUT_S = 6.0  # job/train/group.py's DEFAULT_PEER_TIMEOUT_S: a freeze past it loses the pod
+WEIGHTS = {"kill": 0.5, "scale": 0.25, "freeze": 0.25}
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    events: int
+    pods_min: int
+    pods_max: int
+    gap: tuple[float, float]  # seconds between events, uniform
+    seed: int
+    freeze: tuple[float, float] = (1.0, 3 * PEER_TIMEOUT_S)  # a freeze's length, uniform: under and past the timeout
+
+
+class Chaos:
+    """Injects ``plan.events`` events into ``box`` (until the Job completes or fails); ``log`` has one entry each."""
+
+    def __init__(self, box: ClusterBox, plan: ChaosPlan) -> None:
+        self.box = box
+        self.plan = plan
+        self.rng = random.Random(plan.seed)
+        self.log: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+
+    def _over(self) -> bool:
+        return self.box.complete or self.box.failed_reason is not None
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep, unless the Job ends first (then False)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self._over():
+                return False
+            time.sleep(0.1)
+        return True
+
+    def run(self) -> None:
+        while len(self.log) < self.plan.events:
+            if not self._sleep(self.rng.uniform(*self.plan.gap)):
+                print(f"chaos: the Job ended after {len(self.log)} events", flush=True)
+                return
+            kind = self.rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+            entry = self._event(kind)
+            if entry is not None:
+                self.log.append(entry)
+                print(f"chaos: event {len(self.log):3d} at {entry['at']:7.1f} s: {entry['kind']} {entry['detail']}",
+                      flush=True)
+
+    def _event(self, kind: str) -> Optional[dict[str, Any]]:
+        running = self.box.running()
+        if not running:
+            return None  # every pod between incarnations: draw again after the next gap
+        at = time.monotonic()
+        entry: dict[str, Any] = {"kind": kind, "monotonic": at, "at": round(at - self.t0, 1), "pods": len(running)}
+        if kind == "kill":
+            index = self.rng.choice(running)
+            self.box.kill(index)
+            # index 0 hosts the rendezvous store: every agent fails with it, every pod is replaced
+            entry.update(index=index, detail=f"index {index}", pods_lost=len(running) if index == 0 else 1)
+        elif kind == "scale":
+            current = self.box.completions
+            target = self.rng.choice([n for n in range(self.plan.pods_min, self.plan.pods_max + 1) if n != current])
+            self.box.scale(target)
+            entry.update(index=-1, detail=f"{current}->{target}", pods_lost=max(0, current - target))
+        else:
+            index = self.rng.choice(running)
+            length = self.rng.uniform(*self.plan.freeze)
+            self.box.freeze(index)
+            time.sleep(length)
+            self.box.thaw(index)
+            entry.update(index=index, detail=f"index {index} for {length:.1f} s", length_s=round(length, 1),
+                         pods_lost=1 if length > PEER_TIMEOUT_S else 0)
+        entry["done"] = time.monotonic()
+        return entry
+
+    def kinds(self) -> dict[str, int]:
+        return dict(Counter(e["kind"] for e in self.log))
+
+    def recoveries(self, tail: LogTail) -> list[dict[str, Any]]:
+        """Per event: seconds until a trainer of a group formed after it finished a bucket (None: none formed before
+        the next event, e.g. a freeze under the timeout), and whether the next event came first (``overlapped``)."""
+        out = []
+        for i, entry in enumerate(self.log):
+            seconds = tail.training_again(entry["monotonic"])
+            following = self.log[i + 1]["monotonic"] if i + 1 < len(self.log) else None
+            overlapped = seconds is not None and following is not None and entry["monotonic"] + seconds > following
+            out.append({"kind": entry["kind"], "detail": entry["detail"], "at": entry["at"],
+                        "seconds": None if seconds is None else round(seconds, 1), "overlapped": overlapped})
+        return out
