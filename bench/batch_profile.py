@@ -10,6 +10,7 @@ timed alone (A/B: run it from two checkouts, one after the other). Two shapes:
 
     .venv/bin/python bench/batch_profile.py --shape ooc            # median ms per batch, then the profile
     .venv/bin/python bench/batch_profile.py --shape wordnet --no-profile -p compute_dtype=bfloat16
+    .venv/bin/python bench/batch_profile.py --shape wn18rr --no-profile -p entity_optimizer=adagrad
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from job.config.overrides import apply_overrides  # noqa: E402
 from job.model.kernel_options import KernelOptions  # noqa: E402
 from job.model.scoring import Model, Table  # noqa: E402
 from job.train.allocator import keep_freed_memory  # noqa: E402
+from job.train.buffer import per_coordinate  # noqa: E402
 from job.train.optim import RelationAdagrad  # noqa: E402
 from job.train.precision import training_dtype  # noqa: E402
 from job.train.step import BatchContext, run_batch  # noqa: E402
@@ -80,9 +82,11 @@ def main() -> None:
     model = Model(config, shape["relations"] if dynamic else 0)
     model.compute_dtype = training_dtype(config, torch.device("cpu"))  # as the Trainer sets it
     rows, dim = shape["rows"], config.dimension
-    lhs_table = Table(torch.randn(rows, dim) * 0.1, torch.zeros(rows))
+    # the Adagrad sums: one per row (PBG's), one per coordinate with -p entity_optimizer=adagrad
+    sums = (rows, dim) if per_coordinate(config, "node") else (rows,)
+    lhs_table = Table(torch.randn(rows, dim) * 0.1, torch.zeros(sums))
     # dynamic relations: one entity type on both sides, so one table (as the WordNet KG trains)
-    rhs_table = lhs_table if dynamic else Table(torch.randn(rows, dim) * 0.1, torch.zeros(rows))
+    rhs_table = lhs_table if dynamic else Table(torch.randn(rows, dim) * 0.1, torch.zeros(sums))
     relation_optimizer = RelationAdagrad(list(model.parameters()), config.lr)
     n = len(config.relations)  # dynamic: one relation, the edges' types in ``rel_ids``
     ctx = BatchContext(config, model, relation_optimizer, dict.fromkeys(range(n), lhs_table),

@@ -32,7 +32,7 @@ from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, read_edges
 from job.growing.ingest import balanced_additions
 from job.model.operators import OPERATORS, Operator
-from job.train.partitions import _sum_from_state
+from job.train.optim import sums_from_state
 
 REPO = Path(__file__).resolve().parent.parent
 USERS = [f"user{i}" for i in range(70)]
@@ -127,7 +127,7 @@ def partitions_of(config: Any) -> dict[tuple[str, int], tuple[np.ndarray, np.nda
     for t, e in config.entities.items():
         for p in range(e.num_partitions):
             values, state = checkpoint.load_entity_partition(version, t, p)
-            sums, _ = _sum_from_state(state, values.shape[0])
+            sums, _ = sums_from_state(state, values.shape[0], values.shape[1], per_coordinate=False)
             out[(t, p)] = (values, sums.numpy())
     return out
 

@@ -17,6 +17,7 @@ from job.config.choices import (
     COMPUTE_DTYPES,
     DEVICES,
     EDGE_READ_MODES,
+    ENTITY_OPTIMIZERS,
     EVAL_PROTOCOLS,
     GROW_INITS,
     HOGWILD_DELAY_SCOPES,
@@ -93,7 +94,8 @@ def check_choices(config: ConfigSchema) -> None:
     for name, choices in (("comparator", COMPARATORS), ("loss_fn", LOSS_FUNCTIONS), ("regularizer", REGULARIZERS),
                           ("edge_read_mode", EDGE_READ_MODES), ("device", DEVICES), ("grow_init", GROW_INITS),
                           ("eval_protocol", EVAL_PROTOCOLS), ("compute_dtype", COMPUTE_DTYPES),
-                          ("init_method", INIT_METHODS), ("hogwild_delay_scope", HOGWILD_DELAY_SCOPES)):
+                          ("init_method", INIT_METHODS), ("hogwild_delay_scope", HOGWILD_DELAY_SCOPES),
+                          ("entity_optimizer", ENTITY_OPTIMIZERS)):
         value = getattr(config, name)
         if value not in choices and not (name == "compute_dtype" and value is None):
             raise ConfigKeyError(

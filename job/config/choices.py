@@ -28,12 +28,14 @@ DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
 GROW_INITS = ("random", "neighbours")
 INIT_METHODS = ("normal", "xavier")
+# the embeddings' optimizer: PBG's row-wise Adagrad (one sum per row) or Adagrad with a sum per coordinate
+ENTITY_OPTIMIZERS = ("row_adagrad", "adagrad")
 # which buckets of epoch 0 stagger their Hogwild workers by hogwild_delay (job/train/loop.py)
 HOGWILD_DELAY_SCOPES = ("first_visit", "epoch_0")
 GROW_NUM_EPOCHS_DEFAULT = 5
 # how held-out edges are ranked (job/eval_protocol.py): "pbg" is PBG 1.0's sampled protocol, exactly
 EVAL_PROTOCOLS = ("auto", "all", "sampled", "pbg")
 
-__all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "EDGE_READ_MODES", "EVAL_PROTOCOLS", "GROW_INITS",
+__all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "EDGE_READ_MODES", "ENTITY_OPTIMIZERS", "EVAL_PROTOCOLS", "GROW_INITS",
            "GROW_NUM_EPOCHS_DEFAULT", "HOGWILD_DELAY_SCOPES", "INIT_METHODS", "LOSS_FUNCTIONS", "OPERATORS",
            "REGULARIZERS", "BucketOrder"]

@@ -148,6 +148,14 @@ class ConfigSchema:
     disable_lhs_negs: bool = _help("Disable negative sampling on the left-hand side.", default=False)
     disable_rhs_negs: bool = _help("Disable negative sampling on the right-hand side.", default=False)
     lr: float = _help("The learning rate for the optimizer.", default=1e-2)
+    entity_optimizer: str = _help(
+        "The embeddings' optimizer. 'row_adagrad' (PBG's): Adagrad with one sum of mean squared gradients per "
+        "row, 4 bytes of state per row. 'adagrad': a sum per coordinate, as Lacroix et al. and LibKGE train "
+        "ComplEx; its state is as large as the embeddings (counted in memory_budget), saved in PBG's layout plus "
+        "the per-coordinate sums (PBG loads the partition and resumes row-wise). Relation parameters always take "
+        "per-coordinate Adagrad. See docs/quality-preset.md.",
+        default="row_adagrad",
+    )
     relation_lr: float | None = _help(
         "If set, the learning rate for the optimizer for relations. Otherwise, `lr` is used.",
         default=None,

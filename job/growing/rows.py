@@ -45,8 +45,8 @@ from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.growing.ingest import read_spilled_bucket
 from job.model.comparators import COMPARATORS
-from job.train.optim import row_adagrad_state
-from job.train.partitions import _sum_from_state
+from job.train.buffer import per_coordinate
+from job.train.optim import entity_adagrad_state, sums_from_state
 
 logger = logging.getLogger("biggraph")
 
@@ -227,10 +227,12 @@ def write_grown_partitions(
     rows with zero sums."""
     for key in sorted(rows):
         values, state = checkpoint.load_entity_partition(old_version, key[0], key[1])
-        sums, step = _sum_from_state(state, values.shape[0])
-        old_sums = sums.numpy() if sums is not None else np.zeros(values.shape[0], dtype=np.float32)
+        # per coordinate with entity_optimizer: adagrad (one float per row otherwise), as the trainer keeps them
+        sum_shape = values.shape if per_coordinate(config, key[0]) else values.shape[:1]
+        sums, step = sums_from_state(state, values.shape[0], values.shape[1], len(sum_shape) == 2)
+        old_sums = sums.numpy() if sums is not None else np.zeros(sum_shape, dtype=np.float32)
         grown = np.concatenate([values, rows[key].values.astype(np.float32)])
-        new_sums = np.zeros(len(rows[key].values), dtype=np.float32)
+        new_sums = np.zeros((len(rows[key].values), *sum_shape[1:]), dtype=np.float32)
         grown_sums = torch.from_numpy(np.concatenate([old_sums, new_sums]))
         checkpoint.save_entity_partition(new_version, key[0], key[1], grown,
-                                         row_adagrad_state(grown_sums, config.lr, step), metadata)
+                                         entity_adagrad_state(grown_sums, config.lr, step), metadata)

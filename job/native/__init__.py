@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernels.c", "losskernels.c", "operatorkernels.c"))
 # every exported function and what it returns (a status, or nothing)
-SYMBOLS = {**dict.fromkeys(("row_adagrad_f32", "row_adagrad_f64", "side_loss_f32", "side_loss_f64",
+SYMBOLS = {**dict.fromkeys(("row_adagrad_f32", "row_adagrad_f64", "full_adagrad_f32", "full_adagrad_f64",
+                            "side_loss_f32", "side_loss_f64",
                             "complex_diagonal_backward_f32", "complex_diagonal_backward_f64"), ctypes.c_int),
            **dict.fromkeys(("complex_diagonal_forward_f32", "complex_diagonal_forward_f64"), None)}
 PREBUILT = Path(__file__).with_name("_prebuilt")

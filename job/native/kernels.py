@@ -35,10 +35,12 @@ def _address(t: Optional[Tensor]) -> ctypes.c_void_p:
 
 def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Tensor]], lr: float, eps: float,
                 slots: Tensor) -> bool:
-    """PBG's row-wise Adagrad for (ids, gradient rows) lists of one table, rows repeating or not.
+    """PBG's row-wise Adagrad for (ids, gradient rows) lists of one table, rows repeating or not; per-coordinate
+    Adagrad when ``state`` has the table's shape (one sum per coordinate, ``entity_optimizer: adagrad``).
 
     Each distinct row gets one step with its summed gradient: state[row] += mean(g^2), then
-    weight[row] -= lr * g / (sqrt(state[row]) + eps). The gradients are consumed (overwritten). ``slots``:
+    weight[row] -= lr * g / (sqrt(state[row]) + eps) (per coordinate: state[row, j] += g[j]^2 and each coordinate
+    its own step size). The gradients are consumed (overwritten). ``slots``:
     an int32 scratch array of at least ``weight.shape[0]`` entries (``job.train.rowops.scratch``).
     Raises IndexError when an id is outside the table (nothing written).
     """
@@ -48,7 +50,8 @@ def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Ten
     lib = library()
     if lib is None or weight.dim() != 2 or not _fits(weight, weight.dtype) or not _fits(state, weight.dtype):
         return False
-    if state.shape != (weight.shape[0],) or slots.dtype != torch.int32 or slots.numel() < weight.shape[0]:
+    full = state.shape == weight.shape
+    if not (full or state.shape == (weight.shape[0],)) or slots.dtype != torch.int32 or slots.numel() < weight.shape[0]:
         return False
     dim = weight.shape[1]
     for ids, grad in lists:
@@ -61,7 +64,7 @@ def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Ten
     id_ptrs = (ctypes.c_void_p * count)(*(ids.data_ptr() for ids, _ in lists))
     grad_ptrs = (ctypes.c_void_p * count)(*(grad.data_ptr() for _, grad in lists))
     counts = (ctypes.c_int64 * count)(*(ids.numel() for ids, _ in lists))
-    status = getattr(lib, f"row_adagrad_{suffix}")(
+    status = getattr(lib, f"{'full' if full else 'row'}_adagrad_{suffix}")(
         ctypes.c_int32(count), id_ptrs, grad_ptrs, counts, ctypes.c_int64(dim), _address(weight), _address(state),
         ctypes.c_int64(weight.shape[0]), _address(slots),
         ctypes.c_double(lr), ctypes.c_double(eps))

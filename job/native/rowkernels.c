@@ -1,4 +1,6 @@
-/* Row-wise Adagrad over a batch's gradient rows in one pass (loaded by job/native/__init__.py via ctypes).
+/* Row-wise Adagrad over a batch's gradient rows in one pass (loaded by job/native/__init__.py via ctypes), and
+ * per-coordinate ("full") Adagrad in the same pass (``entity_optimizer: adagrad``: a sum per coordinate, state of
+ * dim floats per row where PBG's row-wise form keeps one).
  *
  * The torch form of the same step (job/train/optim.py) is five passes over the batch's gradient rows: a norm,
  * a gather of the state, a scale, and an index_add_ whose CPU kernel expands its index to every element.
@@ -24,7 +26,9 @@
  * 2-vCPU VM's memory latency, not its bandwidth, bounds an update that waits for each in turn */
 #define AHEAD 8
 
-#define ROW_ADAGRAD(NAME, T, SQRT)                                                                          \
+/* FULL: 0 for PBG's row-wise step (state[id] += mean(g^2), one step size per row), 1 for the per-coordinate one
+ * (state[id * dim + j] += g[j]^2, a step size per coordinate); a constant, so each form compiles to its own loop. */
+#define ROW_ADAGRAD(NAME, T, SQRT, FULL)                                                                    \
     CLONES int NAME(int32_t num_lists, int64_t *const *ids, T *const *grads, const int64_t *counts,         \
                     int64_t dim, T *weight, T *state, int64_t num_rows, int32_t *slots, double lr,          \
                     double eps) {                                                                           \
@@ -57,21 +61,37 @@
                     const char *next = (const char *)(weight + ids[k][i + AHEAD] * dim);                    \
                     for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64)                              \
                         __builtin_prefetch(next + b, 1, 0);                                                 \
+                    if (FULL) {                                                                             \
+                        const char *sums = (const char *)(state + ids[k][i + AHEAD] * dim);                 \
+                        for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64)                          \
+                            __builtin_prefetch(sums + b, 1, 0);                                             \
+                    }                                                                                       \
                 }                                                                                           \
                 if (slots[id] != position) continue;                                                        \
                 const T *g = grads[k] + i * dim;                                                            \
+                T *w = weight + id * dim;                                                                   \
+                if (FULL) {                                                                                 \
+                    T *s = state + id * dim;                                                                \
+                    _Pragma("omp simd") for (int64_t j = 0; j < dim; j++) {                                 \
+                        T sum = s[j] + g[j] * g[j];                                                         \
+                        s[j] = sum;                                                                         \
+                        w[j] -= (T)lr * g[j] / (SQRT(sum) + (T)eps);                                        \
+                    }                                                                                       \
+                    continue;                                                                               \
+                }                                                                                           \
                 T squares = 0;                                                                              \
                 _Pragma("omp simd reduction(+ : squares)") for (int64_t j = 0; j < dim; j++)                \
                     squares += g[j] * g[j];                                                                 \
                 T sum = state[id] + squares / (T)dim;                                                       \
                 state[id] = sum;                                                                            \
                 T step = (T)(-lr) / (SQRT(sum) + (T)eps);                                                   \
-                T *w = weight + id * dim;                                                                   \
                 _Pragma("omp simd") for (int64_t j = 0; j < dim; j++) w[j] += step * g[j];                  \
             }                                                                                               \
         }                                                                                                   \
         return 0;                                                                                           \
     }
 
-ROW_ADAGRAD(row_adagrad_f32, float, sqrtf)
-ROW_ADAGRAD(row_adagrad_f64, double, sqrt)
+ROW_ADAGRAD(row_adagrad_f32, float, sqrtf, 0)
+ROW_ADAGRAD(row_adagrad_f64, double, sqrt, 0)
+ROW_ADAGRAD(full_adagrad_f32, float, sqrtf, 1)
+ROW_ADAGRAD(full_adagrad_f64, double, sqrt, 1)

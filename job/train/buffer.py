@@ -74,15 +74,27 @@ class IOStats:
                 "commit_seconds": round(self.commit_seconds, 3)}
 
 
+def per_coordinate(config: ConfigSchema, entity_type: str) -> bool:
+    """Whether ``entity_type``'s Adagrad state has a sum per coordinate (``entity_optimizer: adagrad``; a frozen
+    type is never stepped, so it keeps the one float per row it has always had)."""
+    return config.entity_optimizer == "adagrad" and not config.entities[entity_type].frozen
+
+
+def row_bytes(config: ConfigSchema, entity_type: str) -> int:
+    """Bytes a row of ``entity_type`` takes in memory: its float32 embedding and its Adagrad state (one float32 with
+    PBG's row-wise Adagrad, one per coordinate with ``entity_optimizer: adagrad``)."""
+    dim = config.entity_dimension(entity_type)
+    return (dim + (dim if per_coordinate(config, entity_type) else 1)) * 4
+
+
 def partition_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
-    """Bytes of the largest partition of a partitioned type: embeddings (float32) + row-wise Adagrad state."""
-    return max((count * (config.entity_dimension(t) + 1) * 4
+    """Bytes of the largest partition of a partitioned type: embeddings (float32) + Adagrad state."""
+    return max((count * row_bytes(config, t)
                 for t, e in config.entities.items() if e.num_partitions > 1 for count in counts[t]), default=0)
 
 
 def unpartitioned_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
-    return sum(counts[t][0] * (config.entity_dimension(t) + 1) * 4
-               for t, e in config.entities.items() if e.num_partitions == 1)
+    return sum(counts[t][0] * row_bytes(config, t) for t, e in config.entities.items() if e.num_partitions == 1)
 
 
 def process_bytes() -> int:
@@ -187,7 +199,7 @@ def staging_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     upload (at most ``MAX_PENDING_UPLOADS`` at once), each up to the largest table; nothing for a local one."""
     if storage.is_local(config.checkpoint_path):
         return 0
-    tables = [count * (config.entity_dimension(t) + 1) * 4 for t in config.entities for count in counts[t]]
+    tables = [count * row_bytes(config, t) for t in config.entities for count in counts[t]]
     return (2 + min(MAX_PENDING_UPLOADS, len(tables))) * max(tables, default=0)
 
 

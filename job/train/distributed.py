@@ -449,8 +449,12 @@ def shared_values(parameters: int, config: Any, counts: dict[str, list[int]]) ->
     """How many values ``shared_state`` holds: the model's ``parameters`` and their dense Adagrad sums, each
     unpartitioned table's rows and their row sums (from the config and the entity counts, before anything is
     loaded: what ``memory_budget`` and a pod's sizing count)."""
-    return 2 * parameters + sum(counts[t][0] * (config.entity_dimension(t) + 1)
-                                for t, e in config.entities.items() if e.num_partitions == 1)
+    from job.train.buffer import per_coordinate  # (rows,) row-wise sums, (rows, dim) per coordinate
+
+    return 2 * parameters + sum(
+        counts[t][0] * config.entity_dimension(t) * (2 if per_coordinate(config, t) else 1) + (
+            0 if per_coordinate(config, t) else counts[t][0])
+        for t, e in config.entities.items() if e.num_partitions == 1)
 
 
 def sync_memory_bytes(values: int, serves: bool) -> int:

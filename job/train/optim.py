@@ -1,7 +1,11 @@
-"""The optimizers: dense Adagrad for relation parameters, PBG's row-wise Adagrad for embedding rows.
+"""The optimizers: dense Adagrad for relation parameters, PBG's row-wise Adagrad for embedding rows, or per-coordinate
+("full") Adagrad for them with ``entity_optimizer: adagrad``.
 
-Both update shared-memory tensors in place (Hogwild workers share them); their state_dict layouts are
-the ones PBG saves, so checkpoints load in either program.
+All update shared-memory tensors in place (Hogwild workers share them); their state_dict layouts are
+the ones PBG saves, so checkpoints load in either program. A table's ``optim_sum`` says which step it takes: one
+sum per row (rows,) is PBG's RowAdagrad, one per coordinate (rows, dim) is Adagrad as Lacroix et al. and LibKGE run
+it for ComplEx. A per-coordinate state is saved in PBG's RowAdagrad layout plus one key PBG ignores
+(``entity_adagrad_state``), so PBG still loads the partition and can go on with its row-wise step.
 """
 
 from __future__ import annotations
@@ -86,10 +90,56 @@ class RelationAdagrad:
             self.steps.fill_(float(step.item() if isinstance(step, Tensor) else step))
 
 
+# the state entry's key holding per-coordinate sums, beside PBG's "sum" (which then holds their row means)
+PER_COORDINATE_KEY = "sum_per_coordinate"
+
+
 def row_adagrad_state(optim_sum: Tensor, lr: float, step: int = 0) -> dict:
     """PBG's RowAdagrad state_dict layout for one partition."""
     return {"state": {0: {"step": step, "sum": optim_sum}},
             "param_groups": [{"lr": lr, "lr_decay": 0, "weight_decay": 0, "params": [0]}]}
+
+
+def entity_adagrad_state(optim_sum: Tensor, lr: float, step: int = 0) -> dict:
+    """A partition's optimizer state as saved: PBG's RowAdagrad layout, for either kind of sums.
+
+    Per-coordinate sums (rows x dim) go under ``PER_COORDINATE_KEY`` and "sum" gets their row means. That mean is
+    exactly the row-wise sum the same gradients would have built (row-wise Adagrad adds mean(g^2) per step, the
+    per-coordinate one g_j^2 to each coordinate), so PBG 1.0.0, whose ``Optimizer.load_state_dict`` keeps a key it
+    does not use, resumes with its row-wise step as if it had trained the partition itself."""
+    if optim_sum.dim() == 1:
+        return row_adagrad_state(optim_sum, lr, step)
+    state = row_adagrad_state(optim_sum.mean(1), lr, step)
+    state["state"][0][PER_COORDINATE_KEY] = optim_sum
+    return state
+
+
+def sums_from_state(state: Optional[dict], count: int, dim: int, per_coordinate: bool) -> tuple[Optional[Tensor], int]:
+    """The Adagrad sums of a saved partition of ``count`` rows (its ``step`` beside them), in the form the run
+    steps with: (count,) row-wise, (count, dim) per coordinate; (None, 0) when the state is absent or unusable.
+
+    Either kind loads into either optimizer: a row-wise run takes the row means PBG's "sum" holds; a
+    per-coordinate run takes the saved per-coordinate sums when they agree with "sum" (PBG trained the
+    partition since, or a row-wise run saved it: they do not) and otherwise starts every coordinate of a row from
+    the row's sum, the sum of a row-wise run that would have stepped it by the same amount."""
+    if not isinstance(state, dict):
+        return None, 0
+    entry = state.get("state", {}).get(0) if isinstance(state.get("state"), dict) else None
+    if not isinstance(entry, dict) or "sum" not in entry:
+        return None, 0
+    row_sums = torch.as_tensor(entry["sum"], dtype=torch.float32)
+    if row_sums.shape != (count,):
+        return None, 0
+    step = entry.get("step", 0)
+    step = int(step.item() if isinstance(step, Tensor) else step)
+    if not per_coordinate:
+        return row_sums.clone(), step
+    saved = entry.get(PER_COORDINATE_KEY)
+    if saved is not None:
+        full = torch.as_tensor(saved, dtype=torch.float32)
+        if full.shape == (count, dim) and torch.allclose(full.mean(1), row_sums, rtol=1e-4, atol=1e-6):
+            return full.clone(), step
+    return row_sums.unsqueeze(1).expand(count, dim).clone(), step
 
 
 def cat_grads(lhs_rows: Tensor, rhs_rows: Tensor) -> Optional[Tensor]:
@@ -117,11 +167,10 @@ def row_adagrad_repeated(table: Table, ids: Tensor, grad: Optional[Tensor], lr: 
     slots.scatter_(0, ids, positions(0, ids.numel(), ids.device).to(torch.int32))
     representative = slots.index_select(0, ids).long()
     summed = torch.zeros_like(grad).index_add_(0, representative, grad).index_select(0, representative)
-    optim_sum = table.optim_sum.index_select(0, ids).add_(
-        torch.linalg.vector_norm(summed, dim=1).square_().div_(grad.shape[1]))
+    optim_sum = table.optim_sum.index_select(0, ids).add_(_squares(summed, table.optim_sum))
     table.optim_sum.index_copy_(0, ids, optim_sum)
-    step = optim_sum.sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
-    table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step.unsqueeze(1))))
+    step = _per_row(optim_sum.sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr))
+    table.weight.index_copy_(0, ids, table.weight.index_select(0, ids).add_(summed.mul_(step)))
 
 
 @torch.no_grad()
@@ -184,14 +233,27 @@ def renorm_rows(weight: Tensor, ids: Tensor, max_norm: float) -> None:
 
 @torch.no_grad()
 def row_adagrad(table: Table, uniq: Tensor, grad: Optional[Tensor], lr: float) -> None:
-    """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients."""
+    """PBG's RowAdagrad on the unique rows of one batch: one sum per row, the mean of squared gradients (per
+    coordinate: each coordinate's own sum of squared gradients, when the table's sums are per coordinate)."""
     if grad is None or table.optim_sum is None:
         return
     if uniq.device.type == "cpu" and kernels.row_adagrad(table.weight, table.optim_sum, [(uniq, grad)], lr,
                                                          ADAGRAD_EPS, scratch(table.weight.shape[0], uniq.device)):
         return
-    # mean of squared gradients per row, as a fused norm (half the time of grad.pow(2).mean(1))
-    table.optim_sum.index_add_(0, uniq, torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
-    # -lr / (sqrt(sum) + eps) per row, then one pass over the gradient
+    table.optim_sum.index_add_(0, uniq, _squares(grad, table.optim_sum))
+    # -lr / (sqrt(sum) + eps) per row (or coordinate), then one pass over the gradient
     step = table.optim_sum.index_select(0, uniq).sqrt_().add_(ADAGRAD_EPS).reciprocal_().mul_(-lr)
-    table.weight.index_add_(0, uniq, grad.mul_(step.unsqueeze(1)))
+    table.weight.index_add_(0, uniq, grad.mul_(_per_row(step)))
+
+
+def _squares(grad: Tensor, optim_sum: Tensor) -> Tensor:
+    """What a step adds to the sums of its rows: the squared gradient per coordinate, or its mean per row (as a
+    fused norm: half the time of grad.pow(2).mean(1))."""
+    if optim_sum.dim() == 2:
+        return grad.square()
+    return torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1])
+
+
+def _per_row(step: Tensor) -> Tensor:
+    """Step sizes shaped to multiply gradient rows: a row-wise one broadcast over its row."""
+    return step.unsqueeze(1) if step.dim() == 1 else step

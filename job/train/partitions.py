@@ -28,8 +28,8 @@ import storage_adapters as storage
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
-from job.train.buffer import IOStats, pick_victim
-from job.train.optim import row_adagrad_state
+from job.train.buffer import IOStats, per_coordinate, pick_victim
+from job.train.optim import entity_adagrad_state, sums_from_state
 from job.train.write_groups import WriteGroup, publish_group
 
 logger = logging.getLogger("biggraph")
@@ -262,9 +262,9 @@ class PartitionStore:
             array, state = storage.load_entity_partition(version, entity_type, part, out=weight.numpy())
             # from init_path too: PBG 1.0.0 loads the Adagrad state saved beside the embeddings it starts from
             # (torchbiggraph/train.py, load_embeddings and swap_partitioned_embeddings); none saved: zero sums
-            optim_sum, step = _sum_from_state(state, count)
+            optim_sum, step = sums_from_state(state, count, dim, per_coordinate(self.config, entity_type))
             nbytes = array.nbytes
-            self.stats.add(reads=1, bytes_read=nbytes + count * 4)
+            self.stats.add(reads=1, bytes_read=nbytes + (optim_sum.numel() if optim_sum is not None else count) * 4)
         else:
             generator = torch.Generator()
             generator.manual_seed(_stable_seed(self.config.seed, entity_type, part))
@@ -276,7 +276,9 @@ class PartitionStore:
 
     def _place(self, key: Key, read: _Read) -> Table:
         started = time.perf_counter()
-        optim_sum = read.optim_sum if read.optim_sum is not None else torch.zeros(read.weight.shape[0])
+        optim_sum = read.optim_sum
+        if optim_sum is None:
+            optim_sum = torch.zeros(read.weight.shape if per_coordinate(self.config, key[0]) else read.weight.shape[0])
         self.steps[key] = read.step
         weight = read.weight.to(self.device)
         optim_sum = optim_sum.to(self.device)
@@ -317,10 +319,11 @@ class PartitionStore:
         started = time.perf_counter()
         weight = table.weight.detach().cpu().numpy()
         optim_sum = table.optim_sum.detach().cpu() if table.optim_sum is not None else None
-        state = row_adagrad_state(optim_sum, self.config.lr, self.steps.get(key, 0)) if optim_sum is not None else None
+        state = entity_adagrad_state(optim_sum, self.config.lr, self.steps.get(key, 0)) if optim_sum is not None else None
         self.checkpoint.save_entity_partition(self.next_version, entity_type, part, weight, state, self.metadata(),
                                               name=name)
-        self.stats.add(writes=1, bytes_written=weight.nbytes + weight.shape[0] * 4)
+        state_floats = optim_sum.numel() + weight.shape[0] if optim_sum is not None and optim_sum.dim() == 2 else weight.shape[0]
+        self.stats.add(writes=1, bytes_written=weight.nbytes + state_floats * 4)
         self.io_bytes += weight.nbytes
         self.io_seconds += time.perf_counter() - started
 
@@ -372,14 +375,16 @@ class PartitionStore:
         per run, not per switch, so that the copy is a memcpy on the training thread (~3-5x faster than copying
         into fresh memory here), and at most one group's copies exist at a time (``memory_budget`` counts them)."""
         weight = table.weight.detach()
-        rows, size = weight.shape[0], weight.numel()
+        sums = table.optim_sum.detach() if table.optim_sum is not None else None
+        size = weight.numel()
+        sums_size = sums.numel() if sums is not None else 0  # (rows,) row-wise, (rows, dim) per coordinate
         while len(self._copy_slots) <= slot:
             self._copy_slots.append(torch.empty(0))
-        if self._copy_slots[slot].numel() < size + rows:
-            self._copy_slots[slot] = torch.empty(size + rows, dtype=torch.float32)
+        if self._copy_slots[slot].numel() < size + sums_size:
+            self._copy_slots[slot] = torch.empty(size + sums_size, dtype=torch.float32)
         flat = self._copy_slots[slot]
         copy = flat[:size].view(weight.shape).copy_(weight)
-        optim_sum = flat[size:size + rows].copy_(table.optim_sum.detach()) if table.optim_sum is not None else None
+        optim_sum = flat[size:size + sums_size].view(sums.shape).copy_(sums) if sums is not None else None
         return Table(weight=copy, optim_sum=optim_sum)
 
     def stage(self, group: WriteGroup, keys: Optional[Sequence[Key]] = None) -> None:
@@ -431,20 +436,6 @@ class PartitionStore:
         self.committed = committed_version
         self.written.clear()
         self.stats = IOStats()
-
-
-def _sum_from_state(state: Optional[dict], count: int) -> tuple[Optional[torch.Tensor], int]:
-    """The row-wise Adagrad sums of a saved partition (PBG's RowAdagrad layout), if usable."""
-    if not isinstance(state, dict):
-        return None, 0
-    entry = state.get("state", {}).get(0) if isinstance(state.get("state"), dict) else None
-    if not isinstance(entry, dict) or "sum" not in entry:
-        return None, 0
-    value = torch.as_tensor(entry["sum"], dtype=torch.float32)
-    if value.shape != (count,):
-        return None, 0
-    step = entry.get("step", 0)
-    return value.clone(), int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
 def _stable_seed(seed: Optional[int], entity_type: str, part: int) -> int:
