@@ -40,6 +40,7 @@ import torch
 
 import storage_adapters as storage
 from job.train.buckets import Bucket
+from job.train.buffer import per_coordinate
 from job.train.lock_state import LockState, PartKey
 from job.train.transport import TensorTransport, TransferError
 
@@ -449,8 +450,7 @@ def shared_values(parameters: int, config: Any, counts: dict[str, list[int]]) ->
     """How many values ``shared_state`` holds: the model's ``parameters`` and their dense Adagrad sums, each
     unpartitioned table's rows and their row sums (from the config and the entity counts, before anything is
     loaded: what ``memory_budget`` and a pod's sizing count)."""
-    from job.train.buffer import per_coordinate  # (rows,) row-wise sums, (rows, dim) per coordinate
-
+    # the sums: (rows,) row-wise, (rows, dim) per coordinate (``entity_optimizer: adagrad``)
     return 2 * parameters + sum(
         counts[t][0] * config.entity_dimension(t) * (2 if per_coordinate(config, t) else 1) + (
             0 if per_coordinate(config, t) else counts[t][0])
