@@ -222,3 +222,28 @@ def test_report_labels_every_mrr_with_its_protocol(umls_sized: dict[str, Any], t
     page = out.read_text()
     assert "final held-out MRR (sampled as PBG, raw)" in page
     assert "eval MRR (metrics.json; protocol not recorded)" in page
+
+
+def test_the_reader_keeps_every_partition_that_fits_its_budget(tmp_path: Path) -> None:
+    """Ranking against every entity visits the candidate type's partitions in the same cycle for every relation and
+    side of every bucket: an LRU of 4 under P=8 reloads every partition on every visit. Within the byte budget each
+    is read once; with no budget beyond ``max_resident``, the cycle misses every time."""
+    from job.config import load_config
+    from job.evaluation import CheckpointReader
+
+    graph = make_graph(tmp_path, entities={"e": 8}, relations=[("r0", "e", "e")], counts={"e": [5] * 8},
+                       edges_per_bucket=4, num_epochs=1, dimension=8, seed=0)
+    os.environ["BIGGRAPH_PROGRESS"] = "off"
+    try:
+        assert main(["train", str(graph.config_path)]) == 0
+    finally:
+        del os.environ["BIGGRAPH_PROGRESS"]
+    config = load_config(str(graph.config_path))
+    kept = CheckpointReader(config)
+    cycled = CheckpointReader(config, resident_bytes=0)
+    for reader in (kept, cycled):
+        for _ in range(3):
+            for part in range(8):
+                assert reader.partition("e", part).shape == (5, 8)
+    assert kept.loads == 8
+    assert cycled.loads == 24
