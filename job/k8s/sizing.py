@@ -21,10 +21,8 @@ from typing import Any, Optional
 from job.config import ConfigSchema, parse_bytes
 from job.errors import ConfigError, UserError
 from job.formats import entities as entity_format
-from job.model.scoring import Model
 from job.session import storage_scoped
 from job.train.buffer import PROCESS_FALLBACK_BYTES, choose_capacity, shared_memory_bytes, staging_bytes
-from job.train.distributed import shared_values, sync_memory_bytes
 
 TMP_BASE_BYTES = 512 * 2**20  # /tmp besides staged checkpoint files: native builds, sockets, HOME
 TMP_DEFAULT_BYTES = 2 * 2**30  # the chart's /tmp besides the tables when it cannot size the staged files
@@ -86,7 +84,11 @@ def entity_counts(config: ConfigSchema) -> Optional[dict[str, list[int]]]:
 def group_sync_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     """What syncing the shared parameters costs the lock server's pod of a group (the most any pod of it pays):
     its vectors of the model's parameters, their Adagrad sums and the unpartitioned tables (job/train/distributed.py).
-    The model is built to count its parameters (relation operators: small)."""
+    The model is built to count its parameters (relation operators: small); torch is imported here only, so that
+    ``import job.cli`` stays light."""
+    from job.model.scoring import Model
+    from job.train.distributed import shared_values, sync_memory_bytes
+
     dynamic = 0
     if config.dynamic_relations:
         with contextlib.suppress(Exception):  # unreadable here: the pod checks again where the data is
