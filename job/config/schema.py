@@ -315,8 +315,9 @@ class ConfigSchema:
         "The memory the whole trainer (its process, its Hogwild workers and the fork server they start from) may "
         "use, e.g. '8GiB' (a container's limit), '500MB' or a number of bytes. partition_buffer follows from it: "
         "what is left after the processes' own memory (measured at start), the unpartitioned types, one partition in flight at a "
-        "swap and, for a checkpoint on S3, the transfers' buffers (8 uploads of a 16 MiB part, 2 reads of 2). "
-        "The trainer says at start what it will hold and why.",
+        "swap, for a checkpoint on S3, the transfers' buffers (8 uploads of a 16 MiB part, 2 reads of 2) and, in a "
+        "torchrun group, the shared parameters' sync copies and copies of the partitions a write group keeps (a "
+        "bucket's less one). The trainer says at start what it will hold and why.",
         default=None,
     )
     cuda_graphs: bool = _help(
