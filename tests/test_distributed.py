@@ -143,6 +143,33 @@ def test_a_finished_bucket_whose_partitions_died_unwritten_is_redone() -> None:
     assert x in state.done
 
 
+def test_a_redone_buckets_first_stats_line_is_dropped_so_the_pass_commits_one_line_per_bucket() -> None:
+    """x finished (its stats line recorded) but its partitions died unwritten with its rank: the restart redoes x,
+    and the redo's line must be x's only line in what the pass commits (the chaos bench found both kept)."""
+    keys = partition_keys(4)
+    state = LockState(4, 4, keys, version=1)
+    x, z = Bucket(3, 0), Bucket(1, 1)
+    rng = random.Random(0)
+    for rank, bucket in ((0, x), (1, z)):
+        state.in_flight[rank] = bucket
+        for key in keys[bucket]:
+            state.locks[key] = rank
+    for rank, bucket in ((0, x), (1, z)):
+        state.add_record({"epoch_idx": 0, "lhs_partition": bucket.lhs, "rhs_partition": bucket.rhs, "rank": rank})
+    state.next_bucket(1, set(), z, rng)
+    state.release(1, [("node", 1)])  # z saved
+    state.next_bucket(0, {("node", 0), ("node", 3)}, x, rng)  # x finished, its partitions still held by rank 0
+    restored = LockState(4, 4, keys, version=1)
+    restored.restore(json.loads(json.dumps(state.to_json())))  # what rank 0's successor reads
+    restored.forget_rank_locks()
+    assert [(r["lhs_partition"], r["rhs_partition"]) for r in restored.records] == [(1, 1)]
+    restored.add_record({"epoch_idx": 0, "lhs_partition": 3, "rhs_partition": 0, "rank": 2})  # the redo's line
+    again = LockState(4, 4, keys, version=1)
+    again.restore(json.loads(json.dumps(restored.to_json())))  # the resumed pass's snapshot, read by a later restart
+    again.forget_rank_locks()
+    assert sorted((r["lhs_partition"], r["rhs_partition"], r["rank"]) for r in again.records) == [(1, 1, 1), (3, 0, 2)]
+
+
 # heartbeats ------------------------------------------------------------------------------------------
 
 
