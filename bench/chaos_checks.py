@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fault_bench import load_version_files  # noqa: E402 - a sibling bench module, not a package
+
 from job.formats.checkpoint import CheckpointStorage
 
 JOINED = re.compile(r"rank (\d+) of (\d+) joined round (\w+)")
@@ -41,23 +43,11 @@ class Expected:
 
 
 def verify_version(checkpoint: str, version: int, expected: Expected) -> list[float]:
-    """Load every file of committed ``version`` (as bench/fault_bench.py's ``check_loadable``, but of the version
-    named, not of whatever the marker says by then): each partition with its shape and optimizer state, the model
+    """Load every file of committed ``version`` (bench/fault_bench.py's ``load_version_files``: of the version named,
+    not of whatever the marker says by then): each partition with its shape and optimizer state, the model
     with its pass; every read is checked against the version's checksums by ``CheckpointStorage``. Returns the counter
     relation's vector (element 0: buckets; 1 + l: buckets of lhs partition l); raises on any problem."""
-    ckpt = CheckpointStorage(checkpoint)
-    dimension = expected.config["dimension"]
-    for part, count in enumerate(expected.counts):
-        embeddings, state = ckpt.load_entity_partition(version, "node", part)
-        if embeddings.shape != (count, dimension):
-            raise AssertionError(f"v{version} partition {part}: shape {embeddings.shape}, expected ({count}, {dimension})")
-        if not state or "sum" not in state["state"][0]:
-            raise AssertionError(f"v{version} partition {part}: no optimizer state")
-    params, optim_state, metadata = ckpt.load_model(version)
-    if metadata.get("iteration/epoch_idx") != version - 1:
-        raise AssertionError(f"v{version} model: iteration/epoch_idx = {metadata.get('iteration/epoch_idx')}")
-    if not params or optim_state is None:
-        raise AssertionError(f"v{version} model: {len(params)} parameters, optimizer state {optim_state is not None}")
+    params = load_version_files(CheckpointStorage(checkpoint), version, expected.counts, expected.config["dimension"])
     index = expected.counter_relation
     [key] = [k for k in params if re.search(rf"(^|/){index}/", k) and "rhs" in k and "translation" in k]
     return [float(x) for x in params[key][: 1 + expected.partitions]]

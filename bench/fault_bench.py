@@ -230,11 +230,17 @@ def check_loadable(checkpoint_url: str, config: dict[str, Any], counts: list[int
     version = ckpt.load_version()
     if version == 0:
         return 0
+    load_version_files(ckpt, version, counts, config["dimension"])
+    return version
+
+
+def load_version_files(ckpt: CheckpointStorage, version: int, counts: list[int], dimension: int) -> dict[str, Any]:
+    """Load every file of ``version`` ("node" partitions of ``counts`` rows, the model of its pass), each read checked
+    against the version's checksums; return the model's parameters (raise on any problem)."""
     for part, count in enumerate(counts):
         embeddings, state = ckpt.load_entity_partition(version, "node", part)
-        if embeddings.shape != (count, config["dimension"]):
-            raise AssertionError(f"v{version} partition {part}: shape {embeddings.shape}, expected ({count}, "
-                                 f"{config['dimension']})")
+        if embeddings.shape != (count, dimension):
+            raise AssertionError(f"v{version} partition {part}: shape {embeddings.shape}, expected ({count}, {dimension})")
         if not state or "sum" not in state["state"][0]:
             raise AssertionError(f"v{version} partition {part}: no optimizer state")
     params, optim_state, metadata = ckpt.load_model(version)
@@ -242,7 +248,7 @@ def check_loadable(checkpoint_url: str, config: dict[str, Any], counts: list[int
         raise AssertionError(f"v{version} model: iteration/epoch_idx = {metadata.get('iteration/epoch_idx')}")
     if not params or optim_state is None:
         raise AssertionError(f"v{version} model: {len(params)} parameters, optimizer state {optim_state is not None}")
-    return version
+    return params
 
 
 def check_finished(backend: Backend, passes: int, nparts: int) -> list[str]:
