@@ -19,6 +19,7 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -124,3 +125,14 @@ def s3_bucket(s3_endpoint: str) -> str:
 def umls_p4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """UMLS (a small real knowledge graph) imported into 4 partitions: ``{"root", "config"}``."""
     return import_umls_p4(tmp_path_factory.mktemp("umls_p4"))
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The native kernels' process-level cache emptied for the test, and a private build directory."""
+    from job import native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("BIGGRAPH_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "PREBUILT", tmp_path / "prebuilt")
+    return tmp_path

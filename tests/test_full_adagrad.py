@@ -60,15 +60,6 @@ def batch(dtype: torch.dtype, rows: int = 30, dim: int = 5, seed: int = 0):
     return weight, state, lists
 
 
-@pytest.fixture
-def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """A process-level cache emptied for the test and a private build directory."""
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setenv("BIGGRAPH_NATIVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "PREBUILT", tmp_path / "prebuilt")
-    return tmp_path
-
-
 def test_kernel_is_per_coordinate_adagrad_on_the_merged_gradient_float64(fresh_library: Path) -> None:
     weight, state, lists = batch(torch.float64)
     want_w, want_s = reference(weight, state, lists, LR)

@@ -23,15 +23,6 @@ from job.train.rowops import scratch
 LR = 0.3
 
 
-@pytest.fixture
-def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """A process-level cache emptied for the test and a private build directory."""
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setenv("BIGGRAPH_NATIVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "PREBUILT", tmp_path / "prebuilt")
-    return tmp_path
-
-
 def reference(weight: torch.Tensor, state: torch.Tensor, lists: list[tuple[torch.Tensor, torch.Tensor]],
               lr: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PBG's RowAdagrad on a merged sparse gradient, written densely in float64."""
