@@ -54,6 +54,7 @@ from job.train.lock_client import (
     unpack,
 )
 from job.train.lock_state import LockState
+from job.train.server_stats import ServerStats, Stopwatch
 from job.train.server_transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.transport import TensorTransport, TransferError
 
@@ -131,6 +132,7 @@ class LockServer:
         self._flights = Flights(self._inbox, transport.timeout_s)
         self._waiting: deque[Waiting] = deque()  # requests with a change whose transfer has not started
         self._gone: dict[int, str] = {}  # ranks whose transfer failed or timed out, with why
+        self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         self.thread = threading.Thread(target=self._serve, name="biggraph-lock-server", daemon=True)
         self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)
         self.thread.start()
@@ -164,16 +166,20 @@ class LockServer:
                 event = self._inbox.get(timeout=self._flights.next_deadline_in(time.monotonic()))
             except queue.Empty:  # a transfer's deadline
                 event = ("deadline",)
+            if event[0] in ("stop", "closed"):
+                return
             try:
-                if event[0] in ("stop", "closed"):
-                    return
-                if event[0] == "request":
-                    self._on_request(event[1])
-                elif event[0] == "ended":
-                    self._on_ended(event[1], event[2])
-                self._expire(time.monotonic())
+                with Stopwatch() as watch:
+                    if event[0] == "request":
+                        self._on_request(event[1])
+                    elif event[0] == "ended":
+                        self._on_ended(event[1], event[2])
+                    self._expire(time.monotonic())
             except _Unanswerable:
                 return
+            with self.lock:
+                self._stats.busy_s += watch.seconds
+                self._stats.events += 1
 
     def _on_request(self, raw: bytes) -> None:
         try:
@@ -236,7 +242,9 @@ class LockServer:
                     self._refuse(job, TransferError(error))
         elif flight.kind == "receive" and not flight.overdue:
             if self._judge(job, flight.buffer.numpy()):
-                flight.buffer.copy_(torch.from_numpy(self.shared))
+                with Stopwatch() as watch:
+                    flight.buffer.copy_(torch.from_numpy(self.shared))
+                self._stats.copy_s += watch.seconds
                 try:
                     transfer = self.transport.send(flight.buffer, job.rank, int(job.request["tag"]))
                 except TransferError as err:
@@ -278,10 +286,13 @@ class LockServer:
     def _judge(self, job: Waiting, change: Optional[np.ndarray]) -> bool:
         """Handle and answer a request (its change arrived); whether its sum is to be sent."""
         try:
-            reply, with_sum = self._handle(job.request, change)
+            with Stopwatch() as watch:
+                reply, with_sum = self._handle(job.request, change)
         except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
             self._refuse(job, err)
             return False
+        with self.lock:
+            self._stats.judged(str(job.request.get("op")), watch.seconds)
         self._push(job, reply)
         return with_sum
 
@@ -305,6 +316,11 @@ class LockServer:
     def gone(self) -> dict[int, str]:
         """The ranks treated as gone (a transfer failed or timed out), with why."""
         return dict(self._gone)
+
+    def stats(self) -> dict[str, Any]:
+        """The serving thread's time so far (``ServerStats``, job/train/server_stats.py)."""
+        with self.lock:
+            return self._stats.as_dict()
 
     @property
     def slots_allocated(self) -> int:
@@ -377,13 +393,16 @@ class LockServer:
     def _persist(self, with_shared: bool = False) -> None:
         records = self.state.drain_journal()
         try:
-            if with_shared:
-                self.progress.append(records, shared=self.stored)
-            else:
-                self.progress.append(records)
+            with Stopwatch() as watch:
+                if with_shared:
+                    self.progress.append(records, shared=self.stored)
+                else:
+                    self.progress.append(records)
         except Exception as err:
             self.failed = f"{type(err).__name__}: {err}"
             raise
+        if records or with_shared:  # (called with self.lock held)
+            self._stats.persisted(watch.seconds, with_shared)
 
     def values(self) -> torch.Tensor:
         """The shared parameters as served now (a view: read it once the pass's syncs are over)."""
