@@ -14,8 +14,9 @@ no training by default (``--train-ms 0``): requests back to back, the server sat
 request and its throughput show. gloo connects every pair at the start, as in a pod group (its lazy mode,
 ``TORCH_GLOO_LAZY_INIT``, failed point-to-point sends with "Connect timeout" in torch 2.13).
 
-Phases: ``progress`` (``ProgressLog.append`` per record, with and without the vector), ``transfer`` (one trainer's
-``sync`` round trip with the vector and without), then one scale run per ``--trainers`` figure. Prints JSON lines;
+Phases: ``state`` (``LockState`` alone: its scheduling logic's cost, which grows with P), ``progress``
+(``ProgressLog.append`` per record, with and without the vector), ``transfer`` (one trainer's ``sync`` round trip
+with the vector and without), then one scale run per ``--trainers`` figure. Prints JSON lines;
 bench/RESULTS.md has the figures and the paper model built on them.
 
     .venv/bin/python bench/lock_server_bench.py --trainers 8,32,128 --work /tmp/lsb
@@ -266,6 +267,40 @@ def sync_child(args: argparse.Namespace) -> None:
     print(json.dumps(times), flush=True)
 
 
+def state_phase(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``LockState`` alone (the scheduling logic the server runs under its lock, without transport or progress):
+    ms per ``next_bucket`` / ``reserve`` / ``release`` with every trainer holding a bucket, per (trainers, P)."""
+    import random
+
+    rows = []
+    counts = [int(n) for n in args.trainers.split(",")]
+    parts = [int(p) for p in args.partitions.split(",")] if args.partitions else [2 * n for n in counts]
+    for trainers, nparts in zip(counts, parts):
+        keys = bucket_keys(nparts)
+        state = LockState(nparts, nparts, keys, world_size=trainers, version=1)
+        rng = random.Random(0)
+        current: dict[int, Optional[Bucket]] = {rank: None for rank in range(trainers)}
+        timings: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
+        for _ in range(3):
+            for rank in range(trainers):
+                held = set(keys[current[rank]]) if current[rank] is not None else set()
+                started = time.perf_counter()
+                _, bucket = state.next_bucket(rank, held, current[rank], rng)
+                timings["next"].append(time.perf_counter() - started)
+                leaving = held - set(keys[bucket]) if bucket is not None else held
+                started = time.perf_counter()
+                state.reserve(rank, rng, frozenset(leaving))
+                timings["reserve"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                state.release(rank, sorted(leaving))
+                timings["release"].append(time.perf_counter() - started)
+                state.drain_journal()
+                current[rank] = bucket
+        rows.append({"phase": "state", "trainers": trainers, "partitions": nparts,
+                     "ms": {op: 1e3 * float(np.median(v)) for op, v in timings.items()}})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainers", default="8,32,128")
@@ -298,6 +333,9 @@ def main() -> None:
     print(json.dumps({"machine": {"matmul_gflops": round(matmul_rate(), 1), "load": os.getloadavg(),
                                   "cpus": os.cpu_count()}}), flush=True)
     phases = args.phases.split(",")
+    if "state" in phases:
+        for row in state_phase(args):
+            print(json.dumps(row), flush=True)
     if "progress" in phases:
         print(json.dumps(progress_phase(args, work)), flush=True)
     if "transfer" in phases:
