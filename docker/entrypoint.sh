@@ -18,8 +18,11 @@
 #                              it is, the pod exits 0 at once. A pod that comes back after the others
 #                              finished (replaced, thawed) cannot rendezvous any more: the rendezvous
 #                              host exited with them, and retrying would only fail the Job's index.
-#   BIGGRAPH_TORCHRUN          the launcher (default: torchrun)
+#   BIGGRAPH_TORCHRUN          the launcher (default: `python -m job.train.agent`, torchrun with a node that the
+#                              c10d rendezvous dropped while its store stalled readmitted: job/train/agent.py)
 set -uo pipefail
+
+launcher="python -m job.train.agent"
 
 log() { printf '%s biggraph-entrypoint: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
@@ -44,7 +47,7 @@ if [ -n "${BIGGRAPH_RDZV_HOST_INDEX:-}" ] && [ -n "$index" ]; then
 fi
 
 log "start host=$(hostname) pod=${POD_NAME:-?} index=${index:-none} rdzv_host=${is_host:-auto} uid=$(id -u)" \
-    "cmd=${BIGGRAPH_TORCHRUN:-torchrun} ${args[*]}"
+    "cmd=${BIGGRAPH_TORCHRUN:-$launcher} ${args[*]}"
 
 if [ -n "${BIGGRAPH_CONFIG:-}" ] && [ "${BIGGRAPH_PREFLIGHT:-1}" != 0 ]; then
     python -m job preflight "$BIGGRAPH_CONFIG"
@@ -84,7 +87,7 @@ completed() {
 [ "$checks_completion" = 1 ] && completed start
 
 started=$(date +%s)
-${BIGGRAPH_TORCHRUN:-torchrun} "${args[@]}" &
+${BIGGRAPH_TORCHRUN:-$launcher} "${args[@]}" &
 child=$!
 signalled=""
 forward() { signalled=$1; log "signal $1: stopping torchrun (pid $child)"; kill -s "$1" "$child" 2>/dev/null; }

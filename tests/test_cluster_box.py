@@ -244,6 +244,26 @@ def test_a_pod_frozen_past_the_heartbeat_timeout_then_resumed(cluster: Callable[
 
 @pytest.mark.slow
 @needs_box
+def test_a_pod_added_after_the_rendezvous_host_was_frozen_joins_the_group(cluster: Callable[..., Run]) -> None:
+    """Index 0 runs torchrun's c10d store and rank 0: frozen for 15 s (past the 6 s peer timeout) and thawed, then
+    the Job scaled up: the added pod is admitted into a group of 3 and the Job completes (a chaos pilot once saw an
+    added pod wait 300 s after such a freeze)."""
+    run = cluster(replicas=3, min_replicas=2, epochs=200, initial=2)
+    run.mid_pass(1)
+    rounds = run.rounds()
+    run.box.freeze(0)
+    time.sleep(15)
+    run.box.thaw(0)
+    at = time.monotonic()
+    run.box.scale(3)
+    run.until("the added pod in a group of 3", lambda: _in_group(run, 3, rounds))
+    run.recovered("pod 0 frozen 15 s, then scale 2->3", at, rounds, world=3)
+    summaries = run.finish()
+    assert summaries[-1]["world_size"] == 3
+
+
+@pytest.mark.slow
+@needs_box
 @pytest.mark.parametrize("hold_at", ["train", "write"])
 def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Callable[..., Run], tmp_path: Path,
                                                                      hold_at: str) -> None:
