@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # schema.py imports this module to run the checks
     from job.config.schema import ConfigSchema
 
 POSITIVE_INTS = ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk", "validation_interval",
-                 "early_stopping_patience")
+                 "early_stopping_patience", "lr_plateau_patience")
 NON_NEGATIVE_INTS = ("num_batch_negs", "num_uniform_negs", "eval_num_batch_negs", "eval_num_uniform_negs", "num_gpus")
 
 
@@ -147,6 +147,15 @@ def check_ranges(config: ConfigSchema) -> None:
              "config key 'checkpoint_preservation_interval': must be a positive integer")
     if config.max_norm is not None and config.max_norm <= 0:
         fail("max_norm", f"config key 'max_norm': must be positive, got {config.max_norm}")
+    if not 0.0 <= config.lr_decay <= 1.0:
+        fail("lr_decay", f"config key 'lr_decay': a factor per epoch, must be in [0, 1] (1: off), got {config.lr_decay}")
+    if not 0.0 < config.lr_plateau_factor <= 1.0:
+        fail("lr_plateau_factor",
+             f"config key 'lr_plateau_factor': a factor per plateau, must be in (0, 1] (1: off), got "
+             f"{config.lr_plateau_factor}")
+    if not 0.0 <= config.label_smoothing < 1.0:
+        fail("label_smoothing",
+             f"config key 'label_smoothing': must be in [0, 1) (0: off), got {config.label_smoothing}")
 
 
 def check_entity_dimensions(config: ConfigSchema) -> None:
@@ -227,6 +236,46 @@ def check_validation(config: ConfigSchema) -> None:
         )
 
 
+def check_schedule(config: ConfigSchema) -> None:
+    """The plateau schedule follows the validation MRR, and must get the chance to act before early stopping."""
+    if config.lr_plateau_factor >= 1.0:
+        return
+    if not config.validation_edge_paths:
+        raise ConfigKeyError(
+            "config key 'lr_plateau_factor': reduces the learning rate when the validation MRR stops improving, "
+            "which needs validation_edge_paths (none set); set them, or lr_plateau_factor 1",
+            ["lr_plateau_factor", "validation_edge_paths"],
+        )
+    if config.early_stopping and config.early_stopping_patience <= config.lr_plateau_patience:
+        raise ConfigKeyError(
+            f"config key 'lr_plateau_patience': {config.lr_plateau_patience} validations without improvement "
+            f"reduce the rate, but early_stopping ends the run after {config.early_stopping_patience}; set "
+            "lr_plateau_patience below early_stopping_patience",
+            ["lr_plateau_patience", "early_stopping_patience"],
+        )
+
+
+def check_label_smoothing(config: ConfigSchema) -> None:
+    """Label smoothing is defined for the 1-vs-all softmax, where the candidates are every entity: with sampled
+    negatives the candidates are a sample (drawn with repeats and weights), over which a uniform target means
+    something else."""
+    if config.label_smoothing <= 0:
+        return
+    if config.loss_fn != "softmax":
+        raise ConfigKeyError(
+            f"config key 'label_smoothing': smooths the softmax loss's target, but loss_fn is '{config.loss_fn}'; "
+            "set loss_fn softmax, or label_smoothing 0", ["label_smoothing", "loss_fn"],
+        )
+    for rel_idx, relation in enumerate(config.relations):
+        if not relation.all_negs:
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].all_negs': label_smoothing spreads its mass over every entity, "
+                f"which needs 1-vs-all training (all_negs true; relation '{relation.name}' samples its negatives); "
+                "set all_negs true (preset: quality), or label_smoothing 0",
+                [f"relations.{rel_idx}.all_negs", "label_smoothing"],
+            )
+
+
 CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_required_lists,
     check_relation_entity_types,
@@ -241,6 +290,8 @@ CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_model_combinations,
     check_eval_protocol,
     check_validation,
+    check_schedule,
+    check_label_smoothing,
 )
 
 

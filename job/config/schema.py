@@ -71,6 +71,13 @@ class ConfigSchema:
         "positive and negative scores, below which a (linear) loss is incurred.",
         default=0.1,
     )
+    label_smoothing: float = _help(
+        "Label smoothing of the 1-vs-all softmax loss (loss_fn softmax with all_negs on every relation): the "
+        "target distribution puts 1 - label_smoothing on the true entity and label_smoothing spread evenly over "
+        "all candidates (the true one included), as torch's cross_entropy(label_smoothing=) does. In [0, 1); 0 "
+        "(the default) is the plain cross-entropy. See docs/quality-preset.md.",
+        default=0.0,
+    )
     regularization_coef: float = _help(
         "The coefficient of the regularization term added to the loss (0 disables it). See "
         "docs/quality-preset.md for N3 on WN18RR and the small KGs.",
@@ -159,6 +166,28 @@ class ConfigSchema:
     relation_lr: float | None = _help(
         "If set, the learning rate for the optimizer for relations. Otherwise, `lr` is used.",
         default=None,
+    )
+    lr_decay: float = _help(
+        "A factor applied to lr and relation_lr after every epoch: epoch e (counted from 0) trains at "
+        "lr * lr_decay^e, in every optimizer (the embeddings' row-wise or per-coordinate Adagrad, in every Hogwild "
+        "worker and every trainer of a group, and the relations' Adagrad). In [0, 1]; 1 (the default, PBG's) keeps "
+        "the rate constant. The rate follows from the epoch number, so a resumed run goes on at the decayed rate. "
+        "See docs/quality-preset.md.",
+        default=1.0,
+    )
+    lr_plateau_factor: float = _help(
+        "Multiply the learning rates (lr, relation_lr, on top of lr_decay) by this factor whenever "
+        "lr_plateau_patience validations in a row have not beaten the best validation MRR so far (the metric "
+        "early_stopping follows; needs validation_edge_paths); the count starts again after each reduction. In "
+        "(0, 1]; 1 (the default) turns it off. Derived from the validation lines of training_stats.json, so a "
+        "resumed run goes on at the reduced rate.",
+        default=1.0,
+    )
+    lr_plateau_patience: int = _help(
+        "With lr_plateau_factor < 1: how many validations in a row without a better validation MRR reduce the "
+        "learning rates. With early_stopping it must be below early_stopping_patience (or the run stops before "
+        "any reduction).",
+        default=2,
     )
     eval_fraction: float = _help(
         "The fraction of edges withheld from training and used to track evaluation metrics during training.",

@@ -247,12 +247,13 @@ class Model(nn.Module):
         if len(live) == 2 and lhs_candidates is rhs_candidates:
             loss, counts = fused_all.softmax_all(torch.cat((lhs_queries, rhs_queries)), lhs_candidates,
                                                  torch.cat((lhs.inv, rhs.inv)), self.compute_dtype,
-                                                 (num_pos, num_pos))
+                                                 (num_pos, num_pos), self.config.label_smoothing)
             losses[0], violators = loss, [counts[0], counts[1]]
         else:
             for index, (candidates, queries, targets, disabled) in enumerate(sides):
                 if not disabled and num_pos > 0:
-                    losses[index], counts = fused_all.softmax_all(queries, candidates, targets, self.compute_dtype)
+                    losses[index], counts = fused_all.softmax_all(queries, candidates, targets, self.compute_dtype,
+                                                                  label_smoothing=self.config.label_smoothing)
                     violators[index] = counts[0]
         empty = lhs_queries.new_empty((num_pos, 0))
         pos = lhs_queries.new_zeros(num_pos)  # not needed: the loss and the violators are already counted

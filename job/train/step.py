@@ -19,7 +19,7 @@ from torch import Tensor
 
 from job.config import ConfigSchema
 from job.model.kernel_options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from job.model.losses import compute_loss
+from job.model.losses import compute_loss, smoothed_softmax_loss
 from job.model.operators import Operator
 from job.model.regularizers import n3_penalty
 from job.model.scoring import Model, SideScores, Table
@@ -88,6 +88,14 @@ class BatchContext:
     # which kernels the step runs: the trainer's (its Collaborators'), handed to every Hogwild worker at start;
     # evaluation and the report score with the defaults
     options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+    # the learning-rate schedule's factor on ``lr`` for this bucket (job/train/lr_schedule.py); handed to Hogwild
+    # workers with each task, since the config they took at start holds the undecayed rate
+    lr_scale: float = 1.0
+
+    @property
+    def entity_lr(self) -> float:
+        """The embeddings' learning rate for this bucket: ``lr`` times the schedule's factor."""
+        return self.config.lr * self.lr_scale
 
 
 def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: int, disabled: bool,
@@ -117,7 +125,7 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
 def _update_rows(ctx: BatchContext, rows: SelectedRows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
                  rhs_rows: Tensor, shared_storage: bool) -> None:
     """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
-    lr = ctx.config.lr
+    lr = ctx.entity_lr
     if rows.static and lhs_table.weight.device.type == "cpu" and not ctx.options.static_shapes_on_cpu:
         if shared_storage:
             row_adagrad_occurrences(lhs_table, [(rows.lhs_uniq, lhs_rows.grad), (rows.rhs_uniq, rhs_rows.grad)], lr)
@@ -323,10 +331,10 @@ def _run_featurized_batch(
             # one entity type on both sides: one Adagrad step per feature row with both sides' gradients
             # summed, as PBG's RowAdagrad steps the one shared parameter once (torchbiggraph/train.py,
             # Trainer.process_one_batch: one backward, then one step per entity optimizer)
-            row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), cat_grads(lhs_leaf, rhs_leaf), config.lr)
+            row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), cat_grads(lhs_leaf, rhs_leaf), ctx.entity_lr)
         else:
-            row_adagrad(lhs_table, lhs_uniq, lhs_leaf.grad, config.lr)
-            row_adagrad(rhs_table, rhs_uniq, rhs_leaf.grad, config.lr)
+            row_adagrad(lhs_table, lhs_uniq, lhs_leaf.grad, ctx.entity_lr)
+            row_adagrad(rhs_table, rhs_uniq, rhs_leaf.grad, ctx.entity_lr)
         if ctx.relation_optimizer is not None:
             ctx.relation_optimizer.step()
     return stats
@@ -335,6 +343,9 @@ def _run_featurized_batch(
 def _side_loss(config: ConfigSchema, scores: SideScores) -> Tensor:
     if scores.loss is not None:
         return scores.loss
+    if config.label_smoothing > 0 and config.loss_fn == "softmax" and scores.neg.shape[1] > 0:
+        # 1-vs-all only (the config refuses sampled negatives with it), so no column weights
+        return smoothed_softmax_loss(scores.pos, scores.neg, config.label_smoothing)
     return compute_loss(config.loss_fn, config.margin, scores.pos, scores.neg, scores.weight, scores.num_neg)
 
 
