@@ -16,6 +16,7 @@ from job.config.choices import (
     COMPARATORS,
     COMPUTE_DTYPES,
     DEVICES,
+    DURA_OPERATORS,
     EDGE_READ_MODES,
     ENTITY_OPTIMIZERS,
     EVAL_PROTOCOLS,
@@ -199,6 +200,27 @@ def check_model_combinations(config: ConfigSchema) -> None:
         )
 
 
+def check_regularizer(config: ConfigSchema) -> None:
+    """DURA penalises both sides of a bilinear score <L_r q, t> = <q, L_r^T t>: only the dot comparator and
+    operators without an additive term have that form (``job.model.regularizers``)."""
+    if config.regularizer != "DURA" or config.regularization_coef <= 0:
+        return
+    if config.comparator != "dot":
+        raise ConfigKeyError(
+            f"config key 'comparator': regularizer DURA needs comparator 'dot' (a bilinear score), got "
+            f"'{config.comparator}'; use regularizer N3 or set regularization_coef 0",
+            ["comparator", "regularizer"],
+        )
+    for rel_idx, relation in enumerate(config.relations):
+        if relation.operator not in DURA_OPERATORS:
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].operator': regularizer DURA is defined for the bilinear "
+                f"operators ({', '.join(DURA_OPERATORS)}), not '{relation.operator}' (its additive term has no "
+                "duality to penalise); use regularizer N3 or set regularization_coef 0",
+                [f"relations.{rel_idx}.operator", "regularizer"],
+            )
+
+
 def check_eval_protocol(config: ConfigSchema) -> None:
     """The corrected protocols rank rows; a featurized type's entities are bags of features, not rows."""
     featurized = sorted({t for r in config.relations for t in (r.lhs, r.rhs) if config.entities[t].featurized})
@@ -239,6 +261,7 @@ CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_entity_dimensions,
     check_relation_options,
     check_model_combinations,
+    check_regularizer,
     check_eval_protocol,
     check_validation,
 )

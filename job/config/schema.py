@@ -82,7 +82,11 @@ class ConfigSchema:
         "rows and the relation's parameters once per edge; a complex_diagonal coordinate's magnitude is its "
         "modulus, any other's its absolute value. N3_shared_relations (biggraph's earlier form): the cubed absolute "
         "values of the positives' row coordinates once per edge and of the relation's operator parameters once "
-        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first).",
+        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first). DURA "
+        "(Zhang et al., NeurIPS 2020, the weighted form of their ComplEx results): per query (q, r) -> t, two per "
+        "edge with reciprocal scoring, 0.5 (|q|^2 + |t|^2) + 1.5 (|L_r q|^2 + |L_r^T t|^2), squared norms (a "
+        "complex coordinate's by its modulus), summed over the batch as the loss is; needs comparator dot and a "
+        "bilinear operator (none, diagonal, complex_diagonal, linear).",
         default="N3",
     )
 
