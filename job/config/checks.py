@@ -146,6 +146,9 @@ def check_ranges(config: ConfigSchema) -> None:
     if config.checkpoint_preservation_interval is not None and config.checkpoint_preservation_interval < 1:
         fail("checkpoint_preservation_interval",
              "config key 'checkpoint_preservation_interval': must be a positive integer")
+    if not 0.0 <= config.embedding_dropout < 1.0:
+        fail("embedding_dropout",
+             f"config key 'embedding_dropout': a dropout probability, must be in [0, 1), got {config.embedding_dropout}")
     if config.max_norm is not None and config.max_norm <= 0:
         fail("max_norm", f"config key 'max_norm': must be positive, got {config.max_norm}")
 
@@ -191,6 +194,12 @@ def check_model_combinations(config: ConfigSchema) -> None:
             f"config key 'batch_size': {config.batch_size} must be a multiple of num_batch_negs "
             f"({config.num_batch_negs})",
             ["batch_size", "num_batch_negs"],
+        )
+    if config.embedding_dropout > 0 and not (config.reciprocal_relations or config.dynamic_relations):
+        raise ConfigKeyError(
+            "config key 'embedding_dropout': drops out the query side of reciprocal scoring; set "
+            "reciprocal_relations true (or use dynamic_relations), or embedding_dropout 0",
+            ["embedding_dropout", "reciprocal_relations"],
         )
     if config.dynamic_relations and config.global_emb:
         raise ConfigKeyError(

@@ -362,6 +362,14 @@ class ConfigSchema:
         "scored this way already.",
         default=False,
     )
+    embedding_dropout: float = _help(
+        "Dropout on the query side of reciprocal scoring while training (never in evaluation): each query's "
+        "entity row and its own copy of the relation operator's parameters are dropped out with this "
+        "probability, as LibKGE trains ComplEx. The candidates and the rows the regularizer reads stay whole. "
+        "In [0, 1); 0 (the default) turns it off. Needs reciprocal_relations or dynamic_relations (PBG's static "
+        "scoring has no query side). See docs/quality-preset.md.",
+        default=0.0,
+    )
     init_method: str = _help(
         "How fresh embeddings are drawn: 'normal' (PBG's: standard deviation init_scale) or 'xavier' (Glorot's "
         "normal by fan: standard deviation sqrt(2 / (entities of the type + dimension)), the type's count over "

@@ -205,6 +205,7 @@ def run_batch(
             lhs=Side(lhs_rows, rows.lhs_inv, rows.lhs_neg_inv, config.disable_lhs_negs),
             rhs=Side(rhs_rows, rows.rhs_inv, rows.rhs_neg_inv, config.disable_rhs_negs),
             num_batch_negs=ctx.num_batch_negs, all_negs=relation.all_negs, options=options,
+            dropout=config.embedding_dropout if train else 0.0,
         )
         stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
@@ -315,6 +316,7 @@ def _run_featurized_batch(
             lhs=Side(lhs_rows, lhs_inv, lhs_neg_inv, config.disable_lhs_negs),
             rhs=Side(rhs_rows, rhs_inv, rhs_neg_inv, config.disable_rhs_negs),
             num_batch_negs=ctx.num_batch_negs, all_negs=False, options=ctx.options,
+            dropout=config.embedding_dropout if train else 0.0,
         )
         stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
