@@ -438,3 +438,18 @@ def test_embedding_dropout_needs_reciprocal_scoring(tmp_path: Path) -> None:
                                    reciprocal_relations=False)).embedding_dropout == 0.3
     config = parse_config(line_graph(tmp_path, "diagonal", embedding_dropout=0.3, reciprocal_relations=True))
     assert "embedding_dropout" not in config.to_pbg_dict()  # PBG 1.0.0 refuses keys it does not know
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_each_hogwild_task_seeds_the_dropout_masks_with_its_own_seed(tmp_path: Path, dropout: float) -> None:
+    """Workers start with the same global generator: with embedding_dropout each task reseeds it from its own seed
+    (distinct per slice), so two workers do not share masks; without it nothing is reseeded."""
+    from job.train import hogwild
+
+    config = parse_config(line_graph(tmp_path, "diagonal", reciprocal_relations=True, embedding_dropout=dropout))
+    ctx = BatchContext(config, Model(config), None, {}, {}, 0, 0)
+    torch.manual_seed(7)
+    task = {"seed": 123_456, "edges": None, "indices": torch.empty(0, dtype=torch.long), "shared": None,
+            "steal": [], "train": True}
+    hogwild._run_task(ctx, task, None)
+    assert torch.initial_seed() == (123_456 if dropout else 7)
