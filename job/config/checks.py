@@ -16,6 +16,7 @@ from job.config.choices import (
     COMPARATORS,
     COMPUTE_DTYPES,
     DEVICES,
+    DURA_OPERATORS,
     EDGE_READ_MODES,
     ENTITY_OPTIMIZERS,
     EVAL_PROTOCOLS,
@@ -145,6 +146,9 @@ def check_ranges(config: ConfigSchema) -> None:
     if config.checkpoint_preservation_interval is not None and config.checkpoint_preservation_interval < 1:
         fail("checkpoint_preservation_interval",
              "config key 'checkpoint_preservation_interval': must be a positive integer")
+    if not 0.0 <= config.embedding_dropout < 1.0:
+        fail("embedding_dropout",
+             f"config key 'embedding_dropout': a dropout probability, must be in [0, 1), got {config.embedding_dropout}")
     if config.max_norm is not None and config.max_norm <= 0:
         fail("max_norm", f"config key 'max_norm': must be positive, got {config.max_norm}")
     if not 0.0 <= config.lr_decay <= 1.0:
@@ -200,12 +204,39 @@ def check_model_combinations(config: ConfigSchema) -> None:
             f"({config.num_batch_negs})",
             ["batch_size", "num_batch_negs"],
         )
+    if config.embedding_dropout > 0 and not (config.reciprocal_relations or config.dynamic_relations):
+        raise ConfigKeyError(
+            "config key 'embedding_dropout': drops out the query side of reciprocal scoring; set "
+            "reciprocal_relations true (or use dynamic_relations), or embedding_dropout 0",
+            ["embedding_dropout", "reciprocal_relations"],
+        )
     if config.dynamic_relations and config.global_emb:
         raise ConfigKeyError(
             "config key 'global_emb': per-type global embeddings cannot be used with dynamic_relations "
             "(set global_emb=False, as PBG's dynamic-relation examples do)",
             ["global_emb", "dynamic_relations"],
         )
+
+
+def check_regularizer(config: ConfigSchema) -> None:
+    """DURA penalises both sides of a bilinear score <L_r q, t> = <q, L_r^T t>: only the dot comparator and
+    operators without an additive term have that form (``job.model.regularizers``)."""
+    if config.regularizer != "DURA" or config.regularization_coef <= 0:
+        return
+    if config.comparator != "dot":
+        raise ConfigKeyError(
+            f"config key 'comparator': regularizer DURA needs comparator 'dot' (a bilinear score), got "
+            f"'{config.comparator}'; use regularizer N3 or set regularization_coef 0",
+            ["comparator", "regularizer"],
+        )
+    for rel_idx, relation in enumerate(config.relations):
+        if relation.operator not in DURA_OPERATORS:
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].operator': regularizer DURA is defined for the bilinear "
+                f"operators ({', '.join(DURA_OPERATORS)}), not '{relation.operator}' (its additive term has no "
+                "duality to penalise); use regularizer N3 or set regularization_coef 0",
+                [f"relations.{rel_idx}.operator", "regularizer"],
+            )
 
 
 def check_eval_protocol(config: ConfigSchema) -> None:
@@ -288,6 +319,7 @@ CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_entity_dimensions,
     check_relation_options,
     check_model_combinations,
+    check_regularizer,
     check_eval_protocol,
     check_validation,
     check_schedule,

@@ -80,7 +80,7 @@ class ConfigSchema:
     )
     regularization_coef: float = _help(
         "The coefficient of the regularization term added to the loss (0 disables it). See "
-        "docs/quality-preset.md for N3 on WN18RR and the small KGs.",
+        "docs/quality-preset.md for N3 and DURA on WN18RR and the small KGs (DURA at the paper's 0.1 collapses here).",
         default=0.0,
     )
     regularizer: str = _help(
@@ -89,7 +89,11 @@ class ConfigSchema:
         "rows and the relation's parameters once per edge; a complex_diagonal coordinate's magnitude is its "
         "modulus, any other's its absolute value. N3_shared_relations (biggraph's earlier form): the cubed absolute "
         "values of the positives' row coordinates once per edge and of the relation's operator parameters once "
-        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first).",
+        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first). DURA "
+        "(Zhang et al., NeurIPS 2020, the weighted form of their ComplEx results): per query (q, r) -> t, two per "
+        "edge with reciprocal scoring, 0.5 (|q|^2 + |t|^2) + 1.5 (|L_r q|^2 + |L_r^T t|^2), squared norms (a "
+        "complex coordinate's by its modulus), summed over the batch as the loss is; needs comparator dot and a "
+        "bilinear operator (none, diagonal, complex_diagonal, linear).",
         default="N3",
     )
 
@@ -386,6 +390,14 @@ class ConfigSchema:
         "relations/<i>/operator/rhs/* (PBG 1.0.0 reads the checkpoint, ignoring g_r). Dynamic relations are "
         "scored this way already.",
         default=False,
+    )
+    embedding_dropout: float = _help(
+        "Dropout on the query side of reciprocal scoring while training (never in evaluation): each query's "
+        "entity row and its own copy of the relation operator's parameters are dropped out with this "
+        "probability, as LibKGE trains ComplEx. The candidates and the rows the regularizer reads stay whole. "
+        "In [0, 1); 0 (the default) turns it off. Needs reciprocal_relations or dynamic_relations (PBG's static "
+        "scoring has no query side). See docs/quality-preset.md.",
+        default=0.0,
     )
     init_method: str = _help(
         "How fresh embeddings are drawn: 'normal' (PBG's: standard deviation init_scale) or 'xavier' (Glorot's "

@@ -57,6 +57,11 @@ def _run_task(ctx: BatchContext, task: dict[str, Any], lock: Any) -> BatchStats:
     config = ctx.config
     generator = torch.Generator()
     generator.manual_seed(task["seed"])
+    if config.embedding_dropout > 0 and task["train"]:
+        # its masks come from torch's global generator (F.dropout; a CUDA graph replays those draws correctly),
+        # which every spawned or forked worker starts in the same state: without this the workers' k-th batches
+        # would share their masks, in every bucket and every run
+        torch.manual_seed(task["seed"])
     edges = task["edges"]
     total = BatchStats()
     own: Optional[SharedSlice] = task["shared"].with_lock(lock) if task["shared"] is not None else None

@@ -21,7 +21,7 @@ from job.config import ConfigSchema
 from job.model.kernel_options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from job.model.losses import compute_loss, smoothed_softmax_loss
 from job.model.operators import Operator
-from job.model.regularizers import n3_penalty
+from job.model.regularizers import dura_penalty, n3_penalty
 from job.model.scoring import Model, SideScores, Table
 from job.model.side import Side
 from job.train.optim import (
@@ -213,6 +213,7 @@ def run_batch(
             lhs=Side(lhs_rows, rows.lhs_inv, rows.lhs_neg_inv, config.disable_lhs_negs),
             rhs=Side(rhs_rows, rows.rhs_inv, rows.rhs_neg_inv, config.disable_rhs_negs),
             num_batch_negs=ctx.num_batch_negs, all_negs=relation.all_negs, options=options,
+            dropout=config.embedding_dropout if train else 0.0,
         )
         stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
@@ -232,8 +233,8 @@ def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], num_pos:
         total = loss
         if config.regularization_coef > 0:
             assert lhs.raw is not None and rhs.raw is not None  # score_batch sets them
-            reg = config.regularization_coef * n3_penalty(_operators(ctx.model, rel_idx), rel_ids, lhs.raw, rhs.raw,
-                                                          num_pos, config.regularizer)
+            reg = config.regularization_coef * _penalty(ctx.model, config.regularizer, rel_idx, rel_ids, lhs.raw,
+                                                        rhs.raw, num_pos)
             total = total + reg
             stats.reg = _statistic(reg)
         total.backward()
@@ -323,6 +324,7 @@ def _run_featurized_batch(
             lhs=Side(lhs_rows, lhs_inv, lhs_neg_inv, config.disable_lhs_negs),
             rhs=Side(rhs_rows, rhs_inv, rhs_neg_inv, config.disable_rhs_negs),
             num_batch_negs=ctx.num_batch_negs, all_negs=False, options=ctx.options,
+            dropout=config.embedding_dropout if train else 0.0,
         )
         stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
@@ -355,6 +357,18 @@ def _statistic(value: Tensor | float) -> Tensor | float:
     if isinstance(value, Tensor):
         return float(value.detach()) if value.device.type == "cpu" else value.detach()
     return value
+
+
+def _penalty(model: Model, kind: str, rel_idx: int, rel_ids: Optional[Tensor], lhs_raw: Tensor, rhs_raw: Tensor,
+             num_pos: int) -> Tensor:
+    """The ``regularizer`` sum of a batch (before ``regularization_coef``), from its positives' raw rows."""
+    if kind == "DURA":
+        lhs_operator = model.lhs_operators[rel_idx]
+        rhs_operator = model.rhs_operators[rel_idx]
+        assert isinstance(lhs_operator, Operator) and isinstance(rhs_operator, Operator)
+        # the lhs operator makes queries only when scoring is reciprocal (else it is PBG's absent one)
+        return dura_penalty(rhs_operator, lhs_operator if model.reciprocal else None, rel_ids, lhs_raw, rhs_raw)
+    return n3_penalty(_operators(model, rel_idx), rel_ids, lhs_raw, rhs_raw, num_pos, kind)
 
 
 def _operators(model: Model, rel_idx: int) -> list[Operator]:
