@@ -5,6 +5,13 @@
 #   bench/device_check.sh [OUTDIR] [SECTIONS]   SECTIONS: comma-separated of tests,wn18rr,generated (default),
 #                                               and sweep (WN18RR recipe variants in parallel, valid split only)
 #
+# The sweep's variants: SWEEP (lines "label override=value ...") or SWEEP_FILE (a file of such lines; blank lines
+# and lines starting with # are skipped), e.g. SWEEP_FILE=bench/sweeps/wn18rr_dura.txt. Its other knobs:
+# SWEEP_EPOCHS (30), SWEEP_EVERY (score every so many epochs, 5), SWEEP_TIMEOUT (seconds per variant, 200),
+# SWEEP_DEVICE (cuda; cpu checks the section end to end without a GPU), WN18RR_DATA (.devdata/wn18rr) and
+# SWEEP_WORK (/tmp/wn18rr, the imported graph and checkpoints). A variant the config refuses fails in its first
+# second: its error is in sweep.log.
+#
 # It runs from the repository root with PYTHONPATH (no install: the device image already has torch, numpy, h5py,
 # pyyaml, pyarrow, fsspec, flatbuffers, tqdm, pytest, hypothesis, psutil, pytest-xdist). WN18RR is read from
 # .devdata/wn18rr (a copy of ../shared/data/wn18rr, which does not travel; .git/info/exclude ignores .devdata).
@@ -48,9 +55,15 @@ if want sweep; then
   # recipe variants of `preset: quality` (ComplEx, d=256) side by side on the one GPU, scored on valid only
   # (tune on valid: issue #33); each line of SWEEP is "label override...". The GPU frees the comparison from the
   # 2-vCPU machine's speed: what a recipe reaches when epochs are cheap.
-  mkdir -p /tmp/wn18rr
-  python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from train_bench import import_kg
-import_kg('.devdata/wn18rr', Path('/tmp/wn18rr'))" >/dev/null 2>&1
+  WN18RR_DATA=${WN18RR_DATA:-.devdata/wn18rr}
+  SWEEP_WORK=${SWEEP_WORK:-/tmp/wn18rr}
+  PY=${PYTHON:-python3}
+  mkdir -p "$SWEEP_WORK"
+  [[ -e "$SWEEP_WORK/data/test" ]] || "$PY" -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path
+from train_bench import import_kg; import_kg(sys.argv[1], Path(sys.argv[2]))" "$WN18RR_DATA" "$SWEEP_WORK" >/dev/null 2>&1
+  if [[ -n "${SWEEP_FILE:-}" ]]; then
+    SWEEP=$(grep -vE '^[[:space:]]*(#|$)' "$SWEEP_FILE")
+  fi
   SWEEP=${SWEEP:-"f32 compute_dtype=float32
 n3e01 regularization_coef=0.01
 n3e03 regularization_coef=0.03
@@ -59,14 +72,24 @@ n3s03 regularizer=N3_shared_relations regularization_coef=0.03
 n3s1 regularizer=N3_shared_relations regularization_coef=0.1
 lr01 lr=0.1
 n3e03lr01 regularization_coef=0.03 lr=0.1"}
+  rm -f "$SWEEP_WORK"/sweep_*.log
   while read -r label overrides; do
-    params=(-p device=cuda)
+    [[ -n "$label" ]] || continue
+    params=(-p "device=${SWEEP_DEVICE:-cuda}")
     for item in $overrides; do params+=(-p "$item"); done
-    OMP_NUM_THREADS=2 timeout 200 python3 bench/wn18rr_bench.py --data .devdata/wn18rr --work /tmp/wn18rr \
-      --epochs "${SWEEP_EPOCHS:-30}" --every 5 --label "$label" "${params[@]}" >"/tmp/sweep_$label.log" 2>&1 &
+    OMP_NUM_THREADS=2 timeout "${SWEEP_TIMEOUT:-200}" "$PY" bench/wn18rr_bench.py --data "$WN18RR_DATA" \
+      --work "$SWEEP_WORK" --epochs "${SWEEP_EPOCHS:-30}" --every "${SWEEP_EVERY:-5}" --label "$label" "${params[@]}" \
+      >"$SWEEP_WORK/sweep_$label.log" 2>&1 &
   done <<<"$SWEEP"
   wait
-  grep -h '^{' /tmp/sweep_*.log | grep -v product_gflops | tee "$OUTDIR/sweep.log"
-  tail -n 5 /tmp/sweep_*.log | grep -iE 'error|Traceback' | tee -a "$OUTDIR/sweep.log"
+  grep -h '^{' "$SWEEP_WORK"/sweep_*.log | grep -v product_gflops | tee "$OUTDIR/sweep.log"
+  # a variant that failed: the trainer's own log holds the reason (wn18rr_bench keeps it beside the checkpoints)
+  for log in "$SWEEP_WORK"/sweep_*.log; do
+    label=$(basename "$log" .log); label=${label#sweep_}
+    if ! grep -q '"valid"' "$log"; then
+      echo "== $label: no valid score" | tee -a "$OUTDIR/sweep.log"
+      tail -n 8 "$log" "$SWEEP_WORK/$label.log" 2>/dev/null | tee -a "$OUTDIR/sweep.log"
+    fi
+  done
 fi
 date -u '+%H:%M:%S done' | tee -a "$OUTDIR/card.txt"

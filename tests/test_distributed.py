@@ -471,3 +471,26 @@ def test_two_hosts_in_separate_network_namespaces_train_together(umls_p4: dict, 
     assert_each_bucket_once_per_epoch(records, 3)
     assert {r["rank"] for r in records if "rank" in r} == {0, 1}
     assert all(r["world_size"] == 2 for r in records if r.get("pass_summary"))
+
+
+@pytest.mark.slow
+def test_every_trainer_of_a_group_takes_the_decayed_rate(umls_p4: dict, tmp_path: Path) -> None:
+    """lr_decay 0 in a group of two: each trainer derives epoch 2's rate (0) from the pass it runs, so no partition
+    either trains in epoch 2 changes, and both log the same rate."""
+    import numpy as np
+
+    from job.formats.checkpoint import CheckpointStorage
+
+    path = write_run_config(umls_p4, "decayed", num_epochs=2, lr_decay=0.0, checkpoint_preservation_interval=1)
+    agents = Agents(path, "2", tmp_path)
+    codes = agents.run(["a", "b"], timeout=300)
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    for name in ("a", "b"):
+        assert "learning rate for epoch 2: lr 0, relation_lr 0" in (tmp_path / f"{name}.log").read_text(), agents.tail()
+    records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
+    assert {r["rank"] for r in records if "rank" in r and r.get("epoch_idx") == 1} == {0, 1}  # both trained epoch 2
+    storage = CheckpointStorage(json.loads(path.read_text())["checkpoint_path"])
+    for part in range(4):
+        after_one, _ = storage.load_entity_partition(1, "all", part, base=storage.snapshot_dir(0))
+        after_two, _ = storage.load_entity_partition(2, "all", part)
+        np.testing.assert_array_equal(after_one, after_two)

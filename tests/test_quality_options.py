@@ -34,11 +34,13 @@ from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, read_edges, write_edges
 from job.formats.entities import write_entity_count
 from job.model.kernel_options import KernelOptions
-from job.model.scoring import Model
+from job.model.operators import Operator
+from job.model.scoring import Model, Table
 from job.model.side import Side
 from job.report.collect import ReportOptions, build_report
 from job.train import bucket_run, train
 from job.train.bucket_run import ALL_NEGS_NOTE_ENTITIES, all_negs_cost
+from job.train.step import BatchContext, BatchStats, run_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import line_graph, save_line_checkpoint  # noqa: E402
@@ -315,7 +317,8 @@ def test_training_warns_at_start_when_all_negs_meets_a_large_type(tmp_path: Path
 
 @pytest.mark.parametrize(("override", "key"), [
     ("preset=fast", "preset"), ("preset=quality-sampled", "preset"), ("init_method=glorot", "init_method"),
-    ("reciprocal_relations=3", "reciprocal_relations"),
+    ("reciprocal_relations=3", "reciprocal_relations"), ("embedding_dropout=1.0", "embedding_dropout"),
+    ("embedding_dropout=-0.1", "embedding_dropout"),
 ])
 def test_bad_values_are_clear_errors_naming_the_key(tmp_path: Path, override: str, key: str,
                                                     capsys: pytest.CaptureFixture) -> None:
@@ -327,3 +330,126 @@ def test_bad_values_are_clear_errors_naming_the_key(tmp_path: Path, override: st
         assert main(["train", str(path), "-p", override]) == 2
     err = capsys.readouterr().err
     assert key in err and "Traceback" not in err
+
+
+# embedding dropout ------------------------------------------------------------------------------------------
+
+
+def _dropout_batch(seed: int, train: bool = True, options: KernelOptions = KernelOptions(),
+                   operator: str = "complex_diagonal",
+                   **overrides: Any) -> tuple[BatchStats, torch.Tensor, list[torch.Tensor], bool]:
+    """One reciprocal 1-vs-all ComplEx batch (float64) from a fixed state, torch's global generator (which dropout
+    draws from) seeded with ``seed``: (stats, the table after, the operators' gradients, whether the batch drew
+    from the global generator)."""
+    config = parse_config({
+        "entities": {"node": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": operator, "all_negs": True}],
+        "dimension": 8, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x", "batch_size": 40,
+        "reciprocal_relations": True, "global_emb": False, "loss_fn": "softmax", "comparator": "dot",
+        "num_batch_negs": 0, "num_uniform_negs": 0, **overrides})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = torch.Generator().manual_seed(0)
+        model = Model(config)
+        for param in model.parameters():
+            param.data.normal_(generator=state)
+        weight = torch.randn(30, 8, generator=state)
+        table = Table(weight, torch.zeros(30))
+        ctx = BatchContext(config, model, None, {0: table}, {0: table}, 0, 0, options)
+        lhs, rhs = torch.randint(0, 30, (17,), generator=state), torch.randint(0, 30, (17,), generator=state)
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        stats = run_batch(ctx, 0, lhs, rhs, None, torch.Generator().manual_seed(1), train)
+        drew = not torch.equal(torch.get_rng_state(), before)
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    finally:
+        torch.set_default_dtype(previous)
+    return stats, weight, grads, drew
+
+
+def test_embedding_dropout_is_off_by_default_and_draws_nothing(tmp_path: Path) -> None:
+    """A config without the key trains bit-identically whatever torch's generator holds, and leaves it as it was."""
+    assert parse_config(line_graph(tmp_path, "diagonal")).embedding_dropout == 0.0
+    first, weight, grads, drew = _dropout_batch(seed=1)
+    second, other_weight, other_grads, _ = _dropout_batch(seed=2)
+    assert not drew
+    assert torch.equal(weight, other_weight) and float(first.loss) == float(second.loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, other_grads))
+
+
+def test_embedding_dropout_trains_with_fresh_masks_and_leaves_the_regulariser_whole() -> None:
+    """p = 0.5: the update depends on the draw (same seed, same update; another seed, another), the hand-differentiated
+    1-vs-all path agrees with autograd's for one draw, and the regulariser reads the undropped rows."""
+    reg = {"regularizer": "DURA", "regularization_coef": 0.1}
+    plain, plain_weight, _, _ = _dropout_batch(seed=1, **reg)
+    dropped, weight, grads, drew = _dropout_batch(seed=1, embedding_dropout=0.5, **reg)
+    again, again_weight, _, _ = _dropout_batch(seed=1, embedding_dropout=0.5, **reg)
+    other, other_weight, _, _ = _dropout_batch(seed=2, embedding_dropout=0.5, **reg)
+    assert drew
+    assert torch.equal(weight, again_weight) and float(dropped.loss) == float(again.loss)
+    assert not torch.allclose(weight, other_weight) and not torch.allclose(weight, plain_weight)
+    assert float(dropped.loss) != pytest.approx(float(plain.loss))
+    assert float(dropped.reg) == pytest.approx(float(plain.reg), rel=1e-12)
+    _, ref_weight, ref_grads, _ = _dropout_batch(seed=1, options=KernelOptions(fused_all_negs=False),
+                                              embedding_dropout=0.5, **reg)
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-9, atol=1e-9)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
+    # the entity rows are dropped too: without relation parameters (operator none) the update still changes
+    _, none_weight, _, _ = _dropout_batch(seed=1, operator="none")
+    _, none_dropped, _, _ = _dropout_batch(seed=1, operator="none", embedding_dropout=0.5)
+    assert not torch.allclose(none_weight, none_dropped)
+
+
+def test_embedding_dropout_is_inactive_in_evaluation() -> None:
+    """An evaluation batch (train false) ranks exactly as without dropout, and draws nothing."""
+    plain, _, _, _ = _dropout_batch(seed=1, train=False)
+    evaluated, _, _, drew = _dropout_batch(seed=3, train=False, embedding_dropout=0.5)
+    assert not drew
+    assert evaluated.num_ranks == plain.num_ranks > 0
+    assert (evaluated.reciprocal_rank_sum, evaluated.rank_sum) == (plain.reciprocal_rank_sum, plain.rank_sum)
+
+
+def test_relation_dropout_masks_each_query_row_independently() -> None:
+    """A static relation's parameters get one mask per query row (LibKGE embeds the relation per query): every
+    entry is 0 or the parameter / (1 - p), and the rows differ."""
+    torch.manual_seed(0)
+    operator = Operator("diagonal", 6)
+    with torch.no_grad():
+        operator.diagonal.uniform_(1.0, 2.0)
+    out = operator.forward_dropped(torch.ones(200, 6), None, 0.25)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], (operator.diagonal.detach() / 0.75).expand(200, 6)[kept])
+    assert 0.15 < 1 - kept.double().mean() < 0.35
+    assert len({tuple(row) for row in kept.tolist()}) > 20
+    dynamic = Operator("complex_diagonal", 4, 3)
+    rel = torch.tensor([0, 2, 1, 2])
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(dynamic.forward_dropped(x, rel, 0.0), dynamic(x, rel))
+
+
+def test_embedding_dropout_needs_reciprocal_scoring(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'embedding_dropout'.*reciprocal_relations"):
+        parse_config(line_graph(tmp_path, "diagonal", embedding_dropout=0.3))
+    assert parse_config(line_graph(tmp_path, "diagonal", embedding_dropout=0.3,
+                                   reciprocal_relations=True)).embedding_dropout == 0.3
+    assert parse_config(line_graph(tmp_path, "diagonal", embedding_dropout=0.3, dynamic_relations=True,
+                                   reciprocal_relations=False)).embedding_dropout == 0.3
+    config = parse_config(line_graph(tmp_path, "diagonal", embedding_dropout=0.3, reciprocal_relations=True))
+    assert "embedding_dropout" not in config.to_pbg_dict()  # PBG 1.0.0 refuses keys it does not know
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_each_hogwild_task_seeds_the_dropout_masks_with_its_own_seed(tmp_path: Path, dropout: float) -> None:
+    """Workers start with the same global generator: with embedding_dropout each task reseeds it from its own seed
+    (distinct per slice), so two workers do not share masks; without it nothing is reseeded."""
+    from job.train import hogwild
+
+    config = parse_config(line_graph(tmp_path, "diagonal", reciprocal_relations=True, embedding_dropout=dropout))
+    ctx = BatchContext(config, Model(config), None, {}, {}, 0, 0)
+    torch.manual_seed(7)
+    task = {"seed": 123_456, "edges": None, "indices": torch.empty(0, dtype=torch.long), "shared": None,
+            "steal": [], "train": True}
+    hogwild._run_task(ctx, task, None)
+    assert torch.initial_seed() == (123_456 if dropout else 7)

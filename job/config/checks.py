@@ -16,6 +16,7 @@ from job.config.choices import (
     COMPARATORS,
     COMPUTE_DTYPES,
     DEVICES,
+    DURA_OPERATORS,
     EDGE_READ_MODES,
     ENTITY_OPTIMIZERS,
     EVAL_PROTOCOLS,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # schema.py imports this module to run the checks
     from job.config.schema import ConfigSchema
 
 POSITIVE_INTS = ("dimension", "batch_size", "num_epochs", "max_edges_per_chunk", "validation_interval",
-                 "early_stopping_patience")
+                 "early_stopping_patience", "lr_plateau_patience")
 NON_NEGATIVE_INTS = ("num_batch_negs", "num_uniform_negs", "eval_num_batch_negs", "eval_num_uniform_negs", "num_gpus")
 
 
@@ -145,8 +146,20 @@ def check_ranges(config: ConfigSchema) -> None:
     if config.checkpoint_preservation_interval is not None and config.checkpoint_preservation_interval < 1:
         fail("checkpoint_preservation_interval",
              "config key 'checkpoint_preservation_interval': must be a positive integer")
+    if not 0.0 <= config.embedding_dropout < 1.0:
+        fail("embedding_dropout",
+             f"config key 'embedding_dropout': a dropout probability, must be in [0, 1), got {config.embedding_dropout}")
     if config.max_norm is not None and config.max_norm <= 0:
         fail("max_norm", f"config key 'max_norm': must be positive, got {config.max_norm}")
+    if not 0.0 <= config.lr_decay <= 1.0:
+        fail("lr_decay", f"config key 'lr_decay': a factor per epoch, must be in [0, 1] (1: off), got {config.lr_decay}")
+    if not 0.0 < config.lr_plateau_factor <= 1.0:
+        fail("lr_plateau_factor",
+             f"config key 'lr_plateau_factor': a factor per plateau, must be in (0, 1] (1: off), got "
+             f"{config.lr_plateau_factor}")
+    if not 0.0 <= config.label_smoothing < 1.0:
+        fail("label_smoothing",
+             f"config key 'label_smoothing': must be in [0, 1) (0: off), got {config.label_smoothing}")
 
 
 def check_entity_dimensions(config: ConfigSchema) -> None:
@@ -191,12 +204,39 @@ def check_model_combinations(config: ConfigSchema) -> None:
             f"({config.num_batch_negs})",
             ["batch_size", "num_batch_negs"],
         )
+    if config.embedding_dropout > 0 and not (config.reciprocal_relations or config.dynamic_relations):
+        raise ConfigKeyError(
+            "config key 'embedding_dropout': drops out the query side of reciprocal scoring; set "
+            "reciprocal_relations true (or use dynamic_relations), or embedding_dropout 0",
+            ["embedding_dropout", "reciprocal_relations"],
+        )
     if config.dynamic_relations and config.global_emb:
         raise ConfigKeyError(
             "config key 'global_emb': per-type global embeddings cannot be used with dynamic_relations "
             "(set global_emb=False, as PBG's dynamic-relation examples do)",
             ["global_emb", "dynamic_relations"],
         )
+
+
+def check_regularizer(config: ConfigSchema) -> None:
+    """DURA penalises both sides of a bilinear score <L_r q, t> = <q, L_r^T t>: only the dot comparator and
+    operators without an additive term have that form (``job.model.regularizers``)."""
+    if config.regularizer != "DURA" or config.regularization_coef <= 0:
+        return
+    if config.comparator != "dot":
+        raise ConfigKeyError(
+            f"config key 'comparator': regularizer DURA needs comparator 'dot' (a bilinear score), got "
+            f"'{config.comparator}'; use regularizer N3 or set regularization_coef 0",
+            ["comparator", "regularizer"],
+        )
+    for rel_idx, relation in enumerate(config.relations):
+        if relation.operator not in DURA_OPERATORS:
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].operator': regularizer DURA is defined for the bilinear "
+                f"operators ({', '.join(DURA_OPERATORS)}), not '{relation.operator}' (its additive term has no "
+                "duality to penalise); use regularizer N3 or set regularization_coef 0",
+                [f"relations.{rel_idx}.operator", "regularizer"],
+            )
 
 
 def check_eval_protocol(config: ConfigSchema) -> None:
@@ -227,6 +267,46 @@ def check_validation(config: ConfigSchema) -> None:
         )
 
 
+def check_schedule(config: ConfigSchema) -> None:
+    """The plateau schedule follows the validation MRR, and must get the chance to act before early stopping."""
+    if config.lr_plateau_factor >= 1.0:
+        return
+    if not config.validation_edge_paths:
+        raise ConfigKeyError(
+            "config key 'lr_plateau_factor': reduces the learning rate when the validation MRR stops improving, "
+            "which needs validation_edge_paths (none set); set them, or lr_plateau_factor 1",
+            ["lr_plateau_factor", "validation_edge_paths"],
+        )
+    if config.early_stopping and config.early_stopping_patience <= config.lr_plateau_patience:
+        raise ConfigKeyError(
+            f"config key 'lr_plateau_patience': {config.lr_plateau_patience} validations without improvement "
+            f"reduce the rate, but early_stopping ends the run after {config.early_stopping_patience}; set "
+            "lr_plateau_patience below early_stopping_patience",
+            ["lr_plateau_patience", "early_stopping_patience"],
+        )
+
+
+def check_label_smoothing(config: ConfigSchema) -> None:
+    """Label smoothing is defined for the 1-vs-all softmax, where the candidates are every entity: with sampled
+    negatives the candidates are a sample (drawn with repeats and weights), over which a uniform target means
+    something else."""
+    if config.label_smoothing <= 0:
+        return
+    if config.loss_fn != "softmax":
+        raise ConfigKeyError(
+            f"config key 'label_smoothing': smooths the softmax loss's target, but loss_fn is '{config.loss_fn}'; "
+            "set loss_fn softmax, or label_smoothing 0", ["label_smoothing", "loss_fn"],
+        )
+    for rel_idx, relation in enumerate(config.relations):
+        if not relation.all_negs:
+            raise ConfigKeyError(
+                f"config key 'relations[{rel_idx}].all_negs': label_smoothing spreads its mass over every entity, "
+                f"which needs 1-vs-all training (all_negs true; relation '{relation.name}' samples its negatives); "
+                "set all_negs true (preset: quality), or label_smoothing 0",
+                [f"relations.{rel_idx}.all_negs", "label_smoothing"],
+            )
+
+
 CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_required_lists,
     check_relation_entity_types,
@@ -239,8 +319,11 @@ CHECKS: tuple[Callable[[ConfigSchema], None], ...] = (
     check_entity_dimensions,
     check_relation_options,
     check_model_combinations,
+    check_regularizer,
     check_eval_protocol,
     check_validation,
+    check_schedule,
+    check_label_smoothing,
 )
 
 

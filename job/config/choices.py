@@ -23,7 +23,9 @@ class BucketOrder(str, enum.Enum):
     BUFFER = "buffer"  # ours: few partition swaps for a buffer of partition_buffer partitions
 
 
-REGULARIZERS = ("N3", "N3_shared_relations")
+REGULARIZERS = ("N3", "N3_shared_relations", "DURA")
+# the operators DURA is defined for: bilinear ones (an additive term has no duality to penalise)
+DURA_OPERATORS = ("none", "diagonal", "complex_diagonal", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "auto")
 GROW_INITS = ("random", "neighbours")
@@ -36,6 +38,6 @@ GROW_NUM_EPOCHS_DEFAULT = 5
 # how held-out edges are ranked (job/eval_protocol.py): "pbg" is PBG 1.0's sampled protocol, exactly
 EVAL_PROTOCOLS = ("auto", "all", "sampled", "pbg")
 
-__all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "EDGE_READ_MODES", "ENTITY_OPTIMIZERS", "EVAL_PROTOCOLS", "GROW_INITS",
-           "GROW_NUM_EPOCHS_DEFAULT", "HOGWILD_DELAY_SCOPES", "INIT_METHODS", "LOSS_FUNCTIONS", "OPERATORS",
-           "REGULARIZERS", "BucketOrder"]
+__all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "DURA_OPERATORS", "EDGE_READ_MODES", "ENTITY_OPTIMIZERS",
+           "EVAL_PROTOCOLS", "GROW_INITS", "GROW_NUM_EPOCHS_DEFAULT", "HOGWILD_DELAY_SCOPES", "INIT_METHODS",
+           "LOSS_FUNCTIONS", "OPERATORS", "REGULARIZERS", "BucketOrder"]

@@ -18,9 +18,10 @@ NON_PBG_1_0_KEYS = frozenset({
     "storage_options",
     "eval_protocol",
     "tensorboard_dir", "pushgateway_url", "pushgateway_job", "grow_init", "grow_num_epochs", "grow_replay_fraction",
-    "reciprocal_relations", "init_method", "preset", "hogwild_delay_scope", "entity_optimizer",
+    "reciprocal_relations", "embedding_dropout", "init_method", "preset", "hogwild_delay_scope", "entity_optimizer",
     "early_stopping_patience", "validation_edge_paths", "validation_interval", "validation_filtered",
     "validation_filter_paths",
+    "lr_decay", "lr_plateau_factor", "lr_plateau_patience", "label_smoothing",
 })
 NON_PBG_1_0_ENTITY_KEYS = frozenset({"dimension", "frozen"})
 

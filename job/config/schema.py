@@ -71,9 +71,16 @@ class ConfigSchema:
         "positive and negative scores, below which a (linear) loss is incurred.",
         default=0.1,
     )
+    label_smoothing: float = _help(
+        "Label smoothing of the 1-vs-all softmax loss (loss_fn softmax with all_negs on every relation): the "
+        "target distribution puts 1 - label_smoothing on the true entity and label_smoothing spread evenly over "
+        "all candidates (the true one included), as torch's cross_entropy(label_smoothing=) does. In [0, 1); 0 "
+        "(the default) is the plain cross-entropy. See docs/quality-preset.md.",
+        default=0.0,
+    )
     regularization_coef: float = _help(
         "The coefficient of the regularization term added to the loss (0 disables it). See "
-        "docs/quality-preset.md for N3 on WN18RR and the small KGs.",
+        "docs/quality-preset.md for N3 and DURA on WN18RR and the small KGs (DURA at the paper's 0.1 collapses here).",
         default=0.0,
     )
     regularizer: str = _help(
@@ -82,7 +89,11 @@ class ConfigSchema:
         "rows and the relation's parameters once per edge; a complex_diagonal coordinate's magnitude is its "
         "modulus, any other's its absolute value. N3_shared_relations (biggraph's earlier form): the cubed absolute "
         "values of the positives' row coordinates once per edge and of the relation's operator parameters once "
-        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first).",
+        "per batch (they start at the identity, where N3's per-edge count outweighs the loss at first). DURA "
+        "(Zhang et al., NeurIPS 2020, the weighted form of their ComplEx results): per query (q, r) -> t, two per "
+        "edge with reciprocal scoring, 0.5 (|q|^2 + |t|^2) + 1.5 (|L_r q|^2 + |L_r^T t|^2), squared norms (a "
+        "complex coordinate's by its modulus), summed over the batch as the loss is; needs comparator dot and a "
+        "bilinear operator (none, diagonal, complex_diagonal, linear).",
         default="N3",
     )
 
@@ -159,6 +170,28 @@ class ConfigSchema:
     relation_lr: float | None = _help(
         "If set, the learning rate for the optimizer for relations. Otherwise, `lr` is used.",
         default=None,
+    )
+    lr_decay: float = _help(
+        "A factor applied to lr and relation_lr after every epoch: epoch e (counted from 0) trains at "
+        "lr * lr_decay^e, in every optimizer (the embeddings' row-wise or per-coordinate Adagrad, in every Hogwild "
+        "worker and every trainer of a group, and the relations' Adagrad). In [0, 1]; 1 (the default, PBG's) keeps "
+        "the rate constant. The rate follows from the epoch number, so a resumed run goes on at the decayed rate. "
+        "See docs/quality-preset.md.",
+        default=1.0,
+    )
+    lr_plateau_factor: float = _help(
+        "Multiply the learning rates (lr, relation_lr, on top of lr_decay) by this factor whenever "
+        "lr_plateau_patience validations in a row have not beaten the best validation MRR so far (the metric "
+        "early_stopping follows; needs validation_edge_paths); the count starts again after each reduction. In "
+        "(0, 1]; 1 (the default) turns it off. Derived from the validation lines of training_stats.json, so a "
+        "resumed run goes on at the reduced rate.",
+        default=1.0,
+    )
+    lr_plateau_patience: int = _help(
+        "With lr_plateau_factor < 1: how many validations in a row without a better validation MRR reduce the "
+        "learning rates. With early_stopping it must be below early_stopping_patience (or the run stops before "
+        "any reduction).",
+        default=2,
     )
     eval_fraction: float = _help(
         "The fraction of edges withheld from training and used to track evaluation metrics during training.",
@@ -357,6 +390,14 @@ class ConfigSchema:
         "relations/<i>/operator/rhs/* (PBG 1.0.0 reads the checkpoint, ignoring g_r). Dynamic relations are "
         "scored this way already.",
         default=False,
+    )
+    embedding_dropout: float = _help(
+        "Dropout on the query side of reciprocal scoring while training (never in evaluation): each query's "
+        "entity row and its own copy of the relation operator's parameters are dropped out with this "
+        "probability, as LibKGE trains ComplEx. The candidates and the rows the regularizer reads stay whole. "
+        "In [0, 1); 0 (the default) turns it off. Needs reciprocal_relations or dynamic_relations (PBG's static "
+        "scoring has no query side). See docs/quality-preset.md.",
+        default=0.0,
     )
     init_method: str = _help(
         "How fresh embeddings are drawn: 'normal' (PBG's: standard deviation init_scale) or 'xavier' (Glorot's "

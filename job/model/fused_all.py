@@ -15,6 +15,12 @@ products accumulate in float32 and round their result), but the softmax is writt
 subtracted there: a well-fit target's ``p - 1`` is below bfloat16's spacing near 1 (2^-8) and would round to 0,
 while its negatives' gradients would not (on Nations, 14 entities, that cost 0.05 MRR). The gradients handed
 back are float32.
+
+``label_smoothing`` (eps) makes the target distribution ``(1 - eps) onehot(target) + eps / N`` over the N rows, as
+torch's ``cross_entropy(label_smoothing=eps)`` does: the loss becomes ``-log p_target + eps (s_target - mean_j s_j)``
+(the cross-entropy with the smoothed target, rewritten with ``logsumexp = s_target - log p_target``) and ``G = softmax
+- (1 - eps) onehot - eps / N``. The two scores the loss needs are recomputed in float32 from the queries (one
+product with the table's mean row), whatever ``compute_dtype``; with eps = 0 nothing of this runs.
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ class _AllNegsSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, queries: Tensor, table: Tensor, targets: Tensor, compute_dtype: Optional[torch.dtype],
-                splits: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+                splits: tuple[int, ...], label_smoothing: float) -> tuple[Tensor, Tensor]:
         loss, violators, d_queries, d_table = all_negs_softmax(queries.detach(), table.detach(), targets,
-                                                               compute_dtype, splits)
+                                                               compute_dtype, splits, label_smoothing)
         ctx.grads = (d_queries, d_table)
         ctx.mark_non_differentiable(violators)
         return loss, violators
@@ -54,12 +60,13 @@ class _AllNegsSoftmax(torch.autograd.Function):
         d_queries, d_table = grads
         if not (grad.device.type == "cpu" and bool(grad == 1)):  # the relation's weight, nearly always 1
             d_queries, d_table = d_queries.mul_(grad), d_table.mul_(grad)
-        return d_queries, d_table, None, None, None
+        return d_queries, d_table, None, None, None, None
 
 
 @torch.no_grad()
 def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dtype: Optional[torch.dtype] = None,
-                     splits: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     splits: tuple[int, ...] = (), label_smoothing: float = 0.0
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, violators per split, d_queries, d_table) of 1-vs-all softmax, without autograd.
 
     ``queries`` (Q x d), ``table`` (N x d), ``targets`` (Q,) the row each query should rank first. The loss
@@ -70,7 +77,7 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
     With a reduced ``compute_dtype`` the score matrix is held in it; torch's softmax reads it and writes
     float32, the one-hot is subtracted in float32 and the result cast down once for the two gradient
     products. The loss is read off the softmax at the target, ``-log p_target`` (recomputed in float32 from
-    the scores where ``p_target`` is too small for that).
+    the scores where ``p_target`` is too small for that). ``label_smoothing``: see the module's docstring.
     """
     acc = table.dtype
     low = compute_dtype if compute_dtype is not None and compute_dtype != acc else None
@@ -84,6 +91,8 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
         bounds.append(bounds[-1] + size)
     violators = torch.zeros(len(bounds) - 1, dtype=torch.int64, device=table.device)
     tiny = torch.finfo(acc).tiny * 1e8  # below it ``-log p`` has lost digits (subnormals): take logsumexp
+    # label smoothing's share of each query's loss is eps (s_target - mean_j s_j): s . mean row, in float32
+    mean_row = table.mean(0, dtype=acc) if label_smoothing > 0 else None
     for begin in range(0, num_queries, MAX_QUERY_ROWS):
         end = min(begin + MAX_QUERY_ROWS, num_queries)
         q_low = queries[begin:end].to(low if low is not None else acc)
@@ -111,7 +120,14 @@ def all_negs_softmax(queries: Tensor, table: Tensor, targets: Tensor, compute_dt
             exact = torch.logsumexp(picked, 1) - picked[torch.arange(small.numel()), target[small]]
             loss += (exact + p_acc[small].clamp_min(tiny).log()).sum()
         del scores
-        grad[rows, target] -= 1.0
+        if mean_row is not None:
+            q_acc = queries[begin:end].to(acc)
+            s_target = (q_acc * table.index_select(0, target).to(acc)).sum(1)
+            loss += label_smoothing * (s_target - q_acc @ mean_row).sum()
+            grad[rows, target] -= 1.0 - label_smoothing
+            grad.sub_(label_smoothing / grad.shape[1])
+        else:
+            grad[rows, target] -= 1.0
         if low is not None:
             grad = grad.to(low)
         d_queries[begin:end] = torch.mm(grad, table_low)
@@ -132,7 +148,9 @@ def applies(comparator_kind: str, bias: bool, loss_fn: str) -> bool:
 
 
 def softmax_all(queries: Tensor, table: Tensor, targets: Tensor, compute_dtype: Optional[torch.dtype],
-                splits: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
-    """The summed 1-vs-all softmax loss (differentiable in ``queries`` and ``table``) and the violators per split."""
-    loss, violators = _AllNegsSoftmax.apply(queries, table, targets, compute_dtype, tuple(splits))
+                splits: tuple[int, ...] = (), label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
+    """The summed 1-vs-all softmax loss (differentiable in ``queries`` and ``table``) and the violators per split;
+    ``label_smoothing``: the target's smoothing (``label_smoothing`` of the config, 0 off)."""
+    loss, violators = _AllNegsSoftmax.apply(queries, table, targets, compute_dtype, tuple(splits),
+                                            float(label_smoothing))
     return loss, violators

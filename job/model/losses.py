@@ -69,6 +69,24 @@ class SoftmaxLoss(LossKind):
         return (torch.logsumexp(torch.cat((pos.unsqueeze(1), logits), dim=1), dim=1) - pos).sum()
 
 
+# scores at or below this are masked out (``job.model.scoring.MASKED_SCORE`` is -1e9): not candidates
+MASKED_BELOW = -1e8
+
+
+def smoothed_softmax_loss(pos: Tensor, neg: Tensor, label_smoothing: float) -> Tensor:
+    """The softmax loss with a smoothed target, summed over the batch (the autograd form of ``label_smoothing``;
+    ``job.model.fused_all`` has it written out for the 1-vs-all batch).
+
+    The candidates are the positive and the unmasked negatives (1-vs-all: every entity, the positive's own column
+    of ``neg`` masked); the target puts ``1 - eps`` on the positive and ``eps`` spread evenly over all candidates,
+    as torch's ``cross_entropy(label_smoothing=eps)``: ``logsumexp - (1 - eps) pos - eps mean(candidates)``. No
+    column weights: sampled negatives (drawn with repeats) are refused by the config."""
+    logits = torch.cat((pos.unsqueeze(1), neg), dim=1)
+    valid = neg > MASKED_BELOW
+    mean = (pos + torch.where(valid, neg, torch.zeros_like(neg)).sum(1)) / (1 + valid.sum(1)).to(pos.dtype)
+    return (torch.logsumexp(logits, dim=1) - (1.0 - label_smoothing) * pos - label_smoothing * mean).sum()
+
+
 def compute_loss(kind: str, margin: float, pos: Tensor, neg: Tensor, weight: Optional[Tensor] = None,
                  num_neg: Optional[int] = None) -> Tensor:
     """PBG's losses, summed over the batch. ``pos``: (B,), ``neg``: (B, K); ``weight`` counts each column."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from job.model import names
@@ -242,6 +243,23 @@ class Operator(nn.Module):
     def forward(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
         """Apply to rows ``x`` (..., dim); ``rel`` gives the relation of each row when dynamic."""
         return self.spec.apply(x, lambda name: self._get(name, rel), self.dynamic)
+
+    def forward_dropped(self, x: Tensor, rel: Optional[Tensor], p: float) -> Tensor:
+        """``forward`` with dropout (probability ``p``) on every parameter, an independent mask per row of ``x``.
+
+        ``embedding_dropout`` (LibKGE's relation dropout): each query embeds its relation with its own mask,
+        so a static relation's parameters are expanded to one copy per row first and the operator is applied
+        the per-row (dynamic) way. A linear operator's copies are d x d per row: the cost is the user's choice.
+        """
+        count = x.shape[0]
+
+        def get(name: str) -> Tensor:
+            param = self._get(name, rel)
+            if not self.dynamic:
+                param = param.expand((count,) + tuple(param.shape))
+            return F.dropout(param, p)
+
+        return self.spec.apply(x, get, True)
 
     def linear(self, x: Tensor, rel: Optional[Tensor] = None) -> Tensor:
         """The operator's linear part ``L x`` (``forward`` without the translation)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from job.config import ConfigSchema
@@ -147,6 +148,7 @@ class Model(nn.Module):
         num_batch_negs: int,
         all_negs: bool,
         options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+        dropout: float = 0.0,
     ) -> tuple[SideScores, SideScores]:
         """Scores of one batch of a single relation (or of dynamic relations ``rel``): (lhs side, rhs side), each
         with its positives' raw embeddings in ``raw`` (for the regulariser).
@@ -154,7 +156,8 @@ class Model(nn.Module):
         ``lhs`` / ``rhs``: each side's gathered rows (the same tensor when both sides share one gather) with
         their positives' and uniform negatives' positions. With ``all_negs`` the rows must be the whole partition
         in id order (so ``inv`` are the entity ids). ``options``: which kernels score it (the trainer's; evaluation
-        takes the defaults).
+        takes the defaults). ``dropout``: ``embedding_dropout`` on each query's entity row and relation parameters
+        (reciprocal scoring only; the trainer passes it for training batches, every other caller leaves it 0).
         """
         relation = self.config.relations[rel_idx]
         lhs_base = self._with_global(lhs.rows, relation.lhs)
@@ -163,7 +166,7 @@ class Model(nn.Module):
             lhs = lhs.with_rows(lhs_base)
         if rhs_base is not rhs.rows:
             rhs = rhs.with_rows(rhs_base)
-        batch = _Batch(rel_idx, rel, lhs, rhs, num_batch_negs, all_negs, options)
+        batch = _Batch(rel_idx, rel, lhs, rhs, num_batch_negs, all_negs, options, dropout)
         if self.reciprocal:
             return self._score_reciprocal(batch)
         return self._score_static(batch)
@@ -186,22 +189,36 @@ class Model(nn.Module):
         lhs_pos_raw, lhs_deferred = gather_positives(lhs.rows, lhs.inv, defer)
         rhs_pos_raw, rhs_deferred = gather_positives(rhs.rows, rhs.inv, defer)
         # "forward": c(u, h_r(v)) against lhs negatives u' (positives gathered from candidates[own])
-        rhs_pos_transformed = comparator.prepare(self.rhs_operators[batch.rel_idx](rhs_pos_raw, batch.rel))
+        rhs_pos_transformed = comparator.prepare(self._query(self.rhs_operators[batch.rel_idx], rhs_pos_raw, batch))
         if (batch.all_negs and torch.is_grad_enabled() and batch.options.fused_all_negs
                 and fused_all.applies(comparator.kind, comparator.bias, self.config.loss_fn)):
-            lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
+            lhs_pos_transformed = comparator.prepare(self._query(self.lhs_operators[batch.rel_idx], lhs_pos_raw, batch))
             lhs_scores, rhs_scores = self._all_negs_pair(batch, lhs_prepared, rhs_prepared, rhs_pos_transformed,
                                                          lhs_pos_transformed)
         else:
             lhs_scores = self._side_scores(batch, lhs, anchor=rhs_pos_transformed, positives=None,
                                            candidates=lhs_prepared)
             # "reverse": c(g_r(u), v) against rhs negatives v'
-            lhs_pos_transformed = comparator.prepare(self.lhs_operators[batch.rel_idx](lhs_pos_raw, batch.rel))
+            lhs_pos_transformed = comparator.prepare(self._query(self.lhs_operators[batch.rel_idx], lhs_pos_raw, batch))
             rhs_scores = self._side_scores(batch, rhs, anchor=lhs_pos_transformed, positives=None,
                                            candidates=rhs_prepared)
         lhs_scores.deferred, rhs_scores.deferred = lhs_deferred, rhs_deferred
         lhs_scores.raw, rhs_scores.raw = lhs_pos_raw, rhs_pos_raw
         return lhs_scores, rhs_scores
+
+    @staticmethod
+    def _query(operator: nn.Module, rows: Tensor, batch: _Batch) -> Tensor:
+        """The queries one side's positive ``rows`` make through ``operator`` (reciprocal scoring).
+
+        With ``embedding_dropout`` (``batch.dropout`` > 0, training only) each query's entity row and its own
+        copy of the relation parameters are dropped out independently, as LibKGE trains ComplEx (its query
+        (s, p) embeds s and p with dropout; ``Operator.forward_dropped``). The candidates and the rows the
+        regulariser reads (``raw``) stay whole.
+        """
+        assert isinstance(operator, Operator)
+        if batch.dropout <= 0:
+            return operator(rows, batch.rel)
+        return operator.forward_dropped(F.dropout(rows, batch.dropout), batch.rel, batch.dropout)
 
     def _score_static(self, batch: _Batch) -> tuple[SideScores, SideScores]:
         """c(u, f_r(v)): the operator on the right-hand side only; the lhs side never has one on its negatives."""
@@ -247,12 +264,13 @@ class Model(nn.Module):
         if len(live) == 2 and lhs_candidates is rhs_candidates:
             loss, counts = fused_all.softmax_all(torch.cat((lhs_queries, rhs_queries)), lhs_candidates,
                                                  torch.cat((lhs.inv, rhs.inv)), self.compute_dtype,
-                                                 (num_pos, num_pos))
+                                                 (num_pos, num_pos), self.config.label_smoothing)
             losses[0], violators = loss, [counts[0], counts[1]]
         else:
             for index, (candidates, queries, targets, disabled) in enumerate(sides):
                 if not disabled and num_pos > 0:
-                    losses[index], counts = fused_all.softmax_all(queries, candidates, targets, self.compute_dtype)
+                    losses[index], counts = fused_all.softmax_all(queries, candidates, targets, self.compute_dtype,
+                                                                  label_smoothing=self.config.label_smoothing)
                     violators[index] = counts[0]
         empty = lhs_queries.new_empty((num_pos, 0))
         pos = lhs_queries.new_zeros(num_pos)  # not needed: the loss and the violators are already counted
@@ -366,6 +384,7 @@ class _Batch:
     num_batch_negs: int
     all_negs: bool
     options: KernelOptions
+    dropout: float = 0.0  # embedding_dropout on the query side (training only: the caller passes 0 otherwise)
 
 
 def _side_scores_of(result: SideResult, loss: Tensor) -> SideScores:

@@ -68,6 +68,13 @@ class BucketRunner:
         self.device = work.device
         self.entity_counts = work.entity_counts
         self.pool: Optional[WorkerPool] = None  # started on first need (small graphs never pay for it)
+        self.lr_scale = 1.0  # the learning-rate schedule's factor for the pass in flight (``set_lr_scale``)
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The learning-rate schedule's factor for the buckets that follow (job/train/lr_schedule.py): for this
+        process's batches and relation optimizer now, for the Hogwild workers with each bucket's tasks."""
+        self.lr_scale = scale
+        self.relation_optimizer.scale = scale
 
     def close(self) -> None:
         if self.pool is not None:
@@ -177,7 +184,7 @@ class BucketRunner:
             lhs_tables=lhs_tables, rhs_tables=rhs_tables,
             num_batch_negs=config.num_batch_negs if train else config.eval_num_batch_negs,
             num_uniform_negs=config.num_uniform_negs if train else config.eval_num_uniform_negs,
-            options=self.work.kernel_options,
+            options=self.work.kernel_options, lr_scale=self.lr_scale if train else 1.0,
         )
 
     def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
@@ -201,7 +208,7 @@ class BucketRunner:
         delays = [0.0] + [config.hogwild_delay if delayed else 0.0] * (len(slices) - 1)
         edges.share_memory_()
         return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
-                             config.num_uniform_negs, delays)
+                             config.num_uniform_negs, delays, lr_scale=self.lr_scale)
 
     def eval_protocol(self) -> str:
         """The protocol of the held-out ranks (``eval_protocol``; ``auto`` decided by the largest partition a

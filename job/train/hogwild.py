@@ -57,6 +57,11 @@ def _run_task(ctx: BatchContext, task: dict[str, Any], lock: Any) -> BatchStats:
     config = ctx.config
     generator = torch.Generator()
     generator.manual_seed(task["seed"])
+    if config.embedding_dropout > 0 and task["train"]:
+        # its masks come from torch's global generator (F.dropout; a CUDA graph replays those draws correctly),
+        # which every spawned or forked worker starts in the same state: without this the workers' k-th batches
+        # would share their masks, in every bucket and every run
+        torch.manual_seed(task["seed"])
     edges = task["edges"]
     total = BatchStats()
     own: Optional[SharedSlice] = task["shared"].with_lock(lock) if task["shared"] is not None else None
@@ -122,6 +127,9 @@ def _worker_main(
             return
         task_id = task["id"]
         try:
+            # the schedule's factor for this bucket (job/train/lr_schedule.py): the config this worker took at start
+            # holds the configured rates only
+            relation_optimizer.scale = task["lr_scale"]
             ctx = BatchContext(
                 config=config,
                 model=model,
@@ -131,6 +139,7 @@ def _worker_main(
                 num_batch_negs=task["num_batch_negs"],
                 num_uniform_negs=task["num_uniform_negs"],
                 options=options,
+                lr_scale=task["lr_scale"],
             )
             stats = _run_task(ctx, task, lock)
             results.put((task_id, worker_id, stats, None))
@@ -214,10 +223,12 @@ class WorkerPool:
         num_batch_negs: int,
         num_uniform_negs: int,
         delays: Optional[list[float]] = None,
+        lr_scale: float = 1.0,
     ) -> BatchStats:
         """Process each slice of edges on its own worker; wait for all and sum their stats. ``delays``: seconds
         each slice's worker waits (PBG's ``hogwild_delay``); meanwhile the workers done with their own slice take
-        the delayed slices' batches (``_run_task``)."""
+        the delayed slices' batches (``_run_task``). ``lr_scale``: the learning-rate schedule's factor for this
+        bucket (job/train/lr_schedule.py), for every optimizer the workers step."""
         delays = list(delays) if delays else [0.0] * len(index_slices)
         shared = [SharedSlice.allocate(indices, seed, self.config.batch_size, len(self.config.relations))
                   if delay > 0 else None for indices, seed, delay in zip(index_slices, seeds, delays)]
@@ -230,6 +241,7 @@ class WorkerPool:
                 "rhs_tables": rhs_tables, "seed": seeds[i], "train": train, "num_batch_negs": num_batch_negs,
                 "num_uniform_negs": num_uniform_negs, "delay": delays[i], "shared": shared[i],
                 "steal": [s for j, s in enumerate(shared) if s is not None and j != i],
+                "lr_scale": lr_scale,
             })
         total = BatchStats()
         while pending:

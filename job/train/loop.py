@@ -36,6 +36,7 @@ from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_ent
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
 from job.train.lock_client import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
+from job.train.lr_schedule import lr_scale
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore, Residency
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
@@ -282,6 +283,7 @@ class Trainer:
         config = self.config
         self.store.start_pass(self.version)
         self.iteration = iteration
+        self._schedule_lr(iteration)
         seed_base = (config.seed if config.seed is not None else random.randrange(2**31)) + 104_729 * self.rank
         resident_at_start = len(self.store.resident_partitioned())
         pass_started = time.perf_counter()
@@ -314,6 +316,18 @@ class Trainer:
                         own_buckets, own.count, edges_per_sec, loss)
         return {"train_edges": own.count, "eval_mrr": eval_mrr, "loss": loss, "edges_per_sec_pass": edges_per_sec,
                 "validation": published["validation"]}
+
+    def _schedule_lr(self, iteration: Iteration) -> None:
+        """Set the pass's learning-rate factor (``lr_decay``, ``lr_plateau_factor``) on every optimizer: derived from
+        the epoch and the validation lines up to the committed version (job/train/lr_schedule.py), so a resumed run
+        and every trainer of a group use the same rate."""
+        scale = lr_scale(self.config, iteration.epoch, self.validation.lines, self.version)
+        if scale != self.buckets.lr_scale:
+            logger.info("learning rate for epoch %d: lr %.6g, relation_lr %.6g (x%.6g: lr_decay %g, lr_plateau_factor "
+                        "%g)", iteration.epoch + 1, self.config.lr * scale,
+                        (self.config.relation_lr or self.config.lr) * scale, scale, self.config.lr_decay,
+                        self.config.lr_plateau_factor)
+        self.buckets.set_lr_scale(scale)
 
     def _train_buckets(self, iteration: Iteration, seed_base: int) -> tuple[BatchStats, float, int]:
         """Train the buckets the scheduler hands this process; returns their training sums, compute seconds

@@ -32,7 +32,10 @@ class RelationAdagrad:
 
     def __init__(self, params: list[Tensor], lr: float) -> None:
         self.params = params
-        self.lr = lr
+        self.lr = lr  # the configured rate (what ``state_dict`` saves, as PBG does)
+        # the learning-rate schedule's factor for the pass in flight (job/train/lr_schedule.py): set by the trainer
+        # and, per bucket, by each Hogwild worker on its own instance; 1.0 steps at ``lr`` exactly
+        self.scale = 1.0
         self.sums = [torch.zeros_like(p.detach()) for p in params]
         self.steps = torch.zeros(1, dtype=torch.float64)
 
@@ -59,7 +62,7 @@ class RelationAdagrad:
         torch._foreach_addcmul_(sums, grads, grads)
         scales = torch._foreach_sqrt(sums)
         torch._foreach_add_(scales, ADAGRAD_EPS)
-        torch._foreach_addcdiv_(params, grads, scales, value=-self.lr)
+        torch._foreach_addcdiv_(params, grads, scales, value=-self.lr * self.scale)
         for p in params:
             p.grad = None
 

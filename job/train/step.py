@@ -19,9 +19,9 @@ from torch import Tensor
 
 from job.config import ConfigSchema
 from job.model.kernel_options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from job.model.losses import compute_loss
+from job.model.losses import compute_loss, smoothed_softmax_loss
 from job.model.operators import Operator
-from job.model.regularizers import n3_penalty
+from job.model.regularizers import dura_penalty, n3_penalty
 from job.model.scoring import Model, SideScores, Table
 from job.model.side import Side
 from job.train.optim import (
@@ -88,6 +88,14 @@ class BatchContext:
     # which kernels the step runs: the trainer's (its Collaborators'), handed to every Hogwild worker at start;
     # evaluation and the report score with the defaults
     options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+    # the learning-rate schedule's factor on ``lr`` for this bucket (job/train/lr_schedule.py); handed to Hogwild
+    # workers with each task, since the config they took at start holds the undecayed rate
+    lr_scale: float = 1.0
+
+    @property
+    def entity_lr(self) -> float:
+        """The embeddings' learning rate for this bucket: ``lr`` times the schedule's factor."""
+        return self.config.lr * self.lr_scale
 
 
 def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: int, disabled: bool,
@@ -117,7 +125,7 @@ def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
 def _update_rows(ctx: BatchContext, rows: SelectedRows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
                  rhs_rows: Tensor, shared_storage: bool) -> None:
     """The row-wise Adagrad steps of a trained batch, then the relation parameters' step."""
-    lr = ctx.config.lr
+    lr = ctx.entity_lr
     if rows.static and lhs_table.weight.device.type == "cpu" and not ctx.options.static_shapes_on_cpu:
         if shared_storage:
             row_adagrad_occurrences(lhs_table, [(rows.lhs_uniq, lhs_rows.grad), (rows.rhs_uniq, rhs_rows.grad)], lr)
@@ -205,6 +213,7 @@ def run_batch(
             lhs=Side(lhs_rows, rows.lhs_inv, rows.lhs_neg_inv, config.disable_lhs_negs),
             rhs=Side(rhs_rows, rows.rhs_inv, rows.rhs_neg_inv, config.disable_rhs_negs),
             num_batch_negs=ctx.num_batch_negs, all_negs=relation.all_negs, options=options,
+            dropout=config.embedding_dropout if train else 0.0,
         )
         stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
@@ -224,8 +233,8 @@ def _finish(ctx: BatchContext, rel_idx: int, rel_ids: Optional[Tensor], num_pos:
         total = loss
         if config.regularization_coef > 0:
             assert lhs.raw is not None and rhs.raw is not None  # score_batch sets them
-            reg = config.regularization_coef * n3_penalty(_operators(ctx.model, rel_idx), rel_ids, lhs.raw, rhs.raw,
-                                                          num_pos, config.regularizer)
+            reg = config.regularization_coef * _penalty(ctx.model, config.regularizer, rel_idx, rel_ids, lhs.raw,
+                                                        rhs.raw, num_pos)
             total = total + reg
             stats.reg = _statistic(reg)
         total.backward()
@@ -315,6 +324,7 @@ def _run_featurized_batch(
             lhs=Side(lhs_rows, lhs_inv, lhs_neg_inv, config.disable_lhs_negs),
             rhs=Side(rhs_rows, rhs_inv, rhs_neg_inv, config.disable_rhs_negs),
             num_batch_negs=ctx.num_batch_negs, all_negs=False, options=ctx.options,
+            dropout=config.embedding_dropout if train else 0.0,
         )
         stats = _finish(ctx, rel_idx, rel_ids, num_pos, train, lhs=lhs_scores, rhs=rhs_scores)
     if train:
@@ -323,10 +333,10 @@ def _run_featurized_batch(
             # one entity type on both sides: one Adagrad step per feature row with both sides' gradients
             # summed, as PBG's RowAdagrad steps the one shared parameter once (torchbiggraph/train.py,
             # Trainer.process_one_batch: one backward, then one step per entity optimizer)
-            row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), cat_grads(lhs_leaf, rhs_leaf), config.lr)
+            row_adagrad_repeated(lhs_table, torch.cat((lhs_uniq, rhs_uniq)), cat_grads(lhs_leaf, rhs_leaf), ctx.entity_lr)
         else:
-            row_adagrad(lhs_table, lhs_uniq, lhs_leaf.grad, config.lr)
-            row_adagrad(rhs_table, rhs_uniq, rhs_leaf.grad, config.lr)
+            row_adagrad(lhs_table, lhs_uniq, lhs_leaf.grad, ctx.entity_lr)
+            row_adagrad(rhs_table, rhs_uniq, rhs_leaf.grad, ctx.entity_lr)
         if ctx.relation_optimizer is not None:
             ctx.relation_optimizer.step()
     return stats
@@ -335,6 +345,9 @@ def _run_featurized_batch(
 def _side_loss(config: ConfigSchema, scores: SideScores) -> Tensor:
     if scores.loss is not None:
         return scores.loss
+    if config.label_smoothing > 0 and config.loss_fn == "softmax" and scores.neg.shape[1] > 0:
+        # 1-vs-all only (the config refuses sampled negatives with it), so no column weights
+        return smoothed_softmax_loss(scores.pos, scores.neg, config.label_smoothing)
     return compute_loss(config.loss_fn, config.margin, scores.pos, scores.neg, scores.weight, scores.num_neg)
 
 
@@ -344,6 +357,18 @@ def _statistic(value: Tensor | float) -> Tensor | float:
     if isinstance(value, Tensor):
         return float(value.detach()) if value.device.type == "cpu" else value.detach()
     return value
+
+
+def _penalty(model: Model, kind: str, rel_idx: int, rel_ids: Optional[Tensor], lhs_raw: Tensor, rhs_raw: Tensor,
+             num_pos: int) -> Tensor:
+    """The ``regularizer`` sum of a batch (before ``regularization_coef``), from its positives' raw rows."""
+    if kind == "DURA":
+        lhs_operator = model.lhs_operators[rel_idx]
+        rhs_operator = model.rhs_operators[rel_idx]
+        assert isinstance(lhs_operator, Operator) and isinstance(rhs_operator, Operator)
+        # the lhs operator makes queries only when scoring is reciprocal (else it is PBG's absent one)
+        return dura_penalty(rhs_operator, lhs_operator if model.reciprocal else None, rel_ids, lhs_raw, rhs_raw)
+    return n3_penalty(_operators(model, rel_idx), rel_ids, lhs_raw, rhs_raw, num_pos, kind)
 
 
 def _operators(model: Model, rel_idx: int) -> list[Operator]:

@@ -42,6 +42,9 @@ class Validation:
         self.enabled = bool(config.validation_edge_paths)
         self.patience = Patience()
         self.offset = 0.0  # seconds of training before this run (a resumed run's earlier validations)
+        # every validation line so far, the earlier runs' and this one's as published to every process: what the
+        # plateau schedule reads (job/train/lr_schedule.py)
+        self.lines: list[dict[str, Any]] = []
         self.started = time.perf_counter()
         if not self.enabled:
             return
@@ -53,6 +56,7 @@ class Validation:
         self.patience = history(records)
         self.offset = max((float(r.get("seconds") or 0.0) for r in records if is_validation(r)), default=0.0)
         self.records = records
+        self.lines = [r for r in records if is_validation(r)]
 
     def start(self) -> None:
         """Training starts now (``seconds`` of the lines count from here, after a resumed run's earlier ones)."""
@@ -107,6 +111,7 @@ class Validation:
     def stops(self, record: dict[str, Any]) -> bool:
         """Every process, with the published line: whether early stopping ends training here."""
         self.patience.observe(record)
+        self.lines.append(record)
         if not self.config.early_stopping:
             return False
         logger.info("early stopping check after the validation of version %d: MRR %.6f, best %.6f (version %d), %d "
