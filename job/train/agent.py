@@ -58,9 +58,9 @@ def readmitting(handler: Any) -> Any:
         forming = _evicted_and_others_forming(handler)
         if forming and not warned:
             warned = True
-            logger.warning("rendezvous: this node was dropped from the rendezvous (its keep-alive expired while the "
-                           "store stalled) and %d other node(s) are forming a round: restarting the workers to join "
-                           "it", forming)
+            logger.warning(
+                "rendezvous: this node was dropped from the rendezvous (its keep-alive expired while the store stalled) and "
+                "%d other node(s) are forming a round: restarting the workers to join it", forming)
         return forming
 
     handler.num_nodes_waiting = num_nodes_waiting
