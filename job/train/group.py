@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.startup import StartupClock
 from job.train.transport import TensorTransport
 
 logger = logging.getLogger("biggraph")
@@ -150,9 +151,11 @@ class Heartbeat:
         self._stop.set()
 
 
-def init_distributed(digest: str = "") -> Optional[DistributedContext]:
+def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> Optional[DistributedContext]:
     """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1), and agree on its round.
-    ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``)."""
+    ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``); ``clock``:
+    the trainer's start-up clock, which gets the rendezvous, the round and the transport as phases."""
+    mark = clock.mark if clock is not None else (lambda phase: None)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Under torchrun even a group of one uses the lock server: an elastic job that shrinks to one node
     # must resume its pass from the persisted progress, and grow again later.
@@ -162,15 +165,18 @@ def init_distributed(digest: str = "") -> Optional[DistributedContext]:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("BIGGRAPH_BACKEND") == "nccl" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    mark("rendezvous")
     store = distributed_c10d._get_default_store()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     interval, dead_after = peer_timing(os.environ)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
+    mark("round")
     # collective: every rank, right after the round. The lock server's thread blocks on a transfer, so a frozen peer
     # stalls every rank for the transfer's timeout (300 s held a thawed-pod group past its re-forming): it follows
     # the dead-peer timeout, with a floor for large payloads on a slow network
     transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
+    mark("transport")
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
     return DistributedContext(

@@ -53,6 +53,7 @@ from job.train.schedule import (
     SharedSync,
 )
 from job.train.spawning import server_processes, start_worker_server
+from job.train.startup import StartupClock
 from job.train.step import BatchStats
 from job.train.validation import Validation
 from storage_adapters.edge_reader import prefetch
@@ -93,7 +94,9 @@ class Trainer:
     def __init__(self, config: ConfigSchema, take_over: bool = False, parts: Collaborators = Collaborators()) -> None:
         self.config = config
         self.parts = parts
-        self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))))
+        self.clock = StartupClock()  # where this trainer's start-up goes, logged after its first bucket
+        self.clock.mark("imports")
+        self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))), self.clock)
         self.rank = self.dist.rank if self.dist else 0
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
         self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, GrowInputs.of(config),
@@ -103,6 +106,7 @@ class Trainer:
         # the directory taken (one writer) and cleaned; a grown version whose input a crash left unpublished is
         # completed before the input is checked
         self._open_checkpoint()
+        self.clock.mark("checkpoint open")
         try:
             self._set_up(config)
         except BaseException:
@@ -111,6 +115,7 @@ class Trainer:
 
     def _set_up(self, config: ConfigSchema) -> None:
         validate_cheap(config)
+        self.clock.mark("input check")
         self.device = pick_device(config)
         keep_freed_memory()  # this process trains batches too (workers=1, evaluation, a GPU's host side)
         # scores and products in compute_dtype (half_precision's on a GPU); a device without it fails here
@@ -122,6 +127,7 @@ class Trainer:
             entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
         )
         self._build_model()
+        self.clock.mark("model")
         self.num_chunks = count_edge_chunks(config)
         self.first_index = self.parts.plan.first_index
         self.iterations = self.parts.plan.iterations(config, self.num_chunks)
@@ -145,6 +151,7 @@ class Trainer:
         # distributed: what a trainer holds is locked from the others
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
                                     self.checkpoints.metadata, self.device, Residency(capacity, self.dist is not None))
+        self.clock.mark("partition buffer")
         # PBG cuts every bucket into one slice per worker (slices_per_bucket); a GPU trains them one after another
         self.buckets = BucketRunner(BucketWork(
             config, self.model, self.relation_optimizer, self.store, self.device, self.workers,
@@ -153,6 +160,7 @@ class Trainer:
         self.scheduler, self.sync = self._make_scheduler()
         self.stagger = HogwildStagger(config, self.workers, enabled=self.scheduler.delays_hogwild)
         self.validation = Validation(config, self.checkpoints)  # validation_edge_paths: scored after commits
+        self.clock.mark("scheduler")
 
     def _open_checkpoint(self) -> None:
         """The committed version, cleaned of what killed runs left; in a torchrun group, the lock server's
@@ -287,6 +295,7 @@ class Trainer:
         pass_started = time.perf_counter()
         self.scheduler.start_pass(iteration.index, seed_base, self.version)
         self.sync.pull()
+        self.clock.mark("pass start")
         own, own_seconds, own_buckets = self._train_buckets(iteration, seed_base)
         self.scheduler.end_buckets()
         self.sync.sync()
@@ -324,6 +333,7 @@ class Trainer:
         bucket_idx = 0
         record: Optional[dict[str, Any]] = None
         while (bucket := self.scheduler.next_bucket(record)) is not None:
+            self.clock.mark("bucket handed out")
             following, needs = self.scheduler.upcoming()
             if following:  # object stores: download the next bucket while this one trains
                 prefetch(edge_format.edges_file(edge_path, following[0].lhs, following[0].rhs))
@@ -335,6 +345,8 @@ class Trainer:
                 on_evicted=self.scheduler.release, upcoming=needs,
             )
             record["rank"] = self.rank
+            self.clock.mark("bucket trained")
+            self.clock.report("first bucket trained")
             self.reporter.on_bucket(record)
             total.add(stats)
             seconds += compute_seconds
