@@ -23,8 +23,6 @@ from job.checkpoint.journal_checks import GrowInputs
 from job.config import BucketOrder, ConfigSchema
 from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
-from job.formats import entities as entity_format
-from job.formats.validate import validate_cheap
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model
 from job.monitoring import make_reporter
@@ -32,10 +30,11 @@ from job.train.allocator import keep_freed_memory
 from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_negs_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
-from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
+from job.train.data import bucket_grid, pick_device
 from job.train.distributed import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
+from job.train.input_check import checked_input
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore, Residency
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
@@ -114,7 +113,8 @@ class Trainer:
             raise
 
     def _set_up(self, config: ConfigSchema) -> None:
-        validate_cheap(config)
+        # checked and read once per group, by rank 0 (job/train/input_check.py); a refusal stops every rank
+        facts = checked_input(config, self.dist)
         self.clock.mark("input check")
         self.device = pick_device(config)
         keep_freed_memory()  # this process trains batches too (workers=1, evaluation, a GPU's host side)
@@ -122,13 +122,11 @@ class Trainer:
         self.compute_dtype = training_dtype(config, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.entity_counts = read_entity_counts(config)
-        self.num_dynamic_rels = (
-            entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
-        )
+        self.entity_counts = facts.entity_counts
+        self.num_dynamic_rels = facts.num_dynamic_rels
         self._build_model()
         self.clock.mark("model")
-        self.num_chunks = count_edge_chunks(config)
+        self.num_chunks = facts.num_chunks
         self.first_index = self.parts.plan.first_index
         self.iterations = self.parts.plan.iterations(config, self.num_chunks)
         self.finished_ok = False
