@@ -67,9 +67,9 @@ def run_group(script: str, args: list[list[str]]) -> list[dict]:
     return outputs
 
 
-def graph_config(root: Path, **changes: object) -> Path:
-    """A 2-partition cycle graph under ``root`` and its config file."""
-    config = write_cycle_graph(root, num_entities=40, num_partitions=2, **changes)
+def graph_config(root: Path, num_partitions: int = 2, **changes: object) -> Path:
+    """A cycle graph (2 partitions) under ``root`` and its config file."""
+    config = write_cycle_graph(root, num_entities=40, num_partitions=num_partitions, **changes)
     path = root / "config.json"
     path.write_text(json.dumps(config))
     return path
@@ -117,6 +117,24 @@ def test_storage_errors_are_handed_on_as_refusals_too(tmp_path: Path) -> None:
     outputs = run_group(CHECK_SCRIPT, [[str(unreachable)], [str(good)]])
     assert [o.get("exit_code") for o in outputs] == [2, 2], outputs
     assert "nosuchscheme://bucket" in outputs[1]["error"] and outputs[1]["kind"] == "InputRefused"
+
+
+def test_the_facts_taken_from_the_check_are_what_the_trainer_would_read_itself(tmp_path: Path) -> None:
+    """Entity counts, dynamic relation count and edge chunks from what ``validate_cheap`` read equal the trainer's
+    own readers' (the chunks with a ``max_edges_per_chunk`` that cuts the largest bucket file)."""
+    from job.config import load_config
+    from job.formats.entities import read_dynamic_rel_count
+    from job.train.data import count_edge_chunks, read_entity_counts
+    from job.train.input_check import read_facts
+
+    path = graph_config(tmp_path, num_partitions=2, dynamic=True)
+    for max_edges in (7, 1_000_000):
+        config = load_config(str(path), [f"max_edges_per_chunk={max_edges}"])
+        facts = read_facts(config)
+        assert facts.entity_counts == read_entity_counts(config)
+        assert facts.num_dynamic_rels == read_dynamic_rel_count(config.entity_path)
+        assert facts.num_chunks == count_edge_chunks(config)
+    assert read_facts(load_config(str(path), ["max_edges_per_chunk=7"])).num_chunks > 1
 
 
 # the heartbeat ------------------------------------------------------------------------------------------

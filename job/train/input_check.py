@@ -25,7 +25,7 @@ from job.config import ConfigSchema
 from job.errors import UserError
 from job.formats import entities as entity_format
 from job.formats.validate import validate_cheap
-from job.train.data import count_edge_chunks, read_entity_counts
+from job.train.data import chunks_for
 from job.train.group import DistributedContext
 from storage_adapters.errors import StorageError
 
@@ -51,12 +51,19 @@ class InputRefused(UserError):
 
 
 def read_facts(config: ConfigSchema) -> InputFacts:
-    """Check the input (``validate_cheap``: the first problem raised) and read what training needs from it."""
-    validate_cheap(config)
+    """Check the input (``validate_cheap``: the first problem raised) and take what training needs from what the
+    check read: the entity counts and the largest bucket file's edges (which size the edge chunks), so that none of
+    it is read twice (counting the chunks alone asked for the size of every bucket file: P^2 requests on S3)."""
+    report = validate_cheap(config)
+    counts: dict[str, list[int]] = {}
+    for entity_type, per_part in report.entity_counts.items():
+        # the check raised on any count it could not read
+        counts[entity_type] = [int(c) for c in per_part if c is not None]
+    largest = max((report.largest_edge_file.get(path, 0) for path in config.edge_paths), default=0)
     return InputFacts(
-        entity_counts=read_entity_counts(config),
+        entity_counts=counts,
         num_dynamic_rels=entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0,
-        num_chunks=count_edge_chunks(config),
+        num_chunks=chunks_for(config, largest),
     )
 
 
