@@ -577,13 +577,16 @@ def test_memory_budget_counts_this_process_by_default() -> None:
 def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
         caplog: pytest.LogCaptureFixture) -> None:
     """In a group a trainer keeps two copies of the shared vector to sync it (its synced values and one transfer
-    buffer), and rank 0, which serves it, three more: a fixed number each, whatever the pass's length."""
+    buffer), and rank 0, which serves it, its served and stored vectors and its transfer slots (the sums in flight
+    to peers that have not taken them yet: job/train/server_transfers.py): a fixed number each, whatever the pass's
+    length or the group's size."""
     from job.train.buffer import choose_capacity
     from job.train.distributed import sync_memory_bytes
+    from job.train.server_transfers import TRANSFER_SLOTS
 
     values = 1_000_000  # 4 MB a copy
     assert sync_memory_bytes(values, serves=False) == 2 * 4 * values
-    assert sync_memory_bytes(values, serves=True) == 5 * 4 * values
+    assert sync_memory_bytes(values, serves=True) == (2 + 2 + TRANSFER_SLOTS) * 4 * values
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 16}}, "dimension": 99,
                            "memory_budget": str(3 * 2**20 + 16 * 4_000_000)})
     counts = {"all": [10_000] * 16}
@@ -593,6 +596,6 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
                            sync_bytes=sync_memory_bytes(values, serves=False)) == 12
     with caplog.at_level(logging.INFO, "biggraph"):
         assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20,
-                               sync_bytes=sync_memory_bytes(values, serves=True)) == 9
-    assert "19.1 MiB to sync the shared parameters" in caplog.text
+                               sync_bytes=sync_memory_bytes(values, serves=True)) == 14 - 2 - 2 - TRANSFER_SLOTS
+    assert f"{(4 + TRANSFER_SLOTS) * 4 * values / 2**20:.1f} MiB to sync the shared parameters" in caplog.text
     assert "3.8 MiB for the kept partitions' copies of a write group" in caplog.text

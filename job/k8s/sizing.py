@@ -87,7 +87,7 @@ def group_sync_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     The model is built to count its parameters (relation operators: small); torch is imported here only, so that
     ``import job.cli`` stays light."""
     from job.model.scoring import Model
-    from job.train.distributed import shared_values, sync_memory_bytes
+    from job.train.lock_client import shared_values, sync_memory_bytes
 
     dynamic = 0
     if config.dynamic_relations:

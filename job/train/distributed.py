@@ -26,13 +26,13 @@ of its own (``TensorTransport``, job/train/transport.py), tagged with its reques
 from __future__ import annotations
 
 import datetime
-import json
 import logging
+import queue
 import random
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
 from typing import Any, Optional
 
 import numpy as np
@@ -40,35 +40,35 @@ import torch
 
 import storage_adapters as storage
 from job.train.buckets import Bucket
-from job.train.buffer import per_coordinate
-from job.train.lock_state import LockState, PartKey
+from job.train.lock_client import (
+    CLIENT_VECTORS,
+    DEFAULT_PREFIX,
+    SERVER_RANK,
+    SERVER_VECTORS,
+    LockClient,
+    LockServerError,
+    SharedParameters,
+    pack,
+    request_queue,
+    response_queue,
+    sync_memory_bytes,
+    unpack,
+)
+from job.train.lock_state import LockState
+from job.train.server_stats import ServerStats, Stopwatch
+from job.train.server_transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.transport import TensorTransport, TransferError
 
 logger = logging.getLogger("biggraph")
 
-# the server on rank 0 ----------------------------------------------------------------------------
+# what importers of this module find here (the client's side lives in job/train/lock_client.py)
+__all__ = ["CLIENT_VECTORS", "DEFAULT_PREFIX", "SERVER_RANK", "SERVER_VECTORS", "LockClient", "LockServer",
+           "LockServerError", "SharedParameters", "sync_memory_bytes"]
+_pack = pack  # tests push hand-made requests
 
 
-# the store queues live under a prefix of the group's round (``DistributedContext.key("lock")``), so that a request
-# of an earlier round, or a server of one, never meets this round's
-DEFAULT_PREFIX = "biggraph/lock"
-SERVER_RANK = 0  # the rank whose process runs the lock server
-# the shared vector's copies, for memory_budget (``sync_memory_bytes``): a trainer's synced values and transfer
-# buffer (``SharedParameters``); the server's served and stored vectors and its receive buffer (``LockServer``)
-CLIENT_VECTORS = 2
-SERVER_VECTORS = 3
-
-
-def _request_queue(prefix: str) -> str:
-    return f"{prefix}/requests"
-
-
-def _response_queue(prefix: str, rank: int, channel: str = "") -> str:
-    return f"{prefix}/response/{rank}{channel}"
-
-
-class LockServerError(RuntimeError):
-    """The lock server answered a request with an error (its message names the server's error), or did not answer."""
+class _Unanswerable(Exception):
+    """The store refused a reply: the job is ending, the server stops."""
 
 
 class LockServer:
@@ -95,88 +95,243 @@ class LockServer:
     update once and without any bucket it redoes. After a failed progress write the server answers every request
     with that error: the group restarts from what is stored, never from a state ahead of it.
 
-    Memory: ``shared``, ``stored`` and one receive buffer (``SERVER_VECTORS``; the sum is sent from ``shared``
-    itself: the server thread, the only one changing it, waits for each send), plus one vector per bucket done but
-    not yet saved (``pending``)."""
+    Never waiting on one peer (job/train/server_transfers.py): a request's change is received, and its sum sent,
+    by a transfer posted and waited on off the serving thread, which meanwhile answers the other ranks. A request
+    is judged once its change has arrived; one whose peer has a transfer in flight, or that finds every transfer
+    slot held, waits its turn. A peer whose transfer failed or outlived the transport's timeout is gone: its
+    requests are then answered with an error (the round ends through the heartbeat, as for a dead peer).
+
+    Memory (``SERVER_VECTORS``): ``shared``, ``stored`` and the ``TRANSFER_SLOTS`` transfer vectors (a sum is sent
+    from a copy: the served vector changes with the next request while the peer may not have taken it yet), plus
+    one vector per bucket done but not yet saved (``pending``)."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, prefix: str = DEFAULT_PREFIX) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's)."""
-        self.requests = _request_queue(prefix)
+        self.requests = request_queue(prefix)
         self.prefix = prefix
-        self.store = store.clone()
-        # a long blocking pop; stop() wakes it with a message of its own
-        self.store.set_timeout(datetime.timedelta(hours=24))
+        self.store = store.clone()  # the replies (the serving thread's connection)
+        # the requests: the reader thread's own connection (a store client serves one call at a time, and a long
+        # blocking pop, which stop() wakes with a message of its own, would hold up the replies)
+        self._incoming = store.clone()
+        self._incoming.set_timeout(datetime.timedelta(hours=24))
         self._stopper = store.clone()
         self.transport = transport
         self.state = state
         self.progress = progress
         self.shared = shared.astype(np.float32, copy=True)
         self.stored = self.shared.copy()  # the updates of the buckets done and saved: what a restart resumes
-        self._incoming = torch.empty(self.shared.size, dtype=torch.float32)  # every change is received here
         self.pending: dict[Bucket, np.ndarray] = {}  # the update of each bucket done but not yet saved
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
         self._stop = threading.Event()
+        # the serving thread's one input: requests (from the reader thread) and the ends of transfers
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._slots = TransferSlots(self.shared.size)
+        self._flights = Flights(self._inbox, transport.timeout_s)
+        self._waiting: deque[Waiting] = deque()  # requests with a change whose transfer has not started
+        self._gone: dict[int, str] = {}  # ranks whose transfer failed or timed out, with why
+        self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)
         self.thread.start()
+        self._reader.start()
 
-    def _serve(self) -> None:
+    def _read(self) -> None:
+        """Requests from the store's queue into the inbox, until this server's stop (a later server of the round
+        reads the same queue: nothing past the stop is taken)."""
         while not self._stop.is_set():
             try:
-                raw = self.store.queue_pop(self.requests, block=True)
+                raw = self._incoming.queue_pop(self.requests, block=True)
             except Exception:  # the store went away (job ending): nothing left to serve
                 if not self._stop.is_set():
                     logger.warning("lock server: request queue closed")
+                self._inbox.put(("closed",))
                 return
             try:
-                request = _unpack(raw)
-                if request.get("op") == "stop":
-                    if request.get("server") == self.server_id:
-                        return
-                    continue  # an earlier server's, which ended between two requests and never read it
-                rank = int(request["rank"])
-                reply_to = _response_queue(self.prefix, rank, str(request.get("channel", "")))
-            except Exception as err:  # noqa: BLE001 - nobody to answer: log it and serve on
-                logger.error("lock server: unreadable request, no rank to answer (%s: %s)", type(err).__name__, err)
+                header: Optional[dict[str, Any]] = unpack(raw)
+            except Exception:  # noqa: BLE001 - the serving thread logs it
+                header = None
+            if header is not None and header.get("op") == "stop":
+                if header.get("server") == self.server_id:
+                    self._inbox.put(("stop",))
+                    return
+                continue  # an earlier server's, which ended between two requests and never read it
+            self._inbox.put(("request", raw))
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                event = self._inbox.get(timeout=self._flights.next_deadline_in(time.monotonic()))
+            except queue.Empty:  # a transfer's deadline
+                event = ("deadline",)
+            if event[0] in ("stop", "closed"):
+                return
+            try:
+                with Stopwatch() as watch:
+                    if event[0] == "request":
+                        self._on_request(event[1])
+                    elif event[0] == "ended":
+                        self._on_ended(event[1], event[2])
+                    self._expire(time.monotonic())
+            except _Unanswerable:
+                return
+            with self.lock:
+                self._stats.busy_s += watch.seconds
+                self._stats.events += 1
+
+    def _on_request(self, raw: bytes) -> None:
+        try:
+            request = unpack(raw)
+            rank = int(request["rank"])
+            job = Waiting(request, rank, response_queue(self.prefix, rank, str(request.get("channel", ""))))
+        except Exception as err:  # noqa: BLE001 - nobody to answer: log it and serve on
+            logger.error("lock server: unreadable request, no rank to answer (%s: %s)", type(err).__name__, err)
+            return
+        if rank in self._gone:
+            self._refuse(job, LockServerError(f"rank {rank} is treated as gone ({self._gone[rank]}); its round is "
+                                              "over"))
+        elif request.get("values") is None:
+            self._judge(job, None)
+        else:
+            self._waiting.append(job)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start the receive of every waiting request whose peer has no transfer in flight, while slots last."""
+        for job in list(self._waiting):
+            if job.rank in self._gone:
+                self._waiting.remove(job)
+                self._refuse(job, LockServerError(f"rank {job.rank} is treated as gone ({self._gone[job.rank]})"))
                 continue
-            answer: Optional[torch.Tensor] = None
+            if self._flights.busy(job.rank):
+                continue  # its sum not yet reported taken: a correct client asks again only after taking it
             try:
-                change = self._receive(request, rank)
-                reply, answer = self._handle(request, change)
-            except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
-                logger.warning("lock server: %s request of rank %s refused: %s: %s", request.get("op"),
-                               request.get("rank"), type(err).__name__, err)
-                reply, answer = {"ok": False, "error": f"{type(err).__name__}: {err}"}, None
+                values, tag = int(job.request["values"]), int(job.request["tag"])
+            except Exception as err:  # noqa: BLE001 - answered
+                self._waiting.remove(job)
+                self._refuse(job, err)
+                continue
+            if values == self.shared.size:
+                slot = self._slots.take()
+                if slot is None:
+                    continue  # every slot held: it waits for one
+                buffer, is_slot = slot, True
+            else:  # taken only to be refused, so that its sender is not left waiting
+                buffer, is_slot = torch.empty(max(values, 0), dtype=torch.float32), False
+            self._waiting.remove(job)
             try:
-                self.store.queue_push(reply_to, _pack(reply))
-            except Exception:
-                if not self._stop.is_set():
-                    logger.warning("lock server: could not answer rank %s", request.get("rank"))
-                return
-            if answer is not None:
+                transfer = self.transport.recv_async(buffer, job.rank, tag)
+            except TransferError as err:
+                self._release(is_slot, buffer, well=False)
+                self._lose(job.rank, str(err))
+                self._refuse(job, err)
+                continue
+            self._flights.start("receive", job, buffer, is_slot, transfer)
+
+    def _on_ended(self, flight: Flight, error: Optional[str]) -> None:
+        """A transfer ended: judge the request whose change arrived and send its sum, or note a failure."""
+        self._flights.end(flight)
+        job = flight.job
+        if error is not None:
+            self._release(flight.slot, flight.buffer, well=False)
+            if not flight.overdue:  # an overdue one was reported at its deadline
+                self._lose(job.rank, error)
+                if flight.kind == "receive":
+                    self._refuse(job, TransferError(error))
+        elif flight.kind == "receive" and not flight.overdue:
+            if self._judge(job, flight.buffer.numpy()):
+                with Stopwatch() as watch:
+                    flight.buffer.copy_(torch.from_numpy(self.shared))
+                self._stats.copy_s += watch.seconds
                 try:
-                    self.transport.send(answer, rank, int(request["tag"])).wait()
-                except TransferError as err:  # the rank died after asking: its round is over, serve the others
-                    logger.warning("lock server: the shared parameters did not reach rank %d: %s", rank, err)
+                    transfer = self.transport.send(flight.buffer, job.rank, int(job.request["tag"]))
+                except TransferError as err:
+                    self._release(flight.slot, flight.buffer, well=False)
+                    self._lose(job.rank, str(err))
+                else:
+                    self._flights.start("send", job, flight.buffer, flight.slot, transfer)
+            else:
+                self._release(flight.slot, flight.buffer, well=True)
+        else:  # a sum taken, or a transfer done after its deadline (its peer counted gone already)
+            self._release(flight.slot, flight.buffer, well=True)
+        self._dispatch()
 
-    def _receive(self, request: dict[str, Any], rank: int) -> Optional[np.ndarray]:
-        """The change a request announces (``values``, ``tag``), received before it is judged: into the receive
-        buffer when it has the shared vector's size, else into one of its own (taken only to be refused)."""
-        if request.get("values") is None:
-            return None
-        values, tag = int(request["values"]), int(request["tag"])
-        into = self._incoming if values == self.shared.size else torch.empty(max(values, 0), dtype=torch.float32)
-        self.transport.recv(into, rank, tag)
-        return into.numpy()
+    def _expire(self, now: float) -> None:
+        """Transfers past the transport's timeout: their peers are gone (their buffers stay until gloo ends them)."""
+        late = self._flights.overdue(now)
+        for flight in late:
+            verb = "not received" if flight.kind == "receive" else "not taken"
+            why = f"{flight.transfer.what}: {verb} in {self._flights.timeout_s:.0f} s"
+            self._lose(flight.job.rank, why)
+            if flight.kind == "receive":
+                self._refuse(flight.job, TransferError(why))
+        if late:
+            self._dispatch()
 
-    def _handle(self, request: dict[str, Any], change: Optional[np.ndarray]) -> tuple[dict[str, Any],
-                                                                                  Optional[torch.Tensor]]:
-        """The reply to ``request``, and the vector to send after it (the sum, for a request with a change)."""
+    def _lose(self, rank: int, why: str) -> None:
+        if rank not in self._gone:
+            self._gone[rank] = why
+            logger.warning("lock server: the shared parameters did not reach rank %d or come from it (%s); it is "
+                           "treated as gone, its requests refused", rank, why)
+
+    def _release(self, is_slot: bool, buffer: torch.Tensor, well: bool) -> None:
+        if is_slot:
+            if well:
+                self._slots.give_back(buffer)
+            else:
+                self._slots.drop()
+
+    def _judge(self, job: Waiting, change: Optional[np.ndarray]) -> bool:
+        """Handle and answer a request (its change arrived); whether its sum is to be sent."""
+        try:
+            with Stopwatch() as watch:
+                reply, with_sum = self._handle(job.request, change)
+        except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
+            self._refuse(job, err)
+            return False
+        with self.lock:
+            self._stats.judged(str(job.request.get("op")), watch.seconds)
+        self._push(job, reply)
+        return with_sum
+
+    def _refuse(self, job: Waiting, err: BaseException) -> None:
+        logger.warning("lock server: %s request of rank %s refused: %s: %s", job.request.get("op"), job.rank,
+                       type(err).__name__, err)
+        self._push(job, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+
+    def _push(self, job: Waiting, reply: dict[str, Any]) -> None:
+        try:
+            self.store.queue_push(job.reply_to, pack(reply))
+        except Exception as err:
+            if not self._stop.is_set():
+                logger.warning("lock server: could not answer rank %s", job.rank)
+            raise _Unanswerable() from err
+
+    def in_flight(self) -> dict[int, str]:
+        """Rank -> ``"receive"`` or ``"send"``: the shared-parameter transfers not yet ended."""
+        return self._flights.snapshot()
+
+    def gone(self) -> dict[int, str]:
+        """The ranks treated as gone (a transfer failed or timed out), with why."""
+        return dict(self._gone)
+
+    def stats(self) -> dict[str, Any]:
+        """The serving thread's time so far (``ServerStats``, job/train/server_stats.py)."""
+        with self.lock:
+            return self._stats.as_dict()
+
+    @property
+    def slots_allocated(self) -> int:
+        """Transfer vectors alive now (at most ``TRANSFER_SLOTS``)."""
+        return self._slots.allocated
+
+    def _handle(self, request: dict[str, Any], change: Optional[np.ndarray]) -> tuple[dict[str, Any], bool]:
+        """The reply to ``request``, and whether the sum is sent after it (for a request with a change)."""
         rank = int(request["rank"])
         op = request.get("op")
         reply: dict[str, Any] = {"ok": True}
@@ -228,8 +383,7 @@ class LockServer:
                 reply["state"] = self.state.to_json()
             else:
                 raise ValueError(f"unknown request {op!r}")
-        # sent from the vector itself: only this thread changes it, and it waits for the send
-        return reply, (torch.from_numpy(self.shared) if change is not None else None)
+        return reply, change is not None
 
     def _save_pending(self) -> bool:
         """Move the shared updates of the buckets saved now (done, and no partition unwritten) into ``stored``;
@@ -252,13 +406,16 @@ class LockServer:
     def _persist(self, with_shared: bool = False) -> None:
         records = self.state.drain_journal()
         try:
-            if with_shared:
-                self.progress.append(records, shared=self.stored)
-            else:
-                self.progress.append(records)
+            with Stopwatch() as watch:
+                if with_shared:
+                    self.progress.append(records, shared=self.stored)
+                else:
+                    self.progress.append(records)
         except Exception as err:
             self.failed = f"{type(err).__name__}: {err}"
             raise
+        if records or with_shared:  # (called with self.lock held)
+            self._stats.persisted(watch.seconds, with_shared)
 
     def values(self) -> torch.Tensor:
         """The shared parameters as served now (a view: read it once the pass's syncs are over)."""
@@ -271,194 +428,5 @@ class LockServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._stopper.queue_push(self.requests, _pack({"op": "stop", "server": self.server_id}))
+        self._stopper.queue_push(self.requests, pack({"op": "stop", "server": self.server_id}))
         self.thread.join(timeout=5)
-
-
-def _pack(header: dict[str, Any]) -> bytes:
-    return json.dumps(header).encode()
-
-
-def _unpack(raw: bytes) -> dict[str, Any]:
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError("the message is not a JSON object")
-    return header
-
-
-class LockClient:
-    """One rank's connection to the lock server. ``channel``: a second client of the same rank (used from another
-    thread: the background writer releasing what it stored) gets its replies on its own queue. ``transport``: this
-    process's end of the shared-parameter transport (job/train/transport.py), for the client that carries the
-    shared parameters' changes (``finish_and_next`` with a change, ``sync``); None for one that never does."""
-
-    def __init__(self, store: Any, rank: int, timeout_s: float = 600.0, channel: str = "",
-                 prefix: str = DEFAULT_PREFIX, transport: Optional[TensorTransport] = None) -> None:
-        self.requests = _request_queue(prefix)
-        self.responses = _response_queue(prefix, rank, channel)
-        self.store = store.clone()
-        self.timeout_s = timeout_s
-        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        self.rank = rank
-        self.channel = channel
-        self.transport = transport
-
-    def _call(self, request: dict[str, Any], change: Optional[torch.Tensor] = None) -> dict[str, Any]:
-        """Ask; with ``change`` (a contiguous float32 CPU vector), send it along and receive the sum into it."""
-        request = dict(request, rank=self.rank, channel=self.channel)
-        transfer = None
-        if change is not None:
-            if self.transport is None:
-                raise ValueError(f"lock client of rank {self.rank}{self.channel}: no transport for shared parameters")
-            request.update(values=change.numel(), tag=self.transport.next_tag())
-            # posted before the request names it: the server receives it as soon as it reads the request
-            transfer = self.transport.send(change, SERVER_RANK, request["tag"])
-        asked = time.monotonic()
-        try:
-            self.store.queue_push(self.requests, _pack(request))
-            raw = self.store.queue_pop(self.responses, block=True)
-        except Exception as err:
-            waited = time.monotonic() - asked
-            if waited < self.timeout_s - 1.0:  # not the timeout: the store itself went away (its host is gone)
-                raise LockServerError(
-                    f"lock server (rank 0): lost the store while asking {request['op']!r} after {waited:.1f} s "
-                    f"({err}); the group this rank belonged to is gone (rank 0 died, or this rank was stopped and "
-                    "the others re-formed the group without it)") from err
-            raise LockServerError(
-                f"lock server (rank 0): no answer to {request['op']!r} in {self.timeout_s:.0f} s ({err}); rank 0 is "
-                "gone or the group is being re-formed") from err
-        reply = _unpack(raw)
-        if not reply.get("ok", False):
-            raise LockServerError(f"lock server (rank 0) refused {request['op']!r}: {reply.get('error')}")
-        if change is not None and transfer is not None:
-            try:
-                transfer.wait()  # taken before the reply was sent: the buffer is free for the sum
-                assert self.transport is not None
-                self.transport.recv(change, SERVER_RANK, request["tag"])
-            except TransferError as err:
-                raise LockServerError(f"lock server (rank 0): the shared parameters of {request['op']!r} did not "
-                                      f"travel: {err}") from err
-        return reply
-
-    def next_bucket(self, held: set, finished: Optional[Bucket], record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:
-        kind, bucket, dirty, _ = self.finish_and_next(held, finished, record)
-        return kind, bucket, dirty
-
-    def finish_and_next(self, held: set, finished: Optional[Bucket], record: Optional[dict],
-                        change: Optional[torch.Tensor] = None) -> tuple[str, Optional[Bucket], set,
-                                                                        Optional[torch.Tensor]]:
-        """Finish ``finished`` (its stats ``record``, and ``change``: the shared-parameter change it made, a
-        contiguous float32 CPU vector) and ask for the next bucket: (kind, bucket, partitions written this pass,
-        the shared parameters' sum if ``change``: received into ``change`` itself)."""
-        reply = self._call({"op": "next", "held": [list(k) for k in held],
-                            "finished": list(finished) if finished else None, "record": record}, change)
-        bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
-        return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}, change
-
-    def reserve(self, leaving: Sequence[PartKey] = ()) -> tuple[Optional[Bucket], set]:
-        """This rank's next bucket, granted while the current one trains (None: not now), and the partitions
-        written this pass so far (where to read the reserved bucket's partitions from). ``leaving``: partitions
-        being written back in the background (see ``LockState.reserve``)."""
-        reply = self._call({"op": "reserve", "leaving": [list(k) for k in leaving]})
-        bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
-        return bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}
-
-    def release(self, keys: list, written: bool = True) -> None:
-        """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
-        self._call({"op": "release", "keys": [list(k) for k in keys], "written": written})
-
-    def written(self, keys: Sequence[PartKey], staged: Sequence[Sequence[Any]]) -> None:
-        """Have the server record a write group (``keys``, their staged files ``[type, partition, name]``) as one
-        change; the locks stay with this rank (``release`` after the files are published)."""
-        self._call({"op": "written", "keys": [list(k) for k in keys], "staged": [list(s) for s in staged]})
-
-    def sync(self, change: torch.Tensor) -> torch.Tensor:
-        """Outside a bucket (a pass's start and end): push ``change``, receive the sum into it and return it."""
-        self._call({"op": "sync"}, change)
-        return change
-
-    def status(self) -> dict[str, Any]:
-        return self._call({"op": "status"})["state"]
-
-
-# shared parameters ------------------------------------------------------------------------------
-
-
-class SharedParameters:
-    """The tensors every trainer updates, flattened for the server's push/pull.
-
-    Memory (``CLIENT_VECTORS``): the values as last synced (``synced``, what the next change is measured from) and
-    one transfer buffer, which holds the change on its way out and the sum on its way back (the transport sends
-    from it and receives into it), so a sync allocates nothing of the vector's size."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-        self.synced = torch.from_numpy(self.flatten())
-        self.buffer = torch.empty_like(self.synced)
-
-    def flatten(self) -> np.ndarray:
-        """The values now, as a new vector (the server's starting vector)."""
-        if not self.tensors:
-            return np.zeros(0, dtype=np.float32)
-        return torch.cat([t.detach().reshape(-1).float().cpu() for t in self.tensors]).numpy().copy()
-
-    def change(self) -> torch.Tensor:
-        """The change since the last sync, in the transfer buffer (valid until the next ``change``/``assign``)."""
-        if self.tensors:
-            torch.cat([t.detach().reshape(-1).float().cpu() for t in self.tensors], out=self.buffer)
-        return self.buffer.sub_(self.synced)
-
-    def no_change(self) -> torch.Tensor:
-        """A zero change in the transfer buffer: to take the group's values without giving any."""
-        return self.buffer.zero_()
-
-    def assign(self, flat: torch.Tensor) -> None:
-        """Take ``flat`` (the group's sum) as the values and as the point the next change is measured from."""
-        offset = 0
-        with torch.no_grad():
-            for tensor in self.tensors:
-                n = tensor.numel()
-                tensor.copy_(flat[offset:offset + n].view_as(tensor))
-                offset += n
-        self.synced.copy_(flat)
-
-    def sync(self, client: LockClient) -> None:
-        """Outside a bucket: push the change, take the sum."""
-        self.assign(client.sync(self.change()))
-
-
-def shared_state(parameters: list[torch.Tensor], parameter_sums: list[torch.Tensor],
-                 tables: Sequence[Any]) -> list[torch.Tensor]:
-    """What every trainer shares: the model's parameters (relation operators, global embeddings) with their dense
-    Adagrad sums, and each unpartitioned table's rows with its row-wise Adagrad sums.
-
-    Why the sums too: Adagrad's sums add up as the parameters' changes do (each step adds its squared gradient), so
-    the server sums them like any change, and every trainer then steps with the group's sums, as Hogwild workers
-    of one process share theirs. Kept per trainer instead, each would step as if it alone trained the relations
-    (larger steps than one process takes), and a restart would resume them from the committed version, dropping
-    the sums of every bucket saved since; in the vector, the persisted progress carries them (the invariant of
-    docs/ARCHITECTURE.md, "Shared parameters across a restart")."""
-    tensors = list(parameters) + list(parameter_sums)
-    for table in tables:
-        tensors.append(table.weight)
-        if table.optim_sum is not None:
-            tensors.append(table.optim_sum)
-    return tensors
-
-
-def shared_values(parameters: int, config: Any, counts: dict[str, list[int]]) -> int:
-    """How many values ``shared_state`` holds: the model's ``parameters`` and their dense Adagrad sums, each
-    unpartitioned table's rows and their row sums (from the config and the entity counts, before anything is
-    loaded: what ``memory_budget`` and a pod's sizing count)."""
-    # the sums: (rows,) row-wise, (rows, dim) per coordinate (``entity_optimizer: adagrad``)
-    return 2 * parameters + sum(
-        counts[t][0] * config.entity_dimension(t) * (2 if per_coordinate(config, t) else 1) + (
-            0 if per_coordinate(config, t) else counts[t][0])
-        for t, e in config.entities.items() if e.num_partitions == 1)
-
-
-def sync_memory_bytes(values: int, serves: bool) -> int:
-    """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
-    ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (the vectors of buckets done
-    but not yet saved, ``LockServer.pending``, come on top: a few per trainer, while their partitions are held)."""
-    return 4 * values * (CLIENT_VECTORS + (SERVER_VECTORS if serves else 0))

@@ -207,9 +207,9 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
     mark("round")
-    # collective: every rank, right after the round. The lock server's thread blocks on a transfer, so a frozen peer
-    # stalls every rank for the transfer's timeout (300 s held a thawed-pod group past its re-forming): it follows
-    # the dead-peer timeout, with a floor for large payloads on a slow network
+    # collective: every rank, right after the round. A transfer's timeout follows the dead-peer timeout, with a floor
+    # for large payloads on a slow network (the lock server applies it itself and never waits on one peer:
+    # job/train/server_transfers.py; a trainer waits on the server that long at most)
     transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
     mark("transport")
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,

@@ -31,10 +31,10 @@ from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_n
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, pick_device
-from job.train.distributed import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
 from job.train.input_check import checked_input
+from job.train.lock_client import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
 from job.train.optim import RelationAdagrad
 from job.train.partitions import PartitionStore, Residency
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary

@@ -331,6 +331,10 @@ class LockServerScheduler(BucketScheduler):
         others = [json.loads(self.ctx.store.get(self.ctx.key(f"pass-io/{self.pass_tag}/{rank}")))
                   for rank in range(1, self.ctx.world_size)]
         self.server.stop()
+        stats = self.server.stats()
+        logger.info("lock server: %d requests served in %.2f s of its thread (%.2f s of it writing %d progress "
+                    "records)", sum(op["count"] for op in stats["ops"].values()), stats["busy_s"],
+                    stats["progress_s"], stats["appends"])
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
                           restart_count=self.ctx.restart_count, buckets_redone=self.server.state.redone)
 

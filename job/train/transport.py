@@ -18,11 +18,17 @@ request, and answers with the sum under the same tag.
 A send completes when the peer has taken the payload (gloo's rendezvous of an unbound buffer), so a sender may
 reuse its buffer after ``Transfer.wait``. The server's own rank has no gloo pair with itself: there (rank 0's
 trainer and its lock server, two threads of one process) a transfer is a hand-over in memory with the same
-semantics. Every wait is bounded (``timeout``): a dead peer fails the transfer (at once when the peer's socket
-closes, at the latest after the timeout) instead of holding the server forever. A failed transfer ends the pair
-with that peer (gloo closes it after a timeout), so that rank cannot sync again in this round: its next request
-fails and it leaves. The round is over anyway (the heartbeat names a dead rank, torchrun re-forms the group, and
-every worker process, with its transport, starts again: the group is rebuilt with the round).
+semantics.
+
+Timeouts. A trainer's waits are bounded by ``timeout``: a dead server fails them (at once when its socket closes,
+at the latest after the timeout). gloo answers a wait that times out by closing *every* pair of the process's
+group, not only the late peer's (measured: after a send to rank 1 timed out, a send to rank 2 failed with
+"Application timeout caused pair closure"), which is harmless on a trainer (its round is over) but would cut the
+lock server off from every rank because of one frozen peer. So the server never lets gloo time out: it posts its
+receives (``recv_async``) and sends and waits on them off its serving thread with ``wait(UNBOUNDED)``, applying the
+timeout itself (job/train/server_transfers.py): a peer past it is treated as gone, its buffer kept until gloo is
+done with it (the peer thaws and takes it, or its socket closes). The round is over anyway: the heartbeat names
+the late rank, torchrun re-forms the group, and every worker process, with its transport, starts again.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -39,6 +46,8 @@ import torch.distributed as dist
 # does not take or send its payload in this time is gone (its round is over)
 TRANSFER_TIMEOUT_S = 300.0
 _TAGS = 2**31  # gloo's tags are non-negative 32-bit integers
+# what ``wait_unbounded`` gives gloo as its timeout: never reached (the lock server applies its own)
+_FOREVER_S = 10 * 365 * 86400.0
 
 
 class TransferError(RuntimeError):
@@ -46,23 +55,36 @@ class TransferError(RuntimeError):
 
 
 class Transfer:
-    """A posted send: ``wait`` returns once the peer has taken the payload (the buffer may then be reused)."""
+    """A posted send or receive: ``wait`` returns once the payload was taken (a send: the buffer may then be reused)
+    or has arrived (a receive), and raises ``TransferError`` when it failed or timed out."""
 
-    def __init__(self, work: Any = None, taken: Optional[threading.Event] = None, timeout_s: float = 0.0,
-                 what: str = "") -> None:
+    def __init__(self, work: Any = None, finish: Optional[Callable[[float], None]] = None, timeout_s: float = 0.0,
+                 what: str = "", failed: str = "failed") -> None:
+        """``work``: gloo's; ``finish``: a hand-over in memory, completed by calling it with the time it may wait;
+        ``what`` and ``failed``: the error's words (``"<what>: <failed> (<gloo's error>)"``)."""
         self._work = work
-        self._taken = taken
-        self._timeout_s = timeout_s
-        self._what = what
+        self._finish = finish
+        self.timeout_s = timeout_s
+        self.what = what
+        self._failed = failed
 
     def wait(self) -> None:
+        """Wait at most the transport's timeout (a trainer's wait on the server)."""
+        self._wait(self.timeout_s)
+
+    def wait_unbounded(self) -> None:
+        """Wait without gloo's timeout, whose expiry would close every pair of the group (the module docstring):
+        the lock server's waits, from a thread of their own, the server applying the timeout itself."""
+        self._wait(_FOREVER_S)
+
+    def _wait(self, limit_s: float) -> None:
         try:
             if self._work is not None:
-                self._work.wait(datetime.timedelta(seconds=self._timeout_s))
+                self._work.wait(datetime.timedelta(seconds=limit_s))
         except Exception as err:
-            raise TransferError(f"{self._what}: not taken ({err})") from err
-        if self._taken is not None and not self._taken.wait(self._timeout_s):
-            raise TransferError(f"{self._what}: not taken in {self._timeout_s:.0f} s")
+            raise TransferError(f"{self.what}: {self._failed} ({err})") from err
+        if self._finish is not None:
+            self._finish(limit_s)
 
 
 class TensorTransport:
@@ -108,30 +130,45 @@ class TensorTransport:
             with self._local_ready:
                 self._local[tag] = (tensor, taken)
                 self._local_ready.notify_all()
-            return Transfer(taken=taken, timeout_s=self.timeout_s, what=what)
+
+            def handed_over(limit_s: float) -> None:
+                if not taken.wait(limit_s):
+                    raise TransferError(f"{what}: not taken in {limit_s:.0f} s")
+
+            return Transfer(finish=handed_over, timeout_s=self.timeout_s, what=what)
         try:
             work = self._group.send([tensor], peer, tag)
         except Exception as err:
             raise TransferError(f"{what}: not sent ({err})") from err
-        return Transfer(work=work, timeout_s=self.timeout_s, what=what)
+        return Transfer(work=work, timeout_s=self.timeout_s, what=what, failed="not taken")
 
     def recv(self, into: torch.Tensor, peer: int, tag: int) -> None:
         """Receive ``peer``'s payload of ``tag`` into ``into`` (its size is the payload's, as the request said)."""
+        self.recv_async(into, peer, tag).wait()
+
+    def recv_async(self, into: torch.Tensor, peer: int, tag: int) -> Transfer:
+        """Post the receive of ``peer``'s payload of ``tag`` into ``into``; it has arrived once the returned
+        ``Transfer`` is waited (the lock server's receives: waited off its serving thread)."""
         what = f"rank {self.rank}: the shared-parameter payload {tag} from rank {peer}"
         if into.numel() == 0:
-            return
+            return Transfer()
         if peer == self.rank:
-            with self._local_ready:
-                if not self._local_ready.wait_for(lambda: tag in self._local, self.timeout_s):
-                    raise TransferError(f"{what}: not sent in {self.timeout_s:.0f} s")
-                tensor, taken = self._local.pop(tag)
-            if tensor.numel() != into.numel():
-                taken.set()
-                raise TransferError(f"{what}: {tensor.numel()} values, {into.numel()} expected")
-            into.copy_(tensor)
-            taken.set()
-            return
+            return Transfer(finish=lambda limit_s: self._take_local(into, tag, what, limit_s), timeout_s=self.timeout_s,
+                            what=what)
         try:
-            self._group.recv([into], peer, tag).wait(datetime.timedelta(seconds=self.timeout_s))
+            work = self._group.recv([into], peer, tag)
         except Exception as err:
             raise TransferError(f"{what}: not received ({err})") from err
+        return Transfer(work=work, timeout_s=self.timeout_s, what=what, failed="not received")
+
+    def _take_local(self, into: torch.Tensor, tag: int, what: str, limit_s: float) -> None:
+        """The hand-over in memory from this process's other end (rank 0's trainer to its server, or back)."""
+        with self._local_ready:
+            if not self._local_ready.wait_for(lambda: tag in self._local, limit_s):
+                raise TransferError(f"{what}: not sent in {limit_s:.0f} s")
+            tensor, taken = self._local.pop(tag)
+        if tensor.numel() != into.numel():
+            taken.set()
+            raise TransferError(f"{what}: {tensor.numel()} values, {into.numel()} expected")
+        into.copy_(tensor)
+        taken.set()

@@ -1,0 +1,352 @@
+"""What the lock server costs per bucket at 8, 32 and 128 pods (issue #30), measured on its real parts.
+
+A real ``LockServer`` with its real ``ProgressLog`` (fsynced files under ``--work``) on a real TCPStore, and N
+simulated trainers issuing the request sequence of a pass as ``LockServerScheduler`` does: ``next`` carrying the
+finished bucket's shared-parameter change (and taking the sum), ``reserve`` (``prefetch_partitions``), and
+``release`` of the partitions the new bucket does not use (on the writer's channel). The shared vector has
+Freebase86m's relation parameters by default: 14,824 relations x 200 floats (ComplEx, d=100), 11.9 MB, carried
+over real gloo transports (``TensorTransport.over_store``, one rank per trainer).
+
+Trainers are processes, not threads of one interpreter: rank 0's trainer runs in the server's process (as in a
+pod), the others in child processes of up to ``--per-process`` trainer threads each, so the server's thread
+shares its GIL only with its own helpers and rank 0's trainer (as in a real pod), not with N clients. Trainers do
+no training by default (``--train-ms 0``): requests back to back, the server saturated, so that its time per
+request and its throughput show. gloo connects every pair at the start, as in a pod group (its lazy mode,
+``TORCH_GLOO_LAZY_INIT``, failed point-to-point sends with "Connect timeout" in torch 2.13).
+
+Phases: ``state`` (``LockState`` alone: its scheduling logic's cost, which grows with P), ``progress``
+(``ProgressLog.append`` per record, with and without the vector), ``transfer`` (one trainer's ``sync`` round trip
+with the vector and without), then one scale run per ``--trainers`` figure. Prints JSON lines;
+bench/RESULTS.md has the figures and the paper model built on them.
+
+    .venv/bin/python bench/lock_server_bench.py --trainers 8,32,128 --work /tmp/lsb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.distributed import PrefixStore, TCPStore  # noqa: E402
+
+from job.train.buckets import Bucket  # noqa: E402
+from job.train.distributed import LockClient, LockServer, SharedParameters  # noqa: E402
+from job.train.lock_state import LockState  # noqa: E402
+from job.train.progress import ProgressLog  # noqa: E402
+from job.train.transport import TensorTransport  # noqa: E402
+
+FREEBASE_RELATION_VALUES = 14_824 * 200  # ComplEx d=100: a real and an imaginary diagonal per relation
+TIMEOUT_S = 600.0
+PREFIX = "bench/lock"
+
+
+def bucket_keys(nparts: int) -> dict[Bucket, frozenset]:
+    return {Bucket(a, b): frozenset({("node", a), ("node", b)}) for a in range(nparts) for b in range(nparts)}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values) * 1e3
+    return {"n": len(values), "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+            "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
+
+
+# a trainer: the request sequence of LockServerScheduler, timed ----------------------------------------------------
+
+
+def run_trainer(store: Any, rank: int, transport: TensorTransport, weights: torch.Tensor, nparts: int, buckets: int,
+                train_s: float, out: dict[str, Any]) -> None:
+    """Train ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of sleep)."""
+    keys = bucket_keys(nparts)
+    client = LockClient(store, rank, timeout_s=TIMEOUT_S, prefix=PREFIX, transport=transport)
+    writer = LockClient(store, rank, timeout_s=TIMEOUT_S, channel="/writer", prefix=PREFIX)
+    shared = SharedParameters([weights])
+    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
+    current: Optional[Bucket] = None
+    held: set = set()
+    trained = waits = 0
+    while trained < buckets:
+        started = time.perf_counter()
+        kind, bucket, _, total = client.finish_and_next(held, current, None,
+                                                        shared.change() if current is not None else None)
+        latency["next"].append(time.perf_counter() - started)
+        if total is not None:
+            shared.assign(total)
+        current = bucket
+        if kind == "done":
+            break
+        if bucket is None:  # nothing open now: give everything back and ask again, as the scheduler does
+            waits += 1
+            if held:
+                started = time.perf_counter()
+                writer.release(sorted(held))
+                latency["release"].append(time.perf_counter() - started)
+                held = set()
+            time.sleep(0.02)
+            continue
+        leaving = held - keys[bucket]
+        started = time.perf_counter()
+        client.reserve(sorted(leaving))
+        latency["reserve"].append(time.perf_counter() - started)
+        if leaving:
+            started = time.perf_counter()
+            writer.release(sorted(leaving))
+            latency["release"].append(time.perf_counter() - started)
+        held = set(keys[bucket])
+        trained += 1
+        if train_s:
+            time.sleep(train_s)
+    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits}
+
+
+def join_transport(store: Any, rank: int, world: int, made: dict[int, TensorTransport]) -> None:
+    made[rank] = TensorTransport.over_store(PrefixStore("bench/transport", store.clone()), rank, world, TIMEOUT_S)
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """One child process: trainer threads for ranks ``--ranks`` (first,last), results as one JSON line."""
+    store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    first, last = (int(x) for x in args.ranks.split(","))
+    ranks = list(range(first, last + 1))
+    made: dict[int, TensorTransport] = {}
+    joins = [threading.Thread(target=join_transport, args=(store, r, args.world, made)) for r in ranks]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join()
+    store.add("bench/joined", len(ranks))
+    store.wait(["bench/go"])
+    weights = torch.zeros(args.values)  # the process's trainers share one copy of the "model" (memory)
+    out: dict[str, Any] = {}
+    threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], weights, args.partitions,
+                                                          args.buckets, args.train_ms / 1e3, out)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps(out), flush=True)
+
+
+# the scale run: server + rank 0's trainer here, the other trainers in child processes ------------------------------
+
+
+def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) -> dict[str, Any]:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    port = store.port
+    children = []
+    for first in range(1, trainers, args.per_process):
+        last = min(first + args.per_process - 1, trainers - 1)
+        children.append(subprocess.Popen(
+            [sys.executable, __file__, "--child", "--port", str(port), "--ranks", f"{first},{last}", "--world",
+             str(trainers), "--values", str(args.values), "--partitions", str(nparts), "--buckets",
+             str(args.buckets), "--train-ms", str(args.train_ms)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))))
+    made: dict[int, TensorTransport] = {}
+    join_transport(store, 0, trainers, made)
+    while int(store.add("bench/joined", 0)) < trainers - 1:
+        time.sleep(0.05)
+    state = LockState(nparts, nparts, bucket_keys(nparts), world_size=trainers, version=1)
+    log_dir = work / f"progress-{trainers}"
+    log = ProgressLog(str(log_dir), "bench", 1)
+    shared = np.zeros(args.values, np.float32)
+    log.start(state.to_json(), shared)
+    server = LockServer(store, state, log, shared, 0, made[0], prefix=PREFIX)
+    out: dict[str, Any] = {}
+    started = time.perf_counter()
+    store.set("bench/go", "1")
+    own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], torch.zeros(args.values), nparts,
+                                                     args.buckets, args.train_ms / 1e3, out))
+    own.start()
+    for child in children:
+        stdout, stderr = child.communicate(timeout=3600)
+        if child.returncode != 0:
+            raise RuntimeError(f"a trainer process failed: {stderr[-3000:]}")
+        out.update(json.loads(stdout.strip().splitlines()[-1]))
+    own.join()
+    wall = time.perf_counter() - started
+    stats = server.stats()
+    server.stop()
+    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
+    for result in out.values():
+        for op, values in result["latency"].items():
+            latency[op].extend(values)
+    requests = sum(op["count"] for op in stats["ops"].values())
+    return {
+        "phase": "scale", "trainers": trainers, "partitions": nparts, "buckets_per_pass": nparts * nparts,
+        "values": args.values, "wall_s": wall, "buckets_trained": sum(r["trained"] for r in out.values()),
+        "waits": sum(r["waits"] for r in out.values()), "requests": requests,
+        "server_busy_s": stats["busy_s"], "server_busy_fraction": stats["busy_s"] / wall,
+        "server_us_per_request": 1e6 * stats["busy_s"] / max(requests, 1),
+        "server_ms_per_op": {op: 1e3 * v["seconds"] / max(v["count"], 1) for op, v in stats["ops"].items()},
+        "progress_ms_per_append": 1e3 * stats["progress_s"] / max(stats["appends"], 1),
+        "appends": stats["appends"], "shared_appends": stats["shared_appends"],
+        "copy_ms_per_sum": 1e3 * stats["copy_s"] / max(stats["ops"].get("next", {"count": 1})["count"], 1),
+        "latency": {op: percentiles(values) for op, values in latency.items()},
+    }
+
+
+# the progress log and one trainer's transfers, alone --------------------------------------------------------------
+
+
+def progress_phase(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``ProgressLog.append`` as the server calls it: a record of a ``next`` (finish + start) alone, and one that
+    saves a bucket (the record and the stored vector)."""
+    nparts = 16
+    state = LockState(nparts, nparts, bucket_keys(nparts), world_size=8, version=1)
+    log = ProgressLog(str(work / "progress-alone"), "bench", 1)
+    vector = np.zeros(args.values, np.float32)
+    log.start(state.to_json(), vector)
+    records = [{"e": "finish", "rank": 3, "bucket": [2, 5], "keys": [["node", 2], ["node", 5]]},
+               {"e": "stop", "rank": 3}, {"e": "start", "rank": 3, "bucket": [2, 7]}]
+    small, large = [], []
+    for _ in range(args.progress_repeats):
+        started = time.perf_counter()
+        log.append(records)
+        small.append(time.perf_counter() - started)
+    for _ in range(max(args.progress_repeats // 5, 3)):
+        started = time.perf_counter()
+        log.append([{"e": "written", "rank": 3, "keys": [["node", 5]]}], shared=vector)
+        large.append(time.perf_counter() - started)
+    return {"phase": "progress", "where": str(work), "record": percentiles(small),
+            "record_with_vector": percentiles(large), "vector_mb": vector.nbytes / 1e6}
+
+
+def transfer_phase(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One trainer (a child process) syncing ``--transfer-repeats`` times, with the vector and with an empty one."""
+    results = {}
+    for values in (args.values, 0):
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--sync-child", "--port", str(store.port), "--values", str(values),
+             "--transfer-repeats", str(args.transfer_repeats)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent)))
+        made: dict[int, TensorTransport] = {}
+        join_transport(store, 0, 2, made)
+        server = LockServer(store, LockState(2, 2, bucket_keys(2), world_size=2), ProgressLog(
+            str(work / "progress-sync"), "bench", 1), np.zeros(values, np.float32), 0, made[0], prefix=PREFIX)
+        stdout, stderr = child.communicate(timeout=600)
+        if child.returncode != 0:
+            raise RuntimeError(stderr[-3000:])
+        stats = server.stats()
+        server.stop()
+        results[str(values)] = {"round_trip": percentiles(json.loads(stdout.strip().splitlines()[-1])),
+                                "server_ms_per_sync": 1e3 * stats["ops"]["sync"]["seconds"] / stats["ops"]["sync"]["count"],
+                                "copy_ms": 1e3 * stats["copy_s"] / stats["ops"]["sync"]["count"]}
+    return {"phase": "transfer", "values": args.values, "mb": 4 * args.values / 1e6, "by_values": results}
+
+
+def sync_child(args: argparse.Namespace) -> None:
+    store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    made: dict[int, TensorTransport] = {}
+    join_transport(store, 1, 2, made)
+    client = LockClient(store, 1, timeout_s=TIMEOUT_S, prefix=PREFIX, transport=made[1])
+    change = torch.zeros(args.values)
+    client.sync(change)  # warm-up: the pair's connection
+    times = []
+    for _ in range(args.transfer_repeats):
+        started = time.perf_counter()
+        client.sync(change)
+        times.append(time.perf_counter() - started)
+    print(json.dumps(times), flush=True)
+
+
+def state_phase(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``LockState`` alone (the scheduling logic the server runs under its lock, without transport or progress):
+    ms per ``next_bucket`` / ``reserve`` / ``release`` with every trainer holding a bucket, per (trainers, P)."""
+    import random
+
+    rows = []
+    counts = [int(n) for n in args.trainers.split(",")]
+    parts = [int(p) for p in args.partitions.split(",")] if args.partitions else [2 * n for n in counts]
+    for trainers, nparts in zip(counts, parts):
+        keys = bucket_keys(nparts)
+        state = LockState(nparts, nparts, keys, world_size=trainers, version=1)
+        rng = random.Random(0)
+        current: dict[int, Optional[Bucket]] = {rank: None for rank in range(trainers)}
+        timings: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
+        for _ in range(3):
+            for rank in range(trainers):
+                held = set(keys[current[rank]]) if current[rank] is not None else set()
+                started = time.perf_counter()
+                _, bucket = state.next_bucket(rank, held, current[rank], rng)
+                timings["next"].append(time.perf_counter() - started)
+                leaving = held - set(keys[bucket]) if bucket is not None else held
+                started = time.perf_counter()
+                state.reserve(rank, rng, frozenset(leaving))
+                timings["reserve"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                state.release(rank, sorted(leaving))
+                timings["release"].append(time.perf_counter() - started)
+                state.drain_journal()
+                current[rank] = bucket
+        rows.append({"phase": "state", "trainers": trainers, "partitions": nparts,
+                     "ms": {op: 1e3 * float(np.median(v)) for op, v in timings.items()}})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainers", default="8,32,128")
+    parser.add_argument("--partitions", default="", help="per trainers figure (comma list); default 2 x trainers")
+    parser.add_argument("--values", type=int, default=FREEBASE_RELATION_VALUES)
+    parser.add_argument("--buckets", type=int, default=4, help="buckets each trainer trains in a scale run")
+    parser.add_argument("--train-ms", type=float, default=0.0)
+    parser.add_argument("--per-process", type=int, default=16)
+    parser.add_argument("--progress-repeats", type=int, default=50)
+    parser.add_argument("--transfer-repeats", type=int, default=20)
+    parser.add_argument("--phases", default="progress,transfer,scale")
+    parser.add_argument("--work", default="/tmp/lock_server_bench")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sync-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.partitions = int(args.partitions)
+        child_main(args)
+        return
+    if args.sync_child:
+        sync_child(args)
+        return
+    from machine import matmul_rate
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    print(json.dumps({"machine": {"matmul_gflops": round(matmul_rate(), 1), "load": os.getloadavg(),
+                                  "cpus": os.cpu_count()}}), flush=True)
+    phases = args.phases.split(",")
+    if "state" in phases:
+        for row in state_phase(args):
+            print(json.dumps(row), flush=True)
+    if "progress" in phases:
+        print(json.dumps(progress_phase(args, work)), flush=True)
+    if "transfer" in phases:
+        print(json.dumps(transfer_phase(args, work)), flush=True)
+    if "scale" in phases:
+        counts = [int(n) for n in args.trainers.split(",")]
+        parts = [int(p) for p in args.partitions.split(",")] if args.partitions else [2 * n for n in counts]
+        for trainers, nparts in zip(counts, parts):
+            print(json.dumps(scale_run(args, trainers, nparts, work)), flush=True)
+    print(json.dumps({"machine_after": {"load": os.getloadavg()}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
