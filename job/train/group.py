@@ -116,21 +116,20 @@ class Heartbeat:
     trainers only talk to the store), so without this the survivors would wait for its bucket forever.
 
     A peer is judged from its first beat on: until then it has ``first_beat_after`` (at least a minute) to show
-    up. Its first beat comes once its heartbeat thread has its own store connection, and connecting is what a
-    starting group can stall on: torch's store client looks the server's address up in reverse DNS on every
-    connection, and a resolver that drops a query costs 5 s (10 s with its retry) before the connection is made
-    (seen on the bench VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"). Judged
-    from the group's forming instead, such a peer, alive and starting, was declared dead after 6 s and the whole
-    group restarted. A peer that dies before its first beat is still found, after ``first_beat_after``; one that
-    dies after it, after ``dead_after`` as before. The window between the two is the few moments from the
-    group's last collective (``init_distributed``) to the peer's first beat.
+    up. Its first beat comes once its heartbeat has its own store connection, and connecting is what a starting
+    group can stall on: torch's store client looks the server's address up in reverse DNS on every connection, and
+    a resolver that drops a query costs 5 s (10 s with its retry) before the connection is made (seen on the bench
+    VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"). Judged from rank 0's own
+    start instead, such a peer, alive and starting, was declared dead after 6 s and the whole group restarted. A
+    peer that dies before its first beat is still found, after ``first_beat_after``; one that dies after it, after
+    ``dead_after`` as before. The window between the two is the few moments from the group's last collective
+    (``init_distributed``) to the peer's first beat.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, interval: float = DEFAULT_PEER_INTERVAL_S,
                  dead_after: float = DEFAULT_PEER_TIMEOUT_S, round_id: str = "0",
                  first_beat_after: float = FIRST_BEAT_TIMEOUT_S) -> None:
-        self._source = store  # cloned by the thread: a slow connection delays no one else
-        self.store: Any = None
+        self.store = store.clone()
         self.round_id = round_id
         self.rank = rank
         self.world_size = world_size
@@ -144,10 +143,6 @@ class Heartbeat:
         self.thread.start()
 
     def _run(self) -> None:
-        try:
-            self.store = self._source.clone()
-        except Exception:  # the store is gone already: the main thread will fail on its next call
-            return
         started = time.monotonic()
         last_value: dict[int, int] = {}
         last_change: dict[int, float] = {}
@@ -183,7 +178,12 @@ class Heartbeat:
         self.dead_rank = peer
 
     def stop(self) -> None:
+        """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
+        thread is inside torch's store client is aborted (``terminate called without an active exception``) and
+        torchrun counts the worker as failed."""
         self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.interval + 5.0)
 
 
 def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> Optional[DistributedContext]:
