@@ -119,7 +119,8 @@ class Heartbeat:
     up. Its first beat comes once its heartbeat has its own store connection, and connecting is what a starting
     group can stall on: torch's store client looks the server's address up in reverse DNS on every connection, and
     a resolver that drops a query costs 5 s (10 s with its retry) before the connection is made (seen on the bench
-    VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"). Judged from rank 0's own
+    VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"; where the lookup fails torch
+    warns ``[c10d] The hostname of the client socket cannot be retrieved. err=-3``). Judged from rank 0's own
     start instead, such a peer, alive and starting, was declared dead after 6 s and the whole group restarted. A
     peer that dies before its first beat is still found, after ``first_beat_after``; one that dies after it, after
     ``dead_after`` as before. The window between the two is the few moments from the group's last collective

@@ -30,7 +30,7 @@ from job.train.group import DistributedContext
 from storage_adapters.errors import StorageError
 
 KEY = "input-check"  # the round's store key of rank 0's verdict
-CHECKING_RANK = 0
+CHECKING_RANK = 0  # the messages name it: "rank 0's input check"
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,9 @@ def checked_input(config: ConfigSchema, dist: Optional[DistributedContext]) -> I
 
 def _verdict(message: dict[str, Any]) -> InputFacts:
     if "refused" in message:
-        raise InputRefused(f"{message['refused']} (found by rank {CHECKING_RANK}'s input check)",
-                           int(message["exit_code"]))
+        raise InputRefused(f"{message['refused']} (found by rank 0's input check)", int(message["exit_code"]))
     if "crashed" in message:
-        raise RuntimeError(f"rank {CHECKING_RANK}'s input check failed: {message['crashed']}")
+        raise RuntimeError(f"rank 0's input check failed: {message['crashed']}")
     facts = message["facts"]
     return InputFacts(entity_counts={t: [int(c) for c in counts] for t, counts in facts["entity_counts"].items()},
                       num_dynamic_rels=int(facts["num_dynamic_rels"]), num_chunks=int(facts["num_chunks"]))
