@@ -132,7 +132,7 @@ def one_run(checkout: Path, label: str, args: argparse.Namespace, graph_config: 
             "phases": phases, "load_before": round(load_before[0], 2), "load_after": round(os.getloadavg()[0], 2)}
 
 
-def s3_setup(work: Path, graph: Path) -> tuple[subprocess.Popen, str, dict[str, str]]:
+def s3_setup(graph: Path) -> tuple[subprocess.Popen, str, dict[str, str]]:
     """moto in its own process, the generated graph copied onto it; (server, s3 root, the trainers' environment)."""
     import s3fs
     from storage_bench import start_moto
@@ -172,7 +172,7 @@ def main() -> int:
     config.update(num_uniform_negs=20, num_batch_negs=20, seed=0, num_edge_chunks=1)
     moto, env_extra = None, {}
     if args.storage == "s3":
-        moto, root, env_extra = s3_setup(work, graph)
+        moto, root, env_extra = s3_setup(graph)
         config.update(entity_path=f"{root}/data", edge_paths=[f"{root}/data/edges"], checkpoint_path=f"{root}/ckpt")
     machine = {"matmul_gflops": round(matmul_rate(), 1), "cpus": os.cpu_count(), "load": os.getloadavg()[0]}
     print(json.dumps({"machine": machine, "ranks": args.ranks, "partitions": args.partitions,
