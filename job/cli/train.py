@@ -78,7 +78,10 @@ def load(args: argparse.Namespace) -> ConfigSchema:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from job.train.startup import mark_early  # torch-free
+
     config = load(args)
+    mark_early("interpreter and config")  # the trainer's start-up line counts from the process's start
     if config.effective_workers() > 1 and not config.wants_cuda():
         # Hogwild on the CPU: the workers' fork server imports torch while this process does
         from job.train.spawning import start_worker_server

@@ -173,6 +173,7 @@ def run_validation(
     num_rel_ids: int | None = len(config.relations)
     if _entity_path_exists(config, collect):
         counts = _check_counts(config, collect)
+        report.entity_counts = counts
         if full:
             _check_extra_count_files(config, collect)
         num_rel_ids = _num_relation_ids(config, collect)
@@ -181,7 +182,7 @@ def run_validation(
 
     def check_path(edge_path: str, key: str, scan: bool) -> int | None:
         """The edges of one directory (None: it is missing); ``scan``: every value checked."""
-        total = 0
+        per_file: list[int]
         if not _edge_path_exists(edge_path, collect, key):
             return None
         if full:
@@ -192,19 +193,22 @@ def run_validation(
             # ~10 s one after another, paid again by every trainer a torchrun round restarts); in flight together,
             # the first problem in bucket order still raised first (pool.map yields in order)
             with ThreadPoolExecutor(REMOTE_CHECKS) as pool:
-                total += sum(pool.map(storage.carry(lambda url: check_edge_file(
+                per_file = list(pool.map(storage.carry(lambda url: check_edge_file(
                     url, collect, False, None, chunk_rows, empty_referenced)),
                     [edges_file(edge_path, lhs, rhs) for lhs, rhs in buckets]))
             report.edge_files += len(buckets)
         else:
+            per_file = []
             for lhs_part, rhs_part in buckets:
                 ctx = None
                 if scan and num_rel_ids is not None and counts:
                     ctx = EdgeLimits.for_bucket(config, counts, num_rel_ids, (lhs_part, rhs_part))
                 url = edges_file(edge_path, lhs_part, rhs_part)
-                total += check_edge_file(url, collect, scan, ctx, chunk_rows, empty_referenced)
+                per_file.append(check_edge_file(url, collect, scan, ctx, chunk_rows, empty_referenced))
                 report.edge_files += 1
+        total = sum(per_file)
         report.edges_per_path[edge_path] = total
+        report.largest_edge_file[edge_path] = max(per_file, default=0)
         return total
 
     for edge_path in config.edge_paths:
@@ -227,9 +231,10 @@ def run_validation(
     return report
 
 
-def validate_cheap(config: ConfigSchema) -> None:
-    """Raise the first problem found without scanning values (counts, bucket files, edge file headers)."""
-    run_validation(config, full=False, fail_fast=True)
+def validate_cheap(config: ConfigSchema) -> ValidationReport:
+    """Raise the first problem found without scanning values (counts, bucket files, edge file headers); returns
+    what it read (the entity counts, each path's largest bucket file: a trainer takes them from here)."""
+    return run_validation(config, full=False, fail_fast=True)
 
 
 def validate_full(config: ConfigSchema, chunk_rows: int = CHUNK_ROWS) -> list[str]:

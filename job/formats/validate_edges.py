@@ -41,6 +41,11 @@ class ValidationReport:
     total_entities: int = 0
     edge_files: int = 0
     edges_per_path: dict[str, int] = field(default_factory=dict)
+    # what a trainer reads anyway, kept so that it need not read it again (job/train/input_check.py): each entity
+    # type's counts per partition (None: unreadable, reported), and the edges of each path's largest bucket file
+    # (what the number of edge chunks is sized by)
+    entity_counts: dict[str, list[int | None]] = field(default_factory=dict)
+    largest_edge_file: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -68,7 +68,14 @@ def count_edge_chunks(config: ConfigSchema) -> int:
                 if storage.size(url) // 3 <= config.max_edges_per_chunk:
                     continue
                 most = max(most, edge_format.count_edges(url))
-    return max(1, math.ceil(most / config.max_edges_per_chunk))
+    return chunks_for(config, most)
+
+
+def chunks_for(config: ConfigSchema, largest: int) -> int:
+    """``num_edge_chunks``, or as many as a bucket file of ``largest`` edges needs for ``max_edges_per_chunk``."""
+    if config.num_edge_chunks is not None:
+        return config.num_edge_chunks
+    return max(1, math.ceil(largest / config.max_edges_per_chunk))
 
 
 def edge_limits(config: ConfigSchema, counts: Mapping[str, Sequence[int]], num_dynamic_rels: int,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.startup import StartupClock
 from job.train.transport import TensorTransport
 
 logger = logging.getLogger("biggraph")
@@ -45,6 +46,9 @@ logger = logging.getLogger("biggraph")
 DEFAULT_PEER_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 6.0
 MIN_TRANSFER_TIMEOUT_S = 30.0  # a shared-parameter transfer's least timeout (init_distributed)
+# How long rank 0 waits for a peer's first beat (``Heartbeat``): a starting peer may take 10 s to connect its
+# heartbeat to the store (a dropped reverse-DNS query and its retry), more on a starved node
+FIRST_BEAT_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -96,7 +100,7 @@ class DistributedContext:
         """Raise when a peer stopped: torchrun then restarts the group and training resumes from progress."""
         if self.heartbeat is not None and self.heartbeat.dead_rank is not None:
             raise RuntimeError(
-                f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.dead_after:.0f} s; "
+                f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.silent_for:.0f} s; "
                 "exiting so that torchrun re-forms the group without it"
             )
 
@@ -110,49 +114,84 @@ class Heartbeat:
 
     torchrun's agents do not restart survivors when a node dies and no collective is pending (our
     trainers only talk to the store), so without this the survivors would wait for its bucket forever.
+
+    A peer is judged from its first beat on: until then it has ``first_beat_after`` (at least a minute) to show
+    up. Its first beat comes once its heartbeat has its own store connection, and connecting is what a starting
+    group can stall on: torch's store client looks the server's address up in reverse DNS on every connection, and
+    a resolver that drops a query costs 5 s (10 s with its retry) before the connection is made (seen on the bench
+    VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"; where the lookup fails torch
+    warns ``[c10d] The hostname of the client socket cannot be retrieved. err=-3``). Judged from rank 0's own
+    start instead, such a peer, alive and starting, was declared dead after 6 s and the whole group restarted. A
+    peer that dies before its first beat is still found, after ``first_beat_after``; one that dies after it, after
+    ``dead_after`` as before. The window between the two is the few moments from the group's last collective
+    (``init_distributed``) to the peer's first beat.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, interval: float = DEFAULT_PEER_INTERVAL_S,
-                 dead_after: float = DEFAULT_PEER_TIMEOUT_S, round_id: str = "0") -> None:
+                 dead_after: float = DEFAULT_PEER_TIMEOUT_S, round_id: str = "0",
+                 first_beat_after: float = FIRST_BEAT_TIMEOUT_S) -> None:
         self.store = store.clone()
         self.round_id = round_id
         self.rank = rank
         self.world_size = world_size
         self.interval = interval
         self.dead_after = dead_after
+        self.first_beat_after = max(first_beat_after, dead_after)
         self.dead_rank: Optional[int] = None
+        self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        started = time.monotonic()
         last_value: dict[int, int] = {}
         last_change: dict[int, float] = {}
-        while not self._stop.wait(self.interval):
+        while True:  # the first beat at once: the watcher judges this rank from it on
             try:
                 self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
-                if self.rank != 0:
-                    continue
-                now = time.monotonic()
-                for peer in range(1, self.world_size):
-                    value = int(self.store.add(round_key(self.round_id, f"heartbeat/{peer}"), 0))
-                    if last_value.get(peer) != value:
-                        last_value[peer] = value
-                        last_change[peer] = now
-                    elif now - last_change[peer] > self.dead_after:
-                        if self.dead_rank is None:  # fenced: should it wake up, it writes nothing (``fence``)
-                            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
-                        self.dead_rank = peer
+                if self.rank == 0:
+                    self._watch(started, last_value, last_change)
             except Exception:  # the store is gone: the main thread will fail on its next call
                 return
+            if self._stop.wait(self.interval):
+                return
+
+    def _watch(self, started: float, last_value: dict[int, int], last_change: dict[int, float]) -> None:
+        """Rank 0: declare dead a peer silent for ``dead_after`` since its last beat, or one that has not beaten
+        ``first_beat_after`` after this watcher started."""
+        now = time.monotonic()
+        for peer in range(1, self.world_size):
+            value = int(self.store.add(round_key(self.round_id, f"heartbeat/{peer}"), 0))
+            if value == 0:  # not started yet
+                if now - started > self.first_beat_after:
+                    self._declare(peer, self.first_beat_after)
+            elif last_value.get(peer) != value:
+                last_value[peer] = value
+                last_change[peer] = now
+            elif now - last_change[peer] > self.dead_after:
+                self._declare(peer, self.dead_after)
+
+    def _declare(self, peer: int, silent_for: float) -> None:
+        if self.dead_rank is None:  # fenced: should it wake up, it writes nothing (``fence``)
+            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+            self.silent_for = silent_for
+        self.dead_rank = peer
 
     def stop(self) -> None:
+        """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
+        thread is inside torch's store client is aborted (``terminate called without an active exception``) and
+        torchrun counts the worker as failed."""
         self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.interval + 5.0)
 
 
-def init_distributed(digest: str = "") -> Optional[DistributedContext]:
+def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> Optional[DistributedContext]:
     """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1), and agree on its round.
-    ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``)."""
+    ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``); ``clock``:
+    the trainer's start-up clock, which gets the rendezvous, the round and the transport as phases."""
+    mark = clock.mark if clock is not None else (lambda phase: None)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Under torchrun even a group of one uses the lock server: an elastic job that shrinks to one node
     # must resume its pass from the persisted progress, and grow again later.
@@ -162,15 +201,18 @@ def init_distributed(digest: str = "") -> Optional[DistributedContext]:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("BIGGRAPH_BACKEND") == "nccl" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    mark("rendezvous")
     store = distributed_c10d._get_default_store()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     interval, dead_after = peer_timing(os.environ)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
+    mark("round")
     # collective: every rank, right after the round. A transfer's timeout follows the dead-peer timeout, with a floor
     # for large payloads on a slow network (the lock server applies it itself and never waits on one peer:
     # job/train/server_transfers.py; a trainer waits on the server that long at most)
     transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
+    mark("transport")
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
     return DistributedContext(

@@ -23,8 +23,6 @@ from job.checkpoint.journal_checks import GrowInputs
 from job.config import BucketOrder, ConfigSchema
 from job.eval_protocol import protocol_label
 from job.formats import edges as edge_format
-from job.formats import entities as entity_format
-from job.formats.validate import validate_cheap
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model
 from job.monitoring import make_reporter
@@ -32,9 +30,10 @@ from job.train.allocator import keep_freed_memory
 from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_negs_cost
 from job.train.buckets import Bucket, buffer_order, lower_bound_loads, order_buckets
 from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
-from job.train.data import bucket_grid, count_edge_chunks, pick_device, read_entity_counts
+from job.train.data import bucket_grid, pick_device
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
+from job.train.input_check import checked_input
 from job.train.lock_client import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
 from job.train.lr_schedule import lr_scale
 from job.train.optim import RelationAdagrad
@@ -54,6 +53,7 @@ from job.train.schedule import (
     SharedSync,
 )
 from job.train.spawning import server_processes, start_worker_server
+from job.train.startup import StartupClock
 from job.train.step import BatchStats
 from job.train.validation import Validation
 from storage_adapters.edge_reader import prefetch
@@ -94,7 +94,9 @@ class Trainer:
     def __init__(self, config: ConfigSchema, take_over: bool = False, parts: Collaborators = Collaborators()) -> None:
         self.config = config
         self.parts = parts
-        self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))))
+        self.clock = StartupClock()  # where this trainer's start-up goes, logged after its first bucket
+        self.clock.mark("imports")
+        self.dist = init_distributed(config_digest(config.to_json(exclude=("storage_options",))), self.clock)
         self.rank = self.dist.rank if self.dist else 0
         self.all_keys = [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
         self.checkpoints = CheckpointManager(config.checkpoint_path, self.all_keys, GrowInputs.of(config),
@@ -104,6 +106,7 @@ class Trainer:
         # the directory taken (one writer) and cleaned; a grown version whose input a crash left unpublished is
         # completed before the input is checked
         self._open_checkpoint()
+        self.clock.mark("checkpoint open")
         try:
             self._set_up(config)
         except BaseException:
@@ -111,19 +114,20 @@ class Trainer:
             raise
 
     def _set_up(self, config: ConfigSchema) -> None:
-        validate_cheap(config)
+        # checked and read once per group, by rank 0 (job/train/input_check.py); a refusal stops every rank
+        facts = checked_input(config, self.dist)
+        self.clock.mark("input check")
         self.device = pick_device(config)
         keep_freed_memory()  # this process trains batches too (workers=1, evaluation, a GPU's host side)
         # scores and products in compute_dtype (half_precision's on a GPU); a device without it fails here
         self.compute_dtype = training_dtype(config, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.entity_counts = read_entity_counts(config)
-        self.num_dynamic_rels = (
-            entity_format.read_dynamic_rel_count(config.entity_path) if config.dynamic_relations else 0
-        )
+        self.entity_counts = facts.entity_counts
+        self.num_dynamic_rels = facts.num_dynamic_rels
         self._build_model()
-        self.num_chunks = count_edge_chunks(config)
+        self.clock.mark("model")
+        self.num_chunks = facts.num_chunks
         self.first_index = self.parts.plan.first_index
         self.iterations = self.parts.plan.iterations(config, self.num_chunks)
         self.finished_ok = False
@@ -146,6 +150,7 @@ class Trainer:
         # distributed: what a trainer holds is locked from the others
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
                                     self.checkpoints.metadata, self.device, Residency(capacity, self.dist is not None))
+        self.clock.mark("partition buffer")
         # PBG cuts every bucket into one slice per worker (slices_per_bucket); a GPU trains them one after another
         self.buckets = BucketRunner(BucketWork(
             config, self.model, self.relation_optimizer, self.store, self.device, self.workers,
@@ -154,6 +159,7 @@ class Trainer:
         self.scheduler, self.sync = self._make_scheduler()
         self.stagger = HogwildStagger(config, self.workers, enabled=self.scheduler.delays_hogwild)
         self.validation = Validation(config, self.checkpoints)  # validation_edge_paths: scored after commits
+        self.clock.mark("scheduler")
 
     def _open_checkpoint(self) -> None:
         """The committed version, cleaned of what killed runs left; in a torchrun group, the lock server's
@@ -289,6 +295,7 @@ class Trainer:
         pass_started = time.perf_counter()
         self.scheduler.start_pass(iteration.index, seed_base, self.version)
         self.sync.pull()
+        self.clock.mark("pass start")
         own, own_seconds, own_buckets = self._train_buckets(iteration, seed_base)
         self.scheduler.end_buckets()
         self.sync.sync()
@@ -338,6 +345,7 @@ class Trainer:
         bucket_idx = 0
         record: Optional[dict[str, Any]] = None
         while (bucket := self.scheduler.next_bucket(record)) is not None:
+            self.clock.mark("bucket handed out")
             following, needs = self.scheduler.upcoming()
             if following:  # object stores: download the next bucket while this one trains
                 prefetch(edge_format.edges_file(edge_path, following[0].lhs, following[0].rhs))
@@ -349,6 +357,8 @@ class Trainer:
                 on_evicted=self.scheduler.release, upcoming=needs,
             )
             record["rank"] = self.rank
+            self.clock.mark("bucket trained")
+            self.clock.report("first bucket trained")
             self.reporter.on_bucket(record)
             total.add(stats)
             seconds += compute_seconds
