@@ -87,8 +87,10 @@ def transports(store: object, world_size: int, timeout_s: float = 60.0) -> list[
     made: dict[int, TensorTransport] = {}
 
     def join(rank: int) -> None:
+        # gloo's mesh given a minute to form whatever the transfer deadline (2 s in some tests): on a loaded
+        # machine forming three ranks' pairs took longer than 2 s
         made[rank] = TensorTransport.over_store(PrefixStore(prefix, store.clone()), rank, world_size,  # type: ignore[attr-defined]
-                                                timeout_s)
+                                                timeout_s, group_timeout_s=60.0)
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
     for thread in threads:

@@ -109,10 +109,16 @@ class TensorTransport:
         return cls(group, rank, timeout_s)
 
     @classmethod
-    def over_store(cls, store: Any, rank: int, world_size: int, timeout_s: float = TRANSFER_TIMEOUT_S) -> TensorTransport:
+    def over_store(cls, store: Any, rank: int, world_size: int, timeout_s: float = TRANSFER_TIMEOUT_S,
+                   group_timeout_s: Optional[float] = None) -> TensorTransport:
         """A gloo group of ``world_size`` ranks meeting through ``store`` (a prefixed store of its own), without a
-        default process group: for ranks formed by hand (tests, tools). Every rank must call it."""
-        group = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        default process group: for ranks formed by hand (tests, tools). Every rank must call it.
+
+        ``group_timeout_s`` (at least ``timeout_s``): gloo's own, which bounds forming the group too. A tool that
+        wants a short transfer deadline (the lock server's, ``timeout_s``) on a loaded machine gives the mesh
+        longer to form than that."""
+        group_timeout = max(timeout_s, group_timeout_s or timeout_s)
+        group = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=group_timeout))
         return cls(group, rank, timeout_s)
 
     def next_tag(self) -> int:
