@@ -202,6 +202,11 @@ class LogTail:
         times = [at for at, round_id, _ in self.trains if at > since and round_id in fresh]
         return min(times) - since if times else None
 
+    def new_group(self, since: float) -> Optional[float]:
+        """Seconds from ``since`` until a round formed after it (its first rank joined); None if none did."""
+        times = [at for at, _ in self.rounds().values() if at > since]
+        return min(times) - since if times else None
+
 
 def stats_buckets(checkpoint: str, epochs: int, partitions: int) -> dict[str, Any]:
     """The committed stats: buckets trained other than once per epoch, buckets redone, world sizes."""

@@ -27,6 +27,7 @@ class ChaosPlan:
     gap: tuple[float, float]  # seconds between events, uniform
     seed: int
     freeze: tuple[float, float] = (1.0, 3 * PEER_TIMEOUT_S)  # a freeze's length, uniform: under and past the timeout
+    minutes: Optional[float] = None  # no new event after this many minutes from the first
 
 
 class Chaos:
@@ -52,9 +53,13 @@ class Chaos:
         return True
 
     def run(self) -> None:
+        deadline = None if self.plan.minutes is None else self.t0 + 60 * self.plan.minutes
         while len(self.log) < self.plan.events:
             if not self._sleep(self.rng.uniform(*self.plan.gap)):
                 print(f"chaos: the Job ended after {len(self.log)} events", flush=True)
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"chaos: --minutes {self.plan.minutes:g} are over after {len(self.log)} events", flush=True)
                 return
             kind = self.rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
             entry = self._event(kind)
@@ -95,12 +100,16 @@ class Chaos:
 
     def recoveries(self, tail: LogTail) -> list[dict[str, Any]]:
         """Per event: seconds until a trainer of a group formed after it finished a bucket (None: none formed before
-        the next event, e.g. a freeze under the timeout), and whether the next event came first (``overlapped``)."""
+        the next event, e.g. a freeze under the timeout), seconds until that group formed (``to_new_group``: its
+        first join; the rest is the trainers' start-up), and whether the next event came first (``overlapped``)."""
         out = []
         for i, entry in enumerate(self.log):
             seconds = tail.training_again(entry["monotonic"])
+            group = tail.new_group(entry["monotonic"])
             following = self.log[i + 1]["monotonic"] if i + 1 < len(self.log) else None
             overlapped = seconds is not None and following is not None and entry["monotonic"] + seconds > following
             out.append({"kind": entry["kind"], "detail": entry["detail"], "at": entry["at"],
-                        "seconds": None if seconds is None else round(seconds, 1), "overlapped": overlapped})
+                        "seconds": None if seconds is None else round(seconds, 1),
+                        "to_new_group": None if group is None or seconds is None or group > seconds else round(group, 1),
+                        "overlapped": overlapped})
         return out
