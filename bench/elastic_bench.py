@@ -51,10 +51,8 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -64,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers_distributed import agent_command, free_port, kill_tree  # noqa: E402
+from logged_process import LoggedProcess  # noqa: E402
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +84,7 @@ EVENTS = {
 }
 
 
-class Agent:
+class Agent(LoggedProcess):
     """One torchrun agent (a node), in its own session; its output timestamped line by line (which is why
     this is not tests/helpers_distributed.py's ``Agents``, whose agents write to log files)."""
 
@@ -104,27 +103,11 @@ class Agent:
         rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={'true' if is_host else 'false'}"]))
         command = agent_command("1:2", port, run_id, rdzv_conf, args.max_restarts, args.monitor_interval,
                                 ["-v", "train", str(config_path)])
-        self.command = command
-        self.log = log_path.open("w")
-        self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-            self.log.write(line)
-        self.log.close()
+        super().__init__(command, ROOT, env, log_path)
 
     def first(self, event: str, after: float) -> Optional[float]:
-        pattern = EVENTS[event]
-        for stamp, line in list(self.lines):
-            if stamp >= after and pattern.search(line):
-                return stamp
-        return None
+        found = self.first_match(EVENTS[event], after)
+        return found[0] if found else None
 
     def kill_tree(self) -> None:
         """SIGKILL the agent and its workers together (workers run in sessions of their own)."""

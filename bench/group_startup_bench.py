@@ -33,15 +33,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers_distributed import agent_command, free_port, kill_tree  # noqa: E402
+from logged_process import LoggedProcess  # noqa: E402
 from machine import matmul_rate  # noqa: E402
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
@@ -49,32 +49,6 @@ FIRST_BUCKET = re.compile(r"DEBUG (?:\[rank (\d+)\] )?bucket \(\d+, \d+\): \{")
 STARTUP = re.compile(r"\[rank (\d+)\] start-up: .*? ([\d.]+) s after the process started \((.*)\)")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s(?:,|$)")
 REFUSED = re.compile(r"biggraph train: error: (.*)")
-
-
-class Agent:
-    """One torchrun agent (a node, one trainer) in its own session; its output timestamped line by line."""
-
-    def __init__(self, checkout: Path, command: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.lines: list[tuple[float, str]] = []
-        self.log = log_path.open("w")
-        self.proc = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-            self.log.write(line)
-        self.log.close()
-
-    def first(self, pattern: re.Pattern[str]) -> Optional[tuple[float, re.Match[str]]]:
-        for stamp, line in list(self.lines):
-            match = pattern.search(line)
-            if match:
-                return stamp, match
-        return None
 
 
 def one_run(checkout: Path, label: str, args: argparse.Namespace, graph_config: dict[str, Any],
@@ -96,14 +70,14 @@ def one_run(checkout: Path, label: str, args: argparse.Namespace, graph_config: 
         rdzv = f"join_timeout=300,last_call_timeout=1,is_host={'true' if index == 0 else 'false'}"
         command = agent_command(str(args.ranks), port, f"startup-{label}", rdzv, 0, None,
                                 ["-v", "train", str(config_path)])
-        agents.append(Agent(checkout, command, env, work / f"{label}-{index}.log"))
+        agents.append(LoggedProcess(command, checkout, env, work / f"{label}-{index}.log"))
     firsts: dict[int, float] = {}
     error = None
     try:
         deadline = started + args.timeout
         while time.monotonic() < deadline:
             for agent in agents:
-                found = agent.first(FIRST_BUCKET)
+                found = agent.first_match(FIRST_BUCKET)
                 if found is not None:
                     firsts[int(found[1].group(1) or 0)] = found[0] - started
             if len(firsts) == args.ranks:
@@ -122,7 +96,7 @@ def one_run(checkout: Path, label: str, args: argparse.Namespace, graph_config: 
             agent.reader.join(timeout=10)
     phases: dict[int, dict[str, float]] = {}
     for agent in agents:
-        found = agent.first(STARTUP)
+        found = agent.first_match(STARTUP)
         if found is not None:
             rank, detail = int(found[1].group(1)), found[1].group(3)
             phases[rank] = {name.strip(): float(seconds) for name, seconds in PHASE.findall(detail)}
