@@ -9,6 +9,7 @@ its vectors to its server in memory, the others' go through gloo's sockets) and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -261,6 +262,58 @@ def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(
         server.stop()
 
 
+@pytest.mark.parametrize("cut", [None, "before the snapshot", "after the snapshot"])
+def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_state(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], monkeypatch: pytest.MonkeyPatch,
+        cut: Any) -> None:
+    """Every ``compact_every`` records the server writes a snapshot of the state as it stands: a restart then reads
+    fewer records than that, and replays to the same state. A compaction cut before its snapshot is written leaves
+    the last snapshot and its records; one cut after it (before the old records are dropped) the new one: either
+    replays to the state the last answered request left."""
+    checkpoint = str(tmp_path)
+    state = LockState(4, 4, partition_keys(4), world_size=1, version=3)
+    log = ProgressLog(checkpoint, "job-a/cfg", 3, compact_every=5)
+    log.start(state.to_json())
+    server = LockServer(store, state, log, np.zeros(1, np.float32), 0, ranks[0], prefix=PREFIX)
+    client = LockClient(store, 0, timeout_s=60, prefix=PREFIX)
+    real_write, real_remove = storage.write_text, storage.remove_many
+
+    def write_text(url: str, text: str) -> None:
+        if cut == "before the snapshot" and url.endswith(PROGRESS_FILE) and len(state.done) >= 9:
+            raise OSError("cut before the snapshot")
+        real_write(url, text)
+
+    def remove_many(urls: Any) -> None:
+        if cut == "after the snapshot" and len(state.done) >= 9 and any(u.endswith(".json") for u in urls):
+            raise OSError("cut after the snapshot")
+        real_remove(urls)
+
+    monkeypatch.setattr(storage, "write_text", write_text)
+    monkeypatch.setattr(storage, "remove_many", remove_many)
+    try:
+        finished = None
+        with pytest.raises(LockServerError) if cut else contextlib.nullcontext():
+            for _ in range(16):
+                kind, finished, _ = client.next_bucket(set(), finished, {"n": 1} if finished else None)
+                assert kind == "bucket" and finished is not None
+                client.release(sorted(state.bucket_keys[finished]))
+            client.next_bucket(set(), finished, {"n": 1})
+        if cut is None:
+            assert len(state.done) == 16
+        records = [p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".json")]
+        resumed = read_progress(checkpoint, 2, "job-a/cfg")
+        assert resumed is not None
+        if cut is None:  # 33 records written in all, at most 4 since the last compaction
+            assert len(records) < 5
+        again = LockState(4, 4, partition_keys(4), world_size=1, version=3)
+        again.restore(resumed.state)
+        for record in resumed.records:
+            again.apply(record)
+        assert persisted(again) == persisted(state)
+    finally:
+        server.stop()
+
+
 def test_records_are_replayed_only_while_their_numbers_follow_each_other(tmp_path: Path) -> None:
     checkpoint = str(tmp_path)
     state = LockState(2, 2, partition_keys(2))
@@ -399,7 +452,7 @@ def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: Te
             state.apply(record)
         state.forget_rank_locks()
         shared = progress.shared
-    log = ProgressLog(checkpoint, "run", 1)
+    log = ProgressLog(checkpoint, "run", 1, compact_every=4)  # the kills fall on either side of compactions too
     log.start(state.to_json(), shared)
     return LockServer(store, state, log, shared, 0, transport, prefix=prefix)
 
@@ -544,10 +597,10 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
             server.stop()  # the group dies: what is in memory is gone (rows and shared values alike)
         progress = read_progress(checkpoint, 0, "run")
         assert progress is not None
-        recorded = [s for r in progress.records if r["e"] == "written" for s in r.get("staged", [])]
+        recorded = progress.staged()
         if recorded:  # a roll-forward killed after its first move
             publish(CheckpointStorage(checkpoint), 1, (recorded[0][0], recorded[0][1]), recorded[0][2])
-        roll_forward(checkpoint, progress.version, progress.records)  # job/train/resume.py: progress_to_resume
+        roll_forward(checkpoint, progress.version, progress.staged())  # job/train/resume.py: progress_to_resume
         assert not staged_left(checkpoint)
         server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0])
         survivor = RowTrainer(LockClient(store, 0, timeout_s=60, prefix=f"{crash_after}/second/lock",
@@ -602,11 +655,9 @@ def test_a_restart_finishes_the_publication_of_recorded_groups_and_drops_unrecor
     checkpoint.flush()
     assert publish(checkpoint, 1, ("node", 1), names[1])  # moved before the kill
     storage.copy(storage.join(url, names[2]), checkpoint.partition_file(1, "node", 2))  # copied, not removed
-    records = [{"e": "finish", "rank": 0, "bucket": [0, 1], "keys": []},
-               {"e": "written", "rank": 0, "keys": [["node", p] for p in range(3)],
-                "staged": [["node", p, names[p]] for p in range(3)]}]  # part 3: staged, never recorded
+    recorded = [["node", p, names[p]] for p in range(3)]  # part 3: staged, never recorded
     for attempt in range(2):
-        assert roll_forward(url, 1, records) == (2 if attempt == 0 else 0)
+        assert roll_forward(url, 1, recorded) == (2 if attempt == 0 else 0)
         assert not staged_left(url)
         for part in range(3):
             weights, _ = checkpoint.load_entity_partition(1, "node", part)

@@ -140,6 +140,25 @@ def test_move_copy_and_append(base: str) -> None:
         storage.move(storage.join(base, "b.txt"), storage.join(base, "d.txt"))
 
 
+def test_many_objects_read_in_order_and_removed_in_one_call(base: str) -> None:
+    """``read_many`` keeps the order asked (a restart replays progress records in it) and says None for a missing
+    object; ``remove_many`` drops the objects named, ignores missing ones and leaves the others."""
+    urls = [storage.join(base, "log", f"r-{i:03d}.json") for i in range(40)]
+    for i, url in enumerate(urls):
+        if i != 7:
+            storage.write_text(url, f"record {i}")
+    keep = storage.join(base, "log", "keep.json")
+    storage.write_text(keep, "kept")
+    contents = storage.read_many(urls)
+    assert contents[7] is None
+    assert [c.decode() for i, c in enumerate(contents) if i != 7] == [f"record {i}" for i in range(40) if i != 7]
+    assert storage.read_many([]) == []
+    storage.remove_many([*urls, storage.join(base, "log", "never-there.json")])
+    assert storage.listdir(storage.join(base, "log")) == ["keep.json"]
+    storage.remove_many([])
+    assert storage.read_text(keep) == "kept"
+
+
 def test_local_file_for_writing_appears_only_on_success(base: str) -> None:
     storage.makedirs(base)
     target = storage.join(base, "out.bin")

@@ -107,7 +107,8 @@ class LockServer:
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, prefix: str = DEFAULT_PREFIX) -> None:
-        """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``);
+        """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose
+        true result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
@@ -407,10 +408,9 @@ class LockServer:
         records = self.state.drain_journal()
         try:
             with Stopwatch() as watch:
-                if with_shared:
-                    self.progress.append(records, shared=self.stored)
-                else:
-                    self.progress.append(records)
+                due = self.progress.append(records, shared=self.stored) if with_shared else self.progress.append(records)
+                if due:  # a snapshot of what the records replay to (the state now, the stored vector): see progress.py
+                    self.progress.start(self.state.to_json(), self.stored)
         except Exception as err:
             self.failed = f"{type(err).__name__}: {err}"
             raise

@@ -4,7 +4,8 @@ Two parts, beside the checkpoint (any storage URL; an object store has no append
 
 - ``distributed_progress.json``, the *snapshot*: ``{"format": 2, "run": <run id>, "version": <version the pass
   commits>, "log": <log id>, "state": <LockState.to_json()>}``, written when the lock server starts a pass (a fresh
-  one, or one resumed after a restart: then it is the compaction of what was resumed);
+  one, or one resumed after a restart: then it is the compaction of what was resumed), and again every
+  ``COMPACT_EVERY`` records (the compaction mid-pass, so that a restart reads at most that many records);
 - ``distributed_progress.log/<log id>-<seq>.json``, the *records*: one object per request that changed the state
   (``LockState.drain_journal``), written before the request is answered, each a few hundred bytes whatever the
   pass's size (not the whole state again under the server's lock, as before);
@@ -34,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -43,6 +44,11 @@ import storage_adapters as storage
 
 logger = logging.getLogger("biggraph")
 
+# records after which the lock server writes a new snapshot mid-pass (``ProgressLog.append`` says when): a restarted
+# group's rank 0 reads the snapshot and the records after it, one object each, before it serves; a pass at P=16 with
+# 4 trainers leaves ~600 records, which on S3 (moto, loaded) took 10 s of a recovery (bench/RESULTS.md, "Chaos
+# re-measured"). Every 64 records it is one snapshot (the state, a few tens of KB, and the shared vector) more.
+COMPACT_EVERY = 64
 PROGRESS_FILE = "distributed_progress.json"
 PROGRESS_LOG = "distributed_progress.log"
 FORMAT = 2
@@ -65,25 +71,42 @@ class Progress:
     state: dict[str, Any]  # LockState.to_json() of the snapshot
     records: list[dict[str, Any]]  # the changes after it, in order (LockState.apply)
     shared: Optional[np.ndarray] = None  # the shared parameters as the last record left them (None: not stored)
+    staged_before: list[list[Any]] = field(default_factory=list)  # recorded before the snapshot (see ``staged``)
+
+    def staged(self) -> list[list[Any]]:
+        """Every staged file a persisted ``written`` record named this pass, ``[type, partition, name]`` in record
+        order: what a restart publishes if it is still there (``roll_forward``). A compaction mid-pass keeps those of
+        the records it drops in the snapshot (a file recorded just before it may not be moved yet)."""
+        return [*self.staged_before,
+                *(list(entry) for record in self.records if record.get("e") == "written"
+                  for entry in record.get("staged", []))]
 
 
 class ProgressLog:
     """The lock server's writer: ``start`` a pass (the snapshot), ``append`` each request's changes."""
 
-    def __init__(self, checkpoint_path: str, run: str, version: int) -> None:
+    def __init__(self, checkpoint_path: str, run: str, version: int, compact_every: int = COMPACT_EVERY) -> None:
         self.checkpoint_path = checkpoint_path
         self.run = run
         self.version = version
+        self.compact_every = compact_every  # 0: never mid-pass
         self.log_id = ""
         self.seq = 0
         self.shared_name = ""  # the vector the last record names
+        # the staged files this log's ``written`` records named: a compaction carries them into its snapshot, since
+        # the rank publishes a group's files only after its record (job/train/write_groups.py) and a restart must
+        # still know them (files no record names are removed, never published)
+        self.staged: list[list[Any]] = []
 
     def _url(self, name: str) -> str:
         return storage.join(log_url(self.checkpoint_path), name)
 
     def start(self, state: dict[str, Any], shared: Optional[np.ndarray] = None) -> None:
         """Write the snapshot (and the shared vector it starts from) under a new log id, then drop the records of
-        earlier snapshots (no longer read)."""
+        earlier snapshots (no longer read). Also the compaction mid-pass (``append`` says when): ``state`` and
+        ``shared`` must then be what the snapshot and its records replay to. A kill before the snapshot is written
+        leaves the old snapshot with its records whole; one after it, records no snapshot names (dropped by the next
+        ``start``)."""
         self.log_id = secrets.token_hex(6)
         self.seq = 0
         snapshot: dict[str, Any] = {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id,
@@ -92,19 +115,24 @@ class ProgressLog:
             self.shared_name = f"{self.log_id}-base.f32"
             storage.write_bytes(self._url(self.shared_name), np.ascontiguousarray(shared, np.float32).tobytes())
             snapshot["shared"] = self.shared_name
+        if self.staged:
+            snapshot["staged"] = self.staged
         storage.write_text(progress_url(self.checkpoint_path), json.dumps(snapshot))
-        for name in storage.listdir(log_url(self.checkpoint_path)):
-            if not name.startswith(f"{self.log_id}-"):
-                storage.remove(self._url(name))
+        storage.remove_many([self._url(name) for name in storage.listdir(log_url(self.checkpoint_path))
+                             if not name.startswith(f"{self.log_id}-")])
 
-    def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None) -> None:
-        """One record of ``records``; with ``shared``, the vector first, then the record naming it."""
+    def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None) -> bool:
+        """One record of ``records``; with ``shared``, the vector first, then the record naming it. Returns whether
+        the log is due for compaction: ``compact_every`` records since the snapshot, after which the writer calls
+        ``start`` with the state as it stands, so that a restart reads at most that many records."""
         if not records and shared is None:
-            return
+            return False
         if not self.log_id:
             raise RuntimeError("progress records appended before the pass's snapshot")
         name = f"{self.log_id}-{self.seq:08d}"
         previous = self.shared_name
+        self.staged.extend(list(entry) for record in records if record.get("e") == "written"
+                           for entry in record.get("staged", []))
         if shared is not None:
             storage.write_bytes(self._url(f"{name}.f32"), np.ascontiguousarray(shared, np.float32).tobytes())
             records = [*records, {"e": "shared", "file": f"{name}.f32"}]
@@ -112,8 +140,9 @@ class ProgressLog:
         self.seq += 1
         if shared is not None:
             self.shared_name = f"{name}.f32"
-            if previous:  # no record names it any more
-                storage.remove(self._url(previous))
+            if previous:  # no record names it any more (one request: no directory check)
+                storage.remove_many([self._url(previous)])
+        return 0 < self.compact_every <= self.seq
 
 
 def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -132,14 +161,21 @@ def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[d
         prefix, _, digits = stem.rpartition("-")
         if log_id and prefix == log_id and digits.isdigit():
             numbered.append((int(digits), name))
-    records: list[dict[str, Any]] = []
+    in_order = []
     for expected, (number, name) in enumerate(sorted(numbered)):
         if number != expected:  # a record lost before the next was written cannot be: stop where they break off
             logger.warning("progress records of %s break off after %d", checkpoint_path, expected)
             break
+        in_order.append(name)
+    # read together (a pass's records are hundreds of small objects), replayed in order
+    contents = storage.read_many([storage.join(log_url(checkpoint_path), name) for name in in_order])
+    records: list[dict[str, Any]] = []
+    for name, content in zip(in_order, contents):
         try:
-            changes = json.loads(storage.read_text(storage.join(log_url(checkpoint_path), name)))
-        except (FileNotFoundError, json.JSONDecodeError):
+            if content is None:
+                raise FileNotFoundError(name)
+            changes = json.loads(content.decode("utf-8"))
+        except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
             logger.warning("progress record %s unreadable; the records after it are not replayed", name)
             break
         for change in changes:
@@ -175,7 +211,11 @@ def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Prog
         logger.warning("%s: not resumed (%s); the pass starts over from version %d", progress_url(checkpoint_path),
                        reason, version)
         return None
-    return Progress(run=run, version=version + 1, state=dict(snapshot["state"]), records=records, shared=shared)
+    staged_before = snapshot.get("staged", [])
+    if not isinstance(staged_before, list):
+        staged_before = []
+    return Progress(run=run, version=version + 1, state=dict(snapshot["state"]), records=records, shared=shared,
+                    staged_before=[list(entry) for entry in staged_before])
 
 
 def current_state(checkpoint_path: str) -> Optional[dict[str, Any]]:

@@ -51,7 +51,7 @@ def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[Distri
     if progress is None:
         remove_progress(checkpoint_path)
     else:
-        roll_forward(checkpoint_path, progress.version, progress.records)
+        roll_forward(checkpoint_path, progress.version, progress.staged())
     return progress
 
 

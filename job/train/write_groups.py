@@ -128,20 +128,21 @@ def publish_group(checkpoint: CheckpointStorage, group: WriteGroup, keys: Option
                                     f"{key[0]} partition {key[1]} is gone before it was published")
 
 
-def roll_forward(checkpoint_path: str, version: int, records: Sequence[dict[str, Any]]) -> int:
-    """(Rank 0 of a restarted group, before anything is served.) Finish the publication of every group the
-    persisted ``records`` of the pass committing ``version`` name, then remove the staged files no record names.
-    Idempotent: a kill part-way leaves what the next call finishes. Returns the files moved."""
+def roll_forward(checkpoint_path: str, version: int, recorded: Sequence[Sequence[Any]]) -> int:
+    """(Rank 0 of a restarted group, before anything is served.) Finish the publication of every staged file the
+    persisted records of the pass committing ``version`` name (``recorded``: ``[type, partition, name]`` in record
+    order, ``Progress.staged``), then remove the staged files no record names. Idempotent: a kill part-way leaves
+    what the next call finishes. Returns the files moved."""
     checkpoint = CheckpointStorage(checkpoint_path)
+    # one listing instead of an existence check per recorded file: most were moved long ago, and a pass's records
+    # name hundreds (on an object store each check is a request: seconds of every recovery)
+    staged = {name for name in storage.listdir(checkpoint_path) if name.startswith(STAGED_PREFIX)}
     moved = 0
-    for record in records:
-        if record.get("e") != "written":
-            continue
-        for entity_type, part, name in record.get("staged", []):
+    for entity_type, part, name in recorded:
+        if str(name) in staged:
+            staged.discard(str(name))
             moved += publish(checkpoint, version, (str(entity_type), int(part)), str(name))
-    for name in storage.listdir(checkpoint_path):
-        if name.startswith(STAGED_PREFIX):
-            storage.remove(storage.join(checkpoint_path, name))
+    storage.remove_many([storage.join(checkpoint_path, name) for name in sorted(staged)])
     if moved:
         logger.info("resuming pass to version %d: published %d partition file(s) the interrupted group had recorded",
                     version, moved)
