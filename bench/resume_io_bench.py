@@ -74,7 +74,8 @@ log = ProgressLog(root, run, version)
 log.start(progress.state, progress.shared)
 times["compaction"] = time.perf_counter() - t
 left = storage.listdir(storage.join(root, "distributed_progress.log"))
-print(json.dumps({"times": times, "pass_written_s": round(writing, 2), "events_replayed": len(progress.records), "compactions_mid_pass": compactions,
+print(json.dumps({"times": times, "pass_written_s": round(writing, 2), "events_replayed": len(progress.records),
+                  "compactions_mid_pass": compactions,
                   "moved": moved, "log_objects_left": len(left)}))
 """
 

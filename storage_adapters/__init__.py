@@ -59,6 +59,7 @@ from storage_adapters.ops import (
     remove,
     remove_many,
     size,
+    tree_listing,
     write_bytes,
     write_text,
 )
@@ -79,7 +80,7 @@ __all__ = [
     "UPLOAD_DIR_PREFIX", "remove_stale_upload_dirs", "upload_staging_dir",
     "check_bucket", "copy", "exists", "get_file", "get_filesystem", "info", "is_local", "isdir", "join", "listdir",
     "local_copy_for_reading", "local_file_for_writing", "local_path", "makedirs", "open_file", "put_file",
-    "read_bytes", "read_many", "read_text", "remove", "remove_many", "scheme_of", "size", "storage_options_for",
+    "read_bytes", "read_many", "read_text", "remove", "remove_many", "scheme_of", "size", "storage_options_for", "tree_listing",
     "write_bytes", "write_text", "read_tagged", "write_if", "sync_directory", "append_text", "move",
     "change_marker", "local_path_if_local", "renames_into_place",
 ]

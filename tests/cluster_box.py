@@ -202,6 +202,13 @@ class ClusterBox:
             # a pod's /etc/hosts line, and the headless Service's DNS records of every index
             hosts.append(f"{self.address(index)} {self.fqdn(index)} {self.hostname(index)}.{self.job.service} "
                          f"{self.hostname(index)}")
+            # the reverse lookup torch's store server makes of every client (the v4-mapped address of a dual-stack
+            # socket), answered here as a cluster's DNS answers a pod address's PTR: sent to this VM's resolver, which
+            # drops about one query in 25-50 of a burst, it cost 5 s (10 s with its retry) at random points of a
+            # group's start-up that a cluster does not have (``[c10d] The hostname of the client socket cannot be
+            # retrieved. err=-3``; bench/RESULTS.md, "A group's start-up"). Under a name no pod looks up forward: the
+            # Service names keep resolving to the IPv4 address alone
+            hosts.append(f"::ffff:{self.address(index)} {self.hostname(index)}.reverse.{self.job.service}")
         for index in range(self.max_replicas):
             ns = self.netns(index)
             self._run("ip", "netns", "add", ns)

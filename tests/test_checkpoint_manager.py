@@ -164,6 +164,26 @@ def test_commit_writes_the_marker_last_and_drops_the_previous_version(tmp_path: 
     assert not (tmp_path / OWNER_FILE).exists()
 
 
+def test_a_passing_input_check_is_kept_with_the_next_commit_only(tmp_path: Path) -> None:
+    """``record_input_check`` writes nothing until a version commits (a run refused before its first commit leaves
+    the directory as it found it), then ``input_check.json`` beside the versions, read back by the next writer."""
+    manager = CheckpointManager(str(tmp_path), KEYS)
+    manager.open()
+    record = {"format": 1, "config": "c", "input": "i", "facts": {}}
+    manager.record_input_check(record)
+    _write_version(manager, 1, keys=[("node", 0)])
+    with pytest.raises(CheckpointError):
+        manager.commit(1)  # incomplete: nothing committed, nothing kept
+    assert not (tmp_path / "input_check.json").exists() and manager.input_check() is None
+    _write_version(manager, 1)
+    manager.commit(1)
+    manager.close()
+    again = CheckpointManager(str(tmp_path), KEYS)
+    again.open()
+    assert again.input_check() == record
+    again.close()
+
+
 def test_an_incomplete_version_is_never_committed(tmp_path: Path) -> None:
     manager = CheckpointManager(str(tmp_path), KEYS)
     manager.open()

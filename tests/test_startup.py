@@ -280,3 +280,74 @@ def test_every_trainer_of_a_torchrun_group_exits_2_naming_the_bad_file(tmp_path:
     assert any("rank 0's input check" in line for line in errors), text
     assert all(str(missing_file) in line for line in errors) and errors, text
     assert all("exitcode: 2" in t for t in text.values()), text
+
+
+# the input check kept for the next start -----------------------------------------------------------------------
+
+
+class KeptChecks:
+    """``CheckRecords`` over the format's real file (``input_check.json`` through ``CheckpointStorage``)."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        from job.formats.checkpoint import CheckpointStorage
+
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        self.storage = CheckpointStorage(str(checkpoint))
+
+    def input_check(self) -> dict | None:
+        return self.storage.load_input_check()
+
+    def record_input_check(self, record: dict) -> None:
+        self.storage.save_input_check(record)
+
+
+def test_a_passing_input_check_is_not_repeated_until_the_input_or_the_config_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group formed again after a lost pod starts its trainers again: the second start with the same input and
+    config takes the kept facts without checking; a changed bucket file, a changed config, a malformed record each
+    make the next start check again; a refused input is never kept."""
+    from job.config import load_config
+    from job.errors import InputFormatError
+    from job.train import input_check
+
+    checks: list[str] = []
+    real = input_check.validate_cheap
+
+    def counted(config: object) -> object:
+        checks.append("checked")
+        return real(config)
+
+    monkeypatch.setattr(input_check, "validate_cheap", counted)
+    path = graph_config(tmp_path / "graph")
+    config = load_config(str(path), [])
+    kept = KeptChecks(tmp_path / "checkpoint")
+    first = input_check.facts_once(config, kept)
+    assert input_check.facts_once(config, kept) == first and len(checks) == 1
+    assert input_check.facts_once(config, None) == first and len(checks) == 2  # nothing kept: always checked
+
+    edge_file = tmp_path / "graph" / "edges" / "edges_0_1.h5"
+    data = edge_file.read_bytes()
+    edge_file.write_bytes(data)  # rewritten in place, later: its change tag moved
+    os.utime(edge_file, ns=(time.time_ns(), edge_file.stat().st_mtime_ns + 10_000_000))
+    assert input_check.facts_once(config, kept) == first and len(checks) == 3
+    assert input_check.facts_once(config, kept) == first and len(checks) == 3
+
+    other = load_config(str(path), ["max_edges_per_chunk=7"])
+    assert input_check.facts_once(other, kept).num_chunks > 1 and len(checks) == 4
+    assert input_check.facts_once(config, kept) == first and len(checks) == 5  # the record is the last config's
+
+    (tmp_path / "checkpoint" / "input_check.json").write_text('{"format": 1, "config": "x"')  # cut short
+    assert input_check.facts_once(config, kept) == first and len(checks) == 6
+    record = json.loads((tmp_path / "checkpoint" / "input_check.json").read_text())
+    record["facts"] = {"entity_counts": "not counts"}
+    (tmp_path / "checkpoint" / "input_check.json").write_text(json.dumps(record))
+    assert input_check.facts_once(config, kept) == first and len(checks) == 7
+
+    edge_file.unlink()  # refused: raised, and the next start checks again
+    with pytest.raises(InputFormatError):
+        input_check.facts_once(config, kept)
+    with pytest.raises(InputFormatError):
+        input_check.facts_once(config, kept)
+    assert len(checks) == 9
+    edge_file.write_bytes(data)  # a new file (a new inode)
+    assert input_check.facts_once(config, kept) == first and len(checks) == 10

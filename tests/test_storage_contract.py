@@ -159,6 +159,23 @@ def test_many_objects_read_in_order_and_removed_in_one_call(base: str) -> None:
     assert storage.read_text(keep) == "kept"
 
 
+def test_a_tree_listing_tells_a_changed_object_from_an_unchanged_one(base: str) -> None:
+    """``tree_listing`` (what the input check's memory compares): every file under the URL with its size and a
+    change tag; the same listing again while nothing changes, another once an object's bytes are rewritten (same
+    size), added or removed; empty for a URL that does not exist."""
+    assert storage.tree_listing(storage.join(base, "nothing-here")) == []
+    storage.write_text(storage.join(base, "tree", "a.txt"), "aaaa")
+    storage.write_text(storage.join(base, "tree", "sub", "b.txt"), "bb")
+    first = storage.tree_listing(storage.join(base, "tree"))
+    assert first is not None and [(name, size) for name, size, _ in first] == [("a.txt", 4), ("sub/b.txt", 2)]
+    assert storage.tree_listing(storage.join(base, "tree")) == first
+    storage.write_text(storage.join(base, "tree", "a.txt"), "abcd")
+    second = storage.tree_listing(storage.join(base, "tree"))
+    assert second is not None and second != first and [s for _, s, _ in second] == [4, 2]
+    storage.remove(storage.join(base, "tree", "sub", "b.txt"))
+    assert [name for name, _, _ in storage.tree_listing(storage.join(base, "tree")) or []] == ["a.txt"]
+
+
 def test_local_file_for_writing_appears_only_on_success(base: str) -> None:
     storage.makedirs(base)
     target = storage.join(base, "out.bin")

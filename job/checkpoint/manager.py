@@ -83,6 +83,7 @@ class CheckpointManager:
         self.best: Optional[int] = None  # the version best_version.txt names (validation_edge_paths), kept
         self._owner: Optional[Ownership] = None
         self._providers: list[MetadataProvider] = []
+        self._input_check: Optional[dict[str, Any]] = None  # a passing input check, written with the next commit
         # a torchrun rank's round check (``DistributedContext.fence``): a rank whose group went on without it
         # raises instead of writing
         self._fence: Callable[[], None] = fence or (lambda: None)
@@ -180,11 +181,25 @@ class CheckpointManager:
             self.storage.preserve(version, snapshot_epoch, self.partitions)
         if drop_previous and previous > 0 and previous != self.best:
             self.storage.drop_version(previous, self.partitions)
+        if self._input_check is not None:  # not part of any version: after the commit point
+            self.storage.save_input_check(self._input_check)
+            self._input_check = None
 
     def record(self, stats: Sequence[dict[str, Any]]) -> None:
         """Append stats lines about the committed version (its validation, scored after the commit)."""
         self._guard()
         self.storage.append_stats(list(stats))
+
+    def input_check(self) -> Optional[dict[str, Any]]:
+        """The last input check that passed for this directory's runs (``input_check.json``), as
+        job/train/input_check.py recorded it: that module judges whether it still holds."""
+        return self.storage.load_input_check()
+
+    def record_input_check(self, record: dict[str, Any]) -> None:
+        """Keep a passing input check for the next start of a writer here (a group formed again after a lost pod),
+        written with the next commit: a run that commits nothing (refused later, say, on a damaged partition) leaves
+        the directory as it found it."""
+        self._input_check = record
 
     def keep_best(self, version: int) -> None:
         """Keep the committed ``version`` as the best one: ``best_version.txt`` names it first, then the previous

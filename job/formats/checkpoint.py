@@ -16,6 +16,8 @@ Layout of ``checkpoint_path`` (identical to PBG 1.x, so each side reads the othe
 - ``best_version.txt`` (biggraph's, only with ``validation_edge_paths``): the version that scored best on the
   validation edges; its files stay in the directory beside the latest version's (PBG reads the latest and
   ignores them).
+- ``input_check.json`` (biggraph's): the last input check that passed, with the digest of the config it checked
+  and the listing of the input it read (PBG ignores it).
 
 Optimizer blobs are only ever read with ``torch.load(weights_only=True)``: a checkpoint
 directory is untrusted input.
@@ -55,6 +57,7 @@ from job.formats.checkpoint_io import (
     EMBEDDING_DATASET,
     FORMAT_VERSION,
     FORMAT_VERSION_ATTR,
+    INPUT_CHECK_FILE,
     MANIFEST_RE,
     MODEL_GROUP,
     STATE_DICT_KEY_ATTR,
@@ -211,6 +214,18 @@ class CheckpointStorage:
     def remove_best(self) -> None:
         self.guard()
         storage.remove(self.best_file())
+
+    def load_input_check(self) -> dict[str, Any] | None:
+        """The recorded input check (None: none, or not one this format wrote: a reader checks what it reads)."""
+        try:
+            data = json.loads(storage.read_text(storage.join(self.url, INPUT_CHECK_FILE)))
+        except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def save_input_check(self, record: dict[str, Any]) -> None:
+        self.guard()
+        storage.write_text(storage.join(self.url, INPUT_CHECK_FILE), json.dumps(record))
 
     def manifest_file(self, version: int, base: str | None = None) -> str:
         return storage.join(base or self.url, f"checksums.v{version}.json")

@@ -31,6 +31,8 @@ CONFIG_FILE = "config.json"
 STATS_FILE = "training_stats.json"
 # the version that scored best on the validation edges, kept beside the latest (validation_edge_paths)
 BEST_FILE = "best_version.txt"
+# the last input check that passed, for the run's config and the input as it was then listed (job/train/input_check.py)
+INPUT_CHECK_FILE = "input_check.json"
 
 _PARTITION_RE = re.compile(r"^embeddings_(?P<type>.+)_(?P<part>\d+)\.v(?P<version>\d+)\.h5$")
 _MODEL_RE = re.compile(r"^model\.v(?P<version>\d+)\.h5$")

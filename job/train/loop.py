@@ -115,7 +115,7 @@ class Trainer:
 
     def _set_up(self, config: ConfigSchema) -> None:
         # checked and read once per group, by rank 0 (job/train/input_check.py); a refusal stops every rank
-        facts = checked_input(config, self.dist)
+        facts = checked_input(config, self.dist, self.checkpoints)
         self.clock.mark("input check")
         self.device = pick_device(config)
         keep_freed_memory()  # this process trains batches too (workers=1, evaluation, a GPU's host side)
