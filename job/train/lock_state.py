@@ -90,6 +90,29 @@ class LockState:
         self._change({"e": "start", "rank": rank, "bucket": list(choice)})
         return "bucket", choice
 
+    def stop(self, rank: int, finished: Optional[Bucket]) -> None:
+        """The round ends: finish ``finished`` (if ``rank`` had it in flight) and hand ``rank`` nothing more, its
+        reservation dropped with the locks only it needed (partitions not read yet, or read ahead and unchanged:
+        the rank's give-back writes and releases the ones it holds, ``settled`` waits for that)."""
+        current = self.in_flight.get(rank)
+        if finished is not None and current == finished:
+            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
+                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
+        if rank in self.in_flight:
+            self._change({"e": "stop", "rank": rank})
+        ahead = self.reserved.pop(rank, None)
+        if ahead is not None:
+            keep = self.bucket_keys[current] if current is not None else frozenset()
+            for key in self.bucket_keys[ahead] - keep:
+                if self.locks.get(key) == rank:
+                    del self.locks[key]
+
+    def settled(self, rank: int) -> bool:
+        """Whether ``rank`` holds nothing a restart would redo or wait on: no bucket in flight, none done whose
+        partitions it has not written, no lock (its write groups recorded and published)."""
+        return (rank not in self.in_flight and not self.unsaved.get(rank)
+                and rank not in self.locks.values())
+
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
         """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
         another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
