@@ -247,11 +247,18 @@ class LockState:
         else:
             raise ValueError(f"unknown progress record {kind!r}")
 
-    def forget_rank_locks(self) -> None:
+    def forget_rank_locks(self) -> dict[int, int]:
         """After a restart nobody holds anything: in-flight buckets will be redone, and so will finished ones
         whose partitions were still held (their updates were never written; their stats lines are dropped with
         them, the redo records its own). Reserved buckets were never
-        started: they go back to the queue, not counted as redone."""
+        started: they go back to the queue, not counted as redone. Returns the buckets to redo by the rank (of the
+        round that ended) that held them: since a round's end is drained, only lost ranks should appear."""
+        by_rank: dict[int, int] = {}
+        for rank in self.in_flight:
+            by_rank[rank] = by_rank.get(rank, 0) + 1
+        for rank, pending in self.unsaved.items():
+            if pending:
+                by_rank[rank] = by_rank.get(rank, 0) + len(pending)
         self.redone += len(self.in_flight)
         self.in_flight.clear()
         self.reserved.clear()
@@ -264,6 +271,7 @@ class LockState:
                         if "lhs_partition" not in r or Bucket(r["lhs_partition"], r["rhs_partition"]) not in lost]
         self.unsaved.clear()
         self.locks.clear()
+        return by_rank
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -213,10 +213,11 @@ class LockServerScheduler(BucketScheduler):
                 state.restore(self.progress.state)
                 for record in self.progress.records:
                     state.apply(record)
-                state.forget_rank_locks()
+                by_rank = state.forget_rank_locks()
                 logger.info(
-                    "resuming pass %d: %d of %d buckets already done, %d to redo", pass_index + 1, len(state.done),
-                    state.total, state.redone)
+                    "resuming pass %d: %d of %d buckets already done, %d to redo (by rank of the round that ended: "
+                    "%s)", pass_index + 1, len(state.done), state.total, state.redone,
+                    json.dumps({str(rank): count for rank, count in sorted(by_rank.items())}))
             self.progress = None
             # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
             log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
@@ -333,7 +334,6 @@ class LockServerScheduler(BucketScheduler):
         part of its update): this runs only between buckets."""
         logger.warning("rank %d: the round ends (%s): giving back what this rank holds, then exiting",
                        self.ctx.rank, why)
-        self.store.discard_prefetched()  # the reserved bucket's reads: it will not be trained in this round
         self.store.stats.commit_seconds += self._give_back()
         self._drain()
         raise RoundEnding(f"rank {self.ctx.rank}: the round ended ({why}) and this rank gave back what it held; "
