@@ -349,9 +349,13 @@ class LockServerScheduler(BucketScheduler):
             if time.monotonic() > deadline:
                 logger.warning("rank 0: not every live rank gave back within %.0f s; their buckets will be redone",
                                self.ctx.drain_timeout_s)
-                return
+                break
             time.sleep(0.05)
-        logger.info("rank 0: every live rank gave back what it held")
+        else:
+            logger.info("rank 0: every live rank gave back what it held")
+        # its threads out of the store's client before the process exits (one inside it aborts the process)
+        self.server.stop()
+        self.server = None
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
