@@ -414,8 +414,9 @@ def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4
         assert sorted(buckets) == sorted(all_buckets(4, 4))
 
 
-# a bucket of UMLS that trains for about a second, not a few milliseconds: the round's end then finds ranks mid-bucket
-SLOW_BUCKETS = {"dimension": 1024, "num_uniform_negs": 4000, "batch_size": 50}
+# a bucket of UMLS that trains for seconds, not milliseconds: the peer timeout (2 s) then finds the survivors
+# mid-bucket, not waiting on the lost rank's partitions (having given everything back while waiting, as they would)
+SLOW_BUCKETS = {"dimension": 1024, "num_uniform_negs": 16000, "batch_size": 50}
 
 
 def _rank_of(agents: Agents, name: str, world_size: int) -> int:
@@ -457,7 +458,7 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
     and exit, rank 0 serving until they have; the resumed pass redoes only the lost rank's buckets (its bucket in
     flight and the done ones whose partitions died unwritten with it), none of the survivors'."""
     # buckets slow enough (~1 s here) that the survivors are still training when the peer timeout (2 s) expires
-    path = write_run_config(umls_p4, "drained", num_epochs=4, **SLOW_BUCKETS)
+    path = write_run_config(umls_p4, "drained", num_epochs=2, **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
     agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
     try:
@@ -485,8 +486,8 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
     # its bucket in flight, and at most the 4 buckets among the 2 partitions it held
     assert redo == sum(by_rank.values()) <= 1 + 4
     records = bucket_records(checkpoint_path)
-    assert len([r for r in records if r.get("pass_summary")]) == 4
-    assert_each_bucket_once_per_epoch(records, 4)  # the committed stats: one line per bucket and pass
+    assert len([r for r in records if r.get("pass_summary")]) == 2
+    assert_each_bucket_once_per_epoch(records, 2)  # the committed stats: one line per bucket and pass
 
 
 @pytest.mark.slow
@@ -494,7 +495,7 @@ def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(um
     """The torchrun agent stops its workers with SIGTERM (then SIGKILL 30 s later) to re-form the group when a node
     waits to join. Each worker finishes its bucket and gives back what it holds, rank 0 serving until all have; they
     exit non-zero, torchrun restarts them, and the resumed pass has nothing to redo."""
-    path = write_run_config(umls_p4, "terminated", num_epochs=4, **SLOW_BUCKETS)
+    path = write_run_config(umls_p4, "terminated", num_epochs=2, **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
     agents = Agents(path, "1:2", tmp_path)
     try:
@@ -516,9 +517,10 @@ def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(um
     assert resumed and all(redo == 0 and not by_rank for redo, by_rank in resumed), resumed
     records = bucket_records(checkpoint_path)
     summaries = [r for r in records if r.get("pass_summary")]
-    assert len(summaries) == 4 and sum(s["buckets_redone"] for s in summaries) == 0
-    assert max(s["restart_count"] for s in summaries) >= 1  # the group was re-formed
-    assert_each_bucket_once_per_epoch(records, 4)
+    # (the group was re-formed: ``resumed``; ``restart_count`` may stay 0, as rank 0's agent may have restarted its
+    # worker for the membership change, which torchrun does not count)
+    assert len(summaries) == 2 and sum(s["buckets_redone"] for s in summaries) == 0
+    assert_each_bucket_once_per_epoch(records, 2)
 
 
 @pytest.mark.slow
