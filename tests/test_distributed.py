@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -141,6 +143,32 @@ def test_a_finished_bucket_whose_partitions_died_unwritten_is_redone() -> None:
     state.release(0, [("node", 0), ("node", 3)])
     state.forget_rank_locks()
     assert x in state.done
+
+
+def test_a_rank_told_the_round_ends_finishes_its_bucket_and_settles_once_it_gave_back() -> None:
+    """The round's end (issue #30): a surviving rank's finished bucket is recorded done, it gets no other, its
+    reservation and the locks only that needed are dropped; once it has written and released its partitions it
+    holds nothing a restart would redo, so a restart redoes only what the lost rank held."""
+    keys = partition_keys(4)
+    state = LockState(4, 4, keys, version=1, world_size=2)
+    rng = random.Random(0)
+    _, lost = state.next_bucket(0, set(), None, rng)
+    _, mine = state.next_bucket(1, set(), None, rng)
+    assert lost is not None and mine is not None
+    ahead = state.reserve(1, rng)
+    state.stop(1, mine)
+    assert mine in state.done and 1 not in state.in_flight and 1 not in state.reserved
+    assert not state.settled(1)  # its finished bucket's partitions are still only in its memory
+    if ahead is not None:
+        assert all(state.locks.get(k) != 1 for k in keys[ahead] - keys[mine])
+    state.record_written(1, sorted(keys[mine]))
+    assert not state.settled(1)  # written, not yet published and released
+    state.release(1, sorted(keys[mine]), written=False)
+    assert state.settled(1) and not state.settled(0)
+    restored = LockState(4, 4, keys, version=1)
+    restored.restore(json.loads(json.dumps(state.to_json())))
+    assert restored.forget_rank_locks() == {0: 1}  # only the lost rank's bucket in flight
+    assert mine in restored.done and lost not in restored.done and restored.redone == 1
 
 
 def test_a_redone_buckets_first_stats_line_is_dropped_so_the_pass_commits_one_line_per_bucket() -> None:
@@ -384,6 +412,115 @@ def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4
     assert len(per_epoch) >= 38
     for buckets in per_epoch.values():
         assert sorted(buckets) == sorted(all_buckets(4, 4))
+
+
+# a bucket of UMLS that trains for seconds, not milliseconds: the peer timeout (2 s) then finds the survivors
+# mid-bucket, not waiting on the lost rank's partitions (having given everything back while waiting, as they would)
+SLOW_BUCKETS = {"dimension": 1024, "num_uniform_negs": 16000, "batch_size": 50}
+
+
+def _rank_of(agents: Agents, name: str, world_size: int) -> int:
+    """The rank agent ``name``'s worker has in the group formed last (from its log)."""
+    found = re.findall(rf"rank (\d+) of {world_size} joined round", (agents.log_dir / f"{name}.log").read_text())
+    return int(found[-1]) if found else -1
+
+
+def _mid_pass(checkpoint_path: str, agents: Agents, world_size: int, deadline: float) -> set[int]:
+    """Wait until the group of ``world_size`` trains a pass (version 1 or later) with buckets already done and a
+    rank other than 0 training one; returns the ranks with a bucket in flight."""
+    from job.formats.checkpoint import CheckpointStorage
+    from job.train.progress import current_state
+
+    storage = CheckpointStorage(checkpoint_path)
+    while time.monotonic() < deadline:
+        version = storage.load_version()
+        progress = current_state(checkpoint_path) or {}
+        formed = all(_rank_of(agents, name, world_size) >= 0 for name in agents.procs)
+        in_flight = {int(rank) for rank in progress.get("in_flight", {})}
+        if (formed and version >= 1 and progress.get("version") == version + 1 and len(progress.get("done", [])) >= 2
+                and in_flight - {0}):
+            return in_flight
+        time.sleep(0.02)
+    raise AssertionError("training never got going: " + agents.tail())
+
+
+def _resumed(agents: Agents) -> list[tuple[int, dict[str, int]]]:
+    """Each resumed pass's buckets to redo and, by rank of the round that ended, whose they were."""
+    found = re.findall(r"resuming pass \d+: \d+ of 16 buckets already done, (\d+) to redo \(by rank of the round "
+                       r"that ended: (\{[^}]*\})\)", agents.text())
+    return [(int(redo), json.loads(by_rank)) for redo, by_rank in found]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs(umls_p4: dict,
+                                                                                  tmp_path: Path) -> None:
+    """Issue #30: rank 0 declares a SIGKILLed peer dead; the survivors finish their bucket, give back what they hold
+    and exit, rank 0 serving until they have; the resumed pass redoes only the lost rank's buckets (its bucket in
+    flight and the done ones whose partitions died unwritten with it), none of the survivors'."""
+    # buckets slow enough (~1 s here) that the survivors are still training when the peer timeout (2 s) expires
+    path = write_run_config(umls_p4, "drained", num_epochs=2, **SLOW_BUCKETS)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
+    try:
+        for name in "abc":
+            agents.start(name)
+            time.sleep(0.3)
+        training = _mid_pass(checkpoint_path, agents, 3, time.monotonic() + 240)
+        victim = next(name for name in "abc" if _rank_of(agents, name, 3) in training - {0})
+        lost_rank = _rank_of(agents, victim, 3)
+        agents.kill_node(victim)
+        survivors = [name for name in "abc" if name != victim]
+        codes = agents.wait(survivors, timeout=300)
+    finally:
+        agents.stop()
+    assert codes == dict.fromkeys(survivors, 0), agents.tail()
+    text = agents.text()
+    assert "every live rank gave back what it held" in text, agents.tail()
+    # rank 0 finished its bucket and gave back (the other survivor too, unless it held nothing then: waiting for a
+    # bucket, or at the pass's barrier, it is cut off by rank 0's exit with nothing to lose)
+    assert "rank 0: the round ends" in text, agents.tail()
+    resumed = _resumed(agents)
+    assert resumed, agents.tail()
+    redo, by_rank = resumed[0]
+    assert set(by_rank) <= {str(lost_rank)}, (lost_rank, by_rank)
+    # its bucket in flight, and at most the 4 buckets among the 2 partitions it held
+    assert redo == sum(by_rank.values()) <= 1 + 4
+    records = bucket_records(checkpoint_path)
+    assert len([r for r in records if r.get("pass_summary")]) == 2
+    assert_each_bucket_once_per_epoch(records, 2)  # the committed stats: one line per bucket and pass
+
+
+@pytest.mark.slow
+def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(umls_p4: dict, tmp_path: Path) -> None:
+    """The torchrun agent stops its workers with SIGTERM (then SIGKILL 30 s later) to re-form the group when a node
+    waits to join. Each worker finishes its bucket and gives back what it holds, rank 0 serving until all have; they
+    exit non-zero, torchrun restarts them, and the resumed pass has nothing to redo."""
+    path = write_run_config(umls_p4, "terminated", num_epochs=2, **SLOW_BUCKETS)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    agents = Agents(path, "1:2", tmp_path)
+    try:
+        agents.start("a")
+        time.sleep(0.3)
+        agents.start("b")
+        _mid_pass(checkpoint_path, agents, 2, time.monotonic() + 240)
+        for name in "ab":  # as the agent's ``SubprocessHandler.close`` does: its worker's process group
+            for pid in subprocess.run(["pgrep", "-P", str(agents.procs[name].pid)], capture_output=True,
+                                      text=True).stdout.split():
+                os.killpg(int(pid), signal.SIGTERM)
+        codes = agents.wait(["a", "b"], timeout=300)
+    finally:
+        agents.stop()
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    text = agents.text()
+    assert "received SIGTERM" in text and "every live rank gave back what it held" in text, agents.tail()
+    resumed = _resumed(agents)
+    assert resumed and all(redo == 0 and not by_rank for redo, by_rank in resumed), resumed
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    # (the group was re-formed: ``resumed``; ``restart_count`` may stay 0, as rank 0's agent may have restarted its
+    # worker for the membership change, which torchrun does not count)
+    assert len(summaries) == 2 and sum(s["buckets_redone"] for s in summaries) == 0
+    assert_each_bucket_once_per_epoch(records, 2)
 
 
 @pytest.mark.slow

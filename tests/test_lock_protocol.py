@@ -86,6 +86,57 @@ def test_an_unknown_request_is_answered_with_an_error_naming_it(served: tuple[Lo
     assert kind == "bucket" and bucket is not None
 
 
+def test_once_the_round_ends_a_bucket_is_finished_but_none_handed_out_and_a_lost_rank_is_refused(
+        store: TCPStore, ranks: list[TensorTransport]) -> None:
+    """Rank 0's server learns the round's end from its own process (a peer declared dead, a SIGTERM:
+    ``DistributedContext.ending``): ``next`` then records the finished bucket and answers ``ending`` (the rank gives
+    back and exits), ``reserve`` grants nothing, a rank declared dead is refused (it is fenced: nothing it wrote is
+    recorded), and ``settled`` says when every live rank has given back."""
+    state = LockState(4, 4, partition_keys(4), world_size=3)
+    why: list[str] = []
+    lost: set[int] = set()
+    server = LockServer(store, state, SimpleNamespace(append=lambda records, shared=None: None),
+                        np.zeros(3, np.float32), 0, ranks[0], prefix=PREFIX,
+                        ending=lambda: why[0] if why else None, lost=lambda: frozenset(lost))
+    clients = {rank: LockClient(store, rank, timeout_s=60, prefix=PREFIX) for rank in (1, 2)}
+    try:
+        kind, bucket, _ = clients[1].next_bucket(set(), None, None)
+        kind2, other, _ = clients[2].next_bucket(set(), None, None)
+        assert kind == kind2 == "bucket" and bucket is not None and other is not None
+        assert not server.settled()
+        why.append("rank 2 stopped responding for 6 s")
+        lost.add(2)
+        assert clients[1].reserve() == (None, set())
+        kind, nothing, _ = clients[1].next_bucket(set(), bucket, None)
+        assert (kind, nothing) == ("ending", None) and clients[1].last_why == why[0]
+        assert bucket in server.state.done
+        with pytest.raises(LockServerError, match="declared dead"):
+            clients[2].written(sorted(partition_keys(4)[other]), [])
+        assert not server.settled()  # rank 1 still holds its bucket's partitions unwritten
+        keys = sorted(partition_keys(4)[bucket])
+        clients[1].written(keys, [])
+        clients[1].release(keys, written=False)
+        assert server.settled()  # rank 2 is lost, rank 0 holds nothing
+    finally:
+        server.stop()
+
+
+def test_a_rank_that_leaves_ends_the_round_for_every_rank(store: TCPStore, ranks: list[TensorTransport]) -> None:
+    """A rank that received SIGTERM says so with its ``next``: no rank gets another bucket."""
+    state = LockState(4, 4, partition_keys(4), world_size=3)
+    server = LockServer(store, state, SimpleNamespace(append=lambda records, shared=None: None),
+                        np.zeros(3, np.float32), 0, ranks[0], prefix=PREFIX)
+    clients = {rank: LockClient(store, rank, timeout_s=60, prefix=PREFIX) for rank in (1, 2)}
+    try:
+        _, bucket, _ = clients[1].next_bucket(set(), None, None)
+        kind, _, _, _ = clients[2].finish_and_next(set(), None, None, leaving="rank 2 received SIGTERM")
+        assert kind == "ending" and "rank 2" in (clients[2].last_why or "")
+        kind, _, _ = clients[1].next_bucket(set(), bucket, None)
+        assert kind == "ending" and bucket in server.state.done
+    finally:
+        server.stop()
+
+
 def test_a_malformed_request_is_answered_with_the_servers_error(served: tuple[LockServer, LockClient]) -> None:
     _, client = served
     with pytest.raises(LockServerError, match="refused 'release'.*KeyError"):

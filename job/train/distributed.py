@@ -33,6 +33,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -106,10 +107,14 @@ class LockServer:
     one vector per bucket done but not yet saved (``pending``)."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
-                 transport: TensorTransport, prefix: str = DEFAULT_PREFIX) -> None:
-        """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose
-        true result asks for a compaction, ``start(state, shared)``);
-        ``transport``: this process's end of the shared-parameter transport (the server's rank's)."""
+                 transport: TensorTransport, prefix: str = DEFAULT_PREFIX,
+                 ending: Callable[[], Optional[str]] = lambda: None,
+                 lost: Callable[[], frozenset[int]] = lambda: frozenset()) -> None:
+        """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
+        result asks for a compaction, ``start(state, shared)``);
+        ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
+        the round ends as the server's process knows it (a SIGTERM, a peer declared dead: ``DistributedContext``),
+        None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the serving thread's connection)
@@ -135,6 +140,9 @@ class LockServer:
         self._flights = Flights(self._inbox, transport.timeout_s)
         self._waiting: deque[Waiting] = deque()  # requests with a change whose transfer has not started
         self._gone: dict[int, str] = {}  # ranks whose transfer failed or timed out, with why
+        self._ending = ending
+        self._lost = lost
+        self._left: Optional[str] = None  # a rank said it leaves (its SIGTERM): the round ends for every rank
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
@@ -196,6 +204,8 @@ class LockServer:
         if rank in self._gone:
             self._refuse(job, LockServerError(f"rank {rank} is treated as gone ({self._gone[rank]}); its round is "
                                               "over"))
+        elif rank in self._lost():  # fenced: nothing it wrote since may be recorded (its buckets are redone)
+            self._refuse(job, LockServerError(f"rank {rank} was declared dead; its round is over"))
         elif request.get("values") is None:
             self._judge(job, None)
         else:
@@ -313,6 +323,18 @@ class LockServer:
                 logger.warning("lock server: could not answer rank %s", job.rank)
             raise _Unanswerable() from err
 
+    def round_ending(self) -> Optional[str]:
+        """Why this round ends (None while it stands): then ``next`` finishes the rank's bucket and answers
+        ``ending`` instead of another, and nothing more is reserved."""
+        return self._ending() or self._left
+
+    def settled(self) -> bool:
+        """Whether every live rank (not declared dead, not gone) has given back what it held (``LockState.settled``):
+        once the round ends, rank 0 serves until then (or its deadline) before it exits."""
+        dead = self._lost() | set(self._gone)
+        with self.lock:
+            return all(self.state.settled(rank) for rank in range(self.state.world_size) if rank not in dead)
+
     def in_flight(self) -> dict[int, str]:
         """Rank -> ``"receive"`` or ``"send"``: the shared-parameter transfers not yet ended."""
         return self._flights.snapshot()
@@ -344,6 +366,9 @@ class LockServer:
                 raise ValueError(f"a {op!r} request carries no shared-parameter change")
             if op == "next":
                 finished = Bucket(*request["finished"]) if request.get("finished") else None
+                if request.get("leaving") and self._left is None:
+                    self._left = f"rank {rank} is leaving ({request['leaving']})"
+                    logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)
                 held = {(k[0], int(k[1])) for k in request.get("held", [])}
                 delta = self._delta(change) if change is not None else None
                 if delta is not None:
@@ -351,7 +376,13 @@ class LockServer:
                 if request.get("record"):
                     self.state.add_record(request["record"])
                 was_done = finished is not None and finished in self.state.done
-                kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
+                why = self.round_ending()
+                if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
+                    self.state.stop(rank, finished)
+                    kind, bucket = "ending", None
+                    reply["why"] = why
+                else:
+                    kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
                 stored = False
                 if delta is not None and finished is not None and not was_done and finished in self.state.done:
                     if finished in self._unsaved():
@@ -365,7 +396,7 @@ class LockServer:
             elif op == "reserve":
                 # not persisted: a reservation is never started work, so a restart has nothing of it to redo
                 leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
-                bucket = self.state.reserve(rank, self.rng, leaving)
+                bucket = self.state.reserve(rank, self.rng, leaving) if self.round_ending() is None else None
                 reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
             elif op == "written":
                 # a write group (job/train/write_groups.py): one record makes all its files current and saves its

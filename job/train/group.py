@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ MIN_TRANSFER_TIMEOUT_S = 30.0  # a shared-parameter transfer's least timeout (in
 # How long rank 0 waits for a peer's first beat (``Heartbeat``): a starting peer may take 10 s to connect its
 # heartbeat to the store (a dropped reverse-DNS query and its retry), more on a starved node
 FIRST_BEAT_TIMEOUT_S = 60.0
+# How long rank 0 keeps serving, once the round ends, for the live ranks to finish their bucket and give back what they
+# hold (``LockServerScheduler``; env BIGGRAPH_DRAIN_TIMEOUT). Under the torchrun agent's grace between its SIGTERM and
+# its SIGKILL (30 s, ``LocalElasticAgent._shutdown``'s default, which torchrun's command line cannot set): a rank 0
+# killed while others still give back would cut their write groups short
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
 
 
 @dataclass
@@ -63,6 +69,8 @@ class DistributedContext:
     transport: Optional[TensorTransport] = None  # the shared parameters' point-to-point transport (this round's)
     _fence_store: Any = None  # a store client of its own for ``fence`` (called from writer threads too)
     _fence_lock: threading.Lock = field(default_factory=threading.Lock)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # see DEFAULT_DRAIN_TIMEOUT_S
+    _terminated: Optional[str] = None  # why this process was asked to stop (SIGTERM), set by ``catch_sigterm``
 
     def __post_init__(self) -> None:
         """Connect ``fence``'s client now, while the round's store certainly answers. Connected lazily, by the first
@@ -96,17 +104,50 @@ class DistributedContext:
             raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (rank 0 declared this "
                             "rank dead); writing nothing more, torchrun restarts this worker into the next round")
 
-    def check_peers(self) -> None:
-        """Raise when a peer stopped: torchrun then restarts the group and training resumes from progress."""
+    def catch_sigterm(self) -> None:
+        """Turn the torchrun agent's SIGTERM into the round's end instead of the process's: the agent stops every
+        worker this way when a node waits to join (a replaced or added pod), with a SIGKILL 30 s later. Stopped at
+        once, each rank lost its bucket in flight and every bucket it had done whose partitions it had not yet
+        written; asked to end the round, it finishes its bucket and gives back what it holds (the lock server's
+        ``ending`` reply, ``LockServerScheduler``), then exits non-zero so that torchrun starts it into the next
+        round. The handler only notes it (no I/O or lock in a signal handler); the trainer acts at its next bucket
+        boundary or barrier. Main thread only (Python's rule for handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def noted(signum: int, frame: Any) -> None:
+            self._terminated = f"this rank (rank {self.rank}) received SIGTERM"
+
+        signal.signal(signal.SIGTERM, noted)
+
+    def lost_ranks(self) -> frozenset[int]:
+        """The peers rank 0 declared dead in this round (empty on other ranks: only rank 0 watches)."""
+        return self.heartbeat.dead_ranks() if self.heartbeat is not None else frozenset()
+
+    def ending(self) -> Optional[str]:
+        """Why this round ends, as this process knows it (a SIGTERM received, a peer declared dead); None while it
+        stands. The lock server on rank 0 then hands out no more buckets (``LockServer``)."""
+        if self._terminated is not None:
+            return self._terminated
         if self.heartbeat is not None and self.heartbeat.dead_rank is not None:
-            raise RuntimeError(
-                f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.silent_for:.0f} s; "
-                "exiting so that torchrun re-forms the group without it"
-            )
+            return (f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.silent_for:.0f} s")
+        return None
+
+    def check_peers(self) -> None:
+        """Raise :class:`RoundEnding` when this round ends (a peer stopped, a SIGTERM): torchrun then restarts the
+        group and training resumes from progress. Called where this rank holds nothing unsaved (barriers)."""
+        why = self.ending()
+        if why is not None:
+            raise RoundEnding(f"{why}; exiting so that torchrun re-forms the group")
 
 
 class RoundOver(RuntimeError):
     """This rank's round of the group ended without it (see ``DistributedContext.fence``)."""
+
+
+class RoundEnding(RuntimeError):
+    """This round of the group ends (a peer lost, a SIGTERM) and this rank has given back what it held: it exits
+    non-zero so that torchrun starts it into the next round (never counted as success)."""
 
 
 class Heartbeat:
@@ -137,7 +178,8 @@ class Heartbeat:
         self.interval = interval
         self.dead_after = dead_after
         self.first_beat_after = max(first_beat_after, dead_after)
-        self.dead_rank: Optional[int] = None
+        self.dead_rank: Optional[int] = None  # the first peer declared dead
+        self._dead: set[int] = set()  # every peer declared dead (each fenced: ``DistributedContext.fence``)
         self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
@@ -173,10 +215,19 @@ class Heartbeat:
                 self._declare(peer, self.dead_after)
 
     def _declare(self, peer: int, silent_for: float) -> None:
-        if self.dead_rank is None:  # fenced: should it wake up, it writes nothing (``fence``)
-            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+        """Fence ``peer`` (should it wake up, it writes nothing: ``fence``) before the lock server learns it is
+        dead (``dead_ranks``) and refuses its requests."""
+        if peer in self._dead:
+            return
+        self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+        if self.dead_rank is None:
             self.silent_for = silent_for
-        self.dead_rank = peer
+            self.dead_rank = peer
+        self._dead = self._dead | {peer}  # a new set: read from other threads without a lock
+
+    def dead_ranks(self) -> frozenset[int]:
+        """Every peer declared dead so far."""
+        return frozenset(self._dead)
 
     def stop(self) -> None:
         """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
@@ -205,6 +256,7 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     store = distributed_c10d._get_default_store()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     interval, dead_after = peer_timing(os.environ)
+    drain_timeout = drain_timing(os.environ)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
     mark("round")
@@ -215,11 +267,13 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     mark("transport")
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
-    return DistributedContext(
+    context = DistributedContext(
         rank=rank, world_size=world_size, store=store, restart_count=restart_count,
         heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id),
-        round_id=round_id, run_id=run_id, transport=transport,
+        round_id=round_id, run_id=run_id, transport=transport, drain_timeout_s=drain_timeout,
     )
+    context.catch_sigterm()
+    return context
 
 
 def config_digest(config_json: str) -> str:
@@ -271,6 +325,18 @@ def peer_timing(env: Any) -> tuple[float, float]:
         raise UserError(f"BIGGRAPH_PEER_TIMEOUT ({timeout:g} s) must be at least twice BIGGRAPH_PEER_INTERVAL "
                         f"({interval:g} s)")
     return interval, timeout
+
+
+def drain_timing(env: Any) -> float:
+    """Seconds rank 0 waits, once a round ends, for the live ranks to give back (BIGGRAPH_DRAIN_TIMEOUT; 0: none)."""
+    text = env.get("BIGGRAPH_DRAIN_TIMEOUT", "")
+    try:
+        value = float(text) if text.strip() else DEFAULT_DRAIN_TIMEOUT_S
+    except ValueError:
+        raise UserError(f"BIGGRAPH_DRAIN_TIMEOUT={text!r}: expected a number of seconds") from None
+    if value < 0:
+        raise UserError(f"BIGGRAPH_DRAIN_TIMEOUT={text!r}: must be 0 seconds or more")
+    return value
 
 
 def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) -> None:

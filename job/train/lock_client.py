@@ -75,6 +75,7 @@ class LockClient:
         self.rank = rank
         self.channel = channel
         self.transport = transport
+        self.last_why: Optional[str] = None  # why the round ends, from the last ``ending`` reply
 
     def _call(self, request: dict[str, Any], change: Optional[torch.Tensor] = None) -> dict[str, Any]:
         """Ask; with ``change`` (a contiguous float32 CPU vector), send it along and receive the sum into it."""
@@ -118,13 +119,18 @@ class LockClient:
         return kind, bucket, dirty
 
     def finish_and_next(self, held: set, finished: Optional[Bucket], record: Optional[dict],
-                        change: Optional[torch.Tensor] = None) -> tuple[str, Optional[Bucket], set,
-                                                                        Optional[torch.Tensor]]:
+                        change: Optional[torch.Tensor] = None,
+                        leaving: Optional[str] = None) -> tuple[str, Optional[Bucket], set, Optional[torch.Tensor]]:
         """Finish ``finished`` (its stats ``record``, and ``change``: the shared-parameter change it made, a
         contiguous float32 CPU vector) and ask for the next bucket: (kind, bucket, partitions written this pass,
-        the shared parameters' sum if ``change``: received into ``change`` itself)."""
-        reply = self._call({"op": "next", "held": [list(k) for k in held],
-                            "finished": list(finished) if finished else None, "record": record}, change)
+        the shared parameters' sum if ``change``: received into ``change`` itself). ``leaving``: why this rank
+        leaves (its SIGTERM): the round ends, kind is then ``ending`` (give back what it holds, then exit)."""
+        request: dict[str, Any] = {"op": "next", "held": [list(k) for k in held],
+                                   "finished": list(finished) if finished else None, "record": record}
+        if leaving:
+            request["leaving"] = leaving
+        reply = self._call(request, change)
+        self.last_why = reply.get("why")
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None
         return reply["kind"], bucket, {(k[0], int(k[1])) for k in reply.get("dirty", [])}, change
 

@@ -90,6 +90,29 @@ class LockState:
         self._change({"e": "start", "rank": rank, "bucket": list(choice)})
         return "bucket", choice
 
+    def stop(self, rank: int, finished: Optional[Bucket]) -> None:
+        """The round ends: finish ``finished`` (if ``rank`` had it in flight) and hand ``rank`` nothing more, its
+        reservation dropped with the locks only it needed (partitions not read yet, or read ahead and unchanged:
+        the rank's give-back writes and releases the ones it holds, ``settled`` waits for that)."""
+        current = self.in_flight.get(rank)
+        if finished is not None and current == finished:
+            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
+                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
+        if rank in self.in_flight:
+            self._change({"e": "stop", "rank": rank})
+        ahead = self.reserved.pop(rank, None)
+        if ahead is not None:
+            keep = self.bucket_keys[current] if current is not None else frozenset()
+            for key in self.bucket_keys[ahead] - keep:
+                if self.locks.get(key) == rank:
+                    del self.locks[key]
+
+    def settled(self, rank: int) -> bool:
+        """Whether ``rank`` holds nothing a restart would redo or wait on: no bucket in flight, none done whose
+        partitions it has not written, no lock (its write groups recorded and published)."""
+        return (rank not in self.in_flight and not self.unsaved.get(rank)
+                and rank not in self.locks.values())
+
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
         """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
         another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
@@ -224,11 +247,18 @@ class LockState:
         else:
             raise ValueError(f"unknown progress record {kind!r}")
 
-    def forget_rank_locks(self) -> None:
+    def forget_rank_locks(self) -> dict[int, int]:
         """After a restart nobody holds anything: in-flight buckets will be redone, and so will finished ones
         whose partitions were still held (their updates were never written; their stats lines are dropped with
         them, the redo records its own). Reserved buckets were never
-        started: they go back to the queue, not counted as redone."""
+        started: they go back to the queue, not counted as redone. Returns the buckets to redo by the rank (of the
+        round that ended) that held them: since a round's end is drained, only lost ranks should appear."""
+        by_rank: dict[int, int] = {}
+        for rank in self.in_flight:
+            by_rank[rank] = by_rank.get(rank, 0) + 1
+        for rank, pending in self.unsaved.items():
+            if pending:
+                by_rank[rank] = by_rank.get(rank, 0) + len(pending)
         self.redone += len(self.in_flight)
         self.in_flight.clear()
         self.reserved.clear()
@@ -241,6 +271,7 @@ class LockState:
                         if "lhs_partition" not in r or Bucket(r["lhs_partition"], r["rhs_partition"]) not in lost]
         self.unsaved.clear()
         self.locks.clear()
+        return by_rank
 
     def to_json(self) -> dict[str, Any]:
         return {

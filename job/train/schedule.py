@@ -46,7 +46,7 @@ from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.buckets import Bucket, all_buckets
 from job.train.distributed import LockClient, LockServer, SharedParameters
-from job.train.group import DistributedContext, wait_all
+from job.train.group import DistributedContext, RoundEnding, wait_all
 from job.train.lock_state import LockState
 from job.train.partitions import PartitionStore
 from job.train.progress import Progress, ProgressLog, remove_progress
@@ -213,33 +213,37 @@ class LockServerScheduler(BucketScheduler):
                 state.restore(self.progress.state)
                 for record in self.progress.records:
                     state.apply(record)
-                state.forget_rank_locks()
+                by_rank = state.forget_rank_locks()
                 logger.info(
-                    "resuming pass %d: %d of %d buckets already done, %d to redo", pass_index + 1, len(state.done),
-                    state.total, state.redone)
+                    "resuming pass %d: %d of %d buckets already done, %d to redo (by rank of the round that ended: "
+                    "%s)", pass_index + 1, len(state.done), state.total, state.redone,
+                    json.dumps({str(rank): count for rank, count in sorted(by_rank.items())}))
             self.progress = None
             # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
             log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
             log.start(state.to_json(), shared)
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
-                                     prefix=self.ctx.key("lock"))
+                                     prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks)
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
         waits = 0
         while True:
-            self.ctx.check_peers()
             self.store.stats.blocked_seconds += self._settle_releases()
             carry, self.carry = self.carry, None
+            # rank 0's server knows its own process's reasons (``DistributedContext.ending``); another rank tells it
+            leaving = self.ctx.ending() if not self.commits else None
             kind, bucket, dirty, shared = self.client.finish_and_next(
                 self.store.resident_partitioned(), self.current, finished,
-                carry.change() if carry is not None else None)
+                carry.change() if carry is not None else None, leaving=leaving)
             if carry is not None and shared is not None:
                 carry.assign(shared)
             self.current, finished = None, None
             self.store.set_written(dirty)
             if kind == "done":
                 return None
+            if kind == "ending":
+                self._end_round(str(self.client.last_why or "the round ends"))
             if kind == "wait" or bucket is None:
                 # give our partitions back so that nobody waits on us, then ask again
                 self.store.stats.blocked_seconds += self._give_back()
@@ -321,9 +325,45 @@ class LockServerScheduler(BucketScheduler):
         self.store.write_group(set(), lambda group: self._commit_group(self.client, group), behind=False)
         return time.perf_counter() - started
 
+    def _end_round(self, why: str) -> None:
+        """The round ends (a peer lost, a SIGTERM) and this rank's bucket is finished (the server recorded it done):
+        give back what it holds exactly as at a pass's end (one write group, its ``written`` record, the moves, the
+        release), so that only the lost rank's buckets are redone; on rank 0 keep serving until every live rank has
+        given back or the drain deadline passes; then raise :class:`RoundEnding` (exit non-zero: torchrun starts
+        this worker into the next round). A partly trained bucket is never written (its partitions would hold
+        part of its update): this runs only between buckets."""
+        logger.warning("rank %d: the round ends (%s): giving back what this rank holds, then exiting",
+                       self.ctx.rank, why)
+        self.store.stats.commit_seconds += self._give_back()
+        self._drain()
+        raise RoundEnding(f"rank {self.ctx.rank}: the round ended ({why}) and this rank gave back what it held; "
+                          "exiting so that torchrun re-forms the group")
+
+    def _drain(self) -> None:
+        """Rank 0: serve on until every live rank has given back (``LockServer.settled``) or the drain deadline
+        (``DistributedContext.drain_timeout_s``) passes; a rank that does not make it is redone, as before."""
+        if self.server is None:
+            return
+        deadline = time.monotonic() + self.ctx.drain_timeout_s
+        while not self.server.settled():
+            if time.monotonic() > deadline:
+                logger.warning("rank 0: not every live rank gave back within %.0f s; their buckets will be redone",
+                               self.ctx.drain_timeout_s)
+                break
+            time.sleep(0.05)
+        else:
+            logger.info("rank 0: every live rank gave back what it held")
+        # its threads out of the store's client before the process exits (one inside it aborts the process)
+        self.server.stop()
+        self.server = None
+
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
-        wait_all(self.ctx, f"pass-written-{self.pass_tag}")
+        try:
+            wait_all(self.ctx, f"pass-written-{self.pass_tag}")
+        except RoundEnding:  # this rank gave back already (``end_buckets``); rank 0 lets the others do the same
+            self._drain()
+            raise
         if self.server is None:
             return None
         self.store.set_written(self.server.state.dirty)
