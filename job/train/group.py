@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.liveness import Liveness, store_host
 from job.train.startup import StartupClock
 from job.train.transport import TensorTransport
 
@@ -58,6 +60,7 @@ class DistributedContext:
     store: Any
     restart_count: int  # this agent's own count: reported, never used to name anything shared
     heartbeat: Optional[Heartbeat] = None
+    liveness: Optional[Liveness] = None  # the round's liveness connections (job/train/liveness.py), closed by ``leave``
     round_id: str = "0"  # the same on every rank of this group (``agree_round``): names every store key of ours
     run_id: str = ""  # the job this group trains for (``run_identity``), rank 0's: binds the lock server's progress
     transport: Optional[TensorTransport] = None  # the shared parameters' point-to-point transport (this round's)
@@ -139,14 +142,17 @@ class Heartbeat:
         self.first_beat_after = max(first_beat_after, dead_after)
         self.dead_rank: Optional[int] = None
         self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
+        self._started = time.monotonic()
+        self._last_change: dict[int, float] = {}  # rank 0: when each peer's counter last moved
+        self._declare_lock = threading.Lock()  # ``lost`` declares from the liveness watcher's thread
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        started = time.monotonic()
+        started = self._started
         last_value: dict[int, int] = {}
-        last_change: dict[int, float] = {}
+        last_change = self._last_change
         while True:  # the first beat at once: the watcher judges this rank from it on
             try:
                 self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
@@ -173,10 +179,18 @@ class Heartbeat:
                 self._declare(peer, self.dead_after)
 
     def _declare(self, peer: int, silent_for: float) -> None:
-        if self.dead_rank is None:  # fenced: should it wake up, it writes nothing (``fence``)
-            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
-            self.silent_for = silent_for
-        self.dead_rank = peer
+        with self._declare_lock:
+            if self.dead_rank is None:  # fenced: should it wake up, it writes nothing (``fence``)
+                self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+                self.silent_for = silent_for
+            self.dead_rank = peer
+
+    def lost(self, peer: int) -> None:
+        """Rank 0: declare ``peer`` dead now, as a silent one is: its process is gone (its liveness connection
+        closed without a goodbye, job/train/liveness.py), so waiting out the peer timeout would only delay the next
+        group. ``silent_for`` is then the time since its counter last moved."""
+        since = self._last_change.get(peer, self._started)
+        self._declare(peer, time.monotonic() - since)
 
     def stop(self) -> None:
         """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
@@ -208,6 +222,9 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
     mark("round")
+    liveness = Liveness(rank, world_size, round_id)
+    if rank == 0:  # before the collective below: every peer reads the listener's address once through it
+        liveness.listen(store, os.environ.get("MASTER_ADDR") or socket.gethostname())
     # collective: every rank, right after the round. A transfer's timeout follows the dead-peer timeout, with a floor
     # for large payloads on a slow network (the lock server applies it itself and never waits on one peer:
     # job/train/server_transfers.py; a trainer waits on the server that long at most)
@@ -215,10 +232,12 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     mark("transport")
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
+    heartbeat = Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id)
+    # a peer dials rank 0 where it reaches rank 0's store: the store's own host (MASTER_ADDR under torchrun)
+    liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")))
     return DistributedContext(
-        rank=rank, world_size=world_size, store=store, restart_count=restart_count,
-        heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id),
-        round_id=round_id, run_id=run_id, transport=transport,
+        rank=rank, world_size=world_size, store=store, restart_count=restart_count, heartbeat=heartbeat,
+        liveness=liveness, round_id=round_id, run_id=run_id, transport=transport,
     )
 
 
@@ -286,7 +305,10 @@ def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) 
 
 
 def leave(context: DistributedContext, timeout_s: float = 60.0) -> None:
-    """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise)."""
+    """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise). A peer's
+    liveness connection says goodbye first and rank 0 stops watching: leaving is not dying."""
+    if context.liveness is not None:
+        context.liveness.close()
     key = context.key("left")
     try:
         context.store.add(key, 1)
