@@ -152,9 +152,10 @@ def filtered_mrr(graph: dict, config_path: Path) -> float:
 class Agents:
     """torchrun agents started like pods: each in its own session, killable together with its worker."""
 
-    def __init__(self, config_path: Path, nnodes: str, log_dir: Path) -> None:
+    def __init__(self, config_path: Path, nnodes: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.config_path = config_path
         self.nnodes = nnodes
+        self.env = env or {}  # over the agents' defaults below (BIGGRAPH_PEER_TIMEOUT=8...)
         self.port = free_port()
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
@@ -165,6 +166,7 @@ class Agents:
         is_host = "true" if not self.procs else "false"
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                    BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
+        env.update(self.env)
         log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
         command = agent_command(self.nnodes, self.port, "biggraph-test",
                                 f"join_timeout=120,last_call_timeout=3,is_host={is_host}", 3, 1,
