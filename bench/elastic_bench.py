@@ -24,8 +24,8 @@ they are not redone; an upper bound, since a trainer that had to wait in between
 
 What the time is made of (the knobs, all printed with each run):
 
-- rank 0's heartbeat check, ``BIGGRAPH_PEER_TIMEOUT`` (job/train/distributed.py; seen only between
-  buckets);
+- rank 0's detection: at once for a killed process, whose liveness connection closes (job/train/liveness.py);
+  else the heartbeat check, ``BIGGRAPH_PEER_TIMEOUT`` (job/train/group.py; seen only between buckets);
 - the c10d rendezvous keep-alive: the dead node stays a participant of the finished round until its
   last keep-alive is ``keep_alive_interval x keep_alive_max_attempt`` old (5 s x 3 by default), and
   the survivor cannot start a new round before that;

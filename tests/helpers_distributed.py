@@ -155,8 +155,8 @@ class Agents:
     def __init__(self, config_path: Path, nnodes: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         """``env``: variables for every agent and its worker, over the defaults (``BIGGRAPH_PEER_TIMEOUT``...)."""
         self.config_path = config_path
-        self.env = env or {}
         self.nnodes = nnodes
+        self.env = env or {}  # over the agents' defaults below (BIGGRAPH_PEER_TIMEOUT=8...)
         self.port = free_port()
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}

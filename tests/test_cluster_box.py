@@ -170,6 +170,11 @@ def test_a_replaced_pod_rejoins_and_the_job_completes(cluster: Callable[..., Run
     summaries = run.finish()
     assert summaries[-1]["world_size"] == 3  # the replacement trained in the group
     assert run.box.incarnations[2] == 2 and run.box.failures == {2: 1}
+    # rank 0 found the killed pod through its liveness connection, dialled across the pods' network namespaces at
+    # the address the pod reaches rank 0's store at (job/train/liveness.py); no pod failed to connect
+    logs = run.box.logs()
+    assert "liveness connection to rank 0 closed without a goodbye" in logs, run.box.tail()
+    assert "cannot connect to rank 0's liveness listener" not in logs
 
 
 def _in_group(run: Run, world: int, before: set[str]) -> bool:

@@ -524,6 +524,46 @@ def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(um
 
 
 @pytest.mark.slow
+def test_a_killed_node_is_found_through_its_connection_with_a_peer_timeout_of_ten_minutes(umls_p4: dict,
+                                                                                        tmp_path: Path) -> None:
+    """Node b is SIGKILLed mid-pass with ``BIGGRAPH_PEER_TIMEOUT`` at ten minutes: rank 0 still declares it dead
+    (its liveness connection closed, job/train/liveness.py), the group re-forms without it and the run completes.
+    The wait below is a hang guard: through the heartbeat alone the survivor would wait the ten minutes."""
+    from job.formats.checkpoint import CheckpointStorage
+    from job.train.progress import current_state
+
+    epochs = 8
+    path = write_run_config(umls_p4, "liveness", num_epochs=epochs)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    storage = CheckpointStorage(checkpoint_path)
+    agents = Agents(path, "1:2", tmp_path, env={"BIGGRAPH_PEER_TIMEOUT": "600"})
+    try:
+        agents.start("a")
+        time.sleep(0.5)
+        agents.start("b")
+        deadline = time.monotonic() + 240
+        while True:  # b killed in the middle of a pass, holding partitions
+            assert time.monotonic() < deadline, "training never got going: " + agents.tail()
+            version = storage.load_version()
+            progress = current_state(checkpoint_path) or {}
+            if version >= 1 and progress.get("version") == version + 1 and progress.get("done"):
+                break
+            time.sleep(0.02)
+        assert version < epochs - 1, "the run ended before the kill; give it more epochs"
+        agents.kill_node("b")
+        codes = agents.wait(["a"], timeout=300)
+    finally:
+        agents.stop()
+    assert codes["a"] == 0, agents.tail()
+    assert storage.load_version() == epochs
+    logs = agents.text()
+    assert "rank 1's liveness connection to rank 0 closed without a goodbye" in logs, agents.tail()
+    assert "rank 1 stopped responding" in logs  # declared as the heartbeat declares, then the same path
+    summaries = [r for r in bucket_records(checkpoint_path) if r.get("pass_summary")]
+    assert max(s["restart_count"] for s in summaries) >= 1 and summaries[-1]["world_size"] == 1
+
+
+@pytest.mark.slow
 def test_a_node_added_during_training_joins_and_takes_buckets(umls_p4: dict, tmp_path: Path) -> None:
     from job.formats.checkpoint import CheckpointStorage
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -215,7 +216,8 @@ def test_a_rank_killed_during_the_groups_start_up_is_found_by_rank_0() -> None:
         procs[2].send_signal(signal.SIGKILL)
         _, err = procs[0].communicate(timeout=120)
         assert procs[0].returncode != 0
-        assert "rank 2 stopped responding for 1 s" in err, err
+        # found through its liveness connection (job/train/liveness.py) or, failing that, its heartbeat
+        assert re.search(r"rank 2 stopped responding for \d+ s", err), err
         procs[1].communicate(timeout=120)
         assert procs[1].returncode != 0  # its group is gone with rank 0
     finally:

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.liveness import Liveness, store_host
 from job.train.startup import StartupClock
 from job.train.transport import TensorTransport
 
@@ -64,6 +66,7 @@ class DistributedContext:
     store: Any
     restart_count: int  # this agent's own count: reported, never used to name anything shared
     heartbeat: Optional[Heartbeat] = None
+    liveness: Optional[Liveness] = None  # the round's liveness connections (job/train/liveness.py), closed by ``leave``
     round_id: str = "0"  # the same on every rank of this group (``agree_round``): names every store key of ours
     run_id: str = ""  # the job this group trains for (``run_identity``), rank 0's: binds the lock server's progress
     transport: Optional[TensorTransport] = None  # the shared parameters' point-to-point transport (this round's)
@@ -181,14 +184,17 @@ class Heartbeat:
         self.dead_rank: Optional[int] = None  # the first peer declared dead
         self._dead: set[int] = set()  # every peer declared dead (each fenced: ``DistributedContext.fence``)
         self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
+        self._started = time.monotonic()
+        self._last_change: dict[int, float] = {}  # rank 0: when each peer's counter last moved
+        self._declare_lock = threading.Lock()  # ``lost`` declares from the liveness watcher's thread
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        started = time.monotonic()
+        started = self._started
         last_value: dict[int, int] = {}
-        last_change: dict[int, float] = {}
+        last_change = self._last_change
         while True:  # the first beat at once: the watcher judges this rank from it on
             try:
                 self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
@@ -216,18 +222,27 @@ class Heartbeat:
 
     def _declare(self, peer: int, silent_for: float) -> None:
         """Fence ``peer`` (should it wake up, it writes nothing: ``fence``) before the lock server learns it is
-        dead (``dead_ranks``) and refuses its requests."""
-        if peer in self._dead:
-            return
-        self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
-        if self.dead_rank is None:
-            self.silent_for = silent_for
-            self.dead_rank = peer
-        self._dead = self._dead | {peer}  # a new set: read from other threads without a lock
+        dead (``dead_ranks``) and refuses its requests. Called from the heartbeat's thread and, through ``lost``,
+        from the liveness watcher's."""
+        with self._declare_lock:
+            if peer in self._dead:
+                return
+            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+            if self.dead_rank is None:
+                self.silent_for = silent_for
+                self.dead_rank = peer
+            self._dead = self._dead | {peer}  # a new set: read from other threads without a lock
 
     def dead_ranks(self) -> frozenset[int]:
         """Every peer declared dead so far."""
         return frozenset(self._dead)
+
+    def lost(self, peer: int) -> None:
+        """Rank 0: declare ``peer`` dead now, as a silent one is: its process is gone (its liveness connection
+        closed without a goodbye, job/train/liveness.py), so waiting out the peer timeout would only delay the next
+        group. ``silent_for`` is then the time since its counter last moved."""
+        since = self._last_change.get(peer, self._started)
+        self._declare(peer, time.monotonic() - since)
 
     def stop(self) -> None:
         """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
@@ -260,6 +275,9 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
     mark("round")
+    liveness = Liveness(rank, world_size, round_id)
+    if rank == 0:  # before the collective below: every peer reads the listener's address once through it
+        liveness.listen(store, os.environ.get("MASTER_ADDR") or socket.gethostname())
     # collective: every rank, right after the round. A transfer's timeout follows the dead-peer timeout, with a floor
     # for large payloads on a slow network (the lock server applies it itself and never waits on one peer:
     # job/train/server_transfers.py; a trainer waits on the server that long at most)
@@ -267,10 +285,12 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     mark("transport")
     logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
                 round_id, run_id, restart_count)
+    heartbeat = Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id)
+    # a peer dials rank 0 where it reaches rank 0's store: the store's own host (MASTER_ADDR under torchrun)
+    liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")))
     context = DistributedContext(
-        rank=rank, world_size=world_size, store=store, restart_count=restart_count,
-        heartbeat=Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id),
-        round_id=round_id, run_id=run_id, transport=transport, drain_timeout_s=drain_timeout,
+        rank=rank, world_size=world_size, store=store, restart_count=restart_count, heartbeat=heartbeat,
+        liveness=liveness, round_id=round_id, run_id=run_id, transport=transport, drain_timeout_s=drain_timeout,
     )
     context.catch_sigterm()
     return context
@@ -352,7 +372,10 @@ def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) 
 
 
 def leave(context: DistributedContext, timeout_s: float = 60.0) -> None:
-    """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise)."""
+    """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise). A peer's
+    liveness connection says goodbye first and rank 0 stops watching: leaving is not dying."""
+    if context.liveness is not None:
+        context.liveness.close()
     key = context.key("left")
     try:
         context.store.add(key, 1)

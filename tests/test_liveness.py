@@ -1,0 +1,166 @@
+"""Rank 0 finds a peer whose process died through its liveness connection (job/train/liveness.py), without waiting
+out the heartbeat's peer timeout; a frozen peer and a peer that leaves in order are not declared dead through it.
+
+The group test forms a real group of processes by hand (MASTER_ADDR/RANK/WORLD_SIZE, no torchrun, as
+tests/test_startup.py does) with a peer timeout of ten minutes: a declaration within the test's hang guard can only
+have come from the connection. Nothing here asserts a duration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+from helpers_distributed import free_port
+
+from job.train.liveness import HELLO, Liveness, liveness_key
+
+
+def wait_until(condition: object, seconds: float = 60.0) -> bool:
+    """Poll ``condition()`` until it holds (True) or ``seconds`` pass (False): a bound on a hang, not a timing."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# rank 0 prints its view (declared rank, connections lost and left, dead/<rank> keys) whenever it changes; a peer
+# prints "connected" once its liveness connection is up, then leaves in order when told on stdin ("leave")
+GROUP_SCRIPT = """
+import json, sys, time
+from job.train.group import init_distributed, leave
+ctx = init_distributed("digest")
+if ctx.rank == 0:
+    last = None
+    while True:
+        view = {"dead_rank": ctx.heartbeat.dead_rank, "lost": list(ctx.liveness.lost), "left": list(ctx.liveness.left),
+                "dead_keys": [r for r in range(1, ctx.world_size) if ctx.store.check([ctx.key(f"dead/{r}")])]}
+        if view != last:
+            print(json.dumps(view), flush=True)
+            last = view
+        time.sleep(0.02)
+ctx.liveness.connected.wait(60)
+print("connected" if ctx.liveness.connected.is_set() else "not connected", flush=True)
+if sys.stdin.readline().strip() == "leave":
+    leave(ctx)
+    print("left", flush=True)
+"""
+
+
+def test_rank_0_declares_a_killed_peer_at_once_but_neither_a_frozen_one_nor_one_that_left() -> None:
+    port = free_port()
+    world = 4  # rank 1 is killed, rank 2 frozen, rank 3 leaves in order
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="liveness-test", OMP_NUM_THREADS="1",
+                   BIGGRAPH_PEER_INTERVAL="1", BIGGRAPH_PEER_TIMEOUT="600", PYTHONUNBUFFERED="1")
+        env.pop("BIGGRAPH_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, "-c", GROUP_SCRIPT], env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    views: list[dict] = []
+
+    def view_where(check: object) -> dict:
+        """Rank 0's next printed view for which ``check(view)`` holds (views read in order)."""
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:
+            views.append(json.loads(line))
+            if check(views[-1]):  # type: ignore[operator]
+                return views[-1]
+        raise AssertionError(f"rank 0 ended: {procs[0].communicate()[1][-3000:]}")
+
+    try:
+        for proc in procs[1:]:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "connected", proc.communicate(timeout=60)[1][-3000:]
+        assert view_where(lambda v: True)["dead_rank"] is None
+        procs[2].send_signal(signal.SIGSTOP)  # frozen: its connection stays open
+        assert procs[3].stdin is not None
+        procs[3].stdin.write("leave\n")
+        procs[3].stdin.flush()
+        assert procs[3].wait(timeout=60) == 0  # left in order, and its process is gone
+        assert view_where(lambda v: v["left"] == [3])["lost"] == []
+        procs[1].send_signal(signal.SIGKILL)
+        # the hang guard of view_where is rank 0's life: without the connection, ten minutes of heartbeat
+        declared = view_where(lambda v: v["dead_rank"] is not None)
+        assert declared == {"dead_rank": 1, "lost": [1], "left": [3], "dead_keys": [1]}, views
+        assert procs[0].poll() is None
+    finally:
+        errors = []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            errors.append(proc.communicate()[1])
+    assert "rank 1's liveness connection to rank 0 closed without a goodbye" in errors[0], errors[0][-3000:]
+
+
+def store() -> object:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_a_connection_of_another_round_or_rank_is_refused_and_its_end_declares_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stale peer (another round's hello), a rank outside the group and a connection that never says who it is
+    are refused; their end declares nothing. A peer of the round that goes without a goodbye is declared."""
+    server = store()
+    lost: list[int] = []
+    watcher = Liveness(0, 3, "r2")
+    with caplog.at_level(logging.INFO, logger="biggraph"):
+        watcher.listen(server, "127.0.0.1")
+        watcher.start(server, lost.append)
+        port = int(server.get(liveness_key("r2")).decode().rpartition(":")[2])  # type: ignore[attr-defined]
+        for hello in (b"%s r1 1\n" % HELLO, b"%s r2 3\n" % HELLO, b"%s r2 0\n" % HELLO, b"GET / HTTP/1.0\r\n\r\n", b""):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(hello)
+        assert wait_until(lambda: sum("refused a liveness connection" in r.getMessage() for r in caplog.records) == 5)
+        assert lost == [] and watcher.lost == []
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"%s r2 2\n" % HELLO)
+        assert wait_until(lambda: lost == [2])
+        watcher.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("not of round r2" in m for m in messages)
+    assert any("rank 3 is not a peer of a group of 3" in m for m in messages)
+
+
+def test_a_peer_that_cannot_reach_rank_0_logs_it_once_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A firewall between the pods: the peer's dial fails, it says so once, and nothing raises (the heartbeat alone
+    watches it)."""
+    server = store()
+    closed_port = free_port()  # nothing listens there
+    server.set(liveness_key("r3"), f"127.0.0.1:{closed_port}")  # type: ignore[attr-defined]
+    peer = Liveness(1, 2, "r3")
+    with caplog.at_level(logging.INFO, logger="biggraph"):
+        peer.start(server, lambda rank: None, hosts=("127.0.0.1",))
+        assert wait_until(lambda: any("cannot connect" in r.getMessage() for r in caplog.records))
+        peer.close()
+    assert not peer.connected.is_set()
+    assert sum("cannot connect to rank 0's liveness listener" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_peer_that_leaves_in_order_is_not_declared_dead() -> None:
+    server = store()
+    lost: list[int] = []
+    watcher = Liveness(0, 2, "r4")
+    watcher.listen(server, "127.0.0.1")
+    watcher.start(server, lost.append)
+    peer = Liveness(1, 2, "r4")
+    peer.start(server, lambda rank: None, hosts=("127.0.0.1",))
+    assert peer.connected.wait(30)
+    peer.close()
+    assert wait_until(lambda: watcher.left == [1])
+    watcher.close()
+    assert lost == [] and watcher.lost == []
