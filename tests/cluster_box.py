@@ -113,6 +113,7 @@ class RenderedJob:
     config_files: dict[str, str]  # the ConfigMap's data, mounted at /etc/biggraph
     replicas: int
     memory_limit: str  # the container's resources.limits.memory (what its resourceFieldRef env gives, in bytes)
+    grace_period_s: float = 30.0  # the pod's terminationGracePeriodSeconds (the Kubernetes default when unset)
 
     @staticmethod
     def from_docs(docs: list[dict[str, Any]]) -> RenderedJob:
@@ -127,7 +128,8 @@ class RenderedJob:
         return RenderedJob(job["metadata"]["name"], service["metadata"]["name"],
                            list(container["command"]) + list(container["args"]), list(container.get("env", [])),
                            dict(config_map["data"]), int(job["spec"]["completions"]),
-                           str(container["resources"]["limits"]["memory"]))
+                           str(container["resources"]["limits"]["memory"]),
+                           float(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)))
 
 
 @dataclass
@@ -139,7 +141,7 @@ class ClusterBox:
     max_replicas: int = 4
     job_uid: str = field(default_factory=lambda: f"box-{uuid.uuid4()}")
     backoff_limit_per_index: int = 3
-    grace_period_s: float = 30.0  # terminationGracePeriodSeconds (the Kubernetes default)
+    grace_period_s: Optional[float] = None  # the kubelet's SIGTERM -> SIGKILL (None: the rendered pod's)
     extra_env: dict[str, str] = field(default_factory=dict)
     initial: Optional[int] = None  # pods at the start (the Job patched to fewer than its rendered replicas)
     events: list[Event] = field(default_factory=list)
@@ -150,6 +152,8 @@ class ClusterBox:
         reason = available()
         if reason is not None:
             raise RuntimeError(reason)
+        if self.grace_period_s is None:
+            self.grace_period_s = self.job.grace_period_s
         self.tag = f"bgb{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"  # <= 11 characters: link names fit in 15
         self.completions = self.initial or self.job.replicas
         self.pods: dict[int, Pod] = {}
@@ -394,7 +398,7 @@ class ClusterBox:
             self.event("terminate", index, pod.name)
             with contextlib.suppress(ProcessLookupError):
                 pod.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_period_s
+        deadline = time.monotonic() + (self.grace_period_s or 0.0)
         while pod.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         with self._lock:

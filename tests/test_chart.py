@@ -261,6 +261,9 @@ def test_chart_lints_renders_and_validates(values: Path, tmp_path: Path) -> None
     env = env_of(container)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["BIGGRAPH_RDZV_HOST_INDEX"] == "0"
+    # a round's end is drained, and a deleted pod has the time to drain it before the kubelet's SIGKILL
+    drain = (given.get("elastic") or {}).get("drainSeconds", 25)
+    assert env["BIGGRAPH_DRAIN_TIMEOUT"] == str(drain) and pod["terminationGracePeriodSeconds"] == drain + 15
     # the config travels in the ConfigMap, mounted where the command line reads it
     assert yaml.safe_load(config_map["data"]["config.yaml"]) == given["config"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -466,6 +469,7 @@ BAD_VALUES = {
     "rdzv-backend": (["torchrun.rdzvBackend=static"], "rdzvBackend"),
     "nproc-zero": (["torchrun.nprocPerNode=0"], "nprocPerNode"),
     "min-over-max": (["elastic.minReplicas=5"], "minReplicas"),
+    "drain-past-the-agents-grace": (["elastic.drainSeconds=40"], "drainSeconds"),
     "bad-quantity": (["shm.sizeLimit=lots"], "sizeLimit"),
     "bad-endpoint-url": (["s3.endpointUrl=minio:9000"], "endpointUrl"),
     "bad-access-mode": (["persistence.accessModes={ReadWriteSometimes}"], "accessModes"),
