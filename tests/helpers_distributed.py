@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -238,3 +239,13 @@ def assert_each_bucket_once_per_epoch(records: list[dict], epochs: int) -> None:
     assert sorted(per_epoch) == list(range(epochs))
     for epoch, buckets in per_epoch.items():
         assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
+    """Poll ``condition()`` until it holds (True) or ``seconds`` pass (False): a bound on a hang, not a timing."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False

@@ -15,24 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import pytest
-from helpers_distributed import free_port
+from helpers_distributed import free_port, wait_until
 
 from job.train.liveness import HELLO, Liveness, liveness_key
-
-
-def wait_until(condition: object, seconds: float = 60.0) -> bool:
-    """Poll ``condition()`` until it holds (True) or ``seconds`` pass (False): a bound on a hang, not a timing."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
-
 
 # rank 0 prints its view (declared rank, connections lost and left, dead/<rank> keys) whenever it changes; a peer
 # prints "connected" once its liveness connection is up, then leaves in order when told on stdin ("leave")

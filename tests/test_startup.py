@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers_distributed import Agents, free_port
+from helpers_distributed import Agents, free_port, wait_until
 from helpers_graphs import write_cycle_graph
 
 from job.train.group import Heartbeat
@@ -139,16 +139,6 @@ def test_the_facts_taken_from_the_check_are_what_the_trainer_would_read_itself(t
 
 
 # the heartbeat ------------------------------------------------------------------------------------------
-
-
-def wait_until(condition: object, seconds: float = 30.0) -> bool:
-    """Poll ``condition()`` until it holds (True) or ``seconds`` pass (False): a bound on a hang, not a timing."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_a_peer_whose_first_beat_comes_after_the_peer_timeout_is_not_declared_dead_then_is_when_it_stops() -> None:

@@ -69,11 +69,7 @@ class LockState:
     def next_bucket(self, rank: int, held: set, finished: Optional[Bucket], rng: Any) -> tuple[str, Optional[Bucket]]:
         """Finish ``finished`` (if any) and pick the next bucket for ``rank``: ("bucket", b), ("wait", None) or ("done", None).
         A bucket reserved for ``rank`` is its next one (its partitions are locked for it already)."""
-        if finished is not None and self.in_flight.get(rank) == finished:
-            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
-                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
-        if rank in self.in_flight:
-            self._change({"e": "stop", "rank": rank})
+        self._end_in_flight(rank, finished)
         ahead = self.reserved.pop(rank, None)
         if ahead is not None:
             self._change({"e": "start", "rank": rank, "bucket": list(ahead)})
@@ -90,16 +86,20 @@ class LockState:
         self._change({"e": "start", "rank": rank, "bucket": list(choice)})
         return "bucket", choice
 
+    def _end_in_flight(self, rank: int, finished: Optional[Bucket]) -> None:
+        """``rank``'s bucket in flight ends: done if it is ``finished``, else given up (a restart redoes it)."""
+        if finished is not None and self.in_flight.get(rank) == finished:
+            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
+                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
+        if rank in self.in_flight:
+            self._change({"e": "stop", "rank": rank})
+
     def stop(self, rank: int, finished: Optional[Bucket]) -> None:
         """The round ends: finish ``finished`` (if ``rank`` had it in flight) and hand ``rank`` nothing more, its
         reservation dropped with the locks only it needed (partitions not read yet, or read ahead and unchanged:
         the rank's give-back writes and releases the ones it holds, ``settled`` waits for that)."""
         current = self.in_flight.get(rank)
-        if finished is not None and current == finished:
-            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
-                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
-        if rank in self.in_flight:
-            self._change({"e": "stop", "rank": rank})
+        self._end_in_flight(rank, finished)
         ahead = self.reserved.pop(rank, None)
         if ahead is not None:
             keep = self.bucket_keys[current] if current is not None else frozenset()
