@@ -57,6 +57,8 @@ from chaos_checks import (  # noqa: E402
     Expected,
     LogTail,
     VersionWatcher,
+    copy_for_eval,
+    eval_command,
     filtered_mrr,
     stats_buckets,
     summarize_seconds,
@@ -212,7 +214,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.json:  # what the events cost is kept even if the evaluation fails
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-        if not args.no_eval:
+        if args.copy_for_eval:
+            copy_for_eval(config, data, work)
+            print(f"chaos: the committed result is in {work}/eval-copy; score it from {work} with "
+                  f"{' '.join(eval_command('python3'))}", flush=True)
+        elif not args.no_eval:
             result["mrr"] = filtered_mrr(config, data, work)
         return result
     finally:
@@ -274,6 +280,9 @@ def main() -> int:
                         help="no new event after this many minutes from the first gap (default: no bound)")
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the final filtered MRR (all candidates: ~17 min on 2 vCPUs after a 30-pass run)")
+    parser.add_argument("--copy-for-eval", action="store_true",
+                        help="instead of the MRR, copy the data and the committed checkpoint to WORK/eval-copy with "
+                             "WORK/eval-config.json, to score later or on a faster machine (needs --work)")
     parser.add_argument("--timeout-min", type=float, default=150.0, help="give up on the Job after this (default 150)")
     parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one, removed)")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -281,6 +290,8 @@ def main() -> int:
     reason = available()
     if reason is not None:
         parser.error(f"the cluster box cannot run here: {reason}")
+    if args.copy_for_eval and not args.work:
+        parser.error("--copy-for-eval needs --work (the copy stays there)")
     if not 2 <= args.pods_min <= args.pods_max:
         parser.error("--pods-min must be at least 2 and at most --pods-max")
     if args.edges < 10 * PARTITIONS * PARTITIONS or args.entities < 20 * PARTITIONS:

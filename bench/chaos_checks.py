@@ -9,6 +9,7 @@ reading the marker again."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -24,6 +25,8 @@ from typing import Any, Optional
 from fault_bench import load_version_files  # noqa: E402 - a sibling bench module, not a package
 
 from job.formats.checkpoint import CheckpointStorage
+
+ROOT = Path(__file__).resolve().parent.parent
 
 JOINED = re.compile(r"rank (\d+) of (\d+) joined round (\w+)")
 PROGRESS = re.compile(r"INFO (?:\[rank \d+\] )?progress: ")
@@ -225,11 +228,13 @@ def stats_buckets(checkpoint: str, epochs: int, partitions: int) -> dict[str, An
             "passes": [s.get("checkpoint_version") for s in summaries]}
 
 
-def filtered_mrr(config: dict[str, Any], data: str, work: Path) -> dict[str, Any]:
-    """``biggraph eval`` of the committed version on the test split, against every entity, train and test edges
-    filtered. On a local copy of the data and the checkpoint: ranking against every entity reads each of the 16
-    partitions for each of the 256 buckets (the reader keeps 4), which from moto under this machine's load took
-    longer than training; the committed files and their checksums are the same."""
+def copy_for_eval(config: dict[str, Any], data: str, work: Path) -> Path:
+    """A local copy of the data and the committed checkpoint under WORK/eval-copy, and the config that evaluates it
+    (WORK/eval-config.json, paths relative to WORK so that the folder can be moved, e.g. to a faster machine).
+
+    Why a copy: ranking against every entity reads each of the 16 partitions for each of the 256 buckets (the
+    reader keeps 4), which from moto under this machine's load took longer than training; the committed files and
+    their checksums are the same, and the moto server ends with the bench."""
     import s3fs
 
     local = work / "eval-copy"
@@ -237,13 +242,25 @@ def filtered_mrr(config: dict[str, Any], data: str, work: Path) -> dict[str, Any
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.get(data.removeprefix("s3://"), str(local / "data"), recursive=True)
     fs.get(config["checkpoint_path"].removeprefix("s3://"), str(local / "checkpoints"), recursive=True)
-    config = dict(config, entity_path=str(local / "data" / "entities"), edge_paths=[str(local / "data" / "test")],
-                  checkpoint_path=str(local / "checkpoints"))
+    config = dict(config, entity_path="eval-copy/data/entities", edge_paths=["eval-copy/data/test"],
+                  checkpoint_path="eval-copy/checkpoints")
     eval_config = work / "eval-config.json"
     eval_config.write_text(json.dumps(config))
-    command = [sys.executable, "-m", "job", "eval", str(eval_config), "--candidates", "all", "--json",
-               "--filter", str(local / "data" / "train"), "--filter", str(local / "data" / "test")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    return eval_config
+
+
+def eval_command(python: str = sys.executable) -> list[str]:
+    """``biggraph eval`` of a copy made by ``copy_for_eval``, run from its WORK: the committed version on the test
+    split against every entity, train and test edges filtered."""
+    return [python, "-m", "job", "eval", "eval-config.json", "--candidates", "all", "--json",
+            "--filter", "eval-copy/data/train", "--filter", "eval-copy/data/test"]
+
+
+def filtered_mrr(config: dict[str, Any], data: str, work: Path) -> dict[str, Any]:
+    """The filtered MRR of the committed version (``copy_for_eval`` then ``eval_command``)."""
+    copy_for_eval(config, data, work)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(eval_command(), cwd=work, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"biggraph eval exited {done.returncode}: {done.stderr[-2000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))

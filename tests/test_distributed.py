@@ -490,29 +490,42 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
     assert_each_bucket_once_per_epoch(records, 2)  # the committed stats: one line per bucket and pass
 
 
-@pytest.mark.slow
-def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(umls_p4: dict, tmp_path: Path) -> None:
-    """The torchrun agent stops its workers with SIGTERM (then SIGKILL 30 s later) to re-form the group when a node
-    waits to join. Each worker finishes its bucket and gives back what it holds, rank 0 serving until all have; they
-    exit non-zero, torchrun restarts them, and the resumed pass has nothing to redo."""
-    path = write_run_config(umls_p4, "terminated", num_epochs=2, **SLOW_BUCKETS)
+def _sigterm_mid_pass(path: Path, tmp_path: Path, env: dict[str, str] | None = None
+                      ) -> tuple[Agents, dict[str, int]]:
+    """Two agents train ``path``; mid-pass every worker's process group gets SIGTERM, as the agent's
+    ``SubprocessHandler.close`` sends it (Hogwild workers included); returns the agents and their exit codes."""
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
-    agents = Agents(path, "1:2", tmp_path)
+    agents = Agents(path, "1:2", tmp_path, env=env)
     try:
         agents.start("a")
         time.sleep(0.3)
         agents.start("b")
         _mid_pass(checkpoint_path, agents, 2, time.monotonic() + 240)
-        for name in "ab":  # as the agent's ``SubprocessHandler.close`` does: its worker's process group
+        for name in "ab":
             for pid in subprocess.run(["pgrep", "-P", str(agents.procs[name].pid)], capture_output=True,
                                       text=True).stdout.split():
                 os.killpg(int(pid), signal.SIGTERM)
         codes = agents.wait(["a", "b"], timeout=300)
     finally:
         agents.stop()
+    return agents, codes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(umls_p4: dict, tmp_path: Path,
+                                                                              workers: int) -> None:
+    """The torchrun agent stops its workers with SIGTERM (then SIGKILL 30 s later) to re-form the group when a node
+    waits to join. Each worker finishes its bucket and gives back what it holds, rank 0 serving until all have; they
+    exit non-zero, torchrun restarts them, and the resumed pass has nothing to redo. With Hogwild workers (which
+    the SIGTERM reaches too: the whole process group) the same: they stay until their trainer is done with them."""
+    path = write_run_config(umls_p4, f"terminated-{workers}", num_epochs=2, workers=workers, **SLOW_BUCKETS)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    agents, codes = _sigterm_mid_pass(path, tmp_path)
     assert codes == {"a": 0, "b": 0}, agents.tail()
     text = agents.text()
     assert "received SIGTERM" in text and "every live rank gave back what it held" in text, agents.tail()
+    assert "Hogwild worker" not in text and "worker(s) died" not in text, agents.tail()
     resumed = _resumed(agents)
     assert resumed and all(redo == 0 and not by_rank for redo, by_rank in resumed), resumed
     records = bucket_records(checkpoint_path)
@@ -520,6 +533,30 @@ def test_sigterm_of_every_worker_as_the_agent_sends_it_leaves_nothing_to_redo(um
     # (the group was re-formed: ``resumed``; ``restart_count`` may stay 0, as rank 0's agent may have restarted its
     # worker for the membership change, which torchrun does not count)
     assert len(summaries) == 2 and sum(s["buckets_redone"] for s in summaries) == 0
+    assert_each_bucket_once_per_epoch(records, 2)
+
+
+@pytest.mark.slow
+def test_a_bucket_that_cannot_end_before_the_drain_deadline_is_given_up_at_once(umls_p4: dict,
+                                                                                tmp_path: Path) -> None:
+    """A drain deadline shorter than a bucket (``BIGGRAPH_DRAIN_TIMEOUT`` 0.3 s, buckets of ~1 s; a big graph's
+    buckets take minutes under the default 25 s): at the SIGTERM each rank gives its bucket in flight up instead of
+    training on (it was redone anyway, and the group waited for it, then for the agent's SIGKILL). Its partitions
+    are not written, its locks go back, the resumed pass trains it again (counted as redone), and the committed
+    passes hold every bucket once per epoch."""
+    path = write_run_config(umls_p4, "given-up", num_epochs=2, **SLOW_BUCKETS)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    agents, codes = _sigterm_mid_pass(path, tmp_path, env={"BIGGRAPH_DRAIN_TIMEOUT": "0.3"})
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    text = agents.text()
+    given_up = re.findall(r"rank (\d+): the round ends \(.*\) and bucket \S+ cannot finish before the drain deadline",
+                          text)
+    assert given_up, agents.tail()
+    records = bucket_records(checkpoint_path)
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert len(summaries) == 2
+    # each given-up bucket was trained again, and counted so
+    assert sum(s["buckets_redone"] for s in summaries) >= len(given_up), (given_up, summaries)
     assert_each_bucket_once_per_epoch(records, 2)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from job.train.graphs import GraphedSteps
-from job.train.step import BatchContext, BatchStats, run_batch
+from job.train.step import BatchContext, BatchStats, BucketAbandoned, run_batch
 
 Features = tuple[Tensor, Tensor]  # (offsets of length E + 1, feature ids): PBG's tensor lists
 
@@ -120,6 +120,8 @@ def process_edges(
         return total
     planned = PlannedSlice(edges, plan_batches(edges.rel, indices, batch_size, dynamic, generator))
     for k in range(planned.plan.num_batches):
+        if ctx.stop is not None and ctx.stop():
+            raise BucketAbandoned(f"given up after {k} of {planned.plan.num_batches} batches of a slice")
         total.add(planned.run(ctx, k, generator, train, graphs))
     return total
 

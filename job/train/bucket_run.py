@@ -134,9 +134,12 @@ class BucketRunner:
     def run(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, delayed: bool,
         on_evicted: Optional[Callable[[list[PartKey]], None]] = None, upcoming: Sequence[set[PartKey]] = (),
+        stop: Optional[Callable[[], bool]] = None,
     ) -> tuple[dict[str, Any], BatchStats, float]:
         """Train one bucket; returns its stats record, its training sums and its compute seconds. ``delayed``:
-        Hogwild workers but the first start ``hogwild_delay`` seconds late (PBG: every bucket of epoch 0)."""
+        Hogwild workers but the first start ``hogwild_delay`` seconds late (PBG: every bucket of epoch 0).
+        ``stop``: polled while it trains; True gives the bucket up (``BucketAbandoned``, its tables then hold part
+        of its update and the caller must not write them)."""
         config = self.config
         io_before = self.store.io_seconds
         swap_started = time.perf_counter()
@@ -159,7 +162,7 @@ class BucketRunner:
             # started on first need (small graphs never pay for it), and before the compute clock starts
             self.pool = WorkerPool(work.workers, config, self.model, self.relation_optimizer, work.kernel_options)
         compute_started = time.perf_counter()
-        train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, delayed)
+        train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, delayed, stop)
         compute_seconds = time.perf_counter() - compute_started
         eval_after = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
         record: dict[str, Any] = {
@@ -177,18 +180,20 @@ class BucketRunner:
         logger.debug("bucket %s: %s", bucket, json.dumps(record))
         return record, train_stats, compute_seconds
 
-    def _context(self, lhs_tables: dict[int, Table], rhs_tables: dict[int, Table], train: bool) -> BatchContext:
+    def _context(self, lhs_tables: dict[int, Table], rhs_tables: dict[int, Table], train: bool,
+                 stop: Optional[Callable[[], bool]] = None) -> BatchContext:
         config = self.config
         return BatchContext(
             config=config, model=self.model, relation_optimizer=self.relation_optimizer if train else None,
             lhs_tables=lhs_tables, rhs_tables=rhs_tables,
             num_batch_negs=config.num_batch_negs if train else config.eval_num_batch_negs,
             num_uniform_negs=config.num_uniform_negs if train else config.eval_num_uniform_negs,
-            options=self.work.kernel_options, lr_scale=self.lr_scale if train else 1.0,
+            options=self.work.kernel_options, lr_scale=self.lr_scale if train else 1.0, stop=stop,
         )
 
     def _train(self, edges: EdgeTensors, indices: torch.Tensor, lhs_tables: dict[int, Table],
-               rhs_tables: dict[int, Table], generator: torch.Generator, delayed: bool) -> BatchStats:
+               rhs_tables: dict[int, Table], generator: torch.Generator, delayed: bool,
+               stop: Optional[Callable[[], bool]] = None) -> BatchStats:
         """Train on the shuffled edges ``indices``, cut as PBG 1.0.0 cuts them (torchbiggraph/train.py,
         ``train_and_report_stats``): exactly ``workers`` slices of floor/ceil sizes, each processed in batches
         of ``batch_size`` per relation, so a bucket takes PBG's number of optimizer steps whatever its size
@@ -198,7 +203,7 @@ class BucketRunner:
         config = self.config
         slices = [indices[s] for s in split_almost_equally(indices.numel(), self.work.slices_per_bucket)]
         if self.pool is None or indices.numel() < 2 * config.batch_size:
-            return process_slices(self._context(lhs_tables, rhs_tables, True), edges, slices, config.batch_size,
+            return process_slices(self._context(lhs_tables, rhs_tables, True, stop), edges, slices, config.batch_size,
                                   config.dynamic_relations, generator, True)
         slices = [s.clone() for s in slices]
         seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
@@ -208,7 +213,7 @@ class BucketRunner:
         delays = [0.0] + [config.hogwild_delay if delayed else 0.0] * (len(slices) - 1)
         edges.share_memory_()
         return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
-                             config.num_uniform_negs, delays, lr_scale=self.lr_scale)
+                             config.num_uniform_negs, delays, lr_scale=self.lr_scale, stop=stop)
 
     def eval_protocol(self) -> str:
         """The protocol of the held-out ranks (``eval_protocol``; ``auto`` decided by the largest partition a

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 import storage_adapters as storage
+from job.train.bucket_clock import BucketClock
 from job.train.buckets import Bucket
 from job.train.lock_client import (
     CLIENT_VECTORS,
@@ -143,6 +144,8 @@ class LockServer:
         self._ending = ending
         self._lost = lost
         self._left: Optional[str] = None  # a rank said it leaves (its SIGTERM): the round ends for every rank
+        # every rank's bucket times, from the requests served: whom ``settled`` still waits for once the round ends
+        self._clocks = [BucketClock() for _ in range(state.world_size)]
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
@@ -328,12 +331,19 @@ class LockServer:
         ``ending`` instead of another, and nothing more is reserved."""
         return self._ending() or self._left
 
-    def settled(self) -> bool:
+    def settled(self, deadline: Optional[float] = None) -> bool:
         """Whether every live rank (not declared dead, not gone) has given back what it held (``LockState.settled``):
-        once the round ends, rank 0 serves until then (or its deadline) before it exits."""
+        once the round ends, rank 0 serves until then (or its deadline) before it exits. ``deadline`` (monotonic):
+        a rank whose bucket in flight cannot end by then (job/train/bucket_clock.py) is not waited for."""
         dead = self._lost() | set(self._gone)
+        now = time.monotonic()
         with self.lock:
-            return all(self.state.settled(rank) for rank in range(self.state.world_size) if rank not in dead)
+            return all(self.state.settled(rank) or (deadline is not None and self._hopeless(rank, deadline, now))
+                       for rank in range(self.state.world_size) if rank not in dead)
+
+    def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
+        """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""
+        return rank in self.state.in_flight and not self._clocks[rank].ends_by(deadline, now)
 
     def in_flight(self) -> dict[int, str]:
         """Rank -> ``"receive"`` or ``"send"``: the shared-parameter transfers not yet ended."""
@@ -383,6 +393,7 @@ class LockServer:
                     reply["why"] = why
                 else:
                     kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
+                self._time(rank, finished, bucket)
                 stored = False
                 if delta is not None and finished is not None and not was_done and finished in self.state.done:
                     if finished in self._unsaved():
@@ -416,6 +427,19 @@ class LockServer:
             else:
                 raise ValueError(f"unknown request {op!r}")
         return reply, change is not None
+
+    def _time(self, rank: int, finished: Optional[Bucket], bucket: Optional[Bucket]) -> None:
+        """``rank``'s bucket clock after a ``next``: its bucket finished (or given up), the next one handed out."""
+        clock = self._clocks[rank] if 0 <= rank < len(self._clocks) else None
+        if clock is None:
+            return
+        now = time.monotonic()
+        if finished is not None and finished in self.state.done:
+            clock.finish(now)
+        else:
+            clock.drop()
+        if bucket is not None:
+            clock.start(now)
 
     def _save_pending(self) -> bool:
         """Move the shared updates of the buckets saved now (done, and no partition unwritten) into ``stored``;

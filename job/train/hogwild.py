@@ -9,12 +9,15 @@ W workers on W cores do not oversubscribe.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import multiprocessing
 import queue
+import signal
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -33,11 +36,12 @@ from job.train.spawning import (
     worker_context,
     worker_environment,
 )
-from job.train.step import BatchContext, BatchStats
+from job.train.step import BatchContext, BatchStats, BucketAbandoned
 from job.train.work_sharing import SharedSlice
 
 logger = logging.getLogger("biggraph")
 
+STOP_POLL_SECONDS = 0.5  # how often a trainer waiting on its workers polls its ``stop`` (``WorkerPool.run``)
 PARENT_CHECK_SECONDS = 2.0  # how often an idle worker checks that its trainer still runs
 
 
@@ -94,11 +98,25 @@ def _worker_main(
     lock: Any,
     environment: dict[str, str],
     options: KernelOptions,
+    closing: Any = None,
 ) -> None:
     """A worker's life: take the trainer's environment, then the shared model from ``setup`` (a pipe's end: see
     ``WorkerPool``), then tasks until a ``None`` or until the trainer is gone. ``options``: the trainer's kernel
     options, for every batch it runs (a module global set in the trainer would not reach a forked or spawned
-    worker: it imports the module afresh)."""
+    worker: it imports the module afresh). ``closing``: set by the pool before it ends its workers.
+
+    A SIGTERM is the trainer's to act on, not the worker's: torchrun's agent stops a worker by signalling its
+    whole process group, Hogwild workers included, and the trainer then finishes its bucket and gives back what it
+    holds, or gives the bucket up (job/train/schedule.py). A worker ended by it would lose the slice its trainer
+    still waits for. So a worker ends on a SIGTERM only when its pool is closing or its trainer is gone; the
+    agent's SIGKILL, 30 s after its SIGTERM, ends it anyway."""
+    trainer = multiprocessing.parent_process()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if (closing is not None and closing.is_set()) or trainer is None or not trainer.is_alive():
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     apply_environment(environment)  # before anything reads it: a forked worker has the fork server's
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -113,7 +131,6 @@ def _worker_main(
     results.put(("ready", worker_id, None, None))
     ctx: Optional[BatchContext] = None  # the current task's; dropped (None) between tasks, see below
     stats: Optional[BatchStats] = None
-    trainer = multiprocessing.parent_process()
     while True:
         try:
             task = tasks.get(timeout=PARENT_CHECK_SECONDS)
@@ -143,6 +160,8 @@ def _worker_main(
             )
             stats = _run_task(ctx, task, lock)
             results.put((task_id, worker_id, stats, None))
+        except SystemExit:  # a SIGTERM while its pool closes or after its trainer is gone (``on_sigterm``)
+            raise
         except BaseException:  # reported to the parent, which fails the run with it
             results.put((task_id, worker_id, None, traceback.format_exc()))
         # drop this bucket's tables and edges now, not at the next task: an evicted partition's shared
@@ -163,6 +182,10 @@ class WorkerPool:
         self.tasks = context.Queue()
         self.results = context.Queue()
         self.lock = context.Lock()  # guards the SharedSlices of delayed slices; inherited by the workers
+        # set before this pool ends its workers: until then a worker outlives a SIGTERM (``_worker_main``). Set by
+        # ``close`` (also at the interpreter's exit, before multiprocessing's own exit hook terminates children)
+        self.closing = context.Event()
+        atexit.register(self.close)
         self.processes = []
         self._next_id = 0
         # The shared tensors go through a pipe once the worker runs, not with its start: a fork server takes at
@@ -175,7 +198,8 @@ class WorkerPool:
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(worker_id, config, receive, self.tasks, self.results, self.lock, worker_environment(), options),
+                args=(worker_id, config, receive, self.tasks, self.results, self.lock, worker_environment(), options,
+                      self.closing),
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )
@@ -224,11 +248,14 @@ class WorkerPool:
         num_uniform_negs: int,
         delays: Optional[list[float]] = None,
         lr_scale: float = 1.0,
+        stop: Optional[Callable[[], bool]] = None,
     ) -> BatchStats:
         """Process each slice of edges on its own worker; wait for all and sum their stats. ``delays``: seconds
         each slice's worker waits (PBG's ``hogwild_delay``); meanwhile the workers done with their own slice take
         the delayed slices' batches (``_run_task``). ``lr_scale``: the learning-rate schedule's factor for this
-        bucket (job/train/lr_schedule.py), for every optimizer the workers step."""
+        bucket (job/train/lr_schedule.py), for every optimizer the workers step. ``stop``: polled while the workers
+        train (every ``STOP_POLL_SECONDS``); True gives the bucket up: the workers, mid-slice, are killed
+        (``abandon``) and ``BucketAbandoned`` raised."""
         delays = list(delays) if delays else [0.0] * len(index_slices)
         shared = [SharedSlice.allocate(indices, seed, self.config.batch_size, len(self.config.relations))
                   if delay > 0 else None for indices, seed, delay in zip(index_slices, seeds, delays)]
@@ -245,8 +272,11 @@ class WorkerPool:
             })
         total = BatchStats()
         while pending:
+            if stop is not None and stop():
+                self.abandon()
+                raise BucketAbandoned(f"given up with {len(pending)} of {len(index_slices)} slices in training")
             try:
-                task_id, worker_id, stats, error = self.results.get(timeout=5.0)
+                task_id, worker_id, stats, error = self.results.get(timeout=5.0 if stop is None else STOP_POLL_SECONDS)
             except queue.Empty:
                 dead = [p.name for p in self.processes if not p.is_alive()]
                 if dead:
@@ -258,11 +288,24 @@ class WorkerPool:
             total.add(stats)
         return total
 
+    def abandon(self) -> None:
+        """Kill the workers in the middle of their slices (their bucket is given up: nothing they would still
+        write is read), so that the process can leave now; the pool is unusable afterwards."""
+        atexit.unregister(self.close)
+        self.closing.set()
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join(timeout=10)
+        self.processes = []
+
     def close(self) -> None:
+        atexit.unregister(self.close)
+        self.closing.set()
         for _ in self.processes:
             self.tasks.put(None)
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():
-                process.terminate()
+                process.kill()
         self.processes = []

@@ -223,7 +223,8 @@ class LockState:
             self.in_flight[rank] = Bucket(*event["bucket"])
             self.acquired += 1
         elif kind == "stop":
-            self.in_flight.pop(rank, None)
+            # a bucket in flight that ends unfinished was given up (job/train/bucket_clock.py): trained again
+            self.redone += self.in_flight.pop(rank, None) is not None
         elif kind == "finish":
             bucket = Bucket(*event["bucket"])
             self.done.add(bucket)

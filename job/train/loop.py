@@ -54,7 +54,7 @@ from job.train.schedule import (
 )
 from job.train.spawning import server_processes, start_worker_server
 from job.train.startup import StartupClock
-from job.train.step import BatchStats
+from job.train.step import BatchStats, BucketAbandoned
 from job.train.validation import Validation
 from storage_adapters.edge_reader import prefetch
 
@@ -352,10 +352,14 @@ class Trainer:
             # PBG staggers its workers on every bucket of epoch 0 (torchbiggraph/train.py, train_and_report_stats);
             # by default only those with a partition not trained before (HogwildStagger)
             delayed = self.stagger.delays(iteration.epoch, self.buckets.needs(bucket))
-            record, stats, compute_seconds = self.buckets.run(
-                iteration, bucket, bucket_idx, edge_path, seed_base, delayed=delayed,
-                on_evicted=self.scheduler.release, upcoming=needs,
-            )
+            try:
+                record, stats, compute_seconds = self.buckets.run(
+                    iteration, bucket, bucket_idx, edge_path, seed_base, delayed=delayed,
+                    on_evicted=self.scheduler.release, upcoming=needs, stop=self.scheduler.stop_check(),
+                )
+            except BucketAbandoned as abandoned:
+                self.scheduler.abandon(str(abandoned))  # raises: this process leaves its round
+                raise
             record["rank"] = self.rank
             self.clock.mark("bucket trained")
             self.clock.report("first bucket trained")

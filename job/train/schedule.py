@@ -44,6 +44,7 @@ import numpy as np
 
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
+from job.train.bucket_clock import BucketClock
 from job.train.buckets import Bucket, all_buckets
 from job.train.distributed import LockClient, LockServer, SharedParameters
 from job.train.group import DistributedContext, RoundEnding, wait_all
@@ -105,6 +106,15 @@ class BucketScheduler(ABC):
     def end_buckets(self) -> None:
         """After the last bucket: give back what this process still holds (alone: nobody waits for it)."""
         return None
+
+    def stop_check(self) -> Optional[Callable[[], bool]]:
+        """What the bucket in training polls between batches: True gives it up (``BucketAbandoned``, then
+        ``abandon``). None (alone): a bucket is always finished."""
+        return None
+
+    def abandon(self, why: str) -> None:
+        """The bucket in training was given up (``stop_check``): hand back its locks unwritten and leave."""
+        raise RuntimeError(f"this scheduler never gives a bucket up ({why})")
 
     @abstractmethod
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
@@ -194,6 +204,8 @@ class LockServerScheduler(BucketScheduler):
         # the shared parameters whose change since their last sync goes with the next ``next`` (``SharedSync``)
         self.carry: Optional[SharedParameters] = None
         self.pass_tag = ""  # names this pass's barriers and keys within the round (``ctx.key``)
+        self.clock = BucketClock()  # this rank's bucket times: whether one in flight can end before the drain's deadline
+        self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         self.pass_tag = str(pass_index)
@@ -233,6 +245,8 @@ class LockServerScheduler(BucketScheduler):
             carry, self.carry = self.carry, None
             # rank 0's server knows its own process's reasons (``DistributedContext.ending``); another rank tells it
             leaving = self.ctx.ending() if not self.commits else None
+            if finished is not None:
+                self.clock.finish(time.monotonic())
             kind, bucket, dirty, shared = self.client.finish_and_next(
                 self.store.resident_partitioned(), self.current, finished,
                 carry.change() if carry is not None else None, leaving=leaving)
@@ -253,6 +267,7 @@ class LockServerScheduler(BucketScheduler):
             self.current = bucket
             self.ahead = None
             self._switch_to(bucket)
+            self.clock.start(time.monotonic())
             return bucket
 
     def _switch_to(self, bucket: Bucket) -> None:
@@ -339,13 +354,51 @@ class LockServerScheduler(BucketScheduler):
         raise RoundEnding(f"rank {self.ctx.rank}: the round ended ({why}) and this rank gave back what it held; "
                           "exiting so that torchrun re-forms the group")
 
+    def stop_check(self) -> Optional[Callable[[], bool]]:
+        return self._stop_due
+
+    def _stop_due(self) -> bool:
+        """Whether to give up the bucket in training: its round ends (as this process knows: a SIGTERM, and on
+        rank 0 a peer lost) and it cannot end by the drain's deadline, counted from when this rank first saw the
+        end (job/train/bucket_clock.py). Cheap while the round stands: polled between batches."""
+        if self.ctx.ending() is None:
+            return False
+        now = time.monotonic()
+        if self._ending_since is None:
+            self._ending_since = now
+        return not self.clock.ends_by(self._ending_since + self.ctx.drain_timeout_s, now)
+
+    def abandon(self, why: str) -> None:
+        """The bucket in training was given up (its round ends and it could not end in time): its partitions hold
+        part of its update, so they are not written. Wait for the write groups already on their way (the buckets
+        done before it), tell the server the bucket is not finished and hand its locks back unwritten (the next
+        holder reads the files as they were before it), on rank 0 serve the others' give-back as at any round's
+        end; then raise :class:`RoundEnding`."""
+        bucket, self.current = self.current, None
+        self.clock.drop()
+        self.carry = None  # its shared-parameter change is part of the given-up update
+        logger.warning("rank %d: the round ends (%s) and bucket %s cannot finish before the drain deadline: given "
+                       "up (%s), its partitions not written", self.ctx.rank, self.ctx.ending(), bucket, why)
+        try:
+            self._settle_releases()
+        except Exception as err:  # noqa: BLE001 - the round ends anyway: those buckets are redone
+            logger.warning("rank %d: a write group in flight failed while giving up (%s)", self.ctx.rank, err)
+        # ``next`` finishing nothing: the server ends the bucket in flight undone (redone by the next round)
+        self.client.finish_and_next(set(), None, None, None, leaving=self.ctx.ending() or why)
+        if bucket is not None:
+            self.client.release(sorted(self.bucket_keys[bucket]), written=False)
+        self._drain()
+        raise RoundEnding(f"rank {self.ctx.rank}: the round ended and its bucket in flight was given up; exiting so "
+                          "that torchrun re-forms the group")
+
     def _drain(self) -> None:
         """Rank 0: serve on until every live rank has given back (``LockServer.settled``) or the drain deadline
-        (``DistributedContext.drain_timeout_s``) passes; a rank that does not make it is redone, as before."""
+        (``DistributedContext.drain_timeout_s``) passes, not waiting for a rank whose bucket cannot end by then;
+        a rank that does not make it is redone, as before."""
         if self.server is None:
             return
         deadline = time.monotonic() + self.ctx.drain_timeout_s
-        while not self.server.settled():
+        while not self.server.settled(deadline):
             if time.monotonic() > deadline:
                 logger.warning("rank 0: not every live rank gave back within %.0f s; their buckets will be redone",
                                self.ctx.drain_timeout_s)

@@ -10,6 +10,7 @@ shared memory, and updates are unsynchronised by design (Hogwild!).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,6 +75,11 @@ class BatchStats:
                 "hits@50": self.hits50 / r, "auc": self.auc_sum / r, "mean_rank": self.rank_sum / r}
 
 
+class BucketAbandoned(RuntimeError):
+    """The bucket in training was given up (``BatchContext.stop``): its tables hold part of its update and must
+    not be written; the scheduler gives its locks back unwritten (``LockServerScheduler.abandon``)."""
+
+
 @dataclass
 class BatchContext:
     """What a batch needs besides its edges; built once per bucket."""
@@ -91,6 +97,9 @@ class BatchContext:
     # the learning-rate schedule's factor on ``lr`` for this bucket (job/train/lr_schedule.py); handed to Hogwild
     # workers with each task, since the config they took at start holds the undecayed rate
     lr_scale: float = 1.0
+    # polled between batches (``process_edges``): True gives the bucket up (``BucketAbandoned``). A distributed
+    # trainer's round may end while its bucket cannot finish in time (``LockServerScheduler.stop_check``)
+    stop: Optional[Callable[[], bool]] = None
 
     @property
     def entity_lr(self) -> float:
