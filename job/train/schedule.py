@@ -359,9 +359,11 @@ class LockServerScheduler(BucketScheduler):
 
     def _stop_due(self) -> bool:
         """Whether to give up the bucket in training: its round ends (as this process knows: a SIGTERM, and on
-        rank 0 a peer lost) and it cannot end by the drain's deadline, counted from when this rank first saw the
-        end (job/train/bucket_clock.py). Cheap while the round stands: polled between batches."""
-        if self.ctx.ending() is None:
+        rank 0 a peer lost, or another rank's word that it leaves) and it cannot end by the drain's deadline, counted
+        from when this rank first saw the end (job/train/bucket_clock.py). Cheap while the round stands: polled
+        between batches."""
+        why = self.server.round_ending() if self.server is not None else self.ctx.ending()
+        if why is None:
             return False
         now = time.monotonic()
         if self._ending_since is None:
@@ -377,16 +379,20 @@ class LockServerScheduler(BucketScheduler):
         bucket, self.current = self.current, None
         self.clock.drop()
         self.carry = None  # its shared-parameter change is part of the given-up update
+        ending = (self.server.round_ending() if self.server is not None else None) or self.ctx.ending() or why
         logger.warning("rank %d: the round ends (%s) and bucket %s cannot finish before the drain deadline: given "
-                       "up (%s), its partitions not written", self.ctx.rank, self.ctx.ending(), bucket, why)
+                       "up (%s), its partitions not written", self.ctx.rank, ending, bucket, why)
         try:
             self._settle_releases()
         except Exception as err:  # noqa: BLE001 - the round ends anyway: those buckets are redone
             logger.warning("rank %d: a write group in flight failed while giving up (%s)", self.ctx.rank, err)
-        # ``next`` finishing nothing: the server ends the bucket in flight undone (redone by the next round)
-        self.client.finish_and_next(set(), None, None, None, leaving=self.ctx.ending() or why)
-        if bucket is not None:
-            self.client.release(sorted(self.bucket_keys[bucket]), written=False)
+        try:
+            # ``next`` finishing nothing: the server ends the bucket in flight undone (redone by the next round)
+            self.client.finish_and_next(set(), None, None, None, leaving=ending)
+            if bucket is not None:
+                self.client.release(sorted(self.bucket_keys[bucket]), written=False)
+        except Exception as err:  # noqa: BLE001 - rank 0 gone already: the next round redoes the bucket anyway
+            logger.warning("rank %d: could not hand the given-up bucket back (%s)", self.ctx.rank, err)
         self._drain()
         raise RoundEnding(f"rank {self.ctx.rank}: the round ended and its bucket in flight was given up; exiting so "
                           "that torchrun re-forms the group")
