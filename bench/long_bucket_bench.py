@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument("--edges", type=int, default=400_000)
     parser.add_argument("--entities", type=int, default=50_000)
     parser.add_argument("--dimension", type=int, default=256)
-    parser.add_argument("--negs", type=int, default=2000, help="uniform negatives per chunk (the bucket's length)")
+    parser.add_argument("--negs", type=int, default=4000, help="uniform negatives per chunk (the bucket's length)")
     parser.add_argument("--into", type=float, default=3.0, help="seconds into the bucket before the event")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--work", default="/tmp/long-bucket-bench")
