@@ -182,3 +182,26 @@ def test_a_bucket_given_up_is_counted_as_redone_and_handed_out_again_also_after_
             break
         handed.append(finished)
     assert kind == "done" and bucket in handed and len(handed) == 4
+
+
+def test_a_rank_that_gave_up_is_not_waited_for_though_a_bucket_it_did_was_never_written() -> None:
+    """A rank gives its bucket up after one it finished whose rows were still only in memory (no partition left at
+    the switch, so no write group): those rows are lost with the given-up ones and that bucket is redone, so
+    waiting for the rank to write it back is waiting in vain (rank 0 waited out the whole drain for itself)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ranks = transports(store, 2)
+    state = LockState(4, 4, partition_keys(4), world_size=2)
+    server = LockServer(store, state, SimpleNamespace(append=lambda records, shared=None: None),
+                        np.zeros(3, np.float32), 0, ranks[0], prefix=PREFIX, ending=lambda: "a SIGTERM")
+    client = LockClient(store, 1, timeout_s=60, prefix=PREFIX)
+    try:
+        state.next_bucket(1, set(), None, random.Random(0))  # handed out before the round ended
+        [done] = list(state.in_flight.values())
+        kind, _, _ = client.next_bucket(set(), done, None)  # finished, its rows unwritten
+        assert kind == "ending" and done in state.done and state.unsaved[1]
+        assert not server.settled()
+        kind, _, _, _ = client.finish_and_next(set(), None, None, None, leaving="a SIGTERM", gave_up=True)
+        assert kind == "ending" and server.settled()
+        assert state.unsaved[1]  # not written: the next round redoes it (``forget_rank_locks``)
+    finally:
+        server.stop()

@@ -146,6 +146,7 @@ class LockServer:
         self._left: Optional[str] = None  # a rank said it leaves (its SIGTERM): the round ends for every rank
         # every rank's bucket times, from the requests served: whom ``settled`` still waits for once the round ends
         self._clocks = [BucketClock() for _ in range(state.world_size)]
+        self._gave_up: set[int] = set()  # ranks that gave their bucket up and left unwritten: not waited for
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
@@ -338,7 +339,8 @@ class LockServer:
         dead = self._lost() | set(self._gone)
         now = time.monotonic()
         with self.lock:
-            return all(self.state.settled(rank) or (deadline is not None and self._hopeless(rank, deadline, now))
+            return all(self.state.settled(rank) or rank in self._gave_up
+                       or (deadline is not None and self._hopeless(rank, deadline, now))
                        for rank in range(self.state.world_size) if rank not in dead)
 
     def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
@@ -376,6 +378,8 @@ class LockServer:
                 raise ValueError(f"a {op!r} request carries no shared-parameter change")
             if op == "next":
                 finished = Bucket(*request["finished"]) if request.get("finished") else None
+                if request.get("gave_up"):
+                    self._gave_up.add(rank)
                 if request.get("leaving") and self._left is None:
                     self._left = f"rank {rank} is leaving ({request['leaving']})"
                     logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)

@@ -120,15 +120,20 @@ class LockClient:
 
     def finish_and_next(self, held: set, finished: Optional[Bucket], record: Optional[dict],
                         change: Optional[torch.Tensor] = None,
-                        leaving: Optional[str] = None) -> tuple[str, Optional[Bucket], set, Optional[torch.Tensor]]:
+                        leaving: Optional[str] = None,
+                        gave_up: bool = False) -> tuple[str, Optional[Bucket], set, Optional[torch.Tensor]]:
         """Finish ``finished`` (its stats ``record``, and ``change``: the shared-parameter change it made, a
         contiguous float32 CPU vector) and ask for the next bucket: (kind, bucket, partitions written this pass,
         the shared parameters' sum if ``change``: received into ``change`` itself). ``leaving``: why this rank
-        leaves (its SIGTERM): the round ends, kind is then ``ending`` (give back what it holds, then exit)."""
+        leaves (its SIGTERM): the round ends, kind is then ``ending`` (give back what it holds, then exit).
+        ``gave_up``: this rank gave its bucket in flight up and leaves without writing what it holds (its done
+        buckets whose rows were still only in memory are redone): the server does not wait for it."""
         request: dict[str, Any] = {"op": "next", "held": [list(k) for k in held],
                                    "finished": list(finished) if finished else None, "record": record}
         if leaving:
             request["leaving"] = leaving
+        if gave_up:
+            request["gave_up"] = True
         reply = self._call(request, change)
         self.last_why = reply.get("why")
         bucket = Bucket(*reply["bucket"]) if reply.get("bucket") else None

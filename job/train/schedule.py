@@ -373,9 +373,11 @@ class LockServerScheduler(BucketScheduler):
     def abandon(self, why: str) -> None:
         """The bucket in training was given up (its round ends and it could not end in time): its partitions hold
         part of its update, so they are not written. Wait for the write groups already on their way (the buckets
-        done before it), tell the server the bucket is not finished and hand its locks back unwritten (the next
-        holder reads the files as they were before it), on rank 0 serve the others' give-back as at any round's
-        end; then raise :class:`RoundEnding`."""
+        done before it), tell the server the bucket is not finished and that this rank gave up (so that rank 0 does
+        not wait for it: a bucket done before it whose rows were still only in memory, no partition having left at
+        the switch, is redone with it, as after a kill), and hand its locks back unwritten (the next holder reads
+        the files as they were before it); on rank 0 serve the others' give-back as at any round's end; then raise
+        :class:`RoundEnding`."""
         bucket, self.current = self.current, None
         self.clock.drop()
         self.carry = None  # its shared-parameter change is part of the given-up update
@@ -388,7 +390,7 @@ class LockServerScheduler(BucketScheduler):
             logger.warning("rank %d: a write group in flight failed while giving up (%s)", self.ctx.rank, err)
         try:
             # ``next`` finishing nothing: the server ends the bucket in flight undone (redone by the next round)
-            self.client.finish_and_next(set(), None, None, None, leaving=ending)
+            self.client.finish_and_next(set(), None, None, None, leaving=ending, gave_up=True)
             if bucket is not None:
                 self.client.release(sorted(self.bucket_keys[bucket]), written=False)
         except Exception as err:  # noqa: BLE001 - rank 0 gone already: the next round redoes the bucket anyway
