@@ -541,9 +541,10 @@ def test_a_bucket_that_cannot_end_before_the_drain_deadline_is_given_up_at_once(
                                                                                 tmp_path: Path) -> None:
     """A drain deadline shorter than any bucket (``BIGGRAPH_DRAIN_TIMEOUT`` 0, buckets of ~1 s; as a big graph's
     buckets of minutes under the default 25 s): at the SIGTERM each rank with a bucket in flight (rank 1 at least,
-    ``_mid_pass``) gives it up at its next batch instead of training on (it was redone anyway, and the group waited for it, then for the agent's SIGKILL). Its partitions
-    are not written, its locks go back, the resumed pass trains it again (counted as redone, with any bucket done
-    before it whose rows were still only in memory), and the committed passes hold every bucket once per epoch."""
+    ``_mid_pass``) gives it up at its next batch instead of training on (it was redone anyway, and the group waited
+    for it, then for the agent's SIGKILL). Its partitions are not written, its locks go back, the resumed pass trains
+    it again (counted as redone, with any bucket done before it whose rows were still only in memory), and the
+    committed passes hold every bucket once per epoch."""
     path = write_run_config(umls_p4, "given-up", num_epochs=2, **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
     agents, codes = _sigterm_mid_pass(path, tmp_path, env={"BIGGRAPH_DRAIN_TIMEOUT": "0"})
