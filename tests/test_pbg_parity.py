@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -73,12 +74,13 @@ class RecordingPool:
 
     def run(self, edges: EdgeTensors, index_slices: list[torch.Tensor], lhs_tables: dict[int, Table],
             rhs_tables: dict[int, Table], seeds: list[int], train: bool, num_batch_negs: int,
-            num_uniform_negs: int, delays: Optional[list[float]] = None, lr_scale: float = 1.0) -> BatchStats:
+            num_uniform_negs: int, delays: Optional[list[float]] = None, lr_scale: float = 1.0,
+            stop: Optional[Callable[[], bool]] = None) -> BatchStats:
         assert len(index_slices) == self.num_workers
         RecordingPool.delays.append(list(delays or []))
         ctx = BatchContext(config=self.config, model=self.model, relation_optimizer=self.relation_optimizer,
                            lhs_tables=lhs_tables, rhs_tables=rhs_tables, num_batch_negs=num_batch_negs,
-                           num_uniform_negs=num_uniform_negs, options=self.options, lr_scale=lr_scale)
+                           num_uniform_negs=num_uniform_negs, options=self.options, lr_scale=lr_scale, stop=stop)
         total = BatchStats()
         for indices, seed in zip(index_slices, seeds):
             generator = torch.Generator()
