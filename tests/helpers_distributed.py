@@ -185,6 +185,14 @@ class Agents:
         finally:
             self.stop()
 
+    def terminate_workers(self, name: str) -> None:
+        """SIGTERM agent ``name``'s worker process group, as the agent's ``SubprocessHandler.close`` does when it
+        re-forms the group (Hogwild workers included)."""
+        for pid in subprocess.run(["pgrep", "-P", str(self.procs[name].pid)], capture_output=True,
+                                  text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid), signal.SIGTERM)
+
     def kill_node(self, name: str) -> None:
         """SIGKILL the agent and its workers at once, as a lost pod would."""
         kill_tree(self.procs[name])

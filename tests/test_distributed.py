@@ -9,7 +9,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -502,9 +501,7 @@ def _sigterm_mid_pass(path: Path, tmp_path: Path, env: dict[str, str] | None = N
         agents.start("b")
         _mid_pass(checkpoint_path, agents, 2, time.monotonic() + 240)
         for name in "ab":
-            for pid in subprocess.run(["pgrep", "-P", str(agents.procs[name].pid)], capture_output=True,
-                                      text=True).stdout.split():
-                os.killpg(int(pid), signal.SIGTERM)
+            agents.terminate_workers(name)
         codes = agents.wait(["a", "b"], timeout=300)
     finally:
         agents.stop()

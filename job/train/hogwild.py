@@ -291,13 +291,10 @@ class WorkerPool:
     def abandon(self) -> None:
         """Kill the workers in the middle of their slices (their bucket is given up: nothing they would still
         write is read), so that the process can leave now; the pool is unusable afterwards."""
-        atexit.unregister(self.close)
         self.closing.set()
         for process in self.processes:
             process.kill()
-        for process in self.processes:
-            process.join(timeout=10)
-        self.processes = []
+        self.close()
 
     def close(self) -> None:
         atexit.unregister(self.close)

@@ -357,13 +357,17 @@ class LockServerScheduler(BucketScheduler):
     def stop_check(self) -> Optional[Callable[[], bool]]:
         return self._stop_due
 
+    def _round_ending(self) -> Optional[str]:
+        """Why this round ends as this process knows it: on rank 0 its server's view (its own process's reasons and
+        another rank's word that it leaves), elsewhere this process's own (its SIGTERM); None while it stands."""
+        return self.server.round_ending() if self.server is not None else self.ctx.ending()
+
     def _stop_due(self) -> bool:
         """Whether to give up the bucket in training: its round ends (as this process knows: a SIGTERM, and on
         rank 0 a peer lost, or another rank's word that it leaves) and it cannot end by the drain's deadline, counted
         from when this rank first saw the end (job/train/bucket_clock.py). Cheap while the round stands: polled
         between batches."""
-        why = self.server.round_ending() if self.server is not None else self.ctx.ending()
-        if why is None:
+        if self._round_ending() is None:
             return False
         now = time.monotonic()
         if self._ending_since is None:
@@ -381,7 +385,7 @@ class LockServerScheduler(BucketScheduler):
         bucket, self.current = self.current, None
         self.clock.drop()
         self.carry = None  # its shared-parameter change is part of the given-up update
-        ending = (self.server.round_ending() if self.server is not None else None) or self.ctx.ending() or why
+        ending = self._round_ending() or why
         logger.warning("rank %d: the round ends (%s) and bucket %s cannot finish before the drain deadline: given "
                        "up (%s), its partitions not written", self.ctx.rank, ending, bucket, why)
         try:
