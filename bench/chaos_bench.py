@@ -64,7 +64,7 @@ from chaos_checks import (  # noqa: E402
     summarize_seconds,
     verify_version,
 )
-from chaos_events import Chaos, ChaosPlan  # noqa: E402
+from chaos_events import WEIGHTS, Chaos, ChaosPlan  # noqa: E402
 from cluster_box import ClusterBox, RenderedJob, available, free_subnet  # noqa: E402
 from machine import matmul_rate  # noqa: E402
 from storage_bench import start_fake_s3  # noqa: E402
@@ -140,7 +140,8 @@ def build_box(args: argparse.Namespace, work: Path, config: dict[str, Any], port
         "replicas": args.pods_max, "elastic": {"minReplicas": 2}, "config": config,
         "torchrun": {"maxRestarts": 1_000_000},
         "s3": {"existingSecret": SECRET, "endpointUrl": endpoint, "region": "us-east-1"},
-        "env": [{"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}],
+        "env": [{"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
+                *({"name": name, "value": value} for name, value in (item.split("=", 1) for item in args.env))],
     })
     hooks = BENCH / "chaos_hooks"
     box = ClusterBox(RenderedJob.from_docs(docs), work / "box", max_replicas=args.pods_max, initial=args.pods_min,
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         wait_training(box, tail, 900)
         print(f"chaos: training after {time.monotonic() - t0:.0f} s", flush=True)
         chaos = Chaos(box, ChaosPlan(args.events, args.pods_min, args.pods_max, tuple(args.gap), args.seed,
-                                       minutes=args.minutes))
+                                       minutes=args.minutes, kinds=tuple(args.kinds)))
         if not args.no_events:
             chaos.run()
         incomplete = None
@@ -278,6 +279,11 @@ def main() -> int:
                         help="seconds between events, uniform (default 5 45)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="no new event after this many minutes from the first gap (default: no bound)")
+    parser.add_argument("--kinds", nargs="+", choices=sorted(WEIGHTS), default=sorted(WEIGHTS),
+                        help="the kinds of event drawn (default: all; e.g. `--kinds kill` to time recoveries)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for every pod, through the chart's `env` (repeatable; e.g. "
+                             "BIGGRAPH_WARM_SPARES=0)")
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the final filtered MRR (all candidates: ~17 min on 2 vCPUs after a 30-pass run)")
     parser.add_argument("--copy-for-eval", action="store_true",
@@ -292,6 +298,8 @@ def main() -> int:
         parser.error(f"the cluster box cannot run here: {reason}")
     if args.copy_for_eval and not args.work:
         parser.error("--copy-for-eval needs --work (the copy stays there)")
+    if any("=" not in item for item in args.env):
+        parser.error("--env takes NAME=VALUE")
     if not 2 <= args.pods_min <= args.pods_max:
         parser.error("--pods-min must be at least 2 and at most --pods-max")
     if args.edges < 10 * PARTITIONS * PARTITIONS or args.entities < 20 * PARTITIONS:

@@ -28,6 +28,7 @@ class ChaosPlan:
     seed: int
     freeze: tuple[float, float] = (1.0, 3 * PEER_TIMEOUT_S)  # a freeze's length, uniform: under and past the timeout
     minutes: Optional[float] = None  # no new event after this many minutes from the first
+    kinds: tuple[str, ...] = tuple(WEIGHTS)  # the kinds drawn (their WEIGHTS among them)
 
 
 class Chaos:
@@ -61,7 +62,8 @@ class Chaos:
             if deadline is not None and time.monotonic() > deadline:
                 print(f"chaos: --minutes {self.plan.minutes:g} are over after {len(self.log)} events", flush=True)
                 return
-            kind = self.rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+            kinds = [kind for kind in WEIGHTS if kind in self.plan.kinds]
+            kind = self.rng.choices(kinds, weights=[WEIGHTS[kind] for kind in kinds])[0]
             entry = self._event(kind)
             if entry is not None:
                 self.log.append(entry)

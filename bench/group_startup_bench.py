@@ -46,7 +46,7 @@ from machine import matmul_rate  # noqa: E402
 from train_bench import generated_config, write_generated_graph  # noqa: E402
 
 FIRST_BUCKET = re.compile(r"DEBUG (?:\[rank (\d+)\] )?bucket \(\d+, \d+\): \{")
-STARTUP = re.compile(r"\[rank (\d+)\] start-up: .*? ([\d.]+) s after the process started \((.*)\)")
+STARTUP = re.compile(r"\[rank (\d+)\] start-up: .*? ([\d.]+) s after (?:the process started|its hand-off) \((.*?)\)")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s(?:,|$)")
 REFUSED = re.compile(r"biggraph train: error: (.*)")
 

@@ -46,9 +46,10 @@ def free_port() -> int:
 
 def agent_command(nnodes: str, port: int, run_id: str, rdzv_conf: str, max_restarts: int,
                   monitor_interval: float | None, job_args: list[str]) -> list[str]:
-    """One torchrun agent (a node, one trainer) of the c10d rendezvous at 127.0.0.1:``port``, running
-    ``python -m job *job_args``; ``monitor_interval`` None leaves torchrun's default."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+    """One agent (a node, one trainer) of the c10d rendezvous at 127.0.0.1:``port``, running ``python -m job
+    *job_args``; ``monitor_interval`` None leaves torchrun's default. The agent is the pod's launcher
+    (job/train/agent.py: torchrun with the readmission of evicted nodes and warm spares)."""
+    command = [sys.executable, "-m", "job.train.agent", f"--nnodes={nnodes}", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
                f"--rdzv-conf={rdzv_conf}", f"--max-restarts={max_restarts}"]
     if monitor_interval is not None:

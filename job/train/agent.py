@@ -1,7 +1,9 @@
-"""torchrun's agent, with a running node readmitted to a rendezvous that evicted it.
+"""torchrun's agent, with a running node readmitted to a rendezvous that evicted it, and warm spares.
 
-``python -m job.train.agent ARGS`` is ``torchrun ARGS`` (the container's launcher: docker/entrypoint.sh) with
-one change to the c10d rendezvous handler, for this failure of torch's dynamic rendezvous (issue #30):
+``python -m job.train.agent ARGS`` is ``torchrun ARGS`` (the container's launcher: docker/entrypoint.sh) with two
+changes. The second: trainers start from warm spares, processes that imported torch and the trainer while the
+rendezvous formed (job/train/spare.py). The first is a change to the c10d rendezvous handler, for this failure of
+torch's dynamic rendezvous (issue #30):
 
 Every node's agent writes a keep-alive heartbeat into the rendezvous store, and every sync of the rendezvous
 state drops the nodes whose last heartbeat is older than ``keep_alive_interval * keep_alive_max_attempt`` (6 s
@@ -27,6 +29,9 @@ import logging
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
+
+from job.train import spare
+from job.train.spare import SparePool
 
 logger = logging.getLogger("biggraph")
 
@@ -67,6 +72,20 @@ def readmitting(handler: Any) -> Any:
     return handler
 
 
+def warming(handler: Any, pools: list[SparePool]) -> Any:
+    """``handler`` with ``next_rendezvous`` first starting the warm spares of ``pools`` (the trainers' imports run
+    while the round forms). Returns the same handler object."""
+    original: Callable[[], Any] = handler.next_rendezvous
+
+    def next_rendezvous() -> Any:
+        for pool in pools:
+            pool.warm()
+        return original()
+
+    handler.next_rendezvous = next_rendezvous
+    return handler
+
+
 def install() -> Optional[str]:
     """Make torch's ``c10d`` rendezvous backend return ``readmitting`` handlers; why not, when it cannot (a torch
     whose registry differs: torchrun then runs as it is)."""
@@ -78,19 +97,58 @@ def install() -> Optional[str]:
         return "torch's rendezvous registry has no c10d creator to wrap"
 
     def create_readmitting(params: Any) -> Any:
-        return readmitting(create(params))
+        return warming(readmitting(create(params)), _pools)
 
     table["c10d"] = create_readmitting
     return None
 
 
+_pools: list[SparePool] = []  # the agent's spare pool, once torchrun's launcher has named the trainers' command
+
+
+def install_spares() -> Optional[str]:
+    """Start trainers from warm spares (job/train/spare.py): torchrun's launcher names the trainers' command and
+    count (``launch_agent``: the pool is made there), and its ``Popen`` of a trainer takes a spare where one fits.
+    Why not, where torch's launcher or process handler is not the one these hooks know (trainers then start cold)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    from torch.distributed.launcher import api as launcher
+
+    handler_class = getattr(subprocess_handler, "SubprocessHandler", None)
+    popen = getattr(handler_class, "_popen", None)
+    launch_agent = getattr(launcher, "launch_agent", None)
+    if handler_class is None or popen is None or launch_agent is None:
+        return "torch's launcher or subprocess handler has no hook for them"
+    if not spare.enabled():
+        return f"{spare.ENABLE_ENV}=0"
+
+    def launching(config: Any, entrypoint: Any, args: list[Any], *rest: Any, **kwargs: Any) -> Any:
+        if isinstance(entrypoint, str):
+            _pools.append(SparePool([entrypoint, *map(str, args)], int(getattr(config, "nproc_per_node", 1))))
+        return launch_agent(config, entrypoint, args, *rest, **kwargs)
+
+    def popen_or_spare(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        redirected = getattr(self, "_stdout", None) is not None or getattr(self, "_stderr", None) is not None
+        if _pools and not redirected:
+            proc = _pools[-1].take(args, env)
+            if proc is not None:
+                return proc
+        return popen(self, args, env)
+
+    launcher.launch_agent = launching
+    handler_class._popen = popen_or_spare
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """``torchrun`` with ``install()`` first."""
+    """``torchrun`` with ``install()`` and ``install_spares()`` first."""
     from torch.distributed.run import main as torchrun
 
     why_not = install()
     if why_not:
         logger.warning("rendezvous: running torchrun without the readmission of evicted nodes (%s)", why_not)
+    why_not = install_spares()
+    if why_not and spare.enabled():
+        logger.warning("warm spares: trainers start cold (%s)", why_not)
     torchrun(sys.argv[1:] if argv is None else argv)
 
 

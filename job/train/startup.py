@@ -39,6 +39,15 @@ def process_age() -> Optional[float]:
 _age = process_age()
 PROCESS_START = time.monotonic() - (_age if _age is not None else 0.0)
 _early: list[tuple[str, float]] = []  # phases marked before a trainer existed (the command line's)
+_spare: Optional[str] = None  # how this process started as a warm spare (job/train/spare.py), for the start-up line
+
+
+def handed_off(imports: float, waited: float) -> None:
+    """This process is a warm spare that just became a trainer (job/train/spare.py): its clock starts now, since the
+    interpreter and its imports (``imports`` seconds) ran while the rendezvous formed, and it then ``waited``."""
+    global PROCESS_START, _spare
+    PROCESS_START = time.monotonic()
+    _spare = f"a warm spare: its imports took {imports:.2f} s during the rendezvous, then it waited {waited:.2f} s"
 
 
 def mark_early(phase: str) -> None:
@@ -81,6 +90,9 @@ class StartupClock:
             return
         self.reported = True
         detail = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases())
-        logger.info("start-up: %s %.2f s after the process started (%s)", what, self.total(), detail,
+        started = "its hand-off" if _spare else "the process started"
+        logger.info("start-up: %s %.2f s after %s (%s)%s", what, self.total(), started, detail,
+                    f"; {_spare}" if _spare else "",
                     extra={"fields": {"startup_seconds": round(self.total(), 3),
-                                      "startup_phases": {p: round(s, 3) for p, s in self.phases()}}})
+                                      "startup_phases": {p: round(s, 3) for p, s in self.phases()},
+                                      "warm_spare": _spare is not None}})
