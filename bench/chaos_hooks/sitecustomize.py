@@ -10,13 +10,14 @@ with the request that finishes the bucket, is made persistent when the bucket is
 bucket when a lost trainer's bucket is redone. A committed version ``v`` of a run without lost or doubled updates
 holds ``v * P * P`` in element 0 and ``v * P`` in each element 1 + l.
 
-Active only in a torchrun worker (``LOCAL_RANK`` set) with ``BIGGRAPH_CHAOS_COUNTER`` naming the relation's index.
+Active only in a torchrun worker (``LOCAL_RANK`` set, or a warm spare that becomes one: ``BIGGRAPH_WARM_SPARE``,
+job/train/spare.py) with ``BIGGRAPH_CHAOS_COUNTER`` naming the relation's index.
 """
 
 import os
 
 _COUNTER = os.environ.get("BIGGRAPH_CHAOS_COUNTER")
-if _COUNTER is not None and "LOCAL_RANK" in os.environ:
+if _COUNTER is not None and ("LOCAL_RANK" in os.environ or os.environ.get("BIGGRAPH_WARM_SPARE") == "1"):
     import torch
 
     from job.train import bucket_run

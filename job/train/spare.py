@@ -22,7 +22,9 @@ A spare is used only where that is the same as a fresh start:
   ``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES`` or ``LD_PRELOAD``, read when torch loads) starts a fresh process;
 - torchrun sends the trainer's output where the agent's goes (no ``--redirects``/``--tee``: a spare's output is
   fixed when it starts).
-Otherwise, and when a spare died before its hand-off, torchrun starts the trainer as always. A spare that is never
+Otherwise, and when a spare died before its hand-off, torchrun starts the trainer as always. What a spare cannot
+be is a process that ran its interpreter's start-up hooks (``sitecustomize``) with the trainer's variables: it runs
+them with the agent's environment and ``BIGGRAPH_WARM_SPARE=1``, which the hand-off removes. A spare that is never
 handed a trainer reads the end of its stdin (the agent closed it, or died) and exits; ``BIGGRAPH_WARM_SPARES=0``
 turns spares off.
 """
@@ -53,6 +55,9 @@ PER_TRAINER_KEYS = frozenset({
 })
 PER_TRAINER_PREFIXES = ("TORCHELASTIC_",)  # restart count, run id, error file, agent store, timers: read at run time
 ENABLE_ENV = "BIGGRAPH_WARM_SPARES"
+# set in a spare's environment until its hand-off: a start-up hook (sitecustomize) that acts only in trainers, which
+# it tells by torchrun's per-trainer variables (LOCAL_RANK), runs in a spare before they exist and should act there too
+SPARE_MARKER = "BIGGRAPH_WARM_SPARE"
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -107,8 +112,8 @@ class SparePool:
             while len(self._spares) < self.count:
                 env = dict(os.environ)
                 try:
-                    proc = subprocess.Popen(self.spare_command(), env=env, stdin=subprocess.PIPE,
-                                            start_new_session=True)
+                    proc = subprocess.Popen(self.spare_command(), env={**env, SPARE_MARKER: "1"},
+                                            stdin=subprocess.PIPE, start_new_session=True)
                 except OSError as error:
                     logger.warning("warm spares: could not start one (%s): trainers start cold", error)
                     self.reason_off = str(error)
@@ -176,8 +181,12 @@ class SparePool:
             self._end(proc)
 
     def alive(self) -> int:
+        return len(self.pids())
+
+    def pids(self) -> list[int]:
+        """The spares alive, waiting for a trainer (their process ids)."""
         with self._lock:
-            return sum(1 for proc, _env in self._spares if proc.poll() is None)
+            return [proc.pid for proc, _env in self._spares if proc.poll() is None]
 
 
 def _read_hand_off() -> Optional[dict[str, Any]]:

@@ -50,6 +50,11 @@ def handed_off(imports: float, waited: float) -> None:
     _spare = f"a warm spare: its imports took {imports:.2f} s during the rendezvous, then it waited {waited:.2f} s"
 
 
+def warm_spare() -> Optional[str]:
+    """How this process started as a warm spare (None: it started as itself)."""
+    return _spare
+
+
 def mark_early(phase: str) -> None:
     """End ``phase`` now, before the trainer exists (``biggraph train`` marks the config read); the next trainer of
     this process takes it over."""
