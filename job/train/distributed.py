@@ -1,7 +1,7 @@
 """Distributed training under torchrun: the bucket lock server on rank 0, and shared-parameter sync.
 
 (Joining the group, the heartbeat and the store barriers are in job/train/group.py; the scheduler the
-training loop sees is ``LockServerScheduler`` in job/train/schedule.py.)
+training loop sees is ``LockServerScheduler`` in job/train/group_schedule.py.)
 
 The requests and replies travel through the rendezvous TCPStore that ``init_process_group`` already
 connected every rank to (``queue_push``/``queue_pop`` give a request queue without any

@@ -107,7 +107,7 @@ def _worker_main(
 
     A SIGTERM is the trainer's to act on, not the worker's: torchrun's agent stops a worker by signalling its
     whole process group, Hogwild workers included, and the trainer then finishes its bucket and gives back what it
-    holds, or gives the bucket up (job/train/schedule.py). A worker ended by it would lose the slice its trainer
+    holds, or gives the bucket up (job/train/group_schedule.py). A worker ended by it would lose the slice its trainer
     still waits for. So a worker ends on a SIGTERM only when its pool is closing or its trainer is gone; the
     agent's SIGKILL, 30 s after its SIGTERM, ends it anyway."""
     trainer = multiprocessing.parent_process()

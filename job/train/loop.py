@@ -33,6 +33,7 @@ from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
 from job.train.data import bucket_grid, pick_device
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.group import config_digest, init_distributed, leave
+from job.train.group_schedule import LockServerScheduler, SharedSync
 from job.train.input_check import checked_input
 from job.train.lock_client import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
 from job.train.lr_schedule import lr_scale
@@ -42,16 +43,7 @@ from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.precision import training_dtype
 from job.train.progress import Progress
 from job.train.resume import GroupBarrier, load_model_state, progress_to_resume
-from job.train.schedule import (
-    BucketScheduler,
-    Iteration,
-    LocalScheduler,
-    LockServerScheduler,
-    NoSync,
-    ParameterSync,
-    PassGather,
-    SharedSync,
-)
+from job.train.schedule import BucketScheduler, Iteration, LocalScheduler, NoSync, ParameterSync, PassGather
 from job.train.spawning import server_processes, start_worker_server
 from job.train.startup import StartupClock
 from job.train.step import BatchStats, BucketAbandoned

@@ -95,9 +95,11 @@ class StartupClock:
             return
         self.reported = True
         detail = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases())
-        started = "its hand-off" if _spare else "the process started"
-        logger.info("start-up: %s %.2f s after %s (%s)%s", what, self.total(), started, detail,
-                    f"; {_spare}" if _spare else "",
-                    extra={"fields": {"startup_seconds": round(self.total(), 3),
-                                      "startup_phases": {p: round(s, 3) for p, s in self.phases()},
-                                      "warm_spare": _spare is not None}})
+        fields = {"fields": {"startup_seconds": round(self.total(), 3),
+                             "startup_phases": {p: round(s, 3) for p, s in self.phases()},
+                             "warm_spare": _spare is not None}}
+        if _spare:
+            logger.info("start-up: %s %.2f s after its hand-off (%s); %s", what, self.total(), detail, _spare,
+                        extra=fields)
+        else:
+            logger.info("start-up: %s %.2f s after the process started (%s)", what, self.total(), detail, extra=fields)
