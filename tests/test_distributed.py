@@ -478,6 +478,9 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
     # rank 0 finished its bucket and gave back (the other survivor too, unless it held nothing then: waiting for a
     # bucket, or at the pass's barrier, it is cut off by rank 0's exit with nothing to lose)
     assert "rank 0: the round ends" in text, agents.tail()
+    # every trainer, the first ones and the survivors' restarted ones, came from a warm spare (job/train/spare.py)
+    startups = [line for line in text.splitlines() if "start-up: first bucket trained" in line]
+    assert len(startups) >= 3 and all("after its hand-off" in line for line in startups), startups
     resumed = _resumed(agents)
     assert resumed, agents.tail()
     redo, by_rank = resumed[0]
