@@ -81,7 +81,9 @@ def test_a_spare_is_not_used_where_the_environment_differs_beyond_what_torchrun_
     assert pool.take(command, _trainer_env(OMP_NUM_THREADS="9")) is None  # read when torch loads: a cold start
     assert not _running(spare_pid), "the unusable spare was ended"
     assert pool.cold_starts == 1 and pool.handed_off == 0
-    assert pool.take([*PROBE, "other"], _trainer_env()) is None  # another command
+    pool.warm()
+    assert pool.take([sys.executable, "-u", "-m", "json.tool"], _trainer_env()) is None  # another module
+    assert pool.alive() == 0, "a spare that fits no trainer of the round does not wait through it"
     assert environment_mismatch({"A": "1"}, {"A": "1", **dict.fromkeys(PER_TRAINER_KEYS, "x"),
                                              "TORCHELASTIC_ERROR_FILE": "/e"}) is None
     assert environment_mismatch({"A": "1", "LD_PRELOAD": "x"}, {"A": "1"}) == "LD_PRELOAD"
@@ -165,5 +167,6 @@ def test_torchruns_process_handler_takes_a_spare_and_its_close_signals_it(tmp_pa
         entrypoint=sys.executable, args=("-u", "-m", "spare_probe", "0"), env={"RANK": "0"},
         stdout=str(tmp_path / "o"), stderr=str(tmp_path / "e"), local_rank_id=0, numa_options=None)
     assert redirected.proc.wait(timeout=60) == 0 and pool.handed_off == 1
+    assert pool.alive() == 0 and pool.cold_starts == 1  # the unusable spare was ended, not left waiting
     assert json.loads((tmp_path / "o").read_text())["spare"] is None
     pool.close()

@@ -127,11 +127,15 @@ def install_spares() -> Optional[str]:
         return launch_agent(config, entrypoint, args, *rest, **kwargs)
 
     def popen_or_spare(self: Any, args: tuple, env: dict[str, str]) -> Any:
-        redirected = getattr(self, "_stdout", None) is not None or getattr(self, "_stderr", None) is not None
-        if _pools and not redirected:
-            proc = _pools[-1].take(args, env)
+        if _pools:
+            # a spare's output is fixed when it starts: where torchrun redirects the trainer's (--redirects, --tee)
+            # it starts cold
+            redirected = getattr(self, "_stdout", None) is not None or getattr(self, "_stderr", None) is not None
+            proc = None if redirected else _pools[-1].take(args, env)
             if proc is not None:
                 return proc
+            if redirected:
+                _pools[-1].discard()
         return popen(self, args, env)
 
     launcher.launch_agent = launching

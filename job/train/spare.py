@@ -123,28 +123,38 @@ class SparePool:
     def take(self, args: Sequence[str], env: Mapping[str, str]) -> Optional[subprocess.Popen]:
         """A spare turned into the trainer ``args`` (entrypoint first) with environment ``env``; None where a fresh
         process must start (no spare alive, another command, an environment that differs beyond the per-trainer
-        variables)."""
+        variables). Where none fits, the other spares are ended too: the round's trainers are starting now, and a
+        spare left waiting would hold its imports' memory through the whole round."""
         args = [str(part) for part in args]
-        if self.reason_off or args[:4] != self.command[:4]:
-            self.cold_starts += 1
-            return None
-        with self._lock:
-            while self._spares:
-                proc, spare_env = self._spares.pop(0)
-                if proc.poll() is not None:
-                    logger.warning("warm spares: a spare exited (code %s) before it was needed: a trainer starts cold",
-                                   proc.returncode)
-                    continue
-                mismatch = environment_mismatch(spare_env, env)
-                if mismatch is not None:
-                    logger.warning("warm spares: the trainer's environment differs from the spare's in %s: it starts "
-                                   "cold", mismatch)
-                    self._end(proc)
-                    continue
-                if self._hand_off(proc, args, env):
-                    self.handed_off += 1
-                    return proc
+        if not self.reason_off and args[:4] == self.command[:4]:
+            with self._lock:
+                proc = self._take_one(args, env)
+            if proc is not None:
+                self.handed_off += 1
+                return proc
+        self.discard()
+        return None
+
+    def discard(self) -> None:
+        """A trainer starts cold (torchrun redirects its output, or no spare fits it): end the spares."""
         self.cold_starts += 1
+        self.close()
+
+    def _take_one(self, args: list[str], env: Mapping[str, str]) -> Optional[subprocess.Popen]:
+        while self._spares:
+            proc, spare_env = self._spares.pop(0)
+            if proc.poll() is not None:
+                logger.warning("warm spares: a spare exited (code %s) before it was needed: a trainer starts cold",
+                               proc.returncode)
+                continue
+            mismatch = environment_mismatch(spare_env, env)
+            if mismatch is not None:
+                logger.warning("warm spares: the trainer's environment differs from the spare's in %s: it starts "
+                               "cold", mismatch)
+                self._end(proc)
+                continue
+            if self._hand_off(proc, args, env):
+                return proc
         return None
 
     @staticmethod
