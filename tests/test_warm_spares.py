@@ -141,18 +141,18 @@ def test_torchruns_process_handler_takes_a_spare_and_its_close_signals_it(tmp_pa
 
     monkeypatch.setattr(subprocess_handler.SubprocessHandler, "_popen", subprocess_handler.SubprocessHandler._popen)
     monkeypatch.setattr(launcher, "launch_agent", lambda config, entrypoint, args, *rest, **kw: "launched")
-    monkeypatch.setattr(agent, "_pools", [])
+    monkeypatch.setattr(agent, "_pool", None)
     assert agent.install_spares() is None
     config = type("Config", (), {"nproc_per_node": 1})()
     assert launcher.launch_agent(config, sys.executable, ["-u", "-m", "spare_probe", "sleep"]) == "launched"
-    assert len(agent._pools) == 1
+    assert agent._pool is not None
 
     class Handler:
         def next_rendezvous(self) -> str:
             return "round"
 
-    assert agent.warming(Handler(), agent._pools).next_rendezvous() == "round"
-    pool = agent._pools[0]
+    assert agent.warming(Handler()).next_rendezvous() == "round"
+    pool = agent._pool
     assert pool.alive() == 1
     [spare_pid] = pool.pids()
     handler = subprocess_handler.SubprocessHandler(

@@ -72,14 +72,14 @@ def readmitting(handler: Any) -> Any:
     return handler
 
 
-def warming(handler: Any, pools: list[SparePool]) -> Any:
-    """``handler`` with ``next_rendezvous`` first starting the warm spares of ``pools`` (the trainers' imports run
-    while the round forms). Returns the same handler object."""
+def warming(handler: Any) -> Any:
+    """``handler`` with ``next_rendezvous`` first starting the agent's warm spares, where it has a pool (the trainers'
+    imports run while the round forms). Returns the same handler object."""
     original: Callable[[], Any] = handler.next_rendezvous
 
     def next_rendezvous() -> Any:
-        for pool in pools:
-            pool.warm()
+        if _pool is not None:
+            _pool.warm()
         return original()
 
     handler.next_rendezvous = next_rendezvous
@@ -97,13 +97,13 @@ def install() -> Optional[str]:
         return "torch's rendezvous registry has no c10d creator to wrap"
 
     def create_readmitting(params: Any) -> Any:
-        return warming(readmitting(create(params)), _pools)
+        return warming(readmitting(create(params)))
 
     table["c10d"] = create_readmitting
     return None
 
 
-_pools: list[SparePool] = []  # the agent's spare pool, once torchrun's launcher has named the trainers' command
+_pool: Optional[SparePool] = None  # the agent's spares, once torchrun's launcher has named the trainers' command
 
 
 def install_spares() -> Optional[str]:
@@ -122,20 +122,17 @@ def install_spares() -> Optional[str]:
         return f"{spare.ENABLE_ENV}=0"
 
     def launching(config: Any, entrypoint: Any, args: list[Any], *rest: Any, **kwargs: Any) -> Any:
+        global _pool
         if isinstance(entrypoint, str):
-            _pools.append(SparePool([entrypoint, *map(str, args)], int(getattr(config, "nproc_per_node", 1))))
+            _pool = SparePool([entrypoint, *map(str, args)], int(getattr(config, "nproc_per_node", 1)))
         return launch_agent(config, entrypoint, args, *rest, **kwargs)
 
     def popen_or_spare(self: Any, args: tuple, env: dict[str, str]) -> Any:
-        if _pools:
-            # a spare's output is fixed when it starts: where torchrun redirects the trainer's (--redirects, --tee)
-            # it starts cold
+        if _pool is not None:
             redirected = getattr(self, "_stdout", None) is not None or getattr(self, "_stderr", None) is not None
-            proc = None if redirected else _pools[-1].take(args, env)
+            proc = _pool.take(args, env, redirected=redirected)
             if proc is not None:
                 return proc
-            if redirected:
-                _pools[-1].discard()
         return popen(self, args, env)
 
     launcher.launch_agent = launching

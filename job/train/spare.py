@@ -38,7 +38,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -76,7 +75,8 @@ def environment_mismatch(spare_env: Mapping[str, str], trainer_env: Mapping[str,
 
 
 class SparePool:
-    """The agent's spares: ``warm`` starts them, ``take`` hands one a trainer, ``close`` ends the unused ones.
+    """The agent's spares: ``warm`` starts them, ``take`` hands one a trainer, ``close`` ends the unused ones. Used
+    from the agent's one thread (its rendezvous and its starts of trainers), and at its exit.
 
     ``command`` is what torchrun runs for each trainer (its entrypoint and arguments, e.g. ``[python, -u, -m, job,
     train, config.yaml]``); ``count`` the trainers per node. A command that is not ``python -u -m MODULE ...`` gets
@@ -87,7 +87,6 @@ class SparePool:
         self.count = max(0, int(count))
         self.reason_off = self._why_not(self.command)
         self._spares: list[tuple[subprocess.Popen, dict[str, str]]] = []
-        self._lock = threading.Lock()
         self.handed_off = 0
         self.cold_starts = 0
         atexit.register(self.close)
@@ -107,38 +106,34 @@ class SparePool:
         """Start spares until there are ``count`` alive (a rendezvous begins: they import while it forms)."""
         if self.reason_off:
             return
-        with self._lock:
-            self._spares = [(proc, env) for proc, env in self._spares if proc.poll() is None]
-            while len(self._spares) < self.count:
-                env = dict(os.environ)
-                try:
-                    proc = subprocess.Popen(self.spare_command(), env={**env, SPARE_MARKER: "1"},
-                                            stdin=subprocess.PIPE, start_new_session=True)
-                except OSError as error:
-                    logger.warning("warm spares: could not start one (%s): trainers start cold", error)
-                    self.reason_off = str(error)
-                    return
-                self._spares.append((proc, env))
+        self._spares = [(proc, env) for proc, env in self._spares if proc.poll() is None]
+        while len(self._spares) < self.count:
+            env = dict(os.environ)
+            try:
+                proc = subprocess.Popen(self.spare_command(), env={**env, SPARE_MARKER: "1"},
+                                        stdin=subprocess.PIPE, start_new_session=True)
+            except OSError as error:
+                logger.warning("warm spares: could not start one (%s): trainers start cold", error)
+                self.reason_off = str(error)
+                return
+            self._spares.append((proc, env))
 
-    def take(self, args: Sequence[str], env: Mapping[str, str]) -> Optional[subprocess.Popen]:
+    def take(self, args: Sequence[str], env: Mapping[str, str], redirected: bool = False
+             ) -> Optional[subprocess.Popen]:
         """A spare turned into the trainer ``args`` (entrypoint first) with environment ``env``; None where a fresh
         process must start (no spare alive, another command, an environment that differs beyond the per-trainer
-        variables). Where none fits, the other spares are ended too: the round's trainers are starting now, and a
-        spare left waiting would hold its imports' memory through the whole round."""
+        variables, or torchrun ``redirected`` the trainer's output: a spare's is fixed when it starts). Where none
+        fits, the other spares are ended too: the round's trainers are starting now, and a spare left waiting would
+        hold its imports' memory through the whole round."""
         args = [str(part) for part in args]
-        if not self.reason_off and args[:4] == self.command[:4]:
-            with self._lock:
-                proc = self._take_one(args, env)
+        if not self.reason_off and not redirected and args[:4] == self.command[:4]:
+            proc = self._take_one(args, env)
             if proc is not None:
                 self.handed_off += 1
                 return proc
-        self.discard()
-        return None
-
-    def discard(self) -> None:
-        """A trainer starts cold (torchrun redirects its output, or no spare fits it): end the spares."""
         self.cold_starts += 1
         self.close()
+        return None
 
     def _take_one(self, args: list[str], env: Mapping[str, str]) -> Optional[subprocess.Popen]:
         while self._spares:
@@ -185,8 +180,7 @@ class SparePool:
             proc.wait()
 
     def close(self) -> None:
-        with self._lock:
-            spares, self._spares = self._spares, []
+        spares, self._spares = self._spares, []
         for proc, _env in spares:
             self._end(proc)
 
@@ -195,8 +189,7 @@ class SparePool:
 
     def pids(self) -> list[int]:
         """The spares alive, waiting for a trainer (their process ids)."""
-        with self._lock:
-            return [proc.pid for proc, _env in self._spares if proc.poll() is None]
+        return [proc.pid for proc, _env in self._spares if proc.poll() is None]
 
 
 def _read_hand_off() -> Optional[dict[str, Any]]:
