@@ -3,7 +3,8 @@
 # included, so this is sized to end within ~7 minutes and leave room for a second run).
 #
 #   bench/device_check.sh [OUTDIR] [SECTIONS]   SECTIONS: comma-separated of tests,wn18rr,generated (default),
-#                                               and sweep (WN18RR recipe variants in parallel, valid split only)
+#                                               sweep (WN18RR recipe variants in parallel, valid split only)
+#                                               and elastic (torchrun groups on the card: warm spares, kills)
 #
 # The sweep's variants: SWEEP (lines "label override=value ...") or SWEEP_FILE (a file of such lines; blank lines
 # and lines starting with # are skipped), e.g. SWEEP_FILE=bench/sweeps/wn18rr_dura.txt. Its other knobs:
@@ -51,6 +52,22 @@ if want generated; then
   timeout 240 python3 bench/train_bench.py --generated --edges 10000000 --entities 1000000 --partitions 1,4 \
     --devices cuda --no-pbg 2>&1 | tail -30 | tee "$OUTDIR/generated.log"
 fi
+if want elastic; then
+  # issue #30 on a GPU pod: trainers started from warm spares (job/train/spare.py) train on the card. test_cuda.py's
+  # num_gpus=2 relaunch goes through the pods' launcher and asserts both trainers came from spares; the distributed
+  # tests' kills, SIGTERMs, drains, additions and a replaced pod's rejoin run with every rank on the card
+  # (BIGGRAPH_TEST_DEVICE reaches tests/helpers_distributed.py's UMLS config; the two-namespace test needs root and
+  # iproute2, left out); then a group's start-up, spares against cold trainers, CUDA's initialisation included.
+  timeout ${CUDA_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_cuda.py 2>&1 \
+    | tail -30 | tee "$OUTDIR/test_cuda.log"
+  # UMLS from .devdata/datasets/umls (a copy of ~/.cache/biggraph/datasets/umls: the device cannot download it)
+  BIGGRAPH_DATA_DIR=$PWD/.devdata/datasets BIGGRAPH_TEST_DEVICE=cuda timeout ${ELASTIC_TIMEOUT:-300} \
+    python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 280 -m slow -k "not namespaces" \
+    tests/test_distributed.py tests/test_elastic_rounds.py 2>&1 | tail -40 | tee "$OUTDIR/elastic_tests.log"
+  timeout ${STARTUP_TIMEOUT:-200} python3 bench/group_startup_bench.py --ranks 2 --device cuda --cold --repeats 3 \
+    --json "$OUTDIR/startup.json" 2>&1 | tail -12 | tee "$OUTDIR/startup.log"
+fi
+
 if want sweep; then
   # recipe variants of `preset: quality` (ComplEx, d=256) side by side on the one GPU, scored on valid only
   # (tune on valid: issue #33); each line of SWEEP is "label override...". The GPU frees the comparison from the

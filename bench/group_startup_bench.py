@@ -13,10 +13,14 @@ has trained a bucket the agents are killed (the rest of the pass is not the star
 imports ``job`` from its checkout: PYTHONPATH and the working directory); the trainer's own ``start-up:`` line,
 where the checkout has one, splits each rank's time into phases (job/train/startup.py), whose medians are printed.
 ``--storage s3`` puts the data and the checkpoint on a moto S3 server (the input check then asks S3 for every bucket
-file: ~3 requests a file, P^2 files).
+file: ~3 requests a file, P^2 files). ``--device cuda`` trains on the GPU (every rank on card ``LOCAL_RANK`` modulo
+the cards, so several ranks share a one-GPU machine). ``--cold`` runs each checkout a second time with
+``BIGGRAPH_WARM_SPARES=0`` (trainers started cold, not from warm spares: job/train/spare.py), alternated with the
+first.
 
     .venv/bin/python bench/group_startup_bench.py --checkout /work/wt-startup-base --checkout . --repeats 3
     .venv/bin/python bench/group_startup_bench.py --checkout . --storage s3 --repeats 1
+    python3 bench/group_startup_bench.py --ranks 2 --device cuda --cold --repeats 3   # on a GPU machine
 
 Timings are CPU-bound on a small machine (every rank imports torch and forms its groups at once): the load average
 before and after each run and the machine's float32 matmul rate (bench/machine.py) are printed beside them.
@@ -52,7 +56,7 @@ REFUSED = re.compile(r"biggraph train: error: (.*)")
 
 
 def one_run(checkout: Path, label: str, args: argparse.Namespace, graph_config: dict[str, Any],
-            work: Path, env_extra: dict[str, str]) -> dict[str, Any]:
+            work: Path, env_extra: dict[str, str], variant: str) -> dict[str, Any]:
     """Start ``args.ranks`` agents of ``checkout`` at once; when every rank trained a bucket, kill them."""
     config = dict(graph_config, checkpoint_path=f"{graph_config['checkpoint_path']}_{label}")
     if not config["checkpoint_path"].startswith("s3://"):
@@ -100,7 +104,7 @@ def one_run(checkout: Path, label: str, args: argparse.Namespace, graph_config: 
         if found is not None:
             rank, detail = int(found[1].group(1)), found[1].group(3)
             phases[rank] = {name.strip(): float(seconds) for name, seconds in PHASE.findall(detail)}
-    return {"checkout": str(checkout), "label": label, "error": error,
+    return {"checkout": str(checkout), "variant": variant, "label": label, "error": error,
             "first_bucket_s": {r: round(s, 2) for r, s in sorted(firsts.items())},
             "every_rank_s": round(max(firsts.values()), 2) if len(firsts) == args.ranks else None,
             "phases": phases, "load_before": round(load_before[0], 2), "load_after": round(os.getloadavg()[0], 2)}
@@ -132,6 +136,9 @@ def main() -> int:
     parser.add_argument("--edges", type=int, default=240_000)
     parser.add_argument("--dimension", type=int, default=32)
     parser.add_argument("--storage", choices=("local", "s3"), default="local")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the trainers' device (config)")
+    parser.add_argument("--cold", action="store_true",
+                        help="also run each checkout with BIGGRAPH_WARM_SPARES=0 (trainers started cold)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take to its last first bucket")
     parser.add_argument("--work", default=None)
     parser.add_argument("--json", default=None)
@@ -143,21 +150,24 @@ def main() -> int:
     graph.mkdir(parents=True)
     write_generated_graph(graph, args.entities, args.edges, args.partitions)
     config = generated_config(graph, args.partitions, 1, args.dimension, "run")
-    config.update(num_uniform_negs=20, num_batch_negs=20, seed=0, num_edge_chunks=1)
+    config.update(num_uniform_negs=20, num_batch_negs=20, seed=0, num_edge_chunks=1, device=args.device)
     moto, env_extra = None, {}
     if args.storage == "s3":
         moto, root, env_extra = s3_setup(graph)
         config.update(entity_path=f"{root}/data", edge_paths=[f"{root}/data/edges"], checkpoint_path=f"{root}/ckpt")
     machine = {"matmul_gflops": round(matmul_rate(), 1), "cpus": os.cpu_count(), "load": os.getloadavg()[0]}
     print(json.dumps({"machine": machine, "ranks": args.ranks, "partitions": args.partitions,
-                      "storage": args.storage}), flush=True)
+                      "storage": args.storage, "device": args.device}), flush=True)
+    variants = [("spares", {})] + ([("cold", {"BIGGRAPH_WARM_SPARES": "0"})] if args.cold else [])
     runs: list[dict[str, Any]] = []
     try:
         for repeat in range(args.repeats):
             for index, checkout in enumerate(checkouts):
-                result = one_run(checkout, f"r{repeat}c{index}", args, config, work, env_extra)
-                runs.append(result)
-                print(json.dumps(result), flush=True)
+                for variant, env in variants:
+                    result = one_run(checkout, f"r{repeat}c{index}{variant}", args, config, work,
+                                     {**env_extra, **env}, variant)
+                    runs.append(result)
+                    print(json.dumps(result), flush=True)
     finally:
         if moto is not None:
             moto.terminate()
@@ -165,14 +175,14 @@ def main() -> int:
     machine["matmul_gflops_after"] = round(matmul_rate(), 1)
     summary = []
     print(f"\nmatmul {machine['matmul_gflops']} -> {machine['matmul_gflops_after']} GFLOP/s, {machine['cpus']} CPUs")
-    print("| checkout | every rank's first bucket, median (s) | runs (s) | load before |")
-    print("|---|---|---|---|")
-    for checkout in checkouts:
-        mine = [r for r in runs if r["checkout"] == str(checkout)]
+    print("| checkout | trainers | every rank's first bucket, median (s) | runs (s) | load before |")
+    print("|---|---|---|---|---|")
+    for checkout, (variant, _) in ((c, v) for c in checkouts for v in variants):
+        mine = [r for r in runs if r["checkout"] == str(checkout) and r["variant"] == variant]
         times = [r["every_rank_s"] for r in mine if r["every_rank_s"] is not None]
         median = statistics.median(times) if times else None
-        summary.append({"checkout": str(checkout), "median_s": median, "runs_s": times})
-        print(f"| {checkout} | {median} | {', '.join(map(str, times))} | "
+        summary.append({"checkout": str(checkout), "variant": variant, "median_s": median, "runs_s": times})
+        print(f"| {checkout} | {variant} | {median} | {', '.join(map(str, times))} | "
               f"{', '.join(str(r['load_before']) for r in mine)} |")
         names: list[str] = []
         for r in mine:

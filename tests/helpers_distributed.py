@@ -121,6 +121,9 @@ def import_umls_p4(root: Path) -> dict:
         "dynamic_relations": True, "dimension": 64, "global_emb": False, "comparator": "dot",
         "num_uniform_negs": 100, "loss_fn": "softmax", "lr": 0.1, "batch_size": 200, "eval_fraction": 0.0,
         "num_epochs": 8, "workers": 1, "seed": 0, "bucket_order": "affinity",
+        # BIGGRAPH_TEST_DEVICE=cuda trains the distributed tests' trainers on the GPU (bench/device_check.sh elastic;
+        # every rank on card LOCAL_RANK modulo the cards)
+        "device": os.environ.get("BIGGRAPH_TEST_DEVICE", "auto"),
     }
     path = root / "config.json"
     path.write_text(json.dumps(config))

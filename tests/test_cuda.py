@@ -144,7 +144,7 @@ def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, m
 
 
 def test_num_gpus_2_trains_one_process_per_gpu(tmp_path: Path) -> None:
-    """``biggraph train`` with num_gpus=2 starts a torchrun group of two trainers sharing the buckets.
+    """``biggraph train`` with num_gpus=2 starts a torchrun group of two trainers sharing the buckets, from warm spares.
 
     The parent is made to see two cards; the two children then share however many the machine has
     (LOCAL_RANK modulo the card count), so this runs on a one-GPU machine too.
@@ -159,6 +159,10 @@ def test_num_gpus_2_trains_one_process_per_gpu(tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "one per GPU" in output
+    # the relaunch goes through the pods' launcher: both trainers came from warm spares, whose imports ran before
+    # any CUDA call (job/train/spare.py), and then each took its card
+    startups = [line for line in output.splitlines() if "start-up: first bucket trained" in line]
+    assert len(startups) == 2 and all("a warm spare" in line for line in startups), startups
     storage = CheckpointStorage(raw["checkpoint_path"])
     assert {record.get("rank") for record in storage.load_stats() if "lhs_partition" in record} == {0, 1}
     assert storage.load_version() == 3

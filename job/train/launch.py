@@ -1,8 +1,9 @@
 """How many trainer processes one machine runs: one per GPU (as PBG's GPU trainer), else one.
 
-``biggraph train`` with ``num_gpus > 1`` re-launches itself under ``torchrun --standalone``; the processes are an
-ordinary single-node torchrun group, so they share buckets through the same lock server as a multi-node job
-(each holds disjoint partitions, which is PBG's sub-bucket rule).
+``biggraph train`` with ``num_gpus > 1`` re-launches itself under the pods' launcher (``python -m job.train.agent
+--standalone``: torchrun with warm spares, job/train/agent.py); the processes are an ordinary single-node torchrun
+group, so they share buckets through the same lock server as a multi-node job (each holds disjoint partitions,
+which is PBG's sub-bucket rule).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def partition_advice(config: ConfigSchema, processes: int) -> str:
 
 
 def relaunch_one_process_per_gpu(processes: int, argv: list[str]) -> int:
-    """Run this same command line (``argv``, without the program name) as a ``torchrun --standalone`` group."""
+    """Run this same command line (``argv``, without the program name) as a ``torchrun --standalone`` group, through
+    the pods' launcher so that the trainers start from warm spares as they do in a pod."""
     logger.info("training with %d processes, one per GPU (torchrun --standalone)", processes)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+    command = [sys.executable, "-m", "job.train.agent", "--standalone", f"--nproc_per_node={processes}",
                "-m", "job", *argv]
     return subprocess.call(command)
 
