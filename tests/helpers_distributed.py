@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from helpers_graphs import TEST_DEVICE
+
 if TYPE_CHECKING:
     from job.train.buckets import Bucket
     from job.train.transport import TensorTransport
@@ -123,7 +125,7 @@ def import_umls_p4(root: Path) -> dict:
         "num_epochs": 8, "workers": 1, "seed": 0, "bucket_order": "affinity",
         # BIGGRAPH_TEST_DEVICE=cuda trains the distributed tests' trainers on the GPU (bench/device_check.sh elastic;
         # every rank on card LOCAL_RANK modulo the cards)
-        "device": os.environ.get("BIGGRAPH_TEST_DEVICE", "auto"),
+        "device": TEST_DEVICE,
     }
     path = root / "config.json"
     path.write_text(json.dumps(config))
