@@ -15,7 +15,7 @@ from typing import Any, Optional
 from chaos_checks import LogTail
 from cluster_box import ClusterBox
 
-PEER_TIMEOUT_S = 6.0  # job/train/group.py's DEFAULT_PEER_TIMEOUT_S: a freeze past it loses the pod
+PEER_TIMEOUT_S = 6.0  # job/train/distributed/group.py's DEFAULT_PEER_TIMEOUT_S: a freeze past it loses the pod
 WEIGHTS = {"kill": 0.5, "scale": 0.25, "freeze": 0.25}
 
 

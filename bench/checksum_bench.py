@@ -30,7 +30,7 @@ import torch
 from job.formats import checkpoint as checkpoint_module
 from job.formats.checkpoint import CheckpointStorage
 from job.formats.checksums import checksum_file
-from job.train.optim import row_adagrad_state
+from job.train.batch.optim import row_adagrad_state
 
 
 def drop_page_cache() -> bool:

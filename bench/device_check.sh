@@ -53,7 +53,7 @@ if want generated; then
     --devices cuda --no-pbg 2>&1 | tail -30 | tee "$OUTDIR/generated.log"
 fi
 if want elastic; then
-  # issue #30 on a GPU pod: trainers started from warm spares (job/train/spare.py) train on the card. test_cuda.py's
+  # issue #30 on a GPU pod: trainers started from warm spares (job/train/elastic/spare.py) train on the card. test_cuda.py's
   # num_gpus=2 relaunch goes through the pods' launcher and asserts both trainers came from spares; the distributed
   # tests' kills, SIGTERMs, drains, additions and a replaced pod's rejoin run with every rank on the card
   # (BIGGRAPH_TEST_DEVICE reaches tests/helpers_distributed.py's UMLS config; the two-namespace test needs root and

@@ -24,8 +24,8 @@ they are not redone; an upper bound, since a trainer that had to wait in between
 
 What the time is made of (the knobs, all printed with each run):
 
-- rank 0's detection: at once for a killed process, whose liveness connection closes (job/train/liveness.py);
-  else the heartbeat check, ``BIGGRAPH_PEER_TIMEOUT`` (job/train/group.py; seen only between buckets);
+- rank 0's detection: at once for a killed process, whose liveness connection closes (job/train/distributed/liveness.py);
+  else the heartbeat check, ``BIGGRAPH_PEER_TIMEOUT`` (job/train/distributed/group.py; seen only between buckets);
 - the c10d rendezvous keep-alive: the dead node stays a participant of the finished round until its
   last keep-alive is ``keep_alive_interval x keep_alive_max_attempt`` old (5 s x 3 by default), and
   the survivor cannot start a new round before that;
@@ -116,7 +116,7 @@ class Agent(LoggedProcess):
 
 def read_progress(checkpoint: Path) -> Optional[dict[str, Any]]:
     """The lock server's progress as it stands (its snapshot with the records since replayed)."""
-    from job.train.progress import current_state
+    from job.checkpoint.group_progress import current_state
 
     try:
         return current_state(str(checkpoint))

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from job.config import parse_config  # noqa: E402
 from job.model.scoring import Model, Table  # noqa: E402
-from job.train.graphs import GraphedSteps  # noqa: E402
-from job.train.optim import RelationAdagrad  # noqa: E402
-from job.train.step import BatchContext, run_batch  # noqa: E402
+from job.train.batch.graphs import GraphedSteps  # noqa: E402
+from job.train.batch.optim import RelationAdagrad  # noqa: E402
+from job.train.batch.step import BatchContext, run_batch  # noqa: E402
 
 NUM_ENTITIES, DIMENSION, NUM_RELATIONS = 1_000_000, 100, 10
 

@@ -15,7 +15,7 @@ where the checkout has one, splits each rank's time into phases (job/train/start
 ``--storage s3`` puts the data and the checkpoint on a moto S3 server (the input check then asks S3 for every bucket
 file: ~3 requests a file, P^2 files). ``--device cuda`` trains on the GPU (every rank on card ``LOCAL_RANK`` modulo
 the cards, so several ranks share a one-GPU machine). ``--cold`` runs each checkout a second time with
-``BIGGRAPH_WARM_SPARES=0`` (trainers started cold, not from warm spares: job/train/spare.py), alternated with the
+``BIGGRAPH_WARM_SPARES=0`` (trainers started cold, not from warm spares: job/train/elastic/spare.py), alternated with the
 first.
 
     .venv/bin/python bench/group_startup_bench.py --checkout /work/wt-startup-base --checkout . --repeats 3

@@ -43,11 +43,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed import PrefixStore, TCPStore  # noqa: E402
 
-from job.train.buckets import Bucket  # noqa: E402
-from job.train.distributed import LockClient, LockServer, SharedParameters  # noqa: E402
-from job.train.lock_state import LockState  # noqa: E402
-from job.train.progress import ProgressLog  # noqa: E402
-from job.train.transport import TensorTransport  # noqa: E402
+from job.checkpoint.group_progress import ProgressLog  # noqa: E402
+from job.train.distributed.lock_server import LockClient, LockServer, SharedParameters  # noqa: E402
+from job.train.distributed.lock_state import LockState  # noqa: E402
+from job.train.distributed.transport import TensorTransport  # noqa: E402
+from job.train.schedule.orders import Bucket  # noqa: E402
 
 FREEBASE_RELATION_VALUES = 14_824 * 200  # ComplEx d=100: a real and an imaginary diagonal per relation
 TIMEOUT_S = 600.0

@@ -74,7 +74,7 @@ def import_graph(config: dict[str, Any], tsv: Path, work: Path) -> None:
 def mid_bucket(checkpoint: str, ranks: int, deadline: float, into: float) -> dict[str, Any]:
     """Wait until every rank trains a bucket after having finished one in this run (so each has timed a bucket),
     then ``into`` seconds more; returns the progress state then."""
-    from job.train.progress import current_state
+    from job.checkpoint.group_progress import current_state
 
     while time.monotonic() < deadline:
         state = current_state(checkpoint) or {}

@@ -25,7 +25,7 @@ import torch
 from job.config import ConfigSchema, parse_config
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
-from job.train.step import BatchContext, run_batch
+from job.train.batch.step import BatchContext, run_batch
 
 
 def make_config(args: argparse.Namespace) -> ConfigSchema:

@@ -32,8 +32,8 @@ CHILD = r"""
 import json, sys, time, uuid
 import numpy as np
 import storage_adapters as storage
-from job.train.progress import ProgressLog, read_progress
-from job.train.write_groups import roll_forward, staged_name
+from job.checkpoint.group_progress import ProgressLog, read_progress
+from job.checkpoint.write_groups import roll_forward, staged_name
 root, version, run, buckets, unmoved = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 
 # the pass as this checkout's lock server leaves it (untimed): its records, and its compactions if it makes any

@@ -18,11 +18,11 @@
 #                              it is, the pod exits 0 at once. A pod that comes back after the others
 #                              finished (replaced, thawed) cannot rendezvous any more: the rendezvous
 #                              host exited with them, and retrying would only fail the Job's index.
-#   BIGGRAPH_TORCHRUN          the launcher (default: `python -m job.train.agent`, torchrun with a node that the
-#                              c10d rendezvous dropped while its store stalled readmitted: job/train/agent.py)
+#   BIGGRAPH_TORCHRUN          the launcher (default: `python -m job.train.elastic.agent`, torchrun with a node that the
+#                              c10d rendezvous dropped while its store stalled readmitted: job/train/elastic/agent.py)
 set -uo pipefail
 
-launcher="python -m job.train.agent"
+launcher="python -m job.train.elastic.agent"
 
 log() { printf '%s biggraph-entrypoint: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 

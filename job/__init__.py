@@ -22,7 +22,7 @@ The names are resolved on first use (PEP 562): ``import job`` stays cheap, so ``
 ``config-help`` answer without loading torch. Three of them share their name with a subpackage (``job.train``,
 ``job.archive``, ``job.report``): importing that subpackage must not replace the function on
 ``job`` (Python binds a loaded submodule as an attribute of its parent), so the module ignores exactly those
-bindings; the subpackages stay importable as usual (``from job.train import loop``).
+bindings; the subpackages stay importable as usual (``from job.train import trainer``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The protocols (``--candidates``, else the config's ``eval_protocol``; job/eval_p
   have that limit).
 - ``sampled``: within each bucket, against the distinct entities among the chunk's positives
   and the uniform draws (eval_num_batch_negs / eval_num_uniform_negs), the positive left out
-  (job/train/ranking.py).
+  (job/train/batch/ranking.py).
 - ``pbg``: PBG's ``torchbiggraph_eval`` exactly: the same draws, every one counted (repeats and
   draws of the positive itself included), so ranks can exceed the number of entities.
 - ``auto`` (the default): ``all`` when no type has more entities than a sampled rank draws, else
@@ -43,11 +43,11 @@ from job.formats import entities as entity_format
 from job.model.scoring import Model, Table
 from job.monitoring import task_progress
 from job.session import storage_scoped
-from job.train.batching import process_edges
-from job.train.buckets import Bucket
-from job.train.data import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
-from job.train.ranking import add_ranks, prepared, rank_bucket, side_vectors
-from job.train.step import BatchContext, BatchStats
+from job.train.batch.batching import process_edges
+from job.train.batch.ranking import add_ranks, prepared, rank_bucket, side_vectors
+from job.train.batch.step import BatchContext, BatchStats
+from job.train.inputs import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
+from job.train.schedule.orders import Bucket
 
 logger = logging.getLogger("biggraph")
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 from helpers_graphs import TEST_DEVICE
 
 if TYPE_CHECKING:
-    from job.train.buckets import Bucket
-    from job.train.transport import TensorTransport
+    from job.train.distributed.transport import TensorTransport
+    from job.train.schedule.orders import Bucket
 
 
 def free_port() -> int:
@@ -50,8 +50,8 @@ def agent_command(nnodes: str, port: int, run_id: str, rdzv_conf: str, max_resta
                   monitor_interval: float | None, job_args: list[str]) -> list[str]:
     """One agent (a node, one trainer) of the c10d rendezvous at 127.0.0.1:``port``, running ``python -m job
     *job_args``; ``monitor_interval`` None leaves torchrun's default. The agent is the pod's launcher
-    (job/train/agent.py: torchrun with the readmission of evicted nodes and warm spares)."""
-    command = [sys.executable, "-m", "job.train.agent", f"--nnodes={nnodes}", "--nproc-per-node=1",
+    (job/train/elastic/agent.py: torchrun with the readmission of evicted nodes and warm spares)."""
+    command = [sys.executable, "-m", "job.train.elastic.agent", f"--nnodes={nnodes}", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
                f"--rdzv-conf={rdzv_conf}", f"--max-restarts={max_restarts}"]
     if monitor_interval is not None:
@@ -70,13 +70,13 @@ def kill_tree(agent: subprocess.Popen) -> None:
 
 
 def partition_keys(nparts: int) -> dict[Bucket, frozenset]:
-    from job.train.buckets import all_buckets
+    from job.train.schedule.orders import all_buckets
 
     return {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(nparts, nparts)}
 
 
 def transports(store: object, world_size: int, timeout_s: float = 60.0) -> list[TensorTransport]:
-    """Every rank's end of a real gloo transport (job/train/transport.py), formed over ``store`` (a real TCPStore)
+    """Every rank's end of a real gloo transport (job/train/distributed/transport.py), formed over ``store`` (a real TCPStore)
     in this process: the ranks of the lock-server tests are threads of one process, their payloads still go
     through gloo's sockets (rank 0's to its own server in memory, as in a trainer). Each rank joins from a
     thread of its own and through a store client of its own (the group forms only once all have joined)."""
@@ -85,7 +85,7 @@ def transports(store: object, world_size: int, timeout_s: float = 60.0) -> list[
 
     from torch.distributed import PrefixStore
 
-    from job.train.transport import TensorTransport
+    from job.train.distributed.transport import TensorTransport
 
     prefix = f"transport-{uuid.uuid4().hex}"
     made: dict[int, TensorTransport] = {}
@@ -247,7 +247,7 @@ def buckets_per_epoch(records: list[dict]) -> dict[int, list[tuple[int, int]]]:
 
 
 def assert_each_bucket_once_per_epoch(records: list[dict], epochs: int) -> None:
-    from job.train.buckets import all_buckets
+    from job.train.schedule.orders import all_buckets
 
     per_epoch = buckets_per_epoch(records)
     assert sorted(per_epoch) == list(range(epochs))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-CHECK = "from job.train.allocator import keep_freed_memory as k; print(k(), k())"
+CHECK = "from job.train.batch.allocator import keep_freed_memory as k; print(k(), k())"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")

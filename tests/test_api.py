@@ -30,16 +30,16 @@ def test_subpackages_of_the_same_name_do_not_hide_the_functions() -> None:
     import job.archive.writer
     import job.formats.validate  # noqa: F401
     import job.report.collect
-    import job.train.loop
+    import job.train.trainer
     from job.archive.writer import add_tag
     from job.formats.validate import run_validation
     from job.report import write_report
     from job.train import train
 
     assert (job.train, job.validate, job.archive, job.report) == (train, run_validation, add_tag, write_report)
-    from job.train import loop  # the subpackages stay importable
+    from job.train import trainer  # the subpackages stay importable
 
-    assert loop.Trainer is sys.modules["job.train"].Trainer and callable(job.train)
+    assert trainer.Trainer is sys.modules["job.train"].Trainer and callable(job.train)
 
 
 def test_import_job_does_not_load_torch() -> None:

@@ -40,7 +40,7 @@ from job.formats.checkpoint import CheckpointStorage
 from job.formats.entities import write_dynamic_rel_count, write_dynamic_rel_names, write_entity_count, write_entity_names
 from job.model.scoring import Model
 from job.model.side import Side
-from job.train.optim import row_adagrad_state
+from job.train.batch.optim import row_adagrad_state
 from storage_adapters import StorageSettings, using
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""A bucket that cannot end before its round's drain deadline is given up (job/train/bucket_clock.py): the clock's
+"""A bucket that cannot end before its round's drain deadline is given up (job/train/schedule/clock.py): the clock's
 estimate, the batch loop's and the Hogwild pool's stop, the lock server not waiting for a rank in vain, and a
 Hogwild worker outliving the agent's SIGTERM while its trainer decides."""
 
@@ -26,14 +26,14 @@ from torch.distributed import TCPStore
 from job.config import parse_config
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
-from job.train import batching
-from job.train.batching import EdgeTensors, process_edges, split_almost_equally
-from job.train.bucket_clock import BucketClock
-from job.train.distributed import LockClient, LockServer
-from job.train.hogwild import WorkerPool
-from job.train.lock_state import LockState
-from job.train.optim import RelationAdagrad
-from job.train.step import BatchContext, BatchStats, BucketAbandoned
+from job.train.batch import batching
+from job.train.batch.batching import EdgeTensors, process_edges, split_almost_equally
+from job.train.batch.optim import RelationAdagrad
+from job.train.batch.step import BatchContext, BatchStats, BucketAbandoned
+from job.train.distributed.lock_server import LockClient, LockServer
+from job.train.distributed.lock_state import LockState
+from job.train.hogwild.pool import WorkerPool
+from job.train.schedule.clock import BucketClock
 
 EDGES = 2_000
 BATCH = 100

@@ -786,7 +786,7 @@ def test_helm_test_pod_command_checks_config_and_storage(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("job.train.distributed") is None,
+@pytest.mark.skipif(importlib.util.find_spec("job.train.distributed.lock_server") is None,
                     reason="needs distributed training (issue 5) — enable when job/train/distributed lands")
 def test_rendered_pod_command_trains_two_replicas_together(tmp_path: Path) -> None:
     config = write_tiny_graph(tmp_path / "graph", num_epochs=2)

@@ -22,7 +22,7 @@ from helpers_distributed import buckets_per_epoch
 from helpers_graphs import write_cycle_graph
 from test_chart import render
 
-from job.train.buckets import all_buckets
+from job.train.schedule.orders import all_buckets
 
 needs_box = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -43,8 +43,8 @@ class Run:
 
     def trained(self) -> tuple[int, int]:
         """(committed version, buckets done of the pass after it)."""
+        from job.checkpoint.group_progress import current_state
         from job.formats.checkpoint import CheckpointStorage
-        from job.train.progress import current_state
 
         version = CheckpointStorage(self.checkpoint).load_version()
         try:
@@ -171,7 +171,7 @@ def test_a_replaced_pod_rejoins_and_the_job_completes(cluster: Callable[..., Run
     assert summaries[-1]["world_size"] == 3  # the replacement trained in the group
     assert run.box.incarnations[2] == 2 and run.box.failures == {2: 1}
     # rank 0 found the killed pod through its liveness connection, dialled across the pods' network namespaces at
-    # the address the pod reaches rank 0's store at (job/train/liveness.py); no pod failed to connect
+    # the address the pod reaches rank 0's store at (job/train/distributed/liveness.py); no pod failed to connect
     logs = run.box.logs()
     assert "liveness connection to rank 0 closed without a goodbye" in logs, run.box.tail()
     assert "cannot connect to rank 0's liveness listener" not in logs
@@ -294,7 +294,7 @@ def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Cal
     committed = run.trained()[0]
     run.box.thaw(2)
     # thawed, the stale trainer either runs into its fence first (it exits 1), or its agent, dropped from the
-    # rendezvous while frozen, stops it to rejoin (job/train/agent.py: SIGTERM from torchrun, before it writes)
+    # rendezvous while frozen, stops it to rejoin (job/train/elastic/agent.py: SIGTERM from torchrun, before it writes)
     run.until("the thawed trainer gone", lambda: _stale_trainer_gone(
         (run.box.root / "logs" / "box-biggraph-2-0.log").read_text(errors="replace")))
     summaries = run.finish()
@@ -313,7 +313,7 @@ def test_a_pod_frozen_between_training_a_bucket_and_writing_it_back(cluster: Cal
 
 
 def _stopped_by_its_agent(log: str) -> bool:
-    """The thawed pod's agent stopped its workers to rejoin (job/train/agent.py's readmission)."""
+    """The thawed pod's agent stopped its workers to rejoin (job/train/elastic/agent.py's readmission)."""
     return "dropped from the rendezvous" in log and "closing signal SIGTERM" in log
 
 

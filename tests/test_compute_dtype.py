@@ -22,8 +22,9 @@ import torch
 
 from job.config import ConfigKeyError, parse_config
 from job.evaluation import evaluate
-from job.train import Trainer, precision, train
-from job.train.precision import training_dtype
+from job.train import Trainer, train
+from job.train.batch import precision
+from job.train.batch.precision import training_dtype
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers_graphs import pass_losses, write_cycle_graph  # noqa: E402

@@ -520,7 +520,7 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
 
 
 def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: Path) -> None:
-    from job.train.buffer import choose_capacity
+    from job.train.residency.buffer import choose_capacity
 
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
                            "memory_budget": "1MB"})
@@ -534,7 +534,7 @@ def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: 
     assert choose_capacity(sized, counts, distributed=False, processes=3, runtime_bytes=2**20) == 3
     assert choose_capacity(sized, counts, distributed=False, processes=3, runtime_bytes=2 * 2**20) == 2
     # distributed: without prefetch exactly the bucket's (PBG); with it the bucket's + the next one's read ahead,
-    # within the same budget less the copy of the partition a write group keeps (job/train/write_groups.py), so
+    # within the same budget less the copy of the partition a write group keeps (job/checkpoint/write_groups.py), so
     # one partition fewer than alone (too small a budget is refused the same way)
     no_prefetch = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
                                 "memory_budget": "1MB", "prefetch_partitions": False})
@@ -545,7 +545,7 @@ def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: 
 
 
 def test_memory_budget_sets_aside_the_transfer_buffers_of_a_checkpoint_on_s3(caplog: pytest.LogCaptureFixture) -> None:
-    from job.train.buffer import checkpoint_transfer_bytes, choose_capacity
+    from job.train.residency.buffer import checkpoint_transfer_bytes, choose_capacity
     from storage_adapters import multipart
 
     on_s3 = checkpoint_transfer_bytes("s3://bucket/ckpt")
@@ -563,7 +563,7 @@ def test_memory_budget_sets_aside_the_transfer_buffers_of_a_checkpoint_on_s3(cap
 
 
 def test_memory_budget_counts_this_process_by_default() -> None:
-    from job.train.buffer import choose_capacity, process_bytes
+    from job.train.residency.buffer import choose_capacity, process_bytes
 
     own = process_bytes()
     assert 10 * 2**20 < own < 4 * 2**30  # this interpreter with torch loaded
@@ -578,11 +578,11 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
         caplog: pytest.LogCaptureFixture) -> None:
     """In a group a trainer keeps two copies of the shared vector to sync it (its synced values and one transfer
     buffer), and rank 0, which serves it, its served and stored vectors and its transfer slots (the sums in flight
-    to peers that have not taken them yet: job/train/server_transfers.py): a fixed number each, whatever the pass's
+    to peers that have not taken them yet: job/train/distributed/transfers.py): a fixed number each, whatever the pass's
     length or the group's size."""
-    from job.train.buffer import choose_capacity
-    from job.train.distributed import sync_memory_bytes
-    from job.train.server_transfers import TRANSFER_SLOTS
+    from job.train.distributed.lock_server import sync_memory_bytes
+    from job.train.distributed.transfers import TRANSFER_SLOTS
+    from job.train.residency.buffer import choose_capacity
 
     values = 1_000_000  # 4 MB a copy
     assert sync_memory_bytes(values, serves=False) == 2 * 4 * values
@@ -590,7 +590,7 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 16}}, "dimension": 99,
                            "memory_budget": str(3 * 2**20 + 16 * 4_000_000)})
     counts = {"all": [10_000] * 16}
-    # a partition in flight + the copy of the one a write group keeps (job/train/write_groups.py) + 14
+    # a partition in flight + the copy of the one a write group keeps (job/checkpoint/write_groups.py) + 14
     assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20) == 14
     assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20,
                            sync_bytes=sync_memory_bytes(values, serves=False)) == 12

@@ -48,7 +48,7 @@ def test_a_seeded_cuda_run_matches_the_cpu_run(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_cuda_graphs_replay_the_same_steps(tmp_path: Path, dynamic: bool) -> None:
-    from job.train.graphs import GraphedSteps
+    from job.train.batch.graphs import GraphedSteps
 
     results, replays = [], []
     for graphs in (False, True):
@@ -91,7 +91,7 @@ def _two_type_graph(root: Path, comparator: str, cuda_graphs: bool) -> dict:
 
 @pytest.mark.parametrize("comparator", ["dot", "l2"])
 def test_cuda_graphs_with_tables_of_different_sizes(tmp_path: Path, comparator: str) -> None:
-    from job.train.graphs import GraphedSteps
+    from job.train.batch.graphs import GraphedSteps
 
     results = []
     for graphs in (False, True):
@@ -136,7 +136,7 @@ def test_num_gpus_selects_the_gpu_and_each_local_rank_its_card(tmp_path: Path, m
         assert trainer.workers == 1  # Hogwild processes are a CPU scheme
     finally:
         trainer.close()
-    from job.train.data import pick_device
+    from job.train.inputs import pick_device
 
     cards = torch.cuda.device_count()
     monkeypatch.setenv("LOCAL_RANK", str(cards + 1))
@@ -160,7 +160,7 @@ def test_num_gpus_2_trains_one_process_per_gpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, output[-4000:]
     assert "one per GPU" in output
     # the relaunch goes through the pods' launcher: both trainers came from warm spares, whose imports ran before
-    # any CUDA call (job/train/spare.py), and then each took its card
+    # any CUDA call (job/train/elastic/spare.py), and then each took its card
     startups = [line for line in output.splitlines() if "start-up: first bucket trained" in line]
     assert len(startups) == 2 and all("a warm spare" in line for line in startups), startups
     storage = CheckpointStorage(raw["checkpoint_path"])

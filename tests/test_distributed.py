@@ -27,9 +27,9 @@ from helpers_distributed import (
 )
 
 from job.errors import UserError
-from job.train.buckets import Bucket, all_buckets
-from job.train.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
-from job.train.lock_state import LockState
+from job.train.distributed.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
+from job.train.distributed.lock_state import LockState
+from job.train.schedule.orders import Bucket, all_buckets
 
 # the scheduling rules -------------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ PASS_SUMMARY_KEYS = {
 
 def test_pass_metrics_are_the_edge_weighted_mean_of_every_ranks_buckets() -> None:
     from job.train.pass_stats import eval_mrr_of, pass_summary
-    from job.train.schedule import Iteration, PassGather
+    from job.train.schedule.interfaces import Iteration, PassGather
 
     def record(rank: int, count: int, loss: float, mrr: float) -> dict:
         return {"rank": rank, "time": 1.0, "stats": {"count": count, "metrics": {"loss": loss}},
@@ -355,8 +355,8 @@ def test_ranks_receive_the_validation_of_rank_0_and_stop_together(umls_p4: dict,
 def test_killed_node_the_job_completes_and_redoes_only_buckets_in_flight(umls_p4: dict, tmp_path: Path) -> None:
     import re
 
+    from job.checkpoint.group_progress import current_state
     from job.formats.checkpoint import CheckpointStorage
-    from job.train.progress import current_state
 
     path = write_run_config(umls_p4, "killed", num_epochs=40)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
@@ -427,8 +427,8 @@ def _rank_of(agents: Agents, name: str, world_size: int) -> int:
 def _mid_pass(checkpoint_path: str, agents: Agents, world_size: int, deadline: float) -> set[int]:
     """Wait until the group of ``world_size`` trains a pass (version 1 or later) with buckets already done and a
     rank other than 0 training one; returns the ranks with a bucket in flight."""
+    from job.checkpoint.group_progress import current_state
     from job.formats.checkpoint import CheckpointStorage
-    from job.train.progress import current_state
 
     storage = CheckpointStorage(checkpoint_path)
     while time.monotonic() < deadline:
@@ -478,7 +478,7 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
     # rank 0 finished its bucket and gave back (the other survivor too, unless it held nothing then: waiting for a
     # bucket, or at the pass's barrier, it is cut off by rank 0's exit with nothing to lose)
     assert "rank 0: the round ends" in text, agents.tail()
-    # every trainer, the first ones and the survivors' restarted ones, came from a warm spare (job/train/spare.py)
+    # every trainer, the first ones and the survivors' restarted ones, came from a warm spare (job/train/elastic/spare.py)
     startups = [line for line in text.splitlines() if "start-up: first bucket trained" in line]
     assert len(startups) >= 3 and all("after its hand-off" in line for line in startups), startups
     resumed = _resumed(agents)
@@ -565,10 +565,10 @@ def test_a_bucket_that_cannot_end_before_the_drain_deadline_is_given_up_at_once(
 def test_a_killed_node_is_found_through_its_connection_with_a_peer_timeout_of_ten_minutes(umls_p4: dict,
                                                                                         tmp_path: Path) -> None:
     """Node b is SIGKILLed mid-pass with ``BIGGRAPH_PEER_TIMEOUT`` at ten minutes: rank 0 still declares it dead
-    (its liveness connection closed, job/train/liveness.py), the group re-forms without it and the run completes.
+    (its liveness connection closed, job/train/distributed/liveness.py), the group re-forms without it and the run completes.
     The wait below is a hang guard: through the heartbeat alone the survivor would wait the ten minutes."""
+    from job.checkpoint.group_progress import current_state
     from job.formats.checkpoint import CheckpointStorage
-    from job.train.progress import current_state
 
     epochs = 8
     path = write_run_config(umls_p4, "liveness", num_epochs=epochs)

@@ -19,8 +19,8 @@ from helpers_distributed import (
     write_run_config,
 )
 
-from job.train.buckets import Bucket, all_buckets
-from job.train.lock_state import LockState
+from job.train.distributed.lock_state import LockState
+from job.train.schedule.orders import Bucket, all_buckets
 
 Key = tuple[str, int]
 
@@ -95,7 +95,7 @@ def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_t
     import numpy as np
     from torch.distributed import TCPStore
 
-    from job.train.distributed import LockClient, LockServer
+    from job.train.distributed.lock_server import LockClient, LockServer
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     state = LockState(6, 6, partition_keys(6), world_size=1)
@@ -292,7 +292,7 @@ def test_a_rank_dying_mid_pass_with_a_reservation_every_bucket_still_trained() -
 def partition_sizes(config_path: Path) -> list[int]:
     """Bytes a read or write of each partition counts: float32 embeddings + the row-wise Adagrad sums."""
     from job.config import load_config
-    from job.train.data import read_entity_counts
+    from job.train.inputs import read_entity_counts
 
     config = load_config(str(config_path))
     return [count * (config.dimension + 1) * 4 for count in read_entity_counts(config)["all"]]

@@ -1,7 +1,7 @@
 """One round identity for the whole torchrun group: a replaced pod, whose agent counts its restarts from 0 while
 the survivors' agents count 1, joins the same barriers, lock-server queues and checksum records as they do.
 
-The identity is agreed through the process group after it forms (job/train/group.py ``agree_round``), never
+The identity is agreed through the process group after it forms (job/train/distributed/group.py ``agree_round``), never
 taken from ``TORCHELASTIC_RESTART_COUNT``, which each agent counts for itself."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from helpers_distributed import Agents, bucket_records, buckets_per_epoch, free_port, write_run_config
 
-from job.train.buckets import all_buckets
-from job.train.group import run_identity
+from job.train.distributed.group import run_identity
+from job.train.schedule.orders import all_buckets
 
 # one rank of a gloo group formed by hand (no torchrun): joins, prints what it agreed on, leaves
 RANK_SCRIPT = """
 import json, sys
-from job.train.group import init_distributed, leave
+from job.train.distributed.group import init_distributed, leave
 ctx = init_distributed(sys.argv[1])
 print(json.dumps({"rank": ctx.rank, "round": ctx.round_id, "run": ctx.run_id, "restarts": ctx.restart_count,
                   "barrier": ctx.key("barrier/x")}))
@@ -119,8 +119,8 @@ def test_a_replaced_pod_whose_agent_counts_from_zero_rejoins_and_the_run_complet
 def kill_mid_pass(agents: Agents, checkpoint_path: str, min_version: int) -> int:
     """Wait until the pass after a committed version >= ``min_version`` has finished buckets, then SIGKILL every
     agent tree at once (the whole job lost); returns the version the killed pass would have committed."""
+    from job.checkpoint.group_progress import current_state
     from job.formats.checkpoint import CheckpointStorage
-    from job.train.progress import current_state
 
     storage = CheckpointStorage(checkpoint_path)
     deadline = time.monotonic() + 240
@@ -209,7 +209,7 @@ def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -
     from torch.distributed import TCPStore
 
     from job.checkpoint.manager import CheckpointManager
-    from job.train.group import DistributedContext, RoundOver, round_key
+    from job.train.distributed.group import DistributedContext, RoundOver, round_key
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     ctx = DistributedContext(rank=1, world_size=2, store=store, restart_count=0, round_id="r1")
@@ -240,7 +240,7 @@ def test_a_rank_frozen_before_its_first_write_finds_its_round_over_when_thawed()
 
     from torch.distributed import TCPStore
 
-    from job.train.group import DistributedContext, RoundOver
+    from job.train.distributed.group import DistributedContext, RoundOver
 
     with store_in_another_process() as (port, host):
         remote = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(hours=2))

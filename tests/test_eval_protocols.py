@@ -19,11 +19,11 @@ from job.errors import ConfigError
 from job.eval_protocol import protocol_label, recorded_label, resolve_protocol
 from job.evaluation import evaluate
 from job.model.scoring import Model, Table
-from job.train.batching import EdgeTensors, process_edges
+from job.train.batch.batching import EdgeTensors, process_edges
+from job.train.batch.ranking import rank_bucket
+from job.train.batch.step import BatchContext
 from job.train.pass_stats import pass_message, weighted
-from job.train.ranking import rank_bucket
-from job.train.schedule import Iteration
-from job.train.step import BatchContext
+from job.train.schedule.interfaces import Iteration
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import base_config, make_graph  # noqa: E402

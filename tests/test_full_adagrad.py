@@ -24,9 +24,10 @@ from job.errors import ConfigError
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
 from job.native import kernels
-from job.train import optim, train
-from job.train.buffer import partition_bytes, unpartitioned_bytes
-from job.train.rowops import scratch
+from job.train import train
+from job.train.batch import optim
+from job.train.batch.rowops import scratch
+from job.train.residency.buffer import partition_bytes, unpartitioned_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import assert_same_run, write_cycle_graph  # noqa: E402
@@ -93,7 +94,7 @@ def test_per_coordinate_step_differs_from_the_row_wise_one() -> None:
 @pytest.mark.parametrize("use_native", [True, False])
 def test_every_entry_point_is_the_reference(fresh_library: Path, monkeypatch: pytest.MonkeyPatch, function: str,
                                             use_native: bool) -> None:
-    """Each of job/train/optim.py's steps (the unique-row, the repeated-row and the per-occurrence one) takes the
+    """Each of job/train/batch/optim.py's steps (the unique-row, the repeated-row and the per-occurrence one) takes the
     per-coordinate step when the table's sums are per coordinate, with the kernel and in its torch form."""
     monkeypatch.setenv("BIGGRAPH_NATIVE", "1" if use_native else "0")
     weight, state, lists = batch(torch.float64, seed=5)

@@ -22,7 +22,7 @@ from job.model import fused as fused_scoring
 from job.model.kernel_options import KernelOptions
 from job.model.operators import _ComplexDiagonal
 from job.model.scoring import Model, Table
-from job.train.step import BatchContext, run_batch
+from job.train.batch.step import BatchContext, run_batch
 
 DIM = 8
 # BIGGRAPH_TEST_DEVICE=cuda runs the comparisons on the GPU (the ids are drawn on the CPU either way)
@@ -227,7 +227,7 @@ def test_complex_diagonal_native_float32_is_the_torch_form(monkeypatch: pytest.M
 @pytest.mark.parametrize("fused", [False, True])
 def test_rows_on_both_sides_get_one_merged_adagrad_step(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     """Per-side gathers (large tables) must update a row used by both sides exactly as one joint gather does."""
-    from job.train import step
+    from job.train.batch import step
 
     raw = {"entities": {"node": {"num_partitions": 1}},
            "relations": [{"name": "r", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}],

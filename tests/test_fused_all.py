@@ -9,7 +9,7 @@ from job.config import parse_config
 from job.model import fused_all
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
-from job.train.step import BatchContext, run_batch
+from job.train.batch.step import BatchContext, run_batch
 
 DIM = 8
 

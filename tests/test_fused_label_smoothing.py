@@ -16,8 +16,8 @@ from job.config import parse_config
 from job.model import fused_all, losses
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import MASKED_SCORE, Model, Table
-from job.train import step
-from job.train.step import BatchContext, run_batch
+from job.train.batch import step
+from job.train.batch.step import BatchContext, run_batch
 
 EPS = (0.0, 0.1, 0.3)
 

@@ -503,7 +503,7 @@ def h5_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from job.formats.checkpoint import CheckpointStorage
     from job.formats.edges import edges_file, write_edge_manifest, write_edges
     from job.formats.entities import write_entity_count
-    from job.train.optim import row_adagrad_state
+    from job.train.batch.optim import row_adagrad_state
 
     work = tmp_path_factory.mktemp("fuzz_h5")
     rng = np.random.default_rng(0)

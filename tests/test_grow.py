@@ -32,7 +32,7 @@ from job.formats.checkpoint import CheckpointStorage
 from job.formats.edges import edges_file, read_edges
 from job.growing.ingest import balanced_additions
 from job.model.operators import OPERATORS, Operator
-from job.train.optim import sums_from_state
+from job.train.batch.optim import sums_from_state
 
 REPO = Path(__file__).resolve().parent.parent
 USERS = [f"user{i}" for i in range(70)]
@@ -392,7 +392,7 @@ KILL_POINTS = [  # (module, function, which call, kill before/after it, the vers
     # published, journal not yet marked: publish's call is the second (the grow's own write of the journal before
     # its commit is the first; both call the wrapped function, the killer imports the journal before job.growing)
     ("job.checkpoint.journal", "write_record", 2, "before", 3),
-    ("job.train.loop", "Trainer._commit", 2, "before", 4),  # grown and one training pass committed
+    ("job.train.trainer", "Trainer._commit", 2, "before", 4),  # grown and one training pass committed
 ]
 
 

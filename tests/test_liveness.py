@@ -1,4 +1,4 @@
-"""Rank 0 finds a peer whose process died through its liveness connection (job/train/liveness.py), without waiting
+"""Rank 0 finds a peer whose process died through its liveness connection (job/train/distributed/liveness.py), without waiting
 out the heartbeat's peer timeout; a frozen peer and a peer that leaves in order are not declared dead through it.
 
 The group test forms a real group of processes by hand (MASTER_ADDR/RANK/WORLD_SIZE, no torchrun, as
@@ -20,13 +20,13 @@ from datetime import timedelta
 import pytest
 from helpers_distributed import free_port, wait_until
 
-from job.train.liveness import HELLO, Liveness, liveness_key
+from job.train.distributed.liveness import HELLO, Liveness, liveness_key
 
 # rank 0 prints its view (declared rank, connections lost and left, dead/<rank> keys) whenever it changes; a peer
 # prints "connected" once its liveness connection is up, then leaves in order when told on stdin ("leave")
 GROUP_SCRIPT = """
 import json, sys, time
-from job.train.group import init_distributed, leave
+from job.train.distributed.group import init_distributed, leave
 ctx = init_distributed("digest")
 if ctx.rank == 0:
     last = None

@@ -25,12 +25,7 @@ from helpers_distributed import partition_keys, transports
 from torch.distributed import TCPStore
 
 import storage_adapters as storage
-from job.config import parse_config
-from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
-from job.train.distributed import LockClient, LockServer, LockServerError, _pack
-from job.train.lock_state import LockState
-from job.train.partitions import PartitionStore
-from job.train.progress import (
+from job.checkpoint.group_progress import (
     PROGRESS_FILE,
     PROGRESS_LOG,
     ProgressLog,
@@ -38,8 +33,13 @@ from job.train.progress import (
     read_progress,
     remove_progress,
 )
-from job.train.transport import TensorTransport
-from job.train.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
+from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
+from job.config import parse_config
+from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
+from job.train.distributed.lock_server import LockClient, LockServer, LockServerError, _pack
+from job.train.distributed.lock_state import LockState
+from job.train.distributed.transport import TensorTransport
+from job.train.residency.partitions import PartitionStore
 
 PREFIX = "biggraph/test-round/lock"
 
@@ -423,7 +423,7 @@ def open_with(checkpoint: Path, run: str | None) -> Any:
     """What a trainer's start does, as rank 0 of a one-rank group of ``run`` (None: a single-process run): the
     checkpoint manager opens the directory, asking which progress this run resumes."""
     from job.checkpoint import CheckpointManager
-    from job.train.group import DistributedContext
+    from job.train.distributed.group import DistributedContext
     from job.train.resume import GroupBarrier, progress_to_resume
 
     ctx = None
@@ -552,7 +552,7 @@ class RowTrainer:
     written into real checkpoint files): training bucket (l, r) adds 1 to column ``4 * l + r`` of every row of each
     of its partitions (``("node", l)`` and ``("node", r)``), and its shared update (1 in the same slot) goes with
     the request that finishes it. At a bucket switch that lets partitions go, the rank writes them and the ones it
-    keeps as one write group, as ``_switch_to`` and ``_commit_group`` do (job/train/write_groups.py): each under its
+    keeps as one write group, as ``_switch_to`` and ``_commit_group`` do (job/checkpoint/write_groups.py): each under its
     staged name, one ``written`` request naming the group, each moved to its PBG name, then one ``release`` freeing
     the leaving ones; a partition is read from the uncommitted version when the server says it was written this
     pass (``set_written``). ``actions`` yields after every request, every file written and every file moved, so
@@ -796,10 +796,10 @@ def test_a_rank_that_announces_a_change_and_never_sends_it_is_refused_after_the_
 GROUP_SCRIPT = """
 import json, sys, time
 import numpy as np, torch
-from job.train.distributed import LockClient, LockServer, SharedParameters
-from job.train.group import init_distributed, leave, wait_all
-from job.train.lock_state import LockState
-from job.train.progress import ProgressLog
+from job.train.distributed.lock_server import LockClient, LockServer, SharedParameters
+from job.train.distributed.group import init_distributed, leave, wait_all
+from job.train.distributed.lock_state import LockState
+from job.checkpoint.group_progress import ProgressLog
 from helpers_distributed import partition_keys
 from test_lock_protocol import RecordingStore
 
@@ -887,8 +887,8 @@ def test_adagrad_sums_are_shared_so_every_trainer_steps_with_the_groups_sums(sto
     gradient and syncs: both then hold the group's sums (each rank's squared gradients added), and rank 1's next
     step is scaled by those sums, as two Hogwild workers of one process would be, not by its own alone."""
     from job.model.scoring import Table
-    from job.train.lock_client import SharedParameters, shared_state
-    from job.train.optim import RelationAdagrad
+    from job.train.batch.optim import RelationAdagrad
+    from job.train.distributed.lock_client import SharedParameters, shared_state
 
     def trainer(gradient: float) -> tuple[torch.Tensor, RelationAdagrad, Table, SharedParameters]:
         parameter = torch.zeros(2, requires_grad=True)

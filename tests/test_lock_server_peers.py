@@ -23,10 +23,10 @@ import torch
 from helpers_distributed import partition_keys, transports
 from torch.distributed import TCPStore
 
-from job.train.distributed import LockClient, LockServer, LockServerError, _pack
-from job.train.lock_state import LockState
-from job.train.server_transfers import TRANSFER_SLOTS
-from job.train.transport import TensorTransport, Transfer
+from job.train.distributed.lock_server import LockClient, LockServer, LockServerError, _pack
+from job.train.distributed.lock_state import LockState
+from job.train.distributed.transfers import TRANSFER_SLOTS
+from job.train.distributed.transport import TensorTransport, Transfer
 
 PREFIX = "biggraph/test-round/lock"
 

@@ -17,8 +17,8 @@ import job.native as native
 from job.model.fused_losses import blockwise_loss
 from job.model.scoring import MASKED_SCORE, Table
 from job.native import kernels
-from job.train import optim
-from job.train.rowops import scratch
+from job.train.batch import optim
+from job.train.batch.rowops import scratch
 
 LR = 0.3
 
@@ -72,7 +72,7 @@ def test_kernel_float32_within_rounding(fresh_library: Path) -> None:
 @pytest.mark.parametrize("function", ["occurrences", "row_adagrad", "repeated"])
 def test_optimizer_entry_points_match_their_torch_form(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
                                                        function: str) -> None:
-    """Every CPU entry point of job/train/optim.py gives the same step with the kernel as without it."""
+    """Every CPU entry point of job/train/batch/optim.py gives the same step with the kernel as without it."""
     results = []
     for use_native in (True, False):
         monkeypatch.setattr(native, "_loaded", {})

@@ -39,8 +39,8 @@ from job.model.scoring import Model, Table
 from job.model.side import Side
 from job.report.collect import ReportOptions, build_report
 from job.train import bucket_run, train
+from job.train.batch.step import BatchContext, BatchStats, run_batch
 from job.train.bucket_run import ALL_NEGS_NOTE_ENTITIES, all_negs_cost
-from job.train.step import BatchContext, BatchStats, run_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import line_graph, save_line_checkpoint  # noqa: E402
@@ -444,7 +444,7 @@ def test_embedding_dropout_needs_reciprocal_scoring(tmp_path: Path) -> None:
 def test_each_hogwild_task_seeds_the_dropout_masks_with_its_own_seed(tmp_path: Path, dropout: float) -> None:
     """Workers start with the same global generator: with embedding_dropout each task reseeds it from its own seed
     (distinct per slice), so two workers do not share masks; without it nothing is reseeded."""
-    from job.train import hogwild
+    from job.train.hogwild import pool as hogwild
 
     config = parse_config(line_graph(tmp_path, "diagonal", reciprocal_relations=True, embedding_dropout=dropout))
     ctx = BatchContext(config, Model(config), None, {}, {}, 0, 0)

@@ -14,7 +14,7 @@ from job.model.kernel_options import KernelOptions
 from job.model.operators import Operator
 from job.model.regularizers import cubed_magnitudes, dura_penalty, n3_penalty
 from job.model.scoring import Model, Table
-from job.train.step import BatchContext, run_batch
+from job.train.batch.step import BatchContext, run_batch
 
 
 def test_complex_modulus_cubed_and_its_gradient() -> None:

@@ -1,4 +1,4 @@
-"""job/train/agent.py: a node that torch's c10d rendezvous dropped while its store stalled is readmitted.
+"""job/train/elastic/agent.py: a node that torch's c10d rendezvous dropped while its store stalled is readmitted.
 
 Real parts: the rendezvous store runs in a process of its own, stalled with SIGSTOP as a frozen store-host pod
 is; the handlers are torch's own (``registry.get_rendezvous_handler``), as torchrun's agents create them."""
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from job.train.agent import install, readmitting
+from job.train.elastic.agent import install, readmitting
 
 STORE = """
 import sys, time
@@ -94,7 +94,7 @@ def test_agents_dropped_while_the_store_stalled_restart_to_admit_a_node_that_joi
         assert time.monotonic() < deadline, "the dropped agent never saw the round forming without it"
         time.sleep(0.2)
     # torch's own count: the newcomer is a participant of the new round, not on the wait list, so an agent that
-    # only reads the wait list never restarts for it (the deadlock job/train/agent.py exists for)
+    # only reads the wait list never restarts for it (the deadlock job/train/elastic/agent.py exists for)
     assert plain.num_nodes_waiting() == 0
 
     # what torchrun does on a positive count: its workers stop and it joins the next round, with the newcomer

@@ -81,7 +81,7 @@ def test_weighted_uniform_negatives_equal_the_materialised_ones(tmp_path: Path, 
     from job.model.kernel_options import KernelOptions
     from job.model.scoring import Model, _Batch
     from job.model.side import Side
-    from job.train.step import BatchStats, _add_ranks
+    from job.train.batch.step import BatchStats, _add_ranks
 
     config = parse_config(write_cycle_graph(tmp_path, loss_fn=loss_fn, comparator="dot"))
     model = Model(config)

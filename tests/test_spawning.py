@@ -1,4 +1,4 @@
-"""How Hogwild workers start (job/train/spawning.py): a fork server with torch imported, the trainer's
+"""How Hogwild workers start (job/train/hogwild/spawning.py): a fork server with torch imported, the trainer's
 environment handed over, the server counted in the memory budget, ``BIGGRAPH_WORKER_START=spawn`` as before."""
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 from job.config import parse_config
-from job.train import Trainer, loop, spawning
-from job.train.spawning import (
+from job.train import Trainer
+from job.train import trainer as loop
+from job.train.hogwild import spawning
+from job.train.hogwild.spawning import (
     apply_environment,
     server_processes,
     start_method,
@@ -120,7 +122,7 @@ def test_a_worker_applies_the_environment_it_is_handed(tmp_path: Path, monkeypat
 
     from job.model.kernel_options import KernelOptions
     from job.model.scoring import Model
-    from job.train.hogwild import _worker_main
+    from job.train.hogwild.pool import _worker_main
 
     config = parse_config(write_cycle_graph(tmp_path))
     model = Model(config)
@@ -151,12 +153,12 @@ def test_a_worker_starts_with_torch_imported_by_the_server(monkeypatch: pytest.M
     monkeypatch.setenv(spawning.START_ENV, method)
     context = worker_context()
     queue = context.Queue()
-    probe = "import sys; queue.put(sorted(m for m in ('torch', 'job.train.hogwild') if m in sys.modules))"
+    probe = "import sys; queue.put(sorted(m for m in ('torch', 'job.train.hogwild.pool') if m in sys.modules))"
     process = context.Process(target=exec, args=(probe, {"queue": queue}), daemon=True)
     with spawning.main_module_hidden():
         process.start()
     try:
-        assert queue.get(timeout=120) == (["job.train.hogwild", "torch"] if preloaded else [])
+        assert queue.get(timeout=120) == (["job.train.hogwild.pool", "torch"] if preloaded else [])
     finally:
         process.join(timeout=30)
 
@@ -183,10 +185,10 @@ def _one_slice(options: Any, pool_workers: int = 0) -> Any:
     import torch
 
     from job.model.scoring import Model, Table
-    from job.train.batching import EdgeTensors, process_edges
-    from job.train.hogwild import WorkerPool
-    from job.train.optim import RelationAdagrad
-    from job.train.step import BatchContext
+    from job.train.batch.batching import EdgeTensors, process_edges
+    from job.train.batch.optim import RelationAdagrad
+    from job.train.batch.step import BatchContext
+    from job.train.hogwild.pool import WorkerPool
 
     rows, num_edges = 3000, 1000
     config = parse_config({
@@ -258,7 +260,7 @@ def test_a_run_under_a_tmpdir_too_long_for_a_socket_trains(tmp_path: Path) -> No
         from helpers_graphs import write_cycle_graph
         from job.config import parse_config
         from job.train import train
-        from job.train.spawning import start_method
+        from job.train.hogwild.spawning import start_method
         raw = write_cycle_graph(Path({str(tmp_path)!r}), workers=2, num_epochs=2, device="cpu")
         print(start_method(), train(parse_config(raw))["version"])
     """)
@@ -299,7 +301,7 @@ def test_the_open_file_limit_is_raised_to_the_hard_one() -> None:
         pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
     code = ("import resource\n"
             f"resource.setrlimit(resource.RLIMIT_NOFILE, ({low}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-            "from job.train.spawning import raise_open_file_limit\n"
+            "from job.train.hogwild.spawning import raise_open_file_limit\n"
             "raise_open_file_limit()\n"
             "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -333,8 +335,8 @@ def test_a_killed_trainer_leaves_no_worker_or_server_running(tmp_path: Path, met
         from job.config import parse_config
         from job.model.kernel_options import KernelOptions
         from job.model.scoring import Model
-        from job.train.hogwild import WorkerPool
-        from job.train.optim import RelationAdagrad
+        from job.train.hogwild.pool import WorkerPool
+        from job.train.batch.optim import RelationAdagrad
         from pathlib import Path
         config = parse_config(write_cycle_graph(Path({str(tmp_path)!r}), workers=2, device="cpu"))
         model = Model(config)

@@ -24,7 +24,7 @@ import pytest
 from helpers_distributed import Agents, free_port, wait_until
 from helpers_graphs import write_cycle_graph
 
-from job.train.group import Heartbeat
+from job.train.distributed.group import Heartbeat
 from job.train.startup import StartupClock, process_age
 
 # one rank: joins the group, takes the input's facts (its own config: argv[1]), prints what it got, leaves
@@ -32,7 +32,7 @@ CHECK_SCRIPT = """
 import json, sys
 from job.config import load_config
 from job.errors import UserError
-from job.train.group import init_distributed, leave
+from job.train.distributed.group import init_distributed, leave
 from job.train.input_check import checked_input
 from storage_adapters.errors import StorageError
 ctx = init_distributed("digest")
@@ -125,8 +125,8 @@ def test_the_facts_taken_from_the_check_are_what_the_trainer_would_read_itself(t
     own readers' (the chunks with a ``max_edges_per_chunk`` that cuts the largest bucket file)."""
     from job.config import load_config
     from job.formats.entities import read_dynamic_rel_count
-    from job.train.data import count_edge_chunks, read_entity_counts
     from job.train.input_check import read_facts
+    from job.train.inputs import count_edge_chunks, read_entity_counts
 
     path = graph_config(tmp_path, num_partitions=2, dynamic=True)
     for max_edges in (7, 1_000_000):
@@ -184,7 +184,7 @@ def test_a_peer_that_never_beats_is_declared_dead_after_the_first_beat_allowance
 # a rank that beats, then is killed while the others start: rank 0 names it (real processes)
 KILLED_SCRIPT = """
 import sys, time
-from job.train.group import init_distributed, wait_all
+from job.train.distributed.group import init_distributed, wait_all
 ctx = init_distributed("digest")
 if ctx.rank == 2:
     while int(ctx.store.add(ctx.key("heartbeat/2"), 0)) == 0:
@@ -206,7 +206,7 @@ def test_a_rank_killed_during_the_groups_start_up_is_found_by_rank_0() -> None:
         procs[2].send_signal(signal.SIGKILL)
         _, err = procs[0].communicate(timeout=120)
         assert procs[0].returncode != 0
-        # found through its liveness connection (job/train/liveness.py) or, failing that, its heartbeat
+        # found through its liveness connection (job/train/distributed/liveness.py) or, failing that, its heartbeat
         assert re.search(r"rank 2 stopped responding for \d+ s", err), err
         procs[1].communicate(timeout=120)
         assert procs[1].returncode != 0  # its group is gone with rank 0

@@ -14,7 +14,7 @@ import torch
 from job.config import BucketOrder, parse_config
 from job.formats.checkpoint import CheckpointStorage
 from job.train import Trainer, train
-from job.train.buckets import (
+from job.train.schedule.orders import (
     Bucket,
     all_buckets,
     lower_bound_loads,
@@ -62,7 +62,7 @@ def test_affinity_needs_fewer_swaps_than_random() -> None:
 
 
 def test_local_scheduler_walks_its_order_offers_the_rest_for_prefetch_and_keeps_every_record() -> None:
-    from job.train.schedule import LocalScheduler
+    from job.train.schedule.interfaces import LocalScheduler
 
     order = [Bucket(0, 0), Bucket(1, 0), Bucket(0, 1), Bucket(1, 1)]
     scheduler = LocalScheduler(lambda rng: list(order), lambda b: {("n", b.lhs), ("n", b.rhs)})
@@ -198,7 +198,7 @@ def test_prefetching_partitions_changes_nothing_but_when_they_are_read(tmp_path:
 
 
 def test_a_failed_prefetch_fails_the_run_when_its_partition_is_needed(tmp_path: Path, monkeypatch) -> None:
-    from job.train.partitions import PartitionStore
+    from job.train.residency.partitions import PartitionStore
 
     raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
     read = PartitionStore._read
@@ -216,7 +216,7 @@ def test_a_failed_prefetch_fails_the_run_when_its_partition_is_needed(tmp_path: 
     assert CheckpointStorage(raw["checkpoint_path"]).load_version() == 0  # nothing committed, nothing half-written
 
 
-# write groups behind a bucket (distributed trainers: job/train/write_groups.py) ------------------------------
+# write groups behind a bucket (distributed trainers: job/checkpoint/write_groups.py) ------------------------------
 
 
 def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
@@ -224,7 +224,7 @@ def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
     take 0.3 s (or fail), so that a test can see what happens while one is under way."""
     import time
 
-    from job.train.partitions import PartitionStore, Residency
+    from job.train.residency.partitions import PartitionStore, Residency
 
     raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
     save = PartitionStore._save

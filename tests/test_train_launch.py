@@ -31,7 +31,7 @@ def test_asking_for_a_missing_gpu_is_a_clean_error(tmp_path: Path, capsys: pytes
 
 
 def test_train_starts_one_process_per_gpu_only_when_asked_and_present() -> None:
-    from job.train.launch import gpu_processes
+    from job.train.elastic.launch import gpu_processes
 
     assert gpu_processes(4, "auto", 8, False) == 4
     assert gpu_processes(8, "auto", 2, False) == 2  # no more processes than cards
@@ -42,7 +42,7 @@ def test_train_starts_one_process_per_gpu_only_when_asked_and_present() -> None:
 
 
 def test_gpu_processes_need_two_partitions_each() -> None:
-    from job.train.launch import partition_advice
+    from job.train.elastic.launch import partition_advice
 
     raw = {"entities": {"node": {"num_partitions": 4}}, "relations": [{"name": "r", "lhs": "node", "rhs": "node"}],
            "dimension": 4, "entity_path": "x", "edge_paths": ["x"], "checkpoint_path": "x"}

@@ -137,7 +137,7 @@ def test_featurized_entities_train_as_the_mean_of_their_features(tmp_path: Path)
 
 
 def test_featurized_batches_use_the_mean_of_feature_rows() -> None:
-    from job.train.batching import select_features
+    from job.train.batch.batching import select_features
 
     offsets = torch.tensor([0, 2, 3, 6])
     data = torch.tensor([4, 5, 6, 7, 8, 9])

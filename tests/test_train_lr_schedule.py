@@ -20,7 +20,7 @@ from job.errors import ConfigError
 from job.formats.checkpoint import CheckpointStorage
 from job.train import train
 from job.train.bucket_run import BucketRunner
-from job.train.hogwild import WorkerPool
+from job.train.hogwild.pool import WorkerPool
 from job.train.lr_schedule import lr_scale, plateau_reductions
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -1,4 +1,4 @@
-"""job/train/spare.py: warm spares, processes that import torch and the trainer while the rendezvous forms, then
+"""job/train/elastic/spare.py: warm spares, processes that import torch and the trainer while the rendezvous forms, then
 become the trainer torchrun starts. Real processes throughout (tests/spare_probe.py stands in for ``python -m job``)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from job.train import agent
-from job.train.spare import PER_TRAINER_KEYS, SparePool, environment_mismatch
+from job.train.elastic import agent
+from job.train.elastic.spare import PER_TRAINER_KEYS, SparePool, environment_mismatch
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -104,7 +104,7 @@ def test_an_unused_spare_exits_when_its_agent_dies(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     script = textwrap.dedent(f"""
         import sys, time
-        from job.train.spare import SparePool
+        from job.train.elastic.spare import SparePool
         pool = SparePool({PROBE!r}, 2)
         pool.warm()
         open({str(pids)!r}, "w").write(" ".join(map(str, pool.pids())))
@@ -134,7 +134,7 @@ def _running(pid: int) -> bool:
 
 def test_torchruns_process_handler_takes_a_spare_and_its_close_signals_it(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agent's hooks (job/train/agent.py): torchrun's launcher makes the pool, its rendezvous warms it, and its
+    """The agent's hooks (job/train/elastic/agent.py): torchrun's launcher makes the pool, its rendezvous warms it, and its
     ``SubprocessHandler`` gets the spare's process, which its ``close`` (a killpg) ends."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
     from torch.distributed.launcher import api as launcher

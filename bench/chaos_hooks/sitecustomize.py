@@ -11,7 +11,7 @@ bucket when a lost trainer's bucket is redone. A committed version ``v`` of a ru
 holds ``v * P * P`` in element 0 and ``v * P`` in each element 1 + l.
 
 Active only in a torchrun worker (``LOCAL_RANK`` set, or a warm spare that becomes one: ``BIGGRAPH_WARM_SPARE``,
-job/train/spare.py) with ``BIGGRAPH_CHAOS_COUNTER`` naming the relation's index.
+job/train/elastic/spare.py) with ``BIGGRAPH_CHAOS_COUNTER`` naming the relation's index.
 """
 
 import os

@@ -70,7 +70,7 @@ class FinalPass:
 
 
 def trained_config_json(config: ConfigSchema) -> dict[str, Any]:
-    """The config as the trainer stores it in every file's ``config/json`` (job/train/loop.py): without
+    """The config as the trainer stores it in every file's ``config/json`` (job/train/trainer.py): without
     ``storage_options``, which may hold credentials."""
     return dict(json.loads(config.to_json(exclude=("storage_options",))))
 

@@ -8,7 +8,7 @@ every commit marker: the check *is* a conditional rewrite of the record (S3 ``If
 under ``flock`` locally; :mod:`storage_adapters.conditional`), so a writer that lost the directory cannot commit.
 
 Who is "the same writer": a torchrun group is one writer (every restart of it, a replaced or added pod included,
-carries the same run id, the group's ``run_identity`` of job/train/group.py: ``BIGGRAPH_RUN_ID`` if set, which the
+carries the same run id, the group's ``run_identity`` of job/train/distributed/group.py: ``BIGGRAPH_RUN_ID`` if set, which the
 chart sets to the Job's uid, else torchrun's ``--rdzv-id``, with a digest of the training config); a process outside
 torchrun is its own run. A record left by a process that is provably gone (same
 machine, same PID namespace, PID no longer alive) is taken over at once; one whose heartbeat stopped elsewhere is

@@ -84,10 +84,10 @@ def _train(args: argparse.Namespace) -> int:
     mark_early("interpreter and config")  # the trainer's start-up line counts from the process's start
     if config.effective_workers() > 1 and not config.wants_cuda():
         # Hogwild on the CPU: the workers' fork server imports torch while this process does
-        from job.train.spawning import start_worker_server
+        from job.train.hogwild.spawning import start_worker_server
 
         start_worker_server()
-    from job.train.launch import launch  # heavy (torch): only when the command runs, so `biggraph --help` is instant
+    from job.train.elastic.launch import launch  # heavy (torch): only when the command runs, so `biggraph --help` is instant
 
     return launch(config, args.argv, take_over=args.take_over)
 

@@ -32,7 +32,7 @@ GROW_INITS = ("random", "neighbours")
 INIT_METHODS = ("normal", "xavier")
 # the embeddings' optimizer: PBG's row-wise Adagrad (one sum per row) or Adagrad with a sum per coordinate
 ENTITY_OPTIMIZERS = ("row_adagrad", "adagrad")
-# which buckets of epoch 0 stagger their Hogwild workers by hogwild_delay (job/train/loop.py)
+# which buckets of epoch 0 stagger their Hogwild workers by hogwild_delay (job/train/trainer.py)
 HOGWILD_DELAY_SCOPES = ("first_visit", "epoch_0")
 GROW_NUM_EPOCHS_DEFAULT = 5
 # how held-out edges are ranked (job/eval_protocol.py): "pbg" is PBG 1.0's sampled protocol, exactly

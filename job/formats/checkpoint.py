@@ -301,7 +301,7 @@ class CheckpointStorage:
         name: str | None = None,
     ) -> None:
         """``name``: a file name in the directory to write under instead of the PBG name (a distributed trainer's
-        staged write, moved to the PBG name later: job/train/write_groups.py)."""
+        staged write, moved to the PBG name later: job/checkpoint/write_groups.py)."""
         url = storage.join(base or self.url, name) if name else self.partition_file(version, entity_type, partition, base)
         blob = serialize_optimizer_state(optimizer_state)
         with self._h5_writer(url) as tmp:

@@ -222,7 +222,7 @@ def _stage_input(config: ConfigSchema, importer: GrowImporter, members: list[lis
 
 def _check_boundaries(config: ConfigSchema, record: GrowRecord) -> None:
     """The journal's boundaries (where the new edges start) fit this config: one count per bucket per edge path."""
-    from job.train.data import bucket_grid
+    from job.train.inputs import bucket_grid
 
     lhs, rhs = bucket_grid(config)
     if len(record.boundaries) != len(config.edge_paths) or any(len(b) != lhs * rhs for b in record.boundaries):

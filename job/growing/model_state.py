@@ -17,7 +17,7 @@ from job.config import ConfigSchema, parse_config
 from job.errors import ConfigError, UserError
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Model
-from job.train.optim import RelationAdagrad
+from job.train.batch.optim import RelationAdagrad
 
 
 class GrowError(UserError):

@@ -45,8 +45,8 @@ from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.growing.ingest import read_spilled_bucket
 from job.model.comparators import COMPARATORS
-from job.train.buffer import per_coordinate
-from job.train.optim import entity_adagrad_state, sums_from_state
+from job.train.batch.optim import entity_adagrad_state, sums_from_state
+from job.train.residency.buffer import per_coordinate
 
 logger = logging.getLogger("biggraph")
 

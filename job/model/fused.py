@@ -321,7 +321,7 @@ def _in_place(rows: Tensor, side: _Chunks) -> Tensor:
 
 def negatives_in_place(neg_inv: Optional[Tensor], num_rows: int) -> Optional[int]:
     """Where the uniform negatives start among ``num_rows`` candidate rows when they lie there one row per
-    draw, in draw order (every occurrence gathered: ``job.train.rowops.select_rows``); None when they do not.
+    draw, in draw order (every occurrence gathered: ``job.train.batch.rowops.select_rows``); None when they do not.
 
     Read from the indices themselves (a CPU pass over 20,000 ints), so no caller has to vouch for a layout.
     On a GPU reading them would wait for the device: there the negatives are always gathered.

@@ -75,7 +75,7 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, *, lhs: Side,
     lhs_rows, rhs_rows, lhs_inv, rhs_inv = lhs.rows, rhs.rows, lhs.inv, rhs.inv
     num_pos = lhs_inv.shape[0]
     same = lhs_rows is rhs_rows
-    # every occurrence gathered (job.train.rowops.select_rows): [positives | negatives] in order, each row's
+    # every occurrence gathered (job.train.batch.rowops.select_rows): [positives | negatives] in order, each row's
     # gradient written where it lies; otherwise summed into zeroed buffers
     left_layout = None if same else in_order(lhs_rows.shape[0], lhs_inv, None if lhs.negs_disabled else lhs.neg_inv)
     right_layout = None if same else in_order(rhs_rows.shape[0], rhs_inv, None if rhs.negs_disabled else rhs.neg_inv)
@@ -127,7 +127,7 @@ def fused_pair_adjoint(setup: ScoringSetup, operator: Operator, *, lhs: Side,
 
 def in_order(num_rows: int, inv: Tensor, neg_inv: Optional[Tensor]) -> Optional[int]:
     """Where the negatives start when a side's rows are its positives in order, then its uniform negatives one
-    row per draw (``job.train.rowops.every_occurrence``, the CPU's layout for large tables); None otherwise.
+    row per draw (``job.train.batch.rowops.every_occurrence``, the CPU's layout for large tables); None otherwise.
 
     Then the positives are the first rows themselves (no gather) and every row's gradient is written where it
     lies (no zeroed buffer, no scatter-add): ``score_side`` writes the negatives', ``_add_positives`` the

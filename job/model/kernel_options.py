@@ -4,8 +4,8 @@ Every fast path of the hot path has a slower twin it is held to (float64 referen
 Tests and benchmarks choose between them here instead of assigning module globals: a global flipped in
 the trainer never reached a Hogwild worker started from a fork server or spawned (it imports the module
 afresh), and one left flipped by a failing test leaked into the tests after it. The trainer takes its
-options from its ``Collaborators`` (job/train/loop.py), hands them to its worker pool at start, and every
-batch reads them from its ``BatchContext`` (job/train/step.py) down to the scoring code (``Model.score_batch``).
+options from its ``Collaborators`` (job/train/trainer.py), hands them to its worker pool at start, and every
+batch reads them from its ``BatchContext`` (job/train/batch/step.py) down to the scoring code (``Model.score_batch``).
 
 No config key or environment variable drives any of them: the defaults are what training runs.
 """
@@ -42,12 +42,12 @@ class KernelOptions:
 
     static_shapes_on_cpu: bool = False
     """Run the GPU's static-shape step (every occurrence gathered, repeated rows summed inside the Adagrad step:
-    what job/train/graphs.py captures into CUDA graphs) on the CPU, so that tests without a GPU exercise it.
+    what job/train/batch/graphs.py captures into CUDA graphs) on the CPU, so that tests without a GPU exercise it.
     Off on the CPU by default: there the unique rows, or ``occurrences_on_cpu``'s layout, are cheaper."""
 
     occurrences_on_cpu: bool = True
     """A trained CPU batch of a large table gathers every occurrence of its rows (negatives scored in place,
-    repeats merged before the Adagrad step: ``job.train.rowops.occurrences_pay``). Off: the unique rows, the
+    repeats merged before the Adagrad step: ``job.train.batch.rowops.occurrences_pay``). Off: the unique rows, the
     path tests/test_fused.py holds it to."""
 
 

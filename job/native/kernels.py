@@ -41,7 +41,7 @@ def row_adagrad(weight: Tensor, state: Tensor, lists: Sequence[tuple[Tensor, Ten
     Each distinct row gets one step with its summed gradient: state[row] += mean(g^2), then
     weight[row] -= lr * g / (sqrt(state[row]) + eps) (per coordinate: state[row, j] += g[j]^2 and each coordinate
     its own step size). The gradients are consumed (overwritten). ``slots``:
-    an int32 scratch array of at least ``weight.shape[0]`` entries (``job.train.rowops.scratch``).
+    an int32 scratch array of at least ``weight.shape[0]`` entries (``job.train.batch.rowops.scratch``).
     Raises IndexError when an id is outside the table (nothing written).
     """
     suffix = _SUFFIX.get(weight.dtype)

@@ -2,7 +2,7 @@
  * per-coordinate ("full") Adagrad in the same pass (``entity_optimizer: adagrad``: a sum per coordinate, state of
  * dim floats per row where PBG's row-wise form keeps one).
  *
- * The torch form of the same step (job/train/optim.py) is five passes over the batch's gradient rows: a norm,
+ * The torch form of the same step (job/train/batch/optim.py) is five passes over the batch's gradient rows: a norm,
  * a gather of the state, a scale, and an index_add_ whose CPU kernel expands its index to every element.
  * Here each distinct row is read once and its table row read and written once.
  *

@@ -36,9 +36,9 @@ def relation_mrr(config: ConfigSchema, edge_path: str, budget: int, seed: int
     from job.eval_protocol import largest_partition, resolve_protocol
     from job.evaluation import CheckpointReader, read_checked_edges
     from job.formats import edges as edge_format
-    from job.train.batching import EdgeTensors
-    from job.train.loop import bucket_grid
-    from job.train.step import BatchStats
+    from job.train.batch.batching import EdgeTensors
+    from job.train.batch.step import BatchStats
+    from job.train.trainer import bucket_grid
 
     reader = CheckpointReader(config)
     protocol = resolve_protocol(config.eval_protocol, config, largest_partition(config, reader.counts))
@@ -73,9 +73,9 @@ def _bucket_relation_stats(reader: Any, protocol: str, edges: Any, lhs_part: int
     import torch
 
     from job.model.scoring import Table
-    from job.train.batching import process_edges
-    from job.train.ranking import rank_bucket
-    from job.train.step import BatchContext
+    from job.train.batch.batching import process_edges
+    from job.train.batch.ranking import rank_bucket
+    from job.train.batch.step import BatchContext
 
     config = reader.config
     lhs_tables = {i: Table(reader.partition(r.lhs, reader.part_of(r.lhs, lhs_part)), None)

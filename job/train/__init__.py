@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 from job.session import storage_scoped
 
 if TYPE_CHECKING:
-    from job.train.loop import Collaborators, PassPlan, Trainer
+    from job.train.trainer import Collaborators, PassPlan, Trainer
 
 _TRAINER_NAMES = ("Collaborators", "PassPlan", "Trainer")
 
 
 def __getattr__(name: str) -> Any:
     if name in _TRAINER_NAMES:
-        from job.train import loop
+        from job.train import trainer
 
-        return getattr(loop, name)
+        return getattr(trainer, name)
     raise AttributeError(f"module 'job.train' has no attribute {name!r}")
 
 
@@ -33,7 +33,7 @@ def train(config, *, take_over: bool = False, stop_after_iterations: int | None 
     """Train to completion (or for ``stop_after_iterations`` passes, for tests); return a summary.
 
     ``take_over``: take the checkpoint directory from a run whose heartbeat stopped (job/checkpoint/owner.py)."""
-    from job.train.loop import Trainer  # torch: when training starts
+    from job.train.trainer import Trainer  # torch: when training starts
 
     trainer = Trainer(config, take_over=take_over)
     try:

@@ -1,6 +1,6 @@
 """One bucket of a pass: hold its partitions, read its edges, hold out its eval edges, train, evaluate.
 
-``BucketRunner`` works on one bucket whoever scheduled it. The trainer (job/train/loop.py) owns one, built from
+``BucketRunner`` works on one bucket whoever scheduled it. The trainer (job/train/trainer.py) owns one, built from
 its collaborators (``BucketWork``: the model, the partition store, the edge source ...); the runner owns the
 Hogwild worker pool it starts on first need.
 """
@@ -21,16 +21,16 @@ from job.config import ConfigSchema
 from job.eval_protocol import largest_partition, protocol_fields, resolve_protocol
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
-from job.train.batching import EdgeTensors, process_edges, process_slices, split_almost_equally
-from job.train.buckets import Bucket
-from job.train.data import edge_limits
+from job.train.batch.batching import EdgeTensors, process_edges, process_slices, split_almost_equally
+from job.train.batch.optim import RelationAdagrad
+from job.train.batch.ranking import rank_bucket
+from job.train.batch.step import BatchContext, BatchStats
 from job.train.edge_source import EdgeSource
-from job.train.hogwild import WorkerPool
-from job.train.optim import RelationAdagrad
-from job.train.partitions import PartitionStore
-from job.train.ranking import rank_bucket
-from job.train.schedule import Iteration
-from job.train.step import BatchContext, BatchStats
+from job.train.hogwild.pool import WorkerPool
+from job.train.inputs import edge_limits
+from job.train.residency.partitions import PartitionStore
+from job.train.schedule.interfaces import Iteration
+from job.train.schedule.orders import Bucket
 
 logger = logging.getLogger("biggraph")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from job.formats import edges as edge_format
-from job.train.batching import EdgeTensors
-from job.train.buckets import Bucket
-from job.train.data import edge_tensors
-from job.train.schedule import Iteration
+from job.train.batch.batching import EdgeTensors
+from job.train.inputs import edge_tensors
+from job.train.schedule.interfaces import Iteration
+from job.train.schedule.orders import Bucket
 
 
 class EdgeSource(Protocol):

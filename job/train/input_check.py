@@ -33,8 +33,8 @@ from job.config import ConfigSchema
 from job.errors import UserError
 from job.formats import entities as entity_format
 from job.formats.validate import validate_cheap
-from job.train.data import chunks_for
-from job.train.group import DistributedContext, config_digest
+from job.train.distributed.group import DistributedContext, config_digest
+from job.train.inputs import chunks_for
 from storage_adapters.errors import StorageError
 
 KEY = "input-check"  # the round's store key of rank 0's verdict

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from job.eval_protocol import recorded_label
-from job.train.schedule import Iteration, PassGather
+from job.train.schedule.interfaces import Iteration, PassGather
 
 
 def weighted(records: Sequence[dict[str, Any]], key: str) -> Optional[dict[str, Any]]:

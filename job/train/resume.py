@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from job.checkpoint.group_progress import Progress, read_progress, remove_progress
+from job.checkpoint.write_groups import roll_forward
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.model.scoring import Model
-from job.train.group import DistributedContext, wait_all
-from job.train.optim import RelationAdagrad
-from job.train.progress import Progress, read_progress, remove_progress
-from job.train.write_groups import roll_forward
+from job.train.batch.optim import RelationAdagrad
+from job.train.distributed.group import DistributedContext, wait_all
 
 logger = logging.getLogger("biggraph")
 
@@ -35,7 +35,7 @@ class GroupBarrier:
         self.run_id = dist.run_id
 
     def barrier(self, name: str) -> None:
-        wait_all(self.dist, name)  # under this round's keys (job/train/group.py)
+        wait_all(self.dist, name)  # under this round's keys (job/train/distributed/group.py)
 
     def shared_sums(self) -> SharedSumRegistry:
         return SharedSumRegistry(self.dist.store, self.dist.round_id)

@@ -39,11 +39,11 @@ def process_age() -> Optional[float]:
 _age = process_age()
 PROCESS_START = time.monotonic() - (_age if _age is not None else 0.0)
 _early: list[tuple[str, float]] = []  # phases marked before a trainer existed (the command line's)
-_spare: Optional[str] = None  # how this process started as a warm spare (job/train/spare.py), for the start-up line
+_spare: Optional[str] = None  # how this process started as a warm spare (job/train/elastic/spare.py), for the start-up line
 
 
 def handed_off(imports: float, waited: float) -> None:
-    """This process is a warm spare that just became a trainer (job/train/spare.py): its clock starts now, since the
+    """This process is a warm spare that just became a trainer (job/train/elastic/spare.py): its clock starts now, since the
     interpreter and its imports (``imports`` seconds) ran while the rendezvous formed, and it then ``waited``."""
     global PROCESS_START, _spare
     PROCESS_START = time.monotonic()

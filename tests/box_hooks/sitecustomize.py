@@ -15,7 +15,7 @@ import os
 import threading
 
 _FILE = os.environ.get("BIGGRAPH_BOX_HOLD_FILE")
-# a torchrun worker: LOCAL_RANK set, or a warm spare that becomes one (job/train/spare.py: BIGGRAPH_WARM_SPARE)
+# a torchrun worker: LOCAL_RANK set, or a warm spare that becomes one (job/train/elastic/spare.py: BIGGRAPH_WARM_SPARE)
 _WORKER = "LOCAL_RANK" in os.environ or os.environ.get("BIGGRAPH_WARM_SPARE") == "1"
 if _FILE and _WORKER and os.environ.get("JOB_COMPLETION_INDEX") == os.environ.get("BIGGRAPH_BOX_HOLD_INDEX"):
     import time

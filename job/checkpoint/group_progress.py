@@ -1,0 +1,240 @@
+"""The lock server's progress on storage: what a restarted group resumes an interrupted pass from.
+
+Two parts, beside the checkpoint (any storage URL; an object store has no append, so a record is an object):
+
+- ``distributed_progress.json``, the *snapshot*: ``{"format": 2, "run": <run id>, "version": <version the pass
+  commits>, "log": <log id>, "state": <LockState.to_json()>}``, written when the lock server starts a pass (a fresh
+  one, or one resumed after a restart: then it is the compaction of what was resumed), and again every
+  ``COMPACT_EVERY`` records (the compaction mid-pass, so that a restart reads at most that many records);
+- ``distributed_progress.log/<log id>-<seq>.json``, the *records*: one object per request that changed the state
+  (``LockState.drain_journal``), written before the request is answered, each a few hundred bytes whatever the
+  pass's size (not the whole state again under the server's lock, as before);
+- ``distributed_progress.log/<log id>-base.f32`` and ``<log id>-<seq>.f32``: the shared parameters (the server's
+  flat float32 vector: relation operators, global embeddings, unpartitioned tables) as the snapshot had them and
+  as a record left them. A trainer sends its change with the ``next`` that finishes its bucket, and the server
+  adds it, marks the bucket done and writes the vector, then the record naming it (``{"e": "shared"}``), before
+  it answers: a restart resumes with every done bucket's shared update and none of a bucket not done (no update
+  lost, none counted twice). Only the latest vector is kept. It is the whole vector each time (small for
+  relation parameters; as large as the unpartitioned tables where there are some).
+
+Reading (``read_progress``) takes the snapshot and replays its records in order (only those of its log id, only
+while their numbers follow each other). The commit drops both (``remove_progress``: the snapshot first, so a kill
+in between leaves only records no snapshot names).
+
+**Bound to its run.** A snapshot is taken up only by the run that wrote it (``run``: torchrun's rendezvous id or
+``BIGGRAPH_RUN_ID``, and the training config's digest, as ``job.train.distributed.group.run_identity`` makes it), for the pass
+after the committed version (``version``). A restart of the same torchrun job (a lost pod, a replaced pod, a scale
+change, all the agents restarted with the same arguments) resumes; a different job, a changed config, a
+single-process run or a stale file of an earlier pass refuses it, and rank 0 removes it together with the
+uncommitted files of that pass (job/train/resume.py), so that it can never be resumed against files it does not
+describe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+import storage_adapters as storage
+
+logger = logging.getLogger("biggraph")
+
+# records after which the lock server writes a new snapshot mid-pass (``ProgressLog.append`` says when): a restarted
+# group's rank 0 reads the snapshot and the records after it, one object each, before it serves; a pass at P=16 with
+# 4 trainers leaves ~600 records, which on S3 (moto, loaded) took 10 s of a recovery (bench/RESULTS.md, "Chaos
+# re-measured"). Every 64 records it is one snapshot (the state, a few tens of KB, and the shared vector) more.
+COMPACT_EVERY = 64
+PROGRESS_FILE = "distributed_progress.json"
+PROGRESS_LOG = "distributed_progress.log"
+FORMAT = 2
+
+
+def progress_url(checkpoint_path: str) -> str:
+    return storage.join(checkpoint_path, PROGRESS_FILE)
+
+
+def log_url(checkpoint_path: str) -> str:
+    return storage.join(checkpoint_path, PROGRESS_LOG)
+
+
+@dataclass
+class Progress:
+    """A pass's persisted progress: the snapshot's state with its records replayed onto it by the reader."""
+
+    run: str
+    version: int
+    state: dict[str, Any]  # LockState.to_json() of the snapshot
+    records: list[dict[str, Any]]  # the changes after it, in order (LockState.apply)
+    shared: Optional[np.ndarray] = None  # the shared parameters as the last record left them (None: not stored)
+    staged_before: list[list[Any]] = field(default_factory=list)  # recorded before the snapshot (see ``staged``)
+
+    def staged(self) -> list[list[Any]]:
+        """Every staged file a persisted ``written`` record named this pass, ``[type, partition, name]`` in record
+        order: what a restart publishes if it is still there (``roll_forward``). A compaction mid-pass keeps those of
+        the records it drops in the snapshot (a file recorded just before it may not be moved yet)."""
+        return [*self.staged_before,
+                *(list(entry) for record in self.records if record.get("e") == "written"
+                  for entry in record.get("staged", []))]
+
+
+class ProgressLog:
+    """The lock server's writer: ``start`` a pass (the snapshot), ``append`` each request's changes."""
+
+    def __init__(self, checkpoint_path: str, run: str, version: int, compact_every: int = COMPACT_EVERY) -> None:
+        self.checkpoint_path = checkpoint_path
+        self.run = run
+        self.version = version
+        self.compact_every = compact_every  # 0: never mid-pass
+        self.log_id = ""
+        self.seq = 0
+        self.shared_name = ""  # the vector the last record names
+        # the staged files this log's ``written`` records named: a compaction carries them into its snapshot, since
+        # the rank publishes a group's files only after its record (job/checkpoint/write_groups.py) and a restart must
+        # still know them (files no record names are removed, never published)
+        self.staged: list[list[Any]] = []
+
+    def _url(self, name: str) -> str:
+        return storage.join(log_url(self.checkpoint_path), name)
+
+    def start(self, state: dict[str, Any], shared: Optional[np.ndarray] = None) -> None:
+        """Write the snapshot (and the shared vector it starts from) under a new log id, then drop the records of
+        earlier snapshots (no longer read). Also the compaction mid-pass (``append`` says when): ``state`` and
+        ``shared`` must then be what the snapshot and its records replay to. A kill before the snapshot is written
+        leaves the old snapshot with its records whole; one after it, records no snapshot names (dropped by the next
+        ``start``)."""
+        self.log_id = secrets.token_hex(6)
+        self.seq = 0
+        snapshot: dict[str, Any] = {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id,
+                                    "state": state}
+        if shared is not None:
+            self.shared_name = f"{self.log_id}-base.f32"
+            storage.write_bytes(self._url(self.shared_name), np.ascontiguousarray(shared, np.float32).tobytes())
+            snapshot["shared"] = self.shared_name
+        if self.staged:
+            snapshot["staged"] = self.staged
+        storage.write_text(progress_url(self.checkpoint_path), json.dumps(snapshot))
+        storage.remove_many([self._url(name) for name in storage.listdir(log_url(self.checkpoint_path))
+                             if not name.startswith(f"{self.log_id}-")])
+
+    def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None) -> bool:
+        """One record of ``records``; with ``shared``, the vector first, then the record naming it. Returns whether
+        the log is due for compaction: ``compact_every`` records since the snapshot, after which the writer calls
+        ``start`` with the state as it stands, so that a restart reads at most that many records."""
+        if not records and shared is None:
+            return False
+        if not self.log_id:
+            raise RuntimeError("progress records appended before the pass's snapshot")
+        name = f"{self.log_id}-{self.seq:08d}"
+        previous = self.shared_name
+        self.staged.extend(list(entry) for record in records if record.get("e") == "written"
+                           for entry in record.get("staged", []))
+        if shared is not None:
+            storage.write_bytes(self._url(f"{name}.f32"), np.ascontiguousarray(shared, np.float32).tobytes())
+            records = [*records, {"e": "shared", "file": f"{name}.f32"}]
+        storage.write_text(self._url(f"{name}.json"), json.dumps(records))
+        self.seq += 1
+        if shared is not None:
+            self.shared_name = f"{name}.f32"
+            if previous:  # no record names it any more (one request: no directory check)
+                storage.remove_many([self._url(previous)])
+        return 0 < self.compact_every <= self.seq
+
+
+def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """The snapshot as stored and its records in order, whoever wrote them (the ``shared`` records, which name the
+    vector, moved into the snapshot's ``shared``); None if there is none."""
+    try:
+        snapshot = json.loads(storage.read_text(progress_url(checkpoint_path)))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if not isinstance(snapshot, dict):
+        return None
+    log_id = str(snapshot.get("log", ""))
+    numbered = []
+    for name in storage.listdir(log_url(checkpoint_path)):
+        stem = name[:-len(".json")] if name.endswith(".json") else ""
+        prefix, _, digits = stem.rpartition("-")
+        if log_id and prefix == log_id and digits.isdigit():
+            numbered.append((int(digits), name))
+    in_order = []
+    for expected, (number, name) in enumerate(sorted(numbered)):
+        if number != expected:  # a record lost before the next was written cannot be: stop where they break off
+            logger.warning("progress records of %s break off after %d", checkpoint_path, expected)
+            break
+        in_order.append(name)
+    # read together (a pass's records are hundreds of small objects), replayed in order
+    contents = storage.read_many([storage.join(log_url(checkpoint_path), name) for name in in_order])
+    records: list[dict[str, Any]] = []
+    for name, content in zip(in_order, contents):
+        try:
+            if content is None:
+                raise FileNotFoundError(name)
+            changes = json.loads(content.decode("utf-8"))
+        except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
+            logger.warning("progress record %s unreadable; the records after it are not replayed", name)
+            break
+        for change in changes:
+            if change.get("e") == "shared":
+                snapshot["shared"] = change["file"]
+            else:
+                records.append(change)
+    return snapshot, records
+
+
+def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Progress]:
+    """The progress of the pass after the committed ``version`` if this run wrote it; None otherwise (no progress,
+    or one this run must not resume: logged, and removed by the caller with the pass's uncommitted files)."""
+    loaded = load_snapshot(checkpoint_path)
+    if loaded is None:
+        return None
+    snapshot, records = loaded
+    reason = ""
+    if snapshot.get("format") != FORMAT:
+        reason = "written by another biggraph version"
+    elif snapshot.get("run") != run:
+        reason = f"written by run {snapshot.get('run')!r}, not this run ({run!r})"
+    elif snapshot.get("version") != version + 1:
+        reason = f"for version {snapshot.get('version')}, not {version + 1} (the pass after the committed version)"
+    shared = None
+    if not reason and snapshot.get("shared"):
+        try:
+            raw = storage.read_bytes(storage.join(log_url(checkpoint_path), str(snapshot["shared"])))
+            shared = np.frombuffer(raw, dtype=np.float32).copy()
+        except FileNotFoundError:
+            reason = f"its shared parameters ({snapshot['shared']}) are missing"
+    if reason:
+        logger.warning("%s: not resumed (%s); the pass starts over from version %d", progress_url(checkpoint_path),
+                       reason, version)
+        return None
+    staged_before = snapshot.get("staged", [])
+    if not isinstance(staged_before, list):
+        staged_before = []
+    return Progress(run=run, version=version + 1, state=dict(snapshot["state"]), records=records, shared=shared,
+                    staged_before=[list(entry) for entry in staged_before])
+
+
+def current_state(checkpoint_path: str) -> Optional[dict[str, Any]]:
+    """The progress as it stands (snapshot and records replayed), whoever wrote it: for tools and benches that
+    watch a run (``LockState.to_json()`` shape plus ``version``)."""
+    from job.train.distributed.lock_state import LockState
+
+    loaded = load_snapshot(checkpoint_path)
+    if loaded is None:
+        return None
+    snapshot, records = loaded
+    state = LockState(0, 0, {})
+    state.restore(snapshot.get("state", {}))
+    for record in records:
+        state.apply(record)
+    return dict(state.to_json(), version=snapshot.get("version"), run=snapshot.get("run"))
+
+
+def remove_progress(checkpoint_path: str) -> None:
+    """Drop the progress: the snapshot first (records without it are never read), then the records."""
+    storage.remove(progress_url(checkpoint_path))
+    storage.remove(log_url(checkpoint_path))

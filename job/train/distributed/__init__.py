@@ -1,0 +1,1 @@
+"""The torchrun group's mechanics: process group, liveness, transport, the lock protocol, client, server, state."""

@@ -1,0 +1,389 @@
+"""The torchrun group: joining it, agreeing on its round, a heartbeat that notices a lost peer, store barriers,
+leaving in order.
+
+Everything travels through the rendezvous TCPStore that ``init_process_group`` already connected
+every rank to; the lock server (job/train/distributed/lock_server.py) uses the same store for its requests. The
+shared parameters' vectors travel over a gloo group of their own, formed here right after the round is
+agreed (``TensorTransport.for_group``, job/train/distributed/transport.py): a worker restarted into a new round
+forms a new one with the others.
+
+The round: every time torchrun forms the group (first start, a restart after a lost pod, a scale change) its
+ranks agree on one round id, drawn by rank 0 and broadcast over the process group (``agree_round``), and every
+store key of ours (barriers, heartbeats, the lock server's queues, checksum records, pass results) lives under
+``biggraph/<round>/``. ``TORCHELASTIC_RESTART_COUNT`` cannot name a round: each torchrun agent counts its own
+restarts, so a replaced pod (a fresh agent, 0) and the survivors (1) would wait on different barriers forever.
+The count is kept only as reported information (``restart_count`` of the pass summary).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from job.errors import UserError
+from job.train.distributed.liveness import Liveness, store_host
+from job.train.distributed.transport import TensorTransport
+from job.train.startup import StartupClock
+
+logger = logging.getLogger("biggraph")
+
+# How fast rank 0 gives up on a silent peer (env BIGGRAPH_PEER_INTERVAL / BIGGRAPH_PEER_TIMEOUT). The timeout
+# is the first term of the recovery time after a lost pod (bench/elastic_bench.py: 15 s of a 47 s recovery
+# before). 6 s is six missed beats: a beat comes from its own thread and only needs the GIL for a moment,
+# so it survives partition writes and training (measured: torch.save of a 400 MB optimizer state holds the
+# GIL for 0.4 s, h5py reads and writes and torch kernels release it). A false alarm costs a group restart
+# (about 20 s) and the in-flight buckets, never data.
+DEFAULT_PEER_INTERVAL_S = 1.0
+DEFAULT_PEER_TIMEOUT_S = 6.0
+MIN_TRANSFER_TIMEOUT_S = 30.0  # a shared-parameter transfer's least timeout (init_distributed)
+# How long rank 0 waits for a peer's first beat (``Heartbeat``): a starting peer may take 10 s to connect its
+# heartbeat to the store (a dropped reverse-DNS query and its retry), more on a starved node
+FIRST_BEAT_TIMEOUT_S = 60.0
+# How long rank 0 keeps serving, once the round ends, for the live ranks to finish their bucket and give back what they
+# hold (``LockServerScheduler``; env BIGGRAPH_DRAIN_TIMEOUT). Under the torchrun agent's grace between its SIGTERM and
+# its SIGKILL (30 s, ``LocalElasticAgent._shutdown``'s default, which torchrun's command line cannot set): a rank 0
+# killed while others still give back would cut their write groups short
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
+
+
+@dataclass
+class DistributedContext:
+    rank: int
+    world_size: int
+    store: Any
+    restart_count: int  # this agent's own count: reported, never used to name anything shared
+    heartbeat: Optional[Heartbeat] = None
+    liveness: Optional[Liveness] = None  # the round's liveness connections (distributed/liveness.py), closed by ``leave``
+    round_id: str = "0"  # the same on every rank of this group (``agree_round``): names every store key of ours
+    run_id: str = ""  # the job this group trains for (``run_identity``), rank 0's: binds the lock server's progress
+    transport: Optional[TensorTransport] = None  # the shared parameters' point-to-point transport (this round's)
+    _fence_store: Any = None  # a store client of its own for ``fence`` (called from writer threads too)
+    _fence_lock: threading.Lock = field(default_factory=threading.Lock)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # see DEFAULT_DRAIN_TIMEOUT_S
+    _terminated: Optional[str] = None  # why this process was asked to stop (SIGTERM), set by ``catch_sigterm``
+
+    def __post_init__(self) -> None:
+        """Connect ``fence``'s client now, while the round's store certainly answers. Connected lazily, by the first
+        write of a rank that was frozen before it wrote anything in this round, the client would dial a store that
+        is gone for the whole timeout of the store it is cloned from (``init_process_group``'s: 30 min), the rank
+        stuck in it while the others finish without it (tests/test_cluster_box.py, the ``write`` freeze); an
+        open connection to a store that is gone fails at once."""
+        if self._fence_store is None and self.store is not None:
+            self._fence_store = self.store.clone()
+            self._fence_store.set_timeout(datetime.timedelta(seconds=60))
+
+    def key(self, name: str) -> str:
+        """The store key ``name`` of this round (a key of an earlier round, or of a rank that counts rounds
+        otherwise, never meets it)."""
+        return round_key(self.round_id, name)
+
+    def fence(self) -> None:
+        """Raise :class:`RoundOver` unless this rank's round still stands: called before every checkpoint file this
+        rank writes (``CheckpointManager.fence``). A rank stopped (SIGSTOP, a paused VM, a stalled node) past rank
+        0's peer timeout wakes up with rows the others have trained again since; it must not write them over theirs.
+        Its round is over when rank 0 declared it dead (``dead/<rank>``) or the round's store is gone (the rank-0
+        agent closes it when it re-forms the group). One store round trip per file written."""
+        with self._fence_lock:
+            try:
+                declared = self._fence_store.check([self.key(f"dead/{self.rank}")])
+            except Exception as err:  # the store is gone with its round
+                raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (its store is gone: "
+                                f"{err}); writing nothing more, torchrun restarts this worker into the next "
+                                "round") from err
+        if declared:
+            raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (rank 0 declared this "
+                            "rank dead); writing nothing more, torchrun restarts this worker into the next round")
+
+    def catch_sigterm(self) -> None:
+        """Turn the torchrun agent's SIGTERM into the round's end instead of the process's: the agent stops every
+        worker this way when a node waits to join (a replaced or added pod), with a SIGKILL 30 s later. Stopped at
+        once, each rank lost its bucket in flight and every bucket it had done whose partitions it had not yet
+        written; asked to end the round, it finishes its bucket and gives back what it holds (the lock server's
+        ``ending`` reply, ``LockServerScheduler``), then exits non-zero so that torchrun starts it into the next
+        round. The handler only notes it (no I/O or lock in a signal handler); the trainer acts at its next bucket
+        boundary or barrier. Main thread only (Python's rule for handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def noted(signum: int, frame: Any) -> None:
+            self._terminated = f"this rank (rank {self.rank}) received SIGTERM"
+
+        signal.signal(signal.SIGTERM, noted)
+
+    def lost_ranks(self) -> frozenset[int]:
+        """The peers rank 0 declared dead in this round (empty on other ranks: only rank 0 watches)."""
+        return self.heartbeat.dead_ranks() if self.heartbeat is not None else frozenset()
+
+    def ending(self) -> Optional[str]:
+        """Why this round ends, as this process knows it (a SIGTERM received, a peer declared dead); None while it
+        stands. The lock server on rank 0 then hands out no more buckets (``LockServer``)."""
+        if self._terminated is not None:
+            return self._terminated
+        if self.heartbeat is not None and self.heartbeat.dead_rank is not None:
+            return (f"rank {self.heartbeat.dead_rank} stopped responding for {self.heartbeat.silent_for:.0f} s")
+        return None
+
+    def check_peers(self) -> None:
+        """Raise :class:`RoundEnding` when this round ends (a peer stopped, a SIGTERM): torchrun then restarts the
+        group and training resumes from progress. Called where this rank holds nothing unsaved (barriers)."""
+        why = self.ending()
+        if why is not None:
+            raise RoundEnding(f"{why}; exiting so that torchrun re-forms the group")
+
+
+class RoundOver(RuntimeError):
+    """This rank's round of the group ended without it (see ``DistributedContext.fence``)."""
+
+
+class RoundEnding(RuntimeError):
+    """This round of the group ends (a peer lost, a SIGTERM) and this rank has given back what it held: it exits
+    non-zero so that torchrun starts it into the next round (never counted as success)."""
+
+
+class Heartbeat:
+    """Every rank bumps a counter in the store; rank 0 notices a rank whose counter stops moving.
+
+    torchrun's agents do not restart survivors when a node dies and no collective is pending (our
+    trainers only talk to the store), so without this the survivors would wait for its bucket forever.
+
+    A peer is judged from its first beat on: until then it has ``first_beat_after`` (at least a minute) to show
+    up. Its first beat comes once its heartbeat has its own store connection, and connecting is what a starting
+    group can stall on: torch's store client looks the server's address up in reverse DNS on every connection, and
+    a resolver that drops a query costs 5 s (10 s with its retry) before the connection is made (seen on the bench
+    VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"; where the lookup fails torch
+    warns ``[c10d] The hostname of the client socket cannot be retrieved. err=-3``). Judged from rank 0's own
+    start instead, such a peer, alive and starting, was declared dead after 6 s and the whole group restarted. A
+    peer that dies before its first beat is still found, after ``first_beat_after``; one that dies after it, after
+    ``dead_after`` as before. The window between the two is the few moments from the group's last collective
+    (``init_distributed``) to the peer's first beat.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, interval: float = DEFAULT_PEER_INTERVAL_S,
+                 dead_after: float = DEFAULT_PEER_TIMEOUT_S, round_id: str = "0",
+                 first_beat_after: float = FIRST_BEAT_TIMEOUT_S) -> None:
+        self.store = store.clone()
+        self.round_id = round_id
+        self.rank = rank
+        self.world_size = world_size
+        self.interval = interval
+        self.dead_after = dead_after
+        self.first_beat_after = max(first_beat_after, dead_after)
+        self.dead_rank: Optional[int] = None  # the first peer declared dead
+        self._dead: set[int] = set()  # every peer declared dead (each fenced: ``DistributedContext.fence``)
+        self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
+        self._started = time.monotonic()
+        self._last_change: dict[int, float] = {}  # rank 0: when each peer's counter last moved
+        self._declare_lock = threading.Lock()  # ``lost`` declares from the liveness watcher's thread
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        started = self._started
+        last_value: dict[int, int] = {}
+        last_change = self._last_change
+        while True:  # the first beat at once: the watcher judges this rank from it on
+            try:
+                self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
+                if self.rank == 0:
+                    self._watch(started, last_value, last_change)
+            except Exception:  # the store is gone: the main thread will fail on its next call
+                return
+            if self._stop.wait(self.interval):
+                return
+
+    def _watch(self, started: float, last_value: dict[int, int], last_change: dict[int, float]) -> None:
+        """Rank 0: declare dead a peer silent for ``dead_after`` since its last beat, or one that has not beaten
+        ``first_beat_after`` after this watcher started."""
+        now = time.monotonic()
+        for peer in range(1, self.world_size):
+            value = int(self.store.add(round_key(self.round_id, f"heartbeat/{peer}"), 0))
+            if value == 0:  # not started yet
+                if now - started > self.first_beat_after:
+                    self._declare(peer, self.first_beat_after)
+            elif last_value.get(peer) != value:
+                last_value[peer] = value
+                last_change[peer] = now
+            elif now - last_change[peer] > self.dead_after:
+                self._declare(peer, self.dead_after)
+
+    def _declare(self, peer: int, silent_for: float) -> None:
+        """Fence ``peer`` (should it wake up, it writes nothing: ``fence``) before the lock server learns it is
+        dead (``dead_ranks``) and refuses its requests. Called from the heartbeat's thread and, through ``lost``,
+        from the liveness watcher's."""
+        with self._declare_lock:
+            if peer in self._dead:
+                return
+            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+            if self.dead_rank is None:
+                self.silent_for = silent_for
+                self.dead_rank = peer
+            self._dead = self._dead | {peer}  # a new set: read from other threads without a lock
+
+    def dead_ranks(self) -> frozenset[int]:
+        """Every peer declared dead so far."""
+        return frozenset(self._dead)
+
+    def lost(self, peer: int) -> None:
+        """Rank 0: declare ``peer`` dead now, as a silent one is: its process is gone (its liveness connection
+        closed without a goodbye, job/train/distributed/liveness.py), so waiting out the peer timeout would only delay the next
+        group. ``silent_for`` is then the time since its counter last moved."""
+        since = self._last_change.get(peer, self._started)
+        self._declare(peer, time.monotonic() - since)
+
+    def stop(self) -> None:
+        """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
+        thread is inside torch's store client is aborted (``terminate called without an active exception``) and
+        torchrun counts the worker as failed."""
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.interval + 5.0)
+
+
+def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> Optional[DistributedContext]:
+    """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1), and agree on its round.
+    ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``); ``clock``:
+    the trainer's start-up clock, which gets the rendezvous, the round and the transport as phases."""
+    mark = clock.mark if clock is not None else (lambda phase: None)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun even a group of one uses the lock server: an elastic job that shrinks to one node
+    # must resume its pass from the persisted progress, and grow again later.
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if world_size <= 1 and not launched_by_torchrun:
+        return None
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and os.environ.get("BIGGRAPH_BACKEND") == "nccl" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    mark("rendezvous")
+    store = distributed_c10d._get_default_store()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    interval, dead_after = peer_timing(os.environ)
+    drain_timeout = drain_timing(os.environ)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
+    mark("round")
+    liveness = Liveness(rank, world_size, round_id)
+    if rank == 0:  # before the collective below: every peer reads the listener's address once through it
+        liveness.listen(store, os.environ.get("MASTER_ADDR") or socket.gethostname())
+    # collective: every rank, right after the round. A transfer's timeout follows the dead-peer timeout, with a floor
+    # for large payloads on a slow network (the lock server applies it itself and never waits on one peer:
+    # job/train/distributed/transfers.py; a trainer waits on the server that long at most)
+    transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
+    mark("transport")
+    logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
+                round_id, run_id, restart_count)
+    heartbeat = Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id)
+    # a peer dials rank 0 where it reaches rank 0's store: the store's own host (MASTER_ADDR under torchrun)
+    liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")))
+    context = DistributedContext(
+        rank=rank, world_size=world_size, store=store, restart_count=restart_count, heartbeat=heartbeat,
+        liveness=liveness, round_id=round_id, run_id=run_id, transport=transport, drain_timeout_s=drain_timeout,
+    )
+    context.catch_sigterm()
+    return context
+
+
+def config_digest(config_json: str) -> str:
+    """A short digest of the training config's JSON (without credentials): part of the run identity."""
+    return hashlib.sha256(config_json.encode()).hexdigest()[:12]
+
+
+def round_key(round_id: str, name: str) -> str:
+    return f"biggraph/{round_id}/{name}"
+
+
+def run_identity(env: Any, digest: str = "") -> str:
+    """What a restart of the same job keeps and a later, different job does not: ``BIGGRAPH_RUN_ID`` if set, else
+    torchrun's rendezvous id (``--rdzv-id``: the same for every agent of a job and across its restarts and replaced
+    pods; a random one per ``torchrun --standalone`` launch), with a digest of the training config, so that a job
+    trained otherwise under the same name does not take up another's interrupted pass."""
+    name = env.get("BIGGRAPH_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "none"
+    return f"{name}/{digest}" if digest else name
+
+
+def agree_round(rank: int, run_id: str) -> tuple[str, str]:
+    """(round id, run id) of the group just formed, the same on every rank: rank 0 draws the round id (a nonce, so
+    no two rounds share one, whatever each agent counts) and sends both over the process group (a collective, so
+    every rank of this group and only those take part). On gloo itself, or a gloo group beside NCCL (an object
+    collective over NCCL would need each rank's card chosen first)."""
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    values: list[Optional[str]] = [secrets.token_hex(8), run_id] if rank == 0 else [None, None]
+    dist.broadcast_object_list(values, src=0, group=group)
+    round_id, agreed_run = values
+    assert round_id is not None and agreed_run is not None
+    return round_id, agreed_run
+
+
+def peer_timing(env: Any) -> tuple[float, float]:
+    """(heartbeat interval, dead-peer timeout) in seconds from BIGGRAPH_PEER_INTERVAL / BIGGRAPH_PEER_TIMEOUT."""
+    values = []
+    for name, default in (("BIGGRAPH_PEER_INTERVAL", DEFAULT_PEER_INTERVAL_S), ("BIGGRAPH_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT_S)):
+        text = env.get(name, "")
+        try:
+            value = float(text) if text.strip() else default
+        except ValueError:
+            raise UserError(f"{name}={text!r}: expected a number of seconds") from None
+        if not value > 0:
+            raise UserError(f"{name}={text!r}: must be more than 0 seconds")
+        values.append(value)
+    interval, timeout = values
+    if timeout < 2 * interval:
+        # one late beat would already count as a dead peer
+        raise UserError(f"BIGGRAPH_PEER_TIMEOUT ({timeout:g} s) must be at least twice BIGGRAPH_PEER_INTERVAL "
+                        f"({interval:g} s)")
+    return interval, timeout
+
+
+def drain_timing(env: Any) -> float:
+    """Seconds rank 0 waits, once a round ends, for the live ranks to give back (BIGGRAPH_DRAIN_TIMEOUT; 0: none)."""
+    text = env.get("BIGGRAPH_DRAIN_TIMEOUT", "")
+    try:
+        value = float(text) if text.strip() else DEFAULT_DRAIN_TIMEOUT_S
+    except ValueError:
+        raise UserError(f"BIGGRAPH_DRAIN_TIMEOUT={text!r}: expected a number of seconds") from None
+    if value < 0:
+        raise UserError(f"BIGGRAPH_DRAIN_TIMEOUT={text!r}: must be 0 seconds or more")
+    return value
+
+
+def wait_all(context: DistributedContext, name: str, timeout_s: float = 1800.0) -> None:
+    """A store-based barrier of this round (each name used once per round)."""
+    key = context.key(f"barrier/{name}")
+    context.store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(context.store.add(key, 0)) < context.world_size:
+        context.check_peers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name}: not every rank arrived in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def leave(context: DistributedContext, timeout_s: float = 60.0) -> None:
+    """Leave in order: rank 0 hosts the store, so it goes last (others would see a dead store otherwise). A peer's
+    liveness connection says goodbye first and rank 0 stops watching: leaving is not dying."""
+    if context.liveness is not None:
+        context.liveness.close()
+    key = context.key("left")
+    try:
+        context.store.add(key, 1)
+        if context.rank == 0:
+            deadline = time.monotonic() + timeout_s
+            while int(context.store.add(key, 0)) < context.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception:  # a peer or the store is already gone; nothing more to coordinate
+        pass
+    if context.heartbeat is not None:
+        context.heartbeat.stop()

@@ -1,0 +1,268 @@
+"""Rank 0 learns at once that a peer's process is gone: one plain TCP connection per peer, beside the heartbeat.
+
+The heartbeat (job/train/distributed/group.py ``Heartbeat``) finds a lost peer only once its counter has not moved for the peer
+timeout (6 s): a third of the wait from a lost pod to a new group (issue #30). Most losses are a process that died
+(SIGKILL, an OOM kill, a pod deleted, a node drained), and then the kernel closes its sockets: rank 0 can know at
+once. So every rank > 0 holds one TCP connection to rank 0 for the round. Rank 0 listens on an ephemeral port on
+all its addresses and publishes ``host:port`` under the round's store key ``liveness``; a peer dials the address it
+already reaches rank 0's store at (the store's host, ``MASTER_ADDR`` under torchrun; the published host last) and
+sends one line, ``biggraph-liveness <round> <rank>``, so that a connection of another round, or a rank outside the
+group, is refused. Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a
+reset on a peer's connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
+it exactly as the heartbeat does (``dead/<rank>``, then ``check_peers``).
+
+What it does not replace: a frozen peer (SIGSTOP, a paused VM) keeps its connection open, and a machine that loses
+power or its network closes nothing; the heartbeat still finds both after the peer timeout. A peer that leaves in
+order (the end of a run: ``group.leave``) sends a goodbye byte before it closes, and rank 0 stops watching once it
+leaves itself, so a normal exit is never a death. A peer that cannot connect (a firewall, a network policy) logs
+that once and is watched by the heartbeat alone: the connection only makes detection faster, never required.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, Optional
+
+logger = logging.getLogger("biggraph")
+
+HELLO = b"biggraph-liveness"
+BYE = b"B"  # a peer leaving in order: what follows (end-of-file) is not a death
+CONNECT_TIMEOUT_S = 10.0  # a peer's dial of rank 0 (a dropped SYN retries for longer than that by itself)
+MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
+
+
+def liveness_key(round_id: str) -> str:
+    """The store key under which rank 0 publishes its listener (``round_key``'s form: dies with the round)."""
+    return f"biggraph/{round_id}/liveness"
+
+
+class Liveness:
+    """One rank's end of the round's liveness connections: rank 0 listens and watches, a peer connects and holds.
+
+    Rank 0: ``listen`` (before the collective that ends ``init_distributed``, so that every peer finds the address
+    once it is through), then ``start`` with ``on_lost``. A peer: ``start``, which reads the address and dials from a
+    thread of its own (a dropped SYN must not hold its start-up). Either: ``close`` when it leaves in order.
+    """
+
+    def __init__(self, rank: int, world_size: int, round_id: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.round_id = round_id
+        self.connected = threading.Event()  # a peer: its connection is up (tests wait on it)
+        self.lost: list[int] = []  # rank 0: the peers whose connection closed without a goodbye, in order
+        self.left: list[int] = []  # rank 0: the peers that said goodbye
+        self._listener: Optional[socket.socket] = None
+        self._sock: Optional[socket.socket] = None  # a peer's connection to rank 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._wake: Optional[tuple[socket.socket, socket.socket]] = None  # rank 0: wakes the watcher to stop
+        self._thread: Optional[threading.Thread] = None
+
+    # rank 0 ---------------------------------------------------------------------------------------------------
+    def listen(self, store: Any, host: str) -> None:
+        """Rank 0: listen on an ephemeral port on every address of this machine and publish ``host:port`` (``host``:
+        what rank 0 knows itself as, only a peer's last resort). Publishes an empty value if it cannot listen, so
+        that peers do not wait for it."""
+        try:
+            listener = _server_socket(self.world_size)
+        except OSError as err:
+            logger.warning("rank 0: cannot listen for the peers' liveness connections (%s); lost peers are found by "
+                           "the heartbeat alone", err)
+            store.set(liveness_key(self.round_id), "")
+            return
+        self._listener, self._wake = listener, socket.socketpair()
+        store.set(liveness_key(self.round_id), f"{host}:{listener.getsockname()[1]}")
+
+    def _watch(self, on_lost: Callable[[int], None]) -> None:
+        """Rank 0's watcher: accept, read each hello, then wait for each identified connection's end."""
+        assert self._listener is not None and self._wake is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake[0], selectors.EVENT_READ)
+        hellos: dict[socket.socket, bytes] = {}  # connections that have not identified themselves yet
+        peers: dict[socket.socket, int] = {}
+        try:
+            while not self._closed:
+                for key, _ in selector.select():
+                    sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                    if sock is self._wake[0]:
+                        return
+                    if sock is self._listener:
+                        try:
+                            conn, _ = sock.accept()
+                        except OSError:
+                            continue
+                        conn.setblocking(False)
+                        hellos[conn] = b""
+                        selector.register(conn, selectors.EVENT_READ)
+                        continue
+                    try:
+                        data = sock.recv(MAX_HELLO)
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # reset: the peer's kernel closed it without an orderly end
+                        data = b""
+                    if sock in hellos:
+                        rank = self._identify(sock, hellos.pop(sock) + data, hellos)
+                        if rank is None:
+                            if sock not in hellos:  # refused
+                                selector.unregister(sock)
+                                sock.close()
+                            continue
+                        peers[sock] = rank
+                        data = hellos.pop(sock)  # whatever came after the hello's line
+                        if not data:
+                            continue
+                    rank = peers.pop(sock)
+                    selector.unregister(sock)
+                    sock.close()
+                    if data:  # the goodbye (anything else a peer sends is not ours to judge: it is left alone)
+                        self.left.append(rank)
+                    elif not self._closed:
+                        self._lost(rank, on_lost)
+        finally:
+            for sock in [*hellos, *peers, self._wake[0]]:
+                sock.close()
+            selector.close()
+
+    def _lost(self, rank: int, on_lost: Callable[[int], None]) -> None:
+        self.lost.append(rank)
+        logger.warning("rank %d's liveness connection to rank 0 closed without a goodbye: its process is gone; "
+                       "declaring it dead", rank)
+        try:
+            on_lost(rank)
+        except Exception:  # the store is gone with the round: the main thread fails by itself
+            logger.debug("rank %d: could not declare it dead", rank, exc_info=True)
+
+    def _identify(self, sock: socket.socket, buffer: bytes, hellos: dict[socket.socket, bytes]) -> Optional[int]:
+        """The rank of a connection whose hello (``buffer``: every byte read from it so far) is complete and of this
+        round, with its bytes after the line put back in ``hellos``. None: still incomplete (the bytes put back), or
+        refused (not put back; the caller closes it): the connection ended first, or its hello is not this round's
+        (a stale peer of another round), or its rank is not a peer of this group."""
+        if b"\n" not in buffer:
+            if buffer and len(buffer) <= MAX_HELLO:
+                hellos[sock] = buffer
+                return None
+            refused = "no hello" if buffer else "it closed before it said which rank it is"
+        else:
+            line, rest = buffer.split(b"\n", 1)
+            parts = line.decode(errors="replace").split(" ")
+            rank = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else -1
+            if parts[0] != HELLO.decode() or parts[1:2] != [self.round_id]:
+                refused = f"not of round {self.round_id} ({line[:80]!r})"
+            elif not 0 < rank < self.world_size:
+                refused = f"rank {parts[2]} is not a peer of a group of {self.world_size}"
+            else:
+                hellos[sock] = rest
+                return rank
+        try:
+            address = sock.getpeername()
+        except OSError:
+            address = "?"
+        logger.info("rank 0: refused a liveness connection from %s: %s", address, refused)
+        return None
+
+    # a peer -----------------------------------------------------------------------------------------------------
+    def _connect(self, hosts: list[str], port: int) -> None:
+        """A peer's dial of rank 0, from its own thread; holds the connection until ``close``."""
+        errors = []
+        for host in hosts:
+            try:
+                sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+            except OSError as err:
+                errors.append(f"{host}:{port}: {err}")
+                continue
+            try:
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.sendall(b"%s %s %d\n" % (HELLO, self.round_id.encode(), self.rank))
+            except OSError as err:
+                sock.close()
+                errors.append(f"{host}:{port}: {err}")
+                continue
+            with self._lock:
+                if self._closed:  # left in order while dialling
+                    _goodbye(sock)
+                    return
+                self._sock = sock
+            self.connected.set()
+            logger.debug("rank %d: liveness connection to rank 0 at %s:%d", self.rank, host, port)
+            return
+        logger.warning("rank %d: cannot connect to rank 0's liveness listener (%s); rank 0 finds this rank's loss "
+                       "through the heartbeat alone (BIGGRAPH_PEER_TIMEOUT)", self.rank, "; ".join(errors))
+
+    # both -------------------------------------------------------------------------------------------------------
+    def start(self, store: Any, on_lost: Callable[[int], None], hosts: tuple[Optional[str], ...] = ()) -> None:
+        """Rank 0: watch the peers' connections, calling ``on_lost(rank)`` for each that closes without a goodbye.
+        A peer: read rank 0's address from the store (published before the collective this follows) and connect to
+        the first of ``hosts`` (the addresses it reaches rank 0's store at, in order) that answers, then the
+        published host."""
+        if self.rank == 0:
+            if self._listener is not None:
+                self._thread = threading.Thread(target=self._watch, args=(on_lost,), name="biggraph-liveness",
+                                                daemon=True)
+                self._thread.start()
+            return
+        published = store.get(liveness_key(self.round_id)).decode()
+        if not published:
+            logger.warning("rank %d: rank 0 has no liveness listener; its loss of this rank is found through the "
+                           "heartbeat alone", self.rank)
+            return
+        own, _, port = published.rpartition(":")
+        targets = list(dict.fromkeys(h for h in (*hosts, own) if h))
+        self._thread = threading.Thread(target=self._connect, args=(targets, int(port)), name="biggraph-liveness",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Leave in order. A peer: a goodbye byte, then close (rank 0 reads the byte before the end of the stream, so
+        this is not a death). Rank 0: stop watching (the group is leaving) and close every connection."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            _goodbye(sock)
+        if self._wake is not None:
+            self._wake[1].send(b"x")
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=5.0)
+            self._wake[1].close()
+            if self._thread is None:  # never watched: the watcher would have closed its end
+                self._wake[0].close()
+        if self._listener is not None:
+            self._listener.close()
+
+
+def _goodbye(sock: socket.socket) -> None:
+    try:
+        sock.sendall(BYE)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:  # rank 0 is gone, or stopped watching first: nothing to tell it
+        pass
+    sock.close()
+
+
+def _server_socket(backlog: int) -> socket.socket:
+    """A listening socket on an ephemeral port on every address: IPv4 and IPv6 where the kernel has both (a pod's
+    namespace may have IPv6 off), IPv4 otherwise."""
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=max(16, backlog))
+        except OSError:
+            pass
+    return socket.create_server(("", 0), backlog=max(16, backlog))
+
+
+def store_host(store: Any) -> Optional[str]:
+    """The host a store client dials (a ``TCPStore``, possibly under ``PrefixStore``s): where rank 0 is reached."""
+    while store is not None:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    return None

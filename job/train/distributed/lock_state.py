@@ -1,0 +1,298 @@
+"""``LockState``: which bucket a distributed trainer gets next (the lock server's logic, without transport).
+
+It hands a trainer a bucket none of whose partitions another trainer holds, prefers buckets that reuse the
+partitions the trainer already holds, honours the initialised-partition rule on the first pass, and tracks
+which buckets are done and which partitions were written into the next (uncommitted) checkpoint version.
+With ``prefetch_partitions`` it also *reserves* a trainer's next bucket while the current one trains
+(``reserve``; policy in its docstring). Pure state, unit-tested on its own (tests/test_distributed.py,
+tests/test_distributed_prefetch.py); ``job.train.distributed.lock_server.LockServer`` serves it from rank 0 and persists
+it (job/checkpoint/group_progress.py): a snapshot (``to_json``/``restore``) when its pass starts, then, at every request that
+changed it, the changes as records (``drain_journal``), which ``apply`` replays onto the snapshot after a restart.
+
+The records (``{"e": kind, ...}``) are the changes to what a restart keeps, nothing else (locks and reservations
+are forgotten by a restart: ``forget_rank_locks``):
+
+- ``start``: ``rank`` trains ``bucket`` (in flight);  ``stop``: ``rank`` has nothing in flight any more
+- ``finish``: ``rank`` finished ``bucket`` (done); ``keys``: its partitions, still unwritten by that rank
+- ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten); ``staged`` (a write
+  group, job/checkpoint/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there
+- ``record``: a finished bucket's ``training_stats.json`` line
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from job.train.schedule.orders import Bucket, all_buckets
+
+PartKey = tuple[str, int]
+
+
+@dataclass
+class LockState:
+    """Which buckets are done, which partitions are locked by whom, and what is already written this pass."""
+
+    nparts_lhs: int
+    nparts_rhs: int
+    bucket_keys: dict[Bucket, frozenset]  # partitioned (type, partition) keys each bucket needs
+    tree_init_order: bool = False  # first pass of a fresh run: grow out from partition 0
+    version: int = 0  # the checkpoint version this pass will commit
+    done: set = field(default_factory=set)
+    in_flight: dict = field(default_factory=dict)  # rank -> bucket
+    reserved: dict = field(default_factory=dict)  # rank -> its next bucket, granted early (partitions locked)
+    world_size: int = 1  # trainers in the group: how many may want a bucket (the reservation policy)
+    locks: dict = field(default_factory=dict)  # key -> rank
+    dirty: set = field(default_factory=set)  # keys written into `version` during this pass
+    trained_parts: set = field(default_factory=set)  # partition numbers trained this pass
+    redone: int = 0
+    acquired: int = 0
+    # rank -> done bucket -> its partitions that rank still holds unwritten: if the rank dies, the bucket's
+    # training dies with them, so it goes back to the queue
+    unsaved: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)  # training_stats.json lines of the finished buckets
+    journal: list = field(default_factory=list)  # the changes not yet persisted (``drain_journal``)
+
+    @property
+    def total(self) -> int:
+        return self.nparts_lhs * self.nparts_rhs
+
+    def finished(self) -> bool:
+        return len(self.done) == self.total and not self.in_flight
+
+    def _eligible(self, bucket: Bucket) -> bool:
+        if not self.tree_init_order or self.total == 1:
+            return True
+        return 0 in (bucket.lhs, bucket.rhs) or bool({bucket.lhs, bucket.rhs} & self.trained_parts)
+
+    def next_bucket(self, rank: int, held: set, finished: Optional[Bucket], rng: Any) -> tuple[str, Optional[Bucket]]:
+        """Finish ``finished`` (if any) and pick the next bucket for ``rank``: ("bucket", b), ("wait", None) or ("done", None).
+        A bucket reserved for ``rank`` is its next one (its partitions are locked for it already)."""
+        self._end_in_flight(rank, finished)
+        ahead = self.reserved.pop(rank, None)
+        if ahead is not None:
+            self._change({"e": "start", "rank": rank, "bucket": list(ahead)})
+            return "bucket", ahead
+        candidates = self._open_to(rank)
+        if not candidates:
+            remaining = self.total - len(self.done)
+            return ("done", None) if remaining == 0 else ("wait", None)
+        # affinity: the most partitions already held, then random
+        best = max(len(self.bucket_keys[b] & held) for b in candidates)
+        choice = rng.choice([b for b in candidates if len(self.bucket_keys[b] & held) == best])
+        for key in self.bucket_keys[choice]:
+            self.locks[key] = rank
+        self._change({"e": "start", "rank": rank, "bucket": list(choice)})
+        return "bucket", choice
+
+    def _end_in_flight(self, rank: int, finished: Optional[Bucket]) -> None:
+        """``rank``'s bucket in flight ends: done if it is ``finished``, else given up (a restart redoes it)."""
+        if finished is not None and self.in_flight.get(rank) == finished:
+            self._change({"e": "finish", "rank": rank, "bucket": list(finished),
+                          "keys": sorted([list(k) for k in self.bucket_keys[finished]])})
+        if rank in self.in_flight:
+            self._change({"e": "stop", "rank": rank})
+
+    def stop(self, rank: int, finished: Optional[Bucket]) -> None:
+        """The round ends: finish ``finished`` (if ``rank`` had it in flight) and hand ``rank`` nothing more, its
+        reservation dropped with the locks only it needed (partitions not read yet, or read ahead and unchanged:
+        the rank's give-back writes and releases the ones it holds, ``settled`` waits for that)."""
+        current = self.in_flight.get(rank)
+        self._end_in_flight(rank, finished)
+        ahead = self.reserved.pop(rank, None)
+        if ahead is not None:
+            keep = self.bucket_keys[current] if current is not None else frozenset()
+            for key in self.bucket_keys[ahead] - keep:
+                if self.locks.get(key) == rank:
+                    del self.locks[key]
+
+    def settled(self, rank: int) -> bool:
+        """Whether ``rank`` holds nothing a restart would redo or wait on: no bucket in flight, none done whose
+        partitions it has not written, no lock (its write groups recorded and published)."""
+        return (rank not in self.in_flight and not self.unsaved.get(rank)
+                and rank not in self.locks.values())
+
+    def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
+        """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
+        another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
+        trained, i.e. those of the bucket ``rank`` trains before this one)."""
+        taken = set(self.in_flight.values()) | set(self.reserved.values())
+        return [bucket for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs)
+                if bucket not in self.done and bucket not in taken
+                and all(self.locks.get(key, rank) == rank for key in self.bucket_keys[bucket])
+                and (self._eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))]
+
+    def reserve(self, rank: int, rng: Any, leaving: frozenset = frozenset()) -> Optional[Bucket]:
+        """Grant ``rank``'s next bucket now, while it trains its current one, and lock its partitions for it.
+
+        Policy (no starvation): a reservation never takes a partition another rank holds (the usual rule), and
+        it takes a *free* partition only if the other ranks still waiting for work (every other rank without a
+        reservation) keep at least one open bucket each that the new locks do not touch. Among the grantable
+        buckets the one needing the fewest new partitions wins (then random): usually a bucket sharing the
+        current one's partitions, which costs nobody anything and the trainer no read. None: nothing fits (the
+        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time.
+        ``leaving``: partitions the rank is writing back in the background; it holds their locks until they are
+        stored (``release``), but they count as new partitions here, as they would after the release."""
+        current = self.in_flight.get(rank)
+        if current is None or rank in self.reserved:
+            return self.reserved.get(rank)
+        mine = {key for key, owner in self.locks.items() if owner == rank} - leaving
+        by_cost: dict[int, list[Bucket]] = {}
+        for bucket in self._open_to(rank, frozenset((current.lhs, current.rhs))):
+            by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
+        if not by_cost:
+            return None
+        open_to_others = self._open_to_others(rank)
+        for cost in sorted(by_cost):
+            group = by_cost[cost]
+            rng.shuffle(group)
+            for bucket in group:
+                new = self.bucket_keys[bucket] - mine
+                if new and not self._leaves_enough(rank, new, open_to_others):
+                    continue
+                for key in new:
+                    self.locks[key] = rank
+                self.reserved[rank] = bucket
+                return bucket
+        return None
+
+    def _open_to_others(self, rank: int) -> dict[Bucket, frozenset]:
+        """Buckets some other rank could take now (keys: their partitions): none locked by ``rank``, all the
+        locked ones held by one and the same rank."""
+        taken = set(self.in_flight.values()) | set(self.reserved.values())
+        out = {}
+        for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs):
+            if bucket in self.done or bucket in taken or not self._eligible(bucket):
+                continue
+            keys = self.bucket_keys[bucket]
+            owners = {self.locks[key] for key in keys if key in self.locks}
+            if rank not in owners and len(owners) <= 1:
+                out[bucket] = keys
+        return out
+
+    def _leaves_enough(self, rank: int, new: frozenset, open_to_others: dict[Bucket, frozenset]) -> bool:
+        """Whether the other ranks that still need a next bucket find one each after ``rank`` locks ``new``."""
+        demand = self.world_size - 1 - sum(1 for other in self.reserved if other != rank)
+        if demand <= 0:
+            return True
+        left = sum(1 for keys in open_to_others.values() if not keys & new)
+        return left >= demand
+
+    def release(self, rank: int, keys: list, written: bool = True) -> None:
+        """``rank`` wrote ``keys`` into the next version and gives up their locks (but not those its current or
+        reserved bucket needs: that bucket would lose them to another rank)."""
+        needed: set[PartKey] = set()
+        for bucket in (self.in_flight.get(rank), self.reserved.get(rank)):
+            if bucket is not None:
+                needed |= self.bucket_keys[bucket]
+        keys = [(k[0], int(k[1])) for k in keys]
+        for key in keys:
+            if self.locks.get(key) == rank and key not in needed:
+                del self.locks[key]
+        if written and keys:
+            self.record_written(rank, keys)
+
+    def record_written(self, rank: int, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]] = ()) -> None:
+        """``rank`` made ``keys`` current in the next version, all in this one record (a write group: ``staged``
+        names each one's staged file, ``[type, partition, name]``); its locks stay (``release`` frees them)."""
+        event: dict[str, Any] = {"e": "written", "rank": rank, "keys": [[k[0], int(k[1])] for k in keys]}
+        if staged:
+            event["staged"] = [[t, int(p), str(name)] for t, p, name in staged]
+        self._change(event)
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        """A finished bucket's stats line (the committing rank writes them all at the commit)."""
+        self._change({"e": "record", "record": record})
+
+    def _change(self, event: dict[str, Any]) -> None:
+        self.apply(event)
+        self.journal.append(event)
+
+    def drain_journal(self) -> list[dict[str, Any]]:
+        """The changes since the last call, to persist (see the module docstring)."""
+        events, self.journal = self.journal, []
+        return events
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """One change (a record of ``drain_journal``): made here as the server runs, and replayed onto the pass's
+        snapshot after a restart."""
+        kind = event["e"]
+        rank = int(event.get("rank", -1))
+        if kind == "start":
+            self.in_flight[rank] = Bucket(*event["bucket"])
+            self.acquired += 1
+        elif kind == "stop":
+            # a bucket in flight that ends unfinished was given up (job/train/schedule/clock.py): trained again
+            self.redone += self.in_flight.pop(rank, None) is not None
+        elif kind == "finish":
+            bucket = Bucket(*event["bucket"])
+            self.done.add(bucket)
+            self.trained_parts.update((bucket.lhs, bucket.rhs))
+            self.in_flight.pop(rank, None)
+            if event["keys"]:
+                self.unsaved.setdefault(rank, {})[bucket] = {(k[0], int(k[1])) for k in event["keys"]}
+        elif kind == "written":
+            pending = self.unsaved.get(rank, {})
+            for k in event["keys"]:
+                key = (k[0], int(k[1]))
+                self.dirty.add(key)
+                for bucket in list(pending):
+                    pending[bucket].discard(key)
+                    if not pending[bucket]:
+                        del pending[bucket]
+            if rank in self.unsaved and not pending:
+                del self.unsaved[rank]
+        elif kind == "record":
+            self.records.append(event["record"])
+        else:
+            raise ValueError(f"unknown progress record {kind!r}")
+
+    def forget_rank_locks(self) -> dict[int, int]:
+        """After a restart nobody holds anything: in-flight buckets will be redone, and so will finished ones
+        whose partitions were still held (their updates were never written; their stats lines are dropped with
+        them, the redo records its own). Reserved buckets were never
+        started: they go back to the queue, not counted as redone. Returns the buckets to redo by the rank (of the
+        round that ended) that held them: since a round's end is drained, only lost ranks should appear."""
+        by_rank: dict[int, int] = {}
+        for rank in self.in_flight:
+            by_rank[rank] = by_rank.get(rank, 0) + 1
+        for rank, pending in self.unsaved.items():
+            if pending:
+                by_rank[rank] = by_rank.get(rank, 0) + len(pending)
+        self.redone += len(self.in_flight)
+        self.in_flight.clear()
+        self.reserved.clear()
+        lost = {b for pending in self.unsaved.values() for b in pending}
+        self.done -= lost
+        self.redone += len(lost)
+        # their stats lines go with them: the redo adds its own, and the committed training_stats.json holds one line
+        # per bucket and pass (bench/chaos_bench.py found 56 kept twice after 100 events)
+        self.records = [r for r in self.records
+                        if "lhs_partition" not in r or Bucket(r["lhs_partition"], r["rhs_partition"]) not in lost]
+        self.unsaved.clear()
+        self.locks.clear()
+        return by_rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "done": sorted(list(b) for b in self.done),
+            "in_flight": {str(r): list(b) for r, b in self.in_flight.items()},
+            "reserved": {str(r): list(b) for r, b in self.reserved.items()},
+            "dirty": sorted([list(k) for k in self.dirty]), "trained_parts": sorted(self.trained_parts),
+            "redone": self.redone, "acquired": self.acquired, "records": self.records,
+            "unsaved": {str(r): [[*b, sorted([list(k) for k in keys])] for b, keys in pending.items()]
+                        for r, pending in self.unsaved.items()},
+        }
+
+    def restore(self, data: dict[str, Any]) -> None:
+        self.done = {Bucket(*b) for b in data.get("done", [])}
+        self.in_flight = {int(r): Bucket(*b) for r, b in data.get("in_flight", {}).items()}
+        self.reserved = {int(r): Bucket(*b) for r, b in data.get("reserved", {}).items()}
+        self.dirty = {(k[0], int(k[1])) for k in data.get("dirty", [])}
+        self.trained_parts = set(data.get("trained_parts", []))
+        self.redone = int(data.get("redone", 0))
+        self.acquired = int(data.get("acquired", 0))
+        self.records = list(data.get("records", []))
+        self.unsaved = {int(r): {Bucket(lhs, rhs): {(k[0], int(k[1])) for k in keys} for lhs, rhs, keys in pending}
+                        for r, pending in data.get("unsaved", {}).items()}

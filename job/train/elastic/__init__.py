@@ -1,0 +1,1 @@
+"""What runs in the agent process: torchrun's agent, warm spares, how many trainers a machine launches."""

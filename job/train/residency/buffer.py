@@ -1,0 +1,219 @@
+"""The partition buffer: how many partitions stay in memory, which one leaves, and what the I/O cost.
+
+A bucket (l, r) needs partition l of its lhs types and partition r of its rhs types. PBG holds
+exactly the current bucket's partitions, so nearly every bucket change writes one partition and
+reads another, and the trainer waits for both. biggraph holds up to ``capacity`` partitions
+(``partition_buffer`` per partitioned type, or as many of the largest as ``memory_budget`` allows):
+
+- a partition leaves only when the buffer is full, and then the one whose next use in the pass
+  is farthest away (Belady's rule: optimal for a known sequence of buckets);
+- with ``prefetch_partitions``, while a bucket trains a background thread writes back the partition
+  the next bucket will evict (when the current bucket does not use it) and then reads the one it
+  needs into the freed memory: the same loads as without, the buffer never exceeded, the wait gone;
+- distributed trainers hold only the current bucket's partitions (the others may need the rest);
+  with ``prefetch_partitions`` the lock server reserves their next bucket early and they read its
+  missing partitions within the same capacity while the current bucket trains;
+- ``bucket_order: buffer`` (job/train/schedule/orders.py) walks the buckets so that the loads per pass
+  come close to the lower bound for the buffer size.
+
+``IOStats`` counts what a pass read and wrote and how long training waited for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.errors import ConfigError
+from job.formats.uploads import MAX_PENDING_UPLOADS, UPLOAD_THREADS
+from storage_adapters.multipart import transfer_buffer_bytes
+
+logger = logging.getLogger("biggraph")
+
+Key = tuple[str, int]  # (entity type, partition)
+PROCESS_FALLBACK_BYTES = 192 * 2**20  # a process with torch loaded, measured ~170-185 MiB anonymous here
+
+
+@dataclass
+class IOStats:
+    """Partition traffic of one pass (thread-safe: the background thread adds to it)."""
+
+    loads: int = 0  # partitions brought into memory: read, or initialised on their first use
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    prefetched: int = 0  # loads read in the background before the bucket needing them started (off the critical path)
+    written_behind: int = 0  # writes of evicted partitions done in the background while a bucket trained
+    blocked_seconds: float = 0.0  # training waited for partition I/O (swaps, not the commit)
+    commit_seconds: float = 0.0  # writing every partition into the new version at the end of the pass
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, *, loads: int = 0, reads: int = 0, writes: int = 0, bytes_read: int = 0, bytes_written: int = 0,
+            prefetched: int = 0, written_behind: int = 0) -> None:
+        with self._lock:
+            self.prefetched += prefetched
+            self.written_behind += written_behind
+            self.loads += loads
+            self.reads += reads
+            self.writes += writes
+            self.bytes_read += bytes_read
+            self.bytes_written += bytes_written
+
+    def as_record(self) -> dict[str, float]:
+        return {"partition_loads": self.loads, "partition_reads": self.reads, "partition_writes": self.writes,
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "partition_loads_prefetched": self.prefetched,
+                "partition_writes_background": self.written_behind,
+                "io_blocked_seconds": round(self.blocked_seconds, 3),
+                "commit_seconds": round(self.commit_seconds, 3)}
+
+
+def per_coordinate(config: ConfigSchema, entity_type: str) -> bool:
+    """Whether ``entity_type``'s Adagrad state has a sum per coordinate (``entity_optimizer: adagrad``; a frozen
+    type is never stepped, so it keeps the one float per row it has always had)."""
+    return config.entity_optimizer == "adagrad" and not config.entities[entity_type].frozen
+
+
+def row_bytes(config: ConfigSchema, entity_type: str) -> int:
+    """Bytes a row of ``entity_type`` takes in memory: its float32 embedding and its Adagrad state (one float32 with
+    PBG's row-wise Adagrad, one per coordinate with ``entity_optimizer: adagrad``)."""
+    dim = config.entity_dimension(entity_type)
+    return (dim + (dim if per_coordinate(config, entity_type) else 1)) * 4
+
+
+def partition_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """Bytes of the largest partition of a partitioned type: embeddings (float32) + Adagrad state."""
+    return max((count * row_bytes(config, t)
+                for t, e in config.entities.items() if e.num_partitions > 1 for count in counts[t]), default=0)
+
+
+def unpartitioned_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    return sum(counts[t][0] * row_bytes(config, t) for t, e in config.entities.items() if e.num_partitions == 1)
+
+
+def process_bytes() -> int:
+    """This process's own memory now (anonymous pages: torch's runtime, the model, buffers), which each
+    Hogwild worker process costs about as much of; a fixed guess where /proc is not there."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return PROCESS_FALLBACK_BYTES
+
+
+def checkpoint_transfer_bytes(checkpoint_url: str) -> int:
+    """What the storage layer holds for a checkpoint's transfers at most: on S3, a part per background upload
+    and a prefetch's and a foreground read's chunks (s3fs' own transfers would hold 500 MiB a file); nothing
+    for local files (the page cache is the kernel's)."""
+    if storage.scheme_of(checkpoint_url) not in storage.S3_SCHEMES:
+        return 0
+    return transfer_buffer_bytes(uploads=UPLOAD_THREADS, downloads=2)
+
+
+def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distributed: bool, processes: int = 1,
+                    runtime_bytes: Optional[int] = None, transfer_bytes: int = 0, sync_bytes: int = 0) -> Optional[int]:
+    """How many partitions (of partitioned types) the buffer holds; None: exactly the current bucket's, as
+    PBG. Logs why. Distributed trainers keep only the current bucket's partitions resident (the partitions
+    they hold are locked from the others); with ``prefetch_partitions`` the capacity bounds those plus the
+    ones read ahead for the reserved next bucket, without it they hold the bucket's only (None).
+
+    ``memory_budget`` is the whole trainer's memory (what a container limit is): the ``processes`` (the
+    trainer and its Hogwild workers) cost ``runtime_bytes`` each (default: measured on this one), the
+    unpartitioned types are held whole, one partition is in flight at a swap (the one arriving is
+    allocated before every process has let go of the one leaving), ``transfer_bytes`` are the storage
+    layer's transfer buffers (object stores: the parts of uploads and downloads in flight), and ``sync_bytes``
+    the shared parameters' copies a distributed trainer keeps to sync them (``sync_memory_bytes`` in
+    job/train/distributed/lock_server.py: a fixed number per rank, more on the lock server's); a distributed trainer also
+    holds host copies of the partitions it keeps at a switch while its write group is written behind
+    (``kept_copy_bytes``); the rest is the buffer."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    if not partitioned or (distributed and not config.prefetch_partitions):
+        return None
+    total = sum(config.entities[t].num_partitions for t in partitioned)
+    per_part = partition_bytes(config, counts)
+    per_bucket = 2 * len(partitioned)  # what one bucket may need at most
+    if config.partition_buffer is not None:
+        capacity, why = config.partition_buffer * len(partitioned), "partition_buffer"
+    elif (budget := config.memory_budget_bytes) is not None:
+        runtime = processes * (process_bytes() if runtime_bytes is None else runtime_bytes)
+        copies = kept_copy_bytes(config, counts) if distributed else 0
+        fixed = unpartitioned_bytes(config, counts) + runtime + per_part + transfer_bytes + sync_bytes + copies
+        capacity = (budget - fixed) // per_part if per_part else total
+        why = (f"memory_budget {_gib(budget)}: {_gib(runtime)} for {processes} process(es), "
+               f"{_gib(unpartitioned_bytes(config, counts))} for unpartitioned types, {_gib(per_part)} for a "
+               "partition in flight" + (f", {_gib(transfer_bytes)} for transfers to and from the object store"
+                                        if transfer_bytes else "")
+               + (f", {_gib(sync_bytes)} to sync the shared parameters" if sync_bytes else "")
+               + (f", {_gib(copies)} for the kept partitions' copies of a write group" if copies else ""))
+        if capacity < per_bucket:
+            raise ConfigError(
+                f"config key 'memory_budget': {config.memory_budget} holds {max(capacity, 0)} partition(s) of "
+                f"{_gib(per_part)} next to {_gib(fixed)} for the processes, unpartitioned types, "
+                + ("the shared parameters' sync with the group, " if sync_bytes else "")
+                + f"and a partition in flight; a bucket needs {per_bucket}: raise it to at least "
+                f"{_gib(per_bucket * per_part + fixed)} or use more partitions"
+            )
+    else:
+        # one more than a bucket needs: room for the next partition to arrive while another bucket trains
+        extra = len(partitioned) if config.prefetch_partitions else 0
+        capacity = per_bucket + extra
+        why = "default: a bucket's partitions" + (" + one to swap in the background" if extra else " (PBG)")
+    capacity = max(per_bucket, min(capacity, total))
+    if distributed:
+        why += "; distributed: the current bucket's partitions + the next bucket's read ahead, nothing else kept"
+    logger.info("partition buffer: %d of %d partitions in memory (%s; up to %s each, %s in all)", capacity, total,
+                why, _gib(per_part), _gib(capacity * per_part))
+    return capacity
+
+
+def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """The host copies a distributed trainer takes at a bucket switch of the partitions it keeps, to write them
+    in its write group while the next bucket trains on the originals (job/checkpoint/write_groups.py): at most a
+    bucket's partitions less the one leaving."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    return max(0, 2 * len(partitioned) - 1) * partition_bytes(config, counts)
+
+
+def shared_memory_bytes(config: ConfigSchema, counts: dict[str, list[int]], capacity: Optional[int]) -> int:
+    """What a CPU trainer keeps in /dev/shm (torch's shared memory, where every table is allocated even with no
+    Hogwild worker): the ``capacity`` resident partitions (None: a bucket's, as ``choose_capacity`` means it),
+    one more in flight at a swap, and the unpartitioned types, each with its row-wise Adagrad sums: the
+    tables ``choose_capacity`` counts in ``memory_budget``."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    resident = (capacity if capacity is not None else 2 * len(partitioned)) + (1 if partitioned else 0)
+    return resident * partition_bytes(config, counts) + unpartitioned_bytes(config, counts)
+
+
+def staging_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """The local disk (TMPDIR) a trainer stages checkpoint files in when checkpoint_path is on an object store:
+    whole files read (the one needed now and one read ahead) and the files of a version built before their
+    upload (at most ``MAX_PENDING_UPLOADS`` at once), each up to the largest table; nothing for a local one."""
+    if storage.is_local(config.checkpoint_path):
+        return 0
+    tables = [count * row_bytes(config, t) for t in config.entities for count in counts[t]]
+    return (2 + min(MAX_PENDING_UPLOADS, len(tables))) * max(tables, default=0)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def next_use(key: Key, upcoming: Sequence[set[Key]]) -> int:
+    """Buckets until ``key`` is needed again (len(upcoming) + 1: not in this pass)."""
+    return next((i for i, keys in enumerate(upcoming) if key in keys), len(upcoming) + 1)
+
+
+def pick_victim(candidates: Sequence[Key], upcoming: Sequence[set[Key]]) -> Optional[Key]:
+    """The candidate needed again latest (ties: the smallest key, so runs are reproducible)."""
+    if not candidates:
+        return None
+    return max(sorted(candidates), key=lambda k: next_use(k, upcoming))
