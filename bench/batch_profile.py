@@ -37,7 +37,7 @@ from job.train.batch.allocator import keep_freed_memory  # noqa: E402
 from job.train.batch.optim import RelationAdagrad  # noqa: E402
 from job.train.batch.precision import training_dtype  # noqa: E402
 from job.train.batch.step import BatchContext, run_batch  # noqa: E402
-from job.train.residency.buffer import per_coordinate  # noqa: E402
+from job.train.residency.budget import per_coordinate  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "ooc": {"relations": 10, "dimension": 100, "num_batch_negs": 50, "num_uniform_negs": 50, "rows": 250_000,

@@ -44,10 +44,12 @@ import torch  # noqa: E402
 from torch.distributed import PrefixStore, TCPStore  # noqa: E402
 
 from job.checkpoint.group_progress import ProgressLog  # noqa: E402
-from job.train.distributed.lock_server import LockClient, LockServer, SharedParameters  # noqa: E402
+from job.train.distributed.lock_client import LockClient  # noqa: E402
+from job.train.distributed.lock_server import LockServer  # noqa: E402
 from job.train.distributed.lock_state import LockState  # noqa: E402
+from job.train.distributed.shared_params import SharedParameters  # noqa: E402
 from job.train.distributed.transport import TensorTransport  # noqa: E402
-from job.train.schedule.orders import Bucket  # noqa: E402
+from job.types import Bucket  # noqa: E402
 
 FREEBASE_RELATION_VALUES = 14_824 * 200  # ComplEx d=100: a real and an imaginary diagonal per relation
 TIMEOUT_S = 600.0

@@ -47,7 +47,7 @@ from job.train.batch.batching import process_edges
 from job.train.batch.ranking import add_ranks, prepared, rank_bucket, side_vectors
 from job.train.batch.step import BatchContext, BatchStats
 from job.train.inputs import bucket_grid, edge_limits, edge_tensors, pick_device, read_entity_counts
-from job.train.schedule.orders import Bucket
+from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
 
@@ -81,7 +81,7 @@ class CheckpointReader:
         self.model.load_public_state_dict(params, self.checkpoint.model_file(self.version))
         self.model.to(self.device)
         self.model.eval()
-        self._cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[PartitionKey, torch.Tensor] = OrderedDict()
         self._max_resident = max_resident
         self._resident_bytes = resident_bytes
         self.loads = 0  # partitions read from the checkpoint (a partition evicted and needed again counts again)

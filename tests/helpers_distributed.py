@@ -37,7 +37,7 @@ from helpers_graphs import TEST_DEVICE
 
 if TYPE_CHECKING:
     from job.train.distributed.transport import TensorTransport
-    from job.train.schedule.orders import Bucket
+    from job.types import Bucket
 
 
 def free_port() -> int:

@@ -27,12 +27,14 @@ from job.config import parse_config
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.batch import batching
-from job.train.batch.batching import EdgeTensors, process_edges, split_almost_equally
+from job.train.batch.batching import process_edges, split_almost_equally
 from job.train.batch.optim import RelationAdagrad
 from job.train.batch.step import BatchContext, BatchStats, BucketAbandoned
-from job.train.distributed.lock_server import LockClient, LockServer
+from job.train.distributed.lock_client import LockClient
+from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.hogwild.pool import WorkerPool
+from job.train.inputs import EdgeTensors
 from job.train.schedule.clock import BucketClock
 
 EDGES = 2_000

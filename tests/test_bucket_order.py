@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from job.config import BucketOrder
 from job.train.schedule.buffer_walk import walk
-from job.train.schedule.orders import Bucket, all_buckets, buffer_order, lower_bound_loads, order_buckets, plan_loads
+from job.train.schedule.orders import all_buckets, buffer_order, lower_bound_loads, order_buckets, plan_loads
+from job.types import Bucket
 
 
 def fewest_loads(nparts: int, capacity: int, resident: int = 0, *, estimate: bool = False) -> int:

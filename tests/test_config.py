@@ -520,7 +520,7 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
 
 
 def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: Path) -> None:
-    from job.train.residency.buffer import choose_capacity
+    from job.train.residency.budget import choose_capacity
 
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 4}}, "dimension": 99,
                            "memory_budget": "1MB"})
@@ -545,7 +545,7 @@ def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: 
 
 
 def test_memory_budget_sets_aside_the_transfer_buffers_of_a_checkpoint_on_s3(caplog: pytest.LogCaptureFixture) -> None:
-    from job.train.residency.buffer import checkpoint_transfer_bytes, choose_capacity
+    from job.train.residency.budget import checkpoint_transfer_bytes, choose_capacity
     from storage_adapters import multipart
 
     on_s3 = checkpoint_transfer_bytes("s3://bucket/ckpt")
@@ -563,7 +563,7 @@ def test_memory_budget_sets_aside_the_transfer_buffers_of_a_checkpoint_on_s3(cap
 
 
 def test_memory_budget_counts_this_process_by_default() -> None:
-    from job.train.residency.buffer import choose_capacity, process_bytes
+    from job.train.residency.budget import choose_capacity, process_bytes
 
     own = process_bytes()
     assert 10 * 2**20 < own < 4 * 2**30  # this interpreter with torch loaded
@@ -580,9 +580,7 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
     buffer), and rank 0, which serves it, its served and stored vectors and its transfer slots (the sums in flight
     to peers that have not taken them yet: job/train/distributed/transfers.py): a fixed number each, whatever the pass's
     length or the group's size."""
-    from job.train.distributed.lock_server import sync_memory_bytes
-    from job.train.distributed.transfers import TRANSFER_SLOTS
-    from job.train.residency.buffer import choose_capacity
+    from job.train.residency.budget import TRANSFER_SLOTS, choose_capacity, sync_memory_bytes
 
     values = 1_000_000  # 4 MB a copy
     assert sync_memory_bytes(values, serves=False) == 2 * 4 * values

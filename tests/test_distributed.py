@@ -29,7 +29,8 @@ from helpers_distributed import (
 from job.errors import UserError
 from job.train.distributed.group import DEFAULT_PEER_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, peer_timing
 from job.train.distributed.lock_state import LockState
-from job.train.schedule.orders import Bucket, all_buckets
+from job.train.schedule.orders import all_buckets
+from job.types import Bucket
 
 # the scheduling rules -------------------------------------------------------------------------------
 

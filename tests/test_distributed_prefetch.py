@@ -20,7 +20,8 @@ from helpers_distributed import (
 )
 
 from job.train.distributed.lock_state import LockState
-from job.train.schedule.orders import Bucket, all_buckets
+from job.train.schedule.orders import all_buckets
+from job.types import Bucket
 
 Key = tuple[str, int]
 
@@ -95,7 +96,8 @@ def test_a_ranks_writer_thread_releases_through_its_own_channel_while_the_main_t
     import numpy as np
     from torch.distributed import TCPStore
 
-    from job.train.distributed.lock_server import LockClient, LockServer
+    from job.train.distributed.lock_client import LockClient
+    from job.train.distributed.lock_server import LockServer
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     state = LockState(6, 6, partition_keys(6), world_size=1)

@@ -19,9 +19,10 @@ from job.errors import ConfigError
 from job.eval_protocol import protocol_label, recorded_label, resolve_protocol
 from job.evaluation import evaluate
 from job.model.scoring import Model, Table
-from job.train.batch.batching import EdgeTensors, process_edges
+from job.train.batch.batching import process_edges
 from job.train.batch.ranking import rank_bucket
 from job.train.batch.step import BatchContext
+from job.train.inputs import EdgeTensors
 from job.train.pass_stats import pass_message, weighted
 from job.train.schedule.interfaces import Iteration
 

@@ -27,7 +27,7 @@ from job.native import kernels
 from job.train import train
 from job.train.batch import optim
 from job.train.batch.rowops import scratch
-from job.train.residency.buffer import partition_bytes, unpartitioned_bytes
+from job.train.residency.budget import partition_bytes, unpartitioned_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_graphs import assert_same_run, write_cycle_graph  # noqa: E402

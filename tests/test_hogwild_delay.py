@@ -20,12 +20,13 @@ from job.config import parse_config
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.batch import batching
-from job.train.batch.batching import EdgeTensors, plan_batches, split_almost_equally
+from job.train.batch.batching import plan_batches, split_almost_equally
 from job.train.batch.optim import RelationAdagrad
 from job.train.batch.step import BatchContext, BatchStats
 from job.train.hogwild import pool as hogwild
 from job.train.hogwild.pool import WorkerPool
 from job.train.hogwild.work_sharing import SharedSlice
+from job.train.inputs import EdgeTensors
 
 NUM_EDGES = 2_000
 BATCH = 100  # a multiple of the default 50 batch negatives

@@ -36,8 +36,11 @@ from job.checkpoint.group_progress import (
 from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
-from job.train.distributed.lock_server import LockClient, LockServer, LockServerError, _pack
+from job.train.distributed.lock_client import LockClient
+from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
+from job.train.distributed.protocol import LockServerError
+from job.train.distributed.protocol import pack as _pack
 from job.train.distributed.transport import TensorTransport
 from job.train.residency.partitions import PartitionStore
 
@@ -796,7 +799,9 @@ def test_a_rank_that_announces_a_change_and_never_sends_it_is_refused_after_the_
 GROUP_SCRIPT = """
 import json, sys, time
 import numpy as np, torch
-from job.train.distributed.lock_server import LockClient, LockServer, SharedParameters
+from job.train.distributed.lock_client import LockClient
+from job.train.distributed.lock_server import LockServer
+from job.train.distributed.shared_params import SharedParameters
 from job.train.distributed.group import init_distributed, leave, wait_all
 from job.train.distributed.lock_state import LockState
 from job.checkpoint.group_progress import ProgressLog
@@ -888,7 +893,7 @@ def test_adagrad_sums_are_shared_so_every_trainer_steps_with_the_groups_sums(sto
     step is scaled by those sums, as two Hogwild workers of one process would be, not by its own alone."""
     from job.model.scoring import Table
     from job.train.batch.optim import RelationAdagrad
-    from job.train.distributed.lock_client import SharedParameters, shared_state
+    from job.train.distributed.shared_params import SharedParameters, shared_state
 
     def trainer(gradient: float) -> tuple[torch.Tensor, RelationAdagrad, Table, SharedParameters]:
         parameter = torch.zeros(2, requires_grad=True)

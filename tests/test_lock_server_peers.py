@@ -23,10 +23,13 @@ import torch
 from helpers_distributed import partition_keys, transports
 from torch.distributed import TCPStore
 
-from job.train.distributed.lock_server import LockClient, LockServer, LockServerError, _pack
+from job.train.distributed.lock_client import LockClient
+from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
-from job.train.distributed.transfers import TRANSFER_SLOTS
+from job.train.distributed.protocol import LockServerError
+from job.train.distributed.protocol import pack as _pack
 from job.train.distributed.transport import TensorTransport, Transfer
+from job.train.residency.budget import TRANSFER_SLOTS
 
 PREFIX = "biggraph/test-round/lock"
 

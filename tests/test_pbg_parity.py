@@ -29,9 +29,10 @@ from job.model.scoring import Model, Table
 from job.model.side import Side
 from job.train import Collaborators, Trainer, bucket_run, train
 from job.train.batch import batching
-from job.train.batch.batching import EdgeTensors, process_edges, split_almost_equally
+from job.train.batch.batching import process_edges, split_almost_equally
 from job.train.batch.optim import ADAGRAD_EPS, RelationAdagrad
 from job.train.batch.step import BatchContext, BatchStats, _finish, run_batch
+from job.train.inputs import EdgeTensors
 
 
 def pbg_batch_sizes(num_edges: int, workers: int, batch_size: int) -> list[int]:

@@ -185,10 +185,11 @@ def _one_slice(options: Any, pool_workers: int = 0) -> Any:
     import torch
 
     from job.model.scoring import Model, Table
-    from job.train.batch.batching import EdgeTensors, process_edges
+    from job.train.batch.batching import process_edges
     from job.train.batch.optim import RelationAdagrad
     from job.train.batch.step import BatchContext
     from job.train.hogwild.pool import WorkerPool
+    from job.train.inputs import EdgeTensors
 
     rows, num_edges = 3000, 1000
     config = parse_config({

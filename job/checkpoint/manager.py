@@ -41,10 +41,10 @@ from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SumRegistry
 from job.formats.checkpoint_io import version_of
 from job.formats.committed import Committed, open_committed
+from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-PartKey = tuple[str, int]
 MetadataProvider = Callable[[], dict[str, Any]]
 
 
@@ -70,7 +70,7 @@ class ModelState:
 class CheckpointManager:
     """Opens, commits and retires the versions of one checkpoint directory; see the module docstring."""
 
-    def __init__(self, url: str, partitions: Sequence[PartKey], inputs: Optional[GrowInputs] = None,
+    def __init__(self, url: str, partitions: Sequence[PartitionKey], inputs: Optional[GrowInputs] = None,
                  take_over: bool = False, fence: Optional[Callable[[], None]] = None) -> None:
         self.storage = CheckpointStorage(url, guard=self._guard)
         self.url = self.storage.url

@@ -40,16 +40,16 @@ import torch
 import storage_adapters as storage
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
+from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-Key = tuple[str, int]  # (entity type, partition)
 
 # ``.tmp-``: the checkpoint manager's clean-up at open removes such names whatever wrote them (job/checkpoint/manager.py)
 STAGED_PREFIX = ".tmp-staged-"
 
 
-def staged_name(key: Key, version: int, token: str) -> str:
+def staged_name(key: PartitionKey, version: int, token: str) -> str:
     """The staged file of ``key`` in ``version`` for the group ``token``: not a PBG name (see the module docstring)."""
     entity_type, part = key
     return f"{STAGED_PREFIX}{token}-embeddings_{entity_type}_{part}.v{version}.h5"
@@ -62,17 +62,17 @@ class WriteGroup:
     written behind)."""
 
     version: int
-    leaving: list[Key]
-    tables: dict[Key, Table]
-    names: dict[Key, str]
+    leaving: list[PartitionKey]
+    tables: dict[PartitionKey, Table]
+    names: dict[PartitionKey, str]
 
     @classmethod
-    def of(cls, version: int, leaving: Sequence[Key], tables: dict[Key, Table]) -> WriteGroup:
+    def of(cls, version: int, leaving: Sequence[PartitionKey], tables: dict[PartitionKey, Table]) -> WriteGroup:
         token = secrets.token_hex(6)
         return cls(version, sorted(leaving), tables, {key: staged_name(key, version, token) for key in tables})
 
     @property
-    def keys(self) -> list[Key]:
+    def keys(self) -> list[PartitionKey]:
         return sorted(self.names)
 
     def staged(self) -> list[list[Any]]:
@@ -105,7 +105,7 @@ class CopySlots:
         return Table(weight=copy, optim_sum=optim_sum)
 
 
-def publish(checkpoint: CheckpointStorage, version: int, key: Key, name: str) -> bool:
+def publish(checkpoint: CheckpointStorage, version: int, key: PartitionKey, name: str) -> bool:
     """Move the staged file ``name`` of ``key`` to its PBG name in ``version``, with its checksum record (the next
     holder verifies its read against it). False when the staged file is not there (moved already)."""
     source = storage.join(checkpoint.url, name)
@@ -120,7 +120,7 @@ def publish(checkpoint: CheckpointStorage, version: int, key: Key, name: str) ->
     return True
 
 
-def publish_group(checkpoint: CheckpointStorage, group: WriteGroup, keys: Optional[Iterable[Key]] = None) -> None:
+def publish_group(checkpoint: CheckpointStorage, group: WriteGroup, keys: Optional[Iterable[PartitionKey]] = None) -> None:
     """Publish ``keys`` of ``group`` (all by default), once the server has recorded the group."""
     for key in group.keys if keys is None else keys:
         if not publish(checkpoint, group.version, key, group.names[key]):

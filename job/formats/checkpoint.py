@@ -80,6 +80,7 @@ from job.formats.redaction import redact_config_json, redact_secrets
 from job.formats.stats import append_stats, load_stats, trim_stats
 from job.formats.sums import Entry, SharedSumRegistry, SumRegistry
 from job.formats.uploads import MAX_PENDING_UPLOADS, UPLOAD_THREADS, UploadQueue
+from job.types import PartitionKey
 
 __all__ = [  # the names callers import from here (the format's pieces live in the modules above)
     "BEST_FILE", "CONFIG_FILE",
@@ -103,7 +104,7 @@ class CheckpointStorage:
         self._remote = not storage.renames_into_place(self.url)  # object stores: uploads in the background
         self._uploads = UploadQueue()
         self.sums = SumRegistry()
-        self._manifests: dict[tuple[str, int], Manifest] = {}
+        self._manifests: dict[PartitionKey, Manifest] = {}
 
     # background uploads (remote directories only) ------------------------------------------------
     @contextlib.contextmanager
@@ -414,7 +415,7 @@ class CheckpointStorage:
         """Versions with any file (data or manifest) in the directory."""
         return {v for name in storage.listdir(self.url) if (v := version_of(name)) is not None}
 
-    def drop_version(self, version: int, partitions: list[tuple[str, int]]) -> None:
+    def drop_version(self, version: int, partitions: list[PartitionKey]) -> None:
         # the manifest first: a crash half-way leaves files without a manifest (garbage), never a manifest
         # whose files are half gone
         storage.remove(self.manifest_file(version))
@@ -433,20 +434,20 @@ class CheckpointStorage:
                 storage.remove(storage.join(self.url, name))
                 self._manifests.pop((self.url, int(match.group("version"))), None)
 
-    def drop_older(self, committed: int, partitions: list[tuple[str, int]], keep: int | None = None) -> None:
+    def drop_older(self, committed: int, partitions: list[PartitionKey], keep: int | None = None) -> None:
         """Remove versions before the committed one (a kill between a commit and the deletion after it), except
         ``keep`` (the best version)."""
         for version in sorted(self.list_versions()):
             if version < committed and version != keep:
                 self.drop_version(version, partitions)
 
-    def drop_uncommitted(self, committed: int, partitions: list[tuple[str, int]]) -> None:
+    def drop_uncommitted(self, committed: int, partitions: list[PartitionKey]) -> None:
         """Remove the leftovers of versions newer than the committed one (a crash mid-write)."""
         for version in sorted(self.list_versions()):
             if version > committed:
                 self.drop_version(version, partitions)
 
-    def preserve(self, version: int, epoch: int, partitions: list[tuple[str, int]]) -> None:
+    def preserve(self, version: int, epoch: int, partitions: list[PartitionKey]) -> None:
         """Copy a committed version into ``epoch_{epoch}/`` with its own version marker."""
         snapshot = self.snapshot_dir(epoch)
         self.flush()

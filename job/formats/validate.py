@@ -41,6 +41,7 @@ from job.formats.edges import EdgeLimits, edges_file
 from job.formats.entities import count_file, read_count_file, read_dynamic_rel_count
 from job.formats.validate_edges import MAX_PROBLEMS_PER_FILE, Collector, ValidationReport, check_edge_file
 from job.session import storage_scoped
+from job.types import PartitionKey
 
 if TYPE_CHECKING:
     from job.config import ConfigSchema
@@ -178,7 +179,7 @@ def run_validation(
             _check_extra_count_files(config, collect)
         num_rel_ids = _num_relation_ids(config, collect)
     nparts = (side_partitions(config, "lhs"), side_partitions(config, "rhs"))
-    empty_referenced: set[tuple[str, int]] = set()
+    empty_referenced: set[PartitionKey] = set()
 
     def check_path(edge_path: str, key: str, scan: bool) -> int | None:
         """The edges of one directory (None: it is missing); ``scan``: every value checked."""

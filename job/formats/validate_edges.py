@@ -23,6 +23,7 @@ from job.formats.edges import (
     EdgeLimits,
     verify_edge_file,
 )
+from job.types import PartitionKey
 from storage_adapters.edge_reader import open_h5 as open_edge_h5
 from storage_adapters.errors import NotHDF5Error
 
@@ -133,7 +134,7 @@ class _BadRows:
 
 def _scan_values(
     handle: h5py.File, url: str, num_edges: int, ctx: EdgeLimits, chunk_rows: int,
-    collect: Collector, empty_referenced: set[tuple[str, int]],
+    collect: Collector, empty_referenced: set[PartitionKey],
 ) -> None:
     """Range-check rel/lhs/rhs, ``chunk_rows`` rows at a time; report the first bad row of each kind."""
     found: dict[tuple[str, str], _BadRows] = {}
@@ -203,7 +204,7 @@ def _open_edge_file(url: str) -> Iterator[h5py.File]:
 
 def check_edge_file(
     url: str, collect: Collector, full: bool, ctx: EdgeLimits | None, chunk_rows: int,
-    empty_referenced: set[tuple[str, int]],
+    empty_referenced: set[PartitionKey],
 ) -> int:
     """Check one bucket file; returns its number of edges (0 when unreadable)."""
     if not storage.exists(url):

@@ -53,6 +53,7 @@ from job.growing.ingest import GrowImporter, read_trained_names
 from job.growing.model_state import GrowError, check_compatible, committed_config, grown_model
 from job.growing.training import grow_trainer
 from job.session import storage_scoped
+from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")
 
@@ -230,12 +231,12 @@ def _check_boundaries(config: ConfigSchema, record: GrowRecord) -> None:
                         f"{lhs * rhs} bucket edge counts per edge path ({len(config.edge_paths)}) of this config")
 
 
-def _keys(config: ConfigSchema) -> list[tuple[str, int]]:
+def _keys(config: ConfigSchema) -> list[PartitionKey]:
     return [(t, p) for t, e in config.entities.items() for p in range(e.num_partitions)]
 
 
 def _discard(checkpoint: CheckpointStorage, committed: int, new_version: int, staged: list[str],
-             keys: list[tuple[str, int]]) -> None:
+             keys: list[PartitionKey]) -> None:
     """Undo an uncommitted grow that failed while writing (the files are garbage either way; a clean directory
     is easier to reason about)."""
     try:

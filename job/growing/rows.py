@@ -46,11 +46,11 @@ from job.formats.checkpoint import CheckpointStorage
 from job.growing.ingest import read_spilled_bucket
 from job.model.comparators import COMPARATORS
 from job.train.batch.optim import entity_adagrad_state, sums_from_state
-from job.train.residency.buffer import per_coordinate
+from job.train.residency.budget import per_coordinate
+from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-Key = tuple[str, int]
 NEIGHBOUR_SCALE = 0.25  # the length of a neighbour-initialised row, as a fraction of its targets' mean
 NEIGHBOUR_ROUNDS = 3  # rounds of filling new entities from neighbours filled in earlier rounds
 
@@ -63,7 +63,7 @@ class NewRows:
     from_neighbours: int = 0
 
 
-def random_rows(config: ConfigSchema, key: Key, count: int, version: int) -> np.ndarray:
+def random_rows(config: ConfigSchema, key: PartitionKey, count: int, version: int) -> np.ndarray:
     generator = torch.Generator()
     seed = (config.seed or 0) * 1_000_003 + zlib.crc32(f"grow/{version}/{key[0]}/{key[1]}".encode())
     generator.manual_seed(seed % (2**63))
@@ -77,9 +77,9 @@ class _TrainedPartitions:
         self.checkpoint = checkpoint
         self.version = version
         self.capacity = capacity
-        self.loaded: dict[Key, torch.Tensor] = {}
+        self.loaded: dict[PartitionKey, torch.Tensor] = {}
 
-    def get(self, key: Key) -> torch.Tensor:
+    def get(self, key: PartitionKey) -> torch.Tensor:
         if key not in self.loaded:
             if len(self.loaded) >= self.capacity:
                 self.loaded.pop(next(iter(self.loaded)))
@@ -106,7 +106,7 @@ class _EdgeGroup:
     """The new edges of one relation type (of all of them, with dynamic relations) in one bucket."""
 
     rel_idx: int
-    keys: list[Key]  # the partitions of the lhs and rhs sides
+    keys: list[PartitionKey]  # the partitions of the lhs and rhs sides
     ids: list[np.ndarray]  # lhs and rhs ids, in their partitions
     rel_ids: Optional[torch.Tensor]  # each edge's relation type, with dynamic relations
 
@@ -134,8 +134,8 @@ class _NeighbourFill:
     from edges whose other end is known (trained, or filled in an earlier round).
     """
 
-    def __init__(self, config: ConfigSchema, model: Any, trained: _TrainedPartitions, old_counts: dict[Key, int],
-                 rows: dict[Key, NewRows]) -> None:
+    def __init__(self, config: ConfigSchema, model: Any, trained: _TrainedPartitions, old_counts: dict[PartitionKey, int],
+                 rows: dict[PartitionKey, NewRows]) -> None:
         self.model = model
         self.trained = trained
         self.old_counts = old_counts
@@ -145,7 +145,7 @@ class _NeighbourFill:
         self.global_embs = {t: model.global_emb(t) for t in config.entities}
         self.known = {key: np.zeros(len(r.values), dtype=bool) for key, r in rows.items()}
 
-    def rows_of(self, key: Key, ids: np.ndarray) -> torch.Tensor:
+    def rows_of(self, key: PartitionKey, ids: np.ndarray) -> torch.Tensor:
         """Rows (plus the global embedding) of known entities, trained or filled in an earlier round."""
         values = self.trained.get(key)
         old = self.old_counts[key]
@@ -156,13 +156,14 @@ class _NeighbourFill:
         g = self.global_embs[key[0]]
         return out + g if g is not None else out
 
-    def _is_new_and_known(self, key: Key, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _is_new_and_known(self, key: PartitionKey, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         is_new = ids >= self.old_counts[key]
         filled = np.zeros(len(ids), dtype=bool)
         filled[is_new] = self.known[key][ids[is_new] - self.old_counts[key]]
         return is_new, ~is_new | filled
 
-    def accumulate(self, group: _EdgeGroup, acc: dict[Key, torch.Tensor], hits: dict[Key, torch.Tensor]) -> None:
+    def accumulate(self, group: _EdgeGroup, acc: dict[PartitionKey, torch.Tensor],
+                   hits: dict[PartitionKey, torch.Tensor]) -> None:
         """Add the targets that ``group``'s edges give their new, not yet known ends to ``acc`` (counted in ``hits``)."""
         keys, ids = group.keys, group.ids
         is_new, is_known = zip(*(self._is_new_and_known(keys[s], ids[s]) for s in (0, 1)))
@@ -179,7 +180,7 @@ class _NeighbourFill:
             acc[keys[side]].index_add_(0, at, t.double())
             hits[keys[side]].index_add_(0, at, torch.ones(len(take), dtype=torch.float64))
 
-    def fill(self, acc: dict[Key, torch.Tensor], hits: dict[Key, torch.Tensor]) -> int:
+    def fill(self, acc: dict[PartitionKey, torch.Tensor], hits: dict[PartitionKey, torch.Tensor]) -> int:
         """Set each new row reached this round to its targets' mean, scaled; returns how many were set."""
         filled = 0
         for key, known in self.known.items():
@@ -200,8 +201,9 @@ class _NeighbourFill:
 @torch.no_grad()
 def initial_rows(
     config: ConfigSchema, model: Any, checkpoint: CheckpointStorage, old_version: int, new_version: int,
-    old_counts: dict[Key, int], added: dict[Key, int], spills: list[tuple[str, np.ndarray]], grid: tuple[int, int],
-) -> dict[Key, NewRows]:
+    old_counts: dict[PartitionKey, int], added: dict[PartitionKey, int], spills: list[tuple[str, np.ndarray]],
+    grid: tuple[int, int],
+) -> dict[PartitionKey, NewRows]:
     """The new rows of every partition (see the module docstring); ``spills`` hold the new edges per bucket."""
     rows = {key: NewRows(random_rows(config, key, n, new_version)) for key, n in added.items()}
     if config.grow_init != "neighbours" or not any(added.values()):
@@ -221,7 +223,7 @@ def initial_rows(
 
 def write_grown_partitions(
     config: ConfigSchema, checkpoint: CheckpointStorage, old_version: int, new_version: int,
-    rows: dict[Key, NewRows], metadata: dict[str, Any],
+    rows: dict[PartitionKey, NewRows], metadata: dict[str, Any],
 ) -> None:
     """Every partition of ``new_version``: the trained rows and sums exactly as in ``old_version``, then the new
     rows with zero sums."""

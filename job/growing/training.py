@@ -19,10 +19,9 @@ import numpy as np
 from job.checkpoint.journal import GrowRecord
 from job.config import ConfigSchema
 from job.formats import edges as edge_format
-from job.train.batch.batching import EdgeTensors
-from job.train.inputs import bucket_grid, edge_tensors
-from job.train.schedule.orders import Bucket
+from job.train.inputs import EdgeTensors, bucket_grid, edge_tensors
 from job.train.trainer import Collaborators, Iteration, PassPlan, Trainer
+from job.types import Bucket
 
 _READ_CHUNK = 1 << 20  # old edges read at a time while sampling them
 

@@ -3,7 +3,7 @@
 A CPU trainer allocates every partition it holds, its Adagrad sums and the unpartitioned tables in shared
 memory (``/dev/shm``, a memory emptyDir in the chart), even with no Hogwild worker; with a checkpoint on an
 object store it stages whole checkpoint files in ``/tmp``. The figures come from the trainer's own
-arithmetic (:mod:`job.train.residency.buffer`: ``choose_capacity``, ``shared_memory_bytes``, ``staging_bytes``) and
+arithmetic (:mod:`job.train.residency.budget`: ``choose_capacity``, ``shared_memory_bytes``, ``staging_bytes``) and
 the entity counts; ``biggraph submit`` sizes the chart's volumes from them and refuses, as the pod's
 preflight does, a pod that cannot hold them, naming the value to change and the figure it needs.
 """
@@ -22,7 +22,7 @@ from job.config import ConfigSchema, parse_bytes
 from job.errors import ConfigError, UserError
 from job.formats import entities as entity_format
 from job.session import storage_scoped
-from job.train.residency.buffer import PROCESS_FALLBACK_BYTES, choose_capacity, shared_memory_bytes, staging_bytes
+from job.train.residency.budget import PROCESS_FALLBACK_BYTES, choose_capacity, shared_memory_bytes, staging_bytes
 
 TMP_BASE_BYTES = 512 * 2**20  # /tmp besides staged checkpoint files: native builds, sockets, HOME
 TMP_DEFAULT_BYTES = 2 * 2**30  # the chart's /tmp besides the tables when it cannot size the staged files
@@ -87,7 +87,7 @@ def group_sync_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     The model is built to count its parameters (relation operators: small); torch is imported here only, so that
     ``import job.cli`` stays light."""
     from job.model.scoring import Model
-    from job.train.distributed.lock_client import shared_values, sync_memory_bytes
+    from job.train.residency.budget import shared_values, sync_memory_bytes
 
     dynamic = 0
     if config.dynamic_relations:

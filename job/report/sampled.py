@@ -36,8 +36,8 @@ def relation_mrr(config: ConfigSchema, edge_path: str, budget: int, seed: int
     from job.eval_protocol import largest_partition, resolve_protocol
     from job.evaluation import CheckpointReader, read_checked_edges
     from job.formats import edges as edge_format
-    from job.train.batch.batching import EdgeTensors
     from job.train.batch.step import BatchStats
+    from job.train.inputs import EdgeTensors
     from job.train.trainer import bucket_grid
 
     reader = CheckpointReader(config)

@@ -21,20 +21,19 @@ from job.config import ConfigSchema
 from job.eval_protocol import largest_partition, protocol_fields, resolve_protocol
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
-from job.train.batch.batching import EdgeTensors, process_edges, process_slices, split_almost_equally
+from job.train.batch.batching import process_edges, process_slices, split_almost_equally
 from job.train.batch.optim import RelationAdagrad
 from job.train.batch.ranking import rank_bucket
 from job.train.batch.step import BatchContext, BatchStats
 from job.train.edge_source import EdgeSource
 from job.train.hogwild.pool import WorkerPool
-from job.train.inputs import edge_limits
+from job.train.inputs import EdgeTensors, edge_limits
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.interfaces import Iteration
-from job.train.schedule.orders import Bucket
+from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-PartKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -81,11 +80,11 @@ class BucketRunner:
             self.pool.close()
             self.pool = None
 
-    def _keys_for(self, bucket: Bucket) -> tuple[dict[int, PartKey], dict[int, PartKey]]:
+    def _keys_for(self, bucket: Bucket) -> tuple[dict[int, PartitionKey], dict[int, PartitionKey]]:
         """Per relation, the (entity type, partition) of its lhs and rhs tables in ``bucket``."""
         config = self.config
-        lhs_keys: dict[int, PartKey] = {}
-        rhs_keys: dict[int, PartKey] = {}
+        lhs_keys: dict[int, PartitionKey] = {}
+        rhs_keys: dict[int, PartitionKey] = {}
         for rel_idx, relation in enumerate(config.relations):
             lhs_part = bucket.lhs if config.entities[relation.lhs].num_partitions > 1 else 0
             rhs_part = bucket.rhs if config.entities[relation.rhs].num_partitions > 1 else 0
@@ -93,13 +92,13 @@ class BucketRunner:
             rhs_keys[rel_idx] = (relation.rhs, rhs_part)
         return lhs_keys, rhs_keys
 
-    def needs(self, bucket: Bucket) -> set[PartKey]:
+    def needs(self, bucket: Bucket) -> set[PartitionKey]:
         """The partitions ``bucket`` holds."""
         lhs_keys, rhs_keys = self._keys_for(bucket)
         return set(lhs_keys.values()) | set(rhs_keys.values())
 
-    def _tables_for(self, bucket: Bucket, upcoming: Sequence[set[PartKey]] = ()
-                    ) -> tuple[dict[int, Table], dict[int, Table], list[PartKey]]:
+    def _tables_for(self, bucket: Bucket, upcoming: Sequence[set[PartitionKey]] = ()
+                    ) -> tuple[dict[int, Table], dict[int, Table], list[PartitionKey]]:
         lhs_keys, rhs_keys = self._keys_for(bucket)
         evicted = self.store.hold(set(lhs_keys.values()) | set(rhs_keys.values()), upcoming)
         return (
@@ -108,7 +107,7 @@ class BucketRunner:
             evicted,
         )
 
-    def _training_view(self, key: PartKey) -> Table:
+    def _training_view(self, key: PartitionKey) -> Table:
         """The resident table of ``key`` as batches see it: without its optimizer state when the type is frozen,
         which makes the step leave its rows (and that state, still held by the store) untouched."""
         table = self.store.get(key)
@@ -133,7 +132,7 @@ class BucketRunner:
 
     def run(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, delayed: bool,
-        on_evicted: Optional[Callable[[list[PartKey]], None]] = None, upcoming: Sequence[set[PartKey]] = (),
+        on_evicted: Optional[Callable[[list[PartitionKey]], None]] = None, upcoming: Sequence[set[PartitionKey]] = (),
         stop: Optional[Callable[[], bool]] = None,
     ) -> tuple[dict[str, Any], BatchStats, float]:
         """Train one bucket; returns its stats record, its training sums and its compute seconds. ``delayed``:
@@ -249,9 +248,9 @@ class HogwildStagger:
         self.every_bucket = config.hogwild_delay_scope == "epoch_0"
         self.workers = workers
         self.enabled = enabled and workers > 1 and config.hogwild_delay > 0
-        self.trained: set[PartKey] = set()
+        self.trained: set[PartitionKey] = set()
 
-    def delays(self, epoch: int, partitions: set[PartKey]) -> bool:
+    def delays(self, epoch: int, partitions: set[PartitionKey]) -> bool:
         """Whether the bucket of ``epoch`` holding ``partitions`` staggers its workers; records them as trained."""
         fresh = not partitions <= self.trained
         self.trained |= partitions

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from job.formats import edges as edge_format
-from job.train.batch.batching import EdgeTensors
-from job.train.inputs import edge_tensors
+from job.train.inputs import EdgeTensors, edge_tensors
 from job.train.schedule.interfaces import Iteration
-from job.train.schedule.orders import Bucket
+from job.types import Bucket
 
 
 class EdgeSource(Protocol):

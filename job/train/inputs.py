@@ -10,17 +10,18 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
 import storage_adapters as storage
 from job.config import ConfigSchema
 from job.errors import UserError
 from job.formats import edges as edge_format
 from job.formats import entities as entity_format
-from job.train.batch.batching import EdgeTensors
-from job.train.schedule.orders import Bucket
+from job.types import Bucket
 
 
 def pick_device(config: ConfigSchema) -> torch.device:
@@ -83,6 +84,38 @@ def edge_limits(config: ConfigSchema, counts: Mapping[str, Sequence[int]], num_d
     """The ids a bucket's edge files may hold (relation count, entity counts of its partitions)."""
     num_rel_ids = num_dynamic_rels if config.dynamic_relations else len(config.relations)
     return edge_format.EdgeLimits.for_bucket(config, counts, num_rel_ids, (bucket.lhs, bucket.rhs))
+
+
+Features = tuple[Tensor, Tensor]  # (offsets of length E + 1, feature ids): PBG's tensor lists
+
+
+@dataclass
+class EdgeTensors:
+    """A bucket chunk's edges (int64), shared with Hogwild workers; feature lists for featurized sides."""
+
+    rel: Tensor
+    lhs: Tensor
+    rhs: Tensor
+    lhs_features: Optional[Features] = None
+    rhs_features: Optional[Features] = None
+
+    def __len__(self) -> int:
+        return int(self.rel.shape[0])
+
+    def share_memory_(self) -> EdgeTensors:
+        tensors = [self.rel, self.lhs, self.rhs]
+        for features in (self.lhs_features, self.rhs_features):
+            if features is not None:
+                tensors.extend(features)
+        for t in tensors:
+            t.share_memory_()
+        return self
+
+    def to(self, device: torch.device) -> EdgeTensors:
+        # feature lists stay on the CPU, where each batch's lists are cut out (ragged indexing); a
+        # featurized batch moves its own lists to the table's device
+        return EdgeTensors(self.rel.to(device), self.lhs.to(device), self.rhs.to(device),
+                           self.lhs_features, self.rhs_features)
 
 
 def edge_tensors(arrays: edge_format.EdgeArrays) -> EdgeTensors:

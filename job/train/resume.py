@@ -21,7 +21,6 @@ from job.train.distributed.group import DistributedContext, wait_all
 
 logger = logging.getLogger("biggraph")
 
-PartKey = tuple[str, int]
 
 
 class GroupBarrier:

@@ -33,21 +33,23 @@ from job.train.batch.precision import training_dtype
 from job.train.batch.step import BatchStats, BucketAbandoned
 from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_negs_cost
 from job.train.distributed.group import config_digest, init_distributed, leave
-from job.train.distributed.lock_client import SERVER_RANK, SharedParameters, shared_state, shared_values, sync_memory_bytes
+from job.train.distributed.protocol import SERVER_RANK
+from job.train.distributed.shared_params import SharedParameters, shared_state
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.hogwild.spawning import server_processes, start_worker_server
 from job.train.input_check import checked_input
 from job.train.inputs import bucket_grid, pick_device
 from job.train.lr_schedule import lr_scale
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
-from job.train.residency.buffer import checkpoint_transfer_bytes, choose_capacity
+from job.train.residency.budget import checkpoint_transfer_bytes, choose_capacity, shared_values, sync_memory_bytes
 from job.train.residency.partitions import PartitionStore, Residency
 from job.train.resume import GroupBarrier, load_model_state, progress_to_resume
 from job.train.schedule.group import LockServerScheduler, SharedSync
 from job.train.schedule.interfaces import BucketScheduler, Iteration, LocalScheduler, NoSync, ParameterSync, PassGather
-from job.train.schedule.orders import Bucket, buffer_order, lower_bound_loads, order_buckets
+from job.train.schedule.orders import buffer_order, lower_bound_loads, order_buckets
 from job.train.startup import StartupClock
 from job.train.validation import Validation
+from job.types import Bucket
 from storage_adapters.edge_reader import prefetch
 
 logger = logging.getLogger("biggraph")

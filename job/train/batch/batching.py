@@ -15,8 +15,7 @@ from torch import Tensor
 
 from job.train.batch.graphs import GraphedSteps
 from job.train.batch.step import BatchContext, BatchStats, BucketAbandoned, run_batch
-
-Features = tuple[Tensor, Tensor]  # (offsets of length E + 1, feature ids): PBG's tensor lists
+from job.train.inputs import EdgeTensors, Features
 
 
 def select_features(features: Optional[Features], indices: Tensor) -> Optional[Features]:
@@ -34,35 +33,6 @@ def select_features(features: Optional[Features], indices: Tensor) -> Optional[F
     starts = torch.repeat_interleave(offsets[:-1][indices], picked)
     within = torch.arange(total) - torch.repeat_interleave(new_offsets[:-1], picked)
     return new_offsets, data[starts + within]
-
-
-@dataclass
-class EdgeTensors:
-    """A bucket chunk's edges (int64), shared with Hogwild workers; feature lists for featurized sides."""
-
-    rel: Tensor
-    lhs: Tensor
-    rhs: Tensor
-    lhs_features: Optional[Features] = None
-    rhs_features: Optional[Features] = None
-
-    def __len__(self) -> int:
-        return int(self.rel.shape[0])
-
-    def share_memory_(self) -> EdgeTensors:
-        tensors = [self.rel, self.lhs, self.rhs]
-        for features in (self.lhs_features, self.rhs_features):
-            if features is not None:
-                tensors.extend(features)
-        for t in tensors:
-            t.share_memory_()
-        return self
-
-    def to(self, device: torch.device) -> EdgeTensors:
-        # feature lists stay on the CPU, where each batch's lists are cut out (ragged indexing); a
-        # featurized batch moves its own lists to the table's device
-        return EdgeTensors(self.rel.to(device), self.lhs.to(device), self.rhs.to(device),
-                           self.lhs_features, self.rhs_features)
 
 
 def split_almost_equally(size: int, parts: int) -> list[slice]:

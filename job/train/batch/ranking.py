@@ -23,8 +23,8 @@ from torch import Tensor
 
 from job.config import ConfigSchema
 from job.model.scoring import Model, Table
-from job.train.batch.batching import EdgeTensors
 from job.train.batch.step import BatchStats
+from job.train.inputs import EdgeTensors
 
 # candidates scored at once against a batch's anchors: bounds the (batch x block) score matrix
 CANDIDATE_BLOCK = 16384

@@ -40,33 +40,36 @@ import numpy as np
 import torch
 
 import storage_adapters as storage
-from job.train.distributed.lock_client import (
-    CLIENT_VECTORS,
+from job.train.distributed import protocol
+from job.train.distributed.lock_state import LockState
+from job.train.distributed.protocol import (
     DEFAULT_PREFIX,
-    SERVER_RANK,
-    SERVER_VECTORS,
-    LockClient,
+    Done,
+    Granted,
     LockServerError,
-    SharedParameters,
-    pack,
+    Next,
+    ProtocolError,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    Reserved,
+    State,
+    Status,
+    Sync,
+    Written,
     request_queue,
     response_queue,
-    sync_memory_bytes,
-    unpack,
 )
-from job.train.distributed.lock_state import LockState
 from job.train.distributed.server_stats import ServerStats, Stopwatch
 from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
 from job.train.schedule.clock import BucketClock
-from job.train.schedule.orders import Bucket
+from job.types import Bucket
 
 logger = logging.getLogger("biggraph")
 
-# what importers of this module find here (the client's side lives in job/train/distributed/lock_client.py)
-__all__ = ["CLIENT_VECTORS", "DEFAULT_PREFIX", "SERVER_RANK", "SERVER_VECTORS", "LockClient", "LockServer",
-           "LockServerError", "SharedParameters", "sync_memory_bytes"]
-_pack = pack  # tests push hand-made requests
+__all__ = ["LockServer"]
 
 
 class _Unanswerable(Exception):
@@ -138,6 +141,8 @@ class LockServer:
         # the serving thread's one input: requests (from the reader thread) and the ends of transfers
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._slots = TransferSlots(self.shared.size)
+        # the largest change of the wrong shape still received (to be refused with the pair kept usable)
+        self._drain_limit = max(2 * self.shared.size, 2**20)
         self._flights = Flights(self._inbox, transport.timeout_s)
         self._waiting: deque[Waiting] = deque()  # requests with a change whose transfer has not started
         self._gone: dict[int, str] = {}  # ranks whose transfer failed or timed out, with why
@@ -148,6 +153,10 @@ class LockServer:
         self._clocks = [BucketClock() for _ in range(state.world_size)]
         self._gave_up: set[int] = set()  # ranks that gave their bucket up and left unwritten: not waited for
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
+        # one handler per request type (job/train/distributed/protocol.py), called with ``lock`` held
+        self._handlers: dict[type, Callable[[int, Any, Optional[np.ndarray]], Reply]] = {
+            Next: self._answer_next, Reserve: self._answer_reserve, Written: self._answer_written,
+            Release: self._answer_release, Sync: self._answer_sync, Status: self._answer_status}
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)
@@ -166,8 +175,8 @@ class LockServer:
                 self._inbox.put(("closed",))
                 return
             try:
-                header: Optional[dict[str, Any]] = unpack(raw)
-            except Exception:  # noqa: BLE001 - the serving thread logs it
+                header: Optional[dict[str, Any]] = protocol.unpack(raw)
+            except ProtocolError:  # the serving thread logs it
                 header = None
             if header is not None and header.get("op") == "stop":
                 if header.get("server") == self.server_id:
@@ -199,18 +208,18 @@ class LockServer:
 
     def _on_request(self, raw: bytes) -> None:
         try:
-            request = unpack(raw)
-            rank = int(request["rank"])
-            job = Waiting(request, rank, response_queue(self.prefix, rank, str(request.get("channel", ""))))
-        except Exception as err:  # noqa: BLE001 - nobody to answer: log it and serve on
-            logger.error("lock server: unreadable request, no rank to answer (%s: %s)", type(err).__name__, err)
+            incoming = protocol.read_incoming(raw)
+        except ProtocolError as err:  # nobody to answer: log it and serve on
+            logger.error("lock server: unreadable request, no rank to answer (%s)", err)
             return
+        rank = incoming.envelope.rank
+        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel))
         if rank in self._gone:
             self._refuse(job, LockServerError(f"rank {rank} is treated as gone ({self._gone[rank]}); its round is "
                                               "over"))
         elif rank in self._lost():  # fenced: nothing it wrote since may be recorded (its buckets are redone)
             self._refuse(job, LockServerError(f"rank {rank} was declared dead; its round is over"))
-        elif request.get("values") is None:
+        elif incoming.envelope.payload is None:
             self._judge(job, None)
         else:
             self._waiting.append(job)
@@ -225,19 +234,24 @@ class LockServer:
                 continue
             if self._flights.busy(job.rank):
                 continue  # its sum not yet reported taken: a correct client asks again only after taking it
-            try:
-                values, tag = int(job.request["values"]), int(job.request["tag"])
-            except Exception as err:  # noqa: BLE001 - answered
+            payload = job.incoming.envelope.payload
+            assert payload is not None  # only a request with a payload waits
+            values, tag = payload.values, payload.tag
+            if values > self._drain_limit:  # no buffer is sized from what a peer claims: refused unreceived, and its
+                # transfer pair is left unusable, so the rank is treated as gone
                 self._waiting.remove(job)
-                self._refuse(job, err)
+                why = f"it announced a change of {values} values (the shared parameters have {self.shared.size})"
+                self._lose(job.rank, why)
+                self._refuse(job, ProtocolError(why))
                 continue
             if values == self.shared.size:
                 slot = self._slots.take()
                 if slot is None:
                     continue  # every slot held: it waits for one
                 buffer, is_slot = slot, True
-            else:  # taken only to be refused, so that its sender is not left waiting
-                buffer, is_slot = torch.empty(max(values, 0), dtype=torch.float32), False
+            else:  # taken only to be refused, so that its sender is not left waiting (at most the vector's size:
+                # ``read_incoming`` refuses a larger announcement)
+                buffer, is_slot = torch.empty(values, dtype=torch.float32), False
             self._waiting.remove(job)
             try:
                 transfer = self.transport.recv_async(buffer, job.rank, tag)
@@ -264,7 +278,8 @@ class LockServer:
                     flight.buffer.copy_(torch.from_numpy(self.shared))
                 self._stats.copy_s += watch.seconds
                 try:
-                    transfer = self.transport.send(flight.buffer, job.rank, int(job.request["tag"]))
+                    assert job.incoming.envelope.payload is not None
+                    transfer = self.transport.send(flight.buffer, job.rank, job.incoming.envelope.payload.tag)
                 except TransferError as err:
                     self._release(flight.slot, flight.buffer, well=False)
                     self._lose(job.rank, str(err))
@@ -305,23 +320,24 @@ class LockServer:
         """Handle and answer a request (its change arrived); whether its sum is to be sent."""
         try:
             with Stopwatch() as watch:
-                reply, with_sum = self._handle(job.request, change)
+                request = protocol.decode_request(job.incoming)
+                reply = self._handle(job.rank, request, change)
         except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
             self._refuse(job, err)
             return False
         with self.lock:
-            self._stats.judged(str(job.request.get("op")), watch.seconds)
+            self._stats.judged(job.incoming.op, watch.seconds)
         self._push(job, reply)
-        return with_sum
+        return change is not None
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
-        logger.warning("lock server: %s request of rank %s refused: %s: %s", job.request.get("op"), job.rank,
+        logger.warning("lock server: %s request of rank %s refused: %s: %s", job.incoming.op, job.rank,
                        type(err).__name__, err)
-        self._push(job, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+        self._push(job, protocol.Refusal(f"{type(err).__name__}: {err}"))
 
-    def _push(self, job: Waiting, reply: dict[str, Any]) -> None:
+    def _push(self, job: Waiting, reply: Reply) -> None:
         try:
-            self.store.queue_push(job.reply_to, pack(reply))
+            self.store.queue_push(job.reply_to, protocol.encode_reply(reply))
         except Exception as err:
             if not self._stop.is_set():
                 logger.warning("lock server: could not answer rank %s", job.rank)
@@ -365,72 +381,77 @@ class LockServer:
         """Transfer vectors alive now (at most ``TRANSFER_SLOTS``)."""
         return self._slots.allocated
 
-    def _handle(self, request: dict[str, Any], change: Optional[np.ndarray]) -> tuple[dict[str, Any], bool]:
-        """The reply to ``request``, and whether the sum is sent after it (for a request with a change)."""
-        rank = int(request["rank"])
-        op = request.get("op")
-        reply: dict[str, Any] = {"ok": True}
+    def _handle(self, rank: int, request: Request, change: Optional[np.ndarray]) -> Reply:
+        """The reply to ``request`` of ``rank`` (one handler per request type); for a request with a change, its sum
+        is sent after the reply."""
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            raise ProtocolError(f"a {request.op!r} request is not served")
         with self.lock:
             if self.failed is not None:
                 raise LockServerError(f"the progress could not be saved earlier ({self.failed}); the group must "
                                       "restart from what is stored")
-            if change is not None and op not in ("next", "sync"):
-                raise ValueError(f"a {op!r} request carries no shared-parameter change")
-            if op == "next":
-                finished = Bucket(*request["finished"]) if request.get("finished") else None
-                if request.get("gave_up"):
-                    self._gave_up.add(rank)
-                if request.get("leaving") and self._left is None:
-                    self._left = f"rank {rank} is leaving ({request['leaving']})"
-                    logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)
-                held = {(k[0], int(k[1])) for k in request.get("held", [])}
-                delta = self._delta(change) if change is not None else None
-                if delta is not None:
-                    self.shared += delta
-                if request.get("record"):
-                    self.state.add_record(request["record"])
-                was_done = finished is not None and finished in self.state.done
-                why = self.round_ending()
-                if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
-                    self.state.stop(rank, finished)
-                    kind, bucket = "ending", None
-                    reply["why"] = why
-                else:
-                    kind, bucket = self.state.next_bucket(rank, held, finished, self.rng)
-                self._time(rank, finished, bucket)
-                stored = False
-                if delta is not None and finished is not None and not was_done and finished in self.state.done:
-                    if finished in self._unsaved():
-                        self.pending[finished] = delta.copy()
-                    else:  # no partition of its own to write: saved already
-                        self.stored += delta
-                        stored = True
-                self._persist(with_shared=stored)
-                reply.update(kind=kind, bucket=list(bucket) if bucket else None,
-                             dirty=[list(k) for k in self.state.dirty])
-            elif op == "reserve":
-                # not persisted: a reservation is never started work, so a restart has nothing of it to redo
-                leaving = frozenset((k[0], int(k[1])) for k in request.get("leaving", []))
-                bucket = self.state.reserve(rank, self.rng, leaving) if self.round_ending() is None else None
-                reply.update(bucket=list(bucket) if bucket else None, dirty=[list(k) for k in self.state.dirty])
-            elif op == "written":
-                # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
-                # buckets, shared updates included; the locks stay until the rank has published the files
-                self.state.record_written(rank, request["keys"], request.get("staged", []))
-                self._persist(with_shared=self._save_pending())
-            elif op == "release":
-                self.state.release(rank, request["keys"], written=request.get("written", True))
-                self._persist(with_shared=self._save_pending())
-            elif op == "sync":
-                # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
-                if change is None:
-                    raise ValueError("a sync without a shared-parameter change")
-                self.shared += self._delta(change)
-            elif op == "status":
-                reply["state"] = self.state.to_json()
-            else:
-                raise ValueError(f"unknown request {op!r}")
-        return reply, change is not None
+            if change is not None and not isinstance(request, (Next, Sync)):
+                raise ValueError(f"a {request.op!r} request carries no shared-parameter change")
+            return handler(rank, request, change)
+
+    def _answer_next(self, rank: int, request: Next, change: Optional[np.ndarray]) -> Reply:
+        finished = request.finished
+        if request.gave_up:
+            self._gave_up.add(rank)
+        if request.leaving and self._left is None:
+            self._left = f"rank {rank} is leaving ({request.leaving})"
+            logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)
+        delta = self._delta(change) if change is not None else None
+        if delta is not None:
+            self.shared += delta
+        if request.record:
+            self.state.add_record(request.record)
+        was_done = finished is not None and finished in self.state.done
+        why = self.round_ending()
+        if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
+            self.state.stop(rank, finished)
+            kind, bucket = "ending", None
+        else:
+            kind, bucket = self.state.next_bucket(rank, set(request.held), finished, self.rng)
+        self._time(rank, finished, bucket)
+        stored = False
+        if delta is not None and finished is not None and not was_done and finished in self.state.done:
+            if finished in self._unsaved():
+                self.pending[finished] = delta.copy()
+            else:  # no partition of its own to write: saved already
+                self.stored += delta
+                stored = True
+        self._persist(with_shared=stored)
+        return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why)
+
+    def _answer_reserve(self, rank: int, request: Reserve, change: Optional[np.ndarray]) -> Reply:
+        # not persisted: a reservation is never started work, so a restart has nothing of it to redo
+        bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) if self.round_ending() is None \
+            else None
+        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty))
+
+    def _answer_written(self, rank: int, request: Written, change: Optional[np.ndarray]) -> Reply:
+        # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
+        # buckets, shared updates included; the locks stay until the rank has published the files
+        self.state.record_written(rank, request.keys, request.staged)
+        self._persist(with_shared=self._save_pending())
+        return Done()
+
+    def _answer_release(self, rank: int, request: Release, change: Optional[np.ndarray]) -> Reply:
+        self.state.release(rank, list(request.keys), written=request.written)
+        self._persist(with_shared=self._save_pending())
+        return Done()
+
+    def _answer_sync(self, rank: int, request: Sync, change: Optional[np.ndarray]) -> Reply:
+        # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
+        if change is None:
+            raise ValueError("a sync without a shared-parameter change")
+        self.shared += self._delta(change)
+        return Done()
+
+    def _answer_status(self, rank: int, request: Status, change: Optional[np.ndarray]) -> Reply:
+        return State(state=self.state.to_json())
 
     def _time(self, rank: int, finished: Optional[Bucket], bucket: Optional[Bucket]) -> None:
         """``rank``'s bucket clock after a ``next``: its bucket finished (or given up), the next one handed out."""
@@ -487,5 +508,6 @@ class LockServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._stopper.queue_push(self.requests, pack({"op": "stop", "server": self.server_id}))
+        self._stopper.queue_push(self.requests, protocol.encode_request(protocol.Envelope(rank=-1),
+                                                                        protocol.Stop(server=self.server_id)))
         self.thread.join(timeout=5)

@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from job.train.schedule.orders import Bucket, all_buckets
-
-PartKey = tuple[str, int]
+from job.train.schedule.orders import all_buckets
+from job.types import Bucket, PartitionKey
 
 
 @dataclass
@@ -182,7 +181,7 @@ class LockState:
     def release(self, rank: int, keys: list, written: bool = True) -> None:
         """``rank`` wrote ``keys`` into the next version and gives up their locks (but not those its current or
         reserved bucket needs: that bucket would lose them to another rank)."""
-        needed: set[PartKey] = set()
+        needed: set[PartitionKey] = set()
         for bucket in (self.in_flight.get(rank), self.reserved.get(rank)):
             if bucket is not None:
                 needed |= self.bucket_keys[bucket]

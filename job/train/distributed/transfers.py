@@ -29,9 +29,9 @@ from typing import Any, Optional
 
 import torch
 
+from job.train.distributed.protocol import Incoming
 from job.train.distributed.transport import Transfer, TransferError
-
-TRANSFER_SLOTS = 3  # vectors for transfers in flight: up to two frozen peers leave one for everybody else
+from job.train.residency.budget import TRANSFER_SLOTS
 
 
 class TransferSlots:
@@ -73,7 +73,7 @@ class TransferSlots:
 class Waiting:
     """A request that carries a payload, waiting for its transfer to start (its peer busy, or no slot free)."""
 
-    request: dict[str, Any]
+    incoming: Incoming
     rank: int
     reply_to: str
 

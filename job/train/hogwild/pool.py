@@ -27,7 +27,7 @@ from job.config import ConfigSchema
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.batch.allocator import keep_freed_memory
-from job.train.batch.batching import EdgeTensors, PlannedSlice, plan_batches
+from job.train.batch.batching import PlannedSlice, plan_batches
 from job.train.batch.optim import RelationAdagrad
 from job.train.batch.step import BatchContext, BatchStats, BucketAbandoned
 from job.train.hogwild.spawning import (
@@ -38,6 +38,7 @@ from job.train.hogwild.spawning import (
     worker_environment,
 )
 from job.train.hogwild.work_sharing import SharedSlice
+from job.train.inputs import EdgeTensors
 
 logger = logging.getLogger("biggraph")
 

@@ -1,6 +1,6 @@
 """Which embedding partitions are in memory, and swapping them through checkpoint storage.
 
-Up to ``capacity`` partitions of partitioned types are held (job/train/residency/buffer.py), plus the
+Up to ``capacity`` partitions of partitioned types are held (job/train/residency/budget.py), plus the
 unpartitioned types. ``exclusive`` stores (distributed trainers: what they hold is locked from the
 others) keep exactly the current bucket's partitions, plus, within ``capacity``, those of the next
 bucket read ahead (no capacity: no read-ahead, as PBG); what they let go at a bucket's start is written, with the
@@ -30,11 +30,13 @@ from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
 from job.train.batch.optim import entity_adagrad_state, sums_from_state
-from job.train.residency.buffer import IOStats, per_coordinate, pick_victim
+from job.train.residency.budget import per_coordinate
+from job.train.residency.eviction import pick_victim
+from job.train.residency.io_stats import IOStats
+from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-Key = tuple[str, int]  # (entity type, partition)
 
 
 @dataclass
@@ -77,13 +79,13 @@ class PartitionStore:
         self.device = device
         self.init_storage = CheckpointStorage(config.init_path) if config.init_path else None
         self._init_version: Optional[int] = None
-        self.loaded: dict[Key, Table] = {}
-        self.steps: dict[Key, int] = {}
-        self.written: set[Key] = set()
+        self.loaded: dict[PartitionKey, Table] = {}
+        self.steps: dict[PartitionKey, int] = {}
+        self.written: set[PartitionKey] = set()
         self.io_seconds = 0.0
         self.io_bytes = 0
-        self.pending: dict[Key, Future[_Read]] = {}  # prefetched reads not yet taken by ``get``
-        self.writing: dict[Key, Future[None]] = {}  # background write-backs not yet known to be done
+        self.pending: dict[PartitionKey, Future[_Read]] = {}  # prefetched reads not yet taken by ``get``
+        self.writing: dict[PartitionKey, Future[None]] = {}  # background write-backs not yet known to be done
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
         self.residency = residency
@@ -99,7 +101,7 @@ class PartitionStore:
     def exclusive(self) -> bool:
         return self.residency.exclusive
 
-    def set_written(self, keys: Iterable[Key]) -> None:
+    def set_written(self, keys: Iterable[PartitionKey]) -> None:
         """The partitions of the next version already written, by any trainer (a torchrun group's lock server
         keeps that record): they are read from the next version, not the committed one."""
         self.written = set(keys)
@@ -108,11 +110,11 @@ class PartitionStore:
     def next_version(self) -> int:
         return self.committed + 1
 
-    def all_keys(self) -> list[Key]:
+    def all_keys(self) -> list[PartitionKey]:
         return [(t, p) for t, e in self.config.entities.items() for p in range(e.num_partitions)]
 
     # loading ------------------------------------------------------------------------------------
-    def get(self, key: Key) -> Table:
+    def get(self, key: PartitionKey) -> Table:
         table = self.loaded.get(key)
         if table is None:
             pending = self.pending.pop(key, None)
@@ -127,7 +129,7 @@ class PartitionStore:
             self.loaded[key] = table
         return table
 
-    def _wait_written(self, key: Key) -> None:
+    def _wait_written(self, key: PartitionKey) -> None:
         future = self.writing.pop(key, None)
         if future is not None:
             future.result()
@@ -138,7 +140,7 @@ class PartitionStore:
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="biggraph-prefetch")
         return self._prefetcher
 
-    def prefetch(self, keys: set[Key]) -> None:
+    def prefetch(self, keys: set[PartitionKey]) -> None:
         """Start reading the partitions among ``keys`` that are not resident, in a background thread.
 
         Used (``prefetch_partitions``) with the next bucket's partitions while the current bucket trains:
@@ -163,15 +165,15 @@ class PartitionStore:
             self._prefetcher = None
 
     # the buffer ---------------------------------------------------------------------------------
-    def _held_partitioned(self) -> list[Key]:
+    def _held_partitioned(self) -> list[PartitionKey]:
         return [k for k in list(self.loaded) + list(self.pending) if self.is_partitioned(k)]
 
-    def _victim_for(self, keys: set[Key], upcoming: Sequence[set[Key]]) -> Optional[Key]:
+    def _victim_for(self, keys: set[PartitionKey], upcoming: Sequence[set[PartitionKey]]) -> Optional[PartitionKey]:
         """The resident partition to make room for ``keys`` (Belady over ``upcoming``); ``hold`` and ``prepare``
         must agree on it, or the background swap would change the loads of the plan."""
         return pick_victim([k for k in self.loaded if self.is_partitioned(k) and k not in keys], upcoming)
 
-    def hold(self, keys: set[Key], upcoming: Sequence[set[Key]] = ()) -> list[Key]:
+    def hold(self, keys: set[PartitionKey], upcoming: Sequence[set[PartitionKey]] = ()) -> list[PartitionKey]:
         """Make ``keys`` resident within the buffer; when it is full, write out the partition needed again
         latest in ``upcoming`` (the buckets after this one). Returns the partitions written out."""
         started = time.perf_counter()
@@ -195,7 +197,7 @@ class PartitionStore:
         self.stats.blocked_seconds += time.perf_counter() - started
         return evicted
 
-    def prepare(self, following: set[Key], current: set[Key], upcoming: Sequence[set[Key]]) -> None:
+    def prepare(self, following: set[PartitionKey], current: set[PartitionKey], upcoming: Sequence[set[PartitionKey]]) -> None:
         """While the current bucket trains: in the background, write back what the following bucket will
         evict and read what it needs into the room it frees. The victim is the one ``hold`` would pick for
         the following bucket (so the loads stay those of the plan); when that one is in use by the current
@@ -219,7 +221,7 @@ class PartitionStore:
                 self.evict_behind(victim)
             self.pending[key] = self._executor().submit(storage.carry(self._read_after), key, self.writing.pop(key, None))
 
-    def _read_after(self, key: Key, write: Optional[Future[None]]) -> _Read:
+    def _read_after(self, key: PartitionKey, write: Optional[Future[None]]) -> _Read:
         """Read ``key`` once its own write-back (queued before on the same thread) is done; if that write
         failed, fail too rather than read an older copy."""
         if write is not None:
@@ -231,10 +233,10 @@ class PartitionStore:
         for key in list(self.writing):
             self._wait_written(key)
 
-    def _load(self, key: Key) -> Table:
+    def _load(self, key: PartitionKey) -> Table:
         return self._place(key, self._read(key))
 
-    def _read(self, key: Key) -> _Read:
+    def _read(self, key: PartitionKey) -> _Read:
         """A partition's values and optimizer state in host memory; changes no state of the store (it may run
         in the prefetch thread)."""
         entity_type, part = key
@@ -274,7 +276,7 @@ class PartitionStore:
         self.stats.add(loads=1)
         return _Read(weight, optim_sum, step, time.perf_counter() - started, nbytes)
 
-    def _place(self, key: Key, read: _Read) -> Table:
+    def _place(self, key: PartitionKey, read: _Read) -> Table:
         started = time.perf_counter()
         optim_sum = read.optim_sum
         if optim_sum is None:
@@ -297,23 +299,23 @@ class PartitionStore:
         return self._init_version
 
     # writing ------------------------------------------------------------------------------------
-    def evict(self, key: Key) -> None:
+    def evict(self, key: PartitionKey) -> None:
         table = self.loaded.pop(key)
         self._write(key, table)
 
-    def evict_behind(self, key: Key) -> None:
+    def evict_behind(self, key: PartitionKey) -> None:
         """Take ``key`` out of memory and write it back in the background thread; a read of it (``get``,
         ``prefetch``) runs after that write, on the same thread or by waiting for it."""
         table = self.loaded.pop(key)
         self.writing[key] = self._executor().submit(storage.carry(self._write), key, table)
         self.stats.add(written_behind=1)
 
-    def _write(self, key: Key, table: Table) -> None:
+    def _write(self, key: PartitionKey, table: Table) -> None:
         """Write ``key`` under its PBG name in the next version (a single process, and a pass's final write)."""
         self._save(key, table)
         self.written.add(key)
 
-    def _save(self, key: Key, table: Table, name: Optional[str] = None) -> None:
+    def _save(self, key: PartitionKey, table: Table, name: Optional[str] = None) -> None:
         """``table`` into the next version: under the PBG name of ``key``, or under ``name`` (a staged write)."""
         entity_type, part = key
         started = time.perf_counter()
@@ -328,8 +330,8 @@ class PartitionStore:
         self.io_seconds += time.perf_counter() - started
 
     # write groups (distributed) -------------------------------------------------------------------
-    def write_group(self, keep: set[Key], commit: Callable[[WriteGroup], None],
-                    behind: bool) -> tuple[list[Key], Optional[Future[None]]]:
+    def write_group(self, keep: set[PartitionKey], commit: Callable[[WriteGroup], None],
+                    behind: bool) -> tuple[list[PartitionKey], Optional[Future[None]]]:
         """An exclusive store at a bucket switch: let go of the resident partitions not in ``keep`` by writing them
         and the kept ones as one group (``take_group``), staged, then ``commit(group)`` (the scheduler's: the
         server's record, ``publish``, the locks freed). With ``behind`` on the I/O thread (a read of a leaving
@@ -353,10 +355,10 @@ class PartitionStore:
         self.stats.add(written_behind=len(group.names))
         return group.leaving, future
 
-    def take_group(self, keep: set[Key], copy_kept: bool) -> Optional[WriteGroup]:
+    def take_group(self, keep: set[PartitionKey], copy_kept: bool) -> Optional[WriteGroup]:
         """The group of a switch to a bucket holding ``keep``: the resident partitions not in it leave memory, the
         others stay (``copy_kept``: their tables as host copies, for a write while the next bucket trains on
-        them; ``memory_budget`` counts them, job/train/residency/buffer.py). None when nothing leaves: then every done
+        them; ``memory_budget`` counts them, job/train/residency/budget.py). None when nothing leaves: then every done
         bucket's rows are still all in memory and nothing needs writing."""
         resident = self.resident_partitioned()
         leaving = sorted(resident - keep)
@@ -370,19 +372,19 @@ class PartitionStore:
             tables[key] = self._copies.take(slot, table) if copy_kept else table
         return WriteGroup.of(self.next_version, leaving, tables)
 
-    def stage(self, group: WriteGroup, keys: Optional[Sequence[Key]] = None) -> None:
+    def stage(self, group: WriteGroup, keys: Optional[Sequence[PartitionKey]] = None) -> None:
         """Write ``keys`` of ``group`` (all by default) under their staged names."""
         for key in group.keys if keys is None else keys:
             self._save(key, group.tables[key], group.names[key])
 
-    def publish(self, group: WriteGroup, keys: Optional[Sequence[Key]] = None) -> None:
+    def publish(self, group: WriteGroup, keys: Optional[Sequence[PartitionKey]] = None) -> None:
         """Move ``keys`` of ``group`` (all by default; the server recorded the group) to their PBG names: read
         from the next version from now on."""
         published = group.keys if keys is None else list(keys)
         publish_group(self.checkpoint, group, published)
         self.written.update(published)
 
-    def hold_only(self, keys: set[Key]) -> list[Key]:
+    def hold_only(self, keys: set[PartitionKey]) -> list[PartitionKey]:
         """Make exactly ``keys`` resident: write out the others, load the missing ones; return those written out."""
         evicted = [k for k in self.loaded if k not in keys]
         for key in evicted:
@@ -391,10 +393,10 @@ class PartitionStore:
             self.get(key)
         return evicted
 
-    def is_partitioned(self, key: Key) -> bool:
+    def is_partitioned(self, key: PartitionKey) -> bool:
         return self.config.entities[key[0]].num_partitions > 1
 
-    def resident_partitioned(self) -> set[Key]:
+    def resident_partitioned(self) -> set[PartitionKey]:
         return {k for k in self.loaded if self.is_partitioned(k)}
 
     def load_unpartitioned(self) -> list[Table]:

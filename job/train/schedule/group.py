@@ -27,12 +27,15 @@ from job.checkpoint.write_groups import WriteGroup
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.distributed.group import DistributedContext, RoundEnding, wait_all
-from job.train.distributed.lock_server import LockClient, LockServer, SharedParameters
+from job.train.distributed.lock_client import LockClient
+from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
+from job.train.distributed.shared_params import SharedParameters
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.clock import BucketClock
-from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PartKey, PassGather
-from job.train.schedule.orders import Bucket, all_buckets
+from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
+from job.train.schedule.orders import all_buckets
+from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
 
@@ -197,12 +200,12 @@ class LockServerScheduler(BucketScheduler):
             release.result()
         return time.perf_counter() - started
 
-    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
+    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartitionKey]]]:
         if self.ahead is None:
             return (), ()
         return (self.ahead,), (set(self.bucket_keys[self.ahead]),)
 
-    def release(self, keys: list[PartKey]) -> None:
+    def release(self, keys: list[PartitionKey]) -> None:
         """Give back tables the buffer wrote out on its own (an unpartitioned type no bucket uses: partitioned ones
         leave in write groups, ``_switch_to``) once their files are stored: on object stores uploads run in the
         background, and the next holder must read what was written, not an older file or none."""

@@ -39,11 +39,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from job.train.schedule.orders import Bucket
+from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-PartKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -82,12 +81,12 @@ class BucketScheduler(ABC):
         """The next bucket to train (``finished``: the stats record of the one just trained); None: the pass
         has nothing left for this process."""
 
-    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
+    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartitionKey]]]:
         """The buckets this process trains after the current one and their partitions, when known and safe to
         prefetch (nobody else writes those partitions meanwhile); empty when unknown."""
         return (), ()
 
-    def release(self, keys: list[PartKey]) -> None:
+    def release(self, keys: list[PartitionKey]) -> None:
         """``keys`` were written out of the buffer (others may now take them); nothing to do alone."""
         return None
 
@@ -118,11 +117,11 @@ class LocalScheduler(BucketScheduler):
     """The whole pass in this process, in the order ``order(rng)`` gives."""
 
     def __init__(self, order: Callable[[random.Random], list[Bucket]],
-                 needs: Callable[[Bucket], set[PartKey]]) -> None:
+                 needs: Callable[[Bucket], set[PartitionKey]]) -> None:
         self.order = order
         self.needs = needs
         self.buckets: list[Bucket] = []
-        self.needed: list[set[PartKey]] = []
+        self.needed: list[set[PartitionKey]] = []
         self.position = -1
         self.records: list[dict[str, Any]] = []
 
@@ -138,7 +137,7 @@ class LocalScheduler(BucketScheduler):
         self.position += 1
         return self.buckets[self.position] if self.position < len(self.buckets) else None
 
-    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartKey]]]:
+    def upcoming(self) -> tuple[Sequence[Bucket], Sequence[set[PartitionKey]]]:
         return self.buckets[self.position + 1:], self.needed[self.position + 1:]
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:

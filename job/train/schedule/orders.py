@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from job.config import BucketOrder
 from job.train.schedule.buffer_walk import lower_bound_loads, walk
+from job.types import Bucket
 
-__all__ = ["Bucket", "all_buckets", "buffer_order", "lower_bound_loads", "order_buckets", "plan_loads", "swaps_needed"]
-
-
-class Bucket(NamedTuple):
-    lhs: int
-    rhs: int
-
-    def __str__(self) -> str:
-        return f"({self.lhs}, {self.rhs})"
+__all__ = ["all_buckets", "buffer_order", "lower_bound_loads", "order_buckets", "plan_loads", "swaps_needed"]
 
 
 def all_buckets(nparts_lhs: int, nparts_rhs: int) -> list[Bucket]:

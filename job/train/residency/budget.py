@@ -22,9 +22,6 @@ reads another, and the trainer waits for both. biggraph holds up to ``capacity``
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Optional
 
 import storage_adapters as storage
@@ -35,43 +32,7 @@ from storage_adapters.multipart import transfer_buffer_bytes
 
 logger = logging.getLogger("biggraph")
 
-Key = tuple[str, int]  # (entity type, partition)
 PROCESS_FALLBACK_BYTES = 192 * 2**20  # a process with torch loaded, measured ~170-185 MiB anonymous here
-
-
-@dataclass
-class IOStats:
-    """Partition traffic of one pass (thread-safe: the background thread adds to it)."""
-
-    loads: int = 0  # partitions brought into memory: read, or initialised on their first use
-    reads: int = 0
-    writes: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    prefetched: int = 0  # loads read in the background before the bucket needing them started (off the critical path)
-    written_behind: int = 0  # writes of evicted partitions done in the background while a bucket trained
-    blocked_seconds: float = 0.0  # training waited for partition I/O (swaps, not the commit)
-    commit_seconds: float = 0.0  # writing every partition into the new version at the end of the pass
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, *, loads: int = 0, reads: int = 0, writes: int = 0, bytes_read: int = 0, bytes_written: int = 0,
-            prefetched: int = 0, written_behind: int = 0) -> None:
-        with self._lock:
-            self.prefetched += prefetched
-            self.written_behind += written_behind
-            self.loads += loads
-            self.reads += reads
-            self.writes += writes
-            self.bytes_read += bytes_read
-            self.bytes_written += bytes_written
-
-    def as_record(self) -> dict[str, float]:
-        return {"partition_loads": self.loads, "partition_reads": self.reads, "partition_writes": self.writes,
-                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "partition_loads_prefetched": self.prefetched,
-                "partition_writes_background": self.written_behind,
-                "io_blocked_seconds": round(self.blocked_seconds, 3),
-                "commit_seconds": round(self.commit_seconds, 3)}
 
 
 def per_coordinate(config: ConfigSchema, entity_type: str) -> bool:
@@ -207,13 +168,27 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def next_use(key: Key, upcoming: Sequence[set[Key]]) -> int:
-    """Buckets until ``key`` is needed again (len(upcoming) + 1: not in this pass)."""
-    return next((i for i, keys in enumerate(upcoming) if key in keys), len(upcoming) + 1)
+# the shared vector's copies, for memory_budget (``sync_memory_bytes``): a trainer's synced values and transfer
+# buffer (``SharedParameters``); the server's served and stored vectors and its transfer slots (``LockServer``,
+# job/train/distributed/transfers.py)
+TRANSFER_SLOTS = 3  # vectors for transfers in flight: up to two frozen peers leave one for everybody else
+CLIENT_VECTORS = 2
+SERVER_VECTORS = 2 + TRANSFER_SLOTS
 
 
-def pick_victim(candidates: Sequence[Key], upcoming: Sequence[set[Key]]) -> Optional[Key]:
-    """The candidate needed again latest (ties: the smallest key, so runs are reproducible)."""
-    if not candidates:
-        return None
-    return max(sorted(candidates), key=lambda k: next_use(k, upcoming))
+def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[int]]) -> int:
+    """How many values ``shared_state`` holds: the model's ``parameters`` and their dense Adagrad sums, each
+    unpartitioned table's rows and their row sums (from the config and the entity counts, before anything is
+    loaded: what ``memory_budget`` and a pod's sizing count)."""
+    # the sums: (rows,) row-wise, (rows, dim) per coordinate (``entity_optimizer: adagrad``)
+    return 2 * parameters + sum(
+        counts[t][0] * config.entity_dimension(t) * (2 if per_coordinate(config, t) else 1) + (
+            0 if per_coordinate(config, t) else counts[t][0])
+        for t, e in config.entities.items() if e.num_partitions == 1)
+
+
+def sync_memory_bytes(values: int, serves: bool) -> int:
+    """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
+    ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (the vectors of buckets done
+    but not yet saved, ``LockServer.pending``, come on top: a few per trainer, while their partitions are held)."""
+    return 4 * values * (CLIENT_VECTORS + (SERVER_VECTORS if serves else 0))

@@ -1,0 +1,379 @@
+"""The lock protocol, defined once: every message between a trainer's ``LockClient`` and rank 0's ``LockServer``.
+
+Both ends import this module and nothing of each other. A request is one frozen dataclass per operation, carried
+in an ``Envelope`` that says who asks (rank, and channel: a second client of the same rank gets its replies on a
+queue of its own) and whether a shared-parameter change travels with it (``Payload``: how many values, and the
+transport tag it was posted under). A reply is one dataclass per answer; ``Refusal`` is the answer to anything the
+server could not do, so a client never waits out its timeout on a request the server read.
+
+On the wire a message is one JSON object (``{"op": ..., "rank": ..., "channel": ..., <the operation's fields>}``)
+in the rendezvous store's queues (``request_queue``, ``response_queue``). Decoding checks every field it reads: a
+malformed message raises ``ProtocolError`` naming the operation and the field, which the server sends back as a
+``Refusal`` when it can tell who asked (and logs once when it cannot).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
+
+from job.types import Bucket, PartitionKey
+
+# the store queues live under a prefix of the group's round (``DistributedContext.key("lock")``), so that a request
+# of an earlier round, or a server of one, never meets this round's
+DEFAULT_PREFIX = "biggraph/lock"
+SERVER_RANK = 0  # the rank whose process runs the lock server
+
+
+def request_queue(prefix: str) -> str:
+    return f"{prefix}/requests"
+
+
+def response_queue(prefix: str, rank: int, channel: str = "") -> str:
+    return f"{prefix}/response/{rank}{channel}"
+
+
+class LockServerError(RuntimeError):
+    """The lock server answered a request with an error (its message names the server's error), or did not answer."""
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol: not JSON, an unknown operation, a missing or mistyped field."""
+
+
+# requests ---------------------------------------------------------------------------------------------------------
+
+Staged = tuple[str, int, str]  # a staged file of a write group: (entity type, partition, its staged name)
+
+
+@dataclass(frozen=True)
+class Next:
+    """Finish ``finished`` (its stats ``record``; with a payload, the shared-parameter change it made) and ask for the
+    next bucket. ``held``: the partitions this rank holds. ``leaving``: why this rank leaves (its SIGTERM): the round
+    ends. ``gave_up``: it gave its bucket in flight up and leaves without writing what it holds."""
+
+    held: frozenset[PartitionKey] = frozenset()
+    finished: Optional[Bucket] = None
+    record: Optional[dict[str, Any]] = None
+    leaving: Optional[str] = None
+    gave_up: bool = False
+    op = "next"
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """This rank's next bucket, granted early while its current one trains. ``leaving``: partitions being written
+    back in the background."""
+
+    leaving: tuple[PartitionKey, ...] = ()
+    op = "reserve"
+
+
+@dataclass(frozen=True)
+class Release:
+    """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
+
+    keys: tuple[PartitionKey, ...]
+    written: bool = True
+    op = "release"
+
+
+@dataclass(frozen=True)
+class Written:
+    """Record a write group (``keys`` and their ``staged`` files) as one change; the locks stay with the rank."""
+
+    keys: tuple[PartitionKey, ...]
+    staged: tuple[Staged, ...] = ()
+    op = "written"
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Outside a bucket: add the payload's change to the shared parameters and answer with their sum."""
+
+    op = "sync"
+
+
+@dataclass(frozen=True)
+class Status:
+    """The scheduling state as JSON (tests and diagnostics)."""
+
+    op = "status"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the server named ``server`` (the servers of a round's passes share its queue)."""
+
+    server: str
+    op = "stop"
+
+
+Request = Union[Next, Reserve, Release, Written, Sync, Status, Stop]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A shared-parameter change announced by a request: ``values`` float32 values, posted under transport ``tag``
+    before the request was pushed (the server receives it before anything else, whatever it then decides)."""
+
+    values: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Who asks: ``rank`` and ``channel`` (where the reply goes), and the change travelling with the request."""
+
+    rank: int
+    channel: str = ""
+    payload: Optional[Payload] = None
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A request as read off the queue: who asks, and its operation's fields not yet decoded (``decode_request``
+    checks them once the payload, if any, has arrived)."""
+
+    envelope: Envelope
+    op: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+# replies ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Granted:
+    """The answer to ``next``: ``kind`` is ``bucket`` (train ``bucket``), ``wait``, ``done`` or ``ending`` (the round
+    ends, ``why``: give back and exit); ``dirty``: the partitions written this pass."""
+
+    kind: str
+    bucket: Optional[Bucket] = None
+    dirty: frozenset[PartitionKey] = frozenset()
+    why: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """The answer to ``reserve``: the bucket granted (None: not now) and the partitions written this pass."""
+
+    bucket: Optional[Bucket] = None
+    dirty: frozenset[PartitionKey] = frozenset()
+
+
+@dataclass(frozen=True)
+class Done:
+    """The answer to ``release``, ``written`` and ``sync`` (the sum of a sync follows over the transport)."""
+
+
+@dataclass(frozen=True)
+class State:
+    """The answer to ``status``."""
+
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The server could not do what was asked: ``error`` names its error."""
+
+    error: str
+
+
+Reply = Union[Granted, Reserved, Done, State, Refusal]
+R = TypeVar("R", Granted, Reserved, Done, State)
+
+# encoding ---------------------------------------------------------------------------------------------------------
+
+
+def _keys(keys: Any) -> list[list[Any]]:
+    return [[k[0], int(k[1])] for k in keys]
+
+
+def _bucket(bucket: Optional[Bucket]) -> Optional[list[int]]:
+    return [int(bucket.lhs), int(bucket.rhs)] if bucket is not None else None
+
+
+def encode_request(envelope: Envelope, request: Request) -> bytes:
+    message: dict[str, Any] = {"op": request.op, "rank": envelope.rank, "channel": envelope.channel}
+    if isinstance(request, Next):
+        message.update(held=_keys(sorted(request.held)), finished=_bucket(request.finished), record=request.record)
+        if request.leaving:
+            message["leaving"] = request.leaving
+        if request.gave_up:
+            message["gave_up"] = True
+    elif isinstance(request, Reserve):
+        message["leaving"] = _keys(request.leaving)
+    elif isinstance(request, Release):
+        message.update(keys=_keys(request.keys), written=request.written)
+    elif isinstance(request, Written):
+        message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), s[2]] for s in request.staged])
+    elif isinstance(request, Stop):
+        message["server"] = request.server
+    if envelope.payload is not None:
+        message.update(values=envelope.payload.values, tag=envelope.payload.tag)
+    return pack(message)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    if isinstance(reply, Refusal):
+        return pack({"ok": False, "error": reply.error})
+    message: dict[str, Any] = {"ok": True}
+    if isinstance(reply, Granted):
+        message.update(kind=reply.kind, bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
+        if reply.why is not None:
+            message["why"] = reply.why
+    elif isinstance(reply, Reserved):
+        message.update(bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
+    elif isinstance(reply, State):
+        message["state"] = reply.state
+    return pack(message)
+
+
+def pack(message: Mapping[str, Any]) -> bytes:
+    """One wire message (the tests push hand-made ones, as a misbehaving peer would)."""
+    return json.dumps(message).encode()
+
+
+def unpack(raw: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ProtocolError(f"not a JSON message ({err})") from err
+    if not isinstance(message, dict):
+        raise ProtocolError("the message is not a JSON object")
+    return message
+
+
+# decoding ---------------------------------------------------------------------------------------------------------
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{what} is not an integer: {value!r}")
+    return value
+
+
+def _key(value: Any, what: str) -> PartitionKey:
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not isinstance(value[0], str):
+        raise ProtocolError(f"{what} is not a partition [entity type, partition]: {value!r}")
+    return value[0], _int(value[1], what)
+
+
+def _key_list(value: Any, what: str) -> tuple[PartitionKey, ...]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what} is not a list: {value!r}")
+    return tuple(_key(k, what) for k in value)
+
+
+def _decode_bucket(value: Any, what: str) -> Optional[Bucket]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ProtocolError(f"{what} is not a bucket [lhs, rhs]: {value!r}")
+    return Bucket(_int(value[0], what), _int(value[1], what))
+
+
+def _staged(value: Any) -> Staged:
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[0], str) \
+            or not isinstance(value[2], str):
+        raise ProtocolError(f"'staged' holds {value!r}, not [entity type, partition, name]")
+    return value[0], _int(value[1], "'staged'"), value[2]
+
+
+def _required(fields: Mapping[str, Any], name: str) -> Any:
+    if name not in fields:
+        raise ProtocolError(f"KeyError: no {name!r}")
+    return fields[name]
+
+
+def _next(fields: Mapping[str, Any]) -> Next:
+    record = fields.get("record")
+    if record is not None and not isinstance(record, dict):
+        raise ProtocolError(f"'record' is not an object: {record!r}")
+    leaving = fields.get("leaving")
+    return Next(held=frozenset(_key_list(fields.get("held", []), "'held'")),
+                finished=_decode_bucket(fields.get("finished"), "'finished'"), record=record,
+                leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)))
+
+
+def _release(fields: Mapping[str, Any]) -> Release:
+    return Release(keys=_key_list(_required(fields, "keys"), "'keys'"), written=bool(fields.get("written", True)))
+
+
+def _written(fields: Mapping[str, Any]) -> Written:
+    staged = fields.get("staged", [])
+    if not isinstance(staged, list):
+        raise ProtocolError(f"'staged' is not a list: {staged!r}")
+    return Written(keys=_key_list(_required(fields, "keys"), "'keys'"), staged=tuple(_staged(s) for s in staged))
+
+
+_DECODERS: dict[str, Callable[[Mapping[str, Any]], Request]] = {
+    "next": _next,
+    "reserve": lambda f: Reserve(leaving=_key_list(f.get("leaving", []), "'leaving'")),
+    "release": _release,
+    "written": _written,
+    "sync": lambda f: Sync(),
+    "status": lambda f: Status(),
+    "stop": lambda f: Stop(server=str(_required(f, "server"))),
+}
+
+
+def read_incoming(raw: bytes) -> Incoming:
+    """Who asks and what, from a raw message: ``ProtocolError`` when it cannot be told (nobody to answer)."""
+    message = unpack(raw)
+    op = message.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(f"no operation: {message.get('op')!r}")
+    if op == "stop":
+        return Incoming(Envelope(rank=-1), op, message)
+    try:
+        rank = _int(message["rank"], "'rank'")
+    except KeyError as err:
+        raise ProtocolError(f"a {op!r} request without a rank") from err
+    channel = message.get("channel", "")
+    if not isinstance(channel, str):
+        raise ProtocolError(f"a {op!r} request whose channel is {channel!r}")
+    payload = None
+    if message.get("values") is not None:
+        values, tag = _int(message["values"], "'values'"), _int(message.get("tag"), "'tag'")
+        if values < 0:
+            raise ProtocolError(f"a {op!r} request announcing {values} values")
+        payload = Payload(values, tag)
+    return Incoming(Envelope(rank, channel, payload), op, message)
+
+
+def decode_request(incoming: Incoming) -> Request:
+    """The typed request: ``ProtocolError`` names the operation and what is wrong with it."""
+    decoder = _DECODERS.get(incoming.op)
+    if decoder is None:
+        raise ProtocolError(f"unknown request {incoming.op!r}")
+    try:
+        return decoder(incoming.fields)
+    except ProtocolError as err:
+        raise ProtocolError(f"malformed {incoming.op!r} request: {err}") from None
+
+
+def decode_reply(raw: bytes, expected: type[R], op: str) -> R:
+    """The reply to a request of ``op``: ``LockServerError`` for a refusal or a reply that is not ``expected``."""
+    try:
+        message = unpack(raw)
+        if not message.get("ok", False):
+            raise LockServerError(f"lock server (rank 0) refused {op!r}: {message.get('error')}")
+        if expected is Granted:
+            reply: Any = Granted(kind=str(message["kind"]), bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
+                                 dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
+                                 why=message.get("why"))
+        elif expected is Reserved:
+            reply = Reserved(bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
+                             dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")))
+        elif expected is State:
+            reply = State(state=dict(message["state"]))
+        else:
+            reply = Done()
+    except (ProtocolError, KeyError, TypeError) as err:
+        raise LockServerError(f"lock server (rank 0): an unreadable answer to {op!r} ({err})") from err
+    return reply
