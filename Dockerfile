@@ -48,8 +48,8 @@ RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
     else \
       pip install --no-cache-dir --no-compile -c /src/constraints.txt --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"; \
     fi
-# only what the wheel needs (see .dockerignore): metadata first, then the packages, and the chart and k8s/base,
-# which setup.py copies into the wheel (biggraph submit renders them)
+# only what the wheel needs (see .dockerignore): metadata first, then the packages, the chart, which setup.py copies
+# into the wheel (biggraph submit renders it), and k8s/base, which the sdist carries (MANIFEST.in)
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY job ./job
 COPY storage_adapters ./storage_adapters
