@@ -59,7 +59,7 @@ COPY k8s ./k8s
 # hadolint ignore=DL3013
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && whl=$(ls /wheels/biggraph-*.whl) \
- && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s]" \
+ && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s,prometheus]" \
  && biggraph build-native \
  && python -P -c "import job, job.native, storage_adapters, s3fs, kubernetes, torch; assert '/site-packages/job/native/_prebuilt/' in job.native.library()._name; print('biggraph', job.__version__, 'torch', torch.__version__)"
 # What only building needs goes before the COPY into the runtime stage: torch's C++ headers, protoc
