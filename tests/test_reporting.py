@@ -156,16 +156,15 @@ def test_bar_shows_epoch_bucket_speed_loss_and_keeps_log_lines_readable(monkeypa
     monkeypatch.setattr(sys, "stderr", err)
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stderr)
-    root.addHandler(handler)
-    try:
-        reporter = make_reporter(Config(), rank=0, total_passes=2, buckets_per_pass=4)
-        for index in range(4):
-            reporter.on_bucket(bucket_record(index, epoch=0, loss=0.125))
-        logging.getLogger("biggraph").warning("a log line while the bar runs")
-        reporter.on_pass(pass_summary(0))
-        reporter.close()
-    finally:
-        root.removeHandler(handler)
+    # the console handler alone (an earlier main() may have left biggraph's own, with its timestamp format)
+    monkeypatch.setattr(root, "handlers", [handler])
+    reporter = make_reporter(Config(), rank=0, total_passes=2, buckets_per_pass=4)
+    for index in range(4):
+        reporter.on_bucket(bucket_record(index, epoch=0, loss=0.125))
+    logging.getLogger("biggraph").warning("a log line while the bar runs")
+    reporter.on_pass(pass_summary(0))
+    reporter.close()
+    assert root.handlers == [handler]  # tqdm's handler swapped out again
     text = err.getvalue()
     assert "epoch 1/2 bucket 4/4" in text
     assert "1,000 edges/s" in text and "loss 0.1250" in text and "MRR 0.2500" in text
