@@ -48,8 +48,8 @@ RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
     else \
       pip install --no-cache-dir --no-compile -c /src/constraints.txt --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"; \
     fi
-# only what the wheel needs (see .dockerignore): metadata first, then the packages, and the chart and k8s/base,
-# which setup.py copies into the wheel (biggraph submit renders them)
+# only what the wheel needs (see .dockerignore): metadata first, then the packages, the chart, which setup.py copies
+# into the wheel (biggraph submit renders it), and k8s/base, which the sdist carries (MANIFEST.in)
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY job ./job
 COPY storage_adapters ./storage_adapters
@@ -59,7 +59,7 @@ COPY k8s ./k8s
 # hadolint ignore=DL3013
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && whl=$(ls /wheels/biggraph-*.whl) \
- && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s]" \
+ && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s,prometheus]" \
  && biggraph build-native \
  && python -P -c "import job, job.native, storage_adapters, s3fs, kubernetes, torch; assert '/site-packages/job/native/_prebuilt/' in job.native.library()._name; print('biggraph', job.__version__, 'torch', torch.__version__)"
 # What only building needs goes before the COPY into the runtime stage: torch's C++ headers, protoc

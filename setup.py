@@ -1,9 +1,9 @@
-"""One build step on top of pyproject.toml: the Helm chart and the plain manifests ship inside the wheel.
+"""One build step on top of pyproject.toml: the Helm chart ships inside the wheel.
 
-``charts/biggraph`` and ``k8s/base`` stay where they are (the source of truth, what helm, kustomize and the
-image use); a regular build copies them into the package as ``job/k8s/_bundled/charts/biggraph`` and
-``job/k8s/_bundled/k8s/base``, where ``job.k8s.render`` finds them in an installed package. An editable
-install (and a checkout on PYTHONPATH) reads the checkout's folders instead, so there is one copy to edit.
+``charts/biggraph`` stays where it is (the source of truth, what helm and the image use); a regular build copies it
+into the package as ``job/k8s/_bundled/charts/biggraph``, where ``job.k8s.render`` finds it in an installed package
+(``biggraph submit`` renders it with helm). An editable install (and a checkout on PYTHONPATH) reads the checkout's
+folder instead, so there is one copy to edit. ``k8s/base`` (for ``kubectl apply -k``) is not needed by the package.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-BUNDLED = ("charts/biggraph", "k8s/base")  # relative to the repository root, and to job/k8s/_bundled/
+BUNDLED = ("charts/biggraph",)  # relative to the repository root, and to job/k8s/_bundled/
 TARGET = Path("job", "k8s", "_bundled")
 
 
 class BuildPyWithManifests(build_py):
-    """build_py, then the chart and k8s/base copied into the built package (not for an editable install)."""
+    """build_py, then the chart copied into the built package (not for an editable install)."""
 
     def run(self) -> None:
         super().run()

@@ -1,7 +1,7 @@
 """The Helm chart, rendered by the real helm binary for every supported Kubernetes minor (1.31-1.37) and
 validated strictly against that minor's OpenAPI schemas (kubernetes-validate, in-process, offline); the
-schema's refusals; the NetworkPolicy's reach; k8s/ (base, overlays and `biggraph submit --no-helm`'s
-rendering) kept in step with it; and the pod's command line run locally, which trains."""
+schema's refusals; the NetworkPolicy's reach; k8s/ (base and overlays, for `kubectl apply -k` without helm) held to
+be the chart's rendering; and the pod's command line run locally, which trains."""
 
 from __future__ import annotations
 
@@ -559,19 +559,8 @@ def base_config() -> dict[str, Any]:
     return yaml.safe_load(load_base()["ConfigMap"]["data"]["config.yaml"])
 
 
-def plain_render(name: str, kube: str | None, replicas: int | None = None, queue: str | None = None
-                 ) -> dict[str, dict[str, Any]]:
-    """What `biggraph submit --no-helm` creates (job.k8s.render.render_plain), by kind."""
-    from job.k8s.render import RenderOptions, parse_kube_version, render_plain
-
-    options = RenderOptions(replicas=replicas, image=None, queue=queue)
-    objects = render_plain(name, base_config(), options, parse_kube_version(kube) if kube else None)
-    assert len({o["kind"] for o in objects}) == len(objects)
-    return {o["kind"]: o for o in objects}
-
-
 def assert_same_as_chart(plain: dict[str, dict[str, Any]], chart: list[dict[str, Any]]) -> None:
-    """The objects the plain manifests give equal the chart's, but for Helm's own labels and annotations."""
+    """The objects of k8s/base equal the chart's, but for Helm's own labels and annotations."""
     assert set(plain) == {"ConfigMap", "Service", "NetworkPolicy", "Job"}
     chart_job, plain_job = one(chart, "Job"), plain["Job"]
     assert {**plain_job["spec"], "template": None} == {**chart_job["spec"], "template": None}
@@ -598,22 +587,6 @@ def test_k8s_base_is_the_chart_for_the_oldest_minor(tmp_path: Path) -> None:
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.slow
-def test_submit_without_helm_renders_what_the_chart_does_on_every_minor(tmp_path: Path) -> None:
-    """`biggraph submit --no-helm` adds the newer minors' Job fields in Python: the same as the chart's checks."""
-    errors = []
-    for kube in KUBE_MINORS:
-        plain = plain_render("emb", kube, replicas=3, queue="team-a")
-        chart = render(tmp_path, release="emb", kube=kube, extra={
-            "fullnameOverride": "emb", "config": base_config(), "replicas": 3, "kueue": {"queueName": "team-a"}})
-        assert_same_as_chart(plain, chart)
-        assert plain["Job"]["spec"]["suspend"] is True
-        errors += [e for doc in plain.values() for e in schema_errors(doc, kube)]
-    assert not errors, "\n".join(errors)
-    assert plain_render("emb", None, replicas=3)["Job"]["spec"]["backoffLimit"] == 3  # version unknown: k8s/base's
-    assert "suspend" not in plain_render("emb", "1.37")["Job"]["spec"]
-
-
 def kubectl_binary() -> str | None:
     candidates = (REPO / ".cache" / "bin" / "kubectl", VENV_BIN / "kubectl", Path("/usr/bin/kubectl"))
     return next((str(p) for p in candidates if os.access(p, os.X_OK)), None)
@@ -624,7 +597,7 @@ def kubectl_binary() -> str | None:
 def test_kustomize_overlays_build_and_validate_on_every_minor(overlay: str) -> None:
     kubectl = kubectl_binary()
     if kubectl is None:
-        pytest.skip("no kubectl for `kubectl kustomize` (k8s/base itself is checked through render_plain)")
+        pytest.skip("no kubectl for `kubectl kustomize` (k8s/base itself is held to the chart's rendering above)")
     done = subprocess.run([kubectl, "kustomize", str(REPO / "k8s" / "overlays" / overlay)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "KUBECONFIG": "/dev/null"})
     assert done.returncode == 0, done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -28,6 +29,10 @@ kmock = pytest.importorskip("kmock", reason="pip install kmock (the fake API ser
 kubernetes = pytest.importorskip("kubernetes")
 
 NS = "team-a"
+# what the fake API server serves (and tells in its discovery): the kinds the chart renders, and pods
+RESOURCES = {"v1/pods": "Pod", "v1/configmaps": "ConfigMap", "v1/services": "Service",
+             "v1/serviceaccounts": "ServiceAccount", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
+             "batch/v1/jobs": "Job", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy"}
 
 
 def _patch_watch_query() -> None:
@@ -68,7 +73,7 @@ class FakeCluster:
         self.networking = kubernetes.client.NetworkingV1Api(api)
 
     def set_kube_minor(self, minor: str | None) -> None:
-        """What /version answers from now on; None: 404, as from a server that does not say."""
+        """What /version answers from now on; None: no minor (a server build that does not say)."""
         self.state["minor"] = minor
 
     def cli(self, *args: str) -> list[str]:
@@ -105,25 +110,33 @@ def write_kubeconfig(path: Path, server: str, namespace: str = NS) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def helm_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The real helm binary on PATH (submit renders the chart with it), its home directories under ``tmp_path``;
+    the test is skipped without it."""
+    helm = use_helm(tmp_path, monkeypatch)
+    monkeypatch.setenv("PATH", f"{Path(helm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return helm
+
+
 @pytest.fixture()
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCluster]:
     _patch_watch_query()
     for name in ("aiohttp.access", "aiohttp.server", "aiohttp.web"):  # the fake server's request log
         monkeypatch.setattr(logging.getLogger(name), "disabled", True)
     ready = threading.Event()
-    state: dict[str, Any] = {"minor": "31"}  # the oldest supported minor: k8s/base as written
+    state: dict[str, Any] = {"minor": "31"}  # the oldest supported minor
 
     def serve() -> None:
         async def run() -> None:
             async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
                 state["emulator"], state["url"] = emulator, str(server.url).rstrip("/")
-                for resource in ("v1/pods", "v1/configmaps", "v1/services", "batch/v1/jobs",
-                                 "networking.k8s.io/v1/networkpolicies"):
-                    emulator.resources[resource] = {}  # listable while still empty, as on a real server
+                for resource, kind in RESOURCES.items():  # listable while still empty, as on a real server, and
+                    emulator.resources[resource] = {  # in the discovery the dynamic client reads
+                        "kind": kind, "namespaced": True, "verbs": ["create", "delete", "get", "list", "patch"]}
 
-                def version() -> Any:
-                    minor = state.get("minor")
-                    return version_info(minor) if minor else kmock.KubernetesEndpointNotFoundError()
+                def version() -> Any:  # None: a /version without a minor (a build that does not say)
+                    return version_info(state.get("minor") or "")
 
                 emulator[kmock.path(re.compile(r"^/version/?$"))] << version
                 emulator[kmock.path(re.compile(r".*/namespaces/forbidden-ns/.*"))] << 403 << {
@@ -210,7 +223,9 @@ def use_helm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         from tests.test_chart import helm_binary, helm_env
 
     helm = helm_binary()  # before the environment changes: it may run tests/k8s_tools.sh
-    monkeypatch.setattr("os.environ", helm_env(tmp_path))
+    for key, value in helm_env(tmp_path).items():
+        if key.startswith("HELM_"):
+            monkeypatch.setenv(key, value)
     return helm
 
 
@@ -243,18 +258,18 @@ def test_submit_with_helm_creates_job_configmap_and_service(cluster: FakeCluster
     assert job.metadata.labels["kueue.x-k8s.io/queue-name"] == "team-a-q" and job.spec.suspend is True
 
 
-def test_submit_without_helm_uses_the_plain_manifests(cluster: FakeCluster, user_config: Any,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_creates_the_release_and_refuses_a_name_clash(cluster: FakeCluster, user_config: Any,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     path, raw = user_config
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb2", "--replicas", "2")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb2", "--replicas", "2")) == 0
     check_submitted(cluster, "emb2", raw, replicas=2, image="ghcr.io/biggraph/biggraph:0.1.0-cpu")
     assert cluster.names("ConfigMap") == {"emb2-config"} and cluster.names("Service") == {"emb2"}
     assert cluster.names("NetworkPolicy") == {"emb2"}
     job = created_job(cluster, "emb2")
-    assert job.spec.backoff_limit == 3 and job.spec.backoff_limit_per_index is None  # 1.31: k8s/base as written
+    assert job.spec.backoff_limit == 3 and job.spec.backoff_limit_per_index is None  # 1.31: no per-index retries
     assert not job.spec.suspend and "kueue.x-k8s.io/queue-name" not in job.metadata.labels
     # the same name again: a clear conflict, and nothing half-created left behind by the failed attempt
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb2")) == 2
+    assert main(cluster.cli("submit", str(path), "--name", "emb2")) == 2
     err = capsys.readouterr().err
     assert "already exists in namespace team-a" in err and len(err.strip().splitlines()) == 1
     assert cluster.names("Job") == {"emb2"}
@@ -263,7 +278,7 @@ def test_submit_without_helm_uses_the_plain_manifests(cluster: FakeCluster, user
 def test_submit_default_name_and_dry_run_need_no_cluster(user_config: Any, capsys: pytest.CaptureFixture[str],
                                                          tmp_path: Path) -> None:
     path, raw = user_config
-    code = main(["submit", str(path), "--no-helm", "--dry-run", "--kubeconfig", str(tmp_path / "missing")])
+    code = main(["submit", str(path), "--dry-run", "--kubeconfig", str(tmp_path / "missing")])
     assert code == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]  # the policy before the pods
@@ -275,11 +290,11 @@ def test_submit_default_name_and_dry_run_need_no_cluster(user_config: Any, capsy
 
 @pytest.mark.parametrize(("minor", "per_index", "replacement"), [("32", None, None), ("33", 3, None),
                                                                   ("34+", 3, "Failed"), ("37", 3, "Failed")])
-def test_submit_without_helm_follows_the_cluster_version(cluster: FakeCluster, user_config: Any, minor: str,
+def test_submit_follows_the_cluster_version(cluster: FakeCluster, user_config: Any, minor: str,
                                                          per_index: int | None, replacement: str | None) -> None:
     path, raw = user_config
     cluster.set_kube_minor(minor)
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb8", "--replicas", "3")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb8", "--replicas", "3")) == 0
     check_submitted(cluster, "emb8", raw, replicas=3, image="ghcr.io/biggraph/biggraph:0.1.0-cpu")
     spec = created_job(cluster, "emb8").spec
     assert spec.backoff_limit_per_index == per_index and spec.pod_replacement_policy == replacement
@@ -290,25 +305,25 @@ def test_submit_without_helm_follows_the_cluster_version(cluster: FakeCluster, u
 def test_submit_version_unknown_old_or_given(cluster: FakeCluster, user_config: Any, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = user_config
-    cluster.set_kube_minor(None)  # /version 404: k8s/base as it is (the oldest minor's manifests work everywhere)
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb9")) == 0
-    assert created_job(cluster, "emb9").spec.backoff_limit == 3
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb10", "--kube-version", "v1.35.1")) == 0
+    cluster.set_kube_minor(None)  # /version without a minor: helm's default version
+    assert main(cluster.cli("submit", str(path), "--name", "emb9")) == 0
+    assert created_job(cluster, "emb9").spec.completions == 1
+    assert main(cluster.cli("submit", str(path), "--name", "emb10", "--kube-version", "v1.35.1")) == 0
     assert created_job(cluster, "emb10").spec.pod_replacement_policy == "Failed"  # --kube-version wins
     cluster.set_kube_minor("30")
     capsys.readouterr()
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb11")) == 2
+    assert main(cluster.cli("submit", str(path), "--name", "emb11")) == 2
     err = capsys.readouterr().err.strip()
     assert err == "biggraph submit: error: Kubernetes 1.30 is not supported: biggraph needs 1.31 or newer (Job podFailurePolicy)"
     assert "emb11" not in cluster.names("Job") and "emb11" not in cluster.names("NetworkPolicy")
-    assert main(["submit", str(path), "--no-helm", "--dry-run", "--kube-version", "1.x"]) == 2
+    assert main(["submit", str(path), "--dry-run", "--kube-version", "1.x"]) == 2
     assert "--kube-version 1.x: expected MAJOR.MINOR" in capsys.readouterr().err
 
 
 def test_submit_to_a_kueue_queue_waits_suspended(cluster: FakeCluster, user_config: Any,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = user_config
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb12", "--replicas", "2",
+    assert main(cluster.cli("submit", str(path), "--name", "emb12", "--replicas", "2",
                             "--queue", "team-a-q")) == 0
     assert "queued in Kueue LocalQueue team-a-q: the pods start once it is admitted" in capsys.readouterr().out
     job = created_job(cluster, "emb12")
@@ -327,28 +342,42 @@ def test_submit_to_a_kueue_queue_waits_suspended(cluster: FakeCluster, user_conf
     assert main(cluster.cli("status", "emb12", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["state"] == "Running"
     # a suspended Job without a queue was stopped by someone, not queued
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb13")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb13")) == 0
     cluster.batch.patch_namespaced_job("emb13", NS, {"spec": {"suspend": True}})
     capsys.readouterr()
     assert main(cluster.cli("status", "emb13", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["state"] == "Suspended"
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb14", "--queue", "team a")) == 2
+    assert main(cluster.cli("submit", str(path), "--name", "emb14", "--queue", "team a")) == 2
     assert "--queue 'team a'" in capsys.readouterr().err and "emb14" not in cluster.names("Job")
 
 
 def test_submit_of_local_paths_is_refused_before_anything_is_created(cluster: FakeCluster, local_config: Any,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     path, raw = local_config  # tests/test_submit_reach.py: the rule, with and without a mounted claim
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb20")) == 2
+    assert main(cluster.cli("submit", str(path), "--name", "emb20")) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert f"the pods cannot reach entity_path {raw['entity_path']}, " in line
     assert cluster.names("Job") == set() and cluster.names("ConfigMap") == set()
 
 
+def test_submit_without_helm_is_one_line_naming_the_fix(user_config: Any, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """There is no second rendering in Python any more: the chart is the one source of the manifests."""
+    path, _ = user_config
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(["submit", str(path), "--dry-run", "--kubeconfig", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("biggraph submit: error: submit renders charts/biggraph with helm, and there is no helm on PATH: "
+                   "install helm (https://helm.sh/docs/intro/install/) or pass --helm PATH")
+    with pytest.raises(SystemExit, match="2"):  # the flag is gone: argparse's usage error
+        main(["submit", str(path), "--no-helm", "--dry-run"])
+
+
 def test_submit_rejects_a_bad_config_before_touching_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"entities": {"n": {"num_partitions": 1}}, "relations": [], "dimensoin": 3}))
-    assert main(["submit", str(bad), "--no-helm", "--kubeconfig", str(tmp_path / "missing")]) == 2
+    assert main(["submit", str(bad), "--kubeconfig", str(tmp_path / "missing")]) == 2
     assert "dimensoin" in capsys.readouterr().err
 
 
@@ -358,7 +387,7 @@ def test_submit_rejects_a_bad_config_before_touching_the_cluster(tmp_path: Path,
 def test_status_reports_pods_and_progress_from_the_checkpoint(cluster: FakeCluster, user_config: Any,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     path, raw = user_config
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb3", "--replicas", "2")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb3", "--replicas", "2")) == 0
     cluster.add_pod("emb3", 1)
     cluster.add_pod("emb3", 0)
     cluster.add_pod("other-job", 0)
@@ -399,7 +428,7 @@ def test_status_without_reachable_checkpoint_still_reports_the_job(cluster: Fake
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     path, raw = user_config
     path.write_text(yaml.safe_dump({**raw, "checkpoint_path": "nosuchscheme://bucket/ck"}))
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb4")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb4")) == 0
     capsys.readouterr()
     assert main(cluster.cli("status", "emb4")) == 0
     out = capsys.readouterr().out
@@ -408,7 +437,7 @@ def test_status_without_reachable_checkpoint_still_reports_the_job(cluster: Fake
 
 def test_logs_of_one_index_and_of_all(cluster: FakeCluster, user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = user_config
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb5", "--replicas", "2")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb5", "--replicas", "2")) == 0
     cluster.add_pod("emb5", 0, log="rank 0 says hi\n")
     cluster.add_pod("emb5", 1, log="rank 1 says hi\n")
     capsys.readouterr()
@@ -422,16 +451,21 @@ def test_logs_of_one_index_and_of_all(cluster: FakeCluster, user_config: Any, ca
     assert "no pods with index 7" in capsys.readouterr().err
 
 
-def test_cancel_deletes_job_configmap_and_service(cluster: FakeCluster, user_config: Any,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_cancel_deletes_the_release_by_its_label(cluster: FakeCluster, user_config: Any,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Every object the chart labelled with the release goes (the fake server ignores label selectors: the
+    client's own filter keeps the other job's objects), the claim stays."""
     path, _ = user_config
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb6")) == 0
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "keep")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "emb6", "--set", "serviceAccount.create=true",
+                            "--set", "persistence.enabled=true")) == 0
+    assert main(cluster.cli("submit", str(path), "--name", "keep")) == 0
     capsys.readouterr()
     assert main(cluster.cli("cancel", "emb6")) == 0
-    assert "deleted Job emb6, ConfigMap emb6-config, Service emb6, NetworkPolicy emb6" in capsys.readouterr().out
+    assert ("deleted Job emb6, ConfigMap emb6-config, Service emb6, NetworkPolicy emb6, ServiceAccount emb6 in "
+            "namespace team-a") in capsys.readouterr().out
     assert cluster.names("Job") == {"keep"} and cluster.names("ConfigMap") == {"keep-config"}
     assert cluster.names("Service") == {"keep"} and cluster.names("NetworkPolicy") == {"keep"}
+    assert {c.metadata.name for c in cluster.core.list_namespaced_persistent_volume_claim(NS).items} == {"emb6-data"}
     deletes = [r for r in cluster.emulator._requests if r.method == "DELETE" and str(r.url.path).endswith("/jobs/emb6")]
     policy = deletes[0].params.get("propagationPolicy") or (deletes[0].data or {}).get("propagationPolicy")
     assert policy == "Background"  # the pods go too
@@ -444,7 +478,7 @@ def test_cancel_deletes_job_configmap_and_service(cluster: FakeCluster, user_con
 
 def test_forbidden_is_one_line_and_exit_2(cluster: FakeCluster, user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = user_config
-    assert main(cluster.cli("submit", str(path), "--no-helm", "--name", "emb7", "-n", "forbidden-ns")) == 2
+    assert main(cluster.cli("submit", str(path), "--name", "emb7", "-n", "forbidden-ns")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("biggraph submit: error: creating ConfigMap emb7-config in namespace forbidden-ns: "
                           "forbidden (HTTP 403)")
@@ -477,7 +511,7 @@ def test_no_kubeconfig(tmp_path: Path, capsys: pytest.CaptureFixture[str], monke
 def test_library_submit_dry_run_returns_the_manifests_without_printing(user_config: Any, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     path, raw = user_config
-    options = SubmitOptions(render=RenderOptions(replicas=2, queue="q1"), name="lib1", no_helm=True, dry_run=True)
+    options = SubmitOptions(render=RenderOptions(replicas=2, queue="q1"), name="lib1", dry_run=True)
     submission = submit(str(path), options, ClusterAccess(namespace="ns1", kubeconfig=str(tmp_path / "missing")))
     assert not submission.created and submission.name == "lib1" and submission.namespace == "ns1"
     assert [o["kind"] for o in submission.objects] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]
@@ -519,7 +553,7 @@ def write_counts(raw: dict[str, Any], per_partition: int) -> None:
 
 
 def dry_run_job(path: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
-    options = SubmitOptions(render=RenderOptions(), name="sized", no_helm=True, dry_run=True)
+    options = SubmitOptions(render=RenderOptions(), name="sized", dry_run=True)
     return submit(str(path), options, ClusterAccess(kubeconfig=str(tmp_path / "missing"))).job
 
 
@@ -549,10 +583,10 @@ def test_submit_sizes_shm_and_tmp_from_the_entity_counts(user_config: Any, tmp_p
 
 def test_submit_refuses_a_pod_that_cannot_hold_the_partitions(user_config: Any, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """50M rows a partition: 3 x 1.8 GB in /dev/shm cannot fit the 4Gi memory limit of k8s/base."""
+    """50M rows a partition: 3 x 1.8 GB in /dev/shm cannot fit the chart's default 4Gi memory limit."""
     path, raw = user_config
     write_counts(raw, 50_000_000)
-    assert main(["submit", str(path), "--no-helm", "--dry-run", "--name", "big", "--kubeconfig",
+    assert main(["submit", str(path), "--dry-run", "--name", "big", "--kubeconfig",
                  str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
@@ -561,7 +595,7 @@ def test_submit_refuses_a_pod_that_cannot_hold_the_partitions(user_config: Any, 
     # a budget that holds no bucket names memory_budget and what it needs
     raw["memory_budget"] = "2GiB"
     path.write_text(yaml.safe_dump(raw))
-    assert main(["submit", str(path), "--no-helm", "--dry-run", "--name", "big", "--kubeconfig",
+    assert main(["submit", str(path), "--dry-run", "--name", "big", "--kubeconfig",
                  str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()
     assert "config key 'memory_budget': 2GiB holds 0 partition(s)" in err and "raise it to at least" in err
@@ -581,7 +615,7 @@ def test_submit_refuses_a_group_whose_budget_cannot_also_hold_the_shared_paramet
     path.write_text(yaml.safe_dump(raw))
     write_counts(raw, 2_000_000)
     write_entity_count(raw["entity_path"], "tag", 0, 20_000_000)
-    args = ["submit", str(path), "--no-helm", "--dry-run", "--name", "grouped", "--kubeconfig", str(tmp_path / "missing")]
+    args = ["submit", str(path), "--dry-run", "--name", "grouped", "--kubeconfig", str(tmp_path / "missing")]
     assert main(args) == 0
     capsys.readouterr()
     assert main(args + ["--replicas", "3"]) == 2

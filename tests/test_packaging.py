@@ -1,6 +1,6 @@
-"""What ``pip install`` of the wheel gives a user: ``biggraph submit`` renders a job from anywhere, with the chart and
-``k8s/base`` the wheel ships (setup.py copies the top-level ``charts/biggraph`` and ``k8s/base`` into
-``job/k8s/_bundled/``), not with files of a checkout the user does not have.
+"""What ``pip install`` of the wheel gives a user: ``biggraph submit`` renders a job from anywhere, with the chart the
+wheel ships (setup.py copies the top-level ``charts/biggraph`` into ``job/k8s/_bundled/``), not with files of a
+checkout the user does not have.
 
 The wheel is built from a copy of the repository's files (``git ls-files``), installed with its dependencies into
 a fresh venv outside the repository (no system site-packages, no PYTHONPATH), and run from a directory outside it.
@@ -70,9 +70,9 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv / "bin"
 
 
-def test_the_wheel_ships_the_chart_and_the_plain_manifests(wheel: Path) -> None:
+def test_the_wheel_ships_the_chart(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for relative in ("charts/biggraph", "k8s/base"):
+    for relative in ("charts/biggraph",):
         expected = {f"job/k8s/_bundled/{p.relative_to(REPO)}" for p in (REPO / relative).rglob("*") if p.is_file()}
         assert expected and expected <= names, sorted(expected - names)
 
@@ -94,19 +94,15 @@ CONFIG = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("renderer", ["plain", "helm"])
-def test_an_installed_wheel_renders_a_job_from_outside_the_repository(installed: Path, tmp_path: Path,
-                                                                      renderer: str) -> None:
+def test_an_installed_wheel_renders_a_job_from_outside_the_repository(installed: Path, tmp_path: Path) -> None:
     work = tmp_path / "user"
     work.mkdir()
     (work / "config.yaml").write_text(yaml.safe_dump(CONFIG))
     where = user_run(installed, work, "python", "-c", "import job.k8s.render as r; print(r.find_chart())")
     assert where.returncode == 0 and where.stdout.startswith(str(installed.parent)), where  # the wheel's chart
-    flags = ["--no-helm"]
-    if renderer == "helm":
-        if not HELM.is_file():
-            pytest.skip(f"no helm at {HELM} (tests/k8s_tools.sh installs it)")
-        flags = ["--helm", str(HELM)]
+    if not HELM.is_file():
+        pytest.skip(f"no helm at {HELM} (tests/k8s_tools.sh installs it)")
+    flags = ["--helm", str(HELM)]
     done = user_run(installed, work, "biggraph", "submit", "config.yaml", "--dry-run", "--name", "user-job", *flags)
     assert done.returncode == 0, done.stderr[-2000:]
     objects = [o for o in yaml.safe_load_all(done.stdout) if o]

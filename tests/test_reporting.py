@@ -151,22 +151,20 @@ def test_only_rank_0_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bar_shows_epoch_bucket_speed_loss_and_keeps_log_lines_readable(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("tqdm")
     monkeypatch.setenv("BIGGRAPH_PROGRESS", "bar")
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stderr)
-    root.addHandler(handler)
-    try:
-        reporter = make_reporter(Config(), rank=0, total_passes=2, buckets_per_pass=4)
-        for index in range(4):
-            reporter.on_bucket(bucket_record(index, epoch=0, loss=0.125))
-        logging.getLogger("biggraph").warning("a log line while the bar runs")
-        reporter.on_pass(pass_summary(0))
-        reporter.close()
-    finally:
-        root.removeHandler(handler)
+    # the console handler alone (an earlier main() may have left biggraph's own, with its timestamp format)
+    monkeypatch.setattr(root, "handlers", [handler])
+    reporter = make_reporter(Config(), rank=0, total_passes=2, buckets_per_pass=4)
+    for index in range(4):
+        reporter.on_bucket(bucket_record(index, epoch=0, loss=0.125))
+    logging.getLogger("biggraph").warning("a log line while the bar runs")
+    reporter.on_pass(pass_summary(0))
+    reporter.close()
+    assert root.handlers == [handler]  # tqdm's handler swapped out again
     text = err.getvalue()
     assert "epoch 1/2 bucket 4/4" in text
     assert "1,000 edges/s" in text and "loss 0.1250" in text and "MRR 0.2500" in text
@@ -310,8 +308,8 @@ def test_push_after_each_pass_in_the_exposition_format(gateway: Gateway) -> None
     assert len(gateway.requests) == 1
     method, path, content_type, body = gateway.requests[0]
     assert method == "PUT"
-    assert path == "/metrics/job/my%20job/instance/0"
-    assert content_type.startswith("text/plain; version=0.0.4")
+    assert path == "/metrics/job@base64/bXkgam9i/instance/0"  # prometheus_client escapes the space (base64)
+    assert content_type.startswith("text/plain; version=")
     values = parse_exposition(body)
     assert values["biggraph_loss"] == 0.4 and values["biggraph_eval_mrr"] == 0.3
     assert values["biggraph_eval_hits_at_10"] == 0.6 and values["biggraph_edges_per_second"] == 1234.5
@@ -344,6 +342,22 @@ def test_push_failures_are_warnings(gateway: Gateway, caplog: pytest.LogCaptureF
     with caplog.at_level(logging.WARNING, logger="biggraph"):
         dead.on_pass(pass_summary(0))
     assert dead.failures == 1
+
+
+def test_without_prometheus_client_training_goes_on_without_pushes(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from job.monitoring import make_reporter
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # not installed: importing it raises ImportError
+
+    class Config:
+        tensorboard_dir, pushgateway_url, pushgateway_job = None, "http://gw:9091", "biggraph"
+
+    monkeypatch.setenv("BIGGRAPH_PROGRESS", "off")
+    with caplog.at_level(logging.WARNING, logger="biggraph"):
+        reporter = make_reporter(Config(), rank=1)
+    assert type(reporter).__name__ == "Reporter"  # nothing to push with
+    assert "pip install 'biggraph[prometheus]'" in caplog.text
 
 
 def test_config_keys_stay_out_of_pbg_config_json(tmp_path: Path) -> None:

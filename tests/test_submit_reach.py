@@ -19,7 +19,7 @@ from test_chart import helm_binary, helm_env
 from job.cli import main
 from job.demo import demo_config
 from job.k8s.reach import data_mounts, unreachable
-from job.k8s.render import RenderOptions, render_plain
+from job.k8s.render import RenderOptions, find_chart, render_with_helm
 
 PVC = ["--set", "persistence.enabled=true", "--set", "persistence.existingClaim=graphs"]
 
@@ -40,9 +40,16 @@ def with_helm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ["--helm", helm]
 
 
-def test_the_demo_config_is_refused_at_once_naming_each_local_key_and_the_values_that_mount_one(tmp_path: Path) -> None:
+@pytest.fixture()
+def helm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``--helm PATH`` for submit (which renders the chart with it), skipping the test without a helm binary."""
+    return with_helm(tmp_path, monkeypatch)
+
+
+def test_the_demo_config_is_refused_at_once_naming_each_local_key_and_the_values_that_mount_one(
+        tmp_path: Path, helm: list[str]) -> None:
     config = demo_config(str(tmp_path / "demo-output"))
-    code, out, err = submit(tmp_path, config, "--no-helm")
+    code, out, err = submit(tmp_path, config, *helm)
     assert code == 2 and out == ""
     [line] = err.strip().splitlines()
     for key in ("entity_path", "edge_paths[0]", "checkpoint_path"):
@@ -51,7 +58,6 @@ def test_the_demo_config_is_refused_at_once_naming_each_local_key_and_the_values
     assert "the Job mounts no data volume" in line and "s3://" in line
     assert "--set persistence.enabled=true --set persistence.existingClaim=CLAIM --set persistence.mountPath=/data" in line
     assert f"entity_path: /data{tmp_path}/demo-output/data" in line  # where the copy would go
-    assert "with helm (on PATH or --helm PATH" in line  # --no-helm renders k8s/base, which has no data volume
 
 
 def test_a_relative_path_is_refused_even_under_a_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,18 +87,19 @@ def test_paths_on_the_mounted_claim_are_accepted_and_others_named(tmp_path: Path
     assert "entity_path" not in err.split(":")[1]
 
 
-def test_object_storage_passes_and_only_the_local_keys_are_named(tmp_path: Path) -> None:
+def test_object_storage_passes_and_only_the_local_keys_are_named(tmp_path: Path, helm: list[str]) -> None:
     config = {**demo_config("/ignored"), "entity_path": "s3://bucket/data", "edge_paths": ["s3://bucket/data/train"],
               "checkpoint_path": "s3://bucket/ck"}
-    code, out, _ = submit(tmp_path, config, "--no-helm")
+    code, out, _ = submit(tmp_path, config, *helm)
     assert code == 0 and "kind: Job" in out
     code, _, err = submit(tmp_path, {**config, "edge_paths": ["s3://bucket/e", "file:///home/me/e"],
-                                     "init_path": "old-model"}, "--no-helm")
+                                     "init_path": "old-model"}, *helm)
     assert code == 2 and "reach edge_paths[1] file:///home/me/e, init_path old-model: local paths" in err
 
 
-def test_mounts_are_read_from_the_rendered_job() -> None:
-    objects = render_plain("emb", {"entities": {}}, RenderOptions())
+def test_mounts_are_read_from_the_rendered_job(helm: list[str]) -> None:
+    config = {**demo_config("/ignored"), "entity_path": "s3://b/e", "edge_paths": ["s3://b/p"], "checkpoint_path": "s3://b/c"}
+    objects = render_with_helm(helm[1], find_chart(), "emb", "default", config, RenderOptions())
     assert data_mounts(objects) == []  # /etc/biggraph (ConfigMap), /tmp and /dev/shm (emptyDir) hold no data
     job = next(o for o in objects if o["kind"] == "Job")
     pod = job["spec"]["template"]["spec"]
@@ -107,9 +114,9 @@ def test_mounts_are_read_from_the_rendered_job() -> None:
     assert unreachable(Config(), objects) == [("edge_paths[0]", "/shared/../etc/e"), ("checkpoint_path", "/sharedx/ck")]
 
 
-def test_refused_before_the_cluster_is_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_refused_before_the_cluster_is_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str], helm: list[str]) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(demo_config(str(tmp_path / "demo-output"))))
-    assert main(["submit", str(path), "--no-helm", "--kubeconfig", str(tmp_path / "missing")]) == 2  # no dry run
+    assert main(["submit", str(path), *helm, "--kubeconfig", str(tmp_path / "missing")]) == 2  # no dry run
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "the pods cannot reach entity_path" in line and "kubeconfig" not in line

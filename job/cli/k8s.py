@@ -1,7 +1,8 @@
 """Kubernetes subcommands: ``submit``, ``status``, ``logs``, ``cancel`` (and ``preflight``, run inside pods).
 
 The arguments and the printing; what they do is :mod:`job.k8s`. ``preflight``'s name and flags are
-called by charts/biggraph and k8s/base: keep them.
+called by charts/biggraph and k8s/base: keep them. ``submit`` renders the chart with helm (needed on PATH or
+``--helm``) and creates what it renders through the Kubernetes API (:func:`job.k8s.jobs.submit`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def register(subparsers: Any) -> None:
     _cluster_arguments(logs)
     logs.set_defaults(func=_logs)
 
-    cancel = subparsers.add_parser("cancel", help="delete a Kubernetes job, its pods, ConfigMap, Service and NetworkPolicy")
+    cancel = subparsers.add_parser("cancel", help="delete a Kubernetes job and every object of its release (by label); "
+                                   "checkpoints and volume claims are kept")
     cancel.add_argument("job", help="job name")
     _cluster_arguments(cancel)
     cancel.set_defaults(func=_cancel)
@@ -61,12 +63,11 @@ def _register_submit(subparsers: Any) -> None:
     add("--queue", help="Kueue LocalQueue: the Job is created suspended and starts once Kueue admits it")
     add("--kube-version", metavar="X.Y",
         help="render for this Kubernetes version (default: the cluster's; with --dry-run and no "
-             "cluster: helm's default, or k8s/base as it is)")
+             "cluster: helm's default)")
     add("-f", "--values", action="append", default=[], metavar="FILE", help="Helm values file (repeatable)")
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="Helm value (repeatable)")
     add("--dry-run", action="store_true", help="print the manifests instead of creating them")
-    add("--helm", help="helm binary (default: `helm` on PATH; without one, k8s/base is rendered)")
-    add("--no-helm", action="store_true", help="render k8s/base with Python even if helm is available")
+    add("--helm", help="helm binary (default: `helm` on PATH; submit renders the chart with it)")
     add("--chart", help="chart directory (default: $BIGGRAPH_CHART, else the chart installed with biggraph)")
     _cluster_arguments(submit_parser)
     submit_parser.set_defaults(func=_submit)
@@ -86,7 +87,7 @@ def _submit(args: argparse.Namespace) -> int:
     render = RenderOptions(replicas=args.replicas, image=args.image, queue=args.queue,
                            values=tuple(args.values), set=tuple(args.set))
     options = SubmitOptions(render=render, name=args.name, kube_version=args.kube_version, dry_run=args.dry_run,
-                            helm=args.helm, no_helm=args.no_helm, chart=args.chart)
+                            helm=args.helm, chart=args.chart)
     submission = submit(args.config, options, _access(args))
     if not submission.created:
         sys.stdout.write(yaml.safe_dump_all(submission.objects, sort_keys=False))

@@ -12,20 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from job.config.base import ConfigKeyError
-from job.config.choices import (
-    COMPARATORS,
-    COMPUTE_DTYPES,
-    DEVICES,
-    DURA_OPERATORS,
-    EDGE_READ_MODES,
-    ENTITY_OPTIMIZERS,
-    EVAL_PROTOCOLS,
-    GROW_INITS,
-    HOGWILD_DELAY_SCOPES,
-    INIT_METHODS,
-    LOSS_FUNCTIONS,
-    REGULARIZERS,
-)
+from job.config.choices import DURA_OPERATORS, KEY_CHOICES
 from job.config.presets import PRESETS
 
 if TYPE_CHECKING:  # schema.py imports this module to run the checks
@@ -92,11 +79,7 @@ def check_negative_sides(config: ConfigSchema) -> None:
 
 def check_choices(config: ConfigSchema) -> None:
     """Keys taking one of a closed set of names (the tuples of ``job.config.choices``)."""
-    for name, choices in (("comparator", COMPARATORS), ("loss_fn", LOSS_FUNCTIONS), ("regularizer", REGULARIZERS),
-                          ("edge_read_mode", EDGE_READ_MODES), ("device", DEVICES), ("grow_init", GROW_INITS),
-                          ("eval_protocol", EVAL_PROTOCOLS), ("compute_dtype", COMPUTE_DTYPES),
-                          ("init_method", INIT_METHODS), ("hogwild_delay_scope", HOGWILD_DELAY_SCOPES),
-                          ("entity_optimizer", ENTITY_OPTIMIZERS)):
+    for name, choices in KEY_CHOICES.items():
         value = getattr(config, name)
         if value not in choices and not (name == "compute_dtype" and value is None):
             raise ConfigKeyError(

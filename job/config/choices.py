@@ -38,6 +38,15 @@ GROW_NUM_EPOCHS_DEFAULT = 5
 # how held-out edges are ranked (job/eval_protocol.py): "pbg" is PBG 1.0's sampled protocol, exactly
 EVAL_PROTOCOLS = ("auto", "all", "sampled", "pbg")
 
+# every top-level key that takes one of a closed set of names: check_choices refuses the rest, and the chart's
+# values.schema.json (job/config/json_schema.py) lists them as enums (compute_dtype may also be null)
+KEY_CHOICES: dict[str, tuple[str, ...]] = {
+    "comparator": COMPARATORS, "loss_fn": LOSS_FUNCTIONS, "regularizer": REGULARIZERS,
+    "edge_read_mode": EDGE_READ_MODES, "device": DEVICES, "grow_init": GROW_INITS, "eval_protocol": EVAL_PROTOCOLS,
+    "compute_dtype": COMPUTE_DTYPES, "init_method": INIT_METHODS, "hogwild_delay_scope": HOGWILD_DELAY_SCOPES,
+    "entity_optimizer": ENTITY_OPTIMIZERS,
+}
+
 __all__ = ["COMPARATORS", "COMPUTE_DTYPES", "DEVICES", "DURA_OPERATORS", "EDGE_READ_MODES", "ENTITY_OPTIMIZERS",
-           "EVAL_PROTOCOLS", "GROW_INITS", "GROW_NUM_EPOCHS_DEFAULT", "HOGWILD_DELAY_SCOPES", "INIT_METHODS",
+           "EVAL_PROTOCOLS", "GROW_INITS", "GROW_NUM_EPOCHS_DEFAULT", "HOGWILD_DELAY_SCOPES", "INIT_METHODS", "KEY_CHOICES",
            "LOSS_FUNCTIONS", "OPERATORS", "REGULARIZERS", "BucketOrder"]

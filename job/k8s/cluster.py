@@ -1,7 +1,10 @@
 """Access to one Kubernetes cluster: the API clients and namespace of a command, with one-line errors.
 
 The ``kubernetes`` package is an optional dependency (``biggraph[k8s]``), so it is imported only
-when a command talks to a cluster; ``--dry-run`` renders without it.
+when a command talks to a cluster; ``--dry-run`` renders without it. What the chart renders is created and
+deleted through the official client's ``kubernetes.dynamic`` client: any kind the chart holds, found by its
+``apiVersion``/``kind`` through the server's discovery, with no table of typed APIs to keep in step with the
+chart. Status and logs read Jobs and Pods through the typed APIs.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +22,12 @@ from job.errors import UserError
 from job.k8s.names import INDEX_ANNOTATION
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-# the API group and method suffix of each kind submit creates and cancel deletes
-_KINDS = {
-    "Job": ("batch", "job"),
-    "ConfigMap": ("core", "config_map"),
-    "Service": ("core", "service"),
-    "ServiceAccount": ("core", "service_account"),
-    "PersistentVolumeClaim": ("core", "persistent_volume_claim"),
-    "NetworkPolicy": ("networking", "network_policy"),
-}
+# the label the chart puts on every object of a release (its value: the release, i.e. the job's name)
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+# what `cancel` deletes by that label, the Job first (its pods go with it, in the background). Not the chart's
+# PersistentVolumeClaim: it may hold the data or the checkpoints (delete it with kubectl when done).
+RELEASE_KINDS = (("batch/v1", "Job"), ("v1", "ConfigMap"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy"),
+                 ("v1", "ServiceAccount"))
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ class Cluster:
         configuration.retries = 0  # no cluster: fail now, not after urllib3's retries
         self.host = configuration.host
         self.namespace = access.namespace or namespace or "default"
-        api = client.ApiClient(configuration)
-        self.core = client.CoreV1Api(api)
-        self.batch = client.BatchV1Api(api)
-        self.networking = client.NetworkingV1Api(api)
-        self.version = client.VersionApi(api)
+        self.api = client.ApiClient(configuration)
+        self.core = client.CoreV1Api(self.api)
+        self.batch = client.BatchV1Api(self.api)
+        self.version = client.VersionApi(self.api)
+        self._dynamic: Any = None
 
     def kube_version(self) -> tuple[int, int] | None:
         """The API server's (major, minor), or None when it does not say (a best effort: rendering goes on)."""
@@ -104,31 +104,60 @@ class Cluster:
                 or (p.metadata.labels or {}).get("batch.kubernetes.io/job-name") == name]
         return sorted(pods, key=lambda p: (pod_index(p), str(p.metadata.creation_timestamp or ""), p.metadata.name))
 
+    def _resource(self, api_version: str, kind: str) -> Any:
+        """The dynamic client's resource of ``kind`` (discovery is asked once per command, on first use)."""
+        from kubernetes.dynamic import DynamicClient  # optional dependency
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        if self._dynamic is None:
+            with self.errors("asking the Kubernetes API which kinds it serves"):
+                self._dynamic = DynamicClient(self.api)
+        try:
+            return self._dynamic.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError:
+            raise UserError(f"the Kubernetes API at {self.host} does not serve {kind} ({api_version})") from None
+
     def create(self, obj: dict[str, Any]) -> None:
         """Create one rendered object in this namespace (API errors are the caller's to translate)."""
-        kind = obj["kind"]
-        if kind not in _KINDS:
-            raise UserError(f"submit: the chart rendered a {kind}, which submit cannot create")
         obj.setdefault("metadata", {})["namespace"] = self.namespace
-        self._method("create", kind)(self.namespace, obj, _request_timeout=30)
+        self._resource(obj["apiVersion"], obj["kind"]).create(body=obj, namespace=self.namespace, _request_timeout=30)
 
-    def delete(self, kind: str, name: str) -> bool:
+    def delete(self, api_version: str, kind: str, name: str) -> bool:
         """Delete one object (its pods in the background); False if it was already gone."""
-        from kubernetes.client.exceptions import ApiException  # optional dependency
+        from kubernetes.dynamic.exceptions import NotFoundError  # optional dependency
 
+        resource = self._resource(api_version, kind)
         with self.errors(f"deleting {kind} {name}"):
             try:
-                self._method("delete", kind)(name, self.namespace, propagation_policy="Background",
-                                             _request_timeout=30)
-            except ApiException as err:
-                if err.status == 404:
-                    return False
-                raise
+                resource.delete(name=name, namespace=self.namespace, body={"propagationPolicy": "Background"},
+                                _request_timeout=30)
+            except NotFoundError:
+                return False
         return True
 
-    def _method(self, verb: str, kind: str) -> Callable[..., Any]:
-        group, suffix = _KINDS[kind]
-        return getattr(getattr(self, group), f"{verb}_namespaced_{suffix}")
+    def release_objects(self, release: str, api_version: str, kind: str) -> list[str]:
+        """The names of the ``kind`` objects labelled as the chart's release ``release``.
+
+        The list is read raw (plain JSON, not the client's objects) and the selector applied again on our side, so
+        that a server that ignores it (a fake) can never make ``cancel`` delete another job's objects.
+        """
+        resource = self._resource(api_version, kind)
+        with self.errors(f"listing the {kind} objects of {release}"):
+            response = resource.get(namespace=self.namespace, label_selector=f"{INSTANCE_LABEL}={release}",
+                                    serialize=False, _request_timeout=30)
+        items = json.loads(response.data).get("items") or []
+        return sorted(item["metadata"]["name"] for item in items
+                      if (item["metadata"].get("labels") or {}).get(INSTANCE_LABEL) == release)
+
+    def delete_release(self, release: str) -> list[str]:
+        """Delete every object of the chart's release ``release`` (``RELEASE_KINDS``, by its instance label), the
+        Job first; what was deleted, as "Kind name"."""
+        removed = []
+        for api_version, kind in RELEASE_KINDS:
+            for name in self.release_objects(release, api_version, kind):
+                if self.delete(api_version, kind, name):
+                    removed.append(f"{kind} {name}")
+        return removed
 
 
 def _load_configuration(access: ClusterAccess, configuration: Any) -> str | None:

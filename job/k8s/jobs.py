@@ -20,7 +20,7 @@ import yaml
 from job.config import apply_overrides, load_raw_config, parse_config
 from job.errors import UserError
 from job.k8s.cluster import Cluster, ClusterAccess, pod_index
-from job.k8s.names import CONFIG_MAP_ANNOTATION, NETWORK_POLICY_ANNOTATION, QUEUE_LABEL, SERVICE_ANNOTATION
+from job.k8s.names import CONFIG_MAP_ANNOTATION, QUEUE_LABEL
 from job.k8s.progress import training_progress
 from job.k8s.reach import check_reachable
 from job.k8s.render import (
@@ -30,7 +30,6 @@ from job.k8s.render import (
     find_chart,
     find_helm,
     parse_kube_version,
-    render_plain,
     render_with_helm,
 )
 from job.k8s.sizing import check_fits, config_needs, job_sizes, job_trains_in_a_group, sized_volumes
@@ -43,14 +42,13 @@ JOB_NAME = re.compile(r"[a-z]([-a-z0-9]{0,54}[a-z0-9])?")
 
 @dataclass(frozen=True)
 class SubmitOptions:
-    """How to submit: the chart's values to change, and how to render (helm or k8s/base) for which version."""
+    """How to submit: the chart's values to change, and which helm renders it for which Kubernetes version."""
 
     render: RenderOptions = field(default_factory=RenderOptions)
     name: str | None = None  # default: biggraph-<config name>-<random>
     kube_version: str | None = None  # "X.Y"; default: the cluster's (with dry_run: none)
     dry_run: bool = False  # render only; no cluster needed
-    helm: str | None = None  # default: `helm` on PATH, else k8s/base is rendered
-    no_helm: bool = False
+    helm: str | None = None  # default: `helm` on PATH (submit needs one)
     chart: str | None = None  # default: $BIGGRAPH_CHART, else the installed package's charts/biggraph
 
 
@@ -97,8 +95,16 @@ def _check_render_options(options: RenderOptions) -> None:
 def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> Submission:
     """Render the job for ``config_path`` and create its objects (all or none), unless ``options.dry_run``.
 
-    Everything a user can fix (a bad config, flag or name, a local path no volume of the Job mounts, no cluster,
-    an existing job) is a ``UserError`` raised before or instead of a half-created job.
+    The steps, in order: the config is parsed (``biggraph train``'s checks); the pod volumes are sized from what
+    the trainer will hold (``job.k8s.sizing``); ``helm template`` renders the chart (``job.k8s.render``: the
+    values files, ``--set`` and the CLI's flags as helm values; the chart's values.schema.json checks them); what
+    the pods can reach is checked; then, unless a dry run, the chart is rendered again for the cluster's
+    namespace and Kubernetes minor, and ``_create_all`` creates the objects through the dynamic client in
+    ``CREATE_ORDER``, deleting what it created if any creation fails. A change to what a job is made of belongs
+    in the chart (and its values), not here.
+
+    Everything a user can fix (a bad config, flag or name, a local path no volume of the Job mounts, no helm, no
+    cluster, an existing job) is a ``UserError`` raised before or instead of a half-created job.
     """
     _check_render_options(options.render)
     kube_version = parse_kube_version(options.kube_version) if options.kube_version else None
@@ -110,12 +116,12 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
     options = dataclasses.replace(options, render=dataclasses.replace(
         options.render, shm=options.render.shm or shm, tmp=options.render.tmp or tmp))
     name = job_name(options.name, config_path)
-    helm = find_helm(options.helm, no_helm=options.no_helm)
+    helm = find_helm(options.helm)
     check_kube_version(kube_version)
     namespace = access.namespace or "default"
     objects = _render(helm, options, name, namespace, config, kube_version)
     # what the pods can reach is part of the config's checks: before the cluster is asked anything
-    check_reachable(parse_config(config), objects, helm=helm is not None)
+    check_reachable(parse_config(config), objects)
     cluster = None if options.dry_run else Cluster(access)
     if cluster is not None:  # rendered again for the cluster's namespace and Kubernetes version
         namespace = cluster.namespace
@@ -136,16 +142,14 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
                       checkpoint_path=config.get("checkpoint_path"))
 
 
-def _render(helm: str | None, options: SubmitOptions, name: str, namespace: str, config: dict[str, Any],
+def _render(helm: str, options: SubmitOptions, name: str, namespace: str, config: dict[str, Any],
             kube_version: KubeVersion | None) -> list[dict[str, Any]]:
-    if helm:
-        return render_with_helm(helm, find_chart(options.chart), name, namespace, config, options.render,
-                                kube_version)
-    return render_plain(name, config, options.render, kube_version)
+    return render_with_helm(helm, find_chart(options.chart), name, namespace, config, options.render, kube_version)
 
 
 def _create_all(cluster: Cluster, name: str, objects: list[dict[str, Any]]) -> None:
-    """Create ``objects`` in order; on any failure delete what was created, so nothing is left half-submitted."""
+    """Create ``objects`` in order; on any failure delete what this call created (by kind and name), so nothing is
+    left half-submitted. Not by the release's label: after a name clash (409) that would delete the other job."""
     namespace = cluster.namespace
     created: list[dict[str, Any]] = []
     try:
@@ -163,7 +167,7 @@ def _create_all(cluster: Cluster, name: str, objects: list[dict[str, Any]]) -> N
     except UserError:
         for obj in reversed(created):
             with contextlib.suppress(UserError):
-                cluster.delete(obj["kind"], obj["metadata"]["name"])
+                cluster.delete(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
         raise
 
 
@@ -286,18 +290,11 @@ def follow_log(name: str, access: ClusterAccess, *, index: int = 0, tail: int | 
 
 
 def cancel_job(name: str, access: ClusterAccess) -> tuple[str, list[str]]:
-    """Delete the job (its pods in the background) and the ConfigMap, Service and NetworkPolicy it names.
+    """Delete the job's release: every object the chart labelled with it (``cluster.RELEASE_KINDS``: the Job, its
+    pods in the background, ConfigMap, Service, NetworkPolicy, ServiceAccount), found by the release's label.
 
-    Returns the namespace and what was deleted ("Job emb", ...); checkpoints are kept.
+    Returns the namespace and what was deleted ("Job emb", ...); checkpoints (and the chart's volume claim) are kept.
     """
     cluster = Cluster(access)
-    job = cluster.read_job(name)
-    annotations = job.metadata.annotations or {}
-    cluster.delete("Job", name)
-    removed = [f"Job {name}"]
-    for kind, annotation in (("ConfigMap", CONFIG_MAP_ANNOTATION), ("Service", SERVICE_ANNOTATION),
-                             ("NetworkPolicy", NETWORK_POLICY_ANNOTATION)):
-        other = annotations.get(annotation)
-        if other and cluster.delete(kind, other):
-            removed.append(f"{kind} {other}")
-    return cluster.namespace, removed
+    cluster.read_job(name)  # an unknown job is a one-line error, not an empty deletion
+    return cluster.namespace, cluster.delete_release(name)

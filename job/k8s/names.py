@@ -1,7 +1,8 @@
-"""Labels and annotations that ``charts/biggraph``, ``k8s/base`` and the commands agree on.
+"""Labels and annotations that ``charts/biggraph`` and the commands agree on.
 
 The chart writes the names of a job's ConfigMap, Service and NetworkPolicy into annotations of its
-Job; ``status`` and ``cancel`` find them there, so these strings are a contract with the chart.
+Job; ``status`` finds the ConfigMap there, so these strings are a contract with the chart (``cancel`` goes by
+the release's ``app.kubernetes.io/instance`` label instead: ``job.k8s.cluster.INSTANCE_LABEL``).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def unreachable(config: Any, objects: list[dict[str, Any]]) -> list[tuple[str, s
     return out
 
 
-def check_reachable(config: Any, objects: list[dict[str, Any]], *, helm: bool) -> None:
+def check_reachable(config: Any, objects: list[dict[str, Any]]) -> None:
     """Refuse (UserError, one line) a config whose local paths the pods of the rendered Job cannot reach."""
     missing = unreachable(config, objects)
     if not missing:
@@ -85,8 +85,6 @@ def check_reachable(config: Any, objects: list[dict[str, Any]], *, helm: bool) -
             f"mount, with the files copied onto its volume (e.g. {example}), or object storage URLs (s3://...)")
     values = (f"--set persistence.enabled=true --set persistence.existingClaim=CLAIM --set persistence.mountPath={mount}"
               " (or -f values.yaml, as charts/biggraph/ci/pvc-values.yaml)")
-    if not helm:
-        values += " with helm (on PATH or --helm PATH; k8s/base mounts no data volume)"
     raise UserError(
         f"the pods cannot reach {named}: {what} of this machine, and the Job mounts no data volume (a relative path "
         f"is resolved in the pod's own /tmp). Use object storage URLs (s3://...), or copy the files onto a "

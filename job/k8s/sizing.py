@@ -6,6 +6,10 @@ object store it stages whole checkpoint files in ``/tmp``. The figures come from
 arithmetic (:mod:`job.train.residency.budget`: ``choose_capacity``, ``shared_memory_bytes``, ``staging_bytes``) and
 the entity counts; ``biggraph submit`` sizes the chart's volumes from them and refuses, as the pod's
 preflight does, a pod that cannot hold them, naming the value to change and the figure it needs.
+
+The chart's own defaults (``/dev/shm`` and ``/tmp`` from the config's ``memory_budget``, else the memory limit,
+for a ``helm install`` without biggraph) are computed in one place only, its ``_helpers.tpl``; what this module
+computes from the entity counts is passed to the chart as ``shm.sizeLimit``/``tmp.sizeLimit`` values.
 """
 
 from __future__ import annotations
@@ -18,16 +22,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from job.config import ConfigSchema, parse_bytes
+from job.config import ConfigSchema
 from job.errors import ConfigError, UserError
 from job.formats import entities as entity_format
 from job.session import storage_scoped
 from job.train.residency.budget import PROCESS_FALLBACK_BYTES, choose_capacity, shared_memory_bytes, staging_bytes
 
 TMP_BASE_BYTES = 512 * 2**20  # /tmp besides staged checkpoint files: native builds, sockets, HOME
-TMP_DEFAULT_BYTES = 2 * 2**30  # the chart's /tmp besides the tables when it cannot size the staged files
 SHM_HEADROOM_BYTES = 512 * 2**20  # /dev/shm besides the tables: the bucket's edges shared with workers, the model
-# what the chart and k8s/base tell the pod about its volumes (the memory limit comes from the API: bytes)
+# what the chart tells the pod about its volumes (the memory limit comes from the API: bytes)
 MEMORY_LIMIT_ENV = "BIGGRAPH_MEMORY_LIMIT"
 SHM_LIMIT_ENV = "BIGGRAPH_SHM_LIMIT"
 TMP_LIMIT_ENV = "BIGGRAPH_TMP_LIMIT"
@@ -116,14 +119,6 @@ def trainer_needs(config: ConfigSchema, counts: Optional[dict[str, list[int]]], 
         logger.setLevel(level)
     shm = shared_memory_bytes(config, counts, capacity) if config.device != "cuda" else 0
     return Needs(budget, shm, staging_bytes(config, counts) + TMP_BASE_BYTES)
-
-
-def default_volume_sizes(memory_budget: Any, memory_limit: Optional[int]) -> tuple[str, str]:
-    """The chart's /dev/shm and /tmp sizes when neither the values nor the entity counts give them (as
-    ``biggraph.shmSizeLimit``/``biggraph.tmpSizeLimit`` in its _helpers.tpl): the memory_budget, else the memory
-    limit ("" when neither: no limit); /tmp 2Gi more."""
-    tables = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else (memory_limit or 0)
-    return (quantity(tables) if tables else ""), quantity(TMP_DEFAULT_BYTES + tables)
 
 
 def sized_volumes(needs: Needs) -> tuple[Optional[str], Optional[str]]:

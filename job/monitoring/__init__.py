@@ -32,10 +32,7 @@ logger = logging.getLogger("biggraph")
 def _progress_reporters(config: Any, total_passes: int, buckets_per_pass: int) -> list[Reporter]:
     mode = progress_mode()
     if mode == "bar":
-        try:
-            return [BarProgress(config, total_passes, buckets_per_pass)]
-        except ImportError:
-            mode = "lines"
+        return [BarProgress(config, total_passes, buckets_per_pass)]
     if mode == "lines":
         return [LineProgress(config, total_passes, buckets_per_pass, progress_interval())]
     return []
@@ -55,8 +52,12 @@ def make_reporter(config: Any, rank: int = 0, total_passes: int = 1, buckets_per
                            "(training goes on without it)")
     pushgateway_url = getattr(config, "pushgateway_url", None)
     if pushgateway_url:
-        reporters.append(PushgatewayReporter(pushgateway_url, getattr(config, "pushgateway_job", "biggraph"), rank,
-                                             total_passes, buckets_per_pass))
+        try:
+            reporters.append(PushgatewayReporter(pushgateway_url, getattr(config, "pushgateway_job", "biggraph"), rank,
+                                                 total_passes, buckets_per_pass))
+        except ImportError:
+            logger.warning("pushgateway_url is set but prometheus_client is not installed: pip install "
+                           "'biggraph[prometheus]' (training goes on without pushes)")
     if not reporters:
         return Reporter()
     return MultiReporter(reporters)

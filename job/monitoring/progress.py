@@ -6,7 +6,8 @@ ETA), otherwise ``LineProgress``: one plain log line at most every ``BIGGRAPH_PR
 fields. ``BIGGRAPH_PROGRESS=bar|lines|off`` overrides the choice. ``task_progress`` gives the same
 bar-or-nothing behaviour to ``import`` and ``eval``.
 
-tqdm is imported only when a bar is drawn: a missing tqdm then means no bar, never a failed task.
+tqdm is a dependency of the package (small, pure Python): a bar never depends on an optional import. Log lines
+written while a bar is drawn go above it through ``tqdm.contrib.logging.logging_redirect_tqdm``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from job.eval_protocol import recorded_label
 from job.monitoring.base import Reporter, metric
@@ -62,36 +66,6 @@ def progress_interval() -> float:
         return DEFAULT_INTERVAL_S
 
 
-class _TqdmStream:
-    """A stream for logging handlers that prints above the live bar instead of through it."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        from tqdm import tqdm  # only when a bar is drawn (see the module docstring)
-
-        text = text.rstrip("\n")
-        if text:
-            tqdm.write(text, file=self.stream)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-@contextlib.contextmanager
-def _logs_above_bar() -> Iterator[None]:
-    swapped = []
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout):
-            swapped.append((handler, handler.setStream(_TqdmStream(handler.stream))))
-    try:
-        yield
-    finally:
-        for handler, old in swapped:
-            handler.setStream(old)
-
-
 class _Progress:
     """What ``task_progress`` yields: ``update(n)`` and ``set_postfix(text)``."""
 
@@ -113,14 +87,9 @@ def task_progress(desc: str, total: Optional[int] = None, unit: str = "it") -> I
     if progress_mode() != "bar":
         yield _Progress()
         return
-    try:
-        from tqdm import tqdm  # only when a bar is drawn (see the module docstring)
-    except ImportError:
-        yield _Progress()
-        return
     bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, leave=False, file=sys.stderr)
     try:
-        with _logs_above_bar():
+        with logging_redirect_tqdm():  # the root logger's console handler writes above the bar meanwhile
             yield _Progress(bar)
     finally:
         bar.close()
@@ -236,13 +205,11 @@ class BarProgress(Reporter):
     """Interactive progress: a tqdm bar over every bucket of the run, log lines printed above it."""
 
     def __init__(self, config: Any, total_passes: int, buckets_per_pass: int) -> None:
-        from tqdm import tqdm  # only when a bar is drawn (see the module docstring)
-
         self.state = _ProgressState(config, total_passes, buckets_per_pass, time.monotonic)
         self.bar = tqdm(total=self.state.total, unit="bucket", dynamic_ncols=True, file=sys.stderr,
                         bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} buckets "
                                    "[{elapsed}<{remaining}{postfix}]")
-        self._logs = _logs_above_bar()
+        self._logs = logging_redirect_tqdm()  # until close(): log lines go above the bar
         self._logs.__enter__()
         self._started = False
 

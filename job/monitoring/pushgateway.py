@@ -1,7 +1,10 @@
 """Prometheus Pushgateway pushes at the end of every pass (config ``pushgateway_url``).
 
 Batch jobs have no scrape endpoint, so each trainer PUTs its numbers as gauges to the gateway; a failed
-push is a warning, never a training failure.
+push is a warning, never a training failure. The pushing is ``prometheus_client``'s ``push_to_gateway``
+(the text format, the grouping key's escaping, its handlers for auth): an optional dependency, the
+``prometheus`` extra, imported when a reporter is built; without it the reporter is not built and the
+trainer says so once (``job.monitoring.make_reporter``).
 """
 
 from __future__ import annotations
@@ -9,9 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Any, Optional
 
 from job.monitoring.base import RANKING_METRICS, Reporter, metric
@@ -43,30 +43,23 @@ PUSH_METRICS = (
 )
 
 
-def exposition(values: dict[str, float]) -> str:
-    """Prometheus text exposition format (version 0.0.4), gauges only."""
-    lines = []
+def exposition(values: dict[str, float]) -> Any:
+    """The gauges of ``values`` (the finite ones, in ``PUSH_METRICS`` order) in a registry of their own."""
+    from prometheus_client import CollectorRegistry, Gauge  # optional dependency (see the module docstring)
+
+    registry = CollectorRegistry()
     for name, text in PUSH_METRICS:
         if name in values and values[name] is not None and math.isfinite(values[name]):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {float(values[name])!r}"]
-    return "\n".join(lines) + "\n"
-
-
-def push_to_gateway(url: str, job: str, instance: str, body: str, timeout: float = PUSH_TIMEOUT_S) -> None:
-    """PUT the metric group ``job/instance`` (replacing what it held); raises on failure."""
-    target = (f"{url.rstrip('/')}/metrics/job/{urllib.parse.quote(job, safe='')}"
-              f"/instance/{urllib.parse.quote(instance, safe='')}")
-    request = urllib.request.Request(target, data=body.encode("utf-8"), method="PUT",
-                                     headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:  # the configured URL
-        if response.status >= 300:
-            raise urllib.error.HTTPError(target, response.status, response.reason, response.headers, None)
+            Gauge(name, text, registry=registry).set(float(values[name]))
+    return registry
 
 
 class PushgatewayReporter(Reporter):
     """Pushes this trainer's numbers after each pass; other ranks (no pass summary) push when their pass changes."""
 
     def __init__(self, url: str, job: str, rank: int, total_passes: int, buckets_per_pass: int) -> None:
+        import prometheus_client  # noqa: F401  # ImportError now, at start, rather than at the first push
+
         self.url = url
         self.job = job
         self.rank = rank
@@ -142,10 +135,13 @@ class PushgatewayReporter(Reporter):
         return values
 
     def _push(self, summary: Optional[dict[str, Any]]) -> None:
-        body = exposition(self._values(summary))
+        from prometheus_client import push_to_gateway
+
+        registry = exposition(self._values(summary))
         self.buckets = []
-        try:
-            push_to_gateway(self.url, self.job, str(self.rank), body)
+        try:  # PUT: replaces what the group {job, instance} held
+            push_to_gateway(self.url, job=self.job, registry=registry, grouping_key={"instance": str(self.rank)},
+                            timeout=PUSH_TIMEOUT_S)
         except Exception as err:  # a monitoring outage must not stop training
             self.failures += 1
             logger.warning("pushgateway %s: push failed (%s); training goes on", self.url, err)
