@@ -1,26 +1,16 @@
-"""Distributed training under torchrun: the bucket lock server on rank 0, and shared-parameter sync.
+"""The bucket lock server on rank 0: serves ``LockState`` and the shared-parameter vector to every rank of a torchrun
+group.
 
-(Joining the group, the heartbeat and the store barriers are in job/train/distributed/group.py; the scheduler the
-training loop sees is ``LockServerScheduler`` in job/train/schedule/group.py.)
+Where the rest is: the messages (job/train/distributed/protocol.py), the trainer's end (``LockClient``,
+lock_client.py), the scheduling logic without transport (``LockState``, lock_state.py), the shared vector's
+bookkeeping (``SharedVector``, shared_vector.py), the transfers in flight (transfers.py), the group itself
+(group.py), and the scheduler the training loop sees (``LockServerScheduler``, job/train/schedule/group.py).
 
-The requests and replies travel through the rendezvous TCPStore that ``init_process_group`` already
-connected every rank to (``queue_push``/``queue_pop`` give a request queue without any
-socket code of ours), so only members of the job's rendezvous can talk to the server. The shared
-parameters' payload does not: it goes point-to-point between the trainer and rank 0 over a gloo group
-of its own (``TensorTransport``, job/train/distributed/transport.py), tagged with its request.
-
-- ``LockState`` (job/train/distributed/lock_state.py) is the pure scheduling logic: which bucket a trainer gets,
-  which partitions are locked, which are written into the next version, and the early reservation
-  of a trainer's next bucket with ``prefetch_partitions``.
-- ``LockServer`` runs it in a thread on rank 0, answers every request (errors included: ``LockServerError`` on
-  the client) and persists each change into checkpoint storage before answering (job/checkpoint/group_progress.py: a
-  snapshot per pass plus one small record per change, bound to its run); after a lost pod torchrun restarts
-  the group, the new rank 0 replays them and the pass goes on, redoing only the buckets in flight.
-- Shared parameters (relation operators, global embeddings, unpartitioned entity tables)
-  are kept by the server as one flat vector; trainers push the change they made since
-  their last sync and pull the sum at every bucket boundary (staleness: one bucket). A request
-  carrying a change says so in its header (``values``: how many, ``tag``: its transfer); the
-  change itself and the sum answered travel over the transport, never through the store.
+Requests and replies travel through the rendezvous TCPStore's queues; the shared parameters' payload goes
+point-to-point over a gloo group of its own (``TensorTransport``, transport.py), tagged with its request. Every
+change is persisted into checkpoint storage before the reply (job/checkpoint/group_progress.py): after a lost pod
+torchrun restarts the group, the new rank 0 replays the records and the pass goes on, redoing only the buckets in
+flight.
 """
 
 from __future__ import annotations
@@ -62,10 +52,10 @@ from job.train.distributed.protocol import (
     response_queue,
 )
 from job.train.distributed.server_stats import ServerStats, Stopwatch
+from job.train.distributed.shared_vector import SharedVector
 from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
-from job.train.schedule.clock import BucketClock
-from job.types import Bucket
+from job.train.schedule.clock import GroupClocks
 
 logger = logging.getLogger("biggraph")
 
@@ -80,25 +70,15 @@ class LockServer:
     """Serves ``LockState`` and the shared-parameter vector to every rank: requests over the store's queues, the
     shared parameters over ``transport`` (job/train/distributed/transport.py).
 
-    The protocol: a request is ``{"op", "rank", "channel", ...}``; one that carries a shared-parameter change
-    (``next`` finishing a bucket, ``sync``) names it with ``{"values": <how many>, "tag": <its transfer>}``, and the
-    client has posted the payload under that tag before pushing the request. The server receives an announced
-    payload before anything else, whatever it then decides (so that no sender is left waiting: a client whose
-    payload nobody takes would time out and lose its pair with rank 0), then answers: every request whose rank and
-    channel can be read gets exactly one reply, ``{"ok": true, ...}`` or ``{"ok": false, "error": "<the server's
-    error>"}`` (an unknown op, a malformed field, a change of the wrong shape, a failed progress write, a payload
-    that did not arrive), so a client raises at once (``LockServerError``) instead of waiting out its timeout. An
-    ``ok`` reply to a request that carried a change is followed by the sum, sent under the request's tag. ``next``,
-    ``written`` (a write group's one record) and ``release`` persist their changes (``progress.append``,
-    job/checkpoint/group_progress.py) before the reply.
-
-    Shared parameters: a ``next`` carries the trainer's change since its last sync for the bucket it finishes; the
-    server adds it to the vector it serves (``shared``) and answers with the sum. What it persists (``stored``)
-    holds the change of a bucket only once the bucket is done *and* its partitions are written: until then a
-    restart redoes the bucket (``LockState.forget_rank_locks``), so its change waits in ``pending`` and enters
-    ``stored`` with the record that saves the bucket. A restart thus resumes with every saved bucket's shared
-    update once and without any bucket it redoes. After a failed progress write the server answers every request
-    with that error: the group restarts from what is stored, never from a state ahead of it.
+    The server receives an announced payload before anything else, whatever it then decides (so that no sender is
+    left waiting: a client whose payload nobody takes would time out and lose its pair with rank 0), then answers:
+    every request whose rank and channel can be read gets exactly one reply (a ``Refusal`` for an unknown op, a
+    malformed field, a change of the wrong shape, a failed progress write, a payload that did not arrive), so a
+    client raises at once instead of waiting out its timeout. An answer to a request that carried a change is
+    followed by the sum, sent under the request's tag. ``next``, ``written`` and ``release`` persist their changes
+    (``progress.append``) before the reply. After a failed progress write every request is refused with that error:
+    the group restarts from what is stored, never from a state ahead of it. The shared vector's served, stored and
+    pending parts: ``SharedVector`` (shared_vector.py).
 
     Never waiting on one peer (job/train/distributed/transfers.py): a request's change is received, and its sum sent,
     by a transfer posted and waited on off the serving thread, which meanwhile answers the other ranks. A request
@@ -106,12 +86,10 @@ class LockServer:
     slot held, waits its turn. A peer whose transfer failed or outlived the transport's timeout is gone: its
     requests are then answered with an error (the round ends through the heartbeat, as for a dead peer).
 
-    Memory (``SERVER_VECTORS``): ``shared``, ``stored`` and the ``TRANSFER_SLOTS`` transfer vectors (a sum is sent
-    from a copy: the served vector changes with the next request while the peer may not have taken it yet), plus
-    one vector per bucket done but not yet saved (``pending``)."""
+    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py), plus one vector per bucket done but not yet saved."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
-                 transport: TensorTransport, prefix: str = DEFAULT_PREFIX,
+                 transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
                  lost: Callable[[], frozenset[int]] = lambda: frozenset()) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
@@ -130,9 +108,7 @@ class LockServer:
         self.transport = transport
         self.state = state
         self.progress = progress
-        self.shared = shared.astype(np.float32, copy=True)
-        self.stored = self.shared.copy()  # the updates of the buckets done and saved: what a restart resumes
-        self.pending: dict[Bucket, np.ndarray] = {}  # the update of each bucket done but not yet saved
+        self.vector = SharedVector(shared)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
@@ -140,9 +116,9 @@ class LockServer:
         self._stop = threading.Event()
         # the serving thread's one input: requests (from the reader thread) and the ends of transfers
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._slots = TransferSlots(self.shared.size)
+        self._slots = TransferSlots(self.vector.size)
         # the largest change of the wrong shape still received (to be refused with the pair kept usable)
-        self._drain_limit = max(2 * self.shared.size, 2**20)
+        self._drain_limit = max(2 * self.vector.size, 2**20)
         self._flights = Flights(self._inbox, transport.timeout_s)
         self._waiting: deque[Waiting] = deque()  # requests with a change whose transfer has not started
         self._gone: dict[int, str] = {}  # ranks whose transfer failed or timed out, with why
@@ -150,7 +126,7 @@ class LockServer:
         self._lost = lost
         self._left: Optional[str] = None  # a rank said it leaves (its SIGTERM): the round ends for every rank
         # every rank's bucket times, from the requests served: whom ``settled`` still waits for once the round ends
-        self._clocks = [BucketClock() for _ in range(state.world_size)]
+        self._clocks = GroupClocks(state.world_size)
         self._gave_up: set[int] = set()  # ranks that gave their bucket up and left unwritten: not waited for
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         # one handler per request type (job/train/distributed/protocol.py), called with ``lock`` held
@@ -164,8 +140,7 @@ class LockServer:
         self._reader.start()
 
     def _read(self) -> None:
-        """Requests from the store's queue into the inbox, until this server's stop (a later server of the round
-        reads the same queue: nothing past the stop is taken)."""
+        """Requests from the store's queue into the inbox, until this server's stop (nothing past it is taken)."""
         while not self._stop.is_set():
             try:
                 raw = self._incoming.queue_pop(self.requests, block=True)
@@ -240,11 +215,11 @@ class LockServer:
             if values > self._drain_limit:  # no buffer is sized from what a peer claims: refused unreceived, and its
                 # transfer pair is left unusable, so the rank is treated as gone
                 self._waiting.remove(job)
-                why = f"it announced a change of {values} values (the shared parameters have {self.shared.size})"
+                why = f"it announced a change of {values} values (the shared parameters have {self.vector.size})"
                 self._lose(job.rank, why)
                 self._refuse(job, ProtocolError(why))
                 continue
-            if values == self.shared.size:
+            if values == self.vector.size:
                 slot = self._slots.take()
                 if slot is None:
                     continue  # every slot held: it waits for one
@@ -256,7 +231,7 @@ class LockServer:
             try:
                 transfer = self.transport.recv_async(buffer, job.rank, tag)
             except TransferError as err:
-                self._release(is_slot, buffer, well=False)
+                self._slots.settle(is_slot, buffer, well=False)
                 self._lose(job.rank, str(err))
                 self._refuse(job, err)
                 continue
@@ -267,7 +242,7 @@ class LockServer:
         self._flights.end(flight)
         job = flight.job
         if error is not None:
-            self._release(flight.slot, flight.buffer, well=False)
+            self._slots.settle(flight.slot, flight.buffer, well=False)
             if not flight.overdue:  # an overdue one was reported at its deadline
                 self._lose(job.rank, error)
                 if flight.kind == "receive":
@@ -275,20 +250,20 @@ class LockServer:
         elif flight.kind == "receive" and not flight.overdue:
             if self._judge(job, flight.buffer.numpy()):
                 with Stopwatch() as watch:
-                    flight.buffer.copy_(torch.from_numpy(self.shared))
+                    flight.buffer.copy_(torch.from_numpy(self.vector.served))
                 self._stats.copy_s += watch.seconds
                 try:
                     assert job.incoming.envelope.payload is not None
                     transfer = self.transport.send(flight.buffer, job.rank, job.incoming.envelope.payload.tag)
                 except TransferError as err:
-                    self._release(flight.slot, flight.buffer, well=False)
+                    self._slots.settle(flight.slot, flight.buffer, well=False)
                     self._lose(job.rank, str(err))
                 else:
                     self._flights.start("send", job, flight.buffer, flight.slot, transfer)
             else:
-                self._release(flight.slot, flight.buffer, well=True)
+                self._slots.settle(flight.slot, flight.buffer, well=True)
         else:  # a sum taken, or a transfer done after its deadline (its peer counted gone already)
-            self._release(flight.slot, flight.buffer, well=True)
+            self._slots.settle(flight.slot, flight.buffer, well=True)
         self._dispatch()
 
     def _expire(self, now: float) -> None:
@@ -308,13 +283,6 @@ class LockServer:
             self._gone[rank] = why
             logger.warning("lock server: the shared parameters did not reach rank %d or come from it (%s); it is "
                            "treated as gone, its requests refused", rank, why)
-
-    def _release(self, is_slot: bool, buffer: torch.Tensor, well: bool) -> None:
-        if is_slot:
-            if well:
-                self._slots.give_back(buffer)
-            else:
-                self._slots.drop()
 
     def _judge(self, job: Waiting, change: Optional[np.ndarray]) -> bool:
         """Handle and answer a request (its change arrived); whether its sum is to be sent."""
@@ -361,7 +329,7 @@ class LockServer:
 
     def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
         """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""
-        return rank in self.state.in_flight and not self._clocks[rank].ends_by(deadline, now)
+        return rank in self.state.in_flight and not self._clocks.ends_by(rank, deadline, now)
 
     def in_flight(self) -> dict[int, str]:
         """Rank -> ``"receive"`` or ``"send"``: the shared-parameter transfers not yet ended."""
@@ -382,8 +350,7 @@ class LockServer:
         return self._slots.allocated
 
     def _handle(self, rank: int, request: Request, change: Optional[np.ndarray]) -> Reply:
-        """The reply to ``request`` of ``rank`` (one handler per request type); for a request with a change, its sum
-        is sent after the reply."""
+        """The reply to ``request`` of ``rank``, by its type's handler (a request's sum is sent after it)."""
         handler = self._handlers.get(type(request))
         if handler is None:
             raise ProtocolError(f"a {request.op!r} request is not served")
@@ -402,9 +369,8 @@ class LockServer:
         if request.leaving and self._left is None:
             self._left = f"rank {rank} is leaving ({request.leaving})"
             logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)
-        delta = self._delta(change) if change is not None else None
-        if delta is not None:
-            self.shared += delta
+        if change is not None:
+            self.vector.add(change)
         if request.record:
             self.state.add_record(request.record)
         was_done = finished is not None and finished in self.state.done
@@ -414,14 +380,11 @@ class LockServer:
             kind, bucket = "ending", None
         else:
             kind, bucket = self.state.next_bucket(rank, set(request.held), finished, self.rng)
-        self._time(rank, finished, bucket)
+        self._clocks.after_next(rank, finished is not None and finished in self.state.done, bucket is not None,
+                                time.monotonic())
         stored = False
-        if delta is not None and finished is not None and not was_done and finished in self.state.done:
-            if finished in self._unsaved():
-                self.pending[finished] = delta.copy()
-            else:  # no partition of its own to write: saved already
-                self.stored += delta
-                stored = True
+        if change is not None and finished is not None and not was_done and finished in self.state.done:
+            stored = self.vector.finish(finished, change, saved=finished not in self.state.unsaved_buckets())
         self._persist(with_shared=stored)
         return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why)
 
@@ -435,71 +398,45 @@ class LockServer:
         # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
         # buckets, shared updates included; the locks stay until the rank has published the files
         self.state.record_written(rank, request.keys, request.staged)
-        self._persist(with_shared=self._save_pending())
+        self._persist(with_shared=self.vector.save(self.state.unsaved_buckets()))
         return Done()
 
     def _answer_release(self, rank: int, request: Release, change: Optional[np.ndarray]) -> Reply:
         self.state.release(rank, list(request.keys), written=request.written)
-        self._persist(with_shared=self._save_pending())
+        self._persist(with_shared=self.vector.save(self.state.unsaved_buckets()))
         return Done()
 
     def _answer_sync(self, rank: int, request: Sync, change: Optional[np.ndarray]) -> Reply:
         # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
         if change is None:
             raise ValueError("a sync without a shared-parameter change")
-        self.shared += self._delta(change)
+        self.vector.add(change)
         return Done()
 
     def _answer_status(self, rank: int, request: Status, change: Optional[np.ndarray]) -> Reply:
         return State(state=self.state.to_json())
 
-    def _time(self, rank: int, finished: Optional[Bucket], bucket: Optional[Bucket]) -> None:
-        """``rank``'s bucket clock after a ``next``: its bucket finished (or given up), the next one handed out."""
-        clock = self._clocks[rank] if 0 <= rank < len(self._clocks) else None
-        if clock is None:
-            return
-        now = time.monotonic()
-        if finished is not None and finished in self.state.done:
-            clock.finish(now)
-        else:
-            clock.drop()
-        if bucket is not None:
-            clock.start(now)
-
-    def _save_pending(self) -> bool:
-        """Move the shared updates of the buckets saved now (done, and no partition unwritten) into ``stored``;
-        whether there were any."""
-        unsaved = self._unsaved()
-        saved = [b for b in self.pending if b not in unsaved]
-        for b in saved:
-            self.stored += self.pending.pop(b)
-        return bool(saved)
-
-    def _unsaved(self) -> set[Bucket]:
-        return {b for pending in self.state.unsaved.values() for b in pending}
-
-    def _delta(self, delta: np.ndarray) -> np.ndarray:
-        if delta.shape != self.shared.shape:
-            raise ValueError(f"a shared-parameter change of {delta.size} values, but the shared parameters have "
-                             f"{self.shared.size} (trainers built with different models?)")
-        return delta
-
     def _persist(self, with_shared: bool = False) -> None:
         records = self.state.drain_journal()
         try:
             with Stopwatch() as watch:
-                due = self.progress.append(records, shared=self.stored) if with_shared else self.progress.append(records)
+                due = self.progress.append(records, shared=self.vector.stored) if with_shared else self.progress.append(records)
                 if due:  # a snapshot of what the records replay to (the state now, the stored vector): see progress.py
-                    self.progress.start(self.state.to_json(), self.stored)
+                    self.progress.start(self.state.to_json(), self.vector.stored)
         except Exception as err:
             self.failed = f"{type(err).__name__}: {err}"
             raise
         if records or with_shared:  # (called with self.lock held)
             self._stats.persisted(watch.seconds, with_shared)
 
+    @property
+    def shared(self) -> np.ndarray:
+        """The shared parameters as served now."""
+        return self.vector.served
+
     def values(self) -> torch.Tensor:
         """The shared parameters as served now (a view: read it once the pass's syncs are over)."""
-        return torch.from_numpy(self.shared)
+        return torch.from_numpy(self.vector.served)
 
     def take_records(self) -> list[dict]:
         with self.lock:

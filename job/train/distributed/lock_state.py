@@ -106,6 +106,10 @@ class LockState:
                 if self.locks.get(key) == rank:
                     del self.locks[key]
 
+    def unsaved_buckets(self) -> set[Bucket]:
+        """The buckets done whose partitions are not all written yet (a restart redoes them)."""
+        return {b for pending in self.unsaved.values() for b in pending}
+
     def settled(self, rank: int) -> bool:
         """Whether ``rank`` holds nothing a restart would redo or wait on: no bucket in flight, none done whose
         partitions it has not written, no lock (its write groups recorded and published)."""

@@ -59,6 +59,15 @@ class TransferSlots:
         self.held -= 1
         self._free.append(slot)
 
+    def settle(self, is_slot: bool, buffer: torch.Tensor, well: bool) -> None:
+        """A transfer's buffer is done with: a slot goes back (``well``) or is dropped (its transfer may still hold
+        it); a buffer that was never a slot is simply let go."""
+        if is_slot:
+            if well:
+                self.give_back(buffer)
+            else:
+                self.drop()
+
     def drop(self) -> None:
         """A slot whose transfer failed: its buffer is let go (gloo is done with it) and a fresh one may be made."""
         self.held -= 1

@@ -59,3 +59,29 @@ class BucketClock:
             return False
         end = self.expected_end()
         return end is None or end <= deadline
+
+
+class GroupClocks:
+    """Every rank's ``BucketClock``, as the lock server keeps them from the requests it serves: whom a round's end
+    still waits for."""
+
+    def __init__(self, world_size: int) -> None:
+        self._clocks = [BucketClock() for _ in range(world_size)]
+
+    def after_next(self, rank: int, finished_done: bool, handed_out: bool, now: float) -> None:
+        """``rank``'s clock after a ``next``: its bucket finished (``finished_done``) or dropped, the next one
+        handed out (``handed_out``)."""
+        if not 0 <= rank < len(self._clocks):
+            return
+        clock = self._clocks[rank]
+        if finished_done:
+            clock.finish(now)
+        else:
+            clock.drop()
+        if handed_out:
+            clock.start(now)
+
+    def ends_by(self, rank: int, deadline: float, now: float) -> bool:
+        """Whether ``rank``'s bucket in flight may still end by ``deadline`` (``BucketClock.ends_by``)."""
+        return self._clocks[rank].ends_by(deadline, now)
+
