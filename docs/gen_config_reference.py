@@ -23,9 +23,9 @@ from job.config import (  # noqa: E402
     ConfigSchema,
     EntitySchema,
     RelationSchema,
-    _hints,
-    _to_plain,
-    _type_name,
+    to_plain,
+    type_hints_of,
+    type_name,
 )
 
 OUTPUT = ROOT / "docs" / "config-reference.md"
@@ -47,7 +47,7 @@ the checkpoint's `config.json`, so PBG 1.0 can still read it.
 
 def _default(field: dataclasses.Field) -> str:
     if field.default is not MISSING:
-        return f"`{json.dumps(_to_plain(field.default))}`"
+        return f"`{json.dumps(to_plain(field.default))}`"
     if field.default_factory is not MISSING:  # type: ignore[misc]
         return f"`{json.dumps(field.default_factory())}`"  # type: ignore[misc]
     return "**required**"
@@ -58,11 +58,11 @@ def _cell(text: str) -> str:
 
 
 def section(title: str, cls: type, prefix: str, ours: frozenset[str], description: str) -> list[str]:
-    hints = _hints(cls)
+    hints = type_hints_of(cls)
     lines = [f"## {title}", "", description, "", "| key | type | default | description |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         note = " *(not in PBG 1.0)*" if field.name in ours else ""
-        lines.append(f"| `{prefix}{field.name}`{note} | `{_type_name(hints[field.name])}` | {_default(field)} | "
+        lines.append(f"| `{prefix}{field.name}`{note} | `{type_name(hints[field.name])}` | {_default(field)} | "
                      f"{_cell(field.metadata.get('help', ''))} |")
     return lines + [""]
 

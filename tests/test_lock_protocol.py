@@ -427,24 +427,18 @@ def open_with(checkpoint: Path, run: str | None) -> Any:
     checkpoint manager opens the directory, asking which progress this run resumes."""
     from job.checkpoint import CheckpointManager
     from job.train.distributed.group import DistributedContext
-    from job.train.resume import GroupBarrier, progress_to_resume
+    from job.train.resume import GroupBarrier
 
     ctx = None
     if run is not None:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         ctx = DistributedContext(rank=0, world_size=1, store=store, restart_count=0, round_id="r", run_id=run)
-    found: list[Any] = [None]
-
-    def resumes(version: int) -> bool:
-        found[0] = progress_to_resume(str(checkpoint), version, ctx)
-        return found[0] is not None
-
     manager = CheckpointManager(str(checkpoint), [("node", p) for p in range(4)])
     try:
-        version = manager.open(GroupBarrier(ctx) if ctx is not None else None, resumes_pass=resumes)
+        version = manager.open(GroupBarrier(ctx) if ctx is not None else None)
     finally:
         manager.close()
-    return version, found[0]
+    return version, manager.resumed
 
 
 def test_a_foreign_progress_is_cleaned_with_the_uncommitted_files_and_the_owner_resumes(tmp_path: Path) -> None:
@@ -654,7 +648,7 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
         recorded = progress.staged()
         if recorded:  # a roll-forward killed after its first move
             publish(CheckpointStorage(checkpoint), 1, (recorded[0][0], recorded[0][1]), recorded[0][2])
-        roll_forward(checkpoint, progress.version, progress.staged())  # job/train/resume.py: progress_to_resume
+        roll_forward(checkpoint, progress.version, progress.staged())  # job/checkpoint/recovery.py: recover_pass
         assert not staged_left(checkpoint)
         server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0])
         survivor = RowTrainer(LockClient(store, 0, timeout_s=60, prefix=f"{crash_after}/second/lock",

@@ -34,9 +34,11 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 import storage_adapters as storage
+from job.checkpoint.group_progress import Progress
 from job.checkpoint.journal import finish_committed_grow
 from job.checkpoint.journal_checks import GrowInputs
 from job.checkpoint.owner import Ownership, claim, unclaim
+from job.checkpoint.recovery import recover_pass
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SumRegistry
 from job.formats.checkpoint_io import version_of
@@ -84,6 +86,8 @@ class CheckpointManager:
         self._owner: Optional[Ownership] = None
         self._providers: list[MetadataProvider] = []
         self._input_check: Optional[dict[str, Any]] = None  # a passing input check, written with the next commit
+        # (rank 0) the group progress of the pass this run resumes, found at ``open`` (job/checkpoint/recovery.py)
+        self.resumed: Optional[Progress] = None
         # a torchrun rank's round check (``DistributedContext.fence``): a rank whose group went on without it
         # raises instead of writing
         self._fence: Callable[[], None] = fence or (lambda: None)
@@ -105,19 +109,19 @@ class CheckpointManager:
         return merged
 
     # opening -------------------------------------------------------------------------------------
-    def open(self, group: Optional[Group] = None,
-             resumes_pass: Callable[[int], bool] = lambda version: False) -> int:
+    def open(self, group: Optional[Group] = None) -> int:
         """Take the directory and clean it for a run; returns the committed version.
 
-        ``resumes_pass(version)``: whether the files written after ``version`` belong to a pass that this run
-        resumes (a torchrun group's lock server persisted its progress); otherwise they are garbage."""
+        The files written after that version are kept only where they belong to a pass that this run resumes (its
+        torchrun group's lock server persisted its progress: ``resumed``, job/checkpoint/recovery.py); otherwise
+        they are garbage."""
         try:
-            return self._open(group, resumes_pass)
+            return self._open(group)
         except BaseException:
             self.close()  # a run refused or failing here leaves the directory as it found it (no owner record)
             raise
 
-    def _open(self, group: Optional[Group], resumes_pass: Callable[[int], bool]) -> int:
+    def _open(self, group: Optional[Group]) -> int:
         rank = group.rank if group is not None else 0
         if rank == 0:
             self.storage.prepare()  # the directory made (on an object store: its bucket checked, named if missing)
@@ -130,7 +134,8 @@ class CheckpointManager:
             # a partition written by one rank is read by others: they verify it against the writer's record
             self.storage.sums = group.shared_sums()
         if rank == 0:
-            self._clean(version, keep_uncommitted=resumes_pass(version))
+            self.resumed = recover_pass(self.url, version, group.run_id if group is not None else None)
+            self._clean(version, keep_uncommitted=self.resumed is not None)
         if group is not None:
             group.barrier("cleaned")
         self.version = version

@@ -33,14 +33,14 @@ import logging
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 import storage_adapters as storage
 from job.formats.checkpoint import CheckpointStorage
-from job.model.scoring import Table
 from job.types import PartitionKey
+
+if TYPE_CHECKING:  # the tables of a group: written here, built by the trainer (torch stays out of recovery)
+    from job.model.scoring import Table
 
 logger = logging.getLogger("biggraph")
 
@@ -78,31 +78,6 @@ class WriteGroup:
     def staged(self) -> list[list[Any]]:
         """The group as the server's record names it: ``[type, partition, staged name]`` per partition."""
         return [[entity_type, part, self.names[(entity_type, part)]] for entity_type, part in self.keys]
-
-
-class CopySlots:
-    """Reusable host buffers for the kept partitions of a write group written behind (one slot per kept partition):
-    allocated, and their pages touched, once per run rather than per switch, so that the copy on the training
-    thread is a memcpy (a 96 MiB partition here: 0.03-0.11 s into a reused buffer, 0.21-0.30 s into fresh memory).
-    The caller reuses the slots only once the group holding them is written (``PartitionStore.take_group``)."""
-
-    def __init__(self) -> None:
-        self._slots: list[torch.Tensor] = []
-
-    def take(self, slot: int, table: Table) -> Table:
-        """``table`` copied (float32, host) into ``slot``, grown if it is too small."""
-        weight = table.weight.detach()
-        sums = table.optim_sum.detach() if table.optim_sum is not None else None
-        size = weight.numel()
-        sums_size = sums.numel() if sums is not None else 0  # (rows,) row-wise, (rows, dim) per coordinate
-        while len(self._slots) <= slot:
-            self._slots.append(torch.empty(0))
-        if self._slots[slot].numel() < size + sums_size:
-            self._slots[slot] = torch.empty(size + sums_size, dtype=torch.float32)
-        flat = self._slots[slot]
-        copy = flat[:size].view(weight.shape).copy_(weight)
-        optim_sum = flat[size:size + sums_size].view(sums.shape).copy_(sums) if sums is not None else None
-        return Table(weight=copy, optim_sum=optim_sum)
 
 
 def publish(checkpoint: CheckpointStorage, version: int, key: PartitionKey, name: str) -> bool:

@@ -21,7 +21,7 @@ The package, by concern (callers import from ``job.config``; the modules are int
 
 from __future__ import annotations
 
-from job.config.base import MISSING, ConfigKeyError, _hints, _to_plain, _type_name, parse_bytes
+from job.config.base import MISSING, ConfigKeyError, parse_bytes, to_plain, type_hints_of, type_name
 from job.config.choices import (
     COMPARATORS,
     COMPUTE_DTYPES,
@@ -62,9 +62,9 @@ __all__ = [
     "ConfigSchema",
     "EntitySchema",
     "RelationSchema",
-    "_hints",  # the three below: for docs/gen_config_reference.py, which describes types as config-help does
-    "_to_plain",
-    "_type_name",
+    "type_hints_of",  # the three below: for docs/gen_config_reference.py, which describes types as config-help does
+    "to_plain",
+    "type_name",
     "apply_overrides",
     "config_help",
     "load_config",

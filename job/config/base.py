@@ -45,34 +45,34 @@ def did_you_mean(key: str, names: Iterable[str], prefix: str = "") -> str:
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
-def _help(text: str, **kwargs: Any) -> Any:
+def field_help(text: str, **kwargs: Any) -> Any:
     """A dataclass field whose help text is kept next to it."""
     return field(metadata={"help": text}, **kwargs)
 
 
-def _to_plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     """Dataclasses, enums and tuples as the JSON-like values a config file holds."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     return value
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     """A schema type in words (``int or null``, ``list of str``) for messages and the help."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_type_name(args[0])} or null"
+        return f"{type_name(args[0])} or null"
     if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
+        return f"list of {type_name(typing.get_args(tp)[0])}"
     if origin is dict:
-        return f"mapping of {_type_name(typing.get_args(tp)[1])}"
+        return f"mapping of {type_name(typing.get_args(tp)[1])}"
     if tp is Any:
         return "any value"
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -85,14 +85,14 @@ def _type_name(tp: Any) -> str:
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def type_hints_of(cls: type) -> dict[str, Any]:
     """The resolved field types of a schema class (cached: ``get_type_hints`` evaluates strings)."""
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
 
 
-def _strip_optional(tp: Any) -> Any:
+def strip_optional(tp: Any) -> Any:
     """``X | None`` -> ``X`` (the schema's unions are all optionals)."""
     while typing.get_origin(tp) in (Union, types.UnionType):
         tp = [a for a in typing.get_args(tp) if a is not type(None)][0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from job.config.base import ConfigKeyError, _help
+from job.config.base import ConfigKeyError, field_help
 from job.config.choices import OPERATORS
 
 
@@ -18,20 +18,20 @@ from job.config.choices import OPERATORS
 class EntitySchema:
     """One entity type."""
 
-    num_partitions: int = _help(
+    num_partitions: int = field_help(
         "Number of partitions for this entity type. Set to 1 if unpartitioned. All "
         "partitioned entity types must have the same number of partitions."
     )
-    featurized: bool = _help(
+    featurized: bool = field_help(
         "Whether the entities of this type are represented as sets of features "
         "(an entity's embedding is the mean of its features' embeddings).",
         default=False,
     )
-    dimension: int | None = _help(
+    dimension: int | None = field_help(
         "Dimension of this type's embeddings; defaults to the global `dimension`.",
         default=None,
     )
-    frozen: bool = _help(
+    frozen: bool = field_help(
         "Keep this type's embeddings and their row-wise Adagrad state fixed while training (PBG issue #270): "
         "its rows are still scored and drawn as negatives, but never updated, and neither is its global "
         "embedding. Typical use: a trained catalogue stays exactly as it is while new entities of other types "
@@ -50,18 +50,18 @@ class EntitySchema:
 class RelationSchema:
     """One relation type; its index in `relations` is its id in the edge files."""
 
-    name: str = _help("A human-readable identifier for the relation type.")
-    lhs: str = _help("The type of the entities on the left-hand side of this relation.")
-    rhs: str = _help("The type of the entities on the right-hand side of this relation.")
-    weight: float = _help(
+    name: str = field_help("A human-readable identifier for the relation type.")
+    lhs: str = field_help("The type of the entities on the left-hand side of this relation.")
+    rhs: str = field_help("The type of the entities on the right-hand side of this relation.")
+    weight: float = field_help(
         "The weight that the loss of this relation gets multiplied by.", default=1.0
     )
-    operator: str = _help(
+    operator: str = field_help(
         "The transformation applied to the right-hand side embedding (and, with "
         f"dynamic relations, also to the left-hand side). One of {', '.join(OPERATORS)}.",
         default="none",
     )
-    all_negs: bool = _help(
+    all_negs: bool = field_help(
         "If enabled, the negatives for (x, r, y) are all (x, r, z) for every z of "
         "the right-hand side entity type in the partition, instead of a sample.",
         default=False,

@@ -26,7 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any, Union
 
-from job.config.base import MISSING, _hints
+from job.config.base import MISSING, type_hints_of
 from job.config.checks import NON_NEGATIVE_INTS, POSITIVE_INTS
 from job.config.choices import KEY_CHOICES, OPERATORS
 from job.config.graph_schema import EntitySchema, RelationSchema
@@ -78,7 +78,7 @@ def _type_schema(tp: Any) -> dict[str, Any]:
 
 def class_schema(cls: type) -> dict[str, Any]:
     """One schema dataclass as a closed JSON object: its keys, their types, its required keys."""
-    hints = _hints(cls)
+    hints = type_hints_of(cls)
     properties: dict[str, Any] = {}
     required = []
     for field in dataclasses.fields(cls):

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Union
 
-from job.config.base import _hints, _strip_optional, _to_plain, _type_name, did_you_mean
+from job.config.base import did_you_mean, strip_optional, to_plain, type_hints_of, type_name
 from job.config.schema import ConfigSchema
 from job.errors import ConfigError
 
@@ -23,10 +23,10 @@ def _schema_type_at(path: list[str]) -> Any:
     """The schema type of the key at ``path`` (``["relations", "0", "operator"]`` -> ``str``)."""
     tp: Any = ConfigSchema
     for i, part in enumerate(path):
-        tp = _strip_optional(tp)
+        tp = strip_optional(tp)
         origin = typing.get_origin(tp)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema class (never an instance)
-            hints = _hints(tp)
+            hints = type_hints_of(tp)
             if part not in hints:
                 hint = did_you_mean(part, hints, "".join(p + "." for p in path[:i]))
                 raise ConfigError(f"override '{'.'.join(path)}': unknown key '{part}'{hint}")
@@ -74,7 +74,7 @@ def _parse_override_value(text: str, tp: Any, key: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise ConfigError(f"override '{key}': expected JSON for a {_type_name(tp)}, got '{text}'") from None
+        raise ConfigError(f"override '{key}': expected JSON for a {type_name(tp)}, got '{text}'") from None
 
 
 def _set_at(raw: dict[str, Any], path: list[str], key: str, value: Any) -> None:
@@ -115,7 +115,7 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if dataclasses.is_dataclass(value):
-        return _to_plain(value)
+        return to_plain(value)
     raise TypeError(f"cannot serialise {value!r}")
 
 

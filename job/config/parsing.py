@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Union
 
-from job.config.base import MISSING, ConfigKeyError, _hints, _type_name, did_you_mean
+from job.config.base import MISSING, ConfigKeyError, did_you_mean, type_hints_of, type_name
 from job.config.presets import expand_preset
 from job.config.schema import ConfigSchema
 from job.errors import ConfigError
@@ -36,12 +36,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return _convert(value, inner[0], key)
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise _mismatch(key, _type_name(tp), value)
+            raise _mismatch(key, type_name(tp), value)
         (item_tp,) = typing.get_args(tp)
         return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise _mismatch(key, _type_name(tp), value)
+            raise _mismatch(key, type_name(tp), value)
         _, value_tp = typing.get_args(tp)
         out = {}
         for k, v in value.items():
@@ -64,7 +64,7 @@ def _convert_leaf(value: Any, tp: Any, key: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigKeyError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}", [key]) from None
+            raise ConfigKeyError(f"config key '{key}': expected {type_name(tp)}, got {value!r}", [key]) from None
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -88,7 +88,7 @@ def _convert_leaf(value: Any, tp: Any, key: str) -> Any:
 
 def _from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     """One schema dataclass from its dict; ``prefix`` is its place in the config (``entities.all.``)."""
-    hints = _hints(cls)
+    hints = type_hints_of(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names, key=str)  # YAML may give non-string keys
     if unknown:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from job.config.base import _to_plain, parse_bytes
+from job.config.base import parse_bytes, to_plain
 from job.config.checks import validate_config
 from job.config.graph_schema import EntitySchema, RelationSchema
 from job.config.pbg import to_pbg_dict
@@ -78,7 +78,7 @@ class ConfigSchema(RuntimeKeys, TrainingKeys, ModelKeys):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict with PBG's key names (what config.json holds)."""
-        return _to_plain(self)
+        return to_plain(self)
 
     def to_json(self, exclude: tuple[str, ...] = ()) -> str:
         """``to_dict()`` as indented JSON, less the ``exclude`` keys."""

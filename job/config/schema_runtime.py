@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from job.config.base import _help
+from job.config.base import field_help
 from job.config.choices import GROW_NUM_EPOCHS_DEFAULT
 
 
@@ -17,33 +17,33 @@ class RuntimeKeys:
     """Where and with what resources it runs: machines, GPUs, precision, memory, storage, monitoring, growing."""
 
     # distributed training config options
-    num_machines: int = _help("The number of machines for distributed training (PBG; torchrun decides here).", default=1)
-    num_partition_servers: int = _help(
+    num_machines: int = field_help("The number of machines for distributed training (PBG; torchrun decides here).", default=1)
+    num_partition_servers: int = field_help(
         "If -1, use trainer as partition servers. If 0, don't use partition servers (PBG; accepted).", default=-1
     )
-    distributed_init_method: str | None = _help(
+    distributed_init_method: str | None = field_help(
         "A URI defining how to synchronize all the workers of a distributed run (PBG; torchrun replaces it).",
         default=None,
     )
-    distributed_tree_init_order: bool = _help(
+    distributed_tree_init_order: bool = field_help(
         "If enabled, distributed training can occur on a bucket only if at least one of its partitions was "
         "already trained on before in the same round (or if one of its partitions is 0, for bootstrapping).",
         default=True,
     )
-    num_gpus: int = _help("Number of GPUs to use for GPU training (0 trains on the CPU).", default=0)
-    num_groups_for_partition_server: int = _help(
+    num_gpus: int = field_help("Number of GPUs to use for GPU training (0 trains on the CPU).", default=0)
+    num_groups_for_partition_server: int = field_help(
         "Number of td.distributed 'groups' to use for the partition server (PBG; accepted).", default=16
     )
-    num_groups_per_sharded_partition_server: int = _help(
+    num_groups_per_sharded_partition_server: int = field_help(
         "Number of groups per sharded partition server (PBG; accepted).", default=1
     )
-    partition_shard_size: int = _help("Size of partition shards (PBG; accepted).", default=250)
-    half_precision: bool = _help(
+    partition_shard_size: int = field_help("Size of partition shards (PBG; accepted).", default=250)
+    half_precision: bool = field_help(
         "Use half-precision training (GPU only). On a GPU it means compute_dtype 'bfloat16' (or 'float16' on "
         "a card without bfloat16) unless compute_dtype is set; on the CPU it is ignored with a warning.",
         default=False,
     )
-    compute_dtype: str | None = _help(
+    compute_dtype: str | None = field_help(
         "The precision of the training step's scores and matrix products: 'float32', 'bfloat16' (CPUs with "
         "AVX512-BF16/AMX, GPUs from Ampere on), 'float16' (GPUs; CPUs with AVX512-FP16/AMX-FP16) or 'auto' "
         "(bfloat16 where the device has native kernels for it, else float32; preset: quality sets it). The "
@@ -54,15 +54,15 @@ class RuntimeKeys:
     )
 
     # biggraph additions
-    seed: int | None = _help(
+    seed: int | None = field_help(
         "Seed for every random choice (initialisation, shuffling, negatives, bucket order); with workers=1 two "
         "runs with the same seed give the same embeddings.",
         default=None,
     )
-    device: str = _help(
+    device: str = field_help(
         "Where to compute: 'auto' (CUDA when num_gpus > 0), 'cpu' or 'cuda'.", default="auto"
     )
-    prefetch_partitions: bool = _help(
+    prefetch_partitions: bool = field_help(
         "While a bucket trains, a background thread writes back the partition the next bucket evicts (when the "
         "current one does not use it) and reads the one it needs into the freed room: the same loads, within the "
         "partition buffer, without the wait. Distributed runs (torchrun): the lock server reserves a trainer's next "
@@ -71,7 +71,7 @@ class RuntimeKeys:
         "locks are released once stored). false: every swap waits, as in PBG.",
         default=True,
     )
-    partition_buffer: int | None = _help(
+    partition_buffer: int | None = field_help(
         "How many partitions (of the partitioned entity types, per partition index) stay in memory, >= 2. "
         "Partitions leave the buffer only when it is full, the one needed again latest first. Default: what "
         "memory_budget allows, else 3 with prefetch_partitions (the bucket's two plus room for the next to "
@@ -80,7 +80,7 @@ class RuntimeKeys:
         "read ahead (prefetch_partitions).",
         default=None,
     )
-    memory_budget: str | None = _help(
+    memory_budget: str | None = field_help(
         "The memory the whole trainer (its process, its Hogwild workers and the fork server they start from) may "
         "use, e.g. '8GiB' (a container's limit), '500MB' or a number of bytes. partition_buffer follows from it: "
         "what is left after the processes' own memory (measured at start), the unpartitioned types, one partition in flight at a "
@@ -89,36 +89,36 @@ class RuntimeKeys:
         "bucket's less one). The trainer says at start what it will hold and why.",
         default=None,
     )
-    cuda_graphs: bool = _help(
+    cuda_graphs: bool = field_help(
         "On a GPU, record each relation's full-size training batch as a CUDA graph once and replay it (the "
         "same arithmetic with a fraction of the launch overhead); false runs every batch eagerly.",
         default=True,
     )
-    edge_read_mode: str = _help(
+    edge_read_mode: str = field_help(
         "How edge files on object stores are read: 'stage' (download each bucket file to a local cache first) "
         "or 'stream' (HDF5 over a remote file object with a large read-ahead).",
         default="stage",
     )
-    storage_options: dict[str, Any] = _help(
+    storage_options: dict[str, Any] = field_help(
         "Extra keyword arguments for the fsspec filesystem of every URL (e.g. {'endpoint_url': ...} for "
         "MinIO/Ceph, or a profile name). Credentials belong in the environment, not here.",
         default_factory=dict,
     )
-    tensorboard_dir: str | None = _help(
+    tensorboard_dir: str | None = field_help(
         "If set, a directory (local path) where TensorBoard scalars are written: loss, eval MRR/Hits, edges/s "
         "and swap time per bucket, and per pass (needs the 'tensorboard' extra: pip install 'biggraph[tensorboard]').",
         default=None,
     )
-    pushgateway_url: str | None = _help(
+    pushgateway_url: str | None = field_help(
         "If set, the URL of a Prometheus Pushgateway (e.g. http://pushgateway:9091) to which every trainer pushes "
         "its metrics at the end of each pass; a failed push is logged as a warning and never stops training.",
         default=None,
     )
-    pushgateway_job: str = _help(
+    pushgateway_job: str = field_help(
         "The job label of the Pushgateway grouping key ({pushgateway_url}/metrics/job/{job}/instance/{rank}).",
         default="biggraph",
     )
-    reciprocal_relations: bool = _help(
+    reciprocal_relations: bool = field_help(
         "Train each static relation type r in one direction plus an inverse relation type: an edge (h, r, t) "
         "trains 'predict t from (h, r)', scored c(g_r(h), t'), and 'predict h from (t, r_inv)', scored "
         "c(h_r(t), h'), so each side's candidates are plain rows and only the query is transformed. Evaluation "
@@ -127,7 +127,7 @@ class RuntimeKeys:
         "scored this way already.",
         default=False,
     )
-    embedding_dropout: float = _help(
+    embedding_dropout: float = field_help(
         "Dropout on the query side of reciprocal scoring while training (never in evaluation): each query's "
         "entity row and its own copy of the relation operator's parameters are dropped out with this "
         "probability, as LibKGE trains ComplEx. The candidates and the rows the regularizer reads stay whole. "
@@ -135,13 +135,13 @@ class RuntimeKeys:
         "scoring has no query side). See docs/quality-preset.md.",
         default=0.0,
     )
-    init_method: str = _help(
+    init_method: str = field_help(
         "How fresh embeddings are drawn: 'normal' (PBG's: standard deviation init_scale) or 'xavier' (Glorot's "
         "normal by fan: standard deviation sqrt(2 / (entities of the type + dimension)), the type's count over "
         "all its partitions; init_scale is then unused).",
         default="normal",
     )
-    preset: str | None = _help(
+    preset: str | None = field_help(
         "A named set of defaults for keys the config leaves out (keys it sets win): 'quality' is the 1-vs-all "
         "recipe of docs/quality-preset.md (reciprocal relations, all_negs, softmax, Xavier init, PBG's "
         "Adagrad at lr 0.3), for entity types of up to a few tens of thousands of entities; 'quality_sampled' "
@@ -151,7 +151,7 @@ class RuntimeKeys:
         "records the expanded keys.",
         default=None,
     )
-    grow_init: str = _help(
+    grow_init: str = field_help(
         "How `biggraph grow` initialises the rows of new entities: 'random' (normal with standard deviation "
         "init_scale, as a fresh run does) or 'neighbours' (the mean of the trained embeddings of the entities "
         "each one is linked to by the new edges, mapped through the relation operator; entities reached only "
@@ -159,12 +159,12 @@ class RuntimeKeys:
         "start at random).",
         default="neighbours",
     )
-    grow_num_epochs: int = _help(
+    grow_num_epochs: int = field_help(
         "How many passes over the new edges (plus the replayed old ones) `biggraph grow` trains after it has "
         "committed the grown checkpoint; 0 only grows the checkpoint.",
         default=GROW_NUM_EPOCHS_DEFAULT,
     )
-    grow_replay_fraction: float = _help(
+    grow_replay_fraction: float = field_help(
         "The fraction of the old edges that each pass of `biggraph grow`'s training replays beside the new ones "
         "(a fresh uniform sample per pass and bucket, read from the same edge files: no second copy), so that "
         "old embeddings keep fitting the old graph; 0 trains on the new edges only, 1 on all edges.",

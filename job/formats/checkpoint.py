@@ -2,38 +2,25 @@
 
 Layout of ``checkpoint_path`` (identical to PBG 1.x, so each side reads the other's):
 
-- ``embeddings_{type}_{part}.v{N}.h5``: dataset ``embeddings`` (count x dim, float32),
-  optional ``optimizer/state_dict`` (a ``torch.save`` blob as a void-byte dataset),
-  root attributes ``format_version`` = 1 plus metadata (``config/json``, ``iteration/*``).
+- ``embeddings_{type}_{part}.v{N}.h5``: dataset ``embeddings`` (count x dim, float32), optional
+  ``optimizer/state_dict`` (a ``torch.save`` blob as a void-byte dataset), root attributes ``format_version`` = 1 plus
+  metadata (``config/json``, ``iteration/*``).
 - ``model.v{N}.h5``: group ``model`` with one dataset per shared parameter,
-  ``model/relations/{idx}/operator/{side}/{param}`` and
-  ``model/entities/{type}/global_embedding``, each with attribute ``state_dict_key``
-  (the private name in the model's state dict); optimizer blob and metadata as above.
-- ``config.json``, ``training_stats.json`` (JSON lines) and, written last,
-  ``checkpoint_version.txt``: the commit marker. A version is complete exactly when
-  this file names it, so files of version N+1 may exist half-written without harm.
+  ``model/relations/{idx}/operator/{side}/{param}`` and ``model/entities/{type}/global_embedding``, each with
+  attribute ``state_dict_key`` (the private name in the model's state dict); optimizer blob and metadata as above.
+- ``config.json``, ``training_stats.json`` (JSON lines) and, written last, ``checkpoint_version.txt``: the commit
+  marker. A version is complete exactly when this file names it, so files of version N+1 may exist half-written
+  without harm.
 - ``epoch_{E}/``: preserved snapshots (checkpoint_preservation_interval).
 - ``best_version.txt`` (biggraph's, only with ``validation_edge_paths``): the version that scored best on the
-  validation edges; its files stay in the directory beside the latest version's (PBG reads the latest and
-  ignores them).
-- ``input_check.json`` (biggraph's): the last input check that passed, with the digest of the config it checked
-  and the listing of the input it read (PBG ignores it).
+  validation edges; its files stay in the directory beside the latest version's (PBG reads the latest and ignores
+  them).
+- ``input_check.json`` (biggraph's): the last input check that passed, with the digest of the config it checked and
+  the listing of the input it read (PBG ignores it).
 
-Optimizer blobs are only ever read with ``torch.load(weights_only=True)``: a checkpoint
-directory is untrusted input.
+Optimizer blobs are only ever read with ``torch.load(weights_only=True)``: a checkpoint directory is untrusted input.
 
-On object stores (``s3://``...) the HDF5 files of a version are built locally and
-uploaded in the background, several at a time; ``save_version`` waits for every upload
-of the version to succeed before it writes the marker, so the marker is always the last
-object written and no rename is needed. Each object appears whole (one PUT or one
-completed multipart upload). A reader that finds a file of the version it was told
-missing has lost a race with the deletion of that old version: it should read the
-marker again (``read_committed`` does exactly that).
-
-Every file this class writes has its size and CRC-32 recorded (``sums``); ``save_version``
-writes them as ``checksums.v{N}.json`` before the marker, and every read of a version
-verifies the file against that manifest (or against the record of the process that wrote
-it, for files of the pass in progress). See :mod:`job.formats.checksums`.
+How a version is committed on object stores and how every file is verified: docs/design/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -82,12 +69,12 @@ from job.formats.sums import Entry, SharedSumRegistry, SumRegistry
 from job.formats.uploads import MAX_PENDING_UPLOADS, UPLOAD_THREADS, UploadQueue
 from job.types import PartitionKey
 
-__all__ = [  # the names callers import from here (the format's pieces live in the modules above)
-    "BEST_FILE", "CONFIG_FILE",
-    "EMBEDDING_DATASET", "FORMAT_VERSION", "FORMAT_VERSION_ATTR", "MAX_PENDING_UPLOADS", "MODEL_GROUP",
-    "OPTIMIZER_DATASET", "STATE_DICT_KEY_ATTR", "STATS_FILE", "UPLOAD_THREADS", "VERSION_FILE", "CheckpointStorage",
-    "Entry", "SharedSumRegistry", "SumRegistry", "deserialize_optimizer_state", "redact_config_json", "redact_secrets",
-    "serialize_optimizer_state",
+# the names callers import from here (the format's pieces live in the modules above)
+__all__ = [
+    "BEST_FILE", "CONFIG_FILE", "EMBEDDING_DATASET", "FORMAT_VERSION", "FORMAT_VERSION_ATTR", "MAX_PENDING_UPLOADS",
+    "MODEL_GROUP", "OPTIMIZER_DATASET", "STATE_DICT_KEY_ATTR", "STATS_FILE", "UPLOAD_THREADS", "VERSION_FILE",
+    "CheckpointStorage", "Entry", "SharedSumRegistry", "SumRegistry", "deserialize_optimizer_state", "redact_config_json",
+    "redact_secrets", "serialize_optimizer_state",
 ]
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ import numpy as np
 import storage_adapters as storage
 from job.errors import CheckpointError, InputFormatError
 from job.formats.checksums import verify_local
-from job.formats.edges import HDF5_READ_ERRORS, _short
+from job.formats.edges import HDF5_READ_ERRORS, short_error
 from job.formats.optimizer_state import OPTIMIZER_DATASET
 from job.formats.redaction import redact_config_json
 from job.formats.sums import Entry
@@ -165,4 +165,5 @@ class open_for_reading:  # lower case: used like a function,: ``with open_for_re
         finally:
             self._stack.close()
         if isinstance(exc, HDF5_READ_ERRORS):  # h5py's errors from reading a damaged file
-            raise InputFormatError(self.url, f"damaged HDF5 file ({_short(exc)})", expected="an HDF5 checkpoint file") from None
+            raise InputFormatError(self.url, f"damaged HDF5 file ({short_error(exc)})",
+                                   expected="an HDF5 checkpoint file") from None

@@ -84,7 +84,7 @@ def damaged_file_errors(url: str, expected: str = "an HDF5 edge file") -> Iterat
     try:
         yield
     except HDF5_READ_ERRORS as err:
-        raise InputFormatError(url, f"damaged HDF5 file ({_short(err)})", expected=expected) from None
+        raise InputFormatError(url, f"damaged HDF5 file ({short_error(err)})", expected=expected) from None
 
 
 # Checksum manifests of edge directories, and the files already verified, per storage session (what a URL holds is
@@ -182,7 +182,7 @@ def open_h5(url: str, mode: str = "r", verify: bool = True) -> Iterator[h5py.Fil
             yield handle
 
 
-def _short(err: Exception) -> str:
+def short_error(err: Exception) -> str:
     text = str(err)
     return text.split("(")[0].strip() or text[:80]
 

@@ -421,3 +421,9 @@ def _batch_mask(num_chunks: int, chunk: int, num_pos: int, device: torch.device)
             _MASK_CACHE.clear()
         _MASK_CACHE[key] = mask
     return mask
+
+
+def cached_masks() -> list[Tensor]:
+    """The masks cached by the scoring functions (what job/train/batch/rowops.py counts as scratch memory)."""
+    return list(_MASK_CACHE.values())
+

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from job.checkpoint.group_progress import Progress, read_progress, remove_progress
-from job.checkpoint.write_groups import roll_forward
 from job.config import ConfigSchema
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
@@ -38,20 +36,6 @@ class GroupBarrier:
 
     def shared_sums(self) -> SharedSumRegistry:
         return SharedSumRegistry(self.dist.store, self.dist.round_id)
-
-
-def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[DistributedContext]) -> Optional[Progress]:
-    """(Rank 0, while the checkpoint manager cleans the directory.) The lock server's persisted progress of the pass
-    after ``version`` if this run resumes it, with the publication of the write groups it recorded finished
-    (``roll_forward``: before the manager's clean-up removes staged files). One it does not resume (another run's,
-    a stale one, any found by a single-process run) is removed first, so that it never outlives the uncommitted
-    files it names."""
-    progress = read_progress(checkpoint_path, version, dist.run_id) if dist is not None else None
-    if progress is None:
-        remove_progress(checkpoint_path)
-    else:
-        roll_forward(checkpoint_path, progress.version, progress.staged())
-    return progress
 
 
 def load_model_state(model: Model, optimizer: RelationAdagrad, checkpoint: CheckpointStorage, version: int,

@@ -43,7 +43,7 @@ from job.train.lr_schedule import lr_scale
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
 from job.train.residency.budget import checkpoint_transfer_bytes, choose_capacity, shared_values, sync_memory_bytes
 from job.train.residency.partitions import PartitionStore, Residency
-from job.train.resume import GroupBarrier, load_model_state, progress_to_resume
+from job.train.resume import GroupBarrier, load_model_state
 from job.train.schedule.group import LockServerScheduler, SharedSync
 from job.train.schedule.interfaces import BucketScheduler, Iteration, LocalScheduler, NoSync, ParameterSync, PassGather
 from job.train.schedule.orders import buffer_order, lower_bound_loads, order_buckets
@@ -160,11 +160,8 @@ class Trainer:
         persisted progress of an interrupted pass (its first pass resumes it, so its files are kept)."""
         self.progress: Optional[Progress] = None
         group = GroupBarrier(self.dist) if self.dist is not None else None
-        self.version = self.checkpoints.open(group, resumes_pass=self._resumes_pass)
-
-    def _resumes_pass(self, version: int) -> bool:
-        self.progress = progress_to_resume(self.config.checkpoint_path, version, self.dist)
-        return self.progress is not None
+        self.version = self.checkpoints.open(group)
+        self.progress = self.checkpoints.resumed
 
     def _build_model(self) -> None:
         config = self.config

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from job.model.scoring import _MASK_CACHE, Table
+from job.model.scoring import Table, cached_masks
 
 
 def unique_inverse(ids: Tensor, count: int) -> tuple[Tensor, Tensor]:
@@ -84,7 +84,7 @@ def cached_tensors() -> list[Tensor]:
     A captured CUDA graph holds their addresses, not references: it keeps this list alive so that a cache
     that grows or is cleared later cannot hand the memory to something else while the graph still uses it.
     """
-    return [*_SCRATCH.values(), *_POSITIONS.values(), *_MASK_CACHE.values()]
+    return [*_SCRATCH.values(), *_POSITIONS.values(), *cached_masks()]
 
 
 def positions(begin: int, end: int, device: torch.device) -> Tensor:

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 import storage_adapters as storage
-from job.checkpoint.write_groups import CopySlots, WriteGroup, publish_group
+from job.checkpoint.write_groups import WriteGroup, publish_group
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
 from job.train.batch.optim import entity_adagrad_state, sums_from_state
 from job.train.residency.budget import per_coordinate
+from job.train.residency.copy_slots import CopySlots
 from job.train.residency.eviction import pick_victim
 from job.train.residency.io_stats import IOStats
 from job.types import PartitionKey
