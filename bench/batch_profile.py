@@ -99,7 +99,7 @@ def main() -> None:
         rhs = (rows * torch.rand(config.batch_size, generator=generator) ** shape["skew"]).long()
         rel_ids = (torch.randint(0, shape["relations"], (config.batch_size,), generator=generator) if dynamic
                    else None)
-        run_batch(ctx, 0 if dynamic else i % n, lhs, rhs, rel_ids, generator, True)
+        run_batch(ctx, 0 if dynamic else i % n, lhs, rhs, rel_ids, generator=generator, train=True)
 
     for i in range(5):
         one(i)

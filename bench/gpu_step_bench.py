@@ -65,8 +65,8 @@ def main() -> None:
 
     for batch in (1000, 5000, 20000):
         lhs, rhs = ids(batch)
-        timed(lambda i: run_batch(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator, True), 20)  # noqa: B023
-        seconds = timed(lambda i: run_batch(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator, True),  # noqa: B023
+        timed(lambda i: run_batch(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator=generator, train=True), 20)  # noqa: B023
+        seconds = timed(lambda i: run_batch(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator=generator, train=True),  # noqa: B023
                         200 if batch == 1000 else 50)
         print(f"eager,  batch {batch:>6}: {seconds * 1e3:.2f} ms/batch, {batch / seconds:>12,.0f} edges/s", flush=True)
     for batch in (1000, 5000):
@@ -83,7 +83,7 @@ def main() -> None:
         config.batch_size = 1000
         lhs, rhs = ids(1000)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            timed(lambda i: run_batch(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator, True), 50)
+            timed(lambda i: run_batch(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator=generator, train=True), 50)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

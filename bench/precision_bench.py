@@ -48,7 +48,7 @@ def batch_seconds(ctx: BatchContext, dtype: Optional[torch.dtype], seed: int, en
     lhs = torch.randint(0, entities, (batch,), generator=generator)
     rhs = torch.randint(0, entities, (batch,), generator=generator)
     started = time.perf_counter()
-    run_batch(ctx, 0, lhs, rhs, None, generator, True)
+    run_batch(ctx, 0, lhs, rhs, None, generator=generator, train=True)
     return time.perf_counter() - started
 
 

@@ -307,8 +307,9 @@ def _evaluate_all(reader: CheckpointReader, filter_paths: list[str]) -> BatchSta
                         rows, targets = true_index.lookup(rel.numpy() * span + anchor_global)
                         keep = targets != true_global[rows]
                         filtered = (rows[keep], targets[keep])
-                    _rank_against_all(reader, model, cand_type, cand_op, anchor, pos, true_global, filtered,
-                                      offsets[cand_type], batch)
+                    _rank_against_all(reader, model, cand_type, cand_op=cand_op, anchor=anchor, pos=pos,
+                                      true_global=true_global, filtered=filtered,
+                                      type_offsets=offsets[cand_type], out=batch)
                 total.add(batch)
     return total
 
@@ -317,6 +318,7 @@ def _rank_against_all(
     reader: CheckpointReader,
     model: Model,
     cand_type: str,
+    *,
     cand_op: Any,
     anchor: torch.Tensor,
     pos: torch.Tensor,

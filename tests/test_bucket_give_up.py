@@ -113,8 +113,8 @@ def test_a_hogwild_worker_outlives_the_agents_sigterm_and_its_pool_still_trains(
             os.kill(process.pid, signal.SIGTERM)
         time.sleep(0.5)
         assert all(process.is_alive() for process in pool.processes)
-        stats = pool.run(x.edges, x.slices, x.tables, x.tables, [1, 2], True, x.config.num_batch_negs,
-                         x.config.num_uniform_negs)
+        stats = pool.run(x.edges, x.slices, x.tables, x.tables, seeds=[1, 2], train=True, num_batch_negs=x.config.num_batch_negs,
+                         num_uniform_negs=x.config.num_uniform_negs)
         assert stats.count == EDGES
         processes = list(pool.processes)
     finally:
@@ -132,8 +132,8 @@ def test_a_hogwild_bucket_given_up_ends_its_workers_mid_slice(tmp_path: Path) ->
     started = time.monotonic()
     try:
         with pytest.raises(BucketAbandoned, match="slices in training"):
-            pool.run(x.edges, x.slices, x.tables, x.tables, [1, 2], True, x.config.num_batch_negs,
-                     x.config.num_uniform_negs, [600.0, 600.0], stop=flag.is_set)
+            pool.run(x.edges, x.slices, x.tables, x.tables, seeds=[1, 2], train=True, num_batch_negs=x.config.num_batch_negs,
+                     num_uniform_negs=x.config.num_uniform_negs, delays=[600.0, 600.0], stop=flag.is_set)
     finally:
         pool.close()
     assert time.monotonic() - started < 300

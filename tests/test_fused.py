@@ -64,7 +64,7 @@ def _run(config_overrides: dict, num_entities: int, num_pos: int, dynamic: bool,
         lhs = torch.randint(0, num_entities, (num_pos,), generator=generator).to(device)
         rhs = torch.randint(0, num_entities, (num_pos,), generator=generator).to(device)
         rel = torch.randint(0, 3, (num_pos,), generator=generator).to(device) if dynamic else None
-        stats = run_batch(ctx, 0, lhs, rhs, rel, generator, True)
+        stats = run_batch(ctx, 0, lhs, rhs, rel, generator=generator, train=True)
         grads = [None if p.grad is None else p.grad.clone().cpu() for p in model.parameters()]
         weight, optim_sum = weight.cpu(), table.optim_sum.cpu()
     finally:
@@ -250,7 +250,7 @@ def test_rows_on_both_sides_get_one_merged_adagrad_step(monkeypatch: pytest.Monk
             # positives from 40 rows: most rows are on both sides; uniform negatives reach the rest
             lhs = torch.randint(0, 40, (57,), generator=generator)
             rhs = torch.randint(0, 40, (57,), generator=generator)
-            run_batch(ctx, 0, lhs, rhs, None, generator, True)
+            run_batch(ctx, 0, lhs, rhs, None, generator=generator, train=True)
         finally:
             torch.set_default_dtype(previous)
         results.append((weight, table.optim_sum))

@@ -39,7 +39,7 @@ def _run(overrides: dict, num_entities: int, num_pos: int, dynamic: bool, option
         lhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
         rhs = torch.randint(0, num_entities, (num_pos,), generator=generator)
         rel = torch.randint(0, 3, (num_pos,), generator=generator) if dynamic else None
-        stats = run_batch(ctx, 0, lhs, rhs, rel, generator, True)
+        stats = run_batch(ctx, 0, lhs, rhs, rel, generator=generator, train=True)
         grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     finally:
         torch.set_default_dtype(previous)

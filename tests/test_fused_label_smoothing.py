@@ -100,7 +100,7 @@ def _batch(eps: float, options: KernelOptions, monkeypatch: pytest.MonkeyPatch |
         generator = torch.Generator().manual_seed(1)
         lhs = torch.randint(0, 30, (23,), generator=generator)
         rhs = torch.randint(0, 30, (23,), generator=generator)
-        stats = run_batch(ctx, 0, lhs, rhs, None, generator, True)
+        stats = run_batch(ctx, 0, lhs, rhs, None, generator=generator, train=True)
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     finally:
         torch.set_default_dtype(previous)

@@ -193,8 +193,8 @@ def test_a_real_pool_trains_every_edge_once_without_sitting_out_the_delay(tmp_pa
     pool = WorkerPool(2, config, model, optimizer, KernelOptions())
     try:
         tables = {r: table for r in range(3)}
-        stats = pool.run(edges, slices, tables, tables, [1, 2], True, config.num_batch_negs,
-                         config.num_uniform_negs, [0.0, 600.0])
+        stats = pool.run(edges, slices, tables, tables, seeds=[1, 2], train=True, num_batch_negs=config.num_batch_negs,
+                         num_uniform_negs=config.num_uniform_negs, delays=[0.0, 600.0])
     finally:
         pool.close()
     assert stats.count == NUM_EDGES

@@ -102,7 +102,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     original = batching.run_batch
 
     def counting(ctx: BatchContext, rel_idx: int, lhs: torch.Tensor, *args: Any, **kwargs: Any) -> BatchStats:
-        if args[2]:  # train
+        if kwargs["train"]:
             record["sizes"].append(int(lhs.shape[0]))
         return original(ctx, rel_idx, lhs, *args, **kwargs)
 
@@ -231,7 +231,7 @@ def test_featurized_type_on_both_sides_takes_one_adagrad_step_per_feature_row(tm
     ctx = BatchContext(config=config, model=model, relation_optimizer=None, lhs_tables={0: table},
                        rhs_tables={0: table}, num_batch_negs=2, num_uniform_negs=0)
     ids = torch.zeros(4, dtype=torch.long)
-    run_batch(ctx, 0, ids, ids, None, None, True, lhs_features=lhs_features, rhs_features=rhs_features)
+    run_batch(ctx, 0, ids, ids, None, generator=None, train=True, lhs_features=lhs_features, rhs_features=rhs_features)
 
     reference = weight.clone().requires_grad_(True)
     lhs_rows = F.embedding_bag(lhs_features[1], reference, lhs_features[0][:-1], mode="mean")

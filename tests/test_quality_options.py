@@ -360,7 +360,7 @@ def _dropout_batch(seed: int, train: bool = True, options: KernelOptions = Kerne
         lhs, rhs = torch.randint(0, 30, (17,), generator=state), torch.randint(0, 30, (17,), generator=state)
         torch.manual_seed(seed)
         before = torch.get_rng_state()
-        stats = run_batch(ctx, 0, lhs, rhs, None, torch.Generator().manual_seed(1), train)
+        stats = run_batch(ctx, 0, lhs, rhs, None, generator=torch.Generator().manual_seed(1), train=train)
         drew = not torch.equal(torch.get_rng_state(), before)
         grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     finally:

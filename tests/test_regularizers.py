@@ -236,7 +236,7 @@ def _one_vs_all_batch(options: KernelOptions, reg: float) -> tuple[Any, torch.Te
         assert isinstance(rhs_op, Operator) and isinstance(lhs_op, Operator)
         with torch.no_grad():
             expected = dura_penalty(rhs_op, lhs_op, rel, weight[lhs].clone(), weight[rhs].clone())
-        stats = run_batch(ctx, 0, lhs, rhs, rel, generator, True)
+        stats = run_batch(ctx, 0, lhs, rhs, rel, generator=generator, train=True)
         grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     finally:
         torch.set_default_dtype(previous)

@@ -135,7 +135,7 @@ def test_a_worker_applies_the_environment_it_is_handed(tmp_path: Path, monkeypat
     send.send((model, [torch.zeros(1)], torch.zeros(1, dtype=torch.float64)))
     threads = torch.get_num_threads()
     try:
-        _worker_main(0, config, receive, tasks, results, None, handed, KernelOptions())
+        _worker_main(0, config, receive, tasks=tasks, results=results, lock=None, environment=handed, options=KernelOptions())
         assert os.environ.get(MARK) == "the trainer's"
         assert results.get_nowait()[0] == "ready"
     finally:
@@ -221,8 +221,8 @@ def _one_slice(options: Any, pool_workers: int = 0) -> Any:
     pool = WorkerPool(pool_workers, config, model, optimizer, options)
     try:
         tables = {0: table}
-        pool.run(edges.share_memory_(), [indices], tables, tables, [seed], True, config.num_batch_negs,
-                 config.num_uniform_negs)
+        pool.run(edges.share_memory_(), [indices], tables, tables, seeds=[seed], train=True, num_batch_negs=config.num_batch_negs,
+                 num_uniform_negs=config.num_uniform_negs)
     finally:
         pool.close()
     return table.weight

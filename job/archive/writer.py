@@ -100,8 +100,9 @@ def add_tag(config: ConfigSchema, out: str, tag: Optional[str] = None, dtype: st
                 if existing is not None:
                     _copy_members(existing, writer, known_params, known_updater)
                     existing.close()  # every member copied: the old file is no longer needed
-                summary = _write_tag(config, checkpoint, version, tag, dtype, include_updater, writer,
-                                     known_params, known_updater, out)
+                summary = _write_tag(config, checkpoint, version, tag=tag, dtype=dtype,
+                                     include_updater=include_updater, writer=writer,
+                                     known_params=known_params, known_updater=known_updater, out=out)
                 summary.tags = tags + [tag]
                 writer.write(container.TAGS_FILE, "".join(t + "\n" for t in summary.tags).encode("utf-8"))
             summary.archive_bytes = os.path.getsize(tmp)
@@ -223,7 +224,7 @@ class _TagContents:
         self.updater_refs[name] = [self.updater.put(data)]
 
 
-def _write_tag(config: ConfigSchema, checkpoint: CheckpointStorage, version: int, tag: str, dtype: str,
+def _write_tag(config: ConfigSchema, checkpoint: CheckpointStorage, version: int, *, tag: str, dtype: str,
                include_updater: bool, writer: ZipWriter, known_params: dict[str, Ref], known_updater: dict[str, Ref],
                out: str) -> TagSummary:
     contents = _TagContents(TagSummary(out, tag, dtype, version, []), writer, known_params, known_updater)

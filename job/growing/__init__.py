@@ -164,9 +164,11 @@ def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, m
         old_counts = {(t, p): counts[t][p] for t, p in _keys(config)}
         added = {(t, p): int(importer.added[t][p]) for t, p in _keys(config)}
         grid = (importer.plan.parts_lhs, importer.plan.parts_rhs)
-        rows = grown_rows.initial_rows(config, model, checkpoint, version, new_version, old_counts, added, spills, grid)
-        moves, boundaries = _stage_input(config, importer, members, relation_names, spills, grid, new_version,
-                                         workdir, staged)
+        rows = grown_rows.initial_rows(config, model, checkpoint, old_version=version, new_version=new_version,
+                                       old_counts=old_counts, added=added, spills=spills, grid=grid)
+        moves, boundaries = _stage_input(config, importer, members, relation_names=relation_names, spills=spills,
+                                         grid=grid, new_version=new_version,
+                                         workdir=workdir, staged=staged)
         grown_metadata = dict(metadata)
         grown_metadata["config/json"] = config.to_json(exclude=("storage_options",))
         # through the module, as ingest.write_merged_edges: the crash tests replace both to kill a grow inside them
@@ -201,6 +203,7 @@ def _grow_once(config: ConfigSchema, files: list[str], options: ImportOptions, m
 
 
 def _stage_input(config: ConfigSchema, importer: GrowImporter, members: list[list[np.ndarray]],
+                 *,
                  relation_names: list[str] | None, spills: list[tuple[str, np.ndarray]], grid: tuple[int, int],
                  new_version: int, workdir: str, staged: list[str]) -> tuple[list[list[str]], list[list[int]]]:
     """Write the grown input (edge files: old edges then new ones; entity counts and names) into staging

@@ -200,7 +200,7 @@ class _NeighbourFill:
 
 @torch.no_grad()
 def initial_rows(
-    config: ConfigSchema, model: Any, checkpoint: CheckpointStorage, old_version: int, new_version: int,
+    config: ConfigSchema, model: Any, checkpoint: CheckpointStorage, *, old_version: int, new_version: int,
     old_counts: dict[PartitionKey, int], added: dict[PartitionKey, int], spills: list[tuple[str, np.ndarray]],
     grid: tuple[int, int],
 ) -> dict[PartitionKey, NewRows]:

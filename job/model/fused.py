@@ -102,7 +102,7 @@ class SideResult:
     d_shift: Optional[Tensor] = None
 
 
-def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, neg_inv: Optional[Tensor],
+def score_side(setup: ScoringSetup, a: Tensor, positives: Tensor, cand: Tensor, *, neg_inv: Optional[Tensor],
                d_cand: Tensor, batch_product: Optional[Tensor] = None, defer_batch: bool = False,
                uniform_anchor: Optional[Tensor] = None, shift: Optional[Tensor] = None,
                negatives_at: Optional[int] = None) -> SideResult:
@@ -379,7 +379,8 @@ def fused_side(setup: ScoringSetup, anchor: Tensor, candidates: Tensor, own: Ten
             d_cand[:start].zero_()
             d_cand[start + neg_inv.numel() :].zero_()
         cand_low = setup.low(cand)
-        result = score_side(setup, setup.low(anchor.detach()), cand_low.index_select(0, own), cand_low, neg_inv, d_cand,
+        result = score_side(setup, setup.low(anchor.detach()), cand_low.index_select(0, own), cand_low,
+                            neg_inv=neg_inv, d_cand=d_cand,
                             negatives_at=start)
         d_cand.index_add_(0, own, flowed(result.d_positives, "positives")[:num_pos])
         d_anchor = flowed(result.d_anchor, "anchor")[:num_pos].contiguous()

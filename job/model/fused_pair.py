@@ -193,11 +193,13 @@ def pair_scores(setup: ScoringSetup, *, lhs: ScoredSide, rhs: ScoredSide, unifor
         product = torch.bmm(chunk_rows(right_pos, chunk), chunk_rows(left_pos, chunk).transpose(1, 2)).to(acc)
         transposed = product.transpose(1, 2).contiguous()  # each side overwrites its own
     lhs_side = score_side(off if disable_lhs else setup, right_pos, left_pos, lhs.rows,
-                          None if disable_lhs else lhs.neg_inv, lhs.d_rows, product, share,
+                          neg_inv=None if disable_lhs else lhs.neg_inv, d_cand=lhs.d_rows, batch_product=product,
+                              defer_batch=share,
                           negatives_at=lhs.negatives_at)
     rhs_side = score_side(off if disable_rhs else setup, left_pos, right_pos, rhs.rows,
-                          None if disable_rhs else rhs.neg_inv, rhs.d_rows, transposed, share,
-                          uniform_anchor, shift, negatives_at=rhs.negatives_at)
+                          neg_inv=None if disable_rhs else rhs.neg_inv, d_cand=rhs.d_rows, batch_product=transposed,
+                              defer_batch=share,
+                          uniform_anchor=uniform_anchor, shift=shift, negatives_at=rhs.negatives_at)
     d_left_pos = _sum_grads(lhs_side.d_positives, rhs_side.d_anchor)
     d_right_pos = _sum_grads(rhs_side.d_positives, lhs_side.d_anchor)
     if share:

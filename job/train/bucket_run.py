@@ -36,7 +36,7 @@ logger = logging.getLogger("biggraph")
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BucketWork:
     """What training a bucket needs, given once (the trainer builds it; ``biggraph grow`` passes its edge source)."""
 
@@ -131,7 +131,7 @@ class BucketRunner:
         return train_indices.to(self.device), eval_indices.to(self.device), shuffle_generator
 
     def run(
-        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, edge_path: str, seed_base: int, delayed: bool,
+        self, iteration: Iteration, bucket: Bucket, bucket_idx: int, *, edge_path: str, seed_base: int, delayed: bool,
         on_evicted: Optional[Callable[[list[PartitionKey]], None]] = None, upcoming: Sequence[set[PartitionKey]] = (),
         stop: Optional[Callable[[], bool]] = None,
     ) -> tuple[dict[str, Any], BatchStats, float]:
@@ -211,8 +211,8 @@ class BucketRunner:
         # running take the delayed slices' batches (work_sharing.py)
         delays = [0.0] + [config.hogwild_delay if delayed else 0.0] * (len(slices) - 1)
         edges.share_memory_()
-        return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds, True, config.num_batch_negs,
-                             config.num_uniform_negs, delays, lr_scale=self.lr_scale, stop=stop)
+        return self.pool.run(edges, slices, lhs_tables, rhs_tables, seeds=seeds, train=True, num_batch_negs=config.num_batch_negs,
+                             num_uniform_negs=config.num_uniform_negs, delays=delays, lr_scale=self.lr_scale, stop=stop)
 
     def eval_protocol(self) -> str:
         """The protocol of the held-out ranks (``eval_protocol``; ``auto`` decided by the largest partition a

@@ -147,9 +147,11 @@ class Trainer:
         self.clock.mark("partition buffer")
         # PBG cuts every bucket into one slice per worker (slices_per_bucket); a GPU trains them one after another
         self.buckets = BucketRunner(BucketWork(
-            config, self.model, self.relation_optimizer, self.store, self.device, self.workers,
-            config.effective_workers(), self.entity_counts, self.num_dynamic_rels, self.num_chunks,
-            (self.nparts_lhs, self.nparts_rhs), self.parts.edge_source, self.parts.kernel_options))
+            config=config, model=self.model, relation_optimizer=self.relation_optimizer, store=self.store,
+            device=self.device, workers=self.workers, slices_per_bucket=config.effective_workers(),
+            entity_counts=self.entity_counts, num_dynamic_rels=self.num_dynamic_rels, num_chunks=self.num_chunks,
+            grid=(self.nparts_lhs, self.nparts_rhs), edge_source=self.parts.edge_source,
+            kernel_options=self.parts.kernel_options))
         self.scheduler, self.sync = self._make_scheduler()
         self.stagger = HogwildStagger(config, self.workers, enabled=self.scheduler.delays_hogwild)
         self.validation = Validation(config, self.checkpoints)  # validation_edge_paths: scored after commits
@@ -345,7 +347,7 @@ class Trainer:
             delayed = self.stagger.delays(iteration.epoch, self.buckets.needs(bucket))
             try:
                 record, stats, compute_seconds = self.buckets.run(
-                    iteration, bucket, bucket_idx, edge_path, seed_base, delayed=delayed,
+                    iteration, bucket, bucket_idx, edge_path=edge_path, seed_base=seed_base, delayed=delayed,
                     on_evicted=self.scheduler.release, upcoming=needs, stop=self.scheduler.stop_check(),
                 )
             except BucketAbandoned as abandoned:

@@ -167,8 +167,8 @@ class PlannedSlice:
         if edges.lhs_features is None and edges.rhs_features is None:
             if graphs is not None:
                 return graphs.run(relation, lhs, rhs, rel_ids, generator)
-            return run_batch(ctx, relation, lhs, rhs, rel_ids, generator, train)
+            return run_batch(ctx, relation, lhs, rhs, rel_ids, generator=generator, train=train)
         on_cpu = chosen.cpu()
-        return run_batch(ctx, relation, lhs, rhs, rel_ids, generator, train,
+        return run_batch(ctx, relation, lhs, rhs, rel_ids, generator=generator, train=train,
                          lhs_features=select_features(edges.lhs_features, on_cpu),
                          rhs_features=select_features(edges.rhs_features, on_cpu))

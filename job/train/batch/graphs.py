@@ -72,7 +72,7 @@ class GraphedSteps:
         # drawn here, in run_batch's order, so that graphs and eager steps consume the generator alike
         negatives = draw_negatives(ctx, rel_idx, num_pos, generator)
         if eager:
-            return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator, True, negatives=negatives)
+            return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator=generator, train=True, negatives=negatives)
         key = (rel_idx, num_pos)
         captured = self.graphs.get(key)
         if captured is not None:
@@ -80,7 +80,7 @@ class GraphedSteps:
         seen = self.seen.get(key, 0)
         self.seen[key] = seen + 1
         if seen < WARMUP_STEPS:
-            return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator, True, negatives=negatives)
+            return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator=generator, train=True, negatives=negatives)
         return self._capture(key, lhs, rhs, rel_ids, negatives, num_pos)
 
     def _replay(self, captured: _Graph, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
@@ -114,7 +114,7 @@ class GraphedSteps:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            stats = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, None, True, negatives=static_neg)
+            stats = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, generator=None, train=True, negatives=static_neg)
         torch.cuda.current_stream().wait_stream(side)
         optimizer = ctx.relation_optimizer
         steps_before = optimizer.steps.clone() if optimizer is not None else None
@@ -122,7 +122,7 @@ class GraphedSteps:
         try:
             # recorded, not run: the step above already applied this batch
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                outputs = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, None, True,
+                outputs = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, generator=None, train=True,
                                     negatives=static_neg)
         except RuntimeError as err:
             GraphedSteps.disabled_reason = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -101,7 +101,7 @@ def _rank_all_rows(model: Model, table: Tensor, cand_type: str, cand_op: Any, an
     add_ranks(out, *totals)
 
 
-def _rank_sampled(config: ConfigSchema, model: Model, table: Tensor, cand_type: str, cand_op: Any, anchor: Tensor,
+def _rank_sampled(config: ConfigSchema, model: Model, table: Tensor, *, cand_type: str, cand_op: Any, anchor: Tensor,
                   pos: Tensor, own: Tensor, generator: Optional[torch.Generator], out: BatchStats) -> None:
     """Per chunk, the distinct entities among the chunk's positives and the uniform draws, the positive left out."""
     num_batch, num_uniform = config.eval_num_batch_negs, config.eval_num_uniform_negs
@@ -147,6 +147,7 @@ def rank_bucket(config: ConfigSchema, model: Model, lhs_tables: dict[int, Table]
                 if protocol == "all" or relation.all_negs:
                     _rank_all_rows(model, table, cand_type, cand_op, anchor, pos, own, batch)
                 else:
-                    _rank_sampled(config, model, table, cand_type, cand_op, anchor, pos, own, generator, batch)
+                    _rank_sampled(config, model, table, cand_type=cand_type, cand_op=cand_op, anchor=anchor, pos=pos,
+                                  own=own, generator=generator, out=batch)
             total.add(batch)
     return total

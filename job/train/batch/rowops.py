@@ -124,7 +124,7 @@ class SelectedRows:
     static: bool  # every occurrence gathered (fixed shapes), not the unique rows
 
 
-def select_rows(lhs_ids: Tensor, rhs_ids: Tensor, lhs_neg: Optional[Tensor], rhs_neg: Optional[Tensor],
+def select_rows(lhs_ids: Tensor, rhs_ids: Tensor, lhs_neg: Optional[Tensor], *, rhs_neg: Optional[Tensor],
                 lhs_table: Table, rhs_table: Table, same_table: bool, all_negs: bool, static: bool) -> SelectedRows:
     """The unique rows per table (all of them with ``all_negs``; every occurrence when ``static``)."""
     num_pos = int(lhs_ids.shape[0])

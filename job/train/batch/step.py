@@ -171,6 +171,7 @@ def run_batch(
     lhs_ids: Tensor,
     rhs_ids: Tensor,
     rel_ids: Optional[Tensor],
+    *,
     generator: Optional[torch.Generator],
     train: bool,
     lhs_features: Optional[tuple[Tensor, Tensor]] = None,
@@ -187,8 +188,9 @@ def run_batch(
     lhs_table = ctx.lhs_tables[rel_idx]
     rhs_table = ctx.rhs_tables[rel_idx]
     if config.entities[relation.lhs].featurized or config.entities[relation.rhs].featurized:
-        return _run_featurized_batch(ctx, rel_idx, lhs_ids, rhs_ids, rel_ids, generator, train, lhs_features,
-                                     rhs_features)
+        return _run_featurized_batch(ctx, rel_idx, lhs_ids, rhs_ids=rhs_ids, rel_ids=rel_ids, generator=generator,
+                                     train=train, lhs_features=lhs_features,
+                                     rhs_features=rhs_features)
     shared_storage = lhs_table.weight.data_ptr() == rhs_table.weight.data_ptr()
     num_pos = int(lhs_ids.shape[0])
     # One gather for both sides pays when they touch mostly the same rows (small tables). On large tables
@@ -199,8 +201,9 @@ def run_batch(
     options = ctx.options
     static = train and not relation.all_negs and (lhs_table.weight.device.type != "cpu" or options.static_shapes_on_cpu)
     static = static or (options.occurrences_on_cpu and occurrences_pay(lhs_table, same_table, relation.all_negs, train))
-    rows = select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg, lhs_table, rhs_table, same_table, relation.all_negs,
-                       static)
+    rows = select_rows(lhs_ids, rhs_ids, lhs_neg, rhs_neg=rhs_neg, lhs_table=lhs_table, rhs_table=rhs_table,
+                       same_table=same_table, all_negs=relation.all_negs,
+                       static=static)
     if config.max_norm is not None and train:
         # a table without optimizer state is read-only (a frozen entity type): not even renormalised
         if lhs_table.optim_sum is not None:
@@ -302,6 +305,7 @@ def _run_featurized_batch(
     ctx: BatchContext,
     rel_idx: int,
     lhs_ids: Tensor,
+    *,
     rhs_ids: Tensor,
     rel_ids: Optional[Tensor],
     generator: Optional[torch.Generator],

@@ -94,6 +94,7 @@ def _worker_main(
     worker_id: int,
     config: ConfigSchema,
     setup: Any,
+    *,
     tasks: Any,
     results: Any,
     lock: Any,
@@ -199,8 +200,9 @@ class WorkerPool:
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(worker_id, config, receive, self.tasks, self.results, self.lock, worker_environment(), options,
-                      self.closing),
+                args=(worker_id, config, receive),
+                kwargs=dict(tasks=self.tasks, results=self.results, lock=self.lock, environment=worker_environment(),
+                            options=options, closing=self.closing),
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )
@@ -243,6 +245,7 @@ class WorkerPool:
         index_slices: list[torch.Tensor],
         lhs_tables: dict[int, Table],
         rhs_tables: dict[int, Table],
+        *,
         seeds: list[int],
         train: bool,
         num_batch_negs: int,
