@@ -1,5 +1,5 @@
 """Write groups: how a distributed trainer writes partitions back so that a redone bucket never starts from rows
-that already hold its own update (docs/ARCHITECTURE.md, "A redone bucket's rows").
+that already hold its own update (docs/design/distributed.md, "A redone bucket's rows").
 
 The invariant: the file of a partition that the lock server's persisted progress counts as written this pass
 (``dirty``) holds the update of every bucket of that partition the progress counts as saved, once, and of no

@@ -66,7 +66,7 @@ def shared_state(parameters: list[torch.Tensor], parameter_sums: list[torch.Tens
     of one process share theirs. Kept per trainer instead, each would step as if it alone trained the relations
     (larger steps than one process takes), and a restart would resume them from the committed version, dropping
     the sums of every bucket saved since; in the vector, the persisted progress carries them (the invariant of
-    docs/ARCHITECTURE.md, "Shared parameters across a restart")."""
+    docs/design/distributed.md, "Shared parameters across a restart")."""
     tensors = list(parameters) + list(parameter_sums)
     for table in tables:
         tensors.append(table.weight)

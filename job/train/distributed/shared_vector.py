@@ -5,7 +5,7 @@ vector it serves (``served``) and answers with the sum. What it persists (``stor
 only once the bucket is done *and* its partitions are written: until then a restart redoes the bucket
 (``LockState.forget_rank_locks``), so its change waits in ``pending`` and enters ``stored`` with the record that
 saves the bucket. A restart thus resumes with every saved bucket's shared update once and without any bucket it
-redoes (docs/ARCHITECTURE.md, invariants).
+redoes (docs/ARCHITECTURE.md, invariants; docs/design/distributed.md, "Shared parameters across a restart").
 """
 
 from __future__ import annotations
