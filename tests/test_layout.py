@@ -161,3 +161,15 @@ def names_in_strings() -> list[str]:
 @pytest.mark.parametrize("module", names_in_strings())
 def test_every_module_name_held_in_a_string_imports(module: str) -> None:
     assert importlib.import_module(module) is not None
+
+
+def test_the_vocabulary_the_memory_arithmetic_the_protocol_and_recovery_load_no_torch() -> None:
+    """``biggraph submit`` sizes pods (job/k8s/sizing.py over residency/budget.py) on a machine that may have no torch
+    loaded; the checkpoint package and the lock protocol's messages need none either."""
+    import subprocess
+    import sys
+
+    code = ("import sys, job.types, job.train.residency.budget, job.train.distributed.protocol, job.checkpoint, "
+            "job.k8s.sizing; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

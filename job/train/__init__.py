@@ -1,11 +1,13 @@
-"""Single-machine training: epochs -> edge sets -> edge chunks -> buckets -> Hogwild workers -> batches.
+"""Training: epochs -> edge sets -> edge chunks -> buckets -> Hogwild workers -> batches, alone or in a torchrun group.
 
 ``train(config)`` is what ``biggraph train`` runs. It resumes from the last committed
 checkpoint; every edge chunk pass ends with a new committed version (PBG's rhythm),
-so a crash loses at most the pass in flight.
+so a crash loses at most the pass in flight. The package's map: docs/ARCHITECTURE.md (the trainer in trainer.py,
+a bucket in bucket_run.py, a batch in batch/, the group's mechanics in distributed/, the agent's in elastic/).
 
 The trainer's names load torch, so they are resolved on first use (PEP 562): torch-free modules of this package
-(``buffer``: what a pod needs, read by ``biggraph submit``) import without it, and ``import job.cli`` stays instant.
+(``residency/budget.py``: what a pod needs, read by ``biggraph submit``) import without it, and ``import job.cli``
+stays instant.
 """
 
 from __future__ import annotations
