@@ -4,7 +4,8 @@ It hands a trainer a bucket none of whose partitions another trainer holds, pref
 partitions the trainer already holds, honours the initialised-partition rule on the first pass, and tracks
 which buckets are done and which partitions were written into the next (uncommitted) checkpoint version.
 With ``prefetch_partitions`` it also *reserves* a trainer's next bucket while the current one trains
-(``reserve``; policy in its docstring). Pure state, unit-tested on its own (tests/test_distributed.py,
+(``reserve``; policy in its docstring). ``next_bucket`` and ``reserve`` cost O(P), not O(P²) or more: they read
+the open buckets through ``BucketIndex`` (job/train/distributed/bucket_index.py). Pure state, unit-tested on its own (tests/test_distributed.py,
 tests/test_distributed_prefetch.py); ``job.train.distributed.lock_server.LockServer`` serves it from rank 0 and persists
 it (job/checkpoint/group_progress.py): a snapshot (``to_json``/``restore``) when its pass starts, then, at every request that
 changed it, the changes as records (``drain_journal``), which ``apply`` replays onto the snapshot after a restart.
@@ -21,11 +22,12 @@ are forgotten by a restart: ``forget_rank_locks``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from job.train.schedule.orders import all_buckets
+from job.train.distributed.bucket_index import BucketIndex, WatchedDict, WatchedSet
 from job.types import Bucket, PartitionKey
 
 
@@ -53,6 +55,41 @@ class LockState:
     records: list = field(default_factory=list)  # training_stats.json lines of the finished buckets
     journal: list = field(default_factory=list)  # the changes not yet persisted (``drain_journal``)
 
+    def __post_init__(self) -> None:
+        self._watch()
+
+    def _watch(self) -> None:
+        """Have the containers the index follows report their changes, and (re)build the index (``BucketIndex``:
+        what keeps ``next_bucket`` and ``reserve`` O(P))."""
+        self._index: Optional[BucketIndex] = None
+        self.locks = WatchedDict(self._lock_changed, self.locks)
+        self.in_flight = WatchedDict(self._taken_changed, self.in_flight)
+        self.reserved = WatchedDict(self._taken_changed, self.reserved)
+        self.done = WatchedSet(self._done_changed, self.done)
+        self.trained_parts = WatchedSet(self._part_trained, self.trained_parts)
+        self._index = BucketIndex(self)
+
+    @property
+    def index(self) -> BucketIndex:
+        assert self._index is not None
+        return self._index
+
+    def _lock_changed(self, key: Any, old: Any, new: Any) -> None:
+        if self._index is not None:
+            self._index.lock_changed(key, old, new)
+
+    def _taken_changed(self, rank: Any, old: Any, new: Any) -> None:
+        if self._index is not None:
+            self._index.taken_changed(rank, old, new)
+
+    def _done_changed(self, bucket: Bucket) -> None:
+        if self._index is not None:
+            self._index.refresh(bucket)
+
+    def _part_trained(self, part: int) -> None:
+        if self._index is not None and self.tree_init_order:
+            self._index.part_trained(part)
+
     @property
     def total(self) -> int:
         return self.nparts_lhs * self.nparts_rhs
@@ -60,7 +97,8 @@ class LockState:
     def finished(self) -> bool:
         return len(self.done) == self.total and not self.in_flight
 
-    def _eligible(self, bucket: Bucket) -> bool:
+    def eligible(self, bucket: Bucket) -> bool:
+        """The initialised-partition rule (``distributed_tree_init_order``, first pass of a fresh run)."""
         if not self.tree_init_order or self.total == 1:
             return True
         return 0 in (bucket.lhs, bucket.rhs) or bool({bucket.lhs, bucket.rhs} & self.trained_parts)
@@ -73,13 +111,18 @@ class LockState:
         if ahead is not None:
             self._change({"e": "start", "rank": rank, "bucket": list(ahead)})
             return "bucket", ahead
-        candidates = self._open_to(rank)
-        if not candidates:
-            remaining = self.total - len(self.done)
-            return ("done", None) if remaining == 0 else ("wait", None)
-        # affinity: the most partitions already held, then random
-        best = max(len(self.bucket_keys[b] & held) for b in candidates)
-        choice = rng.choice([b for b in candidates if len(self.bucket_keys[b] & held) == best])
+        # affinity: the most partitions already held, then random. A bucket sharing any lies near what it holds (O(P));
+        # only when none does is the choice among every bucket it may take
+        near = [(len(self.bucket_keys[b] & held), b) for b in self.index.near(held) if self.index.takes(rank, b)]
+        if near:
+            best = max(n for n, _ in near)
+            group = sorted(b for n, b in near if n == best)
+        else:
+            group = self._open_to(rank)
+            if not group:
+                remaining = self.total - len(self.done)
+                return ("done", None) if remaining == 0 else ("wait", None)
+        choice = rng.choice(group)
         for key in self.bucket_keys[choice]:
             self.locks[key] = rank
         self._change({"e": "start", "rank": rank, "bucket": list(choice)})
@@ -117,14 +160,13 @@ class LockState:
                 and rank not in self.locks.values())
 
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
-        """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
-        another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
-        trained, i.e. those of the bucket ``rank`` trains before this one)."""
-        taken = set(self.in_flight.values()) | set(self.reserved.values())
-        return [bucket for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs)
-                if bucket not in self.done and bucket not in taken
-                and all(self.locks.get(key, rank) == rank for key in self.bucket_keys[bucket])
-                and (self._eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))]
+        """The buckets ``rank`` may take now, in the grid's order: not done, nobody's (in flight or reserved), no
+        partition locked by another rank, eligible under the initialised-partition rule (``also_trained``: partitions
+        that count as trained, i.e. those of the bucket ``rank`` trains before this one)."""
+        extras = self.index.extras(rank, also_trained)
+        if not extras:
+            return self.index.free
+        return list(heapq.merge(self.index.free, sorted(extras)))
 
     def reserve(self, rank: int, rng: Any, leaving: frozenset = frozenset()) -> Optional[Bucket]:
         """Grant ``rank``'s next bucket now, while it trains its current one, and lock its partitions for it.
@@ -132,27 +174,26 @@ class LockState:
         Policy (no starvation): a reservation never takes a partition another rank holds (the usual rule), and
         it takes a *free* partition only if the other ranks still waiting for work (every other rank without a
         reservation) keep at least one open bucket each that the new locks do not touch. Among the grantable
-        buckets the one needing the fewest new partitions wins (then random): usually a bucket sharing the
-        current one's partitions, which costs nobody anything and the trainer no read. None: nothing fits (the
+        buckets the one needing the fewest new partitions wins (then one sharing a partition the rank holds, then
+        random): usually a bucket sharing the current one's partitions, which costs nobody anything and the trainer
+        no read. None: nothing fits (the
         rank asks again, the usual way, when its bucket is done). One reservation per rank at a time.
         ``leaving``: partitions the rank is writing back in the background; it holds their locks until they are
         stored (``release``), but they count as new partitions here, as they would after the release."""
         current = self.in_flight.get(rank)
         if current is None or rank in self.reserved:
             return self.reserved.get(rank)
-        mine = {key for key, owner in self.locks.items() if owner == rank} - leaving
+        mine = self.index.held.get(rank, set()) - leaving
+        # the candidates by cost: those touching a partition the rank locks (or eligible through its current
+        # bucket) one by one, O(P); the free ones, which touch none, cost as many partitions as they need
         by_cost: dict[int, list[Bucket]] = {}
-        for bucket in self._open_to(rank, frozenset((current.lhs, current.rhs))):
+        for bucket in sorted(self.index.extras(rank, frozenset((current.lhs, current.rhs)))):
             by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
-        if not by_cost:
-            return None
-        open_to_others = self._open_to_others(rank)
-        for cost in sorted(by_cost):
-            group = by_cost[cost]
-            rng.shuffle(group)
-            for bucket in group:
+        free = self.index.free_by_size
+        for cost in sorted(set(by_cost) | {size for size, buckets in free.items() if buckets}):
+            for bucket in _random_order(rng, by_cost.get(cost, []), free.get(cost, [])):
                 new = self.bucket_keys[bucket] - mine
-                if new and not self._leaves_enough(rank, new, open_to_others):
+                if new and not self._leaves_enough(rank, new):
                     continue
                 for key in new:
                     self.locks[key] = rank
@@ -160,27 +201,14 @@ class LockState:
                 return bucket
         return None
 
-    def _open_to_others(self, rank: int) -> dict[Bucket, frozenset]:
-        """Buckets some other rank could take now (keys: their partitions): none locked by ``rank``, all the
-        locked ones held by one and the same rank."""
-        taken = set(self.in_flight.values()) | set(self.reserved.values())
-        out = {}
-        for bucket in all_buckets(self.nparts_lhs, self.nparts_rhs):
-            if bucket in self.done or bucket in taken or not self._eligible(bucket):
-                continue
-            keys = self.bucket_keys[bucket]
-            owners = {self.locks[key] for key in keys if key in self.locks}
-            if rank not in owners and len(owners) <= 1:
-                out[bucket] = keys
-        return out
-
-    def _leaves_enough(self, rank: int, new: frozenset, open_to_others: dict[Bucket, frozenset]) -> bool:
-        """Whether the other ranks that still need a next bucket find one each after ``rank`` locks ``new``."""
+    def _leaves_enough(self, rank: int, new: frozenset) -> bool:
+        """Whether the other ranks that still need a next bucket find one each after ``rank`` locks ``new``: the
+        buckets some other rank could take now (none locked by ``rank``, all the locked ones held by one and the
+        same rank) that touch none of ``new``."""
         demand = self.world_size - 1 - sum(1 for other in self.reserved if other != rank)
         if demand <= 0:
             return True
-        left = sum(1 for keys in open_to_others.values() if not keys & new)
-        return left >= demand
+        return self.index.open_to_others_count(rank, new) >= demand
 
     def release(self, rank: int, keys: list, written: bool = True) -> None:
         """``rank`` wrote ``keys`` into the next version and gives up their locks (but not those its current or
@@ -299,3 +327,18 @@ class LockState:
         self.records = list(data.get("records", []))
         self.unsaved = {int(r): {Bucket(lhs, rhs): {(k[0], int(k[1])) for k in keys} for lhs, rhs, keys in pending}
                         for r, pending in data.get("unsaved", {}).items()}
+        self._watch()
+
+
+def _random_order(rng: Any, first: Sequence[Bucket], second: Sequence[Bucket]) -> Iterator[Bucket]:
+    """The buckets of ``first`` in a random order, then those of ``second`` in a random order, each drawn lazily (a
+    sparse Fisher-Yates): a reservation usually takes one of the first few, so a group of P² free buckets costs what
+    it uses. Of equal cost, a bucket sharing a partition the rank holds (``first``) comes before a free one."""
+    for group in (first, second):
+        n = len(group)
+        moved: dict[int, int] = {}
+        for i in range(n):
+            j = rng.randrange(i, n)
+            at = moved.get(j, j)
+            moved[j] = moved.get(i, i)
+            yield group[at]

@@ -1,0 +1,262 @@
+"""``BucketIndex``: the lock state's open buckets indexed by partition, so that ``next`` and ``reserve`` cost O(P).
+
+Without it every request rebuilt the P² bucket grid and scanned it, and a reservation scanned it again per candidate
+(bench/RESULTS.md, "The lock server's cost per bucket": about a second per ``reserve`` at 128 pods and P=256). Here
+the grid is indexed once (the buckets touching each partition key, and each partition number), and two sets follow
+every change of the state as it happens:
+
+- ``free``: the open buckets (not done, not in flight, not reserved) that are eligible (the initialised-partition
+  rule) and have no partition locked by anyone, kept sorted, so that any rank may take them;
+- ``single``: the open eligible buckets whose locked partitions, if any, are all one rank's: the buckets some rank
+  could take now (what a reservation must leave enough of to the ranks still waiting).
+
+A change of one partition's lock refreshes the 2P-1 buckets touching it; a bucket taken, given back or done
+refreshes itself; a partition trained for the first time refreshes the buckets that touch it. The containers of
+``LockState`` that these follow (``locks``, ``in_flight``, ``reserved``, ``done``, ``trained_parts``) report their
+changes themselves (``WatchedDict``, ``WatchedSet``), so that no code path, the tests' included, can change the
+state behind the index's back.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from job.types import Bucket, PartitionKey
+
+MISSING = object()
+
+
+class WatchedDict(dict):
+    """A dict that reports every change of a key after it is made: ``on_change(key, old, new)``, with ``MISSING``
+    for a key that was not there or is gone."""
+
+    def __init__(self, on_change: Callable[[Any, Any, Any], None], items: Any = ()) -> None:
+        super().__init__(items)
+        self._on_change = on_change
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        old = self.get(key, MISSING)
+        super().__setitem__(key, value)
+        self._on_change(key, old, value)
+
+    def __delitem__(self, key: Any) -> None:
+        old = self[key]
+        super().__delitem__(key)
+        self._on_change(key, old, MISSING)
+
+    def pop(self, key: Any, default: Any = MISSING) -> Any:
+        if key in self:
+            value = self[key]
+            del self[key]
+            return value
+        if default is MISSING:  # as dict.pop
+            raise KeyError(key)
+        return default
+
+    def popitem(self) -> tuple[Any, Any]:
+        key = next(reversed(self))
+        return key, self.pop(key)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def clear(self) -> None:
+        for key in list(self):
+            del self[key]
+
+
+class WatchedSet(set):
+    """A set that reports every element added or removed (``on_change(element)``) after the change."""
+
+    def __init__(self, on_change: Callable[[Any], None], items: Iterable[Any] = ()) -> None:
+        super().__init__(items)
+        self._on_change = on_change
+
+    def add(self, element: Any) -> None:
+        if element not in self:
+            super().add(element)
+            self._on_change(element)
+
+    def discard(self, element: Any) -> None:
+        if element in self:
+            super().discard(element)
+            self._on_change(element)
+
+    def remove(self, element: Any) -> None:
+        super().remove(element)
+        self._on_change(element)
+
+    def pop(self) -> Any:
+        element = super().pop()
+        self._on_change(element)
+        return element
+
+    def update(self, *others: Iterable[Any]) -> None:
+        for other in others:
+            for element in other:
+                self.add(element)
+
+    def difference_update(self, *others: Iterable[Any]) -> None:
+        for other in others:
+            for element in list(other):
+                self.discard(element)
+
+    def clear(self) -> None:
+        for element in list(self):
+            self.discard(element)
+
+    def __ior__(self, other: Any) -> WatchedSet:  # type: ignore[misc]  # in place, as set does
+        self.update(other)
+        return self
+
+    def __isub__(self, other: Any) -> WatchedSet:  # type: ignore[misc]  # in place, as set does
+        self.difference_update(other)
+        return self
+
+    def __iand__(self, other: Any) -> WatchedSet:  # type: ignore[misc]  # in place, as set does
+        self.difference_update([e for e in self if e not in other])
+        return self
+
+    def __ixor__(self, other: Any) -> WatchedSet:  # type: ignore[misc]  # in place, as set does
+        for element in list(other):
+            if element in self:
+                self.discard(element)
+            else:
+                self.add(element)
+        return self
+
+
+class BucketIndex:
+    """The open buckets of a ``LockState`` by partition (see the module docstring). ``state``: anything with
+    ``bucket_keys``, ``locks``, ``in_flight``, ``reserved``, ``done`` and ``eligible(bucket)``."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.by_key: dict[PartitionKey, list[Bucket]] = {}
+        self.by_part: dict[int, list[Bucket]] = {}
+        for bucket, keys in state.bucket_keys.items():
+            for key in keys:
+                self.by_key.setdefault(key, []).append(bucket)
+            for part in {bucket.lhs, bucket.rhs}:
+                self.by_part.setdefault(part, []).append(bucket)
+        self.taken: Counter[Bucket] = Counter()  # in flight or reserved (a bucket is both only transiently)
+        self.held: dict[int, set[PartitionKey]] = {}  # rank -> the keys it locks
+        # the free buckets, sorted (the grid's order, which choices are drawn in): all, and by how many partitions
+        # each needs (a reservation's cost for a bucket touching none the rank holds)
+        self.free: list[Bucket] = []
+        self.free_by_size: dict[int, list[Bucket]] = {}
+        self._free: set[Bucket] = set()
+        self.single: set[Bucket] = set()
+        self.rebuild()
+
+    # following the state -------------------------------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        self.taken = Counter(list(self.state.in_flight.values()) + list(self.state.reserved.values()))
+        self.held = {}
+        for key, rank in self.state.locks.items():
+            self.held.setdefault(rank, set()).add(key)
+        self._free, self.single = set(), set()
+        for bucket in self.state.bucket_keys:
+            self._classify(bucket)
+        self.free = sorted(self._free)
+        self.free_by_size = {}
+        for bucket in self.free:
+            self.free_by_size.setdefault(len(self.state.bucket_keys[bucket]), []).append(bucket)
+
+    def lock_changed(self, key: PartitionKey, old: Any, new: Any) -> None:
+        if old is not MISSING:
+            self.held.get(old, set()).discard(key)
+        if new is not MISSING:
+            self.held.setdefault(new, set()).add(key)
+        for bucket in self.by_key.get(key, ()):
+            self.refresh(bucket)
+
+    def taken_changed(self, rank: Any, old: Any, new: Any) -> None:
+        if old is not MISSING:
+            self.taken[old] -= 1
+            if self.taken[old] <= 0:
+                del self.taken[old]
+            self.refresh(old)
+        if new is not MISSING:
+            self.taken[new] += 1
+            self.refresh(new)
+
+    def part_trained(self, part: int) -> None:
+        for bucket in self.by_part.get(part, ()):
+            self.refresh(bucket)
+
+    def refresh(self, bucket: Bucket) -> None:
+        was_free = bucket in self._free
+        self._free.discard(bucket)
+        self.single.discard(bucket)
+        self._classify(bucket)
+        now_free = bucket in self._free
+        if now_free != was_free:
+            by_size = self.free_by_size.setdefault(len(self.state.bucket_keys[bucket]), [])
+            for free in (self.free, by_size):
+                if now_free:
+                    bisect.insort(free, bucket)
+                else:
+                    del free[bisect.bisect_left(free, bucket)]
+
+    def _classify(self, bucket: Bucket) -> None:
+        if not self.is_open(bucket) or not self.state.eligible(bucket):
+            return
+        owners = self.owners(bucket)
+        if not owners:
+            self._free.add(bucket)
+        if len(owners) <= 1:
+            self.single.add(bucket)
+
+    # queries ---------------------------------------------------------------------------------------------------
+
+    def is_open(self, bucket: Bucket) -> bool:
+        return bucket not in self.state.done and bucket not in self.taken
+
+    def is_free(self, bucket: Bucket) -> bool:
+        return bucket in self._free
+
+    def owners(self, bucket: Bucket) -> set[int]:
+        locks = self.state.locks
+        return {locks[key] for key in self.state.bucket_keys[bucket] if key in locks}
+
+    def near(self, keys: Iterable[PartitionKey]) -> Iterator[Bucket]:
+        """The buckets touching any of ``keys`` (each once)."""
+        seen: set[Bucket] = set()
+        for key in keys:
+            for bucket in self.by_key.get(key, ()):
+                if bucket not in seen:
+                    seen.add(bucket)
+                    yield bucket
+
+    def takes(self, rank: int, bucket: Bucket, also_trained: frozenset = frozenset()) -> bool:
+        """Whether ``rank`` may take ``bucket`` now: open, eligible (or touching ``also_trained``: the partitions of
+        the bucket it trains before this one), and no partition locked by another rank."""
+        return bucket in self._free or (
+            self.is_open(bucket)
+            and (self.state.eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))
+            and self.owners(bucket) <= {rank})
+
+    def extras(self, rank: int, also_trained: frozenset = frozenset()) -> set[Bucket]:
+        """The buckets ``rank`` may take that are not free: some partition locked by ``rank`` itself, or eligible
+        only through ``also_trained``. O(P): they all touch a partition it locks or one of ``also_trained``."""
+        near = [b for b in self.near(self.held.get(rank, ())) if b not in self._free]
+        near += [b for part in also_trained for b in self.by_part.get(part, ()) if b not in self._free]
+        return {b for b in near if self.takes(rank, b, also_trained)}
+
+    def open_to_others_count(self, rank: int, without: Iterable[PartitionKey]) -> int:
+        """How many buckets some other rank could take now that touch none of ``without``: the ``single`` ones,
+        less those whose one owner is ``rank`` and those touching ``without``."""
+        excluded = {b for b in self.near(self.held.get(rank, ())) if b in self.single}
+        excluded.update(b for b in self.near(without) if b in self.single)
+        return len(self.single) - len(excluded)
