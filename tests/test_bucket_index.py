@@ -55,7 +55,7 @@ def test_the_index_follows_the_state_through_random_passes(seed: int, tree: bool
     keys = partition_keys(nparts)
     state = LockState(nparts, nparts, keys, world_size=ranks, tree_init_order=tree)
     current: dict[int, Bucket | None] = {r: None for r in range(ranks)}
-    for step in range(400):
+    for _ in range(400):
         rank = rng.randrange(ranks)
         held = set(keys[current[rank]]) if current[rank] is not None else set()
         action = rng.random()

@@ -1,14 +1,15 @@
 """``LockState``: which bucket a distributed trainer gets next (the lock server's logic, without transport).
 
-It hands a trainer a bucket none of whose partitions another trainer holds, prefers buckets that reuse the
-partitions the trainer already holds, honours the initialised-partition rule on the first pass, and tracks
-which buckets are done and which partitions were written into the next (uncommitted) checkpoint version.
-With ``prefetch_partitions`` it also *reserves* a trainer's next bucket while the current one trains
-(``reserve``; policy in its docstring). ``next_bucket`` and ``reserve`` cost O(P), not O(P²) or more: they read
-the open buckets through ``BucketIndex`` (job/train/distributed/bucket_index.py). Pure state, unit-tested on its own (tests/test_distributed.py,
-tests/test_distributed_prefetch.py); ``job.train.distributed.lock_server.LockServer`` serves it from rank 0 and persists
-it (job/checkpoint/group_progress.py): a snapshot (``to_json``/``restore``) when its pass starts, then, at every request that
-changed it, the changes as records (``drain_journal``), which ``apply`` replays onto the snapshot after a restart.
+It hands a trainer a bucket none of whose partitions another trainer holds, prefers buckets that reuse the partitions
+the trainer already holds, honours the initialised-partition rule on the first pass, and tracks which buckets are done
+and which partitions were written into the next (uncommitted) checkpoint version. With ``prefetch_partitions`` it also
+*reserves* a trainer's next bucket while the current one trains (``reserve``; policy in its docstring).
+``next_bucket`` and ``reserve`` cost O(P), not O(P²) or more: they read the open buckets through ``BucketIndex``
+(job/train/distributed/bucket_index.py). Pure state, unit-tested on its own (tests/test_distributed.py,
+tests/test_distributed_prefetch.py); ``job.train.distributed.lock_server.LockServer`` serves it from rank 0 and
+persists it (job/checkpoint/group_progress.py): a snapshot (``to_json``/``restore``) when its pass starts, then, at
+every request that changed it, the changes as records (``drain_journal``), which ``apply`` replays onto the snapshot
+after a restart.
 
 The records (``{"e": kind, ...}``) are the changes to what a restart keeps, nothing else (locks and reservations
 are forgotten by a restart: ``forget_rank_locks``):
