@@ -41,7 +41,15 @@ def assert_index_matches(state: LockState, ranks: int) -> None:
     assert sorted(b for bs in state.index.free_by_size.values() for b in bs) == free
     held = {rank: {k for k, owner in state.locks.items() if owner == rank} for rank in range(ranks)}
     assert {r: keys for r, keys in state.index.held.items() if keys} == {r: k for r, k in held.items() if k}
+    all_keys = sorted({k for ks in state.bucket_keys.values() for k in ks})
     for rank in range(ranks):
+        owned = {b for b in single if {state.locks[k] for k in state.bucket_keys[b] if k in state.locks} == {rank}}
+        assert state.index.owned.get(rank, set()) == owned
+        for size in (1, 2, 3):  # the count a reservation weighs, for sets of new partitions of every size
+            new = frozenset(random.Random(rank * 7 + size).sample(all_keys, size))
+            brute = sum(1 for b in single if rank not in {state.locks[k] for k in state.bucket_keys[b]
+                                                          if k in state.locks} and not state.bucket_keys[b] & new)
+            assert state.index.open_to_others_count(rank, new) == brute
         current = state.in_flight.get(rank)
         also = frozenset((current.lhs, current.rhs)) if current is not None else frozenset()
         assert state._open_to(rank, also) == brute_open_to(state, rank, also)

@@ -156,6 +156,10 @@ class BucketIndex:
         self.free_by_size: dict[int, list[Bucket]] = {}
         self._free: set[Bucket] = set()
         self.single: set[Bucket] = set()
+        self.single_count: Counter[PartitionKey] = Counter()  # key -> the single buckets touching it
+        self.owned: dict[int, set[Bucket]] = {}  # rank -> the single buckets whose one owner it is (not free)
+        self._owner: dict[Bucket, int] = {}
+        self._pairs: dict[tuple[PartitionKey, PartitionKey], frozenset[Bucket]] = {}
         self.rebuild()
 
     # following the state -------------------------------------------------------------------------------------
@@ -166,6 +170,7 @@ class BucketIndex:
         for key, rank in self.state.locks.items():
             self.held.setdefault(rank, set()).add(key)
         self._free, self.single = set(), set()
+        self.single_count, self.owned, self._owner = Counter(), {}, {}
         for bucket in self.state.bucket_keys:
             self._classify(bucket)
         self.free = sorted(self._free)
@@ -178,8 +183,10 @@ class BucketIndex:
             self.held.get(old, set()).discard(key)
         if new is not MISSING:
             self.held.setdefault(new, set()).add(key)
+        done, taken = self.state.done, self.taken
         for bucket in self.by_key.get(key, ()):
-            self.refresh(bucket)
+            if bucket not in done and bucket not in taken:  # (a closed bucket is in no set, whoever locks what)
+                self.refresh(bucket)
 
     def taken_changed(self, rank: Any, old: Any, new: Any) -> None:
         if old is not MISSING:
@@ -198,7 +205,12 @@ class BucketIndex:
     def refresh(self, bucket: Bucket) -> None:
         was_free = bucket in self._free
         self._free.discard(bucket)
-        self.single.discard(bucket)
+        if bucket in self.single:
+            self.single.discard(bucket)
+            self.single_count.subtract(self.state.bucket_keys[bucket])
+        owner = self._owner.pop(bucket, None)
+        if owner is not None:
+            self.owned[owner].discard(bucket)
         self._classify(bucket)
         now_free = bucket in self._free
         if now_free != was_free:
@@ -215,8 +227,13 @@ class BucketIndex:
         owners = self.owners(bucket)
         if not owners:
             self._free.add(bucket)
+        elif len(owners) == 1:
+            (owner,) = owners
+            self._owner[bucket] = owner
+            self.owned.setdefault(owner, set()).add(bucket)
         if len(owners) <= 1:
             self.single.add(bucket)
+            self.single_count.update(self.state.bucket_keys[bucket])
 
     # queries ---------------------------------------------------------------------------------------------------
 
@@ -248,15 +265,45 @@ class BucketIndex:
             and self.owners(bucket) <= {rank})
 
     def extras(self, rank: int, also_trained: frozenset = frozenset()) -> set[Bucket]:
-        """The buckets ``rank`` may take that are not free: some partition locked by ``rank`` itself, or eligible
-        only through ``also_trained``. O(P): they all touch a partition it locks or one of ``also_trained``."""
-        near = [b for b in self.near(self.held.get(rank, ())) if b not in self._free]
-        near += [b for part in also_trained for b in self.by_part.get(part, ()) if b not in self._free]
-        return {b for b in near if self.takes(rank, b, also_trained)}
+        """The buckets ``rank`` may take that are not free: those whose locked partitions are all its own
+        (``owned``), and, under the initialised-partition rule, those eligible only through ``also_trained``."""
+        extra = set(self.owned.get(rank, ()))
+        if self.state.tree_init_order:
+            extra.update(b for part in also_trained for b in self.by_part.get(part, ())
+                         if b not in self._free and b not in extra and self.takes(rank, b, also_trained))
+        return extra
+
+    def near_takeable(self, rank: int, keys: Iterable[PartitionKey]) -> list[Bucket]:
+        """The buckets ``rank`` may take (without ``also_trained``) that touch any of ``keys``."""
+        owned = self.owned.get(rank, set())
+        return [b for b in self.near(keys) if b in self._free or b in owned]
+
+    def _both(self, one: PartitionKey, other: PartitionKey) -> frozenset[Bucket]:
+        """The buckets touching both keys (at most two for one entity type: (a, b) and (b, a)), cached."""
+        pair = (one, other) if one <= other else (other, one)
+        both = self._pairs.get(pair)
+        if both is None:
+            if len(self._pairs) > 1 << 17:
+                self._pairs.clear()
+            both = self._pairs[pair] = frozenset(self.by_key.get(one, ())).intersection(self.by_key.get(other, ()))
+        return both
 
     def open_to_others_count(self, rank: int, without: Iterable[PartitionKey]) -> int:
         """How many buckets some other rank could take now that touch none of ``without``: the ``single`` ones,
-        less those whose one owner is ``rank`` and those touching ``without``."""
-        excluded = {b for b in self.near(self.held.get(rank, ())) if b in self.single}
-        excluded.update(b for b in self.near(without) if b in self.single)
-        return len(self.single) - len(excluded)
+        less those whose one owner is ``rank`` (``owned``) and those touching ``without``. O(1) for a bucket of one
+        or two new partitions (counts per partition, and the few buckets touching two given ones)."""
+        mine = self.held.get(rank, set())
+        owned = self.owned.get(rank, set())
+        others = [k for k in without if k not in mine]  # a key of the rank's touches only buckets it owns or shares
+        if len(others) > 2:  # buckets of several entity types: counted directly, O(P) per key
+            excluded = {b for b in self.near(others) if b in self.single} | owned
+            return len(self.single) - len(excluded)
+        touching = sum(self.single_count[k] for k in others)
+        if len(others) == 2:
+            touching -= len(self._both(*others) & self.single)
+        also_owned: set[Bucket] = set()
+        for key in others:
+            for own in mine:
+                also_owned |= self._both(key, own)
+        touching -= len(also_owned & self.single)
+        return len(self.single) - len(owned) - touching

@@ -114,7 +114,7 @@ class LockState:
             return "bucket", ahead
         # affinity: the most partitions already held, then random. A bucket sharing any lies near what it holds (O(P));
         # only when none does is the choice among every bucket it may take
-        near = [(len(self.bucket_keys[b] & held), b) for b in self.index.near(held) if self.index.takes(rank, b)]
+        near = [(len(self.bucket_keys[b] & held), b) for b in self.index.near_takeable(rank, held)]
         if near:
             best = max(n for n, _ in near)
             group = sorted(b for n, b in near if n == best)
