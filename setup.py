@@ -62,7 +62,8 @@ def kernels_extension() -> Extension:
     clones = os.environ.get("BIGGRAPH_NATIVE_CLONES", "1").strip().lower() not in ("0", "false", "no", "off")
     return Extension(KERNELS, sources=relative(NATIVE["SOURCES"]), depends=relative(NATIVE["HEADERS"]),
                      extra_compile_args=[*NATIVE["COMPILE_FLAGS"], NATIVE["digest_define"](NATIVE["source_digest"]())],
-                     define_macros=[] if clones else [("BG_NO_CLONES", "1")], optional=True)
+                     libraries=list(NATIVE["LIBRARIES"]), define_macros=[] if clones else [("BG_NO_CLONES", "1")],
+                     optional=True)
 
 
 class BuildKernels(build_ext):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from job.native.sources import BUILT_RELATIVE, COMPILE_FLAGS, SOURCES, digest_define, source_digest
+from job.native.sources import BUILT_RELATIVE, COMPILE_FLAGS, LIBRARIES, SOURCES, digest_define, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ SYMBOLS = {**dict.fromkeys(("row_adagrad_f32", "row_adagrad_f64", "full_adagrad_
 BUILT = Path(__file__).parent / BUILT_RELATIVE  # the wheel's (setup.py)
 PREBUILT = Path(__file__).with_name("_prebuilt")
 FLAGS = ("-shared", "-fPIC", *COMPILE_FLAGS)
+LINK = tuple(f"-l{name}" for name in LIBRARIES)  # after the sources
 ORIGINS = {"package": "built with the package", "prebuilt": "prebuilt by biggraph build-native",
            "cache": "built at run time"}
 CLONE_LEVELS = {4: "x86-64-v4 (AVX-512) clones", 3: "x86-64-v3 (AVX2) clones", 0: "baseline code",
@@ -83,7 +84,7 @@ def enabled() -> bool:
 
 
 def library_name() -> str:
-    flags = hashlib.sha256(" ".join(FLAGS).encode()).hexdigest()[:8]
+    flags = hashlib.sha256(" ".join((*FLAGS, *LINK)).encode()).hexdigest()[:8]
     return f"rowkernels-{sys.platform}-{os.uname().machine}-{source_digest()}-{flags}.so"
 
 
@@ -119,7 +120,7 @@ def build(into: Path, *, private: bool = True, digest: Optional[str] = None) -> 
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, digest_define(digest or source_digest()), "-o", partial,
-                               *map(str, SOURCES)], capture_output=True, text=True,
+                               *map(str, SOURCES), *LINK], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
             detail = done.stderr.strip()[-2000:] or f"exit status {done.returncode}, no message"

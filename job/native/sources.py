@@ -15,6 +15,8 @@ HEADERS = (HERE / "bg_clones.h",)
 # -O3 for the vectoriser, -fopenmp-simd for the `omp simd` loops (no OpenMP runtime); the per-CPU code comes from
 # bg_clones.h's target_clones, not from -march, so one build runs on every x86-64 and uses AVX2/AVX-512 where present
 COMPILE_FLAGS = ("-O3", "-fopenmp-simd", "-std=c11")
+# linked against libm (exp, log, sqrt): the library names what it needs rather than counting on the process's
+LIBRARIES = ("m",)
 # where the wheel's build goes, relative to job/native (a directory without __init__.py: no importable module)
 BUILT_RELATIVE = Path("_ext", "kernels.so")
 
