@@ -30,9 +30,9 @@ WORKDIR /src
 # Every dependency at the version requirements.lock pins, the versions the tests ran with and
 # tests/audit.sh audits; torch's own pin is left out, so that TORCH_VERSION decides it.
 COPY requirements.lock ./
-# A C compiler for job/native's row kernels, built once below into the installed package (the runtime stage
-# gets the library, not the compiler; the console script and `python -P` import the installed package, not /src's
-# copy of job/). Debian's own gcc of the base image's release: its version follows the base image.
+# A C compiler for job/native's kernels, which `pip wheel` below compiles into the wheel (setup.py), with per-CPU
+# clones of the hot loops, so the library runs at its best on whatever node the image lands on (the runtime stage
+# gets the library, not the compiler). Debian's own gcc of the base image's release: its version follows the base image.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -60,8 +60,7 @@ COPY k8s ./k8s
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && whl=$(ls /wheels/biggraph-*.whl) \
  && pip install --no-cache-dir --no-compile -c /src/constraints.txt "${whl}[s3,k8s,prometheus]" \
- && biggraph build-native \
- && python -P -c "import job, job.native, storage_adapters, s3fs, kubernetes, torch; assert '/site-packages/job/native/_prebuilt/' in job.native.library()._name; print('biggraph', job.__version__, 'torch', torch.__version__)"
+ && python -P -c "import job, job.native, storage_adapters, s3fs, kubernetes, torch; k = job.native.loaded(); assert k and k.origin == 'package' and '/site-packages/job/native/_ext/' in str(k.path), k; print(k.describe()); print('biggraph', job.__version__, 'torch', torch.__version__)"
 # What only building needs goes before the COPY into the runtime stage: torch's C++ headers, protoc
 # and C++ test binaries (torch_shm_manager stays: torch.multiprocessing uses it), the packages' own
 # test suites, and the bytecode ensurepip compiled for pip and setuptools. pip itself stays:

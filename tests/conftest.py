@@ -129,10 +129,12 @@ def umls_p4(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture
 def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """The native kernels' process-level cache emptied for the test, and a private build directory."""
+    """The native kernels' process-level cache emptied for the test, a private build directory, and neither the
+    package's build nor a prebuilt one: what the test puts there."""
     from job import native
 
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("BIGGRAPH_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "PREBUILT", tmp_path / "prebuilt")
+    monkeypatch.setattr(native, "BUILT", tmp_path / "ext" / "kernels.so")  # not the package's build either
     return tmp_path

@@ -188,8 +188,9 @@ def test_runtime_stage_holds_the_venv_and_nothing_for_building(image: Image) -> 
     assert not [p for p in site.rglob("tests") if p.is_dir()]
     assert not (root / "src").exists() and not (root / "wheels").exists() and not (root / "root" / ".cache").exists()
     assert not [c for c in ("gcc", "cc", "g++", "make") if (root / "usr" / "bin" / c).exists()]
-    # ... but the native kernels it compiled, for the runtime's CPU whatever the build host's (target_clones)
-    assert [p.name for p in (site / "job" / "native" / "_prebuilt").glob("rowkernels-*.so")]
+    # ... but the native kernels the wheel carries, for the runtime's CPU whatever the build host's (target_clones)
+    assert (site / "job" / "native" / "_ext" / "kernels.so").is_file()
+    assert not (site / "job" / "native" / "_prebuilt").exists()
     # only the packages of the wheel: no tests, no bench, no repository files
     assert {p.name for p in site.iterdir() if p.is_dir() and not p.name.endswith(".dist-info")} >= {"job", "storage_adapters"}
     assert not (site / "tests").exists() and not (site / "bench").exists()
@@ -217,7 +218,7 @@ print("PROBE " + json.dumps({
     "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "cwd": os.getcwd(), "home": os.environ["HOME"],
     "root": writable("/"), "venv": writable("/opt/venv"), "tmp": writable("/tmp"), "shm": writable("/dev/shm"),
     "torch": torch.__version__, "biggraph": job.__version__, "cli": shutil.which("biggraph"),
-    "native": str(getattr(native.library(), "_name", None)),
+    "native": str(getattr(native.loaded(), "path", None)),
 }))
 """
 
@@ -231,8 +232,8 @@ def test_entrypoint_runs_as_10001_on_a_read_only_root(image: Image, tmp_path: Pa
     assert probe["root"] == "EROFS" and probe["venv"] == "EROFS"
     assert probe["tmp"] == "yes" and probe["shm"] == "yes"
     assert probe["torch"] == "2.13.0+cpu" and probe["cli"] == "/opt/venv/bin/biggraph"
-    # the prebuilt kernels load as uid 10001 on a read-only root: no compiler, nothing written
-    assert probe["native"].startswith("/opt/venv/lib/python3.11/site-packages/job/native/_prebuilt/rowkernels-")
+    # the wheel's kernels load as uid 10001 on a read-only root: no compiler, nothing written
+    assert probe["native"] == "/opt/venv/lib/python3.11/site-packages/job/native/_ext/kernels.so"
 
 
 @pytest.fixture(scope="module")

@@ -202,6 +202,67 @@ def test_build_command_reports_a_compiler_error() -> None:
     assert "false failed on rowkernels.c" in done.stderr and "Traceback" not in done.stderr
 
 
+def _as_package_build(fresh_library: Path, **build: object) -> Path:
+    """A library built into the place of the package's own (``native.BUILT``, the fixture's), as setup.py would."""
+    built = native.build(fresh_library / "ext", **build)  # type: ignore[arg-type]
+    return built.rename(native.BUILT)
+
+
+def test_the_packages_build_comes_first_and_needs_no_compiler(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    path = _as_package_build(fresh_library)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "")
+    with caplog.at_level(logging.INFO, logger="job.native"):
+        found = native.loaded()
+    assert found is not None and (found.path, found.origin) == (path, "package")
+    assert f"native kernels: built with the package, {native.CLONE_LEVELS[found.clone_level]} ({path})" in caplog.text
+    assert not (fresh_library / "cache").exists()
+    weight, state, lists = batch(torch.float64)
+    want_w, _ = reference(weight, state, lists, LR)
+    assert kernels.row_adagrad(weight, state, lists, LR, optim.ADAGRAD_EPS, scratch(weight.shape[0], weight.device))
+    torch.testing.assert_close(weight, want_w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_library_built_from_other_sources_is_passed_over(fresh_library: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """An in-place build older than an edit of the C files is never run: the next place (here a run-time build)
+    serves, with a warning naming the stale file."""
+    stale = _as_package_build(fresh_library, digest="0" * 16)
+    with caplog.at_level(logging.WARNING, logger="job.native"):
+        found = native.loaded()
+    assert found is not None and found.origin == "cache" and found.path.parent == fresh_library / "cache"
+    assert f"passing over the package kernels {stale}: built from other sources" in caplog.text
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"), reason="clones are x86-64's")
+@pytest.mark.parametrize("clones", [True, False])
+def test_the_clones_follow_the_cpu(fresh_library: Path, monkeypatch: pytest.MonkeyPatch, clones: bool) -> None:
+    """With clones the library runs the best code this CPU takes (AVX-512 ones on x86-64-v4, AVX2 on v3); built
+    with -DBG_NO_CLONES (bench/ab_bench.py's baseline) only the baseline exists."""
+    if not clones:
+        monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DBG_NO_CLONES"))
+    found = native.loaded()
+    assert found is not None
+    if not clones:
+        assert found.clone_level == 0
+        return
+    if found.clone_level == -1:
+        pytest.skip("this compiler's clones do not report their choice")
+    flags = _cpu_flags()
+    v3 = {"avx2", "fma", "bmi1", "bmi2", "movbe", "f16c", "abm"} <= flags
+    v4 = v3 and {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags
+    assert found.clone_level == (4 if v4 else 3 if v3 else 0), sorted(flags)
+
+
 def torch_side_loss(kind: str, batch: torch.Tensor | None, uniform: torch.Tensor | None, pos: torch.Tensor | None,
                     num_pos: int) -> tuple[float, float, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The torch form of a side's loss (job.model.fused: the batch block masked, then ``blockwise_loss``)."""

@@ -1,6 +1,7 @@
 """What ``pip install`` of the wheel gives a user: ``biggraph submit`` renders a job from anywhere, with the chart the
 wheel ships (setup.py copies the top-level ``charts/biggraph`` into ``job/k8s/_bundled/``), not with files of a
-checkout the user does not have.
+checkout the user does not have; and training runs the native kernels the wheel carries (setup.py builds them),
+with no compiler on the machine.
 
 The wheel is built from a copy of the repository's files (``git ls-files``), installed with its dependencies into
 a fresh venv outside the repository (no system site-packages, no PYTHONPATH), and run from a directory outside it.
@@ -77,6 +78,14 @@ def test_the_wheel_ships_the_chart(wheel: Path) -> None:
         assert expected and expected <= names, sorted(expected - names)
 
 
+
+def test_the_wheel_carries_the_built_kernels_for_its_platform(wheel: Path) -> None:
+    """The kernels are compiled into the wheel (job/native/_ext/kernels.so), which is tagged for the platform, not
+    for a Python version: the library uses libc only."""
+    assert "job/native/_ext/kernels.so" in set(zipfile.ZipFile(wheel).namelist())
+    _, _, python, abi, platform = wheel.name[:-len(".whl")].split("-")
+    assert (python, abi) == ("py3", "none") and platform != "any"
+
 def user_run(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """A command of the venv as a user runs it: no PYTHONPATH to the checkout, no BIGGRAPH_CHART."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BIGGRAPH_CHART", "VIRTUAL_ENV")}
@@ -112,3 +121,38 @@ def test_an_installed_wheel_renders_a_job_from_outside_the_repository(installed:
     assert job["metadata"]["name"] == "user-job"
     config_map = next(o for o in objects if o["kind"] == "ConfigMap")
     assert yaml.safe_load(config_map["data"]["config.yaml"])["checkpoint_path"] == CONFIG["checkpoint_path"]
+
+
+EDGES = "".join(f"e{i}\tr{i % 2}\te{(i * 7 + 3) % 40}\n" for i in range(400))
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_trains_with_its_kernels_without_a_compiler(installed: Path, tmp_path: Path) -> None:
+    """No ``CC``, no ``cc``/``gcc`` on PATH, an empty kernel cache: training still runs the native kernels, the
+    wheel's (job.native logs which library it loaded, in each process that loads one)."""
+    work = tmp_path / "user"
+    work.mkdir()
+    (work / "edges.tsv").write_text(EDGES)
+    config = {"entities": {"node": {"num_partitions": 1}},
+              "relations": [{"name": "r0", "lhs": "node", "rhs": "node"}, {"name": "r1", "lhs": "node", "rhs": "node"}],
+              "dimension": 8, "num_epochs": 1, "batch_size": 50, "num_uniform_negs": 5, "num_batch_negs": 5,
+              "workers": 1, "eval_fraction": 0.0, "entity_path": str(work / "entities"),
+              "edge_paths": [str(work / "edges")], "checkpoint_path": str(work / "model")}
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BIGGRAPH_CHART", "VIRTUAL_ENV", "CC")}
+    env.update(PATH=str(installed), BIGGRAPH_NATIVE_CACHE=str(tmp_path / "kernel-cache"))
+    assert not [c for c in ("cc", "gcc") if shutil.which(c, path=env["PATH"])]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(installed / "biggraph"), *args], cwd=work, capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    imported = run("import", "config.yaml", "edges.tsv", "-l", "0", "-r", "2", "--rel-col", "1")
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    trained = run("train", "config.yaml")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    site = next(installed.parent.glob("lib/python*/site-packages"))
+    assert "native kernels: built with the package, " in trained.stderr, trained.stderr[-2000:]
+    assert f"({site / 'job' / 'native' / '_ext' / 'kernels.so'})" in trained.stderr
+    assert "native kernels unavailable" not in trained.stderr and not (tmp_path / "kernel-cache").exists()
+    assert (work / "model" / "training_stats.json").is_file()

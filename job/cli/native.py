@@ -1,7 +1,9 @@
 """``biggraph build-native [--into DIR]``: compile the native kernels (job/native) ahead of time.
 
-The image build runs it, into the installed package's ``_prebuilt`` directory, so that a runtime image needs no
-compiler; elsewhere the kernels are built on first use and this only moves that second to now.
+A wheel (and the image, which installs one) already carries them, built by setup.py. This is for an install whose
+build found no compiler (a source install): into the installed package's ``_prebuilt`` directory, so that later
+runs (other users, a read-only copy) need no compiler; without it the kernels are built on first use into a
+private cache, and this only moves that second to now.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from job.errors import UserError
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "build-native", help="compile the native kernels now (the image build does, so pods need no compiler)",
+        "build-native", help="compile the native kernels now (a wheel carries them; for a source install built "
+                             "without a compiler)",
         description="Compile job/native's C kernels with $CC / cc / gcc and print the library's path.")
     parser.add_argument("--into", type=Path, default=None,
                         help="directory for the library (default: the installed package's _prebuilt directory)")

@@ -26,11 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
+#include "bg_clones.h"
 
 enum { LOSS_SOFTMAX = 0, LOSS_RANKING = 1 };
 
@@ -77,7 +73,7 @@ static inline double exp_nonpositive_f64(double x) { return exp(x); }
     }
 
 #define SIDE_LOSS(NAME, T, EXP, LOG)                                                                                \
-    CLONES int NAME(int32_t kind, double margin, T *batch, int64_t chunk, T *uniform, int64_t num_uniform,          \
+    BG_CLONES int NAME(int32_t kind, double margin, T *batch, int64_t chunk, T *uniform, int64_t num_uniform,       \
                     const T *pos_in, T *pos_out, T *d_pos_out, int64_t padded, int64_t num_pos, double *sums) {     \
         if (kind != LOSS_SOFTMAX && kind != LOSS_RANKING) return -1;                                                \
         double loss = 0, violators = 0;                                                                             \

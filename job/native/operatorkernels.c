@@ -14,14 +14,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
+#include "bg_clones.h"
 
 #define COMPLEX_DIAGONAL(FORWARD, BACKWARD, T)                                                                 \
-    CLONES void FORWARD(const T *x, const T *re, const T *im, int32_t per_row, int32_t conjugate, int64_t rows, \
+    BG_CLONES void FORWARD(const T *x, const T *re, const T *im, int32_t per_row, int32_t conjugate, int64_t rows, \
                         int64_t half, T *out) {                                                                 \
         T sign = conjugate ? (T)-1 : (T)1;                                                                      \
         for (int64_t r = 0; r < rows; r++) {                                                                    \
@@ -36,7 +32,7 @@
         }                                                                                                       \
     }                                                                                                           \
                                                                                                                 \
-    CLONES int BACKWARD(const T *x, const T *re, const T *im, const T *grad, int32_t per_row, int32_t conjugate, \
+    BG_CLONES int BACKWARD(const T *x, const T *re, const T *im, const T *grad, int32_t per_row, int32_t conjugate, \
                         int64_t rows, int64_t half, T *d_x, T *d_re, T *d_im) {                                 \
         T sign = conjugate ? (T)-1 : (T)1;                                                                      \
         double *sum_re = 0, *sum_im = 0;                                                                        \

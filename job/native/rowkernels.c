@@ -16,11 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
+#include "bg_clones.h"
 
 /* rows ahead whose table row is fetched while this one is updated: the table rows are scattered, and a
  * 2-vCPU VM's memory latency, not its bandwidth, bounds an update that waits for each in turn */
@@ -29,7 +25,7 @@
 /* FULL: 0 for PBG's row-wise step (state[id] += mean(g^2), one step size per row), 1 for the per-coordinate one
  * (state[id * dim + j] += g[j]^2, a step size per coordinate); a constant, so each form compiles to its own loop. */
 #define ROW_ADAGRAD(NAME, T, SQRT, FULL)                                                                    \
-    CLONES int NAME(int32_t num_lists, int64_t *const *ids, T *const *grads, const int64_t *counts,         \
+    BG_CLONES int NAME(int32_t num_lists, int64_t *const *ids, T *const *grads, const int64_t *counts,      \
                     int64_t dim, T *weight, T *state, int64_t num_rows, int32_t *slots, double lr,          \
                     double eps) {                                                                           \
         int32_t position = 0;                                                                               \
@@ -95,3 +91,25 @@ ROW_ADAGRAD(row_adagrad_f32, float, sqrtf, 0)
 ROW_ADAGRAD(row_adagrad_f64, double, sqrt, 0)
 ROW_ADAGRAD(full_adagrad_f32, float, sqrtf, 1)
 ROW_ADAGRAD(full_adagrad_f64, double, sqrt, 1)
+
+/* What the loader (job/native) reads back: the digest of the sources this library was built from (a library of
+ * other sources is not loaded), and which clones the resolver picks on this CPU, for its log line. */
+#ifndef BG_SOURCE_DIGEST
+#define BG_SOURCE_DIGEST ""
+#endif
+const char bg_source_digest[] = BG_SOURCE_DIGEST;
+
+/* 4: the x86-64-v4 (AVX-512) clones run, 3: the x86-64-v3 (AVX2) ones, 0: the baseline, the only code of a build
+ * without clones; -1: clones whose choice this compiler does not report */
+int bg_clone_level(void) {
+#if BG_HAS_CLONES && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return 4;
+    if (__builtin_cpu_supports("x86-64-v3")) return 3;
+    return 0;
+#elif BG_HAS_CLONES
+    return -1;
+#else
+    return 0;
+#endif
+}
