@@ -45,8 +45,24 @@ def _per_scheme(options: dict[str, Any]) -> bool:
     )
 
 
+# storage_options keys that biggraph reads itself and never passes to the filesystem (see ``biggraph_option``)
+BIGGRAPH_OPTIONS = ("conditional_writes",)
+
+
 def storage_options_for(url: str) -> dict[str, Any]:
     """The keyword arguments for the fsspec filesystem of ``url`` (a copy; do not log it)."""
+    options = _options_with_ours(url)
+    for name in BIGGRAPH_OPTIONS:
+        options.pop(name, None)
+    return options
+
+
+def biggraph_option(url: str, name: str, default: str) -> str:
+    """One of biggraph's own ``BIGGRAPH_OPTIONS`` for ``url``, given in storage_options beside the filesystem's."""
+    return str(_options_with_ours(url).get(name, default))
+
+
+def _options_with_ours(url: str) -> dict[str, Any]:
     scheme = scheme_of(url)
     if scheme in _LOCAL_SCHEMES or scheme == "memory":
         options: dict[str, Any] = {}
