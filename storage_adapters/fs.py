@@ -75,6 +75,12 @@ def _options_with_ours(url: str) -> dict[str, Any]:
     if scheme in ("s3", "s3a"):
         # Another process (a reader, a second worker) may change the bucket at any time: never trust a cached listing.
         options.setdefault("use_listings_cache", False)
+        # botocore's "standard" retry mode (throttling and transient errors with backoff and a retry quota) unless the
+        # options or AWS_RETRY_MODE choose one: its "legacy" default retries fewer errors, without jitter
+        config = dict(options.get("config_kwargs") or {})
+        retries = dict(config.get("retries") or {})
+        if "mode" not in retries and not os.environ.get("AWS_RETRY_MODE"):
+            options["config_kwargs"] = {**config, "retries": {**retries, "mode": "standard"}}
     return options
 
 

@@ -270,7 +270,7 @@ def get_file(url: str, local: str) -> None:
     def get() -> None:
         try:
             if scheme_of(url) in S3_SCHEMES:
-                download_file(fs, path, local)  # bounded memory (s3fs' default holds 500 MiB per file)
+                download_file(fs, path, local, url=url)  # ranges resumed where they broke off, bounded memory
             else:
                 fs.get_file(path, local)
         except BaseException:
