@@ -88,6 +88,17 @@ class StorageClient:
         return storage.read_bytes(storage.join(self.root, key))
 
 
+def one_round(client: Any, source: Path, work: Path, name: str, nbytes: int) -> dict[str, dict[str, float]]:
+    """The three transfers once through ``client``: upload, staged download, swap (upload and read back)."""
+    key, swap_key, target = f"bench/{name}.bin", f"bench/swap-{name}.bin", work / f"staged-{name}.bin"
+    out = {"checkpoint upload": measure(lambda: client.upload(source, key), nbytes),
+           "edge staging": measure(lambda: client.download(key, target), nbytes)}
+    assert target.stat().st_size == nbytes
+    target.unlink()
+    out["partition swap"] = measure(lambda: (client.upload(source, swap_key), client.read(swap_key)), 2 * nbytes)
+    return out
+
+
 def run_backend(name: str, clients: dict[str, Any], work: Path, nbytes: int, repeats: int) -> dict[str, Any]:
     source = work / "source.bin"
     with open(source, "wb") as out:
@@ -96,16 +107,9 @@ def run_backend(name: str, clients: dict[str, Any], work: Path, nbytes: int, rep
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for repeat in range(repeats):
         for client_name, client in clients.items():
-            key = f"bench/{client_name}-{repeat}.bin"
             per = results.setdefault(client_name, {})
-            per.setdefault("checkpoint upload", []).append(measure(lambda: client.upload(source, key), nbytes))
-            target = work / f"staged-{client_name}.bin"
-            per.setdefault("edge staging", []).append(measure(lambda: client.download(key, target), nbytes))
-            assert target.stat().st_size == nbytes
-            target.unlink()
-            swap_key = f"bench/swap-{client_name}-{repeat}.bin"
-            per.setdefault("partition swap", []).append(
-                measure(lambda: (client.upload(source, swap_key), client.read(swap_key)), 2 * nbytes))
+            for workload, figures in one_round(client, source, work, f"{client_name}-{repeat}", nbytes).items():
+                per.setdefault(workload, []).append(figures)
     summary: dict[str, Any] = {}
     for client_name, per in results.items():
         for workload, runs in per.items():
