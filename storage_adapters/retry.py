@@ -161,14 +161,14 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
 # The layers beneath: s3fs and botocore -----------------------------------------------------------------------
 #
 # An s3fs call is: our loop above -> s3fs' own loop (``S3FileSystem.retries``, 5 tries of "retryable" errors,
-# logged at DEBUG only) -> botocore's per-request retries (5 attempts in "legacy" mode, 3 in "standard";
-# connection errors included) -> aiohttp. With a mistyped endpoint every one of our attempts hid five
-# botocore attempts and their backoff: ten seconds of silence each. ``instrument_s3`` leaves two layers, both
-# of which speak: botocore's (each retry logged through its event hooks, none at all for an unreachable
-# endpoint) and ours. Below botocore, aiohttp re-sends an idempotent request once, at once, when its connection
-# dropped mid-request (RFC 9112); it has no hook to say so, adds no wait, and never re-sends on DNS, refused or
-# TLS failures. Only the storage layer's own filesystems are instrumented (see ``get_filesystem``): code that
-# reads through fsspec directly keeps the libraries' defaults.
+# logged at DEBUG only) -> botocore's per-request retries (3 attempts in "standard" mode, the storage layer's
+# default since fs.storage_options_for sets it; 5 in "legacy"; connection errors included) -> aiohttp. With a
+# mistyped endpoint every one of our attempts hid five botocore attempts and their backoff: ten seconds of silence
+# each. ``instrument_s3`` leaves two layers, both of which speak: botocore's (each retry logged through its event
+# hooks, none at all for an unreachable endpoint) and ours. Below botocore, aiohttp re-sends an idempotent request
+# once, at once, when its connection dropped mid-request (RFC 9112); it has no hook to say so, adds no wait, and
+# never re-sends on DNS, refused or TLS failures. Only the storage layer's own filesystems are instrumented (see
+# ``get_filesystem``): code that reads through fsspec directly keeps the libraries' defaults.
 
 _BOTOCORE_DEFAULT_ATTEMPTS = {"legacy": 5, "standard": 3, "adaptive": 3}
 _REASON_KEY = "biggraph_retry_reason"  # where the hooks leave the last failure in botocore's request context
