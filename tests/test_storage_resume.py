@@ -176,3 +176,12 @@ def test_botocore_retries_in_standard_mode_unless_told_otherwise(monkeypatch: py
     use_storage({"endpoint_url": "http://127.0.0.1:9"})
     assert "config_kwargs" not in storage.storage_options_for("s3://b/k")
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_empty_and_missing_objects(s3_bucket: str, tmp_path: Path) -> None:
+    storage.write_bytes(f"{s3_bucket}/empty.h5", b"")
+    storage.get_file(f"{s3_bucket}/empty.h5", str(tmp_path / "empty.h5"))
+    assert (tmp_path / "empty.h5").read_bytes() == b""
+    with pytest.raises(FileNotFoundError):
+        storage.get_file(f"{s3_bucket}/missing.h5", str(tmp_path / "missing.h5"))
+    assert not (tmp_path / "missing.h5").exists()
