@@ -4,6 +4,9 @@
 - partition swap: a partition file uploaded and read back into memory (out-of-core eviction and reload);
 - checkpoint upload: a large local file uploaded (multipart).
 
+On moto a third client, "previous", is the storage layer with s3fs' own get_file as the download (what the
+resumable ranged download replaced): its edge-staging row is the before/after of that change.
+
 Each transfer runs through ``storage_adapters`` (s3fs, the project's code: bounded-memory multipart, resumable
 ranged downloads) and through obstore, on moto (a subprocess on 127.0.0.1) and on local files, side by side in one
 run, alternating the two clients ``--repeats`` times. Figures: wall seconds and CPU seconds of this process (user +
@@ -99,6 +102,17 @@ def one_round(client: Any, source: Path, work: Path, name: str, nbytes: int) -> 
     return out
 
 
+class PreviousDownload(StorageClient):
+    """The storage layer with the download it had before issue 47: s3fs' get_file (16 MiB chunks, 2 in flight),
+    which restarted from byte 0 after a dropped connection; for the edge-staging row only."""
+
+    def download(self, key: str, local: Path) -> None:
+        from storage_adapters.multipart import DOWNLOAD_CHUNKS, PART_BYTES
+
+        fs, path = storage.get_filesystem(storage.join(self.root, key))
+        fs.get_file(path, str(local), chunksize=PART_BYTES, max_concurrency=DOWNLOAD_CHUNKS)
+
+
 def run_backend(name: str, clients: dict[str, Any], work: Path, nbytes: int, repeats: int) -> dict[str, Any]:
     source = work / "source.bin"
     with open(source, "wb") as out:
@@ -155,7 +169,8 @@ def main() -> int:
                              secret_access_key="bench", virtual_hosted_style_request=False,
                              client_options={"allow_http": True})
                 out["moto"] = run_backend("moto (S3)", {
-                    "storage": StorageClient("s3://bench"), "obstore": ObstoreClient(s3)}, work, nbytes, args.repeats)
+                    "storage": StorageClient("s3://bench"), "obstore": ObstoreClient(s3),
+                    "previous": PreviousDownload("s3://bench")}, work, nbytes, args.repeats)
         finally:
             proc.terminate()
             proc.wait(10)

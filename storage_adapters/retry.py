@@ -170,7 +170,6 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
 # never re-sends on DNS, refused or TLS failures. Only the storage layer's own filesystems are instrumented (see
 # ``get_filesystem``): code that reads through fsspec directly keeps the libraries' defaults.
 
-_BOTOCORE_DEFAULT_ATTEMPTS = {"legacy": 5, "standard": 3, "adaptive": 3}
 _REASON_KEY = "biggraph_retry_reason"  # where the hooks leave the last failure in botocore's request context
 _instrumented: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -179,15 +178,6 @@ def _without_query(url: str) -> str:
     """A request URL without user info or query (query strings can carry presigned credentials)."""
     parts = urlsplit(url)
     return f"{endpoint_text(url)}{parts.path}"
-
-
-def _botocore_attempts(context: dict[str, Any]) -> int:
-    """The m of botocore's "attempt n of m": the client's total_max_attempts, else its retry mode's default."""
-    retries = getattr(context.get("client_config"), "retries", None) or {}
-    if retries.get("total_max_attempts"):
-        return int(retries["total_max_attempts"])
-    mode = retries.get("mode") or os.environ.get("AWS_RETRY_MODE") or "legacy"
-    return _BOTOCORE_DEFAULT_ATTEMPTS.get(mode, 3)
 
 
 def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = None,
@@ -234,9 +224,10 @@ def _on_request_created(request: Any = None, operation_name: str = "", **_: Any)
     attempt = int((context.get("retries") or {}).get("attempt", 1))
     if attempt <= 1:
         return
-    logger.warning("%s: %s failed on attempt %d of %d (%s); botocore retries it",
+    # botocore's retry checker put its limit in the context ("max") when it decided on this retry
+    logger.warning("%s: %s failed on attempt %d of %s (%s); botocore retries it",
                    _without_query(str(getattr(request, "url", ""))), operation_name or "request", attempt - 1,
-                   _botocore_attempts(context), context.get(_REASON_KEY, "unknown error"))
+                   context["retries"].get("max", "?"), context.get(_REASON_KEY, "unknown error"))
 
 
 def instrument_s3(fs: Any) -> None:
