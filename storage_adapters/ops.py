@@ -11,7 +11,6 @@ from typing import IO, Any
 from storage_adapters.errors import StorageError
 from storage_adapters.fs import FILE_MODE, OBJECT_STORES, S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
 from storage_adapters.multipart import download_file, upload_file
-from storage_adapters.retry import unreachable_marker, unreachable_since
 
 
 def exists(url: str) -> bool:
@@ -55,13 +54,22 @@ def _check_bucket(url: str, fs: Any, path: str) -> None:
     bucket = path.split("/", 1)[0]
     if not bucket:
         raise StorageError(f"{url}: no bucket name in the URL")
-    marker = unreachable_marker()
-    if not call(url, "bucket check", lambda: fs.exists(bucket)):
-        # s3fs answers False for a bucket whatever went wrong: an endpoint that could not be reached is not
-        # a missing bucket
-        unreachable = unreachable_since(marker)
-        if unreachable:
-            raise StorageError(f"{url}: bucket check failed: {unreachable}")
+    def head() -> bool | None:
+        # HeadBucket's own answer: s3fs' exists() says False whatever went wrong (an endpoint that cannot be
+        # reached, a 500), which is not a missing bucket. A refusal (403: credentials without s3:ListBucket) is
+        # asked again through exists(), whose other probe (GetBucketLocation) such credentials may pass.
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+            return True
+        except PermissionError:
+            return None
+        except FileNotFoundError:
+            return False
+
+    found = call(url, "bucket check", head) if scheme_of(url) in S3_SCHEMES else None
+    if found is None:
+        found = call(url, "bucket check", lambda: fs.exists(bucket))
+    if not found:
         raise StorageError(f"{url}: the bucket '{bucket}' does not exist (or these credentials cannot see it)")
 
 

@@ -50,16 +50,13 @@ from storage_adapters.endpoints import (
     endpoint_text,
     forget_endpoints,
     note_answered,
-    note_unreachable,
-    unreachable_marker,
-    unreachable_since,
 )
 from storage_adapters.errors import StorageError
 
 __all__ = [  # the classification and endpoint names are re-exported: callers and tests use them from here
     "NOT_FOUND", "OTHER", "PERMANENT", "TRANSIENT", "UNREACHABLE", "ConnectFailure", "RetryPolicy", "call_with_retry",
     "classify", "connection_failure", "describe", "forget_endpoints", "get_retry_policy", "instrument_s3",
-    "note_answered", "set_retry_policy", "unreachable_marker", "unreachable_reason", "unreachable_since",
+    "note_answered", "set_retry_policy", "unreachable_reason",
 ]
 
 logger = logging.getLogger("biggraph.storage")
@@ -203,9 +200,7 @@ def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = 
         return None
     if caught_exception is None:
         return None
-    reason = unreachable_reason(caught_exception)
-    if reason is not None:
-        note_unreachable(reason)
+    if unreachable_reason(caught_exception) is not None:
         return False
     if getattr(operation, "name", None) == "CompleteMultipartUpload":
         # no answer to a completion: the server may still be assembling the object, and a second request
