@@ -7,7 +7,12 @@ The guarantee depends on the backend, and is as strong as the backend allows:
   processes of one machine, and on file systems whose ``flock`` is shared between machines); the tag is a hash of
   the content; the new content is fsynced and renamed into place, and the directory fsynced;
 - S3: ``PutObject`` with ``If-None-Match: *`` (create) or ``If-Match: <ETag>`` (replace), which S3 itself checks
-  atomically; a retried request whose first try landed is recognised by reading the object back;
+  atomically; a retried request whose first try landed is recognised by reading the object back. Two things could
+  silently turn that into a blind overwrite, and both are checked before the first conditional write: s3fs drops
+  any keyword the installed botocore's model lacks (botocore < 1.35.69 has no ``IfMatch``), so the model is
+  checked; and some S3-compatible stores ignore the headers, so each store (endpoint and bucket) is probed once per
+  process with a write that must be refused. A store that ignores them is refused for compare-and-swap, with one
+  line, unless storage_options say ``conditional_writes: unchecked`` (then: read, compare, write, as below);
 - other schemes: read, compare, write (no atomicity between machines; good enough to catch a writer that has been
   running for a while, which is the failure that matters).
 """
@@ -18,18 +23,26 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any, Optional
 
 from fsspec.asyn import sync
 
 from storage_adapters.errors import ConditionFailed, StorageError
-from storage_adapters.fs import S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
+from storage_adapters.fs import S3_SCHEMES, biggraph_option, call, get_filesystem, is_local, local_path, scheme_of
 from storage_adapters.ops import read_bytes, replace_local, write_bytes
 
+logger = logging.getLogger("biggraph.storage")
 _fallback_lock = threading.Lock()
+_probe_lock = threading.Lock()
+_store_honours: dict[tuple[str, str], bool] = {}  # (endpoint, bucket) -> whether it refused the probe's writes
+_warned: set[tuple[str, str]] = set()  # stores already said to ignore the headers (conditional_writes: unchecked)
+CONDITIONAL_KEYS = ("IfMatch", "IfNoneMatch")
+BOTOCORE_FLOOR = "1.35.69"  # the first botocore whose S3 model has PutObject's IfMatch (IfNoneMatch: 1.35.0)
 
 
 def content_tag(data: bytes) -> str:
@@ -62,8 +75,12 @@ def write_if(url: str, data: bytes, expect: Optional[str]) -> str:
     the tag ``expect``. Returns the new tag; raises :class:`ConditionFailed` when another writer changed it."""
     if is_local(url):
         return _write_local(url, data, expect)
-    if scheme_of(url) in S3_SCHEMES:
+    if scheme_of(url) in S3_SCHEMES and _s3_checks_conditions(url):
         return _write_s3(url, data, expect)
+    return _read_compare_write(url, data, expect)
+
+
+def _read_compare_write(url: str, data: bytes, expect: Optional[str]) -> str:
     with _fallback_lock:
         try:
             current: Optional[str] = read_tagged(url)[1]
@@ -72,7 +89,12 @@ def write_if(url: str, data: bytes, expect: Optional[str]) -> str:
         if current != expect:
             raise ConditionFailed(f"{url}: changed by another writer (expected {_what(expect)})")
         write_bytes(url, data)
-    return content_tag(data)
+        if scheme_of(url) not in S3_SCHEMES:
+            return content_tag(data)
+        now, tag = read_tagged(url)  # the tag a later read_tagged gives: the store's ETag
+    if now != data:
+        raise ConditionFailed(f"{url}: changed by another writer right after this write")
+    return tag
 
 
 def _what(expect: Optional[str]) -> str:
@@ -109,6 +131,74 @@ def _write_local(url: str, data: bytes, expect: Optional[str]) -> str:
     return content_tag(data)
 
 
+def check_botocore_conditions(client: Any) -> None:
+    """Raise StorageError unless the botocore model behind ``client`` knows PutObject's conditional keys: s3fs
+    silently drops keywords the model lacks, which would make every conditional write a plain overwrite."""
+    members = client.meta.service_model.operation_model("PutObject").input_shape.members
+    missing = [key for key in CONDITIONAL_KEYS if key not in members]
+    if missing:
+        import botocore
+
+        raise StorageError(
+            f"botocore {botocore.__version__} does not know PutObject's {'/'.join(missing)} (conditional writes), so "
+            f"s3fs would drop them and the checkpoint's owner lock would be a plain overwrite; install "
+            f"botocore>={BOTOCORE_FLOOR} (pip install -U 'biggraph[s3]')")
+
+
+def _s3_checks_conditions(url: str) -> bool:
+    """Whether ``url``'s store checks conditional writes itself (True), or the caller accepted read-compare-write
+    for a store that does not (False, said once). Raises StorageError for a store that ignores the headers."""
+    fs, path = get_filesystem(url)
+    check_botocore_conditions(fs.s3)
+    bucket, key, _ = fs.split_path(path)
+    store = (str(fs.s3.meta.endpoint_url), bucket)
+    with _probe_lock:
+        if store not in _store_honours:
+            _store_honours[store] = _probe(url, fs, bucket, key)
+    if _store_honours[store]:
+        return True
+    if biggraph_option(url, "conditional_writes", "checked") == "unchecked":
+        if store not in _warned:
+            _warned.add(store)
+            logger.warning("%s: the store %s ignores conditional writes; conditional_writes: unchecked, so the owner "
+                           "record is read, compared and written (not atomic between machines)", url, store[0])
+        return False
+    raise StorageError(
+        f"{url}: the store {store[0]} ignores conditional writes (a PUT with If-Match on a wrong ETag or "
+        f"If-None-Match on an existing object was accepted), so the single-writer lock cannot hold; use a store "
+        f"that supports them, or accept read-compare-write with storage_options conditional_writes: unchecked")
+
+
+def _probe(url: str, fs: Any, bucket: str, key: str) -> bool:
+    """Whether the store refuses both conditional writes that must fail, tried on a scratch object beside ``key``."""
+    scratch = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}.biggraph-condition-probe-{uuid.uuid4().hex}"
+
+    def put(**condition: str) -> bool:
+        try:
+            fs.call_s3("put_object", Bucket=bucket, Key=scratch, Body=b"probe", **condition)
+        except OSError as err:
+            if _refused(err):
+                return False
+            raise
+        return True
+
+    call(url, "conditional write probe", lambda: put())
+    try:
+        wrong_tag = call(url, "conditional write probe", lambda: put(IfMatch='"00000000000000000000000000000000"'))
+        over_existing = call(url, "conditional write probe", lambda: put(IfNoneMatch="*"))
+    finally:
+        with contextlib.suppress(Exception):
+            fs.call_s3("delete_object", Bucket=bucket, Key=scratch)
+    return not wrong_tag and not over_existing
+
+
+def _refused(err: OSError) -> bool:
+    """s3fs' translation of 412 PreconditionFailed (or of 409 ConditionalRequestConflict)."""
+    text = str(err).lower()
+    return isinstance(err, (FileExistsError, FileNotFoundError)) or err.errno == errno.EINVAL or \
+        "precondition" in text or "conditional" in text
+
+
 def _write_s3(url: str, data: bytes, expect: Optional[str]) -> str:
     fs, path = get_filesystem(url)
     bucket, key, _ = fs.split_path(path)
@@ -117,10 +207,8 @@ def _write_s3(url: str, data: bytes, expect: Optional[str]) -> str:
     def put() -> Optional[str]:
         try:
             response = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
-        except (FileExistsError, FileNotFoundError):
-            return None
         except OSError as err:
-            if err.errno == errno.EINVAL or "precondition" in str(err).lower() or "conditional" in str(err).lower():
+            if _refused(err):
                 return None
             raise
         return str(response["ETag"]).strip('"')
@@ -155,3 +243,10 @@ def sync_directory(url: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def forget_probes() -> None:
+    """Forget which stores were probed (tests: a port of one test's store may be another's next)."""
+    with _probe_lock:
+        _store_honours.clear()
+        _warned.clear()

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 _state_lock = threading.Lock()
 _answered_hosts: set[str] = set()
 _answered_schemes: set[str] = set()
-_unreachable_reasons: list[str] = []  # why requests were not retried, oldest first (see ``unreachable_since``)
 
 
 def forget_endpoints() -> None:
@@ -23,7 +22,6 @@ def forget_endpoints() -> None:
     with _state_lock:
         _answered_hosts.clear()
         _answered_schemes.clear()
-        _unreachable_reasons.clear()
 
 
 def _scheme(url: str) -> str:
@@ -62,29 +60,6 @@ def note_answered(url: str | None = None, request_url: str | None = None) -> Non
             _answered_hosts.add(key)
         if url is not None:
             _answered_schemes.add(_scheme(url))
-
-
-def unreachable_marker() -> int:
-    """A position in the record of unreachable endpoints, for ``unreachable_since``."""
-    with _state_lock:
-        return len(_unreachable_reasons)
-
-
-def unreachable_since(marker: int) -> str | None:
-    """The latest reason a request was not retried after ``marker``, if any.
-
-    For callees that turn every failure into an answer (s3fs' ``exists`` on a bucket returns False whatever
-    went wrong), so that "the bucket does not exist" is not said of a bucket nobody could ask about.
-    """
-    with _state_lock:
-        return _unreachable_reasons[-1] if len(_unreachable_reasons) > marker else None
-
-
-def note_unreachable(reason: str) -> None:
-    """Record why a request was not retried (the latest 100 are kept), for ``unreachable_since``."""
-    with _state_lock:
-        _unreachable_reasons.append(reason)
-        del _unreachable_reasons[:-100]
 
 
 def has_answered(key: str | None, url: str | None) -> bool:

@@ -20,19 +20,8 @@ def _default_file_mode() -> int:
 
 FILE_MODE = _default_file_mode()
 
-# Which package provides each well-known scheme, for the "please install" message.
-_SCHEME_PACKAGES = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "hdfs": "pyarrow",
-    "http": "aiohttp",
-    "https": "aiohttp",
-}
+# Scheme spellings that share another's storage_options mapping (fsspec knows the schemes themselves).
+_ALIASES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs"}
 # Object stores: no directories, the first path component is a bucket/container that must exist.
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 S3_SCHEMES = {"s3", "s3a"}
@@ -40,25 +29,49 @@ _LOCAL_SCHEMES = ("", "file", "local")
 
 
 def _per_scheme(options: dict[str, Any]) -> bool:
-    return bool(options) and all(
-        isinstance(v, dict) and (k in _SCHEME_PACKAGES or k == "memory") for k, v in options.items()
-    )
+    """Whether ``options`` is one mapping per scheme ({"s3": {...}, "gs": {...}}) rather than one for all."""
+    from fsspec.registry import known_implementations
+
+    return bool(options) and all(isinstance(v, dict) and (k in known_implementations or k in _ALIASES)
+                                 for k, v in options.items())
+
+
+# storage_options keys that biggraph reads itself and never passes to the filesystem (see ``biggraph_option``)
+BIGGRAPH_OPTIONS = ("conditional_writes",)
 
 
 def storage_options_for(url: str) -> dict[str, Any]:
     """The keyword arguments for the fsspec filesystem of ``url`` (a copy; do not log it)."""
+    options = _options_with_ours(url)
+    for name in BIGGRAPH_OPTIONS:
+        options.pop(name, None)
+    return options
+
+
+def biggraph_option(url: str, name: str, default: str) -> str:
+    """One of biggraph's own ``BIGGRAPH_OPTIONS`` for ``url``, given in storage_options beside the filesystem's."""
+    return str(_options_with_ours(url).get(name, default))
+
+
+def _options_with_ours(url: str) -> dict[str, Any]:
     scheme = scheme_of(url)
     if scheme in _LOCAL_SCHEMES or scheme == "memory":
         options: dict[str, Any] = {}
     else:
         raw = dict(current().settings.options)
         if _per_scheme(raw):
-            options = dict(raw.get(scheme) or raw.get({"s3a": "s3", "gcs": "gs", "abfss": "abfs"}.get(scheme, ""), {}))
+            options = dict(raw.get(scheme) or raw.get(_ALIASES.get(scheme, ""), {}))
         else:
             options = raw
     if scheme in ("s3", "s3a"):
         # Another process (a reader, a second worker) may change the bucket at any time: never trust a cached listing.
         options.setdefault("use_listings_cache", False)
+        # botocore's "standard" retry mode (throttling and transient errors with backoff and a retry quota) unless the
+        # options or AWS_RETRY_MODE choose one: its "legacy" default retries fewer errors, without jitter
+        config = dict(options.get("config_kwargs") or {})
+        retries = dict(config.get("retries") or {})
+        if "mode" not in retries and not os.environ.get("AWS_RETRY_MODE"):
+            options["config_kwargs"] = {**config, "retries": {**retries, "mode": "standard"}}
     return options
 
 
@@ -112,13 +125,16 @@ def get_filesystem(url: str) -> tuple[Any, str]:
     scheme = scheme_of(url)
     if is_local(url):
         return fsspec.filesystem("file"), os.path.abspath(local_path(url))
-    package = _SCHEME_PACKAGES.get(scheme)
     try:
-        cls = fsspec.get_filesystem_class(scheme)
+        cls = fsspec.get_filesystem_class(scheme)  # its ImportError says what to install ("Install s3fs to ...")
     except (ImportError, ValueError) as err:
-        hint = f"; install it with: pip install {package}" if package else ""
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise StorageError(f"{url}: no filesystem backend for scheme '{scheme}://'{hint} ({reason})") from None
+        from fsspec.registry import known_implementations  # an alias (abfss) says what its scheme's package is
+
+        known = known_implementations.get(_ALIASES.get(scheme, scheme), {})
+        package = str(known.get("class", "fsspec")).split(".")[0]
+        hint = f" (pip install {package})" if package != "fsspec" else ""
+        raise StorageError(f"{url}: no filesystem backend for scheme '{scheme}://': "
+                           f"{known.get('err') or _first_line(err)}{hint}") from None
     options = storage_options_for(url)
     if scheme in ("s3", "s3a"):
         # A filesystem of the storage layer's own (``session=None`` is s3fs' default: same behaviour, another key in
@@ -128,8 +144,7 @@ def get_filesystem(url: str) -> tuple[Any, str]:
     try:
         fs = cls(**options)
     except ImportError as err:
-        hint = f"; install it with: pip install {package}" if package else ""
-        raise StorageError(f"{url}: the backend for '{scheme}://' cannot be loaded{hint} ({err})") from None
+        raise StorageError(f"{url}: the backend for '{scheme}://' cannot be loaded: {_first_line(err)}") from None
     except TypeError as err:
         # the message names the offending key, never its value
         raise StorageError(f"{url}: config key 'storage_options' not accepted by {cls.__name__}: {err}") from None
@@ -137,9 +152,12 @@ def get_filesystem(url: str) -> tuple[Any, str]:
         try:
             instrument_s3(fs)  # creates the botocore client: no request is sent, so any failure is configuration
         except Exception as err:  # e.g. "Invalid endpoint: minio:9000" (no http://), unknown profile
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise StorageError(f"{url}: cannot set up the S3 client from storage_options: {reason}") from None
+            raise StorageError(f"{url}: cannot set up the S3 client from storage_options: {_first_line(err)}") from None
     return fs, fs._strip_protocol(url)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def call(url: str, operation: str, func: Any) -> Any:

@@ -6,16 +6,11 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from storage_adapters.errors import StorageError
 from storage_adapters.fs import FILE_MODE, OBJECT_STORES, S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
 from storage_adapters.multipart import download_file, upload_file
-from storage_adapters.retry import unreachable_marker, unreachable_since
-from storage_adapters.session import carry
-
-MANY_IN_FLIGHT = 16  # remote reads ``read_many`` keeps in flight together
 
 
 def exists(url: str) -> bool:
@@ -59,13 +54,22 @@ def _check_bucket(url: str, fs: Any, path: str) -> None:
     bucket = path.split("/", 1)[0]
     if not bucket:
         raise StorageError(f"{url}: no bucket name in the URL")
-    marker = unreachable_marker()
-    if not call(url, "bucket check", lambda: fs.exists(bucket)):
-        # s3fs answers False for a bucket whatever went wrong: an endpoint that could not be reached is not
-        # a missing bucket
-        unreachable = unreachable_since(marker)
-        if unreachable:
-            raise StorageError(f"{url}: bucket check failed: {unreachable}")
+    def head() -> bool | None:
+        # HeadBucket's own answer: s3fs' exists() says False whatever went wrong (an endpoint that cannot be
+        # reached, a 500), which is not a missing bucket. A refusal (403: credentials without s3:ListBucket) is
+        # asked again through exists(), whose other probe (GetBucketLocation) such credentials may pass.
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+            return True
+        except PermissionError:
+            return None
+        except FileNotFoundError:
+            return False
+
+    found = call(url, "bucket check", head) if scheme_of(url) in S3_SCHEMES else None
+    if found is None:
+        found = call(url, "bucket check", lambda: fs.exists(bucket))
+    if not found:
         raise StorageError(f"{url}: the bucket '{bucket}' does not exist (or these credentials cannot see it)")
 
 
@@ -155,21 +159,32 @@ def read_text(url: str) -> str:
 
 
 def read_many(urls: Sequence[str]) -> list[bytes | None]:
-    """Each object's bytes in the order given, None for one that is missing. Remote reads are in flight together
-    (``MANY_IN_FLIGHT``), each retried on its own: a restarted group's rank 0 reads hundreds of small progress
-    records, and one after another against an object store that took ~10 s of a recovery
-    (bench/RESULTS.md, "Chaos")."""
-
+    """Each object's bytes in the order given, None for one that is missing. Remote objects of one scheme are read
+    in one ``fs.cat`` (concurrent requests on an async filesystem such as s3fs); one that failed otherwise is read
+    again alone, retried: a restarted group's rank 0 reads hundreds of small progress records, and one after
+    another against an object store that took ~10 s of a recovery (bench/RESULTS.md, "Chaos")."""
     def one(url: str) -> bytes | None:
         try:
             return read_bytes(url)
         except FileNotFoundError:
             return None
 
-    if len(urls) < 2 or all(is_local(url) for url in urls):
-        return [one(url) for url in urls]
-    with ThreadPoolExecutor(min(MANY_IN_FLIGHT, len(urls)), thread_name_prefix="biggraph-read") as pool:
-        return list(pool.map(carry(one), urls))
+    found: dict[str, bytes | None] = {}
+    by_scheme: dict[str, list[str]] = {}
+    for url in dict.fromkeys(urls):
+        if is_local(url) or any(c in url for c in "*?["):  # fs.cat would expand a glob
+            found[url] = one(url)
+        else:
+            by_scheme.setdefault(scheme_of(url), []).append(url)
+    for group in by_scheme.values():
+        fs, _ = get_filesystem(group[0])
+        paths = {get_filesystem(url)[1]: url for url in group}
+        answers = call(group[0], "read", lambda fs=fs, paths=paths: fs.cat(list(paths), on_error="return"))
+        for path, url in paths.items():
+            answer = answers.get(path, FileNotFoundError(url))
+            found[url] = answer if isinstance(answer, bytes) else None if isinstance(answer, FileNotFoundError) \
+                else one(url)
+    return [found[url] for url in urls]
 
 
 def remove_many(urls: Sequence[str]) -> None:
@@ -270,7 +285,7 @@ def get_file(url: str, local: str) -> None:
     def get() -> None:
         try:
             if scheme_of(url) in S3_SCHEMES:
-                download_file(fs, path, local)  # bounded memory (s3fs' default holds 500 MiB per file)
+                download_file(fs, path, local, url=url)  # ranges resumed where they broke off, bounded memory
             else:
                 fs.get_file(path, local)
         except BaseException:

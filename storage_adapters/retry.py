@@ -50,16 +50,13 @@ from storage_adapters.endpoints import (
     endpoint_text,
     forget_endpoints,
     note_answered,
-    note_unreachable,
-    unreachable_marker,
-    unreachable_since,
 )
 from storage_adapters.errors import StorageError
 
 __all__ = [  # the classification and endpoint names are re-exported: callers and tests use them from here
     "NOT_FOUND", "OTHER", "PERMANENT", "TRANSIENT", "UNREACHABLE", "ConnectFailure", "RetryPolicy", "call_with_retry",
     "classify", "connection_failure", "describe", "forget_endpoints", "get_retry_policy", "instrument_s3",
-    "note_answered", "set_retry_policy", "unreachable_marker", "unreachable_reason", "unreachable_since",
+    "note_answered", "set_retry_policy", "unreachable_reason",
 ]
 
 logger = logging.getLogger("biggraph.storage")
@@ -161,16 +158,15 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
 # The layers beneath: s3fs and botocore -----------------------------------------------------------------------
 #
 # An s3fs call is: our loop above -> s3fs' own loop (``S3FileSystem.retries``, 5 tries of "retryable" errors,
-# logged at DEBUG only) -> botocore's per-request retries (5 attempts in "legacy" mode, 3 in "standard";
-# connection errors included) -> aiohttp. With a mistyped endpoint every one of our attempts hid five
-# botocore attempts and their backoff: ten seconds of silence each. ``instrument_s3`` leaves two layers, both
-# of which speak: botocore's (each retry logged through its event hooks, none at all for an unreachable
-# endpoint) and ours. Below botocore, aiohttp re-sends an idempotent request once, at once, when its connection
-# dropped mid-request (RFC 9112); it has no hook to say so, adds no wait, and never re-sends on DNS, refused or
-# TLS failures. Only the storage layer's own filesystems are instrumented (see ``get_filesystem``): code that
-# reads through fsspec directly keeps the libraries' defaults.
+# logged at DEBUG only) -> botocore's per-request retries (3 attempts in "standard" mode, the storage layer's
+# default since fs.storage_options_for sets it; 5 in "legacy"; connection errors included) -> aiohttp. With a
+# mistyped endpoint every one of our attempts hid five botocore attempts and their backoff: ten seconds of silence
+# each. ``instrument_s3`` leaves two layers, both of which speak: botocore's (each retry logged through its event
+# hooks, none at all for an unreachable endpoint) and ours. Below botocore, aiohttp re-sends an idempotent request
+# once, at once, when its connection dropped mid-request (RFC 9112); it has no hook to say so, adds no wait, and
+# never re-sends on DNS, refused or TLS failures. Only the storage layer's own filesystems are instrumented (see
+# ``get_filesystem``): code that reads through fsspec directly keeps the libraries' defaults.
 
-_BOTOCORE_DEFAULT_ATTEMPTS = {"legacy": 5, "standard": 3, "adaptive": 3}
 _REASON_KEY = "biggraph_retry_reason"  # where the hooks leave the last failure in botocore's request context
 _instrumented: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -179,15 +175,6 @@ def _without_query(url: str) -> str:
     """A request URL without user info or query (query strings can carry presigned credentials)."""
     parts = urlsplit(url)
     return f"{endpoint_text(url)}{parts.path}"
-
-
-def _botocore_attempts(context: dict[str, Any]) -> int:
-    """The m of botocore's "attempt n of m": the client's total_max_attempts, else its retry mode's default."""
-    retries = getattr(context.get("client_config"), "retries", None) or {}
-    if retries.get("total_max_attempts"):
-        return int(retries["total_max_attempts"])
-    mode = retries.get("mode") or os.environ.get("AWS_RETRY_MODE") or "legacy"
-    return _BOTOCORE_DEFAULT_ATTEMPTS.get(mode, 3)
 
 
 def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = None,
@@ -213,9 +200,7 @@ def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = 
         return None
     if caught_exception is None:
         return None
-    reason = unreachable_reason(caught_exception)
-    if reason is not None:
-        note_unreachable(reason)
+    if unreachable_reason(caught_exception) is not None:
         return False
     if getattr(operation, "name", None) == "CompleteMultipartUpload":
         # no answer to a completion: the server may still be assembling the object, and a second request
@@ -234,9 +219,10 @@ def _on_request_created(request: Any = None, operation_name: str = "", **_: Any)
     attempt = int((context.get("retries") or {}).get("attempt", 1))
     if attempt <= 1:
         return
-    logger.warning("%s: %s failed on attempt %d of %d (%s); botocore retries it",
+    # botocore's retry checker put its limit in the context ("max") when it decided on this retry
+    logger.warning("%s: %s failed on attempt %d of %s (%s); botocore retries it",
                    _without_query(str(getattr(request, "url", ""))), operation_name or "request", attempt - 1,
-                   _botocore_attempts(context), context.get(_REASON_KEY, "unknown error"))
+                   context["retries"].get("max", "?"), context.get(_REASON_KEY, "unknown error"))
 
 
 def instrument_s3(fs: Any) -> None:

@@ -53,6 +53,9 @@ ALIGN_EXTRA_ID = 0xD935  # the extra-field id Android's zipalign uses for the sa
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,99}$")
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+ZIP64_EXTRA_BYTES = 20  # the zip64 extra field of a local header: id, length, uncompressed and compressed sizes
+_ZIP64_EXTRA_ID = 0x0001
+_WRITE_SLICE = 64 * 2**20  # bytes handed to zipfile at a time (its CRC and the file write take any size)
 
 
 def check_tag_name(tag: str, archive: str = "<archive>", member: Optional[str] = TAGS_FILE) -> str:
@@ -203,6 +206,8 @@ class ZipReader:
             name_len, extra_len, size = fields[9], fields[10], fields[8]
             name = bytes(data[offset + 30:offset + 30 + name_len]).decode("utf-8", "replace")
             start = offset + 30 + name_len + extra_len
+            if size == 0xFFFFFFFF:
+                size = _zip64_size(bytes(data[offset + 30 + name_len:start])) or size
             if start + size > self.size:
                 have = max(0, self.size - start)
                 self.close()
@@ -275,16 +280,26 @@ class ZipWriter:
         self._zip = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
 
     def write(self, name: str, data: bytes | memoryview, date_time: tuple[int, int, int, int, int, int] | None = None) -> None:
+        """Add a stored member whose bytes start on a 64-byte boundary of the file.
+
+        Every member gets a zip64 local header: zipfile adds that extra field (20 bytes) after ours on its own for a
+        member near 2 GiB (it guesses from the size), which would shift the data off the boundary. Forcing it for all
+        members makes the header's length known, and it is counted in the padding. ``data`` is written in slices: a
+        memoryview (of a mapped file, say) is never copied whole."""
         info = zipfile.ZipInfo(name, date_time=date_time or _now())
         info.compress_type = zipfile.ZIP_STORED
         info.create_system = 3  # unix
         info.external_attr = 0o644 << 16
+        info.file_size = len(data) if isinstance(data, bytes) else data.nbytes
         assert self._zip.fp is not None
         header_start = self._zip.fp.tell()
-        base = header_start + _LOCAL_HEADER.size + len(name.encode("utf-8")) + 6
+        base = header_start + _LOCAL_HEADER.size + len(name.encode("utf-8")) + 6 + ZIP64_EXTRA_BYTES
         pad = (-base) % ALIGNMENT
         info.extra = struct.pack("<HHH", ALIGN_EXTRA_ID, 2 + pad, ALIGNMENT) + b"\0" * pad
-        self._zip.writestr(info, bytes(data) if isinstance(data, memoryview) else data)
+        view = memoryview(data).cast("B")
+        with self._zip.open(info, mode="w", force_zip64=True) as member:
+            for start in range(0, len(view), _WRITE_SLICE):
+                member.write(view[start:start + _WRITE_SLICE])
 
     def close(self) -> None:
         self._zip.close()
@@ -294,6 +309,17 @@ class ZipWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _zip64_size(extra: bytes) -> int | None:
+    """The compressed size recorded in a local header's zip64 extra field (None without one)."""
+    offset = 0
+    while offset + 4 <= len(extra):
+        field_id, length = struct.unpack_from("<HH", extra, offset)
+        if field_id == _ZIP64_EXTRA_ID and length >= 16:
+            return int(struct.unpack_from("<Q", extra, offset + 12)[0])
+        offset += 4 + length
+    return None
 
 
 def _now() -> tuple[int, int, int, int, int, int]:
