@@ -317,6 +317,8 @@ def _zip64_size(extra: bytes) -> int | None:
     while offset + 4 <= len(extra):
         field_id, length = struct.unpack_from("<HH", extra, offset)
         if field_id == _ZIP64_EXTRA_ID and length >= 16:
+            if offset + 20 > len(extra):  # a header cut short (or damaged): no size to read
+                return None
             return int(struct.unpack_from("<Q", extra, offset + 12)[0])
         offset += 4 + length
     return None
