@@ -1,0 +1,194 @@
+"""Phase 3 of a sharded import: each bucket file written once, from every shard's piece; then the commit.
+
+A bucket's edges are its pieces from the shards of its input file, in shard order (so in input
+order), each turned into final offsets through the partition maps of phase 2 and filtered by the
+min counts. The file goes straight to its edge path; only the checksum manifest, the relation
+names, the entity count files and the import marker wait for every bucket (``finish``), written
+by pod 0 in that order: a reader that finds the count files finds everything they describe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.data.importing.dictionary import MAP_DTYPE, dict_unit, map_file
+from job.data.importing.mapper import shard_files
+from job.data.importing.options import ID_DTYPE, ImportSummary
+from job.data.importing.plan import Plan
+from job.data.importing.shards import Shard
+from job.data.importing.staging import Staging, write_import_marker
+from job.formats import entities as ent
+from job.formats.edges import edges_file, write_edge_manifest, write_edges
+from storage_adapters.fs import call
+
+logger = logging.getLogger("biggraph")
+
+CHUNK = 1 << 20  # edges read from a piece at a time
+_ITEM = np.dtype(ID_DTYPE).itemsize
+
+
+def bucket_unit(edge_index: int, lhs_part: int, rhs_part: int) -> str:
+    return f"bucket-{edge_index:03d}-{lhs_part:05d}-{rhs_part:05d}"
+
+
+def bucket_units(config: ConfigSchema, plan: Plan) -> list[tuple[int, int, int]]:
+    return [(e, lp, rp) for e in range(len(config.edge_paths)) for lp in range(plan.parts_lhs) for rp in range(plan.parts_rhs)]
+
+
+def read_range(url: str, start: int, length: int) -> bytes:
+    """``length`` bytes of ``url`` from ``start`` (one ranged GET on an object store)."""
+    if length <= 0:
+        return b""
+    if storage.is_local(url):
+        with open(storage.local_path(url), "rb") as handle:
+            handle.seek(start)
+            return handle.read(length)
+    fs, path = storage.get_filesystem(url)
+    return bytes(call(url, "read", lambda: fs.cat_file(path, start=start, end=start + length)))
+
+
+def relation_maps(shard_records: list[dict[str, Any]], min_count: int) -> tuple[list[str], list[np.ndarray]]:
+    """Dynamic relations: the kept names in sorted order, and per shard its local id -> kept id (-1: dropped)."""
+    totals: dict[str, int] = {}
+    for record in shard_records:
+        for name, count in zip(record["relations"], record["relation_counts"]):
+            totals[name] = totals.get(name, 0) + count
+    names = sorted(name for name, count in totals.items() if count >= min_count)
+    index = {name: i for i, name in enumerate(names)}
+    maps = [np.array([index.get(n, -1) for n in record["relations"]] or [-1], dtype=np.int64) for record in shard_records]
+    return names, maps
+
+
+@dataclass
+class BucketJob:
+    """What phase 3 needs to know of the whole import (built once per pod from the phase 1 and 2 markers)."""
+
+    config: ConfigSchema
+    plan: Plan
+    shards: list[Shard]
+    shard_records: list[dict[str, Any]]
+    staging: Staging
+    rel_maps: list[np.ndarray] | None  # dynamic relations only
+    unpartitioned: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.unpartitioned = [self.config.entities[n].num_partitions == 1 for n in self.plan.type_names]
+
+    def map_slice(self, shard: int, type_index: int, part: int) -> np.ndarray:
+        """Shard ``shard``'s entries of (type, partition) as final offsets."""
+        sizes = [record["parts"][type_index][part] for record in self.shard_records]
+        data = read_range(map_file(self.staging, type_index, part), sum(sizes[:shard]) * 4, sizes[shard] * 4)
+        return np.frombuffer(data, dtype=MAP_DTYPE).astype(np.int64)
+
+
+def _final_side(job: BucketJob, shard: int, types: np.ndarray, local: np.ndarray, part: int,
+                cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    out = np.empty(len(local), dtype=np.int64)
+    for type_index in np.unique(types).tolist():
+        rows = np.flatnonzero(types == type_index) if len(job.plan.type_names) > 1 else slice(None)
+        key = (type_index, 0 if job.unpartitioned[type_index] else part)
+        if key not in cache:
+            cache[key] = job.map_slice(shard, *key)
+        out[rows] = cache[key][local[rows]]
+    return out
+
+
+def _piece(job: BucketJob, shard: Shard, bucket: int, parts: tuple[int, int], files: list[Any]) -> tuple[int, int]:
+    """Append shard ``shard``'s edges of ``bucket``, as final ids, to ``files``; (edges kept, edges dropped)."""
+    record = job.shard_records[shard.index]
+    counts = record["buckets"]
+    n = counts[bucket]
+    base = 3 * _ITEM * sum(counts[:bucket])
+    url = shard_files(job.staging, shard.index)[1]
+    plan = job.plan
+    cache: dict[tuple[int, int], np.ndarray] = {}
+    kept = dropped = 0
+    for begin in range(0, n, CHUNK):
+        size = min(CHUNK, n - begin)
+        rel, lhs, rhs = (
+            np.frombuffer(read_range(url, base + (k * n + begin) * _ITEM, size * _ITEM), dtype=ID_DTYPE).astype(np.int64)
+            for k in range(3)
+        )
+        if plan.dynamic or len(plan.type_names) == 1:
+            lhs_types = np.full(size, plan.lhs_type[0])
+            rhs_types = np.full(size, plan.rhs_type[0])
+        else:
+            lhs_types, rhs_types = plan.lhs_type[rel], plan.rhs_type[rel]
+        lhs = _final_side(job, shard.index, lhs_types, lhs, parts[0], cache)
+        rhs = _final_side(job, shard.index, rhs_types, rhs, parts[1], cache)
+        if job.rel_maps is not None:
+            rel = job.rel_maps[shard.index][rel]
+        keep = (lhs >= 0) & (rhs >= 0) & (rel >= 0)
+        if not keep.all():
+            rel, lhs, rhs = rel[keep], lhs[keep], rhs[keep]
+        for handle, values in zip(files, (rel, lhs, rhs)):
+            handle.write(values.astype(ID_DTYPE).tobytes())
+        kept += len(rel)
+        dropped += size - len(rel)
+    return kept, dropped
+
+
+def assemble_bucket(job: BucketJob, unit: tuple[int, int, int], workdir: str) -> None:
+    """Phase 3 for bucket ``unit`` = (edge path index, lhs partition, rhs partition): its file, then its marker."""
+    edge_index, lhs_part, rhs_part = unit
+    bucket = lhs_part * job.plan.parts_rhs + rhs_part
+    local = os.path.join(workdir, f"bucket_{edge_index}_{lhs_part}_{rhs_part}")
+    os.makedirs(local)
+    paths = [os.path.join(local, name) for name in ("rel", "lhs", "rhs")]
+    kept = dropped = 0
+    try:
+        files = [open(path, "wb") for path in paths]  # noqa: SIM115 - closed below
+        try:
+            for shard in job.shards:
+                if shard.file_index == edge_index and job.shard_records[shard.index]["buckets"][bucket]:
+                    got, lost = _piece(job, shard, bucket, (lhs_part, rhs_part), files)
+                    kept, dropped = kept + got, dropped + lost
+        finally:
+            for handle in files:
+                handle.close()
+        arrays = [np.memmap(p, dtype=ID_DTYPE, mode="r") if kept else np.zeros(0, ID_DTYPE) for p in paths]
+        url = edges_file(job.config.edge_paths[edge_index], lhs_part, rhs_part)
+        size, crc = write_edges(url, arrays[0], arrays[1], arrays[2])
+        del arrays
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    job.staging.commit(bucket_unit(*unit), {"size": size, "crc": crc, "edges": kept, "dropped": dropped})
+
+
+def finish(job: BucketJob, dict_records: dict[tuple[int, int], dict[str, Any]], relation_names: list[str] | None,
+           digest: str, summary: ImportSummary) -> ImportSummary:
+    """The commit (pod 0, after every bucket): manifests, relation names, count files, the import marker."""
+    config, plan, staging = job.config, job.plan, job.staging
+    units = bucket_units(config, plan)
+    records = staging.read(bucket_unit(*u) for u in units)
+    for edge_index, edge_path in enumerate(config.edge_paths):
+        entries = {
+            edges_file(edge_path, lp, rp).rsplit("/", 1)[-1]: (record["size"], record["crc"])
+            for (e, lp, rp), record in zip(units, records) if e == edge_index
+        }
+        write_edge_manifest(edge_path, entries)
+    summary.edges_written = sum(r["edges"] for r in records)
+    summary.filtered_edges = sum(r["dropped"] for r in records)
+    if relation_names is not None:
+        ent.write_dynamic_rel_names(config.entity_path, relation_names)
+        ent.write_dynamic_rel_count(config.entity_path, len(relation_names))
+    for (type_index, part), record in sorted(dict_records.items()):
+        name = plan.type_names[type_index]
+        ent.write_entity_count(config.entity_path, name, part, record["count"])
+        summary.entities[name] = summary.entities.get(name, 0) + record["count"]
+    write_import_marker(config, digest, summary)
+    staging.remove()
+    return summary
+
+
+def dict_records_of(staging: Staging, units: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return dict(zip(units, staging.read(dict_unit(*u) for u in units)))
+

@@ -1,0 +1,193 @@
+"""Phase 1 of a sharded import: one shard's rows -> its entities per partition and its edges per bucket.
+
+A shard is parsed, checked and hashed exactly as a single-process import parses a file (the same
+``Importer`` pass 1, through a byte-range reader). Each entity's partition is a hash of its name
+(``hashing.partition_of``), so the shard can bucket its edges at once, with no global dictionary.
+It leaves in staging:
+
+- ``names.arrow``: per (entity type, partition), the distinct ids it saw, sorted by hash, with
+  their counts (an Arrow IPC file, one record batch per partition: read back without pickling);
+- ``edges.bin``: per bucket, its edges as int32 (rel, lhs, rhs), lhs/rhs being positions in that
+  shard's list for the partition (phase 2 turns them into final offsets), in input order;
+- its marker, last, with the counts the later phases need to find their slices of both files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.data.importing.bucketing import SPILLED, BucketedChunk, append_to_buckets, read_spilled
+from job.data.importing.hashing import partition_of, spread_of
+from job.data.importing.importer import Importer
+from job.data.importing.options import ImportOptions
+from job.data.importing.readers import Source
+from job.data.importing.shards import Shard
+from job.data.importing.staging import Staging
+
+logger = logging.getLogger("biggraph")
+
+CHUNK = 1 << 20  # edges bucketed at a time
+NAMES_SCHEMA_FIELDS = (("hash", "uint64"), ("count", "int64"), ("name", "large_string"))
+
+
+def shard_unit(index: int) -> str:
+    return f"shard-{index:06d}"
+
+
+def shard_files(staging: Staging, index: int) -> tuple[str, str]:
+    """(names.arrow, edges.bin) of shard ``index``."""
+    return staging.url("shards", f"{index:06d}", "names.arrow"), staging.url("shards", f"{index:06d}", "edges.bin")
+
+
+@dataclass
+class _TypeLayout:
+    """Where each shard-local entity of one type goes: its partition and position there, and its hash."""
+
+    part: np.ndarray
+    index: np.ndarray
+    hashes: np.ndarray
+    order: np.ndarray  # local ids sorted by (partition, hash)
+    sizes: np.ndarray  # entities per partition
+
+
+class ShardImporter(Importer):
+    """Pass 1 of ``Importer`` over one shard (its byte range only)."""
+
+    def __init__(self, config: ConfigSchema, shard: Shard, options: ImportOptions, workdir: str) -> None:
+        super().__init__(config, [shard.url], options, workdir)
+        self.shard = shard
+
+    def _source(self, file_index: int, url: str) -> Source:
+        return Source(url, self.options, self.shard.byte_range)
+
+    def read(self) -> None:
+        self._pass1(time.monotonic())
+
+    def layouts(self) -> list[_TypeLayout]:
+        layouts = []
+        for name, table in zip(self.plan.type_names, self.tables):
+            num_parts = self.config.entities[name].num_partitions
+            hashes = table.hashes_of(np.arange(table.size, dtype=np.int64))
+            part = partition_of(hashes, num_parts, self.options.seed)
+            order = np.lexsort((hashes, part))
+            sizes = np.bincount(part, minlength=num_parts).astype(np.int64)
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            index = np.empty(table.size, dtype=np.int64)
+            index[order] = np.arange(table.size, dtype=np.int64) - starts[part[order]]
+            layouts.append(_TypeLayout(part, index, hashes, order, sizes))
+        return layouts
+
+
+def _write_names(url: str, importer: ShardImporter, layouts: list[_TypeLayout]) -> None:
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
+
+    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in NAMES_SCHEMA_FIELDS])
+    with storage.local_file_for_writing(url) as tmp, pa.OSFile(tmp, "wb") as sink:
+        with pa.ipc.new_file(sink, schema) as writer:
+            for table, layout in zip(importer.tables, layouts):
+                names = table.names() if table.size else None
+                start = 0
+                for size in layout.sizes.tolist():
+                    rows = layout.order[start : start + size]
+                    start += size
+                    picked = names.take(rows).combine_chunks() if names is not None and size else pa.array([], pa.large_string())
+                    writer.write_batch(pa.record_batch(
+                        [pa.array(layout.hashes[rows], pa.uint64()), pa.array(table.counts[rows], pa.int64()), picked],
+                        schema=schema,
+                    ))
+
+
+def _side(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout], single: bool) -> tuple[np.ndarray, ...]:
+    """(partition, position, hash) of each edge's entity on one side (``types``: its entity type index)."""
+    if single:
+        layout = layouts[0]
+        return layout.part[ids], layout.index[ids], layout.hashes[ids]
+    part = np.empty(len(ids), dtype=np.int64)
+    index = np.empty(len(ids), dtype=np.int64)
+    hashes = np.empty(len(ids), dtype=np.uint64)
+    for type_index in np.unique(types).tolist():
+        rows = np.flatnonzero(types == type_index)
+        layout = layouts[type_index]
+        picked = ids[rows]
+        part[rows], index[rows], hashes[rows] = layout.part[picked], layout.index[picked], layout.hashes[picked]
+    return part, index, hashes
+
+
+def _bucket_edges(importer: ShardImporter, layouts: list[_TypeLayout], bucket_dir: str) -> np.ndarray:
+    """Group the spilled edges by bucket into local files; the edge count per bucket."""
+    plan = importer.plan
+    num_buckets = plan.parts_lhs * plan.parts_rhs
+    unpartitioned = np.array([importer.config.entities[n].num_partitions == 1 for n in plan.type_names])
+    single = len(plan.type_names) == 1
+    source_dir = os.path.join(importer.workdir, "spill_0")
+    os.makedirs(bucket_dir, exist_ok=True)
+    counts = np.zeros(num_buckets, dtype=np.int64)
+    total = importer.spilled[0]
+    for begin in range(0, total, CHUNK):
+        end = min(total, begin + CHUNK)
+        rel, lhs, rhs = (read_spilled(source_dir, name, begin, end) for name in SPILLED)
+        if plan.dynamic or single:
+            lhs_types = np.full(len(rel), plan.lhs_type[0])
+            rhs_types = np.full(len(rel), plan.rhs_type[0])
+        else:
+            lhs_types, rhs_types = plan.lhs_type[rel], plan.rhs_type[rel]
+        lhs_part, lhs_index, lhs_hash = _side(lhs_types, lhs, layouts, single)
+        rhs_part, rhs_index, rhs_hash = _side(rhs_types, rhs, layouts, single)
+        # Unpartitioned types sit in any bucket of their side: spread by a hash of the edge (as PBG spreads them).
+        for parts, side_part, side_types in ((plan.parts_lhs, lhs_part, lhs_types), (plan.parts_rhs, rhs_part, rhs_types)):
+            if parts > 1 and unpartitioned.any():
+                spread = np.flatnonzero(unpartitioned[side_types])
+                side_part[spread] = spread_of(lhs_hash[spread], rhs_hash[spread], parts)
+        chunk = BucketedChunk(rel, lhs_index, rhs_index, lhs_part * plan.parts_rhs + rhs_part, 0)
+        counts += append_to_buckets(bucket_dir, num_buckets, chunk)
+    shutil.rmtree(source_dir, ignore_errors=True)
+    return counts
+
+
+def _write_edges(url: str, bucket_dir: str, counts: np.ndarray) -> None:
+    with storage.local_file_for_writing(url) as tmp, open(tmp, "wb") as out:
+        for bucket in np.flatnonzero(counts).tolist():
+            for name in SPILLED:
+                path = os.path.join(bucket_dir, f"{bucket}.{name}")
+                with open(path, "rb") as part:
+                    shutil.copyfileobj(part, out, 1 << 20)
+                os.unlink(path)
+
+
+def read_shard(config: ConfigSchema, shard: Shard, options: ImportOptions, staging: Staging, workdir: str) -> None:
+    """Phase 1 for ``shard``: its names and edges pieces into staging, then its marker."""
+    started = time.monotonic()
+    shard_dir = os.path.join(workdir, f"shard_{shard.index}")
+    os.makedirs(shard_dir)
+    try:
+        importer = ShardImporter(config, shard, options, shard_dir)
+        importer.read()
+        layouts = importer.layouts()
+        names_url, edges_url = shard_files(staging, shard.index)
+        _write_names(names_url, importer, layouts)
+        counts = _bucket_edges(importer, layouts, os.path.join(shard_dir, "buckets"))
+        _write_edges(edges_url, os.path.join(shard_dir, "buckets"), counts)
+    finally:
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    summary = importer.summary
+    relation_names = list(importer.dynamic_names)
+    staging.commit(shard_unit(shard.index), {
+        "edges_read": summary.edges_read,
+        "malformed_rows": summary.malformed_rows,
+        "empty_id_rows": summary.empty_id_rows,
+        "unknown_relation_rows": summary.unknown_relation_rows,
+        "buckets": counts.tolist(),
+        "parts": [layout.sizes.tolist() for layout in layouts],
+        "relations": relation_names,
+        "relation_counts": importer.dynamic_counts[: len(relation_names)].tolist(),
+        "seconds": round(time.monotonic() - started, 3),
+    })
+    logger.info("import: shard %d (%s) read: %s edges", shard.index, shard.url, f"{summary.edges_read:,}")

@@ -1,0 +1,214 @@
+"""One pod of a sharded import, and ``--pods N`` on one machine.
+
+Every import runs ``run_pod``: a single-process ``biggraph import`` is pod 0 of 1, an Indexed Job's
+pod is pod ``JOB_COMPLETION_INDEX`` of N, and ``biggraph import --pods N`` starts N local processes
+that are exactly such pods. A pod does its share of each phase (unit k of a phase belongs to pod
+k mod N), skipping units already committed by an earlier run, then waits for the other pods'
+units of that phase before the next:
+
+1. read its shards (``mapper``), 2. build its partitions' dictionaries (``dictionary``),
+3. write its buckets (``assemble``); pod 0 then waits for every bucket and commits (``finish``).
+
+A pod that dies costs only its uncommitted units: when it (or its replacement) runs again, it
+finds the rest committed. Pods other than 0 exit after phase 3; pod 0 returns the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import storage_adapters as storage
+from job.config import ConfigSchema
+from job.data.importing.assemble import (
+    BucketJob,
+    assemble_bucket,
+    bucket_unit,
+    bucket_units,
+    dict_records_of,
+    finish,
+    relation_maps,
+)
+from job.data.importing.dictionary import build_dictionary, dict_unit, dict_units
+from job.data.importing.mapper import read_shard, shard_unit
+from job.data.importing.options import ImportOptions, ImportSummary
+from job.data.importing.plan import make_plan
+from job.data.importing.shards import plan_shards
+from job.data.importing.staging import (
+    Staging,
+    already_imported,
+    default_staging_root,
+    fingerprint,
+    import_marker,
+    input_versions,
+    summary_of_marker,
+)
+from job.errors import InputFormatError, UserError
+
+logger = logging.getLogger("biggraph")
+
+CRASH_ENV = "BIGGRAPH_IMPORT_CRASH_AT"  # tests: "UNIT" -> SIGKILL this process after that unit's files, before its marker
+RESTARTS = 3  # --pods N: a local pod killed by a signal is started again this many times (a Job's backoffLimitPerIndex)
+
+
+@dataclass(frozen=True)
+class PodRole:
+    """Which pod this process is, of how many, and where the pods meet (None: the default staging root)."""
+
+    index: int = 0
+    count: int = 1
+    staging_root: str | None = None
+    skip_done: bool = True  # an import marker of this very request means there is nothing to do (a resubmit)
+
+
+def _mine(units: list, role: PodRole) -> list:
+    return units[role.index :: role.count]
+
+
+def _crash_point(unit: str) -> None:
+    if os.environ.get(CRASH_ENV) == unit:
+        logger.warning("import: %s=%s: killing this pod before committing %s", CRASH_ENV, unit, unit)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _CrashingStaging(Staging):
+    """A Staging whose commit of the unit named by the test variable dies first (files written, marker not)."""
+
+    def commit(self, unit: str, record: dict) -> None:
+        _crash_point(unit)
+        super().commit(unit, record)
+
+
+def _committed(staging: Staging) -> set[str]:
+    return {name[: -len(".json")] for name in storage.listdir(staging.done_dir) if name.endswith(".json")}
+
+
+def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role: PodRole) -> ImportSummary | None:
+    """This pod's share of the import (see the module docstring); pod 0 returns the summary, others None."""
+    started = time.monotonic()
+    versions = input_versions(files)
+    digest = fingerprint(config, files, versions, options)
+    if role.skip_done and already_imported(config, digest):
+        logger.info("import: %s already holds this import (%s): nothing to do", config.entity_path, import_marker(config))
+        return summary_of_marker(config) if role.index == 0 else None
+    root = storage.join(role.staging_root or default_staging_root(config), digest)
+    staging: Staging = _CrashingStaging(root) if os.environ.get(CRASH_ENV) else Staging(root)
+    plan = make_plan(config)
+    shards = plan_shards(files, [size for size, _ in versions], options)
+    workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
+    try:
+        # Phase 1: shards.
+        done = _committed(staging)
+        shard_names = [shard_unit(s.index) for s in shards]
+        for shard in _mine(shards, role):
+            if shard_unit(shard.index) not in done:
+                try:
+                    read_shard(config, shard, options, staging, workdir)
+                except InputFormatError as err:
+                    staging.fail(err, role.index)
+                    raise
+        staging.wait_for(shard_names, "shards")
+        shard_records = staging.read(shard_names)
+        # Phase 2: dictionaries.
+        done = _committed(staging)
+        units = dict_units(config, plan)
+        for unit in _mine(units, role):
+            if dict_unit(*unit) not in done:
+                build_dictionary(config, plan, unit, shard_records, entity_min_count=options.entity_min_count,
+                                 staging=staging)
+        staging.wait_for([dict_unit(*u) for u in units], "partition dictionaries")
+        # Phase 3: buckets.
+        relation_names, rel_maps = (None, None)
+        if plan.dynamic:
+            relation_names, rel_maps = relation_maps(shard_records, options.relation_type_min_count)
+        job = BucketJob(config, plan, shards, shard_records, staging, rel_maps)
+        done = _committed(staging)
+        buckets = bucket_units(config, plan)
+        for bucket in _mine(buckets, role):
+            if bucket_unit(*bucket) not in done:
+                assemble_bucket(job, bucket, workdir)
+        if role.index != 0:
+            return None
+        staging.wait_for([bucket_unit(*b) for b in buckets], "buckets")
+        summary = _summary_of(shard_records)
+        summary.relations = len(relation_names) if relation_names is not None else len(config.relations)
+        finish(job, dict_records_of(staging, units), relation_names, digest, summary)
+        summary.seconds = time.monotonic() - started
+        return summary
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _summary_of(shard_records: list[dict]) -> ImportSummary:
+    summary = ImportSummary()
+    for record in shard_records:
+        summary.edges_read += record["edges_read"]
+        summary.malformed_rows += record["malformed_rows"]
+        summary.empty_id_rows += record["empty_id_rows"]
+        summary.unknown_relation_rows += record["unknown_relation_rows"]
+    return summary
+
+
+def pod_index_from_env() -> int | None:
+    """The pod index an Indexed Job gives its pods (None outside one)."""
+    value = os.environ.get("JOB_COMPLETION_INDEX")
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"JOB_COMPLETION_INDEX={value!r} is not a pod index (expected an integer >= 0)") from None
+
+
+def launch_local(argv: list[str], command: str, pods: int) -> int:
+    """``biggraph import --pods N``: N local processes, each ``biggraph import ... --pod-index i`` (the pods' own
+    code path). A pod killed by a signal is started again (as a Job replaces a lost pod); a pod that fails stops
+    the others. The exit code is 0, or the first failing pod's."""
+    at = argv.index(command) + 1
+    procs: dict[int, subprocess.Popen] = {}
+    restarts = dict.fromkeys(range(pods), 0)
+
+    def start(index: int) -> None:
+        child = [sys.executable, "-m", "job", *argv[:at], "--pod-index", str(index), *argv[at:]]
+        env = dict(os.environ)
+        if restarts[index]:
+            env.pop(CRASH_ENV, None)
+        procs[index] = subprocess.Popen(child, env=env)
+
+    for index in range(pods):
+        start(index)
+    code = 0
+    try:
+        while procs:
+            for index, proc in list(procs.items()):
+                status = proc.poll()
+                if status is None:
+                    continue
+                del procs[index]
+                if status < 0 and restarts[index] < RESTARTS:
+                    restarts[index] += 1
+                    logger.warning("import: pod %d was killed (signal %d); starting it again", index, -status)
+                    start(index)
+                elif status != 0:
+                    code = status if status > 0 else 1
+                    raise _PodFailed
+            time.sleep(0.2)
+    except _PodFailed:
+        pass
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait()
+    return code
+
+
+class _PodFailed(Exception):
+    pass
