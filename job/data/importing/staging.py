@@ -126,7 +126,12 @@ class Staging:
             poll = min(max_poll, poll * 1.5)
 
     def remove(self) -> None:
+        """Remove this import's pieces, and the default staging root too once no other import's are left in it
+        (a root the user named is left alone: it may be a bucket)."""
         storage.remove(self.root)
+        parent = self.root.rsplit("/", 1)[0]
+        if parent.endswith("/" + STAGING_DIR) and not storage.listdir(parent):
+            storage.remove(parent)
 
 
 def default_staging_root(config: ConfigSchema) -> str:
