@@ -249,3 +249,63 @@ def test_pods_as_processes_one_killed_mid_import(tmp_path: Path, reference: tupl
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pod 1 was killed (signal 9); starting it again" in done.stderr
     assert digests(str(tmp_path / "procs")) == expected
+
+
+PBG_TRAIN = """
+import json, sys, warnings
+from typing import Optional
+warnings.simplefilter("ignore")
+from torchbiggraph import schema
+
+def unpack_optional(type_):  # PBG 1.0.0 compares Optional[X] by identity, which typing's cache does not keep
+    args = getattr(type_, "__args__", None)
+    if not args or type_ != Optional[args[0]]:
+        raise TypeError("Not an optional type")
+    return args[0]
+
+schema.unpack_optional = unpack_optional
+from torchbiggraph.config import ConfigSchema
+from torchbiggraph.train import train
+raw = json.loads(sys.argv[1])
+train(ConfigSchema.from_dict(raw))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.pbg
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_pbg_reads_and_trains_on_a_three_pod_import(tmp_path: Path, reference: tuple[list[str], dict[str, str]]) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("torchbiggraph")
+        from torchbiggraph.checkpoint_manager import CheckpointManager
+        from torchbiggraph.graph_storages import FileEdgeStorage, FileEntityStorage, FileRelationTypeStorage
+
+    files, _ = reference
+    out = tmp_path / "pods"
+    config = write_config(tmp_path / "pods.json", str(out))
+    results = run_pods(config, files, 3, staging=str(tmp_path / "staging"))
+    written = results[0].edges_written
+    entities, relations = FileEntityStorage(str(out / "entities")), FileRelationTypeStorage(str(out / "entities"))
+    counts = [entities.load_count("all", p) for p in range(3)]
+    assert [len(entities.load_names("all", p)) for p in range(3)] == counts
+    assert relations.load_count() == len(relations.load_names()) == 3
+    total = 0
+    for path in ("edges_a", "edges_b"):
+        edges = FileEdgeStorage(str(out / path))
+        for lp in range(3):
+            for rp in range(3):
+                chunk = edges.load_edges(lp, rp)
+                total += len(chunk)
+                if len(chunk):
+                    assert int(chunk.lhs.to_tensor().max()) < counts[lp] and int(chunk.rhs.to_tensor().max()) < counts[rp]
+    assert total == written
+    raw = json.loads(Path(config).read_text())
+    raw.update(num_epochs=1, workers=1, batch_size=100, num_uniform_negs=10, num_batch_negs=10)
+    done = subprocess.run([sys.executable, "-c", PBG_TRAIN, json.dumps(raw)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    embeddings, _ = CheckpointManager(raw["checkpoint_path"]).read("all", 2)
+    assert tuple(embeddings.shape) == (counts[2], 4)
