@@ -32,6 +32,7 @@ from storage_adapters.fs import call
 logger = logging.getLogger("biggraph")
 
 CHUNK = 1 << 20  # edges read from a piece at a time
+MAP_CACHE = 1 << 25  # partition map entries (int32) a pod keeps between buckets: 128 MiB
 _ITEM = np.dtype(ID_DTYPE).itemsize
 
 
@@ -78,27 +79,45 @@ class BucketJob:
     staging: Staging
     rel_maps: list[np.ndarray] | None  # dynamic relations only
     unpartitioned: list[bool] = field(default_factory=list)
+    _maps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+    _cached: int = 0
 
     def __post_init__(self) -> None:
         self.unpartitioned = [self.config.entities[n].num_partitions == 1 for n in self.plan.type_names]
 
     def map_slice(self, shard: int, type_index: int, part: int) -> np.ndarray:
-        """Shard ``shard``'s entries of (type, partition) as final offsets."""
+        """Shard ``shard``'s entries of (type, partition) as final offsets. Kept for the pod's next buckets (the
+        buckets of one lhs partition all need the same slices) up to ``MAP_CACHE`` entries, oldest dropped first."""
+        key = (shard, type_index, part)
+        found = self._maps.get(key)
+        if found is not None:
+            return found
         sizes = [record["parts"][type_index][part] for record in self.shard_records]
         data = read_range(map_file(self.staging, type_index, part), sum(sizes[:shard]) * 4, sizes[shard] * 4)
-        return np.frombuffer(data, dtype=MAP_DTYPE).astype(np.int64)
+        values = np.frombuffer(data, dtype=MAP_DTYPE)
+        while self._maps and self._cached + len(values) > MAP_CACHE:
+            self._cached -= len(self._maps.pop(next(iter(self._maps))))
+        self._maps[key] = values
+        self._cached += len(values)
+        return values
 
 
 def _final_side(job: BucketJob, shard: int, types: np.ndarray, local: np.ndarray, part: int,
                 cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    if len(job.plan.type_names) == 1:
+        return _slice(job, shard, 0, part, cache)[local].astype(np.int64)
     out = np.empty(len(local), dtype=np.int64)
     for type_index in np.unique(types).tolist():
-        rows = np.flatnonzero(types == type_index) if len(job.plan.type_names) > 1 else slice(None)
-        key = (type_index, 0 if job.unpartitioned[type_index] else part)
-        if key not in cache:
-            cache[key] = job.map_slice(shard, *key)
-        out[rows] = cache[key][local[rows]]
+        rows = np.flatnonzero(types == type_index)
+        out[rows] = _slice(job, shard, type_index, part, cache)[local[rows]]
     return out
+
+
+def _slice(job: BucketJob, shard: int, type_index: int, part: int, cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    key = (type_index, 0 if job.unpartitioned[type_index] else part)
+    if key not in cache:
+        cache[key] = job.map_slice(shard, *key)
+    return cache[key]
 
 
 def _piece(job: BucketJob, shard: Shard, bucket: int, parts: tuple[int, int], files: list[Any]) -> tuple[int, int]:

@@ -57,6 +57,15 @@ class _TypeLayout:
     order: np.ndarray  # local ids sorted by (partition, hash)
     sizes: np.ndarray  # entities per partition
 
+    @property
+    def packed(self) -> np.ndarray:
+        """``part << 32 | index`` per local id (computed once)."""
+        if self._packed is None:
+            self._packed = (self.part << 32) | self.index
+        return self._packed
+
+    _packed: np.ndarray | None = None
+
 
 class ShardImporter(Importer):
     """Pass 1 of ``Importer`` over one shard (its byte range only)."""
@@ -105,20 +114,25 @@ def _write_names(url: str, importer: ShardImporter, layouts: list[_TypeLayout]) 
                     ))
 
 
-def _side(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout], single: bool) -> tuple[np.ndarray, ...]:
-    """(partition, position, hash) of each edge's entity on one side (``types``: its entity type index)."""
+def _side(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout], single: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(partition, position) of each edge's entity on one side (``types``: its entity type index): one gather
+    of the packed ``partition << 32 | position`` per type, the costly part of bucketing."""
     if single:
-        layout = layouts[0]
-        return layout.part[ids], layout.index[ids], layout.hashes[ids]
-    part = np.empty(len(ids), dtype=np.int64)
-    index = np.empty(len(ids), dtype=np.int64)
+        packed = layouts[0].packed[ids]
+    else:
+        packed = np.empty(len(ids), dtype=np.int64)
+        for type_index in np.unique(types).tolist():
+            rows = np.flatnonzero(types == type_index)
+            packed[rows] = layouts[type_index].packed[ids[rows]]
+    return packed >> 32, packed & 0xFFFFFFFF
+
+
+def _hashes(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout]) -> np.ndarray:
     hashes = np.empty(len(ids), dtype=np.uint64)
     for type_index in np.unique(types).tolist():
         rows = np.flatnonzero(types == type_index)
-        layout = layouts[type_index]
-        picked = ids[rows]
-        part[rows], index[rows], hashes[rows] = layout.part[picked], layout.index[picked], layout.hashes[picked]
-    return part, index, hashes
+        hashes[rows] = layouts[type_index].hashes[ids[rows]]
+    return hashes
 
 
 def _bucket_edges(importer: ShardImporter, layouts: list[_TypeLayout], bucket_dir: str) -> np.ndarray:
@@ -139,13 +153,14 @@ def _bucket_edges(importer: ShardImporter, layouts: list[_TypeLayout], bucket_di
             rhs_types = np.full(len(rel), plan.rhs_type[0])
         else:
             lhs_types, rhs_types = plan.lhs_type[rel], plan.rhs_type[rel]
-        lhs_part, lhs_index, lhs_hash = _side(lhs_types, lhs, layouts, single)
-        rhs_part, rhs_index, rhs_hash = _side(rhs_types, rhs, layouts, single)
+        lhs_part, lhs_index = _side(lhs_types, lhs, layouts, single)
+        rhs_part, rhs_index = _side(rhs_types, rhs, layouts, single)
         # Unpartitioned types sit in any bucket of their side: spread by a hash of the edge (as PBG spreads them).
         for parts, side_part, side_types in ((plan.parts_lhs, lhs_part, lhs_types), (plan.parts_rhs, rhs_part, rhs_types)):
-            if parts > 1 and unpartitioned.any():
-                spread = np.flatnonzero(unpartitioned[side_types])
-                side_part[spread] = spread_of(lhs_hash[spread], rhs_hash[spread], parts)
+            spread = np.flatnonzero(unpartitioned[side_types]) if parts > 1 and unpartitioned.any() else None
+            if spread is not None and len(spread):
+                side_part[spread] = spread_of(_hashes(lhs_types[spread], lhs[spread], layouts),
+                                              _hashes(rhs_types[spread], rhs[spread], layouts), parts)
         chunk = BucketedChunk(rel, lhs_index, rhs_index, lhs_part * plan.parts_rhs + rhs_part, 0)
         counts += append_to_buckets(bucket_dir, num_buckets, chunk)
     shutil.rmtree(source_dir, ignore_errors=True)

@@ -86,6 +86,19 @@ class _CrashingStaging(Staging):
         super().commit(unit, record)
 
 
+class _PhaseClock:
+    """Logs each phase's wall and CPU seconds in this pod (what bench/import_pods_bench.py models costs from)."""
+
+    def __init__(self, pod: int) -> None:
+        self.pod = pod
+        self.wall, self.cpu = time.monotonic(), time.process_time()
+
+    def lap(self, phase: str) -> None:
+        wall, cpu = time.monotonic(), time.process_time()
+        logger.info("import: pod %d: %s took %.2f s wall, %.2f s CPU", self.pod, phase, wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+
+
 def _committed(staging: Staging) -> set[str]:
     return {name[: -len(".json")] for name in storage.listdir(staging.done_dir) if name.endswith(".json")}
 
@@ -103,6 +116,7 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
     plan = make_plan(config)
     shards = plan_shards(files, [size for size, _ in versions], options)
     workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
+    clock = _PhaseClock(role.index)
     try:
         # Phase 1: shards.
         done = _committed(staging)
@@ -114,7 +128,9 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
                 except InputFormatError as err:
                     staging.fail(err, role.index)
                     raise
+        clock.lap("phase 1 (shards)")
         staging.wait_for(shard_names, "shards")
+        clock.lap("waiting for the other pods' shards")
         shard_records = staging.read(shard_names)
         # Phase 2: dictionaries.
         done = _committed(staging)
@@ -123,7 +139,9 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
             if dict_unit(*unit) not in done:
                 build_dictionary(config, plan, unit, shard_records, entity_min_count=options.entity_min_count,
                                  staging=staging)
+        clock.lap("phase 2 (dictionaries)")
         staging.wait_for([dict_unit(*u) for u in units], "partition dictionaries")
+        clock.lap("waiting for the other pods' dictionaries")
         # Phase 3: buckets.
         relation_names, rel_maps = (None, None)
         if plan.dynamic:
@@ -134,12 +152,15 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
         for bucket in _mine(buckets, role):
             if bucket_unit(*bucket) not in done:
                 assemble_bucket(job, bucket, workdir)
+        clock.lap("phase 3 (buckets)")
         if role.index != 0:
             return None
         staging.wait_for([bucket_unit(*b) for b in buckets], "buckets")
+        clock.lap("waiting for the other pods' buckets")
         summary = _summary_of(shard_records)
         summary.relations = len(relation_names) if relation_names is not None else len(config.relations)
         finish(job, dict_records_of(staging, units), relation_names, digest, summary)
+        clock.lap("commit")
         summary.seconds = time.monotonic() - started
         return summary
     finally:
