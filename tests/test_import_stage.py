@@ -68,3 +68,26 @@ def test_the_rendered_import_command_run_as_the_job_pods(tmp_path: Path) -> None
     assert [pod.returncode for pod in pods] == [0, 0], outputs
     assert "pod 1 of 2 done" in outputs[1] and "imported" in outputs[0]
     assert digests(str(tmp_path / "pods")) == digests(str(tmp_path / "one"))
+
+
+def test_biggraph_submit_renders_the_import_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from job.cli import main
+    from test_chart import helm_binary
+
+    config = tmp_path / "s3.json"
+    config.write_text(json.dumps({
+        "entities": {"all": {"num_partitions": 4}},
+        "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "translation"}],
+        "dynamic_relations": True, "global_emb": False, "dimension": 16,
+        "entity_path": "s3://my-bucket/g/entities", "edge_paths": ["s3://my-bucket/g/edges"],
+        "checkpoint_path": "s3://my-bucket/g/model",
+    }))
+    code = main(["submit", str(config), "--helm", helm_binary(), "--chart", str(CHART), "--dry-run", "--kube-version",
+                 "1.35", "--replicas", "3", "--name", "imp", "--set", "stage=import",
+                 "--set", "importer.files={s3://my-bucket/raw/a.tsv}", "--set", "importer.args={-l,0,--rel-col,1,-r,2}"])
+    assert code == 0
+    job = next(d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "Job")
+    assert trainer(job)["args"] == ["biggraph", "import", "/etc/biggraph/config.yaml", "s3://my-bucket/raw/a.tsv",
+                                    "-l", "0", "--rel-col", "1", "-r", "2", "--pods", "3"]
