@@ -72,9 +72,9 @@ def test_the_rendered_import_command_run_as_the_job_pods(tmp_path: Path) -> None
 
 def test_biggraph_submit_renders_the_import_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
+    from test_chart import helm_binary
 
     from job.cli import main
-    from test_chart import helm_binary
 
     config = tmp_path / "s3.json"
     config.write_text(json.dumps({
