@@ -29,12 +29,48 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from import_bench import generate  # noqa: E402
 from machine import matmul_rate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PHASE = re.compile(r"import: pod (\d+): (.+?) took ([\d.]+) s wall, ([\d.]+) s CPU")
+SHARD_ENTITIES = re.compile(r"pass 1 done: [\d,]+ edges .*; entities: \w+=([\d,]+)")
+FIXED_RSS = 150 * 2**20  # a pod's peak on a 20,000-edge import: interpreter, numpy, pyarrow, h5py, fsspec
+
+
+def paper_model(*, edges: int, input_bytes: int, distinct: int, phase_cpu: dict[str, float], pod_peak: int,
+                shard_entities: int) -> None:
+    """Import wall time and memory per pod for 2B edges / 100M entities on 8, 32, 128 pods at 200 MB/s each,
+    from this run's CPU per edge (phases 1, 3) and per shard-entity entry (phase 2). Worst case: ids uniform
+    over the entities, so a 256 MiB shard sees 1 - exp(-2e/V) of them (a power-law graph sees far fewer)."""
+    c1 = phase_cpu.get("phase 1 (shards)", 0.0) / edges
+    c2 = phase_cpu.get("phase 2 (dictionaries)", 0.0) / distinct
+    c3 = phase_cpu.get("phase 3 (buckets)", 0.0) / edges
+    per_entry = (pod_peak - FIXED_RSS) / shard_entities  # bytes a pod holds per distinct id of its shard
+    big_e, big_v, name, rate, parts = 2e9, 1e8, 9, 200e6, 32
+    b_in = big_e * (2 * name + 5)
+    shards = b_in / (256 * 2**20)
+    per_shard = big_e / shards
+    d_shard = big_v * (1 - np.exp(-2 * per_shard / big_v))
+    d_all = shards * d_shard
+    entry = 24 + name  # a names.arrow row: hash, count, offset, name
+    print(f"\nmodel: 2B edges, 100M entities, {b_in / 1e9:.0f} GB of TSV, {shards:.0f} shards of 256 MiB, "
+          f"{d_shard / 1e6:.1f}M distinct ids per shard ({d_all / 1e9:.2f}B entries in all), {parts} partitions; "
+          f"measured: phase 1 {c1 * 1e6:.2f} CPU s/M edges, phase 2 {c2 * 1e6:.2f} CPU s/M entries, "
+          f"phase 3 {c3 * 1e6:.2f} CPU s/M edges, {per_entry:.0f} B held per shard id")
+    print("| pods | phase 1 | phase 2 | phase 3 | total | memory per pod (phase 1 / phase 2) |")
+    print("|---|---|---|---|---|---|")
+    for pods in (8, 32, 128):
+        t1 = (big_e * c1 + (b_in + 12 * big_e + d_all * entry) / rate) / pods
+        t2 = (d_all * c2 + (d_all * (entry + 4) + big_v * (name + 4)) / rate) / min(pods, parts)
+        t3 = (big_e * c3 + (24 * big_e + 4 * d_all) / rate) / min(pods, parts * parts)
+        m1 = FIXED_RSS + d_shard * per_entry
+        m2 = FIXED_RSS + d_all / parts * per_entry
+        print(f"| {pods} | {t1 / 60:.1f} min | {t2 / 60:.1f} min | {t3 / 60:.1f} min | {(t1 + t2 + t3) / 60:.1f} min | "
+              f"{m1 / 2**30:.1f} GiB / {m2 / 2**30:.1f} GiB |")
 
 
 def write_config(path: Path, out: Path, partitions: int, files: int) -> Path:
@@ -160,6 +196,11 @@ def main() -> int:
                   f"{peak / 2**20:,.0f} MiB ({', '.join(f'{p / 2**20:,.0f}' for p in peaks)}) | {cpu / one_cpu:.2f}x |")
         for name, *_, phase_cpu, _ in rows[1:]:
             print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items()))
+        pod_logs = [root / f"{rows[2][6].name}.{i}.log" for i in range(args.pods)]
+        found = [int(m.group(1).replace(",", "")) for log in pod_logs for m in SHARD_ENTITIES.finditer(log.read_text())]
+        print(f"shards: {len(found)}, distinct ids per shard {np.mean(found):,.0f} on average, {sum(found):,} in all")
+        paper_model(edges=edges, input_bytes=size, distinct=sum(found), phase_cpu=rows[2][5], pod_peak=max(rows[2][4]),
+                    shard_entities=int(np.mean(found)))
         same = digests(rows[1][6]) == digests(rows[2][6])
         print(f"\n{args.pods}-pod output byte-identical to the 1-process output: {same} ({len(digests(rows[1][6]))} files)")
         return 0 if same else 1

@@ -30,7 +30,9 @@ from job.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 2048  # bytes: the small inputs below make several byte-range shards per file
-OPTIONS = ImportOptions(lhs_col=0, rel_col=1, rhs_col=2, shard_size=SHARD, entity_min_count=2, block_size=4096)
+# groups of 3 shards: each pod reads several groups (the unit a lost pod redoes)
+OPTIONS = ImportOptions(lhs_col=0, rel_col=1, rhs_col=2, shard_size=SHARD, group_size=3 * SHARD, entity_min_count=2,
+                        block_size=4096)
 
 
 def write_inputs(root: Path, n: int = 4000, seed: int = 0) -> list[str]:
@@ -88,7 +90,7 @@ def run_pods(config: str, files: list[str], count: int, *, staging: str, options
     for index in order or list(range(count)):
         if before is not None:
             before(index)
-        thread = threading.Thread(target=pod, args=(index,))
+        thread = threading.Thread(target=pod, args=(index,), daemon=True)  # a failed test must not hang on them
         thread.start()
         threads.append(thread)
     for thread in threads:
@@ -138,7 +140,7 @@ def test_shard_size_and_the_order_pods_finish_in_change_nothing(
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 done = [n for d in storage.listdir(staging) for n in storage.listdir(f"{staging}/{d}/done")]
-                if len([n for n in done if n.startswith("shard-")]) >= 6:  # pods 1 and 2 well ahead
+                if len([n for n in done if n.startswith("group-")]) >= 6:  # pods 1 and 2 well ahead
                     return
                 time.sleep(0.05)
 
@@ -156,30 +158,36 @@ def test_a_pod_lost_before_committing_redoes_only_its_own_unit(
     commits: list[str] = []
     real_commit = Staging.commit
 
+    lost: list[str] = []
+
     def commit(self: Staging, unit: str, record: dict) -> None:
-        if unit == "shard-000004" and threading.current_thread().name == "doomed":
+        if threading.current_thread().name == "doomed" and unit.startswith("group-") and not lost and \
+                any(u.startswith("group-") for u, pod in commits if pod == "doomed"):
+            lost.append(unit)
             raise SystemExit("pod lost")  # its files are written, its marker is not
-        commits.append(unit)
+        commits.append((unit, threading.current_thread().name))
         real_commit(self, unit, record)
 
     monkeypatch.setattr(Staging, "commit", commit)
-    # pod 1 of 3 (shards 1, 4, 7...) dies at shard 4; pods 0 and 2 wait for it at the end of phase 1
+    # pod 1 of 3 dies before committing its second group; pods 0 and 2 wait for it at the end of phase 1
     results: dict[int, Any] = {}
-    doomed = threading.Thread(name="doomed", target=lambda: results.update(
+    doomed = threading.Thread(name="doomed", daemon=True, target=lambda: results.update(
         lost=_catch(lambda: import_pod(load_config(config), files, OPTIONS, PodRole(1, 3, staging)))))
     others = run_pods_async(config, files, staging, [0, 2], results)
     doomed.start()
     doomed.join(60)
     assert isinstance(results["lost"], SystemExit)
     root = f"{staging}/{storage.listdir(staging)[0]}"
-    assert storage.exists(f"{root}/shards/000004/edges.bin") and not storage.exists(f"{root}/done/shard-000004.json")
-    assert "shard-000001" in commits and all(t.is_alive() for t in others)  # the others are waiting, not failing
-    # the pod's replacement reads shard 4 again; no unit committed before is done twice
+    number = lost[0].split("-")[1]
+    assert storage.exists(f"{root}/groups/{number}/edges.bin") and not storage.exists(f"{root}/done/{lost[0]}.json")
+    assert all(t.is_alive() for t in others)  # the others are waiting, not failing
+    # the pod's replacement reads the lost group again; no unit committed before is done twice
     replaced = run_pods(config, files, 3, staging=staging, order=[1])
     for thread in others:
         thread.join(60)
     assert not isinstance(replaced[1], BaseException) and results[0].edges_read == 4000
-    assert "shard-000004" in commits and len(commits) == len(set(commits))
+    units = [unit for unit, _ in commits]
+    assert lost[0] in units and len(units) == len(set(units))
     assert digests(str(tmp_path / "lost")) == expected
 
 
@@ -193,7 +201,7 @@ def _catch(func: Callable[[], Any]) -> Any:
 def run_pods_async(config: str, files: list[str], staging: str, indexes: list[int], results: dict) -> list[threading.Thread]:
     threads = []
     for index in indexes:
-        thread = threading.Thread(target=lambda i=index: results.update(
+        thread = threading.Thread(daemon=True, target=lambda i=index: results.update(
             {i: _catch(lambda: import_pod(load_config(config), files, OPTIONS, PodRole(i, 3, staging)))}))
         thread.start()
         threads.append(thread)

@@ -1,7 +1,7 @@
 """Phase 3 of a sharded import: each bucket file written once, from every shard's piece; then the commit.
 
 A bucket's edges are its pieces from the shards of its input file, in shard order (so in input
-order), each turned into final offsets through the partition maps of phase 2 and filtered by the
+order), each read from its group's file and turned into final offsets through the partition maps of phase 2 and filtered by the
 min counts. The file goes straight to its edge path; only the checksum manifest, the relation
 names, the entity count files and the import marker wait for every bucket (``finish``), written
 by pod 0 in that order: a reader that finds the count files finds everything they describe.
@@ -20,10 +20,10 @@ import numpy as np
 import storage_adapters as storage
 from job.config import ConfigSchema
 from job.data.importing.dictionary import MAP_DTYPE, dict_unit, map_file
-from job.data.importing.mapper import shard_files
+from job.data.importing.mapper import group_files
 from job.data.importing.options import ID_DTYPE, ImportSummary
 from job.data.importing.plan import Plan
-from job.data.importing.shards import Shard
+from job.data.importing.shards import Group
 from job.data.importing.staging import Staging, write_import_marker
 from job.formats import entities as ent
 from job.formats.edges import edges_file, write_edge_manifest, write_edges
@@ -56,15 +56,15 @@ def read_range(url: str, start: int, length: int) -> bytes:
     return bytes(call(url, "read", lambda: fs.cat_file(path, start=start, end=start + length)))
 
 
-def relation_maps(shard_records: list[dict[str, Any]], min_count: int) -> tuple[list[str], list[np.ndarray]]:
-    """Dynamic relations: the kept names in sorted order, and per shard its local id -> kept id (-1: dropped)."""
+def relation_maps(group_records: list[dict[str, Any]], min_count: int) -> tuple[list[str], list[np.ndarray]]:
+    """Dynamic relations: the kept names in sorted order, and per group its local id -> kept id (-1: dropped)."""
     totals: dict[str, int] = {}
-    for record in shard_records:
+    for record in group_records:
         for name, count in zip(record["relations"], record["relation_counts"]):
             totals[name] = totals.get(name, 0) + count
     names = sorted(name for name, count in totals.items() if count >= min_count)
     index = {name: i for i, name in enumerate(names)}
-    maps = [np.array([index.get(n, -1) for n in record["relations"]] or [-1], dtype=np.int64) for record in shard_records]
+    maps = [np.array([index.get(n, -1) for n in record["relations"]] or [-1], dtype=np.int64) for record in group_records]
     return names, maps
 
 
@@ -74,8 +74,8 @@ class BucketJob:
 
     config: ConfigSchema
     plan: Plan
-    shards: list[Shard]
-    shard_records: list[dict[str, Any]]
+    groups: list[Group]
+    group_records: list[dict[str, Any]]
     staging: Staging
     rel_maps: list[np.ndarray] | None  # dynamic relations only
     unpartitioned: list[bool] = field(default_factory=list)
@@ -85,15 +85,15 @@ class BucketJob:
     def __post_init__(self) -> None:
         self.unpartitioned = [self.config.entities[n].num_partitions == 1 for n in self.plan.type_names]
 
-    def map_slice(self, shard: int, type_index: int, part: int) -> np.ndarray:
-        """Shard ``shard``'s entries of (type, partition) as final offsets. Kept for the pod's next buckets (the
+    def map_slice(self, group: int, type_index: int, part: int) -> np.ndarray:
+        """Group ``group``'s entries of (type, partition) as final offsets. Kept for the pod's next buckets (the
         buckets of one lhs partition all need the same slices) up to ``MAP_CACHE`` entries, oldest dropped first."""
-        key = (shard, type_index, part)
+        key = (group, type_index, part)
         found = self._maps.get(key)
         if found is not None:
             return found
-        sizes = [record["parts"][type_index][part] for record in self.shard_records]
-        data = read_range(map_file(self.staging, type_index, part), sum(sizes[:shard]) * 4, sizes[shard] * 4)
+        sizes = [record["parts"][type_index][part] for record in self.group_records]
+        data = read_range(map_file(self.staging, type_index, part), sum(sizes[:group]) * 4, sizes[group] * 4)
         values = np.frombuffer(data, dtype=MAP_DTYPE)
         while self._maps and self._cached + len(values) > MAP_CACHE:
             self._cached -= len(self._maps.pop(next(iter(self._maps))))
@@ -102,31 +102,34 @@ class BucketJob:
         return values
 
 
-def _final_side(job: BucketJob, shard: int, types: np.ndarray, local: np.ndarray, part: int,
+def _final_side(job: BucketJob, group: int, types: np.ndarray, local: np.ndarray, part: int,
                 cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
     if len(job.plan.type_names) == 1:
-        return _slice(job, shard, 0, part, cache)[local].astype(np.int64)
+        return _slice(job, group, 0, part, cache)[local].astype(np.int64)
     out = np.empty(len(local), dtype=np.int64)
     for type_index in np.unique(types).tolist():
         rows = np.flatnonzero(types == type_index)
-        out[rows] = _slice(job, shard, type_index, part, cache)[local[rows]]
+        out[rows] = _slice(job, group, type_index, part, cache)[local[rows]]
     return out
 
 
-def _slice(job: BucketJob, shard: int, type_index: int, part: int, cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+def _slice(job: BucketJob, group: int, type_index: int, part: int, cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
     key = (type_index, 0 if job.unpartitioned[type_index] else part)
     if key not in cache:
-        cache[key] = job.map_slice(shard, *key)
+        cache[key] = job.map_slice(group, *key)
     return cache[key]
 
 
-def _piece(job: BucketJob, shard: Shard, bucket: int, parts: tuple[int, int], files: list[Any]) -> tuple[int, int]:
-    """Append shard ``shard``'s edges of ``bucket``, as final ids, to ``files``; (edges kept, edges dropped)."""
-    record = job.shard_records[shard.index]
-    counts = record["buckets"]
+def _piece(job: BucketJob, group: int, position: int, bucket: int, parts: tuple[int, int],
+           files: list[Any]) -> tuple[int, int]:
+    """Append the edges of ``bucket`` of the ``position``-th shard of ``group``, as final ids, to ``files``;
+    (edges kept, edges dropped)."""
+    record = job.group_records[group]
+    counts = record["buckets"][position]
     n = counts[bucket]
-    base = 3 * _ITEM * sum(counts[:bucket])
-    url = shard_files(job.staging, shard.index)[1]
+    before = sum(sum(c) for c in record["buckets"][:position]) + sum(counts[:bucket])
+    base = 3 * _ITEM * before
+    url = group_files(job.staging, group)[1]
     plan = job.plan
     cache: dict[tuple[int, int], np.ndarray] = {}
     kept = dropped = 0
@@ -141,10 +144,10 @@ def _piece(job: BucketJob, shard: Shard, bucket: int, parts: tuple[int, int], fi
             rhs_types = np.full(size, plan.rhs_type[0])
         else:
             lhs_types, rhs_types = plan.lhs_type[rel], plan.rhs_type[rel]
-        lhs = _final_side(job, shard.index, lhs_types, lhs, parts[0], cache)
-        rhs = _final_side(job, shard.index, rhs_types, rhs, parts[1], cache)
+        lhs = _final_side(job, group, lhs_types, lhs, parts[0], cache)
+        rhs = _final_side(job, group, rhs_types, rhs, parts[1], cache)
         if job.rel_maps is not None:
-            rel = job.rel_maps[shard.index][rel]
+            rel = job.rel_maps[group][rel]
         keep = (lhs >= 0) & (rhs >= 0) & (rel >= 0)
         if not keep.all():
             rel, lhs, rhs = rel[keep], lhs[keep], rhs[keep]
@@ -166,10 +169,11 @@ def assemble_bucket(job: BucketJob, unit: tuple[int, int, int], workdir: str) ->
     try:
         files = [open(path, "wb") for path in paths]  # noqa: SIM115 - closed below
         try:
-            for shard in job.shards:
-                if shard.file_index == edge_index and job.shard_records[shard.index]["buckets"][bucket]:
-                    got, lost = _piece(job, shard, bucket, (lhs_part, rhs_part), files)
-                    kept, dropped = kept + got, dropped + lost
+            for group in job.groups:  # in input order: groups are runs of shards, in order
+                for position, shard in enumerate(group.shards):
+                    if shard.file_index == edge_index and job.group_records[group.index]["buckets"][position][bucket]:
+                        got, lost = _piece(job, group.index, position, bucket, (lhs_part, rhs_part), files)
+                        kept, dropped = kept + got, dropped + lost
         finally:
             for handle in files:
                 handle.close()

@@ -4,8 +4,8 @@ The partition's entities are the distinct ids over all shards (by hash, counts s
 those under ``--entity-min-count``, in sorted order of their UTF-8 bytes: a set and an order that
 no number of pods, shard size or shard order can change. The names file is written straight to
 ``entity_path``; the count file, which marks the partition as present, waits for the end of the
-import (``assemble.finish``). For phase 3 it leaves ``maps.bin``: for every shard, in shard order,
-the final offset (or -1, dropped) of each entry of that shard's list for this partition, so a
+import (``assemble.finish``). For phase 3 it leaves ``maps.bin``: for every group of shards, in order,
+the final offset (or -1, dropped) of each entry of that group's list for this partition, so a
 bucket's edges are turned into final offsets by one gather each.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
-from job.data.importing.mapper import NAMES_SCHEMA_FIELDS, shard_files
+from job.data.importing.mapper import NAMES_SCHEMA_FIELDS, group_files
 from job.data.importing.plan import Plan
 from job.data.importing.staging import Staging
 from job.formats import entities as ent
@@ -43,7 +43,7 @@ def dict_units(config: ConfigSchema, plan: Plan) -> list[tuple[int, int]]:
 
 
 def batch_index(config: ConfigSchema, plan: Plan, type_index: int, part: int) -> int:
-    """The record batch of (type, partition) in a shard's names.arrow."""
+    """The record batch of (type, partition) in a group's names.arrow."""
     before = sum(config.entities[name].num_partitions for name in plan.type_names[:type_index])
     return before + part
 
@@ -60,7 +60,7 @@ def read_batch(url: str, index: int) -> Any:
 
 
 def build_dictionary(
-    config: ConfigSchema, plan: Plan, unit: tuple[int, int], shard_records: list[dict[str, Any]], *,
+    config: ConfigSchema, plan: Plan, unit: tuple[int, int], group_records: list[dict[str, Any]], *,
     entity_min_count: int, staging: Staging,
 ) -> None:
     """Phase 2 for (type, partition) ``unit``: its names file into entity_path, its maps into staging, its marker."""
@@ -72,9 +72,9 @@ def build_dictionary(
     schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in NAMES_SCHEMA_FIELDS])
     index = batch_index(config, plan, type_index, part)
     batches = []
-    for shard, record in enumerate(shard_records):
+    for group, record in enumerate(group_records):
         if record["parts"][type_index][part]:
-            batches.append(read_batch(shard_files(staging, shard)[0], index))
+            batches.append(read_batch(group_files(staging, group)[0], index))
     table = pa.Table.from_batches(batches, schema=schema)
     grouped = table.group_by("hash").aggregate([("count", "sum"), ("name", "min")])
     hashes = grouped.column("hash").to_numpy()

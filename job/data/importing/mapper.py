@@ -1,14 +1,14 @@
-"""Phase 1 of a sharded import: one shard's rows -> its entities per partition and its edges per bucket.
+"""Phase 1 of a sharded import: a group of shards' rows -> its entities per partition and its edges per bucket.
 
-A shard is parsed, checked and hashed exactly as a single-process import parses a file (the same
-``Importer`` pass 1, through a byte-range reader). Each entity's partition is a hash of its name
-(``hashing.partition_of``), so the shard can bucket its edges at once, with no global dictionary.
-It leaves in staging:
+Each shard of a group (``shards.Group``) is parsed, checked and hashed exactly as a single-process
+import parses a file (the same ``Importer`` pass 1, through a byte-range reader), into one entity table.
+Each entity's partition is a hash of its name (``hashing.partition_of``), so the group can bucket its
+edges at once, with no global dictionary. It leaves in staging:
 
 - ``names.arrow``: per (entity type, partition), the distinct ids it saw, sorted by hash, with
   their counts (an Arrow IPC file, one record batch per partition: read back without pickling);
-- ``edges.bin``: per bucket, its edges as int32 (rel, lhs, rhs), lhs/rhs being positions in that
-  shard's list for the partition (phase 2 turns them into final offsets), in input order;
+- ``edges.bin``: per shard, per bucket, its edges as int32 (rel, lhs, rhs), lhs/rhs being positions in
+  the group's list for the partition (phase 2 turns them into final offsets), in input order;
 - its marker, last, with the counts the later phases need to find their slices of both files.
 """
 
@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from job.data.importing.hashing import partition_of, spread_of
 from job.data.importing.importer import Importer
 from job.data.importing.options import ImportOptions
 from job.data.importing.readers import Source
-from job.data.importing.shards import Shard
+from job.data.importing.shards import Group
 from job.data.importing.staging import Staging
 
 logger = logging.getLogger("biggraph")
@@ -38,13 +39,13 @@ CHUNK = 1 << 20  # edges bucketed at a time
 NAMES_SCHEMA_FIELDS = (("hash", "uint64"), ("count", "int64"), ("name", "large_string"))
 
 
-def shard_unit(index: int) -> str:
-    return f"shard-{index:06d}"
+def group_unit(index: int) -> str:
+    return f"group-{index:06d}"
 
 
-def shard_files(staging: Staging, index: int) -> tuple[str, str]:
-    """(names.arrow, edges.bin) of shard ``index``."""
-    return staging.url("shards", f"{index:06d}", "names.arrow"), staging.url("shards", f"{index:06d}", "edges.bin")
+def group_files(staging: Staging, index: int) -> tuple[str, str]:
+    """(names.arrow, edges.bin) of group ``index``."""
+    return staging.url("groups", f"{index:06d}", "names.arrow"), staging.url("groups", f"{index:06d}", "edges.bin")
 
 
 @dataclass
@@ -67,15 +68,15 @@ class _TypeLayout:
     _packed: np.ndarray | None = None
 
 
-class ShardImporter(Importer):
-    """Pass 1 of ``Importer`` over one shard (its byte range only)."""
+class GroupImporter(Importer):
+    """Pass 1 of ``Importer`` over the shards of a group (each its byte range only), as its "files"."""
 
-    def __init__(self, config: ConfigSchema, shard: Shard, options: ImportOptions, workdir: str) -> None:
-        super().__init__(config, [shard.url], options, workdir)
-        self.shard = shard
+    def __init__(self, config: ConfigSchema, group: Group, options: ImportOptions, workdir: str) -> None:
+        super().__init__(config, [shard.url for shard in group.shards], options, workdir)
+        self.group = group
 
     def _source(self, file_index: int, url: str) -> Source:
-        return Source(url, self.options, self.shard.byte_range)
+        return Source(url, self.options, self.group.shards[file_index].byte_range)
 
     def read(self) -> None:
         self._pass1(time.monotonic())
@@ -95,7 +96,7 @@ class ShardImporter(Importer):
         return layouts
 
 
-def _write_names(url: str, importer: ShardImporter, layouts: list[_TypeLayout]) -> None:
+def _write_names(url: str, importer: GroupImporter, layouts: list[_TypeLayout]) -> None:
     import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
     schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in NAMES_SCHEMA_FIELDS])
@@ -135,16 +136,16 @@ def _hashes(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout]) -> n
     return hashes
 
 
-def _bucket_edges(importer: ShardImporter, layouts: list[_TypeLayout], bucket_dir: str) -> np.ndarray:
-    """Group the spilled edges by bucket into local files; the edge count per bucket."""
+def _bucket_edges(importer: GroupImporter, layouts: list[_TypeLayout], bucket_dir: str, shard: int) -> np.ndarray:
+    """Group the spilled edges of the group's ``shard``-th shard by bucket into local files; the count per bucket."""
     plan = importer.plan
     num_buckets = plan.parts_lhs * plan.parts_rhs
     unpartitioned = np.array([importer.config.entities[n].num_partitions == 1 for n in plan.type_names])
     single = len(plan.type_names) == 1
-    source_dir = os.path.join(importer.workdir, "spill_0")
+    source_dir = os.path.join(importer.workdir, f"spill_{shard}")
     os.makedirs(bucket_dir, exist_ok=True)
     counts = np.zeros(num_buckets, dtype=np.int64)
-    total = importer.spilled[0]
+    total = importer.spilled[shard]
     for begin in range(0, total, CHUNK):
         end = min(total, begin + CHUNK)
         rel, lhs, rhs = (read_spilled(source_dir, name, begin, end) for name in SPILLED)
@@ -167,42 +168,46 @@ def _bucket_edges(importer: ShardImporter, layouts: list[_TypeLayout], bucket_di
     return counts
 
 
-def _write_edges(url: str, bucket_dir: str, counts: np.ndarray) -> None:
-    with storage.local_file_for_writing(url) as tmp, open(tmp, "wb") as out:
-        for bucket in np.flatnonzero(counts).tolist():
-            for name in SPILLED:
-                path = os.path.join(bucket_dir, f"{bucket}.{name}")
-                with open(path, "rb") as part:
-                    shutil.copyfileobj(part, out, 1 << 20)
-                os.unlink(path)
+def _append_pieces(out: IO[bytes], bucket_dir: str, counts: np.ndarray) -> None:
+    for bucket in np.flatnonzero(counts).tolist():
+        for name in SPILLED:
+            path = os.path.join(bucket_dir, f"{bucket}.{name}")
+            with open(path, "rb") as part:
+                shutil.copyfileobj(part, out, 1 << 20)
+            os.unlink(path)
 
 
-def read_shard(config: ConfigSchema, shard: Shard, options: ImportOptions, staging: Staging, workdir: str) -> None:
-    """Phase 1 for ``shard``: its names and edges pieces into staging, then its marker."""
+def read_group(config: ConfigSchema, group: Group, options: ImportOptions, staging: Staging, workdir: str) -> None:
+    """Phase 1 for ``group``: its names and edges pieces into staging, then its marker."""
     started = time.monotonic()
-    shard_dir = os.path.join(workdir, f"shard_{shard.index}")
-    os.makedirs(shard_dir)
+    group_dir = os.path.join(workdir, f"group_{group.index}")
+    os.makedirs(group_dir)
+    counts = []
     try:
-        importer = ShardImporter(config, shard, options, shard_dir)
+        importer = GroupImporter(config, group, options, group_dir)
         importer.read()
         layouts = importer.layouts()
-        names_url, edges_url = shard_files(staging, shard.index)
+        names_url, edges_url = group_files(staging, group.index)
         _write_names(names_url, importer, layouts)
-        counts = _bucket_edges(importer, layouts, os.path.join(shard_dir, "buckets"))
-        _write_edges(edges_url, os.path.join(shard_dir, "buckets"), counts)
+        bucket_dir = os.path.join(group_dir, "buckets")
+        with storage.local_file_for_writing(edges_url) as tmp, open(tmp, "wb") as out:
+            for position in range(len(group.shards)):
+                counts.append(_bucket_edges(importer, layouts, bucket_dir, position))
+                _append_pieces(out, bucket_dir, counts[-1])
     finally:
-        shutil.rmtree(shard_dir, ignore_errors=True)
+        shutil.rmtree(group_dir, ignore_errors=True)
     summary = importer.summary
     relation_names = list(importer.dynamic_names)
-    staging.commit(shard_unit(shard.index), {
+    staging.commit(group_unit(group.index), {
         "edges_read": summary.edges_read,
         "malformed_rows": summary.malformed_rows,
         "empty_id_rows": summary.empty_id_rows,
         "unknown_relation_rows": summary.unknown_relation_rows,
-        "buckets": counts.tolist(),
+        "shards": [shard.index for shard in group.shards],
+        "buckets": [c.tolist() for c in counts],
         "parts": [layout.sizes.tolist() for layout in layouts],
         "relations": relation_names,
         "relation_counts": importer.dynamic_counts[: len(relation_names)].tolist(),
         "seconds": round(time.monotonic() - started, 3),
     })
-    logger.info("import: shard %d (%s) read: %s edges", shard.index, shard.url, f"{summary.edges_read:,}")
+    logger.info("import: group %d (%d shards) read: %s edges", group.index, len(group.shards), f"{summary.edges_read:,}")

@@ -39,6 +39,7 @@ class ImportOptions:
     tmp_dir: str | None = None
     progress_every: int = 5_000_000
     shard_size: int = 256 << 20  # bytes of uncompressed TSV per shard (0: whole files); never changes the output
+    group_size: int = 1 << 30  # input bytes a pod reads with one entity table (``shards.Group``); nor does this
 
 
 @dataclass

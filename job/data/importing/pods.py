@@ -2,12 +2,13 @@
 
 Every import runs ``run_pod``: a single-process ``biggraph import`` is pod 0 of 1, an Indexed Job's
 pod is pod ``JOB_COMPLETION_INDEX`` of N, and ``biggraph import --pods N`` starts N local processes
-that are exactly such pods. A pod does its share of each phase (unit k of a phase belongs to pod
-k mod N), skipping units already committed by an earlier run, then waits for the other pods'
-units of that phase before the next:
+that are exactly such pods. A pod does its share of each phase, skipping units already committed by an earlier run, then waits
+for the other pods' units of that phase before the next:
 
-1. read its shards (``mapper``), 2. build its partitions' dictionaries (``dictionary``),
-3. write its buckets (``assemble``); pod 0 then waits for every bucket and commits (``finish``).
+1. read its run of shards, a group at a time (``shards.plan_groups``, ``mapper``),
+2. build the dictionaries of partitions k with k mod N = its index (``dictionary``),
+3. write buckets k with k mod N = its index (``assemble``); pod 0 then waits for every bucket and commits
+   (``finish``).
 
 A pod that dies costs only its uncommitted units: when it (or its replacement) runs again, it
 finds the rest committed. Pods other than 0 exit after phase 3; pod 0 returns the summary.
@@ -37,10 +38,10 @@ from job.data.importing.assemble import (
     relation_maps,
 )
 from job.data.importing.dictionary import build_dictionary, dict_unit, dict_units
-from job.data.importing.mapper import read_shard, shard_unit
+from job.data.importing.mapper import group_unit, read_group
 from job.data.importing.options import ImportOptions, ImportSummary
 from job.data.importing.plan import make_plan
-from job.data.importing.shards import plan_shards
+from job.data.importing.shards import plan_groups, plan_shards
 from job.data.importing.staging import (
     Staging,
     already_imported,
@@ -111,33 +112,36 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
     if role.skip_done and already_imported(config, digest):
         logger.info("import: %s already holds this import (%s): nothing to do", config.entity_path, import_marker(config))
         return summary_of_marker(config) if role.index == 0 else None
-    root = storage.join(role.staging_root or default_staging_root(config), digest)
-    staging: Staging = _CrashingStaging(root) if os.environ.get(CRASH_ENV) else Staging(root)
+    # the groups of phase 1 depend on the pod count (the output does not): a staging directory per count
+    base = role.staging_root or default_staging_root(config)
+    root, failure = storage.join(base, f"{digest}-{role.count}"), storage.join(base, f"{digest}.failed.json")
+    staging: Staging = _CrashingStaging(root, failure) if os.environ.get(CRASH_ENV) else Staging(root, failure)
     plan = make_plan(config)
     shards = plan_shards(files, [size for size, _ in versions], options)
+    groups = plan_groups(shards, role.count, options.group_size)
     workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
     clock = _PhaseClock(role.index)
     try:
-        # Phase 1: shards.
+        # Phase 1: this pod's run of shards, a group at a time.
         done = _committed(staging)
-        shard_names = [shard_unit(s.index) for s in shards]
-        for shard in _mine(shards, role):
-            if shard_unit(shard.index) not in done:
+        group_names = [group_unit(g.index) for g in groups]
+        for group in groups:
+            if group.pod == role.index and group_unit(group.index) not in done:
                 try:
-                    read_shard(config, shard, options, staging, workdir)
+                    read_group(config, group, options, staging, workdir)
                 except InputFormatError as err:
                     staging.fail(err, role.index)
                     raise
         clock.lap("phase 1 (shards)")
-        staging.wait_for(shard_names, "shards")
+        staging.wait_for(group_names, "groups of shards")
         clock.lap("waiting for the other pods' shards")
-        shard_records = staging.read(shard_names)
+        group_records = staging.read(group_names)
         # Phase 2: dictionaries.
         done = _committed(staging)
         units = dict_units(config, plan)
         for unit in _mine(units, role):
             if dict_unit(*unit) not in done:
-                build_dictionary(config, plan, unit, shard_records, entity_min_count=options.entity_min_count,
+                build_dictionary(config, plan, unit, group_records, entity_min_count=options.entity_min_count,
                                  staging=staging)
         clock.lap("phase 2 (dictionaries)")
         staging.wait_for([dict_unit(*u) for u in units], "partition dictionaries")
@@ -145,8 +149,8 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
         # Phase 3: buckets.
         relation_names, rel_maps = (None, None)
         if plan.dynamic:
-            relation_names, rel_maps = relation_maps(shard_records, options.relation_type_min_count)
-        job = BucketJob(config, plan, shards, shard_records, staging, rel_maps)
+            relation_names, rel_maps = relation_maps(group_records, options.relation_type_min_count)
+        job = BucketJob(config, plan, groups, group_records, staging, rel_maps)
         done = _committed(staging)
         buckets = bucket_units(config, plan)
         for bucket in _mine(buckets, role):
@@ -157,7 +161,7 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
             return None
         staging.wait_for([bucket_unit(*b) for b in buckets], "buckets")
         clock.lap("waiting for the other pods' buckets")
-        summary = _summary_of(shard_records)
+        summary = _summary_of(group_records)
         summary.relations = len(relation_names) if relation_names is not None else len(config.relations)
         finish(job, dict_records_of(staging, units), relation_names, digest, summary)
         clock.lap("commit")
@@ -167,9 +171,9 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _summary_of(shard_records: list[dict]) -> ImportSummary:
+def _summary_of(group_records: list[dict]) -> ImportSummary:
     summary = ImportSummary()
-    for record in shard_records:
+    for record in group_records:
         summary.edges_read += record["edges_read"]
         summary.malformed_rows += record["malformed_rows"]
         summary.empty_id_rows += record["empty_id_rows"]

@@ -5,7 +5,7 @@ and a small JSON marker under ``done/`` last, as the checkpoint code commits a v
 without its marker is redone from scratch on the next run, so a file left half-written by a pod
 that died is never taken as done. A pod waits for other pods' units by listing ``done/`` (one
 LIST a poll, however many units), and gives up at once if a pod recorded a bad input in
-``failed.json``: the others would otherwise wait for a unit that can never be done.
+``DIGEST.failed.json``: the others would otherwise wait for a unit that can never be done.
 
 The staging directory is named by a fingerprint of everything that decides the output (inputs
 with their sizes and versions, options, the config's graph and paths), so a rerun of the same
@@ -70,9 +70,11 @@ def fingerprint(config: ConfigSchema, files: list[str], versions: list[tuple[int
 class Staging:
     """The staging directory of one import (``root`` is per fingerprint)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, failure_url: str | None = None) -> None:
         self.root = root.rstrip("/")
         self.done_dir = storage.join(self.root, "done")
+        # a bad input is one whatever the pod count: recorded beside the per-count directories when given
+        self.failure_url = failure_url or storage.join(self.root, "failed.json")
 
     def url(self, *parts: str) -> str:
         return storage.join(self.root, *parts)
@@ -100,11 +102,11 @@ class Staging:
 
     def fail(self, error: UserError, pod: int) -> None:
         """Record a bad input so that the other pods stop waiting (and report the same cause)."""
-        storage.write_text(self.url("failed.json"), json.dumps({"pod": pod, "message": str(error)}))
+        storage.write_text(self.failure_url, json.dumps({"pod": pod, "message": str(error)}))
 
     def failure(self) -> str | None:
         try:
-            return str(json.loads(storage.read_text(self.url("failed.json")))["message"])
+            return str(json.loads(storage.read_text(self.failure_url))["message"])
         except FileNotFoundError:
             return None
 
