@@ -194,8 +194,9 @@ def main() -> int:
         for name, wall, cpu, peak, peaks, _, _ in rows:
             print(f"| {name} | {edges:,} | {wall:.1f} s | {cpu:.1f} s | {cpu / edges * 1e6:.2f} | {edges / cpu:,.0f} | "
                   f"{peak / 2**20:,.0f} MiB ({', '.join(f'{p / 2**20:,.0f}' for p in peaks)}) | {cpu / one_cpu:.2f}x |")
-        for name, *_, phase_cpu, _ in rows[1:]:
-            print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items()))
+        for name, _, cpu, _, _, phase_cpu, _ in rows[1:]:
+            print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items())
+                  + f", outside the phases (interpreter, imports, start-up) {cpu - sum(phase_cpu.values()):.1f}")
         pod_logs = [root / f"{rows[2][6].name}.{i}.log" for i in range(args.pods)]
         found = [int(m.group(1).replace(",", "")) for log in pod_logs for m in SHARD_ENTITIES.finditer(log.read_text())]
         print(f"shards: {len(found)}, distinct ids per shard {np.mean(found):,.0f} on average, {sum(found):,} in all")
