@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,40 +38,60 @@ from machine import matmul_rate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PHASE = re.compile(r"import: pod (\d+): (.+?) took ([\d.]+) s wall, ([\d.]+) s CPU")
-SHARD_ENTITIES = re.compile(r"pass 1 done: [\d,]+ edges .*; entities: \w+=([\d,]+)")
-FIXED_RSS = 150 * 2**20  # a pod's peak on a 20,000-edge import: interpreter, numpy, pyarrow, h5py, fsspec
+GROUP_DONE = re.compile(r"pass 1 done: [\d,]+ edges .*; entities: \w+=([\d,]+)")
 
 
-def paper_model(*, edges: int, input_bytes: int, distinct: int, phase_cpu: dict[str, float], pod_peak: int,
-                shard_entities: int) -> None:
-    """Import wall time and memory per pod for 2B edges / 100M entities on 8, 32, 128 pods at 200 MB/s each,
-    from this run's CPU per edge (phases 1, 3) and per shard-entity entry (phase 2). Worst case: ids uniform
-    over the entities, so a 256 MiB shard sees 1 - exp(-2e/V) of them (a power-law graph sees far fewer)."""
-    c1 = phase_cpu.get("phase 1 (shards)", 0.0) / edges
-    c2 = phase_cpu.get("phase 2 (dictionaries)", 0.0) / distinct
-    c3 = phase_cpu.get("phase 3 (buckets)", 0.0) / edges
-    per_entry = (pod_peak - FIXED_RSS) / shard_entities  # bytes a pod holds per distinct id of its shard
-    big_e, big_v, name, rate, parts = 2e9, 1e8, 9, 200e6, 32
+@dataclass
+class Measured:
+    """Costs from this run: CPU per edge and per group entry by phase, per-pod fixed CPU, memory per entry."""
+
+    edge_p1: float  # phase 1 CPU s per edge (the 1-process run: its one group holds each id once)
+    entry_p1: float  # phase 1 CPU s per distinct id of a group, beyond the first group holding it
+    entry_p2: float  # phase 2 CPU s per group entry
+    edge_p3: float  # phase 3 CPU s per edge
+    fixed_cpu: float  # CPU s a pod spends whatever its share (interpreter, imports, start-up)
+    fixed_rss: float  # bytes a pod holds whatever its share
+    entry_rss: float  # bytes a pod holds per distinct id of its group
+
+
+def measure(edges: int, one: dict[str, float], pods: dict[str, float], pod_count: int, outside: tuple[float, float],
+            entries: tuple[int, int], peaks: tuple[int, int], fixed_rss: int) -> Measured:
+    """``one``/``pods``: phase CPU of the 1-process and N-pod runs; ``outside``: their CPU outside the phases;
+    ``entries``: group entries in all (1 process, N pods); ``peaks``: peak RSS (1 process, largest pod)."""
+    fixed = (outside[1] - outside[0]) / max(pod_count - 1, 1)
+    p1 = "phase 1 (shards)"
+    extra = max(pods[p1] - one[p1], 0.0)
+    return Measured(
+        edge_p1=one[p1] / edges, entry_p1=extra / max(entries[1] - entries[0], 1),
+        entry_p2=pods["phase 2 (dictionaries)"] / entries[1], edge_p3=pods["phase 3 (buckets)"] / edges,
+        fixed_cpu=fixed, fixed_rss=fixed_rss, entry_rss=max(peaks[0] - fixed_rss, 0) / max(entries[0], 1))
+
+
+def paper_model(m: Measured, *, group_mib: int = 256, parts: int = 128) -> None:
+    """Import wall time and memory per pod for 2B edges / 100M entities on 8, 32, 128 pods at 200 MB/s each.
+    Worst case: ids uniform over the entities, so a group of e edges holds 1 - exp(-2e/V) of them (a power-law
+    graph far fewer). Each pod's CPU is one core; reads, writes and CPU are added, not overlapped."""
+    big_e, big_v, name, rate = 2e9, 1e8, 9, 200e6
     b_in = big_e * (2 * name + 5)
-    shards = b_in / (256 * 2**20)
-    per_shard = big_e / shards
-    d_shard = big_v * (1 - np.exp(-2 * per_shard / big_v))
-    d_all = shards * d_shard
-    entry = 24 + name  # a names.arrow row: hash, count, offset, name
-    print(f"\nmodel: 2B edges, 100M entities, {b_in / 1e9:.0f} GB of TSV, {shards:.0f} shards of 256 MiB, "
-          f"{d_shard / 1e6:.1f}M distinct ids per shard ({d_all / 1e9:.2f}B entries in all), {parts} partitions; "
-          f"measured: phase 1 {c1 * 1e6:.2f} CPU s/M edges, phase 2 {c2 * 1e6:.2f} CPU s/M entries, "
-          f"phase 3 {c3 * 1e6:.2f} CPU s/M edges, {per_entry:.0f} B held per shard id")
-    print("| pods | phase 1 | phase 2 | phase 3 | total | memory per pod (phase 1 / phase 2) |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nmodel: 2B edges, 100M entities, {b_in / 1e9:.0f} GB of TSV, groups of at most {group_mib} MiB, {parts} "
+          f"partitions ({parts * parts} buckets); per edge: phase 1 {m.edge_p1 * 1e6:.3f} µs, phase 3 "
+          f"{m.edge_p3 * 1e6:.3f} µs; per group entry: phase 1 {m.entry_p1 * 1e6:.3f} µs, phase 2 "
+          f"{m.entry_p2 * 1e6:.3f} µs; a pod: {m.fixed_cpu:.2f} s CPU and {m.fixed_rss / 2**20:.0f} MiB fixed, "
+          f"{m.entry_rss:.0f} B per group entry")
+    print("| pods | group entries | phase 1 | phase 2 | phase 3 | total | memory per pod (phase 1 / phase 2) |")
+    print("|---|---|---|---|---|---|---|")
     for pods in (8, 32, 128):
-        t1 = (big_e * c1 + (b_in + 12 * big_e + d_all * entry) / rate) / pods
-        t2 = (d_all * c2 + (d_all * (entry + 4) + big_v * (name + 4)) / rate) / min(pods, parts)
-        t3 = (big_e * c3 + (24 * big_e + 4 * d_all) / rate) / min(pods, parts * parts)
-        m1 = FIXED_RSS + d_shard * per_entry
-        m2 = FIXED_RSS + d_all / parts * per_entry
-        print(f"| {pods} | {t1 / 60:.1f} min | {t2 / 60:.1f} min | {t3 / 60:.1f} min | {(t1 + t2 + t3) / 60:.1f} min | "
-              f"{m1 / 2**30:.1f} GiB / {m2 / 2**30:.1f} GiB |")
+        group = min(group_mib * 2**20, b_in / pods)
+        per_group = big_v * (1 - np.exp(-2 * (group / (2 * name + 5)) / big_v))
+        entries = b_in / group * per_group
+        t1 = m.fixed_cpu + (big_e * m.edge_p1 + (entries - big_v) * m.entry_p1
+                            + (b_in + 12 * big_e + entries * (24 + name)) / rate) / pods
+        t2 = (entries * m.entry_p2 + (entries * (28 + name) + big_v * (name + 4)) / rate) / min(pods, parts)
+        t3 = (big_e * m.edge_p3 + (24 * big_e + 4 * entries) / rate) / min(pods, parts * parts)
+        m1 = m.fixed_rss + per_group * m.entry_rss
+        m2 = m.fixed_rss + entries / parts * m.entry_rss
+        print(f"| {pods} | {entries / 1e9:.2f}B | {t1 / 60:.1f} min | {t2 / 60:.1f} min | {t3 / 60:.1f} min | "
+              f"{(t1 + t2 + t3) / 60:.1f} min | {m1 / 2**30:.1f} GiB / {m2 / 2**30:.1f} GiB |")
 
 
 def write_config(path: Path, out: Path, partitions: int, files: int) -> Path:
@@ -141,6 +162,8 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=4)
     parser.add_argument("--baseline-commit", default="3de917b", help="the commit whose importer is the baseline")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
+    parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
+                        help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
     args = parser.parse_args()
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="biggraph-import-pods-bench-"))
@@ -197,11 +220,15 @@ def main() -> int:
         for name, _, cpu, _, _, phase_cpu, _ in rows[1:]:
             print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items())
                   + f", outside the phases (interpreter, imports, start-up) {cpu - sum(phase_cpu.values()):.1f}")
-        pod_logs = [root / f"{rows[2][6].name}.{i}.log" for i in range(args.pods)]
-        found = [int(m.group(1).replace(",", "")) for log in pod_logs for m in SHARD_ENTITIES.finditer(log.read_text())]
-        print(f"shards: {len(found)}, distinct ids per shard {np.mean(found):,.0f} on average, {sum(found):,} in all")
-        paper_model(edges=edges, input_bytes=size, distinct=sum(found), phase_cpu=rows[2][5], pod_peak=max(rows[2][4]),
-                    shard_entities=int(np.mean(found)))
+        found = []
+        for row in rows[1:]:
+            logs = sorted(root.glob(f"{row[6].name}.*.log"))
+            found.append(sum(int(m.group(1).replace(",", "")) for log in logs for m in GROUP_DONE.finditer(log.read_text())))
+        print(f"group entries (distinct ids per group, summed): 1 process {found[0]:,}, {args.pods} pods {found[1]:,}")
+        outside = tuple(row[2] - sum(row[5].values()) for row in rows[1:])
+        measured = measure(edges, rows[1][5], rows[2][5], args.pods, (outside[0], outside[1]), (found[0], found[1]),
+                           (rows[1][3], rows[2][3]), args.fixed_rss << 20)
+        paper_model(measured)
         same = digests(rows[1][6]) == digests(rows[2][6])
         print(f"\n{args.pods}-pod output byte-identical to the 1-process output: {same} ({len(digests(rows[1][6]))} files)")
         return 0 if same else 1

@@ -36,6 +36,11 @@ def register(subparsers: Any) -> None:
         "the output does not depend on it",
     )
     parser.add_argument(
+        "--group-size", type=float, default=1024, metavar="MIB",
+        help="input a pod reads with one entity table (memory grows with the distinct ids of a group; a lost pod "
+        "redoes its group); the output does not depend on it",
+    )
+    parser.add_argument(
         "--pods", type=int, default=None, metavar="N",
         help="import as N pods: with --pod-index (or JOB_COMPLETION_INDEX, in an Indexed Job) be one of them; "
         "without, start all N here as local processes. The output is byte-identical to a single process",
@@ -100,6 +105,7 @@ def import_options(args: argparse.Namespace) -> ImportOptions:
         tmp_dir=args.tmp_dir,
         progress_every=max(1, int(args.progress_every * 1_000_000)),
         shard_size=int(getattr(args, "shard_size", 256) * (1 << 20)),
+        group_size=int(getattr(args, "group_size", 1024) * (1 << 20)),
     )
 
 
