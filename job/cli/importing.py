@@ -11,7 +11,9 @@ from typing import Any
 
 from job.cli.common import add_config_arguments, overrides_of
 from job.config import load_config
-from job.data.importing import FORMATS, ImportOptions, import_edges
+from job.data.importing import FORMATS, ImportOptions, ImportSummary, import_edges, import_pod
+from job.data.importing.pods import PodRole, launch_local, pod_index_from_env
+from job.errors import UserError
 
 
 def register(subparsers: Any) -> None:
@@ -28,6 +30,27 @@ def register(subparsers: Any) -> None:
     add_config_arguments(parser)
     parser.add_argument("files", nargs="+", metavar="FILE", help="input edge list(s): paths or URLs, .gz etc. allowed")
     add_import_arguments(parser)
+    parser.add_argument(
+        "--shard-size", type=float, default=256, metavar="MIB",
+        help="cut uncompressed TSV files into line-aligned shards of this many MiB (0: one shard per file); "
+        "the output does not depend on it",
+    )
+    parser.add_argument(
+        "--group-size", type=float, default=1024, metavar="MIB",
+        help="input a pod reads with one entity table (memory grows with the distinct ids of a group; a lost pod "
+        "redoes its group); the output does not depend on it",
+    )
+    parser.add_argument(
+        "--pods", type=int, default=None, metavar="N",
+        help="import as N pods: with --pod-index (or JOB_COMPLETION_INDEX, in an Indexed Job) be one of them; "
+        "without, start all N here as local processes. The output is byte-identical to a single process",
+    )
+    parser.add_argument("--pod-index", type=int, default=None, metavar="I", help="this pod's index, 0..N-1 (see --pods)")
+    parser.add_argument(
+        "--staging", default=None, metavar="URL",
+        help="where the pods leave their pieces for each other (default: ENTITY_PATH/.import-staging; "
+        "shared storage when the pods run on several machines)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -81,11 +104,27 @@ def import_options(args: argparse.Namespace) -> ImportOptions:
         relation_type_min_count=args.relation_type_min_count,
         tmp_dir=args.tmp_dir,
         progress_every=max(1, int(args.progress_every * 1_000_000)),
+        shard_size=int(getattr(args, "shard_size", 256) * (1 << 20)),
+        group_size=int(getattr(args, "group_size", 1024) * (1 << 20)),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides_of(args))
-    summary = import_edges(config, args.files, import_options(args))
+    options = import_options(args)
+    index = args.pod_index if args.pod_index is not None else pod_index_from_env()
+    summary: ImportSummary | None
+    if args.pods is None and index is None:
+        summary = import_edges(config, args.files, options)
+    else:
+        pods = args.pods if args.pods is not None else 1
+        if pods < 1:
+            raise UserError(f"--pods must be >= 1, got {pods}")
+        if index is None:
+            return launch_local(args.argv, args.command, pods)
+        summary = import_pod(config, args.files, options, PodRole(index, pods, args.staging))
+        if summary is None:
+            print(f"import: pod {index} of {pods} done")
+            return 0
     print(summary.describe())
     return 0

@@ -123,6 +123,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/*
+The import stage's command: the entrypoint execs a first argument that is not an option as is. Every pod runs the
+same command; Kubernetes gives each its JOB_COMPLETION_INDEX, which `biggraph import --pods N` takes as its index.
+*/}}
+{{- define "biggraph.importArgs" -}}
+{{- if not .Values.importer.files -}}
+{{- fail "stage: import needs importer.files (the raw edge lists, one per edge_paths entry)" -}}
+{{- end -}}
+- biggraph
+- import
+- /etc/biggraph/config.yaml
+{{- range .Values.importer.files }}
+- {{ . | quote }}
+{{- end }}
+{{- range .Values.importer.args }}
+- {{ . | quote }}
+{{- end }}
+- --pods
+- {{ int .Values.replicas | quote }}
+{{- end -}}
+
+{{/*
 A size in bytes (an int64): a Kubernetes quantity ("4Gi", "500M", 1073741824) or a memory_budget ("8GiB",
 "500MB", "1e9"); units are read case-insensitively, as the trainer reads memory_budget.
 */}}

@@ -13,7 +13,7 @@ The parts, in the order an import uses them:
 from job.data.importing.hashing import hash_strings
 from job.data.importing.importer import Importer
 from job.data.importing.options import FORMATS, ImportOptions, ImportSummary, check_request
-from job.data.importing.run import import_edges
+from job.data.importing.run import import_edges, import_pod
 from job.data.importing.table import EntityTable
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "check_request",
     "hash_strings",
     "import_edges",
+    "import_pod",
 ]

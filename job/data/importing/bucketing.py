@@ -46,7 +46,7 @@ class Remap:
 
 
 @dataclass
-class _Chunk:
+class BucketedChunk:
     """Remapped edges of one chunk, with the bucket of each."""
 
     rel: np.ndarray
@@ -58,7 +58,7 @@ class _Chunk:
 
 def _remap_chunk(
     plan: Plan, remap: Remap, rel: np.ndarray, lhs: np.ndarray, rhs: np.ndarray, rng: np.random.Generator
-) -> _Chunk:
+) -> BucketedChunk:
     if plan.dynamic:
         lhs_types = np.full(len(rel), plan.lhs_type[0])
         rhs_types = np.full(len(rel), plan.rhs_type[0])
@@ -84,10 +84,10 @@ def _remap_chunk(
     if not keep.all():
         filtered = int(len(keep) - np.count_nonzero(keep))
         rel, lhs_off, rhs_off, lhs_part, rhs_part = (a[keep] for a in (rel, lhs_off, rhs_off, lhs_part, rhs_part))
-    return _Chunk(rel, lhs_off, rhs_off, lhs_part * plan.parts_rhs + rhs_part, filtered)
+    return BucketedChunk(rel, lhs_off, rhs_off, lhs_part * plan.parts_rhs + rhs_part, filtered)
 
 
-def _append_to_buckets(bucket_dir: str, num_buckets: int, chunk: _Chunk) -> np.ndarray:
+def append_to_buckets(bucket_dir: str, num_buckets: int, chunk: BucketedChunk) -> np.ndarray:
     """Append each edge of ``chunk`` to its bucket's three spill files; the edge count per bucket."""
     rel, lhs_off, rhs_off = chunk.rel, chunk.lhs, chunk.rhs
     if num_buckets > 1:
@@ -106,7 +106,7 @@ def _append_to_buckets(bucket_dir: str, num_buckets: int, chunk: _Chunk) -> np.n
     return counts
 
 
-def _read_spilled(source_dir: str, name: str, begin: int, end: int) -> np.ndarray:
+def read_spilled(source_dir: str, name: str, begin: int, end: int) -> np.ndarray:
     # np.fromfile rather than a memory map: the pages read do not linger in this process's RSS.
     path = os.path.join(source_dir, name)
     item = np.dtype(ID_DTYPE).itemsize
@@ -126,8 +126,8 @@ def bucket_spilled_file(
     filtered = 0
     for begin in range(0, total, PASS2_CHUNK):
         end = min(total, begin + PASS2_CHUNK)
-        rel, lhs, rhs = (_read_spilled(source_dir, name, begin, end) for name in SPILLED)
+        rel, lhs, rhs = (read_spilled(source_dir, name, begin, end) for name in SPILLED)
         chunk = _remap_chunk(plan, remap, rel, lhs, rhs, rng)
         filtered += chunk.filtered
-        bucket_counts += _append_to_buckets(bucket_dir, num_buckets, chunk)
+        bucket_counts += append_to_buckets(bucket_dir, num_buckets, chunk)
     return bucket_counts, filtered

@@ -178,8 +178,12 @@ class Importer:
         self.spilled[file_index] += len(rel)
         return n
 
+    def _source(self, file_index: int, url: str) -> Source:
+        """The reader of input ``file_index`` (a shard importer reads a byte range of it)."""
+        return Source(url, self.options)
+
     def _pass1_file(self, file_index: int, url: str, spill: Mapping[str, IO[bytes]], started: float) -> None:
-        source = Source(url, self.options)
+        source = self._source(file_index, url)
         self._rows_before = 0
         next_report = self.summary.edges_read + self.options.progress_every
         for batch in source.batches():

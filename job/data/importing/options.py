@@ -38,6 +38,8 @@ class ImportOptions:
     relation_type_min_count: int = 1
     tmp_dir: str | None = None
     progress_every: int = 5_000_000
+    shard_size: int = 256 << 20  # bytes of uncompressed TSV per shard (0: whole files); never changes the output
+    group_size: int = 1 << 30  # input bytes a pod reads with one entity table (``shards.Group``); nor does this
 
 
 @dataclass
@@ -87,6 +89,8 @@ def check_request(config: ConfigSchema, files: list[str], options: ImportOptions
             raise UserError(f"{flag} must be a column index >= 0, got {col}")
     if options.entity_min_count < 1 or options.relation_type_min_count < 1:
         raise UserError("--entity-min-count and --relation-type-min-count must be >= 1")
+    if options.shard_size < 0:
+        raise UserError("--shard-size must be >= 0 (0: one shard per file)")
     if options.block_size < 1 << 10:
         raise UserError("--block-size must be at least 1 (MiB)")
     if config.dynamic_relations and options.rel_col is None:

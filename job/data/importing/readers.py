@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("biggraph")
 
-_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4", ".xz")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4", ".xz")
 
 
-def _detect_format(url: str, requested: str) -> str:
+def detect_format(url: str, requested: str) -> str:
     if requested != "auto":
         return requested
     lower = url.lower()
-    for suffix in _COMPRESSED_SUFFIXES:
+    for suffix in COMPRESSED_SUFFIXES:
         if lower.endswith(suffix):
             lower = lower[: -len(suffix)]
     if lower.endswith((".parquet", ".pq")):
@@ -64,10 +64,11 @@ class Batch:
 class Source:
     """One input file streamed as batches of the three columns we need."""
 
-    def __init__(self, url: str, options: ImportOptions) -> None:
+    def __init__(self, url: str, options: ImportOptions, byte_range: tuple[int, int] | None = None) -> None:
         self.url = url
         self.options = options
-        self.format = _detect_format(url, options.input_format)
+        self.byte_range = byte_range  # a shard of the file (``job.data.importing.shards``); None: all of it
+        self.format = detect_format(url, options.input_format)
         self.delimiter = _delimiter(self.format, options.delimiter) if self.format != "parquet" else ""
         self.first_malformed: str | None = None
         self._malformed = 0
@@ -124,8 +125,13 @@ class Source:
             self.first_malformed = str(row.text)
         return "skip"
 
-    def _text_input(self) -> Any:
-        """What pyarrow reads: the file itself, or (``_terminate``) its decompressed bytes plus a final newline."""
+    def _text_input(self, whole: bool = False) -> Any:
+        """What pyarrow reads: the file (``whole``) or this shard of it, or (``_terminate``) its decompressed bytes
+        plus a final newline."""
+        if self.byte_range is not None and not whole:
+            from job.data.importing.shards import open_range  # shards imports this module
+
+            return open_range(self.url, self.byte_range)
         source = self._open_binary()
         if not self._terminate:
             return source
@@ -136,10 +142,18 @@ class Source:
         return io.BufferedReader(_NewlineTerminated(source))
 
     def _text_reader(self, block_size: int, num_columns: int | None) -> Any:
+        """The file's first rows (``num_columns`` None: to learn the column count), or this shard's rows as
+        ``num_columns`` columns: a shard's own first row does not decide the count (it may be a bad row)."""
         import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
         import pyarrow.csv as pacsv
 
-        read = pacsv.ReadOptions(autogenerate_column_names=True, block_size=block_size, skip_rows=1 if self.options.header else 0)
+        at_start = self.byte_range is None or self.byte_range[0] == 0 or num_columns is None
+        skip = 1 if self.options.header and at_start else 0
+        if num_columns is None:
+            read = pacsv.ReadOptions(autogenerate_column_names=True, block_size=block_size, skip_rows=skip)
+        else:
+            read = pacsv.ReadOptions(column_names=[f"f{c}" for c in range(num_columns)], block_size=block_size,
+                                     skip_rows=skip)
         parse = pacsv.ParseOptions(
             delimiter=self.delimiter,
             quote_char='"' if self.format == "csv" else False,
@@ -150,7 +164,8 @@ class Source:
         else:
             names = [f"f{c}" for c in dict.fromkeys(self.columns)]
             convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, include_columns=names)
-        return pacsv.open_csv(self._text_input(), read_options=read, parse_options=parse, convert_options=convert)
+        return pacsv.open_csv(self._text_input(whole=num_columns is None), read_options=read, parse_options=parse,
+                              convert_options=convert)
 
     def _text_batches(self) -> Iterator[Batch]:
         import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
@@ -173,6 +188,8 @@ class Source:
             self._check_columns(len(peek.schema))
             self._malformed = 0
             self.first_malformed = None
+            if self._empty_range():
+                return
             reader = self._text_reader(self.options.block_size, len(peek.schema))
             names = [f"f{c}" for c in self.columns]
             while True:
@@ -186,6 +203,18 @@ class Source:
         except (pa.ArrowInvalid, UnicodeDecodeError) as err:
             text = str(err).replace("\n", " ")
             raise InputFormatError(self.url, f"cannot be parsed ({text})", expected=f"a {self.format.upper()} file") from None
+
+    def _empty_range(self) -> bool:
+        """A byte range in which no line starts (pyarrow would call it an empty file)."""
+        if self.byte_range is None:
+            return False
+        from job.data.importing.shards import RangeReader  # shards imports this module
+
+        reader = RangeReader(self.url, self.byte_range)
+        try:
+            return reader.empty
+        finally:
+            reader.close()
 
     def locate(self, is_bad: Callable[[list[str]], str | None]) -> tuple[int, str] | None:
         """The 1-based line and problem of the first row ``is_bad`` rejects (slow path, only after an error).

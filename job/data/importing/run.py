@@ -1,9 +1,11 @@
-"""``import_edges``: the library entry point of ``biggraph import``.
+"""``import_edges`` and ``import_pod``: the library entry points of ``biggraph import``.
 
-Nothing is written to ``entity_path`` or ``edge_paths`` until both passes succeeded, so a bad row
-(which always surfaces in pass 1) leaves no output behind. Where the output goes is checked
-first, though: a typo in a path or a bucket that does not exist must not be found only after
-reading all the input.
+Both run the sharded import of ``job.data.importing.pods``: ``import_edges`` as its only pod, with
+its staging in a local temporary directory; ``import_pod`` as one pod of N meeting the others in a
+shared staging directory. Nothing is written to ``entity_path`` or ``edge_paths`` until every shard
+has been read, so a bad row (found while reading) leaves no output behind. Where the output goes is
+checked first, though: a typo in a path or a bucket that does not exist must not be found only
+after reading all the input.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import shutil
 import tempfile
 
 from job.config import ConfigSchema
-from job.data.importing.importer import Importer
 from job.data.importing.options import ImportOptions, ImportSummary, check_request
+from job.data.importing.pods import PodRole, run_pod
 from job.data.outputs import check_output_dir
+from job.errors import UserError
 from job.session import storage_scoped
 
 logger = logging.getLogger("biggraph")
@@ -33,11 +36,30 @@ def import_edges(config: ConfigSchema, files: list[str], options: ImportOptions)
     """Import ``files`` (the i-th into ``config.edge_paths[i]``) and write ``config.entity_path``."""
     check_request(config, files, options)
     check_outputs(config)
-    workdir = tempfile.mkdtemp(prefix="biggraph-import-", dir=options.tmp_dir)
+    staging = tempfile.mkdtemp(prefix="biggraph-import-staging-", dir=options.tmp_dir)
     try:
-        summary = Importer(config, files, options, workdir).run()
+        summary = run_pod(config, files, options, PodRole(0, 1, staging, skip_done=False))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    assert summary is not None  # pod 0 always returns it
+    _report(summary)
+    return summary
+
+
+@storage_scoped
+def import_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role: PodRole) -> ImportSummary | None:
+    """Pod ``role.index`` of ``role.count`` (an Indexed Job's pod, or one of ``--pods N``); pod 0 returns the summary."""
+    check_request(config, files, options)
+    check_outputs(config)
+    if not 0 <= role.index < role.count:
+        raise UserError(f"pod index {role.index} is out of range for {role.count} pods (expected 0..{role.count - 1})")
+    summary = run_pod(config, files, options, role)
+    if summary is not None:
+        _report(summary)
+    return summary
+
+
+def _report(summary: ImportSummary) -> None:
     if summary.skipped_rows:
         logger.warning(
             "import: skipped %s bad rows (%s malformed, %s with an empty id, %s with an unknown relation)",
@@ -47,4 +69,3 @@ def import_edges(config: ConfigSchema, files: list[str], options: ImportOptions)
             f"{summary.unknown_relation_rows:,}",
         )
     logger.info("import: %s", summary.describe())
-    return summary

@@ -1,0 +1,241 @@
+"""The cost of a parallel import: CPU seconds per million edges and peak memory per pod, N pods against 1 process.
+
+Three importers on the same generated TSV files (ids like Wikidata's, uniform, dynamic relations):
+
+- ``baseline``: the importer of ``--baseline-commit`` (the single-process importer before sharding), unpacked
+  with ``git archive`` into a temporary directory and run from there;
+- ``1 process``: ``biggraph import`` as it is now (pod 0 of 1, staging in a local temporary directory);
+- ``N pods``: N processes ``biggraph import ... --pods N --pod-index i``, the code an Indexed Job's pods run,
+  meeting in a local staging directory, each timed on its own (``os.wait4``: its CPU time and peak RSS).
+
+Wall time cannot show a speed-up here (the pods share the machine's cores), so the figure is CPU time; the
+pods' logs give each phase's CPU seconds, from which RESULTS.md models larger graphs. Checks that the N-pod
+output is byte-identical to the 1-process output, and prints the machine's float32 matmul rate.
+
+    flock /work/bench.lock .venv/bin/python bench/import_pods_bench.py --edges 20000000 --entities 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_bench import generate  # noqa: E402
+from machine import matmul_rate  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PHASE = re.compile(r"import: pod (\d+): (.+?) took ([\d.]+) s wall, ([\d.]+) s CPU")
+GROUP_DONE = re.compile(r"pass 1 done: [\d,]+ edges .*; entities: \w+=([\d,]+)")
+
+
+@dataclass
+class Measured:
+    """Costs from this run: CPU per edge and per group entry by phase, per-pod fixed CPU, memory per entry."""
+
+    edge_p1: float  # phase 1 CPU s per edge (the 1-process run: its one group holds each id once)
+    entry_p1: float  # phase 1 CPU s per distinct id of a group, beyond the first group holding it
+    entry_p2: float  # phase 2 CPU s per group entry
+    edge_p3: float  # phase 3 CPU s per edge
+    fixed_cpu: float  # CPU s a pod spends whatever its share (interpreter, imports, start-up)
+    fixed_rss: float  # bytes a pod holds whatever its share
+    entry_rss: float  # bytes a pod holds per distinct id of its group
+
+
+def measure(edges: int, one: dict[str, float], pods: dict[str, float], pod_count: int, outside: tuple[float, float],
+            entries: tuple[int, int], peaks: tuple[int, int], fixed_rss: int) -> Measured:
+    """``one``/``pods``: phase CPU of the 1-process and N-pod runs; ``outside``: their CPU outside the phases;
+    ``entries``: group entries in all (1 process, N pods); ``peaks``: peak RSS (1 process, largest pod)."""
+    fixed = (outside[1] - outside[0]) / max(pod_count - 1, 1)
+    p1 = "phase 1 (shards)"
+    extra = max(pods[p1] - one[p1], 0.0)
+    return Measured(
+        edge_p1=one[p1] / edges, entry_p1=extra / max(entries[1] - entries[0], 1),
+        entry_p2=pods["phase 2 (dictionaries)"] / entries[1], edge_p3=pods["phase 3 (buckets)"] / edges,
+        fixed_cpu=fixed, fixed_rss=fixed_rss, entry_rss=max(peaks[0] - fixed_rss, 0) / max(entries[0], 1))
+
+
+def paper_model(m: Measured, *, group_mib: int = 256, parts: int = 128) -> None:
+    """Import wall time and memory per pod for 2B edges / 100M entities on 8, 32, 128 pods at 200 MB/s each.
+    Worst case: ids uniform over the entities, so a group of e edges holds 1 - exp(-2e/V) of them (a power-law
+    graph far fewer). Each pod's CPU is one core; reads, writes and CPU are added, not overlapped."""
+    big_e, big_v, name, rate = 2e9, 1e8, 9, 200e6
+    b_in = big_e * (2 * name + 5)
+    print(f"\nmodel: 2B edges, 100M entities, {b_in / 1e9:.0f} GB of TSV, groups of at most {group_mib} MiB, {parts} "
+          f"partitions ({parts * parts} buckets); per edge: phase 1 {m.edge_p1 * 1e6:.3f} µs, phase 3 "
+          f"{m.edge_p3 * 1e6:.3f} µs; per group entry: phase 1 {m.entry_p1 * 1e6:.3f} µs, phase 2 "
+          f"{m.entry_p2 * 1e6:.3f} µs; a pod: {m.fixed_cpu:.2f} s CPU and {m.fixed_rss / 2**20:.0f} MiB fixed, "
+          f"{m.entry_rss:.0f} B per group entry")
+    print("| pods | group entries | phase 1 | phase 2 | phase 3 | total | memory per pod (phase 1 / phase 2) |")
+    print("|---|---|---|---|---|---|---|")
+    for pods in (8, 32, 128):
+        group = min(group_mib * 2**20, b_in / pods)
+        per_group = big_v * (1 - np.exp(-2 * (group / (2 * name + 5)) / big_v))
+        entries = b_in / group * per_group
+        t1 = m.fixed_cpu + (big_e * m.edge_p1 + (entries - big_v) * m.entry_p1
+                            + (b_in + 12 * big_e + entries * (24 + name)) / rate) / pods
+        t2 = (entries * m.entry_p2 + (entries * (28 + name) + big_v * (name + 4)) / rate) / min(pods, parts)
+        t3 = (big_e * m.edge_p3 + (24 * big_e + 4 * entries) / rate) / min(pods, parts * parts)
+        m1 = m.fixed_rss + per_group * m.entry_rss
+        m2 = m.fixed_rss + entries / parts * m.entry_rss
+        print(f"| {pods} | {entries / 1e9:.2f}B | {t1 / 60:.1f} min | {t2 / 60:.1f} min | {t3 / 60:.1f} min | "
+              f"{(t1 + t2 + t3) / 60:.1f} min | {m1 / 2**30:.1f} GiB / {m2 / 2**30:.1f} GiB |")
+
+
+def write_config(path: Path, out: Path, partitions: int, files: int) -> Path:
+    """One edge path per input file (PBG's rule: the i-th file is the i-th edge set)."""
+    path.write_text(json.dumps({
+        "entities": {"all": {"num_partitions": partitions}},
+        "relations": [{"name": "all_edges", "lhs": "all", "rhs": "all", "operator": "translation"}],
+        "dynamic_relations": True, "global_emb": False, "dimension": 100,
+        "entity_path": str(out / "entities"), "edge_paths": [str(out / f"edges_{i:02d}") for i in range(files)],
+        "checkpoint_path": str(out / "model"),
+    }))
+    return path
+
+
+# Forked from a small interpreter: a child's ru_maxrss starts at its parent's peak at the fork (Linux keeps it
+# across exec), and this benchmark's own process holds torch and the generator's arrays.
+MEASURE = """
+import json, os, sys, time
+started = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    json.dump([time.monotonic() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024], out)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cwd: Path) -> list[tuple[float, float, int]]:
+    """Start every command at once; (wall s, CPU s, peak RSS bytes) of each, from its own wait4."""
+    procs = []
+    for argv, log in zip(commands, logs):
+        with open(log, "w") as out:
+            measure = [sys.executable, "-S", "-c", MEASURE, f"{log}.usage", *argv]
+            procs.append(subprocess.Popen(measure, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env))
+    results = []
+    for proc, log in zip(procs, logs):
+        if proc.wait() != 0:
+            raise SystemExit(f"{' '.join(proc.args[5:])} failed:\n{log.read_text()[-3000:]}")
+        wall, cpu, peak = json.loads(Path(f"{log}.usage").read_text())
+        results.append((wall, cpu, int(peak)))
+    return results
+
+
+def digests(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".biggraph-import.json"}
+
+
+def phases(logs: list[Path]) -> dict[str, float]:
+    """CPU seconds per phase, summed over the pods (waits excluded)."""
+    totals: dict[str, float] = {}
+    for log in logs:
+        for match in PHASE.finditer(log.read_text()):
+            if not match.group(2).startswith("waiting"):
+                totals[match.group(2)] = totals.get(match.group(2), 0.0) + float(match.group(4))
+    return totals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--edges", type=int, default=20_000_000)
+    parser.add_argument("--entities", type=int, default=1_000_000)
+    parser.add_argument("--relations", type=int, default=100)
+    parser.add_argument("--files", type=int, default=16)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--pods", type=int, default=4)
+    parser.add_argument("--baseline-commit", default="3de917b", help="the commit whose importer is the baseline")
+    parser.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
+    parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
+                        help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
+    args = parser.parse_args()
+
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="biggraph-import-pods-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs", flush=True)
+    try:
+        inputs = []
+        per_file = args.edges // args.files
+        started = time.monotonic()
+        for i in range(args.files):
+            path = root / f"part-{i:02d}.tsv"
+            if not path.exists():
+                generate(path, per_file, args.entities, args.relations, seed=i)
+            inputs.append(str(path))
+        size = sum(os.path.getsize(p) for p in inputs)
+        print(f"input: {args.files} files, {per_file * args.files:,} edges, {size / 2**20:,.0f} MiB "
+              f"(generated in {time.monotonic() - started:.0f} s)", flush=True)
+        edges = per_file * args.files
+        baseline_src = root / "baseline_src"
+        if not baseline_src.exists():
+            baseline_src.mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline_commit, "job", "storage_adapters"],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(baseline_src)], input=archive, check=True)
+        columns = ["-l", "0", "-r", "2", "--rel-col", "1"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        rows = []
+        for name in ("baseline", "1 process", f"{args.pods} pods"):
+            out = root / re.sub(r"\W", "_", name)
+            shutil.rmtree(out, ignore_errors=True)
+            config = str(write_config(root / f"{out.name}.json", out, args.partitions, args.files))
+            base = [sys.executable, "-m", "job", "import", config, *inputs, *columns]
+            if name == "baseline":
+                commands, cwd, run_env = [base], baseline_src, {**env, "PYTHONPATH": str(baseline_src)}
+            elif name == "1 process":
+                commands, cwd, run_env = [base], REPO, env
+            else:
+                staging = str(root / "staging")
+                commands = [[*base, "--pods", str(args.pods), "--pod-index", str(i), "--staging", staging]
+                            for i in range(args.pods)]
+                cwd, run_env = REPO, env
+            logs = [root / f"{out.name}.{i}.log" for i in range(len(commands))]
+            results = run_all(commands, logs, run_env, cwd)
+            wall = max(r[0] for r in results)
+            cpu = sum(r[1] for r in results)
+            peak = max(r[2] for r in results)
+            rows.append((name, wall, cpu, peak, [r[2] for r in results], phases(logs), out))
+        print("\n| importer | edges | wall | CPU | CPU s / M edges | edges/s of CPU | peak RSS per process | CPU vs 1 process |")
+        print("|---|---|---|---|---|---|---|---|")
+        one_cpu = rows[1][2]
+        for name, wall, cpu, peak, peaks, _, _ in rows:
+            print(f"| {name} | {edges:,} | {wall:.1f} s | {cpu:.1f} s | {cpu / edges * 1e6:.2f} | {edges / cpu:,.0f} | "
+                  f"{peak / 2**20:,.0f} MiB ({', '.join(f'{p / 2**20:,.0f}' for p in peaks)}) | {cpu / one_cpu:.2f}x |")
+        for name, _, cpu, _, _, phase_cpu, _ in rows[1:]:
+            print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items())
+                  + f", outside the phases (interpreter, imports, start-up) {cpu - sum(phase_cpu.values()):.1f}")
+        found = []
+        for row in rows[1:]:
+            logs = sorted(root.glob(f"{row[6].name}.*.log"))
+            found.append(sum(int(m.group(1).replace(",", "")) for log in logs for m in GROUP_DONE.finditer(log.read_text())))
+        print(f"group entries (distinct ids per group, summed): 1 process {found[0]:,}, {args.pods} pods {found[1]:,}")
+        outside = tuple(row[2] - sum(row[5].values()) for row in rows[1:])
+        measured = measure(edges, rows[1][5], rows[2][5], args.pods, (outside[0], outside[1]), (found[0], found[1]),
+                           (rows[1][3], rows[2][3]), args.fixed_rss << 20)
+        paper_model(measured)
+        same = digests(rows[1][6]) == digests(rows[2][6])
+        print(f"\n{args.pods}-pod output byte-identical to the 1-process output: {same} ({len(digests(rows[1][6]))} files)")
+        return 0 if same else 1
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
