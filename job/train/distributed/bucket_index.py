@@ -19,7 +19,6 @@ state behind the index's back.
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -40,7 +39,8 @@ class WatchedDict(dict):
     def __setitem__(self, key: Any, value: Any) -> None:
         old = self.get(key, MISSING)
         super().__setitem__(key, value)
-        self._on_change(key, old, value)
+        if old is MISSING or old != value:  # (a lock taken again by its holder changes nothing)
+            self._on_change(key, old, value)
 
     def __delitem__(self, key: Any) -> None:
         old = self[key]
@@ -135,6 +135,41 @@ class WatchedSet(set):
         return self
 
 
+class IndexedSet:
+    """A set with O(1) add, remove and access by position (a list and each element's place in it, removal by
+    swapping the last element in): a random choice among its elements costs O(1), whatever its size. Its order is
+    that of the changes made to it, so a seeded choice is reproducible."""
+
+    __slots__ = ("items", "_at")
+
+    def __init__(self) -> None:
+        self.items: list[Bucket] = []
+        self._at: dict[Bucket, int] = {}
+
+    def add(self, item: Bucket) -> None:
+        if item not in self._at:
+            self._at[item] = len(self.items)
+            self.items.append(item)
+
+    def discard(self, item: Bucket) -> None:
+        at = self._at.pop(item, None)
+        if at is None:
+            return
+        last = self.items.pop()
+        if at < len(self.items):
+            self.items[at] = last
+            self._at[last] = at
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._at
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Bucket]:
+        return iter(self.items)
+
+
 class BucketIndex:
     """The open buckets of a ``LockState`` by partition (see the module docstring). ``state``: anything with
     ``bucket_keys``, ``locks``, ``in_flight``, ``reserved``, ``done`` and ``eligible(bucket)``."""
@@ -150,11 +185,10 @@ class BucketIndex:
                 self.by_part.setdefault(part, []).append(bucket)
         self.taken: Counter[Bucket] = Counter()  # in flight or reserved (a bucket is both only transiently)
         self.held: dict[int, set[PartitionKey]] = {}  # rank -> the keys it locks
-        # the free buckets, sorted (the grid's order, which choices are drawn in): all, and by how many partitions
-        # each needs (a reservation's cost for a bucket touching none the rank holds)
-        self.free: list[Bucket] = []
-        self.free_by_size: dict[int, list[Bucket]] = {}
-        self._free: set[Bucket] = set()
+        # the free buckets: all, and by how many partitions each needs (a reservation's cost for a bucket touching
+        # none the rank holds); O(1) to change and to draw from
+        self.free = IndexedSet()
+        self.free_by_size: dict[int, IndexedSet] = {}
         self.single: set[Bucket] = set()
         self.single_count: Counter[PartitionKey] = Counter()  # key -> the single buckets touching it
         self.owned: dict[int, set[Bucket]] = {}  # rank -> the single buckets whose one owner it is (not free)
@@ -169,14 +203,10 @@ class BucketIndex:
         self.held = {}
         for key, rank in self.state.locks.items():
             self.held.setdefault(rank, set()).add(key)
-        self._free, self.single = set(), set()
+        self.free, self.free_by_size, self.single = IndexedSet(), {}, set()
         self.single_count, self.owned, self._owner = Counter(), {}, {}
-        for bucket in self.state.bucket_keys:
+        for bucket in sorted(self.state.bucket_keys):
             self._classify(bucket)
-        self.free = sorted(self._free)
-        self.free_by_size = {}
-        for bucket in self.free:
-            self.free_by_size.setdefault(len(self.state.bucket_keys[bucket]), []).append(bucket)
 
     def lock_changed(self, key: PartitionKey, old: Any, new: Any) -> None:
         if old is not MISSING:
@@ -203,37 +233,42 @@ class BucketIndex:
             self.refresh(bucket)
 
     def refresh(self, bucket: Bucket) -> None:
-        was_free = bucket in self._free
-        self._free.discard(bucket)
+        keys = self.state.bucket_keys[bucket]
+        if bucket in self.free:
+            self.free.discard(bucket)
+            self.free_by_size[len(keys)].discard(bucket)
         if bucket in self.single:
             self.single.discard(bucket)
-            self.single_count.subtract(self.state.bucket_keys[bucket])
+            counts = self.single_count
+            for key in keys:
+                counts[key] -= 1
         owner = self._owner.pop(bucket, None)
         if owner is not None:
             self.owned[owner].discard(bucket)
         self._classify(bucket)
-        now_free = bucket in self._free
-        if now_free != was_free:
-            by_size = self.free_by_size.setdefault(len(self.state.bucket_keys[bucket]), [])
-            for free in (self.free, by_size):
-                if now_free:
-                    bisect.insort(free, bucket)
-                else:
-                    del free[bisect.bisect_left(free, bucket)]
 
     def _classify(self, bucket: Bucket) -> None:
-        if not self.is_open(bucket) or not self.state.eligible(bucket):
+        state = self.state
+        if bucket in state.done or bucket in self.taken or not state.eligible(bucket):
             return
-        owners = self.owners(bucket)
+        keys = state.bucket_keys[bucket]
+        locks = state.locks
+        owners = {locks[key] for key in keys if key in locks}
         if not owners:
-            self._free.add(bucket)
+            self.free.add(bucket)
+            by_size = self.free_by_size.get(len(keys))
+            if by_size is None:
+                by_size = self.free_by_size[len(keys)] = IndexedSet()
+            by_size.add(bucket)
         elif len(owners) == 1:
             (owner,) = owners
             self._owner[bucket] = owner
             self.owned.setdefault(owner, set()).add(bucket)
         if len(owners) <= 1:
             self.single.add(bucket)
-            self.single_count.update(self.state.bucket_keys[bucket])
+            counts = self.single_count
+            for key in keys:
+                counts[key] += 1
 
     # queries ---------------------------------------------------------------------------------------------------
 
@@ -241,7 +276,7 @@ class BucketIndex:
         return bucket not in self.state.done and bucket not in self.taken
 
     def is_free(self, bucket: Bucket) -> bool:
-        return bucket in self._free
+        return bucket in self.free
 
     def owners(self, bucket: Bucket) -> set[int]:
         locks = self.state.locks
@@ -259,7 +294,7 @@ class BucketIndex:
     def takes(self, rank: int, bucket: Bucket, also_trained: frozenset = frozenset()) -> bool:
         """Whether ``rank`` may take ``bucket`` now: open, eligible (or touching ``also_trained``: the partitions of
         the bucket it trains before this one), and no partition locked by another rank."""
-        return bucket in self._free or (
+        return bucket in self.free or (
             self.is_open(bucket)
             and (self.state.eligible(bucket) or bool({bucket.lhs, bucket.rhs} & also_trained))
             and self.owners(bucket) <= {rank})
@@ -270,13 +305,13 @@ class BucketIndex:
         extra = set(self.owned.get(rank, ()))
         if self.state.tree_init_order:
             extra.update(b for part in also_trained for b in self.by_part.get(part, ())
-                         if b not in self._free and b not in extra and self.takes(rank, b, also_trained))
+                         if b not in self.free and b not in extra and self.takes(rank, b, also_trained))
         return extra
 
     def near_takeable(self, rank: int, keys: Iterable[PartitionKey]) -> list[Bucket]:
         """The buckets ``rank`` may take (without ``also_trained``) that touch any of ``keys``."""
         owned = self.owned.get(rank, set())
-        return [b for b in self.near(keys) if b in self._free or b in owned]
+        return [b for b in self.near(keys) if b in self.free or b in owned]
 
     def _both(self, one: PartitionKey, other: PartitionKey) -> frozenset[Bucket]:
         """The buckets touching both keys (at most two for one entity type: (a, b) and (b, a)), cached."""

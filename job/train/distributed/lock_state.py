@@ -23,7 +23,6 @@ are forgotten by a restart: ``forget_rank_locks``):
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -161,13 +160,14 @@ class LockState:
                 and rank not in self.locks.values())
 
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
-        """The buckets ``rank`` may take now, in the grid's order: not done, nobody's (in flight or reserved), no
-        partition locked by another rank, eligible under the initialised-partition rule (``also_trained``: partitions
-        that count as trained, i.e. those of the bucket ``rank`` trains before this one)."""
+        """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
+        another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
+        trained, i.e. those of the bucket ``rank`` trains before this one). The free ones in the index's order (that
+        of the changes made: a seeded choice is reproducible), then the others sorted; not a copy when all are free."""
         extras = self.index.extras(rank, also_trained)
         if not extras:
-            return self.index.free
-        return list(heapq.merge(self.index.free, sorted(extras)))
+            return self.index.free.items
+        return self.index.free.items + sorted(extras)
 
     def reserve(self, rank: int, rng: Any, leaving: frozenset = frozenset()) -> Optional[Bucket]:
         """Grant ``rank``'s next bucket now, while it trains its current one, and lock its partitions for it.
@@ -177,8 +177,8 @@ class LockState:
         reservation) keep at least one open bucket each that the new locks do not touch. Among the grantable
         buckets the one needing the fewest new partitions wins (then one sharing a partition the rank holds, then
         random): usually a bucket sharing the current one's partitions, which costs nobody anything and the trainer
-        no read. None: nothing fits (the
-        rank asks again, the usual way, when its bucket is done). One reservation per rank at a time.
+        no read. None: nothing fits (the rank asks again, the usual way, when its bucket is done). One reservation
+        per rank at a time.
         ``leaving``: partitions the rank is writing back in the background; it holds their locks until they are
         stored (``release``), but they count as new partitions here, as they would after the release."""
         current = self.in_flight.get(rank)
@@ -192,7 +192,8 @@ class LockState:
             by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
         free = self.index.free_by_size
         for cost in sorted(set(by_cost) | {size for size, buckets in free.items() if buckets}):
-            for bucket in _random_order(rng, by_cost.get(cost, []), free.get(cost, [])):
+            far = free[cost].items if cost in free else []
+            for bucket in _random_order(rng, by_cost.get(cost, []), far):
                 new = self.bucket_keys[bucket] - mine
                 if new and not self._leaves_enough(rank, new):
                     continue
