@@ -29,7 +29,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,18 +36,20 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from storage_adapters.classify import (
+from storage_adapters.errors import StorageError
+from storage_adapters.retry import (
     NOT_FOUND,
     PERMANENT,
     TRANSIENT,
+    Backoff,
+    call_with_retry,
     causes,
     classify,
     client_error_info,
     describe,
+    get_retry_policy,
     permanent_reason,
 )
-from storage_adapters.errors import StorageError
-from storage_adapters.retry import call_with_retry, get_retry_policy
 
 logger = logging.getLogger("biggraph.storage")
 
@@ -279,8 +280,7 @@ async def _download(job: _Ranges) -> None:
 
 
 async def _fetch_range(job: _Ranges, start: int, end: int, size: int) -> None:
-    policy = get_retry_policy()
-    pos, attempt, delay, since = start, 0, policy.first_delay, time.monotonic()
+    pos, backoff = start, Backoff(get_retry_policy())
     while pos < end:
         began = pos
         try:
@@ -300,14 +300,11 @@ async def _fetch_range(job: _Ranges, start: int, end: int, size: int) -> None:
             if classify(err, job.url) != TRANSIENT:
                 raise
             if pos > began:  # progress: the policy starts afresh from here
-                attempt, delay, since = 0, policy.first_delay, time.monotonic()
-            attempt += 1
-            spent = time.monotonic() - since
-            if attempt >= policy.attempts() or spent + delay > policy.total_seconds:
-                raise StorageError(f"{job.url}: download still failing at byte {pos} of {size} after {attempt} "
-                                   f"attempts in {spent:.1f} s: {describe(err)}") from None
-            pause = delay * (0.5 + random.random() / 2)
+                backoff.restart()
+            pause = backoff.failed()
+            if pause is None:
+                raise StorageError(f"{job.url}: download still failing at byte {pos} of {size} after "
+                                   f"{backoff.attempt} attempts in {backoff.spent():.1f} s: {describe(err)}") from None
             logger.warning("%s: download broke off at byte %d of %d on attempt %d of %d (%s); resuming from that "
-                           "byte in %.2f s", job.url, pos, size, attempt, policy.attempts(), describe(err), pause)
+                           "byte in %.2f s", job.url, pos, size, backoff.attempt, backoff.limit, describe(err), pause)
             await asyncio.sleep(pause)
-            delay = min(policy.max_delay, delay * policy.multiplier)
