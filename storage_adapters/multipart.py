@@ -149,9 +149,8 @@ def _failure_kind(err: BaseException) -> str:
     it again), "refused" (an error answer, or a connection that failed: sending it again is safe) or "gone"."""
     if classify(err) == NOT_FOUND or isinstance(err, PermissionError):
         return "gone"  # NoSuchUpload, or 405 MethodNotAllowed: completed or aborted by an earlier request
-    names = {cls.__name__ for cause in causes(err) for cls in type(cause).__mro__}
-    _, status = client_error_info(err)
-    if names & {"ReadTimeoutError", "ServerTimeoutError", "FSTimeoutError", "TimeoutError"} or status == 504:
+    # botocore's ReadTimeoutError, aiohttp's ServerTimeoutError and fsspec's FSTimeoutError are all TimeoutErrors
+    if any(isinstance(cause, TimeoutError) for cause in causes(err)) or client_error_info(err)[1] == 504:
         return "timeout"
     return "refused"
 

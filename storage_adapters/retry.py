@@ -23,7 +23,6 @@ import os
 import random
 import socket
 import ssl
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -163,8 +162,7 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
 # S3 requests record their endpoint's host:port (the botocore hook sees every response); other backends count a
 # URL scheme as answered once a call succeeded.
 
-_answered: set[str] = set()
-_answered_lock = threading.Lock()
+_answered: set[str] = set()  # "host:port" or "scheme=s3"; one set operation at a time, so no lock
 
 
 def _host_key(url: str) -> str | None:
@@ -195,14 +193,12 @@ def endpoint_text(url: str) -> str:
 def note_answered(url: str | None = None, request_url: str | None = None) -> None:
     """Remember that the endpoint of ``request_url`` (an HTTP request's URL) or the scheme of ``url`` answered."""
     keys = [_host_key(request_url) if request_url else None, _scheme_key(url) if url is not None else None]
-    with _answered_lock:
-        _answered.update(key for key in keys if key)
+    _answered.update([key for key in keys if key])
 
 
 def forget_endpoints() -> None:
     """Forget which endpoints have answered (tests: a port number may be reused by the next test)."""
-    with _answered_lock:
-        _answered.clear()
+    _answered.clear()
 
 
 # Classification -------------------------------------------------------------------------------------------------
@@ -282,9 +278,8 @@ def unreachable_reason(err: BaseException, url: str | None = None) -> str | None
         return None
     if failure.kind != "certificate":
         key = failure.host_key or (_scheme_key(url) if url is not None else None)
-        with _answered_lock:
-            if key in _answered:
-                return None
+        if key in _answered:
+            return None
     where = f"the storage endpoint {failure.endpoint}" if failure.endpoint else "the storage endpoint"
     what = {"dns": f"cannot resolve the host of {where} (DNS: {failure.detail})",
             "refused": f"{where} refused the connection (nothing listens on that port)",
