@@ -47,7 +47,6 @@ from storage_adapters.retry import (
     classify,
     client_error_info,
     describe,
-    get_retry_policy,
     permanent_reason,
 )
 
@@ -279,7 +278,7 @@ async def _download(job: _Ranges) -> None:
 
 
 async def _fetch_range(job: _Ranges, start: int, end: int, size: int) -> None:
-    pos, backoff = start, Backoff(get_retry_policy())
+    pos, backoff = start, Backoff()
     while pos < end:
         began = pos
         try:

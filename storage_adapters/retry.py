@@ -87,10 +87,11 @@ class RetryPolicy:
 
 class Backoff:
     """One operation's place in a policy: failed attempts so far, the next pause, and whether one is left.
-    ``restart`` begins the policy afresh (a resumed download that made progress)."""
+    ``restart`` begins the policy afresh (a resumed download that made progress). Default: the process's policy."""
 
-    def __init__(self, policy: RetryPolicy) -> None:
-        self.policy, self.limit = policy, policy.attempts()
+    def __init__(self, policy: RetryPolicy | None = None) -> None:
+        self.policy = policy or _policy
+        self.limit = self.policy.attempts()
         self.restart()
 
     def restart(self) -> None:
@@ -121,15 +122,11 @@ def set_retry_policy(total_seconds: float | None = None, first_delay: float | No
     return previous
 
 
-def get_retry_policy() -> RetryPolicy:
-    return _policy
-
-
 def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: RetryPolicy | None = None,
                     sleep: Callable[[float], None] = time.sleep) -> T:
     """Run ``func``; retry transient failures while ``policy`` allows. Permanent failures, unreachable endpoints
     and exhausted retries become ``StorageError`` naming ``url``; other exceptions pass through unchanged."""
-    backoff = Backoff(policy or _policy)
+    backoff = Backoff(policy)
     while True:
         try:
             result = func()
