@@ -35,6 +35,7 @@ from fsspec.asyn import sync
 from storage_adapters.errors import ConditionFailed, StorageError
 from storage_adapters.fs import S3_SCHEMES, biggraph_option, call, get_filesystem, is_local, local_path, scheme_of
 from storage_adapters.ops import read_bytes, replace_local, write_bytes
+from storage_adapters.retry import client_error_info
 
 logger = logging.getLogger("biggraph.storage")
 _fallback_lock = threading.Lock()
@@ -193,10 +194,10 @@ def _probe(url: str, fs: Any, bucket: str, key: str) -> bool:
 
 
 def _refused(err: OSError) -> bool:
-    """s3fs' translation of 412 PreconditionFailed (or of 409 ConditionalRequestConflict)."""
-    text = str(err).lower()
-    return isinstance(err, (FileExistsError, FileNotFoundError)) or err.errno == errno.EINVAL or \
-        "precondition" in text or "conditional" in text
+    """The store refused the condition: botocore's answer under s3fs' translation is a 412 PreconditionFailed, a 404
+    (If-Match on an object that is gone) or a 409 ConditionalRequestConflict (another conditional write in flight)."""
+    code, status = client_error_info(err)
+    return status in (404, 412) or code == "ConditionalRequestConflict"
 
 
 def _write_s3(url: str, data: bytes, expect: Optional[str]) -> str:

@@ -28,7 +28,7 @@ import h5py
 import storage_adapters as storage
 from storage_adapters.errors import NotHDF5Error
 from storage_adapters.fs import is_local, local_path
-from storage_adapters.retry import TRANSIENT, call_with_retry, classify
+from storage_adapters.retry import call_with_retry
 from storage_adapters.session import EDGE_READ_MODES, current
 
 logger = logging.getLogger("biggraph.storage")
@@ -130,27 +130,28 @@ def open_h5(url: str, verify: Callable[[str | None], None] | None = None) -> Ite
 
 
 class RetryingFile(io.RawIOBase):
-    """A read-only remote file for h5py whose reads survive transient failures.
-
-    Each read is retried (see ``storage_adapters.retry``): after a failure the fsspec file
-    is reopened and positioned where the read started, so h5py never sees the hiccup.
-    """
+    """A read-only remote file for h5py whose reads survive transient failures: fsspec's read-ahead cache over
+    ranged reads (one per ``block_size``), each retried (``storage_adapters.retry``) and checked whole, so h5py
+    never sees a hiccup."""
 
     def __init__(self, url: str, block_size: int = STREAM_BLOCK_SIZE) -> None:
-        super().__init__()
-        self.url = url
-        self.block_size = block_size
-        self._pos = 0
-        self._size = storage.size(url)
-        self._file: Any = None
-        self._reopen()
+        from fsspec.caching import ReadAheadCache
 
-    def _reopen(self) -> None:
-        if self._file is not None:
-            with contextlib.suppress(Exception):
-                self._file.close()
-            self._file = None
-        self._file = storage.open_file(self.url, "rb", block_size=self.block_size, cache_type="readahead")
+        super().__init__()
+        self.url, self._pos, self._size = url, 0, storage.size(url)
+        fs, path = storage.get_filesystem(url)
+
+        def fetch(start: int, end: int) -> bytes:
+            def attempt() -> bytes:
+                data = fs.cat_file(path, start=start, end=end)
+                if len(data) != end - start:
+                    raise ConnectionResetError(f"short read: {len(data)} of {end - start} bytes")
+                return data
+
+            with collector_paused():  # h5py holds its lock around this call: see collector_paused
+                return call_with_retry(url, "read", attempt)
+
+        self._cache = ReadAheadCache(block_size, fetch, self._size)
 
     def readable(self) -> bool:
         return True
@@ -162,41 +163,13 @@ class RetryingFile(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self._pos = offset
-        elif whence == io.SEEK_CUR:
-            self._pos += offset
-        else:
-            self._pos = self._size + offset
+        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos}.get(whence, self._size) + offset
         return self._pos
 
     def read(self, size: int = -1) -> bytes:
-        start = self._pos
-        want = self._size - start if size is None or size < 0 else min(size, max(0, self._size - start))
-        if want <= 0:
-            return b""
-        first = [True]
-
-        def attempt() -> bytes:
-            if not first[0]:
-                self._reopen()
-            first[0] = False
-            try:
-                self._file.seek(start)
-                data = self._file.read(want)
-            except Exception as err:
-                if classify(err) == TRANSIENT or isinstance(err, (ValueError, AttributeError)):
-                    first[0] = False  # the next attempt starts from a fresh file object
-                if isinstance(err, (ValueError, AttributeError)):
-                    raise ConnectionResetError(f"stream broken ({type(err).__name__})") from err
-                raise
-            if len(data) != want:
-                raise ConnectionResetError(f"short read: {len(data)} of {want} bytes")
-            return data
-
-        with collector_paused():  # h5py holds its lock around this call: see collector_paused
-            data = call_with_retry(self.url, "read", attempt)
-        self._pos = start + len(data)
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        data = self._cache._fetch(self._pos, end)  # fsspec's cache interface (what its own file objects call)
+        self._pos += len(data)
         return data
 
     def readinto(self, buffer: Any) -> int:
@@ -206,8 +179,5 @@ class RetryingFile(io.RawIOBase):
         return len(data)
 
     def close(self) -> None:
-        if self._file is not None:
-            with contextlib.suppress(Exception):
-                self._file.close()
-            self._file = None
+        self._cache.cache = b""  # the read-ahead block (50 MiB) goes with the file, not with its last reference
         super().close()

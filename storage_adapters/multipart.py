@@ -29,7 +29,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,18 +36,19 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from storage_adapters.classify import (
+from storage_adapters.errors import StorageError
+from storage_adapters.retry import (
     NOT_FOUND,
     PERMANENT,
     TRANSIENT,
+    Backoff,
+    call_with_retry,
     causes,
     classify,
     client_error_info,
     describe,
     permanent_reason,
 )
-from storage_adapters.errors import StorageError
-from storage_adapters.retry import call_with_retry, get_retry_policy
 
 logger = logging.getLogger("biggraph.storage")
 
@@ -148,9 +148,8 @@ def _failure_kind(err: BaseException) -> str:
     it again), "refused" (an error answer, or a connection that failed: sending it again is safe) or "gone"."""
     if classify(err) == NOT_FOUND or isinstance(err, PermissionError):
         return "gone"  # NoSuchUpload, or 405 MethodNotAllowed: completed or aborted by an earlier request
-    names = {cls.__name__ for cause in causes(err) for cls in type(cause).__mro__}
-    _, status = client_error_info(err)
-    if names & {"ReadTimeoutError", "ServerTimeoutError", "FSTimeoutError", "TimeoutError"} or status == 504:
+    # botocore's ReadTimeoutError, aiohttp's ServerTimeoutError and fsspec's FSTimeoutError are all TimeoutErrors
+    if any(isinstance(cause, TimeoutError) for cause in causes(err)) or client_error_info(err)[1] == 504:
         return "timeout"
     return "refused"
 
@@ -279,8 +278,7 @@ async def _download(job: _Ranges) -> None:
 
 
 async def _fetch_range(job: _Ranges, start: int, end: int, size: int) -> None:
-    policy = get_retry_policy()
-    pos, attempt, delay, since = start, 0, policy.first_delay, time.monotonic()
+    pos, backoff = start, Backoff()
     while pos < end:
         began = pos
         try:
@@ -300,14 +298,11 @@ async def _fetch_range(job: _Ranges, start: int, end: int, size: int) -> None:
             if classify(err, job.url) != TRANSIENT:
                 raise
             if pos > began:  # progress: the policy starts afresh from here
-                attempt, delay, since = 0, policy.first_delay, time.monotonic()
-            attempt += 1
-            spent = time.monotonic() - since
-            if attempt >= policy.attempts() or spent + delay > policy.total_seconds:
-                raise StorageError(f"{job.url}: download still failing at byte {pos} of {size} after {attempt} "
-                                   f"attempts in {spent:.1f} s: {describe(err)}") from None
-            pause = delay * (0.5 + random.random() / 2)
+                backoff.restart()
+            pause = backoff.failed()
+            if pause is None:
+                raise StorageError(f"{job.url}: download still failing at byte {pos} of {size} after "
+                                   f"{backoff.attempt} attempts in {backoff.spent():.1f} s: {describe(err)}") from None
             logger.warning("%s: download broke off at byte %d of %d on attempt %d of %d (%s); resuming from that "
-                           "byte in %.2f s", job.url, pos, size, attempt, policy.attempts(), describe(err), pause)
+                           "byte in %.2f s", job.url, pos, size, backoff.attempt, backoff.limit, describe(err), pause)
             await asyncio.sleep(pause)
-            delay = min(policy.max_delay, delay * policy.multiplier)

@@ -1,67 +1,67 @@
-"""Transient, permanent or unreachable? Retrying storage calls, saying so, and knowing when not to.
+"""What the storage layer retries, what it refuses at once, and how it says so.
 
-Object stores fail in three ways. *Transient* failures (timeouts, dropped connections,
-HTTP 5xx, throttling such as S3's ``SlowDown``) go away if the same request is sent
-again a little later: botocore retries each HTTP request a few times, and what still
-escapes is retried here with exponential backoff and jitter, for at most
-``total_seconds`` and ``max_attempts`` in all. *Permanent* failures (no such bucket,
-access denied, bad credentials) never go away, so they are raised at once as a
-``StorageError`` naming the URL. *Unreachable* endpoints (a host name that does not
-resolve, a TLS handshake that fails, a port where nothing listens) are permanent too,
-but only until the endpoint has answered once: a mistyped ``endpoint_url`` fails at its
-first request instead of after minutes of silent retries, while a gateway that restarts
-in the middle of a run (refused or reset connections after earlier answers) is transient.
-``FileNotFoundError`` for a missing key is none of these: it is an answer, and it is
-passed through untouched because callers test for it.
-
-Every retry, at either layer, is logged at WARNING on ``biggraph.storage`` as it happens:
-the operation, the URL, attempt n of m, and the error (never headers or credentials).
-Between the two, s3fs has a silent retry loop of its own; ``instrument_s3`` turns it off for
-the storage layer's filesystems, so that the layers that remain are the two that log.
+One HTTP request is botocore's to retry (``standard`` mode, see ``fs.storage_options_for``). Kept here is what no
+library retries: a whole operation of several requests, or one whose body broke off after botocore handed it over
+(``call_with_retry``, ``Backoff``), judged by what the libraries raise (``classify``: botocore's error code and
+status, connection and timeout errors). Transient failures are retried with backoff for a bounded time, each retry
+logged at WARNING on ``biggraph.storage`` (URL, operation, attempt n of m, error; never credentials). Permanent ones
+(no such bucket, credentials or access refused) raise a ``StorageError`` naming the URL at once, and so does an
+endpoint that cannot be reached (DNS, refused, TLS) until it has answered once in this process: a mistyped
+``endpoint_url`` fails at its first request, a gateway restarting mid-run is retried. ``FileNotFoundError`` is an
+answer, passed through.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
+import functools
+import http.client
 import logging
 import os
 import random
-import threading
+import socket
+import ssl
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
-from storage_adapters.classify import (
-    NOT_FOUND,
-    OTHER,
-    PERMANENT,
-    TRANSIENT,
-    UNREACHABLE,
-    ConnectFailure,
-    classify,
-    connection_failure,
-    describe,
-    permanent_reason,
-    unreachable_reason,
-)
-from storage_adapters.endpoints import (
-    endpoint_text,
-    forget_endpoints,
-    note_answered,
-)
 from storage_adapters.errors import StorageError
 
-__all__ = [  # the classification and endpoint names are re-exported: callers and tests use them from here
-    "NOT_FOUND", "OTHER", "PERMANENT", "TRANSIENT", "UNREACHABLE", "ConnectFailure", "RetryPolicy", "call_with_retry",
-    "classify", "connection_failure", "describe", "forget_endpoints", "get_retry_policy", "instrument_s3",
-    "note_answered", "set_retry_policy", "unreachable_reason",
-]
-
 logger = logging.getLogger("biggraph.storage")
-
 T = TypeVar("T")
+TRANSIENT, PERMANENT, NOT_FOUND, UNREACHABLE, OTHER = "transient", "permanent", "not_found", "unreachable", "other"
+
+# Codes that no retry fixes ("401"/"403": a HEAD's refusal has no body, botocore names it by its status) and the
+# throttling and timeout codes S3 sends with a 4xx status (any 5xx or 429 is transient by its status).
+_PERMANENT_CODES = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                    "InvalidToken", "NoSuchBucket", "AccountProblem", "InvalidBucketName", "403", "401"}
+_TRANSIENT_CODES = {"RequestTimeout", "RequestTimeoutException", "Throttling", "ThrottlingException", "SlowDown",
+                    "TooManyRequestsException", "RequestLimitExceeded", "OperationAborted"}
+# s3fs' translations of 503/SlowDown (EBUSY) and 500 (EREMOTEIO), and network errnos without an OSError subclass
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, getattr(errno, "EREMOTEIO", errno.EIO), errno.ENETUNREACH,
+                     errno.ENETDOWN, errno.EHOSTUNREACH}
+
+
+@functools.cache
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Connection, timeout and body errors of the HTTP stacks under fsspec's backends (imported if installed)."""
+    found: list[type[BaseException]] = [TimeoutError, ConnectionError, http.client.IncompleteRead]
+    with contextlib.suppress(ImportError):
+        from botocore import exceptions, parsers
+        found += [exceptions.HTTPClientError, exceptions.ConnectionError, exceptions.IncompleteReadError,
+                  parsers.ResponseParserError]
+    with contextlib.suppress(ImportError):
+        import aiohttp
+        found += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    return tuple(found)
+
+
+# The policy and the loop --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -81,51 +81,53 @@ class RetryPolicy:
             return max(1, self.max_attempts)
         count, spent, delay = 1, 0.0, self.first_delay
         while spent + delay <= self.total_seconds and count < 10_000:
-            spent += delay
-            count += 1
-            delay = min(self.max_delay, delay * self.multiplier)
+            spent, count, delay = spent + delay, count + 1, min(self.max_delay, delay * self.multiplier)
         return count
 
 
+class Backoff:
+    """One operation's place in a policy: failed attempts so far, the next pause, and whether one is left.
+    ``restart`` begins the policy afresh (a resumed download that made progress). Default: the process's policy."""
+
+    def __init__(self, policy: RetryPolicy | None = None) -> None:
+        self.policy = policy or _policy
+        self.limit = self.policy.attempts()
+        self.restart()
+
+    def restart(self) -> None:
+        self.attempt, self.delay, self.since = 0, self.policy.first_delay, time.monotonic()
+
+    def spent(self) -> float:
+        return time.monotonic() - self.since
+
+    def failed(self) -> float | None:
+        """Count a failed attempt: the jittered pause before the next one, or None when no attempt is left."""
+        self.attempt += 1
+        if self.attempt >= self.limit or self.spent() + self.delay > self.policy.total_seconds:
+            return None
+        pause = self.delay * (0.5 + random.random() / 2)
+        self.delay = min(self.policy.max_delay, self.delay * self.policy.multiplier)
+        return pause
+
+
 _policy = RetryPolicy()
-_policy_lock = threading.Lock()
 
 
 def set_retry_policy(total_seconds: float | None = None, first_delay: float | None = None,
                      max_delay: float | None = None, max_attempts: int | None = None) -> RetryPolicy:
-    """Change the process-wide policy (tests use short times); returns the previous one."""
+    """Change the process-wide policy (tests use short times; None keeps a value); returns the previous one."""
     global _policy
-    with _policy_lock:
-        previous = _policy
-        _policy = RetryPolicy(
-            total_seconds=previous.total_seconds if total_seconds is None else total_seconds,
-            first_delay=previous.first_delay if first_delay is None else first_delay,
-            max_delay=previous.max_delay if max_delay is None else max_delay,
-            multiplier=previous.multiplier,
-            max_attempts=previous.max_attempts if max_attempts is None else max_attempts,
-        )
-        return previous
-
-
-def get_retry_policy() -> RetryPolicy:
-    return _policy
+    changes = {name: value for name, value in locals().items() if value is not None}  # the arguments given
+    previous, _policy = _policy, dataclasses.replace(_policy, **changes)
+    return previous
 
 
 def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: RetryPolicy | None = None,
                     sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run ``func``; retry transient failures until ``policy`` allows no more attempts or time.
-
-    Each retry is logged (URL, operation, attempt n of m, error). Permanent failures, unreachable endpoints
-    and exhausted retries become ``StorageError`` naming ``url``; ``FileNotFoundError`` and other exceptions
-    pass through unchanged.
-    """
-    policy = policy or _policy
-    limit = policy.attempts()
-    started = time.monotonic()
-    delay = policy.first_delay
-    attempt = 0
+    """Run ``func``; retry transient failures while ``policy`` allows. Permanent failures, unreachable endpoints
+    and exhausted retries become ``StorageError`` naming ``url``; other exceptions pass through unchanged."""
+    backoff = Backoff(policy)
     while True:
-        attempt += 1
         try:
             result = func()
         except StorageError:
@@ -140,72 +142,238 @@ def call_with_retry(url: str, operation: str, func: Callable[[], T], policy: Ret
                 raise StorageError(f"{url}: {operation} failed: {permanent_reason(err)}") from None
             if kind != TRANSIENT:
                 raise
-            spent = time.monotonic() - started
-            if attempt >= limit or spent + delay > policy.total_seconds:
-                raise StorageError(
-                    f"{url}: {operation} still failing after {attempt} attempts in {spent:.1f} s: {describe(err)}"
-                ) from None
-            pause = delay * (0.5 + random.random() / 2)
-            logger.warning("%s: %s failed on attempt %d of %d (%s: %s); retrying in %.2f s",
-                           url, operation, attempt, limit, type(err).__name__, describe(err), pause)
+            pause = backoff.failed()
+            if pause is None:
+                raise StorageError(f"{url}: {operation} still failing after {backoff.attempt} attempts in "
+                                   f"{backoff.spent():.1f} s: {describe(err)}") from None
+            logger.warning("%s: %s failed on attempt %d of %d (%s: %s); retrying in %.2f s", url, operation,
+                           backoff.attempt, backoff.limit, type(err).__name__, describe(err), pause)
             sleep(pause)
-            delay = min(policy.max_delay, delay * policy.multiplier)
         else:
             note_answered(url)
             return result
 
 
-# The layers beneath: s3fs and botocore -----------------------------------------------------------------------
-#
-# An s3fs call is: our loop above -> s3fs' own loop (``S3FileSystem.retries``, 5 tries of "retryable" errors,
-# logged at DEBUG only) -> botocore's per-request retries (3 attempts in "standard" mode, the storage layer's
-# default since fs.storage_options_for sets it; 5 in "legacy"; connection errors included) -> aiohttp. With a
-# mistyped endpoint every one of our attempts hid five botocore attempts and their backoff: ten seconds of silence
-# each. ``instrument_s3`` leaves two layers, both of which speak: botocore's (each retry logged through its event
-# hooks, none at all for an unreachable endpoint) and ours. Below botocore, aiohttp re-sends an idempotent request
-# once, at once, when its connection dropped mid-request (RFC 9112); it has no hook to say so, adds no wait, and
-# never re-sends on DNS, refused or TLS failures. Only the storage layer's own filesystems are instrumented (see
-# ``get_filesystem``): code that reads through fsspec directly keeps the libraries' defaults.
+# Endpoints that have answered ---------------------------------------------------------------------------------
+# "Connection refused" at a run's first request is a wrong host or port; after answers it is a gateway restarting.
+# S3 requests record their endpoint's host:port (the botocore hook sees every response); other backends count a
+# URL scheme as answered once a call succeeded.
+
+_answered: set[str] = set()  # "host:port" or "scheme=s3"; one set operation at a time, so no lock
+
+
+def _host_key(url: str) -> str | None:
+    """"host:port" of an http(s) URL (the default port filled in), or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        return None
+    return f"{parts.hostname.lower()}:{port}" if parts.hostname else None
+
+
+def _scheme_key(url: str) -> str:
+    head, sep, _ = url.partition("://")
+    return f"scheme={head.lower() if sep and '/' not in head else ''}"
+
+
+def endpoint_text(url: str) -> str:
+    """scheme://host:port of a request URL: no user info, path or query ever reaches a message."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = ""
+    with contextlib.suppress(ValueError):
+        port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}{port}"
+
+
+def note_answered(url: str | None = None, request_url: str | None = None) -> None:
+    """Remember that the endpoint of ``request_url`` (an HTTP request's URL) or the scheme of ``url`` answered."""
+    keys = [_host_key(request_url) if request_url else None, _scheme_key(url) if url is not None else None]
+    _answered.update([key for key in keys if key])
+
+
+def forget_endpoints() -> None:
+    """Forget which endpoints have answered (tests: a port number may be reused by the next test)."""
+    _answered.clear()
+
+
+# Classification -------------------------------------------------------------------------------------------------
+
+
+def causes(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and what it wraps, outermost first: ``__cause__``, ``__context__``, botocore's ``kwargs['error']``
+    and aiohttp's ``os_error`` (bounded: chains can be cyclic)."""
+    queue, seen = [err], set[int]()
+    while queue and len(seen) < 20:
+        current = queue.pop(0)
+        if id(current) not in seen:
+            seen.add(id(current))
+            yield current
+            kwargs = getattr(current, "kwargs", None)
+            wrapped = kwargs.get("error") if isinstance(kwargs, dict) else None
+            queue += [inner for inner in (wrapped, getattr(current, "os_error", None), current.__cause__,
+                                          current.__context__) if isinstance(inner, BaseException)]
+
+
+class ConnectFailure(NamedTuple):
+    """A request that never reached an HTTP server: why ("dns", "refused", "tls", "certificate"), and where."""
+
+    kind: str
+    endpoint: str | None  # scheme://host:port (botocore) or host:port (aiohttp), None if unknown
+    host_key: str | None  # "host:port" when botocore named the request URL
+    detail: str
+
+
+_KIND_RANK = {"certificate": 4, "tls": 3, "dns": 2, "refused": 1}  # the most specific kind in a chain wins
+
+
+# The OS's errors, which botocore and aiohttp keep in the chain of their own (``causes``); most specific first.
+_CONNECT_KINDS: tuple[tuple[str, type[BaseException]], ...] = (
+    ("certificate", ssl.SSLCertVerificationError), ("tls", ssl.SSLError), ("dns", socket.gaierror),
+    ("refused", ConnectionRefusedError))
+
+
+def _connect_kind(exc: BaseException) -> str | None:
+    if isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED:
+        return "refused"  # aiohttp's ClientConnectorError carries the errno without being a ConnectionRefusedError
+    return next((kind for kind, cls in _CONNECT_KINDS if isinstance(exc, cls)), None)
+
+
+def connection_failure(err: BaseException) -> ConnectFailure | None:
+    """What kept a request from reaching a server (DNS, refused, TLS), or None for any other error."""
+    kind, detail, endpoint, key = None, "", None, None
+    for exc in causes(err):
+        found = _connect_kind(exc)
+        if found and (kind is None or _KIND_RANK[found] > _KIND_RANK[kind]):
+            kind = found
+        if found and isinstance(exc, OSError) and exc.strerror:
+            detail = exc.strerror  # the innermost OS/SSL wording ("Name or service not known")
+        elif found and not detail:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        kwargs = getattr(exc, "kwargs", None)
+        if endpoint is None and isinstance(kwargs, dict) and isinstance(kwargs.get("endpoint_url"), str):
+            endpoint, key = endpoint_text(kwargs["endpoint_url"]), _host_key(kwargs["endpoint_url"])
+        elif endpoint is None and (host := getattr(exc, "host", None)) and hasattr(exc, "os_error"):  # aiohttp's
+            endpoint = f"{host}:{getattr(exc, 'port', '?')}"
+    return None if kind is None else ConnectFailure(kind, endpoint, key, detail[:200])
+
+
+_WHERE = "storage_options endpoint_url, or AWS_ENDPOINT_URL_S3"
+_HINTS = {"dns": f"check the host name of the endpoint ({_WHERE})",
+          "refused": f"check the port of the endpoint ({_WHERE}) and that the server is running",
+          "tls": f"an http:// server given as https://? ({_WHERE})",
+          "certificate": "give the CA bundle with storage_options client_kwargs.verify, or fix the host name"}
+
+
+def unreachable_reason(err: BaseException, url: str | None = None) -> str | None:
+    """Why ``err`` is a failure to connect that retrying cannot fix, or None if it is not one: any failure to
+    connect before the endpoint (or, without one known, the URL's scheme) has answered in this process; an
+    unverifiable certificate always."""
+    failure = connection_failure(err)
+    if failure is None:
+        return None
+    if failure.kind != "certificate":
+        key = failure.host_key or (_scheme_key(url) if url is not None else None)
+        if key in _answered:
+            return None
+    where = f"the storage endpoint {failure.endpoint}" if failure.endpoint else "the storage endpoint"
+    what = {"dns": f"cannot resolve the host of {where} (DNS: {failure.detail})",
+            "refused": f"{where} refused the connection (nothing listens on that port)",
+            "tls": f"the TLS handshake with {where} failed ({failure.detail})",
+            "certificate": f"the TLS certificate of {where} cannot be verified ({failure.detail})"}[failure.kind]
+    return f"{what}; not retried: {_HINTS[failure.kind]}"
+
+
+def client_error_info(err: BaseException) -> tuple[str | None, int | None]:
+    """(``response['Error']['Code']``, HTTP status) of a botocore ClientError on ``err`` or its causes."""
+    for current in causes(err):
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return (str(code) if code is not None else None), (int(status) if status is not None else None)
+    return None, None
+
+
+def classify(err: BaseException, url: str | None = None) -> str:
+    """UNREACHABLE, TRANSIENT, PERMANENT, NOT_FOUND or OTHER (a bug or a format problem: not ours to judge).
+    ``url`` lets backends without the botocore hook tell a first request from a later one."""
+    if unreachable_reason(err, url) is not None:
+        return UNREACHABLE
+    code, status = client_error_info(err)
+    if code in _PERMANENT_CODES:
+        return PERMANENT
+    if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
+        return TRANSIENT
+    if isinstance(err, FileNotFoundError):
+        return NOT_FOUND
+    if isinstance(err, PermissionError):
+        return PERMANENT
+    if isinstance(err, _transient_types()) or (isinstance(err, OSError) and (
+            err.errno in _TRANSIENT_ERRNOS or "Connection reset" in str(err))):
+        return TRANSIENT
+    return OTHER
+
+
+_FAILURE_WORDS = {"dns": "cannot resolve the host", "refused": "connection refused", "tls": "TLS handshake failed",
+                  "certificate": "TLS certificate not verified"}
+
+
+def describe(err: BaseException) -> str:
+    """A short one-line reason (never includes request headers or credentials)."""
+    failure = connection_failure(err)
+    if failure is not None:  # botocore says only "Could not connect to the endpoint URL": the cause is deeper
+        text = f"{_FAILURE_WORDS[failure.kind]} ({failure.endpoint or 'endpoint unknown'})"
+        return text if failure.kind == "refused" or not failure.detail else f"{text}: {failure.detail}"
+    code, status = client_error_info(err)
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = text[:200] + "..." if len(text) > 200 else text
+    text = text if not code or code in text else f"{code}: {text}"
+    return text if not status or str(status) in text else f"{text} (HTTP {status})"
+
+
+def permanent_reason(err: BaseException) -> str:
+    """Why a permanent failure will not go away, in the user's terms (bucket, credentials, access)."""
+    code, _ = client_error_info(err)
+    if code == "NoSuchBucket":
+        return "the bucket does not exist"
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+        return f"the credentials were refused ({code}); check AWS_* variables, the profile or the role"
+    # s3fs turns several refusals into PermissionError (405 MethodNotAllowed: a multipart upload already completed
+    # or dropped): only an access code, or none at all, is "access denied"
+    if code in ("AccessDenied", "403", "AllAccessDisabled") or (isinstance(err, PermissionError) and not code):
+        return f"access denied ({describe(err)})"
+    return describe(err)
+
+
+# botocore's own retries: said, and never spent on an unreachable endpoint or a completion ---------------------
+# Under an s3fs call: s3fs' loop (5 silent tries; ``instrument_s3`` sets 1) -> botocore's per-request retries
+# -> aiohttp, which re-sends an idempotent request once, at once, when its connection dropped mid-request (no
+# hook, no wait, never on DNS, refused or TLS). Only the storage layer's own filesystems are instrumented.
 
 _REASON_KEY = "biggraph_retry_reason"  # where the hooks leave the last failure in botocore's request context
 _instrumented: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _without_query(url: str) -> str:
-    """A request URL without user info or query (query strings can carry presigned credentials)."""
-    parts = urlsplit(url)
-    return f"{endpoint_text(url)}{parts.path}"
-
-
 def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = None,
                     caught_exception: BaseException | None = None, operation: Any = None, **_: Any) -> bool | None:
-    """botocore asks after every attempt whether to retry; registered first, so a non-None answer wins.
-
-    None leaves the decision to botocore's own handlers (and the region redirector). False stops the retrying:
-    aiobotocore treats False as "no retry" (plain botocore would sleep 0 s and retry, which is why this hook is
-    installed on s3fs' aiobotocore clients only).
-    """
-    request_dict = request_dict or {}
-    context = request_dict.get("context")
-    request_url = request_dict.get("url") or ""
+    """botocore asks after every attempt whether to retry; registered first, so a non-None answer wins. None
+    leaves it to botocore; False stops it (aiobotocore's meaning: why the hook is on s3fs' clients only)."""
+    context = (request_dict or {}).get("context")
+    completion = getattr(operation, "name", None) == "CompleteMultipartUpload"  # storage_adapters.multipart decides
     if response is not None:
-        note_answered(request_url=request_url)
+        note_answered(request_url=(request_dict or {}).get("url") or "")
         http_response, parsed = response
         status = getattr(http_response, "status_code", None)
         code = ((parsed or {}).get("Error") or {}).get("Code") if isinstance(parsed, dict) else None
         if isinstance(context, dict) and status is not None and status >= 300:
             context[_REASON_KEY] = f"{code} (HTTP {status})" if code else f"HTTP {status}"
-        if status is not None and status >= 500 and getattr(operation, "name", None) == "CompleteMultipartUpload":
-            return False  # a gateway's 5xx may front a server still assembling: storage_adapters.multipart decides
-        return None
+        return False if completion and status is not None and status >= 500 else None
     if caught_exception is None:
         return None
-    if unreachable_reason(caught_exception) is not None:
-        return False
-    if getattr(operation, "name", None) == "CompleteMultipartUpload":
-        # no answer to a completion: the server may still be assembling the object, and a second request
-        # would race it; storage_adapters.multipart looks at the object instead
-        return False
+    if completion or unreachable_reason(caught_exception) is not None:
+        return False  # a completion may still be assembling on the server: a second request would race it
     if isinstance(context, dict):
         context[_REASON_KEY] = f"{type(caught_exception).__name__}: {describe(caught_exception)}"
     return None
@@ -214,34 +382,24 @@ def _on_needs_retry(request_dict: dict[str, Any] | None = None, response: Any = 
 def _on_request_created(request: Any = None, operation_name: str = "", **_: Any) -> None:
     """botocore builds the request anew for every attempt: from the second on, say that it is a retry."""
     context = getattr(request, "context", None)
-    if not isinstance(context, dict):
+    if not isinstance(context, dict) or int((context.get("retries") or {}).get("attempt", 1)) <= 1:
         return
-    attempt = int((context.get("retries") or {}).get("attempt", 1))
-    if attempt <= 1:
-        return
-    # botocore's retry checker put its limit in the context ("max") when it decided on this retry
+    url = str(getattr(request, "url", ""))  # without user info or query (a query can carry presigned credentials)
     logger.warning("%s: %s failed on attempt %d of %s (%s); botocore retries it",
-                   _without_query(str(getattr(request, "url", ""))), operation_name or "request", attempt - 1,
-                   context["retries"].get("max", "?"), context.get(_REASON_KEY, "unknown error"))
+                   f"{endpoint_text(url)}{urlsplit(url).path}", operation_name or "request",
+                   int(context["retries"]["attempt"]) - 1, context["retries"].get("max", "?"),
+                   context.get(_REASON_KEY, "unknown error"))
 
 
 def instrument_s3(fs: Any) -> None:
-    """Make the layers under an s3fs filesystem behave: s3fs' silent retry loop off (ours, which logs, covers
-    the same errors), botocore's retries logged and never spent on an endpoint that cannot be reached.
-
-    Idempotent; cheap enough to call for every use of a cached filesystem (s3fs may replace its client).
-    """
-    fs.retries = 1  # S3FileSystem.retries: tries per call in s3fs' _error_wrapper; 1 = no s3fs-level retry
+    """s3fs' silent retry loop off (``call_with_retry`` covers what it did, and says so); botocore's retries logged
+    and never spent on an unreachable endpoint. Idempotent: called for every use of a cached filesystem."""
+    fs.retries = 1  # S3FileSystem.retries: tries per call in s3fs' _error_wrapper
     client = fs.s3
-    try:
+    with contextlib.suppress(TypeError):  # not weak-referenceable: register again (botocore ignores a repeated id)
         if client in _instrumented:
             return
-    except TypeError:  # not weak-referenceable: register again (botocore ignores a repeated unique_id)
-        pass
-    events = client.meta.events
-    events.register_first("needs-retry.s3", _on_needs_retry, unique_id="biggraph-needs-retry")
-    events.register("request-created.s3", _on_request_created, unique_id="biggraph-request-created")
-    try:
+    client.meta.events.register_first("needs-retry.s3", _on_needs_retry, unique_id="biggraph-needs-retry")
+    client.meta.events.register("request-created.s3", _on_request_created, unique_id="biggraph-request-created")
+    with contextlib.suppress(TypeError):
         _instrumented.add(client)
-    except TypeError:
-        pass
