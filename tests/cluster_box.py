@@ -114,6 +114,8 @@ class RenderedJob:
     replicas: int
     memory_limit: str  # the container's resources.limits.memory (what its resourceFieldRef env gives, in bytes)
     grace_period_s: float = 30.0  # the pod's terminationGracePeriodSeconds (the Kubernetes default when unset)
+    # the podFailurePolicy's ``Ignore`` exit codes: a pod failing with one is replaced without counting
+    ignored_exit_codes: frozenset[int] = frozenset()
 
     @staticmethod
     def from_docs(docs: list[dict[str, Any]]) -> RenderedJob:
@@ -129,7 +131,10 @@ class RenderedJob:
                            list(container["command"]) + list(container["args"]), list(container.get("env", [])),
                            dict(config_map["data"]), int(job["spec"]["completions"]),
                            str(container["resources"]["limits"]["memory"]),
-                           float(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)))
+                           float(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)),
+                           frozenset(code for rule in (job["spec"].get("podFailurePolicy") or {}).get("rules", [])
+                                     if rule["action"] == "Ignore" and "onExitCodes" in rule
+                                     for code in rule["onExitCodes"]["values"]))
 
 
 @dataclass
@@ -355,8 +360,9 @@ class ClusterBox:
                 self._reap(index)  # a pod that succeeded leaves nothing behind either
                 self.succeeded.add(index)
             else:
-                self.failures[index] = self.failures.get(index, 0) + 1
-                if self.failures[index] > self.backoff_limit_per_index:
+                if pod.exit_code not in self.job.ignored_exit_codes:  # the podFailurePolicy's Ignore rule
+                    self.failures[index] = self.failures.get(index, 0) + 1
+                if self.failures.get(index, 0) > self.backoff_limit_per_index:
                     self.failed_reason = f"index {index} failed {self.failures[index]} times (backoffLimitPerIndex)"
                     continue
                 self._start(index)  # replaced once all of its processes are gone

@@ -144,6 +144,20 @@ class DistributedContext:
             raise RoundEnding(f"{why}; exiting so that torchrun re-forms the group")
 
 
+def round_ended(err: BaseException) -> bool:
+    """Whether ``err`` is, or was caused by, this rank's round ending from outside (:class:`RoundEnding`,
+    :class:`RoundOver`, possibly wrapped by a writer that failed on the fence): the trainer then exits with the
+    failure budget's code (job/train/elastic/budget.py), not as a crash."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (RoundEnding, RoundOver)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class RoundOver(RuntimeError):
     """This rank's round of the group ended without it (see ``DistributedContext.fence``)."""
 

@@ -31,6 +31,7 @@ from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.shared_params import SharedParameters
+from job.train.elastic.budget import note_bucket_finished
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.clock import BucketClock
 from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
@@ -99,14 +100,19 @@ class LockServerScheduler(BucketScheduler):
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
                               version=version + 1, world_size=self.ctx.world_size)
             shared = self.shared_values()
-            if self.progress is not None and self.progress.version == version + 1:
-                if self.progress.shared is not None and self.progress.shared.shape == shared.shape:
-                    shared = self.progress.shared  # with the shared updates of every bucket done so far
-                elif self.progress.shared is not None:
-                    logger.warning("the interrupted pass's shared parameters have %d values, the model %d: the "
-                                   "model's are used", self.progress.shared.size, shared.size)
-                state.restore(self.progress.state)
-                for record in self.progress.records:
+            progress = self.progress
+            if progress is not None and progress.shared is not None and progress.shared.shape != shared.shape:
+                # its "done" buckets' shared updates live only in that vector: keeping them done with the model's
+                # vector would lose those updates, so the whole pass is trained again
+                logger.warning("the interrupted pass's progress is refused: its shared-parameter vector has shape %s, "
+                               "the model's %s; training pass %d from its start", tuple(progress.shared.shape),
+                               tuple(shared.shape), pass_index + 1)
+                progress = None
+            if progress is not None and progress.version == version + 1:
+                if progress.shared is not None:
+                    shared = progress.shared  # with the shared updates of every bucket done so far
+                state.restore(progress.state)
+                for record in progress.records:
                     state.apply(record)
                 by_rank = state.forget_rank_locks()
                 logger.info(
@@ -130,6 +136,7 @@ class LockServerScheduler(BucketScheduler):
             leaving = self.ctx.ending() if not self.commits else None
             if finished is not None:
                 self.clock.finish(time.monotonic())
+                note_bucket_finished()  # this round made progress (the failure budget: job/train/elastic/budget.py)
             kind, bucket, dirty, shared = self.client.finish_and_next(
                 self.store.resident_partitioned(), self.current, finished,
                 carry.change() if carry is not None else None, leaving=leaving)
