@@ -8,6 +8,7 @@ initialisation. The loop itself then only ever moves forward from ``version``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
 from job.checkpoint.group_progress import Progress, read_progress, remove_progress
@@ -40,7 +41,8 @@ class GroupBarrier:
         return SharedSumRegistry(self.dist.store, self.dist.round_id)
 
 
-def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[DistributedContext]) -> Optional[Progress]:
+def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[DistributedContext], *,
+                       guard: Optional[Callable[[], None]] = None) -> Optional[Progress]:
     """(Rank 0, while the checkpoint manager cleans the directory.) The lock server's persisted progress of the pass
     after ``version`` if this run resumes it, with the publication of the write groups it recorded finished
     (``roll_forward``: before the manager's clean-up removes staged files). One it does not resume (another run's,
@@ -48,9 +50,11 @@ def progress_to_resume(checkpoint_path: str, version: int, dist: Optional[Distri
     files it names."""
     progress = read_progress(checkpoint_path, version, dist.run_id) if dist is not None else None
     if progress is None:
+        if guard is not None:
+            guard()
         remove_progress(checkpoint_path)
     else:
-        roll_forward(checkpoint_path, progress.version, progress.staged())
+        roll_forward(checkpoint_path, progress.version, progress.staged(), guard=guard)
     return progress
 
 

@@ -163,7 +163,8 @@ class Trainer:
         self.version = self.checkpoints.open(group, resumes_pass=self._resumes_pass)
 
     def _resumes_pass(self, version: int) -> bool:
-        self.progress = progress_to_resume(self.config.checkpoint_path, version, self.dist)
+        self.progress = progress_to_resume(self.config.checkpoint_path, version, self.dist,
+                                           guard=self.checkpoints.storage.guard)  # round and owner first
         return self.progress is not None
 
     def _build_model(self) -> None:

@@ -11,6 +11,13 @@ group, is refused. Nothing else travels on it: it is not an RPC. Rank 0's watche
 reset on a peer's connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
 it exactly as the heartbeat does (``dead/<rank>``, then ``check_peers``).
 
+Both ways (issue 44): rank 0 also sends a byte (``PING``) on every peer's connection each ``ping_interval_s``, and a
+peer that hears nothing for ``silent_after_s`` (the peer timeout), or finds the connection closed without rank 0's
+goodbye, leaves the round (``on_rank0_lost``: the trainer exits with the failure budget's round-ended code, so that
+torchrun re-forms the group without it). Before, a frozen or partitioned rank 0 was noticed only through the lock
+client's 600 s and the store's 30 min. This needs nothing from the store, which lives in rank 0's process and
+freezes with it.
+
 What it does not replace: a frozen peer (SIGSTOP, a paused VM) keeps its connection open, and a machine that loses
 power or its network closes nothing; the heartbeat still finds both after the peer timeout. A peer that leaves in
 order (the end of a run: ``group.leave``) sends a goodbye byte before it closes, and rank 0 stops watching once it
@@ -24,13 +31,15 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
 logger = logging.getLogger("biggraph")
 
 HELLO = b"biggraph-liveness"
-BYE = b"B"  # a peer leaving in order: what follows (end-of-file) is not a death
+BYE = b"B"  # leaving in order (a peer, or rank 0): what follows (end-of-file) is not a death
+PING = b"P"  # rank 0 is alive (sent to every peer each ``ping_interval_s``)
 CONNECT_TIMEOUT_S = 10.0  # a peer's dial of rank 0 (a dropped SYN retries for longer than that by itself)
 MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
 
@@ -48,10 +57,14 @@ class Liveness:
     thread of its own (a dropped SYN must not hold its start-up). Either: ``close`` when it leaves in order.
     """
 
-    def __init__(self, rank: int, world_size: int, round_id: str) -> None:
+    def __init__(self, rank: int, world_size: int, round_id: str, *, ping_interval_s: float = 1.0,
+                 silent_after_s: float = 6.0) -> None:
         self.rank = rank
         self.world_size = world_size
         self.round_id = round_id
+        self.ping_interval_s = ping_interval_s
+        self.silent_after_s = silent_after_s
+        self.on_rank0_lost: Callable[[str], None] = lambda why: None  # a peer: rank 0 silent or gone (``start``)
         self.connected = threading.Event()  # a peer: its connection is up (tests wait on it)
         self.lost: list[int] = []  # rank 0: the peers whose connection closed without a goodbye, in order
         self.left: list[int] = []  # rank 0: the peers that said goodbye
@@ -85,11 +98,17 @@ class Liveness:
         selector.register(self._wake[0], selectors.EVENT_READ)
         hellos: dict[socket.socket, bytes] = {}  # connections that have not identified themselves yet
         peers: dict[socket.socket, int] = {}
+        pinged = 0.0
         try:
             while not self._closed:
-                for key, _ in selector.select():
+                if time.monotonic() - pinged >= self.ping_interval_s:
+                    pinged = time.monotonic()
+                    _send_all(peers, PING)
+                for key, _ in selector.select(timeout=self.ping_interval_s):
                     sock: socket.socket = key.fileobj  # type: ignore[assignment]
                     if sock is self._wake[0]:
+                        # leaving in order: the peers stop watching (one whose hello is not read yet too)
+                        _send_all({**peers, **dict.fromkeys(hellos, -1)}, BYE)
                         return
                     if sock is self._listener:
                         try:
@@ -190,16 +209,40 @@ class Liveness:
                 self._sock = sock
             self.connected.set()
             logger.debug("rank %d: liveness connection to rank 0 at %s:%d", self.rank, host, port)
+            self._hear_rank0(sock)
             return
         logger.warning("rank %d: cannot connect to rank 0's liveness listener (%s); rank 0 finds this rank's loss "
                        "through the heartbeat alone (BIGGRAPH_PEER_TIMEOUT)", self.rank, "; ".join(errors))
 
+    def _hear_rank0(self, sock: socket.socket) -> None:
+        """A peer: read rank 0's pings until it says goodbye or this rank leaves; silence for ``silent_after_s``, or
+        the connection's end without a goodbye, is rank 0 lost (``on_rank0_lost``)."""
+        sock.settimeout(self.silent_after_s)
+        while True:
+            try:
+                data = sock.recv(64)
+                why = "" if data else "its liveness connection closed without a goodbye (its process is gone)"
+            except TimeoutError:
+                why = f"it sent nothing for {self.silent_after_s:g} s (frozen, stalled or cut off)"
+            except OSError as err:
+                why = f"its liveness connection failed ({err})"
+            if self._closed or BYE in (data if not why else b""):
+                return
+            if why:
+                logger.error("rank %d: rank 0 is lost: %s; leaving the round so that torchrun re-forms the group",
+                             self.rank, why)
+                self.on_rank0_lost(f"rank 0 is lost: {why}")
+                return
+
     # both -------------------------------------------------------------------------------------------------------
-    def start(self, store: Any, on_lost: Callable[[int], None], hosts: tuple[Optional[str], ...] = ()) -> None:
+    def start(self, store: Any, on_lost: Callable[[int], None], hosts: tuple[Optional[str], ...] = (),
+              on_rank0_lost: Optional[Callable[[str], None]] = None) -> None:
         """Rank 0: watch the peers' connections, calling ``on_lost(rank)`` for each that closes without a goodbye.
         A peer: read rank 0's address from the store (published before the collective this follows) and connect to
         the first of ``hosts`` (the addresses it reaches rank 0's store at, in order) that answers, then the
-        published host."""
+        published host; then hear rank 0, calling ``on_rank0_lost(why)`` when it goes silent or away."""
+        if on_rank0_lost is not None:
+            self.on_rank0_lost = on_rank0_lost
         if self.rank == 0:
             if self._listener is not None:
                 self._thread = threading.Thread(target=self._watch, args=(on_lost,), name="biggraph-liveness",
@@ -236,6 +279,16 @@ class Liveness:
                 self._wake[0].close()
         if self._listener is not None:
             self._listener.close()
+
+
+def _send_all(peers: dict[socket.socket, int], data: bytes) -> None:
+    """Rank 0: ``data`` to every peer, never blocking (a full buffer: the peer is not reading; it has its own
+    timeout), never failing (a peer gone: its end is read by the watcher)."""
+    for sock in list(peers):
+        try:
+            sock.send(data)
+        except OSError:
+            pass
 
 
 def _goodbye(sock: socket.socket) -> None:

@@ -121,7 +121,7 @@ class LockServerScheduler(BucketScheduler):
                     json.dumps({str(rank): count for rank, count in sorted(by_rank.items())}))
             self.progress = None
             # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
-            log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
+            log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1, fence=self.ctx.fence)
             log.start(state.to_json(), shared)
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks)
