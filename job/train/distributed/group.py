@@ -35,6 +35,7 @@ from torch.distributed import distributed_c10d
 
 from job.errors import UserError
 from job.train.distributed.liveness import Liveness, store_host
+from job.train.distributed.protocol import RoundGone
 from job.train.distributed.transport import TensorTransport
 from job.train.startup import StartupClock
 
@@ -158,7 +159,7 @@ def round_ended(err: BaseException) -> bool:
     seen: set[int] = set()
     current: Optional[BaseException] = err
     while current is not None and id(current) not in seen:
-        if isinstance(current, (RoundEnding, RoundOver)):
+        if isinstance(current, (RoundEnding, RoundOver, RoundGone)):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__

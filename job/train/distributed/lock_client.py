@@ -92,16 +92,16 @@ class LockClient:
         except Exception as err:
             waited = time.monotonic() - asked
             if waited < self.timeout_s - 1.0:  # not the timeout: the store itself went away (its host is gone)
-                raise LockServerError(
+                raise protocol.RoundGone(
                     f"lock server (rank 0): lost the store while asking {op!r} after {waited:.1f} s "
                     f"({err}); the group this rank belonged to is gone (rank 0 died, or this rank was stopped and "
                     "the others re-formed the group without it)") from err
-            raise LockServerError(
+            raise protocol.RoundGone(
                 f"lock server (rank 0): no answer to {op!r} in {self.timeout_s:.0f} s ({err}); rank 0 is "
                 "gone or the group is being re-formed") from err
         reply = protocol.unpack(raw)
         if not reply.get("ok", False):
-            raise LockServerError(f"lock server (rank 0) refused {op!r}: {reply.get('error')}")
+            raise protocol.refusal(op, reply.get("error"))
         if change is not None and transfer is not None and payload is not None:
             try:
                 transfer.wait()  # taken before the reply was sent: the buffer is free for the sum

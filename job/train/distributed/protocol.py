@@ -39,6 +39,24 @@ class LockServerError(RuntimeError):
     """The lock server answered a request with an error (its message names the server's error), or did not answer."""
 
 
+class RoundGone(LockServerError):
+    """The request failed because its round is over (the server found its own round, or the asking rank's, ended:
+    fenced, declared dead, a newer round's snapshot) or gone (the store that carries it went away): the round ended
+    from outside, which the trainer reports with the failure budget's code (job/train/elastic/budget.py), not as a
+    crash."""
+
+
+# what a refusal's error says when the round ended from outside (the server names the exception it caught)
+ROUND_OVER_MARKERS = ("RoundOver:", "StaleProgressWriter:", "its round is over", "is treated as gone")
+
+
+def refusal(op: str, error: Any) -> LockServerError:
+    """The exception for the server's refusal of ``op`` with ``error``: :class:`RoundGone` where the round ended."""
+    text = f"lock server (rank 0) refused {op!r}: {error}"
+    ended = any(marker in str(error) for marker in ROUND_OVER_MARKERS)
+    return RoundGone(text) if ended else LockServerError(text)
+
+
 class ProtocolError(ValueError):
     """A message that does not follow the protocol: not JSON, an unknown operation, a missing or mistyped field."""
 
@@ -362,7 +380,7 @@ def decode_reply(raw: bytes, expected: type[R], op: str) -> R:
     try:
         message = unpack(raw)
         if not message.get("ok", False):
-            raise LockServerError(f"lock server (rank 0) refused {op!r}: {message.get('error')}")
+            raise refusal(op, message.get("error"))
         if expected is Granted:
             reply: Any = Granted(kind=str(message["kind"]), bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
                                  dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),

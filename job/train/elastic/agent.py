@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -84,6 +85,19 @@ class BiggraphAgent(LocalElasticAgent):
         if self._pool is not None:
             self._pool.warm()  # the trainers' imports run while the round forms
         super()._rendezvous(worker_group)
+
+    def _stop_workers(self, worker_group: Any) -> None:
+        """torch's stop (SIGTERM, then SIGKILL after the shutdown timeout), but a worker that is stopped (SIGSTOP: a
+        frozen rank whose peers have left the round) is killed at once: it cannot act on the SIGTERM, and waiting out
+        the 30 s grace on it would hold the group's re-formation that long."""
+        for worker in worker_group.workers:
+            if isinstance(worker.id, int) and _process_stopped(worker.id):
+                logger.warning("worker pid %d is stopped (frozen): killed at once, it cannot drain", worker.id)
+                try:
+                    os.kill(worker.id, signal.SIGKILL)
+                except OSError:
+                    pass
+        super()._stop_workers(worker_group)
 
     def _nodes_waiting(self) -> int:
         handler = self._worker_group.spec.rdzv_handler
@@ -137,6 +151,15 @@ class BiggraphAgent(LocalElasticAgent):
                     self._restart_workers(self._worker_group)
             else:
                 raise RuntimeError(f"[{spec.role}] worker group in state {result.state.name}")
+
+
+def _process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (state ``T`` in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def launch(config: Any, entrypoint: str, args: list[str]) -> None:
