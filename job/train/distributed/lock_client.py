@@ -101,7 +101,7 @@ class LockClient:
                 "gone or the group is being re-formed") from err
         reply = protocol.unpack(raw)
         if not reply.get("ok", False):
-            raise protocol.refusal(op, reply.get("error"))
+            raise protocol.refusal(str(op), reply.get("error"))
         if change is not None and transfer is not None and payload is not None:
             try:
                 transfer.wait()  # taken before the reply was sent: the buffer is free for the sum
