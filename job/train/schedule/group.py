@@ -124,7 +124,8 @@ class LockServerScheduler(BucketScheduler):
             log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1, fence=self.ctx.fence)
             log.start(state.to_json(), shared)
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
-                                     prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks)
+                                     prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
+                                     world_size=self.ctx.world_size)
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
