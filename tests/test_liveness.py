@@ -20,6 +20,7 @@ from datetime import timedelta
 import pytest
 from helpers_distributed import free_port, wait_until
 
+from job.train.distributed import auth
 from job.train.distributed.liveness import HELLO, Liveness, liveness_key
 
 # rank 0 prints its view (declared rank, connections lost and left, dead/<rank> keys) whenever it changes; a peer
@@ -116,7 +117,8 @@ def test_a_connection_of_another_round_or_rank_is_refused_and_its_end_declares_n
         assert wait_until(lambda: sum("refused a liveness connection" in r.getMessage() for r in caplog.records) == 5)
         assert lost == [] and watcher.lost == []
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"%s r2 2\n" % HELLO)
+            nonce = sock.recv(64).split(b"\n")[0].decode()
+            sock.sendall(b"%s r2 2 %s\n" % (HELLO, auth.mac("liveness", "r2", "2", nonce).encode()))
         assert wait_until(lambda: lost == [2])
         watcher.close()
     messages = [r.getMessage() for r in caplog.records]

@@ -56,13 +56,14 @@ def test_a_progress_log_writes_nothing_once_its_round_is_over(tmp_path: Path) ->
     own process stalled past the peer timeout, it writes no record and no snapshot."""
     from torch.distributed import TCPStore
 
+    from job.train.distributed import auth
     from job.train.distributed.group import DistributedContext, RoundOver
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
     ctx = DistributedContext(rank=0, world_size=2, store=store, restart_count=0, round_id="r1")
     log = ProgressLog(str(tmp_path), "run", 1, fence=ctx.fence)
     log.start(_state())
-    store.set(ctx.key("dead/0"), "1")  # a newer round's peers fenced this rank 0
+    store.set(ctx.key("dead/0"), auth.mac("dead", "r1", "0"))  # declared (under the group's secret)
     names = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     snapshot = (tmp_path / PROGRESS_FILE).read_text()
     with pytest.raises(RoundOver):

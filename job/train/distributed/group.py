@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.distributed import auth
 from job.train.distributed.liveness import Liveness, store_host
 from job.train.distributed.protocol import RoundGone
 from job.train.distributed.transport import TensorTransport
@@ -106,7 +107,10 @@ class DistributedContext:
                             "it); writing nothing more")
         with self._fence_lock:
             try:
-                declared = self._fence_store.check([self.key(f"dead/{self.rank}")])
+                key = self.key(f"dead/{self.rank}")
+                # a declaration counts only when rank 0 made it (its MAC): any client of the store can set the key
+                declared = self._fence_store.check([key]) and auth.verify(
+                    self._fence_store.get(key).decode(errors="replace"), "dead", self.round_id, str(self.rank))
             except Exception as err:  # the store is gone with its round
                 raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (its store is gone: "
                                 f"{err}); writing nothing more, torchrun restarts this worker into the next "
@@ -255,7 +259,7 @@ class Heartbeat:
         with self._declare_lock:
             if peer in self._dead:
                 return
-            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+            self.store.set(round_key(self.round_id, f"dead/{peer}"), auth.mac("dead", self.round_id, str(peer)))
             if self.dead_rank is None:
                 self.silent_for = silent_for
                 self.dead_rank = peer

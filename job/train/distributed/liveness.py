@@ -5,9 +5,11 @@ timeout (6 s): a third of the wait from a lost pod to a new group (issue #30). M
 (SIGKILL, an OOM kill, a pod deleted, a node drained), and then the kernel closes its sockets: rank 0 can know at
 once. So every rank > 0 holds one TCP connection to rank 0 for the round. Rank 0 listens on an ephemeral port on
 all its addresses and publishes ``host:port`` under the round's store key ``liveness``; a peer dials the address it
-already reaches rank 0's store at (the store's host, ``MASTER_ADDR`` under torchrun; the published host last) and
-sends one line, ``biggraph-liveness <round> <rank>``, so that a connection of another round, or a rank outside the
-group, is refused. Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a
+already reaches rank 0's store at (the store's host, ``MASTER_ADDR`` under torchrun; the published host last),
+reads the nonce rank 0 sends on each connection, and answers with one line, ``biggraph-liveness <round> <rank>
+<mac>``, the MAC over the round, the rank and that nonce under the group's secret (job/train/distributed/auth.py):
+a connection of another round, a rank outside the group, a forged hello or one replayed from another connection
+(the round id is logged, the secret is not) is refused, and so is a second connection of a connected rank. Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a
 reset on a peer's connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
 it exactly as the heartbeat does (``dead/<rank>``, then ``check_peers``).
 
@@ -27,13 +29,18 @@ that once and is watched by the heartbeat alone: the connection only makes detec
 
 from __future__ import annotations
 
+import errno
 import logging
+import secrets
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from job.train.distributed import auth
 
 logger = logging.getLogger("biggraph")
 
@@ -42,6 +49,9 @@ BYE = b"B"  # leaving in order (a peer, or rank 0): what follows (end-of-file) i
 PING = b"P"  # rank 0 is alive (sent to every peer each ``ping_interval_s``)
 CONNECT_TIMEOUT_S = 10.0  # a peer's dial of rank 0 (a dropped SYN retries for longer than that by itself)
 MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
+HELLO_DEADLINE_S = 10.0  # a connection that has not said who it is by then is closed
+MAX_PENDING = 64  # connections waiting to say who they are; more are closed at once
+ACCEPT_BACKOFF_S = 0.5  # out of descriptors (EMFILE): no accepting for this long
 
 
 def liveness_key(round_id: str) -> str:
@@ -68,6 +78,7 @@ class Liveness:
         self.connected = threading.Event()  # a peer: its connection is up (tests wait on it)
         self.lost: list[int] = []  # rank 0: the peers whose connection closed without a goodbye, in order
         self.left: list[int] = []  # rank 0: the peers that said goodbye
+        self.refused = 0  # rank 0: connections refused (no hello in time, forged, over the cap, EMFILE)
         self._listener: Optional[socket.socket] = None
         self._sock: Optional[socket.socket] = None  # a peer's connection to rank 0
         self._lock = threading.Lock()
@@ -91,19 +102,28 @@ class Liveness:
         store.set(liveness_key(self.round_id), f"{host}:{listener.getsockname()[1]}")
 
     def _watch(self, on_lost: Callable[[int], None]) -> None:
-        """Rank 0's watcher: accept, read each hello, then wait for each identified connection's end."""
+        """Rank 0's watcher: accept (each connection gets a nonce to answer), read each hello, then wait for each
+        identified connection's end, pinging the peers meanwhile. Bounded: at most ``MAX_PENDING`` connections
+        without a hello, each dropped after ``HELLO_DEADLINE_S``, and on running out of descriptors (EMFILE) it stops
+        accepting for ``ACCEPT_BACKOFF_S`` instead of spinning on a listener that stays readable."""
         assert self._listener is not None and self._wake is not None
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
         selector.register(self._wake[0], selectors.EVENT_READ)
-        hellos: dict[socket.socket, bytes] = {}  # connections that have not identified themselves yet
+        hellos: dict[socket.socket, _Pending] = {}  # connections that have not identified themselves yet
         peers: dict[socket.socket, int] = {}
         pinged = 0.0
+        accepting_again: Optional[float] = None  # backing off after EMFILE: when to accept again
         try:
             while not self._closed:
-                if time.monotonic() - pinged >= self.ping_interval_s:
-                    pinged = time.monotonic()
+                now = time.monotonic()
+                if now - pinged >= self.ping_interval_s:
+                    pinged = now
                     _send_all(peers, PING)
+                self._expire_hellos(hellos, selector, now)
+                if accepting_again is not None and now >= accepting_again:
+                    accepting_again = None
+                    selector.register(self._listener, selectors.EVENT_READ)
                 for key, _ in selector.select(timeout=self.ping_interval_s):
                     sock: socket.socket = key.fileobj  # type: ignore[assignment]
                     if sock is self._wake[0]:
@@ -111,13 +131,9 @@ class Liveness:
                         _send_all({**peers, **dict.fromkeys(hellos, -1)}, BYE)
                         return
                     if sock is self._listener:
-                        try:
-                            conn, _ = sock.accept()
-                        except OSError:
-                            continue
-                        conn.setblocking(False)
-                        hellos[conn] = b""
-                        selector.register(conn, selectors.EVENT_READ)
+                        if not self._accept(selector, hellos):
+                            selector.unregister(self._listener)
+                            accepting_again = time.monotonic() + ACCEPT_BACKOFF_S
                         continue
                     try:
                         data = sock.recv(MAX_HELLO)
@@ -126,14 +142,17 @@ class Liveness:
                     except OSError:  # reset: the peer's kernel closed it without an orderly end
                         data = b""
                     if sock in hellos:
-                        rank = self._identify(sock, hellos.pop(sock) + data, hellos)
-                        if rank is None:
-                            if sock not in hellos:  # refused
+                        pending = hellos.pop(sock)
+                        identified = self._identify(sock, pending, data, set(peers.values()))
+                        if identified is None:
+                            if pending.refused:
                                 selector.unregister(sock)
                                 sock.close()
+                            else:
+                                hellos[sock] = pending
                             continue
+                        rank, data = identified
                         peers[sock] = rank
-                        data = hellos.pop(sock)  # whatever came after the hello's line
                         if not data:
                             continue
                     rank = peers.pop(sock)
@@ -148,6 +167,46 @@ class Liveness:
                 sock.close()
             selector.close()
 
+    def _accept(self, selector: selectors.BaseSelector, hellos: dict[socket.socket, _Pending]) -> bool:
+        """Accept one connection and send it its nonce; False when out of descriptors (back off)."""
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._note_refused(f"out of file descriptors ({err.strerror}): not accepting for "
+                                   f"{ACCEPT_BACKOFF_S:g} s")
+                return False
+            return True
+        if len(hellos) >= MAX_PENDING:  # a flood of idle connections: the newest is closed at once
+            self._note_refused(f"{MAX_PENDING} connections already wait to say who they are")
+            conn.close()
+            return True
+        conn.setblocking(False)
+        nonce = secrets.token_hex(16)
+        try:
+            conn.send(nonce.encode() + b"\n")
+        except OSError:
+            conn.close()
+            return True
+        hellos[conn] = _Pending(nonce=nonce, since=time.monotonic())
+        selector.register(conn, selectors.EVENT_READ)
+        return True
+
+    def _expire_hellos(self, hellos: dict[socket.socket, _Pending], selector: selectors.BaseSelector,
+                       now: float) -> None:
+        for sock in [sock for sock, pending in hellos.items() if now - pending.since > HELLO_DEADLINE_S]:
+            del hellos[sock]
+            self._note_refused(f"no hello within {HELLO_DEADLINE_S:g} s")
+            selector.unregister(sock)
+            sock.close()
+
+    def _note_refused(self, why: str) -> None:
+        """Log a refused connection: the first few, then one in every thousand (a flood must not fill the log)."""
+        self.refused += 1
+        if self.refused <= 5 or self.refused % 1000 == 0:
+            logger.info("rank 0: refused a liveness connection (%d so far): %s", self.refused, why)
+
     def _lost(self, rank: int, on_lost: Callable[[int], None]) -> None:
         self.lost.append(rank)
         logger.warning("rank %d's liveness connection to rank 0 closed without a goodbye: its process is gone; "
@@ -157,32 +216,36 @@ class Liveness:
         except Exception:  # the store is gone with the round: the main thread fails by itself
             logger.debug("rank %d: could not declare it dead", rank, exc_info=True)
 
-    def _identify(self, sock: socket.socket, buffer: bytes, hellos: dict[socket.socket, bytes]) -> Optional[int]:
-        """The rank of a connection whose hello (``buffer``: every byte read from it so far) is complete and of this
-        round, with its bytes after the line put back in ``hellos``. None: still incomplete (the bytes put back), or
-        refused (not put back; the caller closes it): the connection ended first, or its hello is not this round's
-        (a stale peer of another round), or its rank is not a peer of this group."""
+    def _identify(self, sock: socket.socket, pending: _Pending, data: bytes,
+                  connected: set[int]) -> Optional[tuple[int, bytes]]:
+        """(rank, the bytes after its hello's line) of a connection whose hello is complete, of this round, answers
+        its nonce under the group's secret (job/train/distributed/auth.py) and names a peer not yet connected. None:
+        still incomplete (``data`` kept in ``pending``), or refused (``pending.refused``; the caller closes it)."""
+        buffer = pending.buffer = pending.buffer + data
         if b"\n" not in buffer:
-            if buffer and len(buffer) <= MAX_HELLO:
-                hellos[sock] = buffer
+            if data and len(buffer) <= MAX_HELLO:
                 return None
             refused = "no hello" if buffer else "it closed before it said which rank it is"
         else:
             line, rest = buffer.split(b"\n", 1)
             parts = line.decode(errors="replace").split(" ")
-            rank = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else -1
+            rank = int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else -1
             if parts[0] != HELLO.decode() or parts[1:2] != [self.round_id]:
                 refused = f"not of round {self.round_id} ({line[:80]!r})"
             elif not 0 < rank < self.world_size:
-                refused = f"rank {parts[2]} is not a peer of a group of {self.world_size}"
+                refused = f"rank {parts[2] if len(parts) > 2 else '?'} is not a peer of a group of {self.world_size}"
+            elif not auth.verify(parts[3], "liveness", self.round_id, str(rank), pending.nonce):
+                refused = f"rank {rank}'s hello does not answer its nonce under the group's secret (forged or replayed)"
+            elif rank in connected:
+                refused = f"rank {rank} is connected already"
             else:
-                hellos[sock] = rest
-                return rank
+                return rank, rest
+        pending.refused = True
         try:
             address = sock.getpeername()
         except OSError:
             address = "?"
-        logger.info("rank 0: refused a liveness connection from %s: %s", address, refused)
+        self._note_refused(f"from {address}: {refused}")
         return None
 
     # a peer -----------------------------------------------------------------------------------------------------
@@ -197,7 +260,9 @@ class Liveness:
                 continue
             try:
                 sock.settimeout(CONNECT_TIMEOUT_S)
-                sock.sendall(b"%s %s %d\n" % (HELLO, self.round_id.encode(), self.rank))
+                nonce = _read_line(sock)
+                proof = auth.mac("liveness", self.round_id, str(self.rank), nonce)
+                sock.sendall(b"%s %s %d %s\n" % (HELLO, self.round_id.encode(), self.rank, proof.encode()))
             except OSError as err:
                 sock.close()
                 errors.append(f"{host}:{port}: {err}")
@@ -279,6 +344,27 @@ class Liveness:
                 self._wake[0].close()
         if self._listener is not None:
             self._listener.close()
+
+
+@dataclass
+class _Pending:
+    """A connection to rank 0's listener that has not identified itself yet."""
+
+    nonce: str  # sent on accept: its hello must answer it (a captured hello is worth nothing on another connection)
+    since: float  # accepted at (monotonic): dropped after HELLO_DEADLINE_S
+    buffer: bytes = b""
+    refused: bool = False
+
+
+def _read_line(sock: socket.socket) -> str:
+    """A peer: rank 0's nonce line (bounded: a listener that is not rank 0's gets no hello)."""
+    data = b""
+    while b"\n" not in data:
+        chunk = sock.recv(64)
+        if not chunk or len(data) > 128:
+            raise OSError("no nonce from the listener")
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
 def _send_all(peers: dict[socket.socket, int], data: bytes) -> None:
