@@ -9,8 +9,9 @@ already reaches rank 0's store at (the store's host, ``MASTER_ADDR`` under torch
 reads the nonce rank 0 sends on each connection, and answers with one line, ``biggraph-liveness <round> <rank>
 <mac>``, the MAC over the round, the rank and that nonce under the group's secret (job/train/distributed/auth.py):
 a connection of another round, a rank outside the group, a forged hello or one replayed from another connection
-(the round id is logged, the secret is not) is refused, and so is a second connection of a connected rank. Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a
-reset on a peer's connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
+(the round id is logged, the secret is not) is refused, and so is a second connection of a connected rank.
+Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a reset on a peer's
+connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
 it exactly as the heartbeat does (``dead/<rank>``, then ``check_peers``).
 
 Both ways (issue 44): rank 0 also sends a byte (``PING``) on every peer's connection each ``ping_interval_s``, and a
