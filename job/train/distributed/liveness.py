@@ -51,7 +51,7 @@ PING = b"P"  # rank 0 is alive (sent to every peer each ``ping_interval_s``)
 CONNECT_TIMEOUT_S = 10.0  # a peer's dial of rank 0 (a dropped SYN retries for longer than that by itself)
 MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
 HELLO_DEADLINE_S = 10.0  # a connection that has not said who it is by then is closed
-MAX_PENDING = 64  # connections waiting to say who they are; more are closed at once
+MAX_PENDING = 64  # connections waiting to say who they are; beyond, the oldest is closed
 ACCEPT_BACKOFF_S = 0.5  # out of descriptors (EMFILE): no accepting for this long
 
 
@@ -105,8 +105,10 @@ class Liveness:
     def _watch(self, on_lost: Callable[[int], None]) -> None:
         """Rank 0's watcher: accept (each connection gets a nonce to answer), read each hello, then wait for each
         identified connection's end, pinging the peers meanwhile. Bounded: at most ``MAX_PENDING`` connections
-        without a hello, each dropped after ``HELLO_DEADLINE_S``, and on running out of descriptors (EMFILE) it stops
-        accepting for ``ACCEPT_BACKOFF_S`` instead of spinning on a listener that stays readable."""
+        without a hello (the oldest gives way), each dropped after ``HELLO_DEADLINE_S``, and on running out of
+        descriptors (EMFILE) it stops accepting for ``ACCEPT_BACKOFF_S`` instead of spinning on a listener that
+        stays readable. The listen backlog is the system's largest, so that a burst of connections is queued, not
+        dropped (a dropped SYN is retried only after a second)."""
         assert self._listener is not None and self._wake is not None
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
@@ -179,10 +181,13 @@ class Liveness:
                                    f"{ACCEPT_BACKOFF_S:g} s")
                 return False
             return True
-        if len(hellos) >= MAX_PENDING:  # a flood of idle connections: the newest is closed at once
-            self._note_refused(f"{MAX_PENDING} connections already wait to say who they are")
-            conn.close()
-            return True
+        if len(hellos) >= MAX_PENDING:  # a flood of idle connections: the oldest gives way (a real peer says hello
+            # within moments of connecting, so it outlasts a flood that would otherwise hold every place)
+            oldest = min(hellos, key=lambda sock: hellos[sock].since)
+            del hellos[oldest]
+            selector.unregister(oldest)
+            oldest.close()
+            self._note_refused(f"{MAX_PENDING} connections already waited to say who they are: the oldest closed")
         conn.setblocking(False)
         nonce = secrets.token_hex(16)
         try:
@@ -283,7 +288,10 @@ class Liveness:
     def _hear_rank0(self, sock: socket.socket) -> None:
         """A peer: read rank 0's pings until it says goodbye or this rank leaves; silence for ``silent_after_s``, or
         the connection's end without a goodbye, is rank 0 lost (``on_rank0_lost``)."""
-        sock.settimeout(self.silent_after_s)
+        try:
+            sock.settimeout(self.silent_after_s)
+        except OSError:  # closed already: this rank left in order while it dialled
+            return
         while True:
             try:
                 data = sock.recv(64)
@@ -392,10 +400,11 @@ def _server_socket(backlog: int) -> socket.socket:
     namespace may have IPv6 off), IPv4 otherwise."""
     if socket.has_dualstack_ipv6():
         try:
-            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=max(16, backlog))
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                        backlog=max(socket.SOMAXCONN, backlog))
         except OSError:
             pass
-    return socket.create_server(("", 0), backlog=max(16, backlog))
+    return socket.create_server(("", 0), backlog=max(socket.SOMAXCONN, backlog))
 
 
 def store_host(store: Any) -> Optional[str]:
