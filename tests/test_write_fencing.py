@@ -149,3 +149,21 @@ def test_a_rank_0_that_thaws_after_the_peer_timeout_fences_itself() -> None:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_a_progress_whose_shared_vector_has_another_shape_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    """Its done buckets' shared updates live only in its vector: resumed with the model's instead, they would be lost
+    (issue 44). The whole pass is trained again, and the log names both shapes."""
+    import logging
+
+    import numpy as np
+
+    from job.checkpoint.group_progress import Progress, resumable
+
+    progress = Progress(run="run", version=3, state={}, records=[], shared=np.zeros(7, np.float32))
+    assert resumable(progress, 3, (7,)) is progress
+    assert resumable(progress, 2, (7,)) is None  # another pass's
+    with caplog.at_level(logging.WARNING, logger="biggraph"):
+        assert resumable(progress, 3, (9,)) is None
+    assert "has shape (7,), the model's (9,)" in caplog.text
+    assert resumable(Progress(run="run", version=3, state={}, records=[]), 3, (9,)) is not None  # no vector stored

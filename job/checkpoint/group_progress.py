@@ -249,6 +249,21 @@ def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Prog
                     staged_before=[list(entry) for entry in staged_before])
 
 
+def resumable(progress: Optional[Progress], version: int, shared_shape: tuple[int, ...]) -> Optional[Progress]:
+    """``progress`` if the pass committing ``version`` resumes it: None when there is none, when it is of another
+    pass, or when its shared-parameter vector has another shape than the model's (logged, naming both shapes). Its
+    "done" buckets' shared updates live only in that vector: resuming them with the model's vector instead would
+    lose those updates (issue 44), so the whole pass is trained again."""
+    if progress is None or progress.version != version:
+        return None
+    if progress.shared is not None and tuple(progress.shared.shape) != tuple(shared_shape):
+        logger.warning("the interrupted pass's progress is refused: its shared-parameter vector has shape %s, the "
+                       "model's %s; training the pass to version %d from its start", tuple(progress.shared.shape),
+                       tuple(shared_shape), version)
+        return None
+    return progress
+
+
 def current_state(checkpoint_path: str) -> Optional[dict[str, Any]]:
     """The progress as it stands (snapshot and records replayed), whoever wrote it: for tools and benches that
     watch a run (``LockState.to_json()`` shape plus ``version``)."""

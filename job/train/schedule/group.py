@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from job.checkpoint.group_progress import Progress, ProgressLog, remove_progress
+from job.checkpoint.group_progress import Progress, ProgressLog, remove_progress, resumable
 from job.checkpoint.write_groups import WriteGroup
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
@@ -100,15 +100,8 @@ class LockServerScheduler(BucketScheduler):
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
                               version=version + 1, world_size=self.ctx.world_size)
             shared = self.shared_values()
-            progress = self.progress
-            if progress is not None and progress.shared is not None and progress.shared.shape != shared.shape:
-                # its "done" buckets' shared updates live only in that vector: keeping them done with the model's
-                # vector would lose those updates, so the whole pass is trained again
-                logger.warning("the interrupted pass's progress is refused: its shared-parameter vector has shape %s, "
-                               "the model's %s; training pass %d from its start", tuple(progress.shared.shape),
-                               tuple(shared.shape), pass_index + 1)
-                progress = None
-            if progress is not None and progress.version == version + 1:
+            progress = resumable(self.progress, version + 1, tuple(shared.shape))  # refused if the vector differs
+            if progress is not None:
                 if progress.shared is not None:
                     shared = progress.shared  # with the shared updates of every bucket done so far
                 state.restore(progress.state)
