@@ -10,11 +10,14 @@ would let a real crash loop (a bug that fails every round at once) restart for a
 How: a worker tells its agent why it exits, by its exit code (the only channel torchrun reads):
 
 - ``EXIT_ROUND_ENDED`` (75): its round ended from outside (a peer lost or declared dead, a SIGTERM, fenced by
-  the new round) after this process finished at least one bucket. A membership change: the agent
-  (job/train/elastic/agent.py) restarts the group without spending the budget.
-- ``EXIT_ROUND_ENDED_IDLE`` (76): the same, but this process finished nothing in its round. It spends the
+  the new round) after the group made progress in it, as this process saw: it finished a bucket, or the server's
+  replies showed partitions written by others since its first one, or a pass committed. A membership change: the
+  agent (job/train/elastic/agent.py) restarts the group without spending the budget.
+- ``EXIT_ROUND_ENDED_IDLE`` (76): the same, but the round made no progress that this process saw. It spends the
   budget like a crash: a loop of rounds that each end before any work is done (a rank falsely declared dead over
-  and over, a peer that dies at every start) is a crash loop too, whatever its cause, and must end.
+  and over, a peer that dies at every start) is a crash loop too, whatever its cause, and must end. (Group-wide,
+  not this process's own buckets: a rank that waits for a bucket while the others train, common with few
+  partitions, is in a productive round too.)
 - anything else non-zero: a crash, spending the budget as torchrun always did.
 
 A round that made progress cannot loop forever without the job advancing, so only rounds that achieved nothing
@@ -39,23 +42,24 @@ EXIT_RENDEZVOUS_LOST = 77
 EXIT_STOPPED = 143
 
 _progress_lock = threading.Lock()
-_buckets_finished = 0  # buckets this process finished (one process serves one round: torchrun restarts workers)
+_progress = 0  # signs of the group's progress this process saw (one process serves one round: torchrun restarts it)
 
 
-def note_bucket_finished() -> None:
-    """Count a bucket this process finished (the lock-server scheduler calls it as it reports one)."""
-    global _buckets_finished
+def note_progress() -> None:
+    """Count a sign of progress in this round (the lock-server scheduler calls it: a bucket this rank finished,
+    partitions others wrote, a pass committed)."""
+    global _progress
     with _progress_lock:
-        _buckets_finished += 1
+        _progress += 1
 
 
-def buckets_finished() -> int:
-    return _buckets_finished
+def progress_seen() -> int:
+    return _progress
 
 
 def round_ended_exit_code() -> int:
     """The exit code of a worker whose round ended from outside (see the module docstring)."""
-    return EXIT_ROUND_ENDED if _buckets_finished > 0 else EXIT_ROUND_ENDED_IDLE
+    return EXIT_ROUND_ENDED if _progress > 0 else EXIT_ROUND_ENDED_IDLE
 
 
 @dataclass(frozen=True)
@@ -73,5 +77,5 @@ def judge(exit_codes: Iterable[int]) -> Verdict:
     if codes and all(code == EXIT_ROUND_ENDED for code in codes):
         return Verdict(True, "the round ended from outside after progress (a membership change)")
     if codes and all(code in (EXIT_ROUND_ENDED, EXIT_ROUND_ENDED_IDLE) for code in codes):
-        return Verdict(False, "the round ended before this node finished any bucket")
+        return Verdict(False, "the round ended before it made any progress this node saw")
     return Verdict(False, f"worker exit code(s) {', '.join(map(str, codes)) or 'unknown'}")

@@ -31,7 +31,7 @@ from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.shared_params import SharedParameters
-from job.train.elastic.budget import note_bucket_finished
+from job.train.elastic.budget import note_progress
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.clock import BucketClock
 from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
@@ -90,9 +90,13 @@ class LockServerScheduler(BucketScheduler):
         self.pass_tag = ""  # names this pass's barriers and keys within the round (``ctx.key``)
         self.clock = BucketClock()  # this rank's bucket times: whether one in flight can end before the drain's deadline
         self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
+        self._written_seen: Optional[int] = None  # partitions written this pass, at the first reply (progress)
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
+        if self.pass_tag:  # this process saw a pass commit: the round made progress
+            note_progress()
         self.pass_tag = str(pass_index)
+        self._written_seen = None
         self.current = None
         self.ahead = None
         if self.commits:
@@ -130,7 +134,7 @@ class LockServerScheduler(BucketScheduler):
             leaving = self.ctx.ending() if not self.commits else None
             if finished is not None:
                 self.clock.finish(time.monotonic())
-                note_bucket_finished()  # this round made progress (the failure budget: job/train/elastic/budget.py)
+                note_progress()  # this round made progress (the failure budget: job/train/elastic/budget.py)
             kind, bucket, dirty, shared = self.client.finish_and_next(
                 self.store.resident_partitioned(), self.current, finished,
                 carry.change() if carry is not None else None, leaving=leaving)
@@ -138,6 +142,9 @@ class LockServerScheduler(BucketScheduler):
                 carry.assign(shared)
             self.current, finished = None, None
             self.store.set_written(dirty)
+            if self._written_seen is not None and len(dirty) > self._written_seen:
+                note_progress()  # others saved partitions in this round: it is productive, though this rank waits
+            self._written_seen = len(dirty) if self._written_seen is None else max(self._written_seen, len(dirty))
             if kind == "done":
                 return None
             if kind == "ending":
