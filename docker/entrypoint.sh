@@ -46,8 +46,21 @@ if [ -n "${BIGGRAPH_RDZV_HOST_INDEX:-}" ] && [ -n "$index" ]; then
     [ "$merged" = 1 ] || args=("--rdzv-conf=is_host=$is_host" "${args[@]}")
 fi
 
+# the command as logged: the value of any NAME=VALUE argument whose name says it is a credential (`-p
+# storage_options.secret=...`, a token, a password, a key) is replaced, so that it never reaches the logs
+redacted() {
+    local arg out=()
+    for arg in "$@"; do
+        if [[ "$arg" == *=* ]] && [[ "${arg%%=*}" =~ [Ss][Ee][Cc][Rr][Ee][Tt]|[Pp][Aa][Ss][Ss]|[Tt][Oo][Kk][Ee][Nn]|[Kk][Ee][Yy]|[Cc][Rr][Ee][Dd][Ee][Nn][Tt][Ii][Aa][Ll] ]]; then
+            arg="${arg%%=*}=<redacted>"
+        fi
+        out+=("$arg")
+    done
+    printf '%s' "${out[*]}"
+}
+
 log "start host=$(hostname) pod=${POD_NAME:-?} index=${index:-none} rdzv_host=${is_host:-auto} uid=$(id -u)" \
-    "cmd=${BIGGRAPH_TORCHRUN:-$launcher} ${args[*]}"
+    "cmd=${BIGGRAPH_TORCHRUN:-$launcher} $(redacted "${args[@]}")"
 
 if [ -n "${BIGGRAPH_CONFIG:-}" ] && [ "${BIGGRAPH_PREFLIGHT:-1}" != 0 ]; then
     python -m job preflight "$BIGGRAPH_CONFIG"
@@ -103,6 +116,15 @@ done
 # left to do; a pod being stopped (a forwarded signal) is not asked: the kubelet is waiting for it
 if [ "$rc" != 0 ] && [ "$checks_completion" = 1 ] && [ -z "$signalled" ]; then
     completed "after torchrun exited $rc"
+fi
+# The failure budget's exit codes (docs/kubernetes.md): the chart's podFailurePolicy ignores 143 and 77, so each
+# must mean only what it says. 143: this pod was stopped from outside (a forwarded SIGTERM: deleted, drained,
+# scaled down). 77: the launcher found the rendezvous gone (job/train/elastic/agent.py) on a pod that does not host
+# it, i.e. its host pod was lost; on the host itself (or with an external rendezvous) it is a failure like any other.
+if [ -n "$signalled" ]; then
+    rc=143
+elif [ "$rc" = 143 ] || { [ "$rc" = 77 ] && [ "$is_host" != false ]; }; then
+    rc=1
 fi
 log "exit code=$rc seconds=$(( $(date +%s) - started )) index=${index:-none}"
 exit "$rc"

@@ -45,6 +45,7 @@ Needs root and iproute2's ``ip`` (``available`` says why not, for a skip); Linux
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -114,6 +115,9 @@ class RenderedJob:
     replicas: int
     memory_limit: str  # the container's resources.limits.memory (what its resourceFieldRef env gives, in bytes)
     grace_period_s: float = 30.0  # the pod's terminationGracePeriodSeconds (the Kubernetes default when unset)
+    # the podFailurePolicy's ``Ignore`` exit codes: a pod failing with one is replaced without counting
+    ignored_exit_codes: frozenset[int] = frozenset()
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # the Secrets rendered with it (the group's)
 
     @staticmethod
     def from_docs(docs: list[dict[str, Any]]) -> RenderedJob:
@@ -129,7 +133,12 @@ class RenderedJob:
                            list(container["command"]) + list(container["args"]), list(container.get("env", [])),
                            dict(config_map["data"]), int(job["spec"]["completions"]),
                            str(container["resources"]["limits"]["memory"]),
-                           float(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)))
+                           float(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)),
+                           frozenset(code for rule in (job["spec"].get("podFailurePolicy") or {}).get("rules", [])
+                                     if rule["action"] == "Ignore" and "onExitCodes" in rule
+                                     for code in rule["onExitCodes"]["values"]),
+                           {d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()}
+                            for d in docs if d["kind"] == "Secret"})
 
 
 @dataclass
@@ -283,9 +292,12 @@ class ClusterBox:
                 env[item["name"]] = self.job_uid  # the Job's uid: one for every pod, replaced and added ones too
             elif "secretKeyRef" in (item.get("valueFrom") or {}):
                 ref = item["valueFrom"]["secretKeyRef"]
-                if ref["key"] not in self.secrets.get(ref["name"], {}):
+                secrets = {**self.job.secrets, **self.secrets}
+                if ref["key"] not in secrets.get(ref["name"], {}):
+                    if ref.get("optional"):
+                        continue
                     raise ValueError(f"the box has no secret {ref['name']} with the key {ref['key']} (secrets=)")
-                env[item["name"]] = self.secrets[ref["name"]][ref["key"]]
+                env[item["name"]] = secrets[ref["name"]][ref["key"]]
             elif (item.get("valueFrom") or {}).get("resourceFieldRef", {}).get("resource") == "limits.memory":
                 from job.k8s.sizing import parse_quantity  # the API gives the container's limit in bytes
 
@@ -355,8 +367,9 @@ class ClusterBox:
                 self._reap(index)  # a pod that succeeded leaves nothing behind either
                 self.succeeded.add(index)
             else:
-                self.failures[index] = self.failures.get(index, 0) + 1
-                if self.failures[index] > self.backoff_limit_per_index:
+                if pod.exit_code not in self.job.ignored_exit_codes:  # the podFailurePolicy's Ignore rule
+                    self.failures[index] = self.failures.get(index, 0) + 1
+                if self.failures.get(index, 0) > self.backoff_limit_per_index:
                     self.failed_reason = f"index {index} failed {self.failures[index]} times (backoffLimitPerIndex)"
                     continue
                 self._start(index)  # replaced once all of its processes are gone

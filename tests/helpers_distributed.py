@@ -159,8 +159,11 @@ def filtered_mrr(graph: dict, config_path: Path) -> float:
 class Agents:
     """torchrun agents started like pods: each in its own session, killable together with its worker."""
 
-    def __init__(self, config_path: Path, nnodes: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
-        """``env``: variables for every agent and its worker, over the defaults (``BIGGRAPH_PEER_TIMEOUT``...)."""
+    def __init__(self, config_path: Path, nnodes: str, log_dir: Path, env: dict[str, str] | None = None,
+                 max_restarts: int = 3) -> None:
+        """``env``: variables for every agent and its worker, over the defaults (``BIGGRAPH_PEER_TIMEOUT``...);
+        ``max_restarts``: torchrun's ``--max-restarts`` (3: the chart's ``torchrun.maxRestarts``)."""
+        self.max_restarts = max_restarts
         self.config_path = config_path
         self.nnodes = nnodes
         self.env = env or {}  # over the agents' defaults below (BIGGRAPH_PEER_TIMEOUT=8...)
@@ -177,7 +180,7 @@ class Agents:
         env.update(self.env)
         log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
         command = agent_command(self.nnodes, self.port, "biggraph-test",
-                                f"join_timeout=120,last_call_timeout=3,is_host={is_host}", 3, 1,
+                                f"join_timeout=120,last_call_timeout=3,is_host={is_host}", self.max_restarts, 1,
                                 ["train", str(self.config_path)])
         self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)

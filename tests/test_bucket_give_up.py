@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -120,6 +121,39 @@ def test_a_hogwild_worker_outlives_the_agents_sigterm_and_its_pool_still_trains(
     finally:
         pool.close()
     assert not any(process.is_alive() for process in processes)
+
+
+def _signal_mask(pid: int, field: str) -> int:
+    """A process's signal set from /proc (``SigBlk``: blocked, ``SigIgn``: ignored) as a bit mask."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} for {pid}")
+
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def test_hogwild_workers_ignore_sigterm_from_birth(tmp_path: Path) -> None:
+    """By construction, not by timing (issue 44): the fork server runs with SIGTERM blocked, so every worker it forks
+    is born with it blocked and ignores it before unblocking it; no moment of a worker's life lets the agent's
+    SIGTERM end it. The trainer's own mask is as before."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc")
+    before = _signal_mask(os.getpid(), "SigBlk") & SIGTERM_BIT
+    pool, _ = _pool_and_inputs(tmp_path)
+    try:
+        children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+        servers = [int(pid) for pid in children
+                   if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert servers, "no fork server among this process's children"
+        assert all(_signal_mask(pid, "SigBlk") & SIGTERM_BIT for pid in servers)
+        for process in pool.processes:
+            assert _signal_mask(process.pid, "SigIgn") & SIGTERM_BIT, process.name
+            assert not _signal_mask(process.pid, "SigBlk") & SIGTERM_BIT, process.name
+    finally:
+        pool.close()
+    assert _signal_mask(os.getpid(), "SigBlk") & SIGTERM_BIT == before
 
 
 def test_a_hogwild_bucket_given_up_ends_its_workers_mid_slice(tmp_path: Path) -> None:

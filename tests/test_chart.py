@@ -226,6 +226,17 @@ def test_retry_fields_follow_the_kubernetes_minor(kube: str, tmp_path: Path) -> 
     assert legacy["backoffLimit"] == 3 and "backoffLimitPerIndex" not in legacy
 
 
+def test_the_pod_failure_policy_counts_crashes_not_membership_changes(tmp_path: Path) -> None:
+    """The failure budget (docs/kubernetes.md): the codes the entrypoint uses for a membership change are ignored, a
+    user error fails the Job, anything else counts."""
+    from job.train.elastic.budget import EXIT_RENDEZVOUS_LOST, EXIT_STOPPED
+
+    rules = one(render(tmp_path, values=[CHART / "ci" / "cpu-values.yaml"]), "Job")["spec"]["podFailurePolicy"]["rules"]
+    by_codes = {tuple(r["onExitCodes"]["values"]): r["action"] for r in rules if "onExitCodes" in r}
+    assert by_codes == {(2,): "FailJob", (EXIT_RENDEZVOUS_LOST, EXIT_STOPPED): "Ignore"}
+    assert any(r["action"] == "Ignore" and r.get("onPodConditions") for r in rules)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name.removesuffix("-values.yaml"))
 def test_chart_lints_renders_and_validates(values: Path, tmp_path: Path) -> None:

@@ -212,3 +212,29 @@ def test_entrypoint_forwards_sigterm_to_torchrun(fake_torchrun: Path) -> None:
     assert "GOT-TERM" in out
     assert proc.returncode == 143
     assert "signal TERM" in err and "exit code=143" in err
+
+
+def test_entrypoint_passes_the_budgets_ignored_codes_on_only_where_they_mean_a_membership_change(
+        fake_torchrun: Path) -> None:
+    """77 (the rendezvous gone) stays 77 only on a pod that does not host it; 143 only when the pod was stopped from
+    outside (the chart's podFailurePolicy ignores both: docs/kubernetes.md, "The failure budget")."""
+    def code(exit_code: int, index: str) -> int:
+        return run_entrypoint(fake_torchrun, "--nnodes=2", EXIT_CODE=str(exit_code), JOB_COMPLETION_INDEX=index,
+                              BIGGRAPH_RDZV_HOST_INDEX="0").returncode
+
+    assert code(77, "1") == 77
+    assert code(77, "0") == 1  # the host's own rendezvous failing is a failure
+    assert run_entrypoint(fake_torchrun, "--nnodes=2", EXIT_CODE="77").returncode == 1  # no host index: etcd
+    assert code(143, "1") == 1  # a launcher ended by SIGTERM that the pod did not receive
+    assert code(1, "1") == 1 and code(3, "1") == 3
+
+
+def test_entrypoint_logs_no_credential_of_the_command(fake_torchrun: Path) -> None:
+    done = run_entrypoint(fake_torchrun, "--nnodes=1", "-m", "job", "train", "c.yaml", "-p",
+                          "storage_options.secret=hunter2", "-p", "storage_options.key=AKIAXYZ", "-p",
+                          "num_epochs=3", "-p", "Auth_Token=tok123")
+    assert done.returncode == 0
+    for secret in ("hunter2", "AKIAXYZ", "tok123"):
+        assert secret not in done.stderr
+        assert secret in done.stdout  # torchrun itself gets the arguments unchanged
+    assert "storage_options.secret=<redacted>" in done.stderr and "num_epochs=3" in done.stderr

@@ -209,6 +209,7 @@ def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -
     from torch.distributed import TCPStore
 
     from job.checkpoint.manager import CheckpointManager
+    from job.train.distributed import auth
     from job.train.distributed.group import DistributedContext, RoundOver, round_key
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -217,7 +218,9 @@ def test_a_rank_whose_round_is_over_is_fenced_off_from_writing(tmp_path: Path) -
     manager.storage.save_entity_partition(1, "node", 0, np.zeros((3, 2), np.float32))
     written = sorted(p.name for p in (tmp_path / "cp").iterdir())
     assert written == ["embeddings_node_0.v1.h5"]
-    store.set(round_key("r1", "dead/1"), "1")
+    store.set(round_key("r1", "dead/1"), "1")  # forged (any client of the store can set it): not a declaration
+    manager.storage.save_entity_partition(1, "node", 0, np.zeros((3, 2), np.float32))
+    store.set(round_key("r1", "dead/1"), auth.mac("dead", "r1", "1"))  # rank 0's declaration
     with pytest.raises(RoundOver, match="rank 1: round r1 of the group is over .rank 0 declared this rank dead"):
         manager.storage.save_entity_partition(2, "node", 0, np.zeros((3, 2), np.float32))
     assert sorted(p.name for p in (tmp_path / "cp").iterdir()) == written  # nothing new, no temporary file left

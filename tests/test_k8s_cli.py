@@ -32,7 +32,7 @@ NS = "team-a"
 # what the fake API server serves (and tells in its discovery): the kinds the chart renders, and pods
 RESOURCES = {"v1/pods": "Pod", "v1/configmaps": "ConfigMap", "v1/services": "Service",
              "v1/serviceaccounts": "ServiceAccount", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
-             "batch/v1/jobs": "Job", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy"}
+             "batch/v1/jobs": "Job", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy", "v1/secrets": "Secret"}
 
 
 def _patch_watch_query() -> None:
@@ -281,8 +281,8 @@ def test_submit_default_name_and_dry_run_need_no_cluster(user_config: Any, capsy
     code = main(["submit", str(path), "--dry-run", "--kubeconfig", str(tmp_path / "missing")])
     assert code == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]  # the policy before the pods
-    name = docs[3]["metadata"]["name"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "NetworkPolicy", "Secret", "Job"]  # the policy before the pods
+    name = docs[4]["metadata"]["name"]
     assert re.fullmatch(r"biggraph-mygraph-[0-9a-f]{6}", name)
     assert yaml.safe_load(docs[0]["data"]["config.yaml"]) == raw
     assert all(d["metadata"]["namespace"] == "default" for d in docs)
@@ -461,8 +461,8 @@ def test_cancel_deletes_the_release_by_its_label(cluster: FakeCluster, user_conf
     assert main(cluster.cli("submit", str(path), "--name", "keep")) == 0
     capsys.readouterr()
     assert main(cluster.cli("cancel", "emb6")) == 0
-    assert ("deleted Job emb6, ConfigMap emb6-config, Service emb6, NetworkPolicy emb6, ServiceAccount emb6 in "
-            "namespace team-a") in capsys.readouterr().out
+    assert ("deleted Job emb6, ConfigMap emb6-config, Service emb6, NetworkPolicy emb6, ServiceAccount emb6, "
+            "Secret emb6-group in namespace team-a") in capsys.readouterr().out
     assert cluster.names("Job") == {"keep"} and cluster.names("ConfigMap") == {"keep-config"}
     assert cluster.names("Service") == {"keep"} and cluster.names("NetworkPolicy") == {"keep"}
     assert {c.metadata.name for c in cluster.core.list_namespaced_persistent_volume_claim(NS).items} == {"emb6-data"}
@@ -514,7 +514,7 @@ def test_library_submit_dry_run_returns_the_manifests_without_printing(user_conf
     options = SubmitOptions(render=RenderOptions(replicas=2, queue="q1"), name="lib1", dry_run=True)
     submission = submit(str(path), options, ClusterAccess(namespace="ns1", kubeconfig=str(tmp_path / "missing")))
     assert not submission.created and submission.name == "lib1" and submission.namespace == "ns1"
-    assert [o["kind"] for o in submission.objects] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]
+    assert [o["kind"] for o in submission.objects] == ["ConfigMap", "Service", "NetworkPolicy", "Secret", "Job"]
     assert submission.job["spec"]["parallelism"] == 2 and submission.job["spec"]["suspend"] is True
     assert all(o["metadata"]["namespace"] == "ns1" for o in submission.objects)
     assert submission.checkpoint_path == raw["checkpoint_path"]

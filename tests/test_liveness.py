@@ -20,6 +20,7 @@ from datetime import timedelta
 import pytest
 from helpers_distributed import free_port, wait_until
 
+from job.train.distributed import auth
 from job.train.distributed.liveness import HELLO, Liveness, liveness_key
 
 # rank 0 prints its view (declared rank, connections lost and left, dead/<rank> keys) whenever it changes; a peer
@@ -116,7 +117,8 @@ def test_a_connection_of_another_round_or_rank_is_refused_and_its_end_declares_n
         assert wait_until(lambda: sum("refused a liveness connection" in r.getMessage() for r in caplog.records) == 5)
         assert lost == [] and watcher.lost == []
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"%s r2 2\n" % HELLO)
+            nonce = sock.recv(64).split(b"\n")[0].decode()
+            sock.sendall(b"%s r2 2 %s\n" % (HELLO, auth.mac("liveness", "r2", "2", nonce).encode()))
         assert wait_until(lambda: lost == [2])
         watcher.close()
     messages = [r.getMessage() for r in caplog.records]
@@ -152,3 +154,65 @@ def test_a_peer_that_leaves_in_order_is_not_declared_dead() -> None:
     assert wait_until(lambda: watcher.left == [1])
     watcher.close()
     assert lost == [] and watcher.lost == []
+
+
+# every rank watches rank 0 (issue 44) ------------------------------------------------------------------------------
+
+RANK0_SCRIPT = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from job.train.distributed.liveness import Liveness
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+watcher = Liveness(0, 2, "r9", ping_interval_s=0.2, silent_after_s=2.0)
+watcher.listen(store, "127.0.0.1")
+watcher.start(store, lambda rank: None)
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+def _rank0_process(server: object) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, str(server.port)],  # type: ignore[attr-defined]
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+    return proc
+
+
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+def test_a_peer_leaves_the_round_when_rank_0_is_frozen_or_gone(how: str) -> None:
+    """Rank 0 (a process of its own) pings its peers; a peer that hears nothing for the peer timeout (rank 0
+    SIGSTOPped: its store would freeze with it) or sees the connection end without a goodbye (SIGKILLed) calls its
+    ``on_rank0_lost``, whatever the store does."""
+    server = store()
+    proc = _rank0_process(server)
+    lost: list[str] = []
+    peer = Liveness(1, 2, "r9", ping_interval_s=0.2, silent_after_s=2.0)
+    try:
+        peer.start(server, lambda rank: None, hosts=("127.0.0.1",), on_rank0_lost=lost.append)
+        assert peer.connected.wait(30)
+        assert not wait_until(lambda: bool(lost), seconds=4.0)  # pings arrive: rank 0 is not lost while it runs
+        os.kill(proc.pid, signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
+        assert wait_until(lambda: bool(lost), seconds=60.0)  # a hang guard
+        expected = "sent nothing" if how == "frozen" else "closed without a goodbye"
+        assert expected in lost[0] and len(lost) == 1
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        peer.close()
+
+
+def test_rank_0_leaving_in_order_is_not_a_loss() -> None:
+    server = store()
+    watcher = Liveness(0, 2, "r10", ping_interval_s=0.2, silent_after_s=2.0)
+    watcher.listen(server, "127.0.0.1")
+    watcher.start(server, lambda rank: None)
+    lost: list[str] = []
+    peer = Liveness(1, 2, "r10", ping_interval_s=0.2, silent_after_s=2.0)
+    peer.start(server, lambda rank: None, hosts=("127.0.0.1",), on_rank0_lost=lost.append)
+    assert peer.connected.wait(30)
+    watcher.close()  # rank 0 leaves first here: its goodbye reaches the peer
+    assert not wait_until(lambda: bool(lost), seconds=4.0)
+    peer.close()
+    assert lost == []

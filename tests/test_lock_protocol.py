@@ -39,8 +39,7 @@ from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
-from job.train.distributed.protocol import LockServerError
-from job.train.distributed.protocol import pack as _pack
+from job.train.distributed.protocol import LockServerError, seal
 from job.train.distributed.transport import TensorTransport
 from job.train.residency.partitions import PartitionStore
 
@@ -152,13 +151,13 @@ def test_a_request_without_a_rank_is_logged_and_the_server_serves_on(store: TCPS
                                                                     served: tuple[LockServer, LockClient],
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     _, client = served
-    store.queue_push(f"{PREFIX}/requests", _pack({"op": "next"}))  # nobody to answer
+    store.queue_push(f"{PREFIX}/requests", seal({"op": "next"}, PREFIX))  # authentic, but nobody to answer
     store.queue_push(f"{PREFIX}/requests", b"\x05\x00\x00\x00{oops")  # not JSON
     # a push is not acknowledged: a question on the same connection makes sure both are queued before the client's
     store.queue_len(f"{PREFIX}/requests")
     kind, _, _ = client.next_bucket(set(), None, None)
     assert kind == "bucket"
-    assert caplog.text.count("unreadable request") == 2
+    assert caplog.text.count("dropped unanswered (unreadable") == 2
 
 
 def test_a_stop_left_by_an_earlier_server_of_the_round_is_not_answered_nor_stops_this_one(
@@ -166,10 +165,10 @@ def test_a_stop_left_by_an_earlier_server_of_the_round_is_not_answered_nor_stops
     """A round's passes each start a server on the round's queue; one that ended between two requests never read
     its stop message, which the next one finds first."""
     server, client = served
-    store.queue_push(f"{PREFIX}/requests", _pack({"op": "stop", "server": "an-earlier-one"}))
+    store.queue_push(f"{PREFIX}/requests", seal({"op": "stop", "rank": -1, "server": "an-earlier-one"}, PREFIX))
     kind, _, _ = client.next_bucket(set(), None, None)
     assert kind == "bucket" and server.thread.is_alive()
-    assert "refused" not in caplog.text and "unreadable" not in caplog.text
+    assert "refused" not in caplog.text and "dropped" not in caplog.text
 
 
 def test_a_sync_of_the_wrong_shape_is_refused_and_changes_nothing(served: tuple[LockServer, LockClient]) -> None:
@@ -780,7 +779,8 @@ def test_a_rank_that_announces_a_change_and_never_sends_it_is_refused_after_the_
     rank0 = LockClient(store, 0, timeout_s=60, prefix=PREFIX, transport=ranks[0])
     stalled = LockClient(store, 1, timeout_s=60, prefix=PREFIX)  # reads its replies; its transfers are done by hand
     try:
-        store.queue_push(f"{PREFIX}/requests", _pack({"op": "sync", "rank": 1, "channel": "", "values": 3, "tag": 7}))
+        store.queue_push(f"{PREFIX}/requests", seal({"op": "sync", "rank": 1, "channel": "", "values": 3, "tag": 7,
+                                                     "seq": 1}, PREFIX))
         reply = json.loads(stalled.store.queue_pop(stalled.responses, block=True))
         assert not reply["ok"] and "TransferError" in reply["error"] and "payload 7 from rank 1" in reply["error"]
         assert rank0.sync(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]

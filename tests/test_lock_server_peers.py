@@ -26,8 +26,7 @@ from torch.distributed import TCPStore
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
-from job.train.distributed.protocol import LockServerError
-from job.train.distributed.protocol import pack as _pack
+from job.train.distributed.protocol import LockServerError, seal
 from job.train.distributed.transport import TensorTransport, Transfer
 from job.train.residency.budget import TRANSFER_SLOTS
 
@@ -50,18 +49,20 @@ class Peer:
         self.rank = rank
         self.transport = transport
         self.responses = f"{PREFIX}/response/{rank}"
+        self.seq = 0  # its requests, numbered as a LockClient numbers them
         self.sends: list[Transfer] = []  # kept: gloo drops a send whose work is let go before the peer takes it
 
     def ask(self, op: str, change: Optional[torch.Tensor] = None, posted: bool = True, **fields: Any) -> int:
         """Push a request; with ``change``, announce it under a fresh tag (posted first unless ``posted`` is
         False). Returns the tag."""
         tag = self.transport.next_tag()
-        request: dict[str, Any] = {"op": op, "rank": self.rank, "channel": "", **fields}
+        self.seq += 1
+        request: dict[str, Any] = {"op": op, "rank": self.rank, "channel": "", "seq": self.seq, **fields}
         if change is not None:
             request.update(values=change.numel(), tag=tag)
             if posted:
                 self.send(change, tag)
-        self.store.queue_push(f"{PREFIX}/requests", _pack(request))
+        self.store.queue_push(f"{PREFIX}/requests", seal(request, PREFIX))
         return tag
 
     def send(self, change: torch.Tensor, tag: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from job.train.elastic.agent import install, readmitting
+from job.train.elastic.agent import BiggraphAgent, nodes_waiting
 
 STORE = """
 import sys, time
@@ -39,7 +39,7 @@ def store_process() -> Iterator[tuple[subprocess.Popen, int]]:
         proc.wait()
 
 
-def _handler(port: int, readmit: bool) -> Any:
+def _handler(port: int) -> Any:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
 
@@ -47,8 +47,7 @@ def _handler(port: int, readmit: bool) -> Any:
     params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="readmit", min_nodes=2,
                                   max_nodes=3, join_timeout=60, last_call_timeout=1, keep_alive_interval=1,
                                   keep_alive_max_attempt=3, is_host=False)
-    handler = _create_c10d_handler(params)
-    return readmitting(handler) if readmit else handler
+    return _create_c10d_handler(params)
 
 
 def _rendezvous_all(handlers: list[Any]) -> list[Any]:
@@ -74,10 +73,10 @@ def _rendezvous_all(handlers: list[Any]) -> list[Any]:
 def test_agents_dropped_while_the_store_stalled_restart_to_admit_a_node_that_joins_after(
         store_process: tuple[subprocess.Popen, int]) -> None:
     proc, port = store_process
-    plain, readmitted = _handler(port, readmit=False), _handler(port, readmit=True)
+    plain, readmitted = _handler(port), _handler(port)
     first = _rendezvous_all([plain, readmitted])
     assert sorted(info.world_size for info in first) == [2, 2]
-    assert plain.num_nodes_waiting() == 0 and readmitted.num_nodes_waiting() == 0  # a healthy round: nobody waits
+    assert plain.num_nodes_waiting() == 0 and nodes_waiting(readmitted) == 0  # a healthy round: nobody waits
 
     os.kill(proc.pid, signal.SIGSTOP)  # the store host frozen past the keep-alive window
     time.sleep(6)
@@ -85,12 +84,12 @@ def test_agents_dropped_while_the_store_stalled_restart_to_admit_a_node_that_joi
     time.sleep(2.5)  # the heartbeats that were blocked go through; the first sync drops both stale nodes
 
     # a node that joins now (a replacement, a scale-up) starts a new round alone and waits there for min_nodes
-    newcomer = _handler(port, readmit=False)
+    newcomer = _handler(port)
     joined: list[Any] = []
     thread = threading.Thread(target=lambda: joined.append(newcomer.next_rendezvous()))
     thread.start()
     deadline = time.monotonic() + 30
-    while readmitted.num_nodes_waiting() == 0:
+    while nodes_waiting(readmitted) == 0:
         assert time.monotonic() < deadline, "the dropped agent never saw the round forming without it"
         time.sleep(0.2)
     # torch's own count: the newcomer is a participant of the new round, not on the wait list, so an agent that
@@ -107,18 +106,31 @@ def test_agents_dropped_while_the_store_stalled_restart_to_admit_a_node_that_joi
         handler.shutdown()
 
 
-def test_install_makes_torchs_c10d_backend_return_readmitting_handlers(
-        store_process: tuple[subprocess.Popen, int]) -> None:
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+def test_the_agent_counts_the_nodes_of_a_round_formed_without_it_as_waiting() -> None:
+    """``BiggraphAgent._nodes_waiting`` (what its monitoring loop acts on) is torch's count, or the readmission's when
+    torch's is 0; torch's ``LocalElasticAgent`` is its base class, nothing in torch's registry replaced."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    before = dict(registry.handler_registry._registry)
-    try:
-        assert install() is None
-        _, port = store_process
-        handler = registry.get_rendezvous_handler(RendezvousParameters(
-            backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="installed", min_nodes=1, max_nodes=1,
-            is_host=False))
-        assert handler.num_nodes_waiting.__qualname__.startswith("readmitting")
-    finally:
-        registry.handler_registry._registry.clear()
-        registry.handler_registry._registry.update(before)
+    class State:
+        participants = {"other-a": 0, "other-b": 1}
+        wait_list: set = set()
+
+    class Handler:
+        _this_node = "me"
+        _state_holder = type("Holder", (), {"state": State()})()
+
+        def __init__(self, waiting: int) -> None:
+            self.waiting = waiting
+
+        def num_nodes_waiting(self) -> int:
+            return self.waiting
+
+    assert issubclass(BiggraphAgent, LocalElasticAgent)
+    agent = BiggraphAgent.__new__(BiggraphAgent)
+    agent._warned_evicted = False
+    for torch_count, expected in ((0, 2), (1, 1)):
+        agent._worker_group = type("Group", (), {"spec": type("Spec", (), {"rdzv_handler": Handler(torch_count)})()})()
+        assert agent._nodes_waiting() == expected
+    State.participants["me"] = 2  # still a participant: torch's answer unchanged
+    agent._worker_group = type("Group", (), {"spec": type("Spec", (), {"rdzv_handler": Handler(0)})()})()
+    assert agent._nodes_waiting() == 0

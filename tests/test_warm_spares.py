@@ -134,24 +134,17 @@ def _running(pid: int) -> bool:
 
 def test_torchruns_process_handler_takes_a_spare_and_its_close_signals_it(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agent's hooks (job/train/elastic/agent.py): torchrun's launcher makes the pool, its rendezvous warms it, and its
-    ``SubprocessHandler`` gets the spare's process, which its ``close`` (a killpg) ends."""
+    """The agent's hooks (job/train/elastic/agent.py): the launch makes the pool, the agent's rendezvous warms it, and
+    torch's ``SubprocessHandler`` gets the spare's process, which its ``close`` (a killpg) ends."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-    from torch.distributed.launcher import api as launcher
 
     monkeypatch.setattr(subprocess_handler.SubprocessHandler, "_popen", subprocess_handler.SubprocessHandler._popen)
-    monkeypatch.setattr(launcher, "launch_agent", lambda config, entrypoint, args, *rest, **kw: "launched")
-    monkeypatch.setattr(agent, "_pool", None)
+    monkeypatch.setattr(agent, "_pool", SparePool([sys.executable, "-u", "-m", "spare_probe", "sleep"], 1))
     assert agent.install_spares() is None
-    config = type("Config", (), {"nproc_per_node": 1})()
-    assert launcher.launch_agent(config, sys.executable, ["-u", "-m", "spare_probe", "sleep"]) == "launched"
-    assert agent._pool is not None
-
-    class Handler:
-        def next_rendezvous(self) -> str:
-            return "round"
-
-    assert agent.warming(Handler()).next_rendezvous() == "round"
+    monkeypatch.setattr(agent.LocalElasticAgent, "_rendezvous", lambda self, group: None)
+    warming = agent.BiggraphAgent.__new__(agent.BiggraphAgent)
+    warming._pool = agent._pool
+    warming._rendezvous(None)  # what the agent does before each rendezvous
     pool = agent._pool
     assert pool.alive() == 1
     [spare_pid] = pool.pids()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -82,14 +83,28 @@ class Progress:
                   for entry in record.get("staged", []))]
 
 
-class ProgressLog:
-    """The lock server's writer: ``start`` a pass (the snapshot), ``append`` each request's changes."""
+class StaleProgressWriter(RuntimeError):
+    """This writer's snapshot is no longer the directory's: another writer (a newer round's rank 0) started one."""
 
-    def __init__(self, checkpoint_path: str, run: str, version: int, compact_every: int = COMPACT_EVERY) -> None:
+
+class ProgressLog:
+    """The lock server's writer: ``start`` a pass (the snapshot), ``append`` each request's changes.
+
+    Fenced twice (issue 44): ``fence`` (the round's check, ``DistributedContext.fence``: raises once this rank's round
+    is over or this process was stalled past the peer timeout) runs before every write; and a compaction, the one
+    write that replaces the directory's snapshot mid-pass and drops every other log's records, first reads the
+    snapshot back and refuses (:class:`StaleProgressWriter`) unless it is still this writer's own. A rank 0 that
+    thaws after the group re-formed under another could otherwise rewrite ``distributed_progress.json`` with its
+    stale state, of the same run and version, which a restart would accept. The read-then-write leaves a window of
+    one request between the check and the write; the round fence closes most of it (a stalled writer fails it)."""
+
+    def __init__(self, checkpoint_path: str, run: str, version: int, compact_every: int = COMPACT_EVERY,
+                 fence: Optional[Callable[[], None]] = None) -> None:
         self.checkpoint_path = checkpoint_path
         self.run = run
         self.version = version
         self.compact_every = compact_every  # 0: never mid-pass
+        self.fence: Callable[[], None] = fence or (lambda: None)
         self.log_id = ""
         self.seq = 0
         self.shared_name = ""  # the vector the last record names
@@ -107,6 +122,9 @@ class ProgressLog:
         ``shared`` must then be what the snapshot and its records replay to. A kill before the snapshot is written
         leaves the old snapshot with its records whole; one after it, records no snapshot names (dropped by the next
         ``start``)."""
+        self.fence()
+        if self.log_id:  # a compaction: only over this writer's own snapshot
+            self._check_own_snapshot()
         self.log_id = secrets.token_hex(6)
         self.seq = 0
         snapshot: dict[str, Any] = {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id,
@@ -129,6 +147,7 @@ class ProgressLog:
             return False
         if not self.log_id:
             raise RuntimeError("progress records appended before the pass's snapshot")
+        self.fence()
         name = f"{self.log_id}-{self.seq:08d}"
         previous = self.shared_name
         self.staged.extend(list(entry) for record in records if record.get("e") == "written"
@@ -143,6 +162,18 @@ class ProgressLog:
             if previous:  # no record names it any more (one request: no directory check)
                 storage.remove_many([self._url(previous)])
         return 0 < self.compact_every <= self.seq
+
+
+    def _check_own_snapshot(self) -> None:
+        try:
+            found = json.loads(storage.read_text(progress_url(self.checkpoint_path)))
+        except (FileNotFoundError, json.JSONDecodeError):
+            found = None
+        owner = found.get("log") if isinstance(found, dict) else None
+        if owner != self.log_id:
+            raise StaleProgressWriter(
+                f"{progress_url(self.checkpoint_path)}: the snapshot is {'log ' + str(owner) if owner else 'gone'}, not "
+                f"this writer's log {self.log_id} (another round's rank 0 took the pass over): writing nothing more")
 
 
 def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -216,6 +247,21 @@ def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Prog
         staged_before = []
     return Progress(run=run, version=version + 1, state=dict(snapshot["state"]), records=records, shared=shared,
                     staged_before=[list(entry) for entry in staged_before])
+
+
+def resumable(progress: Optional[Progress], version: int, shared_shape: tuple[int, ...]) -> Optional[Progress]:
+    """``progress`` if the pass committing ``version`` resumes it: None when there is none, when it is of another
+    pass, or when its shared-parameter vector has another shape than the model's (logged, naming both shapes). Its
+    "done" buckets' shared updates live only in that vector: resuming them with the model's vector instead would
+    lose those updates (issue 44), so the whole pass is trained again."""
+    if progress is None or progress.version != version:
+        return None
+    if progress.shared is not None and tuple(progress.shared.shape) != tuple(shared_shape):
+        logger.warning("the interrupted pass's progress is refused: its shared-parameter vector has shape %s, the "
+                       "model's %s; training the pass to version %d from its start", tuple(progress.shared.shape),
+                       tuple(shared_shape), version)
+        return None
+    return progress
 
 
 def current_state(checkpoint_path: str) -> Optional[dict[str, Any]]:

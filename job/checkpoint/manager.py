@@ -134,7 +134,8 @@ class CheckpointManager:
             # a partition written by one rank is read by others: they verify it against the writer's record
             self.storage.sums = group.shared_sums()
         if rank == 0:
-            self.resumed = recover_pass(self.url, version, group.run_id if group is not None else None)
+            self.resumed = recover_pass(self.url, version, group.run_id if group is not None else None,
+                                        guard=self.storage.guard)  # round and owner first
             self._clean(version, keep_uncommitted=self.resumed is not None)
         if group is not None:
             group.barrier("cleaned")

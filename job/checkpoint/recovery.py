@@ -8,19 +8,23 @@ single-process run) is removed before the clean-up removes the files it names, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 from job.checkpoint.group_progress import Progress, read_progress, remove_progress
 from job.checkpoint.write_groups import roll_forward
 
 
-def recover_pass(checkpoint_path: str, version: int, run_id: Optional[str]) -> Optional[Progress]:
+def recover_pass(checkpoint_path: str, version: int, run_id: Optional[str], *,
+                 guard: Optional[Callable[[], None]] = None) -> Optional[Progress]:
     """The lock server's persisted progress of the pass after ``version`` if run ``run_id`` resumes it (None for a
     single-process run), with the publication of the write groups it recorded finished; else None, with any
-    progress found removed."""
+    progress found removed. ``guard``: the checkpoint's round and owner check, run before anything is written."""
     progress = read_progress(checkpoint_path, version, run_id) if run_id is not None else None
     if progress is None:
+        if guard is not None:
+            guard()
         remove_progress(checkpoint_path)
     else:
-        roll_forward(checkpoint_path, progress.version, progress.staged())
+        roll_forward(checkpoint_path, progress.version, progress.staged(), guard=guard)
     return progress

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -82,7 +82,10 @@ class WriteGroup:
 
 def publish(checkpoint: CheckpointStorage, version: int, key: PartitionKey, name: str) -> bool:
     """Move the staged file ``name`` of ``key`` to its PBG name in ``version``, with its checksum record (the next
-    holder verifies its read against it). False when the staged file is not there (moved already)."""
+    holder verifies its read against it). False when the staged file is not there (moved already). The checkpoint's
+    guard (the round's fence and the owner check) runs first: a rank whose round is over, or a run whose directory
+    was taken over, moves nothing over the names its successor writes."""
+    checkpoint.guard()
     source = storage.join(checkpoint.url, name)
     target = checkpoint.partition_file(version, *key)
     entry = checkpoint.sums.get(source)
@@ -103,12 +106,15 @@ def publish_group(checkpoint: CheckpointStorage, group: WriteGroup, keys: Option
                                     f"{key[0]} partition {key[1]} is gone before it was published")
 
 
-def roll_forward(checkpoint_path: str, version: int, recorded: Sequence[Sequence[Any]]) -> int:
+def roll_forward(checkpoint_path: str, version: int, recorded: Sequence[Sequence[Any]],
+                 guard: Optional[Callable[[], None]] = None) -> int:
     """(Rank 0 of a restarted group, before anything is served.) Finish the publication of every staged file the
     persisted records of the pass committing ``version`` name (``recorded``: ``[type, partition, name]`` in record
     order, ``Progress.staged``), then remove the staged files no record names. Idempotent: a kill part-way leaves
-    what the next call finishes. Returns the files moved."""
-    checkpoint = CheckpointStorage(checkpoint_path)
+    what the next call finishes. Returns the files moved. ``guard``: the checkpoint manager's (round and owner),
+    run before every move and before the clean-up."""
+    checkpoint = CheckpointStorage(checkpoint_path, guard=guard)
+    checkpoint.guard()
     # one listing instead of an existence check per recorded file: most were moved long ago, and a pass's records
     # name hundreds (on an object store each check is a request: seconds of every recovery)
     staged = {name for name in storage.listdir(checkpoint_path) if name.startswith(STAGED_PREFIX)}
@@ -117,6 +123,7 @@ def roll_forward(checkpoint_path: str, version: int, recorded: Sequence[Sequence
         if str(name) in staged:
             staged.discard(str(name))
             moved += publish(checkpoint, version, (str(entity_type), int(part)), str(name))
+    checkpoint.guard()
     storage.remove_many([storage.join(checkpoint_path, name) for name in sorted(staged)])
     if moved:
         logger.info("resuming pass to version %d: published %d partition file(s) the interrupted group had recorded",

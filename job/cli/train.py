@@ -87,9 +87,20 @@ def _train(args: argparse.Namespace) -> int:
         from job.train.hogwild.spawning import start_worker_server
 
         start_worker_server()
+    from job.train.distributed.group import round_ended
+    from job.train.elastic.budget import round_ended_exit_code
     from job.train.elastic.launch import launch  # heavy (torch): only when the command runs, so `biggraph --help` is instant
 
-    return launch(config, args.argv, take_over=args.take_over)
+    try:
+        return launch(config, args.argv, take_over=args.take_over)
+    except Exception as err:
+        if not round_ended(err):
+            raise
+        # the round ended from outside (job/train/elastic/budget.py): the code tells the agent whether it was a
+        # membership change after progress (free) or a round that did nothing (spends its restarts)
+        code = round_ended_exit_code()
+        logger.warning("%s (exit code %d)", err, code)
+        return code
 
 
 def _completed(args: argparse.Namespace) -> int:

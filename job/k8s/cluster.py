@@ -27,7 +27,7 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 # what `cancel` deletes by that label, the Job first (its pods go with it, in the background). Not the chart's
 # PersistentVolumeClaim: it may hold the data or the checkpoints (delete it with kubectl when done).
 RELEASE_KINDS = (("batch/v1", "Job"), ("v1", "ConfigMap"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy"),
-                 ("v1", "ServiceAccount"))
+                 ("v1", "ServiceAccount"), ("v1", "Secret"))
 
 
 @dataclass(frozen=True)

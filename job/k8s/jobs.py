@@ -34,8 +34,8 @@ from job.k8s.render import (
 )
 from job.k8s.sizing import check_fits, config_needs, job_sizes, job_trains_in_a_group, sized_volumes
 
-# the NetworkPolicy before the Job, so that no pod runs unprotected
-CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job")
+# the NetworkPolicy and the group's Secret before the Job, so that no pod runs unprotected or unauthenticated
+CREATE_ORDER = ("ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Secret", "Job")
 LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 JOB_NAME = re.compile(r"[a-z]([-a-z0-9]{0,54}[a-z0-9])?")
 
@@ -291,7 +291,8 @@ def follow_log(name: str, access: ClusterAccess, *, index: int = 0, tail: int | 
 
 def cancel_job(name: str, access: ClusterAccess) -> tuple[str, list[str]]:
     """Delete the job's release: every object the chart labelled with it (``cluster.RELEASE_KINDS``: the Job, its
-    pods in the background, ConfigMap, Service, NetworkPolicy, ServiceAccount), found by the release's label.
+    pods in the background, ConfigMap, Service, NetworkPolicy, ServiceAccount, the group's Secret), found by the
+    release's label.
 
     Returns the namespace and what was deleted ("Job emb", ...); checkpoints (and the chart's volume claim) are kept.
     """

@@ -218,3 +218,8 @@ object store, partition files are read and uploaded through whole local copies i
 {{- define "biggraph.edgeCacheBytes" -}}
 {{- div (int64 (include "biggraph.bytes" .Values.edgeCache.sizeLimit)) 2 -}}
 {{- end -}}
+
+{{/* The group's secret (templates/secret.yaml, or groupSecret.existingSecret). */}}
+{{- define "biggraph.groupSecretName" -}}
+{{- .Values.groupSecret.existingSecret | default (printf "%s-group" (include "biggraph.fullname" .)) -}}
+{{- end -}}

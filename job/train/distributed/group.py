@@ -34,7 +34,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from job.errors import UserError
+from job.train.distributed import auth
 from job.train.distributed.liveness import Liveness, store_host
+from job.train.distributed.protocol import RoundGone
 from job.train.distributed.transport import TensorTransport
 from job.train.startup import StartupClock
 
@@ -95,10 +97,20 @@ class DistributedContext:
         rank writes (``CheckpointManager.fence``). A rank stopped (SIGSTOP, a paused VM, a stalled node) past rank
         0's peer timeout wakes up with rows the others have trained again since; it must not write them over theirs.
         Its round is over when rank 0 declared it dead (``dead/<rank>``) or the round's store is gone (the rank-0
-        agent closes it when it re-forms the group). One store round trip per file written."""
+        agent closes it when it re-forms the group). One store round trip per file written. A process that finds
+        itself stalled past the peer timeout (``Heartbeat.stalled``) is over too, without asking anyone: a rank 0 that
+        thaws finds no ``dead/0`` in its own store, yet its peers left the round (they watch it: ``Liveness``)."""
+        stalled = self.heartbeat.stalled() if self.heartbeat is not None else 0.0
+        if stalled:
+            raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (this process went "
+                            f"{stalled:.0f} s without a heartbeat, past the peer timeout: the others went on without "
+                            "it); writing nothing more")
         with self._fence_lock:
             try:
-                declared = self._fence_store.check([self.key(f"dead/{self.rank}")])
+                key = self.key(f"dead/{self.rank}")
+                # a declaration counts only when rank 0 made it (its MAC): any client of the store can set the key
+                declared = self._fence_store.check([key]) and auth.verify(
+                    self._fence_store.get(key).decode(errors="replace"), "dead", self.round_id, str(self.rank))
             except Exception as err:  # the store is gone with its round
                 raise RoundOver(f"rank {self.rank}: round {self.round_id} of the group is over (its store is gone: "
                                 f"{err}); writing nothing more, torchrun restarts this worker into the next "
@@ -144,6 +156,20 @@ class DistributedContext:
             raise RoundEnding(f"{why}; exiting so that torchrun re-forms the group")
 
 
+def round_ended(err: BaseException) -> bool:
+    """Whether ``err`` is, or was caused by, this rank's round ending from outside (:class:`RoundEnding`,
+    :class:`RoundOver`, possibly wrapped by a writer that failed on the fence): the trainer then exits with the
+    failure budget's code (job/train/elastic/budget.py), not as a crash."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (RoundEnding, RoundOver, RoundGone)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class RoundOver(RuntimeError):
     """This rank's round of the group ended without it (see ``DistributedContext.fence``)."""
 
@@ -185,6 +211,8 @@ class Heartbeat:
         self._dead: set[int] = set()  # every peer declared dead (each fenced: ``DistributedContext.fence``)
         self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
         self._started = time.monotonic()
+        self._last_run = self._started  # when the beat thread last ran (``stalled``)
+        self._stalled_for = 0.0  # the longest gap between two of its runs past ``dead_after`` (latched)
         self._last_change: dict[int, float] = {}  # rank 0: when each peer's counter last moved
         self._declare_lock = threading.Lock()  # ``lost`` declares from the liveness watcher's thread
         self._stop = threading.Event()
@@ -196,6 +224,10 @@ class Heartbeat:
         last_value: dict[int, int] = {}
         last_change = self._last_change
         while True:  # the first beat at once: the watcher judges this rank from it on
+            now = time.monotonic()
+            if now - self._last_run > self.dead_after:  # this process (or its store) stalled past the peer timeout
+                self._stalled_for = max(self._stalled_for, now - self._last_run)
+            self._last_run = now
             try:
                 self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
                 if self.rank == 0:
@@ -227,11 +259,19 @@ class Heartbeat:
         with self._declare_lock:
             if peer in self._dead:
                 return
-            self.store.set(round_key(self.round_id, f"dead/{peer}"), "1")
+            self.store.set(round_key(self.round_id, f"dead/{peer}"), auth.mac("dead", self.round_id, str(peer)))
             if self.dead_rank is None:
                 self.silent_for = silent_for
                 self.dead_rank = peer
             self._dead = self._dead | {peer}  # a new set: read from other threads without a lock
+
+    def stalled(self) -> float:
+        """How long this process went without a beat past the peer timeout (0: never): a process stopped (SIGSTOP, a
+        paused VM, a starved node) or cut off from rank 0's store for that long has been declared dead by the others
+        (rank 0 of it, or it of rank 0), whose round went on without it. Latched by the beat thread when it wakes;
+        read as it stands otherwise (the writer may wake before the beat thread does)."""
+        gap = time.monotonic() - self._last_run
+        return max(self._stalled_for, gap if gap > self.dead_after + self.interval else 0.0)
 
     def dead_ranks(self) -> frozenset[int]:
         """Every peer declared dead so far."""
@@ -275,7 +315,7 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_id, run_id = agree_round(rank, run_identity(os.environ, digest))
     mark("round")
-    liveness = Liveness(rank, world_size, round_id)
+    liveness = Liveness(rank, world_size, round_id, ping_interval_s=interval, silent_after_s=dead_after)
     if rank == 0:  # before the collective below: every peer reads the listener's address once through it
         liveness.listen(store, os.environ.get("MASTER_ADDR") or socket.gethostname())
     # collective: every rank, right after the round. A transfer's timeout follows the dead-peer timeout, with a floor
@@ -287,13 +327,32 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
                 round_id, run_id, restart_count)
     heartbeat = Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id)
     # a peer dials rank 0 where it reaches rank 0's store: the store's own host (MASTER_ADDR under torchrun)
-    liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")))
+    liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")),
+                   on_rank0_lost=leave_without_rank0)
     context = DistributedContext(
         rank=rank, world_size=world_size, store=store, restart_count=restart_count, heartbeat=heartbeat,
         liveness=liveness, round_id=round_id, run_id=run_id, transport=transport, drain_timeout_s=drain_timeout,
     )
     context.catch_sigterm()
     return context
+
+
+def leave_without_rank0(why: str) -> None:
+    """A peer whose rank 0 is lost (``Liveness``: silent for the peer timeout, or gone): leave the round at once with
+    the failure budget's round-ended code, so that torchrun re-forms the group without it. Nothing can be given back
+    (rank 0's server is what would take it) and the main thread may be blocked on rank 0's frozen store, so the
+    process ends from here; what it held unsaved is redone, as after a kill, and a file it was writing is either
+    fenced (``fence``) or staged under a name no record names (removed by the next round)."""
+    from job.train.elastic.budget import round_ended_exit_code
+
+    code = round_ended_exit_code()
+    logger.error("%s: exiting with code %d", why, code)
+    for handler in logging.getLogger().handlers + logging.getLogger("biggraph").handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
 
 
 def config_digest(config_json: str) -> str:

@@ -5,11 +5,21 @@ timeout (6 s): a third of the wait from a lost pod to a new group (issue #30). M
 (SIGKILL, an OOM kill, a pod deleted, a node drained), and then the kernel closes its sockets: rank 0 can know at
 once. So every rank > 0 holds one TCP connection to rank 0 for the round. Rank 0 listens on an ephemeral port on
 all its addresses and publishes ``host:port`` under the round's store key ``liveness``; a peer dials the address it
-already reaches rank 0's store at (the store's host, ``MASTER_ADDR`` under torchrun; the published host last) and
-sends one line, ``biggraph-liveness <round> <rank>``, so that a connection of another round, or a rank outside the
-group, is refused. Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a
-reset on a peer's connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
+already reaches rank 0's store at (the store's host, ``MASTER_ADDR`` under torchrun; the published host last),
+reads the nonce rank 0 sends on each connection, and answers with one line, ``biggraph-liveness <round> <rank>
+<mac>``, the MAC over the round, the rank and that nonce under the group's secret (job/train/distributed/auth.py):
+a connection of another round, a rank outside the group, a forged hello or one replayed from another connection
+(the round id is logged, the secret is not) is refused, and so is a second connection of a connected rank.
+Nothing else travels on it: it is not an RPC. Rank 0's watcher thread treats end-of-file or a reset on a peer's
+connection as that peer's death and hands it to ``on_lost`` (``Heartbeat.lost``), which declares
 it exactly as the heartbeat does (``dead/<rank>``, then ``check_peers``).
+
+Both ways (issue 44): rank 0 also sends a byte (``PING``) on every peer's connection each ``ping_interval_s``, and a
+peer that hears nothing for ``silent_after_s`` (the peer timeout), or finds the connection closed without rank 0's
+goodbye, leaves the round (``on_rank0_lost``: the trainer exits with the failure budget's round-ended code, so that
+torchrun re-forms the group without it). Before, a frozen or partitioned rank 0 was noticed only through the lock
+client's 600 s and the store's 30 min. This needs nothing from the store, which lives in rank 0's process and
+freezes with it.
 
 What it does not replace: a frozen peer (SIGSTOP, a paused VM) keeps its connection open, and a machine that loses
 power or its network closes nothing; the heartbeat still finds both after the peer timeout. A peer that leaves in
@@ -20,19 +30,29 @@ that once and is watched by the heartbeat alone: the connection only makes detec
 
 from __future__ import annotations
 
+import errno
 import logging
+import secrets
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from job.train.distributed import auth
 
 logger = logging.getLogger("biggraph")
 
 HELLO = b"biggraph-liveness"
-BYE = b"B"  # a peer leaving in order: what follows (end-of-file) is not a death
+BYE = b"B"  # leaving in order (a peer, or rank 0): what follows (end-of-file) is not a death
+PING = b"P"  # rank 0 is alive (sent to every peer each ``ping_interval_s``)
 CONNECT_TIMEOUT_S = 10.0  # a peer's dial of rank 0 (a dropped SYN retries for longer than that by itself)
 MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
+HELLO_DEADLINE_S = 10.0  # a connection that has not said who it is by then is closed
+MAX_PENDING = 64  # connections waiting to say who they are; beyond, the oldest is closed
+ACCEPT_BACKOFF_S = 0.5  # out of descriptors (EMFILE): no accepting for this long
 
 
 def liveness_key(round_id: str) -> str:
@@ -48,13 +68,18 @@ class Liveness:
     thread of its own (a dropped SYN must not hold its start-up). Either: ``close`` when it leaves in order.
     """
 
-    def __init__(self, rank: int, world_size: int, round_id: str) -> None:
+    def __init__(self, rank: int, world_size: int, round_id: str, *, ping_interval_s: float = 1.0,
+                 silent_after_s: float = 6.0) -> None:
         self.rank = rank
         self.world_size = world_size
         self.round_id = round_id
+        self.ping_interval_s = ping_interval_s
+        self.silent_after_s = silent_after_s
+        self.on_rank0_lost: Callable[[str], None] = lambda why: None  # a peer: rank 0 silent or gone (``start``)
         self.connected = threading.Event()  # a peer: its connection is up (tests wait on it)
         self.lost: list[int] = []  # rank 0: the peers whose connection closed without a goodbye, in order
         self.left: list[int] = []  # rank 0: the peers that said goodbye
+        self.refused = 0  # rank 0: connections refused (no hello in time, forged, over the cap, EMFILE)
         self._listener: Optional[socket.socket] = None
         self._sock: Optional[socket.socket] = None  # a peer's connection to rank 0
         self._lock = threading.Lock()
@@ -78,27 +103,40 @@ class Liveness:
         store.set(liveness_key(self.round_id), f"{host}:{listener.getsockname()[1]}")
 
     def _watch(self, on_lost: Callable[[int], None]) -> None:
-        """Rank 0's watcher: accept, read each hello, then wait for each identified connection's end."""
+        """Rank 0's watcher: accept (each connection gets a nonce to answer), read each hello, then wait for each
+        identified connection's end, pinging the peers meanwhile. Bounded: at most ``MAX_PENDING`` connections
+        without a hello (the oldest gives way), each dropped after ``HELLO_DEADLINE_S``, and on running out of
+        descriptors (EMFILE) it stops accepting for ``ACCEPT_BACKOFF_S`` instead of spinning on a listener that
+        stays readable. The listen backlog is the system's largest, so that a burst of connections is queued, not
+        dropped (a dropped SYN is retried only after a second)."""
         assert self._listener is not None and self._wake is not None
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
         selector.register(self._wake[0], selectors.EVENT_READ)
-        hellos: dict[socket.socket, bytes] = {}  # connections that have not identified themselves yet
+        hellos: dict[socket.socket, _Pending] = {}  # connections that have not identified themselves yet
         peers: dict[socket.socket, int] = {}
+        pinged = 0.0
+        accepting_again: Optional[float] = None  # backing off after EMFILE: when to accept again
         try:
             while not self._closed:
-                for key, _ in selector.select():
+                now = time.monotonic()
+                if now - pinged >= self.ping_interval_s:
+                    pinged = now
+                    _send_all(peers, PING)
+                self._expire_hellos(hellos, selector, now)
+                if accepting_again is not None and now >= accepting_again:
+                    accepting_again = None
+                    selector.register(self._listener, selectors.EVENT_READ)
+                for key, _ in selector.select(timeout=self.ping_interval_s):
                     sock: socket.socket = key.fileobj  # type: ignore[assignment]
                     if sock is self._wake[0]:
+                        # leaving in order: the peers stop watching (one whose hello is not read yet too)
+                        _send_all({**peers, **dict.fromkeys(hellos, -1)}, BYE)
                         return
                     if sock is self._listener:
-                        try:
-                            conn, _ = sock.accept()
-                        except OSError:
-                            continue
-                        conn.setblocking(False)
-                        hellos[conn] = b""
-                        selector.register(conn, selectors.EVENT_READ)
+                        if not self._accept(selector, hellos):
+                            selector.unregister(self._listener)
+                            accepting_again = time.monotonic() + ACCEPT_BACKOFF_S
                         continue
                     try:
                         data = sock.recv(MAX_HELLO)
@@ -107,14 +145,17 @@ class Liveness:
                     except OSError:  # reset: the peer's kernel closed it without an orderly end
                         data = b""
                     if sock in hellos:
-                        rank = self._identify(sock, hellos.pop(sock) + data, hellos)
-                        if rank is None:
-                            if sock not in hellos:  # refused
+                        pending = hellos.pop(sock)
+                        identified = self._identify(sock, pending, data, set(peers.values()))
+                        if identified is None:
+                            if pending.refused:
                                 selector.unregister(sock)
                                 sock.close()
+                            else:
+                                hellos[sock] = pending
                             continue
+                        rank, data = identified
                         peers[sock] = rank
-                        data = hellos.pop(sock)  # whatever came after the hello's line
                         if not data:
                             continue
                     rank = peers.pop(sock)
@@ -129,6 +170,49 @@ class Liveness:
                 sock.close()
             selector.close()
 
+    def _accept(self, selector: selectors.BaseSelector, hellos: dict[socket.socket, _Pending]) -> bool:
+        """Accept one connection and send it its nonce; False when out of descriptors (back off)."""
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._note_refused(f"out of file descriptors ({err.strerror}): not accepting for "
+                                   f"{ACCEPT_BACKOFF_S:g} s")
+                return False
+            return True
+        if len(hellos) >= MAX_PENDING:  # a flood of idle connections: the oldest gives way (a real peer says hello
+            # within moments of connecting, so it outlasts a flood that would otherwise hold every place)
+            oldest = min(hellos, key=lambda sock: hellos[sock].since)
+            del hellos[oldest]
+            selector.unregister(oldest)
+            oldest.close()
+            self._note_refused(f"{MAX_PENDING} connections already waited to say who they are: the oldest closed")
+        conn.setblocking(False)
+        nonce = secrets.token_hex(16)
+        try:
+            conn.send(nonce.encode() + b"\n")
+        except OSError:
+            conn.close()
+            return True
+        hellos[conn] = _Pending(nonce=nonce, since=time.monotonic())
+        selector.register(conn, selectors.EVENT_READ)
+        return True
+
+    def _expire_hellos(self, hellos: dict[socket.socket, _Pending], selector: selectors.BaseSelector,
+                       now: float) -> None:
+        for sock in [sock for sock, pending in hellos.items() if now - pending.since > HELLO_DEADLINE_S]:
+            del hellos[sock]
+            self._note_refused(f"no hello within {HELLO_DEADLINE_S:g} s")
+            selector.unregister(sock)
+            sock.close()
+
+    def _note_refused(self, why: str) -> None:
+        """Log a refused connection: the first few, then one in every thousand (a flood must not fill the log)."""
+        self.refused += 1
+        if self.refused <= 5 or self.refused % 1000 == 0:
+            logger.info("rank 0: refused a liveness connection (%d so far): %s", self.refused, why)
+
     def _lost(self, rank: int, on_lost: Callable[[int], None]) -> None:
         self.lost.append(rank)
         logger.warning("rank %d's liveness connection to rank 0 closed without a goodbye: its process is gone; "
@@ -138,32 +222,36 @@ class Liveness:
         except Exception:  # the store is gone with the round: the main thread fails by itself
             logger.debug("rank %d: could not declare it dead", rank, exc_info=True)
 
-    def _identify(self, sock: socket.socket, buffer: bytes, hellos: dict[socket.socket, bytes]) -> Optional[int]:
-        """The rank of a connection whose hello (``buffer``: every byte read from it so far) is complete and of this
-        round, with its bytes after the line put back in ``hellos``. None: still incomplete (the bytes put back), or
-        refused (not put back; the caller closes it): the connection ended first, or its hello is not this round's
-        (a stale peer of another round), or its rank is not a peer of this group."""
+    def _identify(self, sock: socket.socket, pending: _Pending, data: bytes,
+                  connected: set[int]) -> Optional[tuple[int, bytes]]:
+        """(rank, the bytes after its hello's line) of a connection whose hello is complete, of this round, answers
+        its nonce under the group's secret (job/train/distributed/auth.py) and names a peer not yet connected. None:
+        still incomplete (``data`` kept in ``pending``), or refused (``pending.refused``; the caller closes it)."""
+        buffer = pending.buffer = pending.buffer + data
         if b"\n" not in buffer:
-            if buffer and len(buffer) <= MAX_HELLO:
-                hellos[sock] = buffer
+            if data and len(buffer) <= MAX_HELLO:
                 return None
             refused = "no hello" if buffer else "it closed before it said which rank it is"
         else:
             line, rest = buffer.split(b"\n", 1)
             parts = line.decode(errors="replace").split(" ")
-            rank = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else -1
+            rank = int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else -1
             if parts[0] != HELLO.decode() or parts[1:2] != [self.round_id]:
                 refused = f"not of round {self.round_id} ({line[:80]!r})"
             elif not 0 < rank < self.world_size:
-                refused = f"rank {parts[2]} is not a peer of a group of {self.world_size}"
+                refused = f"rank {parts[2] if len(parts) > 2 else '?'} is not a peer of a group of {self.world_size}"
+            elif not auth.verify(parts[3], "liveness", self.round_id, str(rank), pending.nonce):
+                refused = f"rank {rank}'s hello does not answer its nonce under the group's secret (forged or replayed)"
+            elif rank in connected:
+                refused = f"rank {rank} is connected already"
             else:
-                hellos[sock] = rest
-                return rank
+                return rank, rest
+        pending.refused = True
         try:
             address = sock.getpeername()
         except OSError:
             address = "?"
-        logger.info("rank 0: refused a liveness connection from %s: %s", address, refused)
+        self._note_refused(f"from {address}: {refused}")
         return None
 
     # a peer -----------------------------------------------------------------------------------------------------
@@ -178,7 +266,9 @@ class Liveness:
                 continue
             try:
                 sock.settimeout(CONNECT_TIMEOUT_S)
-                sock.sendall(b"%s %s %d\n" % (HELLO, self.round_id.encode(), self.rank))
+                nonce = _read_line(sock)
+                proof = auth.mac("liveness", self.round_id, str(self.rank), nonce)
+                sock.sendall(b"%s %s %d %s\n" % (HELLO, self.round_id.encode(), self.rank, proof.encode()))
             except OSError as err:
                 sock.close()
                 errors.append(f"{host}:{port}: {err}")
@@ -190,16 +280,43 @@ class Liveness:
                 self._sock = sock
             self.connected.set()
             logger.debug("rank %d: liveness connection to rank 0 at %s:%d", self.rank, host, port)
+            self._hear_rank0(sock)
             return
         logger.warning("rank %d: cannot connect to rank 0's liveness listener (%s); rank 0 finds this rank's loss "
                        "through the heartbeat alone (BIGGRAPH_PEER_TIMEOUT)", self.rank, "; ".join(errors))
 
+    def _hear_rank0(self, sock: socket.socket) -> None:
+        """A peer: read rank 0's pings until it says goodbye or this rank leaves; silence for ``silent_after_s``, or
+        the connection's end without a goodbye, is rank 0 lost (``on_rank0_lost``)."""
+        try:
+            sock.settimeout(self.silent_after_s)
+        except OSError:  # closed already: this rank left in order while it dialled
+            return
+        while True:
+            try:
+                data = sock.recv(64)
+                why = "" if data else "its liveness connection closed without a goodbye (its process is gone)"
+            except TimeoutError:
+                why = f"it sent nothing for {self.silent_after_s:g} s (frozen, stalled or cut off)"
+            except OSError as err:
+                why = f"its liveness connection failed ({err})"
+            if self._closed or BYE in (data if not why else b""):
+                return
+            if why:
+                logger.error("rank %d: rank 0 is lost: %s; leaving the round so that torchrun re-forms the group",
+                             self.rank, why)
+                self.on_rank0_lost(f"rank 0 is lost: {why}")
+                return
+
     # both -------------------------------------------------------------------------------------------------------
-    def start(self, store: Any, on_lost: Callable[[int], None], hosts: tuple[Optional[str], ...] = ()) -> None:
+    def start(self, store: Any, on_lost: Callable[[int], None], hosts: tuple[Optional[str], ...] = (),
+              on_rank0_lost: Optional[Callable[[str], None]] = None) -> None:
         """Rank 0: watch the peers' connections, calling ``on_lost(rank)`` for each that closes without a goodbye.
         A peer: read rank 0's address from the store (published before the collective this follows) and connect to
         the first of ``hosts`` (the addresses it reaches rank 0's store at, in order) that answers, then the
-        published host."""
+        published host; then hear rank 0, calling ``on_rank0_lost(why)`` when it goes silent or away."""
+        if on_rank0_lost is not None:
+            self.on_rank0_lost = on_rank0_lost
         if self.rank == 0:
             if self._listener is not None:
                 self._thread = threading.Thread(target=self._watch, args=(on_lost,), name="biggraph-liveness",
@@ -238,6 +355,37 @@ class Liveness:
             self._listener.close()
 
 
+@dataclass
+class _Pending:
+    """A connection to rank 0's listener that has not identified itself yet."""
+
+    nonce: str  # sent on accept: its hello must answer it (a captured hello is worth nothing on another connection)
+    since: float  # accepted at (monotonic): dropped after HELLO_DEADLINE_S
+    buffer: bytes = b""
+    refused: bool = False
+
+
+def _read_line(sock: socket.socket) -> str:
+    """A peer: rank 0's nonce line (bounded: a listener that is not rank 0's gets no hello)."""
+    data = b""
+    while b"\n" not in data:
+        chunk = sock.recv(64)
+        if not chunk or len(data) > 128:
+            raise OSError("no nonce from the listener")
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _send_all(peers: dict[socket.socket, int], data: bytes) -> None:
+    """Rank 0: ``data`` to every peer, never blocking (a full buffer: the peer is not reading; it has its own
+    timeout), never failing (a peer gone: its end is read by the watcher)."""
+    for sock in list(peers):
+        try:
+            sock.send(data)
+        except OSError:
+            pass
+
+
 def _goodbye(sock: socket.socket) -> None:
     try:
         sock.sendall(BYE)
@@ -252,10 +400,11 @@ def _server_socket(backlog: int) -> socket.socket:
     namespace may have IPv6 off), IPv4 otherwise."""
     if socket.has_dualstack_ipv6():
         try:
-            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=max(16, backlog))
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                        backlog=max(socket.SOMAXCONN, backlog))
         except OSError:
             pass
-    return socket.create_server(("", 0), backlog=max(16, backlog))
+    return socket.create_server(("", 0), backlog=max(socket.SOMAXCONN, backlog))
 
 
 def store_host(store: Any) -> Optional[str]:

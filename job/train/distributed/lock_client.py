@@ -8,6 +8,7 @@ request, the server never waits on any one client (job/train/distributed/transfe
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Optional, Union
@@ -39,6 +40,8 @@ from job.train.distributed.protocol import (
 from job.train.distributed.transport import TensorTransport, TransferError
 from job.types import Bucket, PartitionKey
 
+logger = logging.getLogger("biggraph")
+
 __all__ = ["LockClient", "LockServerError"]
 
 
@@ -57,12 +60,17 @@ class LockClient:
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.rank = rank
         self.channel = channel
+        self.scope = prefix  # what the messages' MACs are bound to: the round's queues (protocol.py)
+        # this client's requests, numbered (the server refuses a number it has seen: a replay); from the clock, so
+        # that a later client of the same rank and channel in the round numbers past an earlier one's
+        self.seq = time.time_ns()
+        self._reply_scope = ""
         self.transport = transport
         self.last_why: Optional[str] = None  # why the round ends, from the last ``ending`` reply
 
     def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None) -> R:
         raw = self._call(request, change)
-        return protocol.decode_reply(raw, expected, request.op)
+        return protocol.decode_reply(raw, expected, request.op, scope=self._reply_scope)
 
     def _call(self, request: Union[Request, dict[str, Any]], change: Optional[torch.Tensor] = None) -> bytes:
         """Ask; with ``change`` (a contiguous float32 CPU vector), send it along and receive the sum into it; the raw
@@ -77,31 +85,33 @@ class LockClient:
             payload = Payload(change.numel(), self.transport.next_tag())
             # posted before the request names it: the server receives it as soon as it reads the request
             transfer = self.transport.send(change, SERVER_RANK, payload.tag)
-        envelope = Envelope(self.rank, self.channel, payload)
+        self.seq += 1
+        envelope = Envelope(self.rank, self.channel, payload, self.seq)
         if isinstance(request, dict):
-            message = dict(request, rank=self.rank, channel=self.channel)
+            message = dict(request, rank=self.rank, channel=self.channel, seq=self.seq)
             if payload is not None:
                 message.update(values=payload.values, tag=payload.tag)
-            raw_request = protocol.pack(message)
+            raw_request = protocol.seal(message, self.scope)
         else:
-            raw_request = protocol.encode_request(envelope, request)
+            raw_request = protocol.encode_request(envelope, request, scope=self.scope)
+        self._reply_scope = protocol.reply_scope(self.scope, self.rank, self.channel, self.seq)
         asked = time.monotonic()
         try:
             self.store.queue_push(self.requests, raw_request)
-            raw = self.store.queue_pop(self.responses, block=True)
+            raw = self._authentic_reply()
         except Exception as err:
             waited = time.monotonic() - asked
             if waited < self.timeout_s - 1.0:  # not the timeout: the store itself went away (its host is gone)
-                raise LockServerError(
+                raise protocol.RoundGone(
                     f"lock server (rank 0): lost the store while asking {op!r} after {waited:.1f} s "
                     f"({err}); the group this rank belonged to is gone (rank 0 died, or this rank was stopped and "
                     "the others re-formed the group without it)") from err
-            raise LockServerError(
+            raise protocol.RoundGone(
                 f"lock server (rank 0): no answer to {op!r} in {self.timeout_s:.0f} s ({err}); rank 0 is "
                 "gone or the group is being re-formed") from err
-        reply = protocol.unpack(raw)
+        reply = protocol.unseal(raw, self._reply_scope)
         if not reply.get("ok", False):
-            raise LockServerError(f"lock server (rank 0) refused {op!r}: {reply.get('error')}")
+            raise protocol.refusal(str(op), reply.get("error"))
         if change is not None and transfer is not None and payload is not None:
             try:
                 transfer.wait()  # taken before the reply was sent: the buffer is free for the sum
@@ -111,6 +121,18 @@ class LockClient:
                 raise LockServerError(f"lock server (rank 0): the shared parameters of {op!r} did not "
                                       f"travel: {err}") from err
         return raw
+
+    def _authentic_reply(self) -> bytes:
+        """The server's reply to the request just sent: a reply that fails its MAC (forged by a client of the store,
+        or a replay of an earlier one) is logged and skipped (the store's timeout bounds the wait)."""
+        while True:
+            raw = self.store.queue_pop(self.responses, block=True)
+            try:
+                protocol.unseal(raw, self._reply_scope)
+                return raw
+            except protocol.ProtocolError as err:
+                logger.warning("lock client of rank %d%s: a reply that is not the server's answer was ignored (%s)",
+                               self.rank, self.channel, err)
 
     def next_bucket(self, held: set, finished: Optional[Bucket],
                     record: Optional[dict]) -> tuple[str, Optional[Bucket], set]:

@@ -1,16 +1,11 @@
 """The bucket lock server on rank 0: serves ``LockState`` and the shared-parameter vector to every rank of a torchrun
 group.
 
-Where the rest is: the messages (job/train/distributed/protocol.py), the trainer's end (``LockClient``,
-lock_client.py), the scheduling logic without transport (``LockState``, lock_state.py), the shared vector's
-bookkeeping (``SharedVector``, shared_vector.py), the transfers in flight (transfers.py), the group itself
-(group.py), and the scheduler the training loop sees (``LockServerScheduler``, job/train/schedule/group.py).
-
-Requests and replies travel through the rendezvous TCPStore's queues; the shared parameters' payload goes
-point-to-point over a gloo group of its own (``TensorTransport``, transport.py), tagged with its request. Every
-change is persisted into checkpoint storage before the reply (job/checkpoint/group_progress.py): after a lost pod
-torchrun restarts the group, the new rank 0 replays the records and the pass goes on, redoing only the buckets in
-flight.
+Elsewhere: the messages (protocol.py), the trainer's end (lock_client.py), the scheduling logic (lock_state.py),
+the shared vector (shared_vector.py), transfers (transfers.py), the group (group.py), the training loop's scheduler
+(job/train/schedule/group.py). Requests and replies travel through the rendezvous TCPStore's queues, the shared
+parameters over gloo (transport.py). Every change is persisted before the reply (job/checkpoint/group_progress.py):
+after a lost pod the new rank 0 replays the records and the pass goes on, redoing only the buckets in flight.
 """
 
 from __future__ import annotations
@@ -51,6 +46,7 @@ from job.train.distributed.protocol import (
     request_queue,
     response_queue,
 )
+from job.train.distributed.request_gate import RequestGate
 from job.train.distributed.server_stats import ServerStats, Stopwatch
 from job.train.distributed.shared_vector import SharedVector
 from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
@@ -60,10 +56,6 @@ from job.train.schedule.clock import GroupClocks
 logger = logging.getLogger("biggraph")
 
 __all__ = ["LockServer"]
-
-
-class _Unanswerable(Exception):
-    """The store refused a reply: the job is ending, the server stops."""
 
 
 class LockServer:
@@ -91,12 +83,13 @@ class LockServer:
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
-                 lost: Callable[[], frozenset[int]] = lambda: frozenset()) -> None:
+                 lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
         result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
         the round ends as the server's process knows it (a SIGTERM, a peer declared dead: ``DistributedContext``),
-        None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused."""
+        None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused; ``world_size``:
+        the group's, whose ranks alone are served (None: any rank >= 0)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the serving thread's connection)
@@ -117,6 +110,7 @@ class LockServer:
         # the serving thread's one input: requests (from the reader thread) and the ends of transfers
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._slots = TransferSlots(self.vector.size)
+        self._gate = RequestGate(prefix, world_size)  # what is let in (MAC, rank, no replay)
         # the largest change of the wrong shape still received (to be refused with the pair kept usable)
         self._drain_limit = max(2 * self.vector.size, 2**20)
         self._flights = Flights(self._inbox, transport.timeout_s)
@@ -149,16 +143,12 @@ class LockServer:
                     logger.warning("lock server: request queue closed")
                 self._inbox.put(("closed",))
                 return
-            try:
-                header: Optional[dict[str, Any]] = protocol.unpack(raw)
-            except ProtocolError:  # the serving thread logs it
-                header = None
-            if header is not None and header.get("op") == "stop":
-                if header.get("server") == self.server_id:
-                    self._inbox.put(("stop",))
-                    return
-                continue  # an earlier server's, which ended between two requests and never read it
-            self._inbox.put(("request", raw))
+            stop = self._gate.is_stop(raw, self.server_id)
+            if stop:
+                self._inbox.put(("stop",))
+                return
+            if stop is None:  # (False: an earlier server's stop, which ended between two requests and never read it)
+                self._inbox.put(("request", raw))
 
     def _serve(self) -> None:
         while True:
@@ -168,27 +158,32 @@ class LockServer:
                 event = ("deadline",)
             if event[0] in ("stop", "closed"):
                 return
-            try:
-                with Stopwatch() as watch:
+            with Stopwatch() as watch:
+                try:  # no request, however malformed, and no failure of one event stops the serving (issue 44)
                     if event[0] == "request":
                         self._on_request(event[1])
                     elif event[0] == "ended":
                         self._on_ended(event[1], event[2])
                     self._expire(time.monotonic())
-            except _Unanswerable:
-                return
+                except Exception:  # noqa: BLE001 - logged, and the server serves on
+                    logger.exception("lock server: an event (%s) failed; serving on", event[0])
             with self.lock:
                 self._stats.busy_s += watch.seconds
                 self._stats.events += 1
 
     def _on_request(self, raw: bytes) -> None:
-        try:
-            incoming = protocol.read_incoming(raw)
-        except ProtocolError as err:  # nobody to answer: log it and serve on
-            logger.error("lock server: unreadable request, no rank to answer (%s)", err)
+        incoming = self._gate.admit(raw)  # authentic, of the group, not a replay (request_gate.py); else dropped
+        if incoming is None:
             return
         rank = incoming.envelope.rank
         job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel))
+        try:
+            self._admit(job)
+        except Exception as err:  # noqa: BLE001 - answered (and logged once) with what failed
+            self._refuse(job, err)
+
+    def _admit(self, job: Waiting) -> None:
+        rank, incoming = job.rank, job.incoming
         if rank in self._gone:
             self._refuse(job, LockServerError(f"rank {rank} is treated as gone ({self._gone[rank]}); its round is "
                                               "over"))
@@ -230,7 +225,7 @@ class LockServer:
             self._waiting.remove(job)
             try:
                 transfer = self.transport.recv_async(buffer, job.rank, tag)
-            except TransferError as err:
+            except Exception as err:  # noqa: BLE001 - a TransferError, or gloo refusing the peer: answered
                 self._slots.settle(is_slot, buffer, well=False)
                 self._lose(job.rank, str(err))
                 self._refuse(job, err)
@@ -304,12 +299,15 @@ class LockServer:
         self._push(job, protocol.Refusal(f"{type(err).__name__}: {err}"))
 
     def _push(self, job: Waiting, reply: Reply) -> None:
+        """Answer ``job``; a reply that cannot be pushed (the store going away with the round) is logged, never
+        fatal: the server serves on until it is stopped or its request queue closes."""
         try:
-            self.store.queue_push(job.reply_to, protocol.encode_reply(reply))
-        except Exception as err:
+            envelope = job.incoming.envelope
+            scope = protocol.reply_scope(self.prefix, envelope.rank, envelope.channel, envelope.seq)
+            self.store.queue_push(job.reply_to, protocol.encode_reply(reply, scope=scope))
+        except Exception as err:  # noqa: BLE001
             if not self._stop.is_set():
-                logger.warning("lock server: could not answer rank %s", job.rank)
-            raise _Unanswerable() from err
+                logger.warning("lock server: could not answer rank %s's %s (%s)", job.rank, job.incoming.op, err)
 
     def round_ending(self) -> Optional[str]:
         """Why this round ends (None while it stands): then ``next`` finishes the rank's bucket and answers
@@ -331,12 +329,10 @@ class LockServer:
         """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""
         return rank in self.state.in_flight and not self._clocks.ends_by(rank, deadline, now)
 
-    def in_flight(self) -> dict[int, str]:
-        """Rank -> ``"receive"`` or ``"send"``: the shared-parameter transfers not yet ended."""
+    def in_flight(self) -> dict[int, str]:  # rank -> "receive" or "send": the transfers not yet ended
         return self._flights.snapshot()
 
-    def gone(self) -> dict[int, str]:
-        """The ranks treated as gone (a transfer failed or timed out), with why."""
+    def gone(self) -> dict[int, str]:  # the ranks treated as gone (a transfer failed or timed out), with why
         return dict(self._gone)
 
     def stats(self) -> dict[str, Any]:
@@ -345,8 +341,7 @@ class LockServer:
             return self._stats.as_dict()
 
     @property
-    def slots_allocated(self) -> int:
-        """Transfer vectors alive now (at most ``TRANSFER_SLOTS``)."""
+    def slots_allocated(self) -> int:  # transfer vectors alive now (at most ``TRANSFER_SLOTS``)
         return self._slots.allocated
 
     def _handle(self, rank: int, request: Request, change: Optional[np.ndarray]) -> Reply:
@@ -445,6 +440,6 @@ class LockServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._stopper.queue_push(self.requests, protocol.encode_request(protocol.Envelope(rank=-1),
-                                                                        protocol.Stop(server=self.server_id)))
+        self._stopper.queue_push(self.requests, protocol.encode_request(
+            protocol.Envelope(rank=-1), protocol.Stop(server=self.server_id), scope=self.prefix))
         self.thread.join(timeout=5)

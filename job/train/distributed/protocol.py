@@ -10,6 +10,14 @@ On the wire a message is one JSON object (``{"op": ..., "rank": ..., "channel": 
 in the rendezvous store's queues (``request_queue``, ``response_queue``). Decoding checks every field it reads: a
 malformed message raises ``ProtocolError`` naming the operation and the field, which the server sends back as a
 ``Refusal`` when it can tell who asked (and logs once when it cannot).
+
+Sealed (issue 44; job/train/distributed/auth.py): every message carries ``"mac"``, an HMAC under the group's secret
+over its content and its *scope* (the queue prefix, which names the round), and every request a ``"seq"`` that
+grows per rank and channel. ``read_incoming`` refuses a request whose MAC fails (forged, or of another round) with
+``Unauthentic``, which the server logs without answering: an answer would land in the queue of the rank the forger
+named. A reply's MAC also covers whom it answers (rank, channel and the request's seq), so that a forged or replayed
+reply is told apart by the client (``decode_reply``: ``Unauthentic``), which then waits on for the real one. Only
+here are MACs made and checked.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
 
+from job.train.distributed import auth
 from job.types import Bucket, PartitionKey
 
 # the store queues live under a prefix of the group's round (``DistributedContext.key("lock")``), so that a request
@@ -39,8 +48,31 @@ class LockServerError(RuntimeError):
     """The lock server answered a request with an error (its message names the server's error), or did not answer."""
 
 
+class RoundGone(LockServerError):
+    """The request failed because its round is over (the server found its own round, or the asking rank's, ended:
+    fenced, declared dead, a newer round's snapshot) or gone (the store that carries it went away): the round ended
+    from outside, which the trainer reports with the failure budget's code (job/train/elastic/budget.py), not as a
+    crash."""
+
+
+# what a refusal's error says when the round ended from outside (the server names the exception it caught)
+ROUND_OVER_MARKERS = ("RoundOver:", "StaleProgressWriter:", "its round is over", "is treated as gone")
+
+
+def refusal(op: str, error: Any) -> LockServerError:
+    """The exception for the server's refusal of ``op`` with ``error``: :class:`RoundGone` where the round ended."""
+    text = f"lock server (rank 0) refused {op!r}: {error}"
+    ended = any(marker in str(error) for marker in ROUND_OVER_MARKERS)
+    return RoundGone(text) if ended else LockServerError(text)
+
+
 class ProtocolError(ValueError):
     """A message that does not follow the protocol: not JSON, an unknown operation, a missing or mistyped field."""
+
+
+class Unauthentic(ProtocolError):
+    """A message whose MAC fails under the group's secret and its scope: forged, of another round, or a reply to
+    another request. Never answered."""
 
 
 # requests ---------------------------------------------------------------------------------------------------------
@@ -130,6 +162,7 @@ class Envelope:
     rank: int
     channel: str = ""
     payload: Optional[Payload] = None
+    seq: int = 0  # grows with each request of (rank, channel): a replayed request is refused
 
 
 @dataclass(frozen=True)
@@ -197,8 +230,9 @@ def _bucket(bucket: Optional[Bucket]) -> Optional[list[int]]:
     return [int(bucket.lhs), int(bucket.rhs)] if bucket is not None else None
 
 
-def encode_request(envelope: Envelope, request: Request) -> bytes:
-    message: dict[str, Any] = {"op": request.op, "rank": envelope.rank, "channel": envelope.channel}
+def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes:
+    message: dict[str, Any] = {"op": request.op, "rank": envelope.rank, "channel": envelope.channel,
+                               "seq": envelope.seq}
     if isinstance(request, Next):
         message.update(held=_keys(sorted(request.held)), finished=_bucket(request.finished), record=request.record)
         if request.leaving:
@@ -215,12 +249,33 @@ def encode_request(envelope: Envelope, request: Request) -> bytes:
         message["server"] = request.server
     if envelope.payload is not None:
         message.update(values=envelope.payload.values, tag=envelope.payload.tag)
-    return pack(message)
+    return seal(message, scope)
 
 
-def encode_reply(reply: Reply) -> bytes:
+def seal(message: Mapping[str, Any], scope: str) -> bytes:
+    """``message`` on the wire with its MAC over its content and ``scope`` (a request's: the queue prefix)."""
+    body = {k: v for k, v in message.items() if k != "mac"}
+    return pack({**body, "mac": auth.mac("lock", scope, json.dumps(body, sort_keys=True))})
+
+
+def unseal(raw: bytes, scope: str) -> dict[str, Any]:
+    """The message of ``raw`` once its MAC checks out under ``scope``: ``Unauthentic`` otherwise."""
+    message = unpack(raw)
+    body = {k: v for k, v in message.items() if k != "mac"}
+    if not auth.verify(message.get("mac"), "lock", scope, json.dumps(body, sort_keys=True)):
+        raise Unauthentic(f"a message whose MAC fails (forged, or of another round): {str(body)[:120]}")
+    return body
+
+
+def reply_scope(scope: str, rank: int, channel: str, seq: int) -> str:
+    """What a reply's MAC covers besides its content: the request it answers."""
+    return f"{scope}|reply|{rank}|{channel}|{seq}"
+
+
+def encode_reply(reply: Reply, *, scope: str) -> bytes:
+    """``reply`` sealed under ``scope`` (``reply_scope`` of the request it answers)."""
     if isinstance(reply, Refusal):
-        return pack({"ok": False, "error": reply.error})
+        return seal({"ok": False, "error": reply.error}, scope)
     message: dict[str, Any] = {"ok": True}
     if isinstance(reply, Granted):
         message.update(kind=reply.kind, bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
@@ -230,7 +285,7 @@ def encode_reply(reply: Reply) -> bytes:
         message.update(bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
     elif isinstance(reply, State):
         message["state"] = reply.state
-    return pack(message)
+    return seal(message, scope)
 
 
 def pack(message: Mapping[str, Any]) -> bytes:
@@ -322,9 +377,10 @@ _DECODERS: dict[str, Callable[[Mapping[str, Any]], Request]] = {
 }
 
 
-def read_incoming(raw: bytes) -> Incoming:
-    """Who asks and what, from a raw message: ``ProtocolError`` when it cannot be told (nobody to answer)."""
-    message = unpack(raw)
+def read_incoming(raw: bytes, *, scope: str) -> Incoming:
+    """Who asks and what, from a raw message: ``ProtocolError`` when it cannot be told (nobody to answer),
+    ``Unauthentic`` when its MAC fails (not answered either)."""
+    message = unseal(raw, scope)
     op = message.get("op")
     if not isinstance(op, str):
         raise ProtocolError(f"no operation: {message.get('op')!r}")
@@ -343,7 +399,8 @@ def read_incoming(raw: bytes) -> Incoming:
         if values < 0:
             raise ProtocolError(f"a {op!r} request announcing {values} values")
         payload = Payload(values, tag)
-    return Incoming(Envelope(rank, channel, payload), op, message)
+    seq = _int(message.get("seq", 0), "'seq'")
+    return Incoming(Envelope(rank, channel, payload, seq), op, message)
 
 
 def decode_request(incoming: Incoming) -> Request:
@@ -357,12 +414,13 @@ def decode_request(incoming: Incoming) -> Request:
         raise ProtocolError(f"malformed {incoming.op!r} request: {err}") from None
 
 
-def decode_reply(raw: bytes, expected: type[R], op: str) -> R:
-    """The reply to a request of ``op``: ``LockServerError`` for a refusal or a reply that is not ``expected``."""
+def decode_reply(raw: bytes, expected: type[R], op: str, *, scope: str) -> R:
+    """The reply to a request of ``op`` (``scope``: ``reply_scope`` of that request): ``LockServerError`` for a
+    refusal or a reply that is not ``expected``, ``Unauthentic`` for one that is not the server's answer to it."""
+    message = unseal(raw, scope)
     try:
-        message = unpack(raw)
         if not message.get("ok", False):
-            raise LockServerError(f"lock server (rank 0) refused {op!r}: {message.get('error')}")
+            raise refusal(op, message.get("error"))
         if expected is Granted:
             reply: Any = Granted(kind=str(message["kind"]), bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
                                  dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),

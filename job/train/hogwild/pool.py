@@ -34,6 +34,7 @@ from job.train.hogwild.spawning import (
     apply_environment,
     main_module_hidden,
     raise_open_file_limit,
+    sigterm_blocked,
     worker_context,
     worker_environment,
 )
@@ -100,25 +101,23 @@ def _worker_main(
     lock: Any,
     environment: dict[str, str],
     options: KernelOptions,
-    closing: Any = None,
 ) -> None:
     """A worker's life: take the trainer's environment, then the shared model from ``setup`` (a pipe's end: see
     ``WorkerPool``), then tasks until a ``None`` or until the trainer is gone. ``options``: the trainer's kernel
     options, for every batch it runs (a module global set in the trainer would not reach a forked or spawned
-    worker: it imports the module afresh). ``closing``: set by the pool before it ends its workers.
+    worker: it imports the module afresh).
 
-    A SIGTERM is the trainer's to act on, not the worker's: torchrun's agent stops a worker by signalling its
+    A SIGTERM is the trainer's to act on, never the worker's: torchrun's agent stops a worker by signalling its
     whole process group, Hogwild workers included, and the trainer then finishes its bucket and gives back what it
     holds, or gives the bucket up (job/train/schedule/group.py). A worker ended by it would lose the slice its trainer
-    still waits for. So a worker ends on a SIGTERM only when its pool is closing or its trainer is gone; the
-    agent's SIGKILL, 30 s after its SIGTERM, ends it anyway."""
+    still waits for. So a worker ignores SIGTERM from birth (started with it blocked: ``spawning.sigterm_blocked``;
+    ignored here before it is unblocked), and ends only by its pool (a ``None`` task, or a kill when the bucket is
+    given up), by its trainer's death (below), or by the agent's SIGKILL 30 s after its SIGTERM (issue 44: this
+    held only by timing before, a SIGTERM racing the handler that judged it)."""
     trainer = multiprocessing.parent_process()
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if (closing is not None and closing.is_set()) or trainer is None or not trainer.is_alive():
-            raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a SIGTERM pending since birth is dropped
     apply_environment(environment)  # before anything reads it: a forked worker has the fork server's
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -162,8 +161,6 @@ def _worker_main(
             )
             stats = _run_task(ctx, task, lock)
             results.put((task_id, worker_id, stats, None))
-        except SystemExit:  # a SIGTERM while its pool closes or after its trainer is gone (``on_sigterm``)
-            raise
         except BaseException:  # reported to the parent, which fails the run with it
             results.put((task_id, worker_id, None, traceback.format_exc()))
         # drop this bucket's tables and edges now, not at the next task: an evicted partition's shared
@@ -184,9 +181,8 @@ class WorkerPool:
         self.tasks = context.Queue()
         self.results = context.Queue()
         self.lock = context.Lock()  # guards the SharedSlices of delayed slices; inherited by the workers
-        # set before this pool ends its workers: until then a worker outlives a SIGTERM (``_worker_main``). Set by
-        # ``close`` (also at the interpreter's exit, before multiprocessing's own exit hook terminates children)
-        self.closing = context.Event()
+        # ``close`` at the interpreter's exit too, before multiprocessing's own exit hook (whose SIGTERM the workers
+        # ignore, and whose join has no timeout)
         atexit.register(self.close)
         self.processes = []
         self._next_id = 0
@@ -202,11 +198,12 @@ class WorkerPool:
                 target=_worker_main,
                 args=(worker_id, config, receive),
                 kwargs=dict(tasks=self.tasks, results=self.results, lock=self.lock, environment=worker_environment(),
-                            options=options, closing=self.closing),
+                            options=options),
                 daemon=True,
                 name=f"biggraph-hogwild-{worker_id}",
             )
-            with main_module_hidden():  # the API works from a script without a main guard, or from stdin
+            # the API works from a script without a main guard, or from stdin; the worker starts with SIGTERM blocked
+            with main_module_hidden(), sigterm_blocked():
                 process.start()
             receive.close()  # the worker's copy only: a worker that dies before reading breaks the pipe
             self.processes.append(process)
@@ -295,14 +292,12 @@ class WorkerPool:
     def abandon(self) -> None:
         """Kill the workers in the middle of their slices (their bucket is given up: nothing they would still
         write is read), so that the process can leave now; the pool is unusable afterwards."""
-        self.closing.set()
         for process in self.processes:
             process.kill()
         self.close()
 
     def close(self) -> None:
         atexit.unregister(self.close)
-        self.closing.set()
         for _ in self.processes:
             self.tasks.put(None)
         for process in self.processes:

@@ -34,12 +34,13 @@ import multiprocessing
 import os
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import types
 from collections.abc import Iterator
-from multiprocessing import forkserver, process, util
+from multiprocessing import forkserver, process, resource_tracker, util
 from multiprocessing.context import ForkServerContext, SpawnContext
 
 logger = logging.getLogger("biggraph")
@@ -75,13 +76,37 @@ def start_worker_server() -> None:
 
 
 def worker_context() -> ForkServerContext | SpawnContext:
-    """The multiprocessing context Hogwild workers start from (its fork server running)."""
+    """The multiprocessing context Hogwild workers start from (its fork server running, started with SIGTERM
+    blocked: ``sigterm_blocked``)."""
     short_socket_dir()
     if start_method() == "forkserver":
         context = multiprocessing.get_context("forkserver")
-        if _ensure_server(context):
+        # multiprocessing's resource tracker first: starting it unblocks SIGTERM on its way out (its own
+        # ``ensure_running``), which would undo the block below before the fork server starts
+        resource_tracker.ensure_running()
+        with sigterm_blocked():
+            started = _ensure_server(context)
+        if started:
             return context
     return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def sigterm_blocked() -> Iterator[None]:
+    """SIGTERM blocked in this thread meanwhile, so that a process started from it (the fork server, a spawned
+    worker, and every worker the fork server forks, which inherits its mask) begins life with SIGTERM blocked: a
+    Hogwild worker then ignores it before unblocking it (``pool._worker_main``), with no moment in between where
+    torchrun's agent's SIGTERM, sent to the trainer's whole process group, could end it (issue 44: by construction,
+    not by timing). The trainer loses nothing: a SIGTERM sent to it meanwhile is taken by another of its threads
+    (Python then runs its handler in the main thread as always)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def short_socket_dir() -> str:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from job.checkpoint.group_progress import Progress, ProgressLog, remove_progress
+from job.checkpoint.group_progress import Progress, ProgressLog, remove_progress, resumable
 from job.checkpoint.write_groups import WriteGroup
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
@@ -31,6 +31,7 @@ from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.shared_params import SharedParameters
+from job.train.elastic.budget import note_progress
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.clock import BucketClock
 from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
@@ -89,9 +90,13 @@ class LockServerScheduler(BucketScheduler):
         self.pass_tag = ""  # names this pass's barriers and keys within the round (``ctx.key``)
         self.clock = BucketClock()  # this rank's bucket times: whether one in flight can end before the drain's deadline
         self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
+        self._written_seen: Optional[int] = None  # partitions written this pass, at the first reply (progress)
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
+        if self.pass_tag:  # this process saw a pass commit: the round made progress
+            note_progress()
         self.pass_tag = str(pass_index)
+        self._written_seen = None
         self.current = None
         self.ahead = None
         if self.commits:
@@ -99,14 +104,12 @@ class LockServerScheduler(BucketScheduler):
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
                               version=version + 1, world_size=self.ctx.world_size)
             shared = self.shared_values()
-            if self.progress is not None and self.progress.version == version + 1:
-                if self.progress.shared is not None and self.progress.shared.shape == shared.shape:
-                    shared = self.progress.shared  # with the shared updates of every bucket done so far
-                elif self.progress.shared is not None:
-                    logger.warning("the interrupted pass's shared parameters have %d values, the model %d: the "
-                                   "model's are used", self.progress.shared.size, shared.size)
-                state.restore(self.progress.state)
-                for record in self.progress.records:
+            progress = resumable(self.progress, version + 1, tuple(shared.shape))  # refused if the vector differs
+            if progress is not None:
+                if progress.shared is not None:
+                    shared = progress.shared  # with the shared updates of every bucket done so far
+                state.restore(progress.state)
+                for record in progress.records:
                     state.apply(record)
                 by_rank = state.forget_rank_locks()
                 logger.info(
@@ -115,10 +118,11 @@ class LockServerScheduler(BucketScheduler):
                     json.dumps({str(rank): count for rank, count in sorted(by_rank.items())}))
             self.progress = None
             # the pass's snapshot (for a resumed pass: the compaction of what it resumed), then a record per change
-            log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1)
+            log = ProgressLog(self.config.checkpoint_path, self.ctx.run_id, version + 1, fence=self.ctx.fence)
             log.start(state.to_json(), shared)
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
-                                     prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks)
+                                     prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
+                                     world_size=self.ctx.world_size)
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
@@ -130,6 +134,7 @@ class LockServerScheduler(BucketScheduler):
             leaving = self.ctx.ending() if not self.commits else None
             if finished is not None:
                 self.clock.finish(time.monotonic())
+                note_progress()  # this round made progress (the failure budget: job/train/elastic/budget.py)
             kind, bucket, dirty, shared = self.client.finish_and_next(
                 self.store.resident_partitioned(), self.current, finished,
                 carry.change() if carry is not None else None, leaving=leaving)
@@ -137,6 +142,9 @@ class LockServerScheduler(BucketScheduler):
                 carry.assign(shared)
             self.current, finished = None, None
             self.store.set_written(dirty)
+            if self._written_seen is not None and len(dirty) > self._written_seen:
+                note_progress()  # others saved partitions in this round: it is productive, though this rank waits
+            self._written_seen = len(dirty) if self._written_seen is None else max(self._written_seen, len(dirty))
             if kind == "done":
                 return None
             if kind == "ending":
