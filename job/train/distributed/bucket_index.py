@@ -233,7 +233,9 @@ class BucketIndex:
             self.refresh(bucket)
 
     def refresh(self, bucket: Bucket) -> None:
-        keys = self.state.bucket_keys[bucket]
+        keys = self.state.bucket_keys.get(bucket)
+        if keys is None:  # a state without its grid (one only replayed to read its records): nothing to index
+            return
         if bucket in self.free:
             self.free.discard(bucket)
             self.free_by_size[len(keys)].discard(bucket)
