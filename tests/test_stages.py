@@ -200,6 +200,8 @@ def test_stage_lists_are_checked_before_anything_is_created(cluster: FakeCluster
     assert "leave stage and fullnameOverride out of --set" in capsys.readouterr().err
     assert main(cluster.cli("submit", str(path), "--name", "x" * 50, "--stages", "train")) == 2
     assert "at most 48 characters" in capsys.readouterr().err
+    assert submit_stages(cluster, path, root, "train", "--set", "persistence.enabled=true") == 2
+    assert "--stages with persistence.enabled needs persistence.existingClaim" in capsys.readouterr().err
     assert cluster.names("Job") == set()
 
 

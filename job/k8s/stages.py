@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from job.errors import UserError
-from job.k8s.cluster import Cluster, ClusterAccess
+from job.k8s.cluster import RELEASE_KINDS, Cluster, ClusterAccess
 from job.k8s.committed import committed_output
 from job.k8s.jobs import Prepared, SubmitOptions, create, job_name, job_state, pod_summary, prepare
 
@@ -80,6 +80,10 @@ def run_stages(config_path: str, stages: tuple[str, ...], options: SubmitOptions
         name = stage_job_name(release, stage)
         render = dataclasses.replace(options.render, stage=stage, job_name=name)
         prepared = prepare(config_path, dataclasses.replace(options, name=release, render=render), access)
+        if any(obj["kind"] == "PersistentVolumeClaim" for obj in prepared.submission.objects):
+            # the chart names its own claim after the Job: each stage would get an empty volume of its own
+            raise UserError("--stages with persistence.enabled needs persistence.existingClaim: the stages share "
+                            "their data through one claim (or use object storage URLs)")
         if prepared.cluster is None:  # a dry run: every stage's manifests, nothing checked on storage
             outcomes.append(StageOutcome(stage, name, "dry run"))
             report_objects(prepared, report)
@@ -118,8 +122,9 @@ def _adopt_running(cluster: Cluster, prepared: Prepared, stage: str, report: Cal
     if state in WAITING:
         report(f"stage {stage}: job {name} of an earlier submission is {state.lower()}: following it")
         return True
-    for obj in reversed(prepared.submission.objects):
-        cluster.delete(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
+    for obj in reversed(prepared.submission.objects):  # what `cancel` deletes (RELEASE_KINDS), never a claim
+        if (obj["apiVersion"], obj["kind"]) in RELEASE_KINDS:
+            cluster.delete(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
     report(f"stage {stage}: deleted job {name} of an earlier submission ({state.lower()}) to run the stage again")
     return False
 
