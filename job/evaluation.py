@@ -83,7 +83,10 @@ class CheckpointReader:
         self.model.eval()
         self._cache: OrderedDict[PartitionKey, torch.Tensor] = OrderedDict()
         self._max_resident = max_resident
-        self._resident_bytes = resident_bytes
+        # within the pod's memory_budget (the chart's eval stage): the partitions kept beyond max_resident take at
+        # most half of it, the rest being the model, a bucket's edges and the ranking's scores
+        budget = config.memory_budget_bytes
+        self._resident_bytes = resident_bytes if budget is None else min(resident_bytes, budget // 2)
         self.loads = 0  # partitions read from the checkpoint (a partition evicted and needed again counts again)
 
     def partition(self, entity_type: str, part: int) -> torch.Tensor:

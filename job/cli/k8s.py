@@ -69,6 +69,11 @@ def _register_submit(subparsers: Any) -> None:
     add("--dry-run", action="store_true", help="print the manifests instead of creating them")
     add("--helm", help="helm binary (default: `helm` on PATH; submit renders the chart with it)")
     add("--chart", help="chart directory (default: $BIGGRAPH_CHART, else the chart installed with biggraph)")
+    add("--stages", metavar="STAGE,...",
+        help="run these stages in order, one Job each (import,train,eval,export,archive or some of them, in that "
+             "order), each created once the one before completed; a stage whose output is committed is skipped. "
+             "The command waits for the last stage")
+    add("--poll-seconds", type=float, default=10.0, help="with --stages: how often a stage's Job is checked (default 10)")
     _cluster_arguments(submit_parser)
     submit_parser.set_defaults(func=_submit)
 
@@ -88,6 +93,12 @@ def _submit(args: argparse.Namespace) -> int:
                            values=tuple(args.values), set=tuple(args.set))
     options = SubmitOptions(render=render, name=args.name, kube_version=args.kube_version, dry_run=args.dry_run,
                             helm=args.helm, chart=args.chart)
+    if args.stages:
+        from job.k8s.stages import parse_stages, run_stages
+
+        run_stages(args.config, parse_stages(args.stages), options, _access(args), poll_seconds=args.poll_seconds,
+                   report=lambda line: print(line, flush=True))
+        return 0
     submission = submit(args.config, options, _access(args))
     if not submission.created:
         sys.stdout.write(yaml.safe_dump_all(submission.objects, sort_keys=False))
@@ -112,7 +123,8 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     queue = report.get("queue")
-    print(f"job {args.job} ({report['namespace']}): {report['state']}; {report['replicas']} replica(s): "
+    stage = f" stage {report['stage']} (job {report['job']})" if "stage" in report else ""
+    print(f"job {args.job}{stage} ({report['namespace']}): {report['state']}; {report['replicas']} replica(s): "
           f"{report['active']} active, {report['succeeded']} succeeded, {report['failed']} failed"
           + (f"; Kueue LocalQueue {queue}" if queue else ""))
     for pod in report["pods"]:

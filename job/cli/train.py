@@ -45,6 +45,9 @@ def register(subparsers: Any) -> None:
              "(repeats and draws of the positive count against it); 'auto' all when a type has no more entities than "
              "the draws, else sampled")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
+    evaluate.add_argument("--out", metavar="URL", default=None,
+                          help="also write the metrics as one JSON object to this path or URL (the chart's eval "
+                               "stage: a resubmit skips the stage when it exists)")
     add_version_argument(evaluate, "checkpoint version (default: the latest)")
     evaluate.set_defaults(func=_eval)
 
@@ -119,6 +122,10 @@ def _eval(args: argparse.Namespace) -> int:
     config = load(args)
     metrics = evaluate(config, filter_paths=args.filter, candidates=args.candidates,
                        version=resolve_version(config, args.version))
+    if args.out:
+        import storage_adapters as storage
+
+        storage.write_text(args.out, json.dumps(metrics, sort_keys=True) + "\n")  # one PUT: whole or absent
     if args.json:
         print(json.dumps(metrics))
     else:

@@ -94,6 +94,18 @@ class Cluster:
         with self.errors(f"reading job {name}", f"job {name} not found in namespace {self.namespace}"):
             return self.batch.read_namespaced_job(name, self.namespace, _request_timeout=30)
 
+    def find_job(self, name: str) -> Any | None:
+        """The Job ``name``, or None when there is none."""
+        from kubernetes.client.exceptions import ApiException  # optional dependency
+
+        with self.errors(f"reading job {name}"):
+            try:
+                return self.batch.read_namespaced_job(name, self.namespace, _request_timeout=30)
+            except ApiException as err:
+                if err.status == 404:
+                    return None
+                raise
+
     def job_pods(self, name: str) -> list[Any]:
         """The job's pods by completion index, then age (so the last of an index is its newest attempt)."""
         with self.errors(f"listing the pods of job {name}"):

@@ -67,15 +67,17 @@ class Submission:
         return next(o for o in self.objects if o["kind"] == "Job")
 
 
-def job_name(requested: str | None, config_path: str) -> str:
-    """``requested`` (checked: the chart derives ≤63-character names from it), else one from the config's name."""
+def job_name(requested: str | None, config_path: str, *, room: int = 0) -> str:
+    """``requested`` (checked: the chart derives ≤63-character names from it), else one from the config's name;
+    ``room`` characters are left for a suffix (a stage's Job: ``NAME-archive``)."""
+    most = 56 - room
     if requested:
-        if not JOB_NAME.fullmatch(requested):
+        if not JOB_NAME.fullmatch(requested) or len(requested) > most:
             raise UserError(f"--name '{requested}': must be lowercase letters, digits and '-', start with a letter, "
-                            "at most 56 characters")
+                            f"at most {most} characters")
         return requested
     stem = re.sub(r"[^a-z0-9]+", "-", Path(config_path).stem.lower()).strip("-") or "train"
-    return f"biggraph-{stem}"[:49].rstrip("-") + "-" + secrets.token_hex(3)
+    return f"biggraph-{stem}"[:most - 7].rstrip("-") + "-" + secrets.token_hex(3)
 
 
 def plain_config(path: str) -> dict[str, Any]:
@@ -93,7 +95,8 @@ def _check_render_options(options: RenderOptions) -> None:
 
 
 def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> Submission:
-    """Render the job for ``config_path`` and create its objects (all or none), unless ``options.dry_run``.
+    """Render the job for ``config_path`` and create its objects (all or none), unless ``options.dry_run``
+    (``prepare`` then ``create``).
 
     The steps, in order: the config is parsed (``biggraph train``'s checks); the pod volumes are sized from what
     the trainer will hold (``job.k8s.sizing``); ``helm template`` renders the chart (``job.k8s.render``: the
@@ -106,6 +109,29 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
     Everything a user can fix (a bad config, flag or name, a local path no volume of the Job mounts, no helm, no
     cluster, an existing job) is a ``UserError`` raised before or instead of a half-created job.
     """
+    prepared = prepare(config_path, options, access)
+    if prepared.cluster is not None:
+        create(prepared)
+    return prepared.submission
+
+
+@dataclass
+class Prepared:
+    """A rendered and checked submission, and the cluster to create it in (None: a dry run)."""
+
+    submission: Submission
+    cluster: Cluster | None
+
+
+def create(prepared: Prepared) -> None:
+    """Create a prepared submission's objects in order (all or none)."""
+    assert prepared.cluster is not None
+    _create_all(prepared.cluster, prepared.submission.name, prepared.submission.objects)
+    prepared.submission.created = True
+
+
+def prepare(config_path: str, options: SubmitOptions, access: ClusterAccess) -> Prepared:
+    """``submit``'s steps up to the creation: everything checked, the objects rendered for the cluster."""
     _check_render_options(options.render)
     kube_version = parse_kube_version(options.kube_version) if options.kube_version else None
     config = plain_config(config_path)
@@ -136,10 +162,8 @@ def submit(config_path: str, options: SubmitOptions, access: ClusterAccess) -> S
     if cluster is None:
         for obj in objects:
             obj.setdefault("metadata", {})["namespace"] = namespace
-    else:
-        _create_all(cluster, name, objects)
-    return Submission(name=name, namespace=namespace, objects=objects, created=cluster is not None,
-                      checkpoint_path=config.get("checkpoint_path"))
+    return Prepared(Submission(name=name, namespace=namespace, objects=objects, created=False,
+                               checkpoint_path=config.get("checkpoint_path")), cluster)
 
 
 def _render(helm: str, options: SubmitOptions, name: str, namespace: str, config: dict[str, Any],
@@ -204,9 +228,25 @@ def pod_summary(pod: Any) -> dict[str, Any]:
             "node": pod.spec.node_name if pod.spec else None, "restarts": restarts, "detail": detail}
 
 
+def followed_job(cluster: Cluster, name: str) -> tuple[str, str | None]:
+    """The Job that ``name`` means and its stage: the Job ``name`` itself, else, for a release submitted with
+    ``--stages``, the Job of its stage running now (``job.k8s.stages.current_stage_job``)."""
+    if cluster.find_job(name) is not None:
+        return name, None
+    from job.k8s.stages import current_stage_job  # stages builds on this module
+
+    staged = current_stage_job(cluster, name)
+    if staged is None:
+        cluster.read_job(name)  # the one-line "not found"
+    assert staged is not None
+    return staged, staged[len(name) + 1:]
+
+
 def job_status(name: str, access: ClusterAccess) -> dict[str, Any]:
-    """The job's state, counts, pods and training progress (what ``biggraph status --json`` prints)."""
+    """The job's state, counts, pods and training progress (what ``biggraph status --json`` prints); for a staged
+    release, those of the stage running now (and ``stage`` names it)."""
     cluster = Cluster(access)
+    name, stage = followed_job(cluster, name)
     job = cluster.read_job(name)
     pods = [pod_summary(p) for p in cluster.job_pods(name)]
     status = job.status
@@ -216,6 +256,8 @@ def job_status(name: str, access: ClusterAccess) -> dict[str, Any]:
         "succeeded": (status.succeeded or 0) if status else 0, "failed": (status.failed or 0) if status else 0,
         "pods": pods,
     }
+    if stage is not None:
+        report["stage"] = stage
     queue = (job.metadata.labels or {}).get(QUEUE_LABEL)
     if queue:
         report["queue"] = queue
@@ -250,7 +292,7 @@ class PodLog:
 
 
 def _pods_for_logs(cluster: Cluster, name: str, index: int | None) -> list[Any]:
-    cluster.read_job(name)
+    name, _ = followed_job(cluster, name)  # a staged release: the stage running now
     pods = cluster.job_pods(name)
     if index is not None:
         pods = [p for p in pods if pod_index(p) == index]
@@ -297,5 +339,5 @@ def cancel_job(name: str, access: ClusterAccess) -> tuple[str, list[str]]:
     Returns the namespace and what was deleted ("Job emb", ...); checkpoints (and the chart's volume claim) are kept.
     """
     cluster = Cluster(access)
-    cluster.read_job(name)  # an unknown job is a one-line error, not an empty deletion
+    followed_job(cluster, name)  # an unknown job is a one-line error, not an empty deletion
     return cluster.namespace, cluster.delete_release(name)

@@ -47,6 +47,10 @@ class RenderOptions:
     # and --set win over them; None: the chart's defaults, which follow the config's memory_budget
     shm: str | None = None
     tmp: str | None = None
+    # a staged submission (job.k8s.stages): the chart's stage, and the Job's own name within the release (the
+    # objects of every stage carry the release's label, so `cancel RELEASE` deletes them all)
+    stage: str | None = None
+    job_name: str | None = None
 
 
 def parse_kube_version(text: str) -> KubeVersion:
@@ -105,7 +109,9 @@ def split_image(image: str) -> tuple[str, str]:
 def render_with_helm(helm: str, chart: Path, name: str, namespace: str, config: dict[str, Any],
                      options: RenderOptions, kube_version: KubeVersion | None = None) -> list[dict[str, Any]]:
     """``helm template`` of the chart as release ``name``, with ``config`` as the job's training config."""
-    values: dict[str, Any] = {"fullnameOverride": name, "config": config}
+    values: dict[str, Any] = {"fullnameOverride": options.job_name or name, "config": config}
+    if options.stage:
+        values["stage"] = options.stage
     if options.replicas is not None:
         values["replicas"] = options.replicas
     if options.image:

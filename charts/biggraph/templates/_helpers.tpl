@@ -85,7 +85,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* Indexes that may run out of retries while training goes on: the pods an elastic job can lose. */}}
 {{- define "biggraph.maxFailedIndexes" -}}
+{{- if has .Values.stage (list "train" "import") -}}
 {{- sub (int .Values.replicas) (int (include "biggraph.minReplicas" .)) -}}
+{{- else -}}0{{- end -}}
 {{- end -}}
 
 {{- define "biggraph.networkPolicyName" -}}
@@ -141,6 +143,49 @@ same command; Kubernetes gives each its JOB_COMPLETION_INDEX, which `biggraph im
 {{- end }}
 - --pods
 - {{ int .Values.replicas | quote }}
+{{- end -}}
+
+{{/* Pods of the stage's Job: replicas for train and import, one for eval, export and archive. */}}
+{{- define "biggraph.pods" -}}
+{{- if has .Values.stage (list "train" "import") -}}{{ int .Values.replicas }}{{- else -}}1{{- end -}}
+{{- end -}}
+
+{{/* The one-pod stages' commands (eval, export, archive), each writing its output to the URL of its values. */}}
+{{- define "biggraph.stageArgs" -}}
+{{- $stage := .Values.stage -}}
+{{- $values := index .Values $stage -}}
+{{- if not $values.out -}}
+{{- fail (printf "stage: %s needs %s.out (the URL its output goes to)" $stage $stage) -}}
+{{- end -}}
+- biggraph
+- {{ $stage }}
+- /etc/biggraph/config.yaml
+{{- if eq $stage "eval" }}
+{{- with $values.candidates }}
+- --candidates
+- {{ . | quote }}
+{{- end }}
+{{- range $values.filter }}
+- --filter
+- {{ . | quote }}
+{{- end }}
+- --json
+{{- end }}
+- --out
+- {{ $values.out | quote }}
+{{- if eq $stage "export" }}
+- --format
+- {{ $values.format | quote }}
+- --overwrite
+{{- end }}
+{{- if eq $stage "archive" }}
+- --dtype
+- {{ $values.dtype | quote }}
+{{- with $values.tag }}
+- --tag
+- {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/*
