@@ -5,6 +5,7 @@ be the chart's rendering; and the pod's command line run locally, which trains."
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.util
 import json
@@ -681,6 +682,17 @@ def pod_processes(docs: list[dict[str, Any]], root: Path, replicas: int) -> list
                 env[item["name"]] = f"{name}-{index}-local"
             elif "controller-uid" in item["valueFrom"].get("fieldRef", {}).get("fieldPath", ""):
                 env[item["name"]] = f"{name}-uid-local"  # the Job's uid: the same in every pod of the Job
+            elif "secretKeyRef" in item["valueFrom"]:  # the group's Secret, rendered beside the Job
+                ref = item["valueFrom"]["secretKeyRef"]
+                secrets = [d for d in docs if d.get("kind") == "Secret" and d["metadata"]["name"] == ref["name"]]
+                if secrets:
+                    data = secrets[0].get("data", {})
+                    if ref["key"] in data:
+                        env[item["name"]] = base64.b64decode(data[ref["key"]]).decode()
+                    else:
+                        env[item["name"]] = secrets[0].get("stringData", {})[ref["key"]]
+                elif not ref.get("optional"):
+                    raise AssertionError(f"no rendered Secret for {item}")
             elif item["valueFrom"].get("resourceFieldRef", {}).get("resource") == "limits.memory":
                 from job.k8s.sizing import parse_quantity  # the API gives the container's limit in bytes
 
