@@ -103,6 +103,14 @@ class Pod:
     deleting: bool = False  # terminated by scale-down: its exit is neither success nor failure
 
 
+def _stopped_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 @dataclass
 class RenderedJob:
     """What the box needs of ``helm template``'s output."""
@@ -396,6 +404,11 @@ class ClusterBox:
             self.pods[index].frozen = True
             self.event("freeze", index, self.pods[index].name)
             self._signal_all(index, signal.SIGSTOP)
+            # SIGSTOP takes effect at the process's next scheduling point: a frozen pod is one whose processes are
+            # all stopped, not merely signalled (a process running on another core showed ``R`` for a moment)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not all(_stopped_or_gone(pid) for pid in self.members(index)):
+                time.sleep(0.005)
 
     def thaw(self, index: int) -> None:
         with self._lock:
