@@ -326,7 +326,7 @@ def test_two_containers_train_together_under_torchrun(image: Image, demo: dict, 
     for index, text in enumerate(texts):
         host = "true" if index == 0 else "false"
         assert re.search(rf"biggraph-entrypoint: start .* index={index} rdzv_host={host} uid=10001 "
-                         r"cmd=python -m job\.train\.agent ", text), text
+                         r"cmd=python -m job\.train\.elastic\.agent ", text), text
         assert "config ok" in text  # preflight ran before torchrun
         # the rendezvous hands out ranks in arrival order, not by completion index
         ranks += re.findall(r"\[rank (\d)\] training finished: checkpoint version 4 in /data/dist/checkpoints", text)
