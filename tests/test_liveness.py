@@ -21,7 +21,7 @@ import pytest
 from helpers_distributed import free_port, wait_until
 
 from job.train.distributed import auth
-from job.train.distributed.liveness import HELLO, Liveness, liveness_key
+from job.train.distributed.liveness import BYE, HELLO, Liveness, liveness_key
 
 # rank 0 prints its view (declared rank, connections lost and left, dead/<rank> keys) whenever it changes; a peer
 # prints "connected" once its liveness connection is up, then leaves in order when told on stdin ("leave")
@@ -216,3 +216,24 @@ def test_rank_0_leaving_in_order_is_not_a_loss() -> None:
     assert not wait_until(lambda: bool(lost), seconds=4.0)
     peer.close()
     assert lost == []
+
+
+def test_rank_0_leaving_before_it_read_a_peers_hello_is_not_a_loss() -> None:
+    """Rank 0 may leave between accepting a peer's connection and reading its hello: its goodbye then follows the
+    nonce at once and often arrives in the same read as it. A listener that sends both in one write and closes (what
+    rank 0's watcher does then) is rank 0 leaving in order, not rank 0 lost (CI once saw the opposite)."""
+    server = store()
+    listener = socket.create_server(("127.0.0.1", 0))
+    server.set(liveness_key("r11"), f"127.0.0.1:{listener.getsockname()[1]}")  # type: ignore[attr-defined]
+    lost: list[str] = []
+    peer = Liveness(1, 2, "r11", ping_interval_s=0.2, silent_after_s=2.0)
+    try:
+        peer.start(server, lambda rank: None, hosts=("127.0.0.1",), on_rank0_lost=lost.append)
+        conn, _ = listener.accept()
+        conn.sendall(b"0123456789abcdef\n" + BYE)
+        conn.close()
+        assert peer.connected.wait(30)
+        assert not wait_until(lambda: bool(lost), seconds=4.0), lost
+    finally:
+        peer.close()
+        listener.close()

@@ -266,7 +266,7 @@ class Liveness:
                 continue
             try:
                 sock.settimeout(CONNECT_TIMEOUT_S)
-                nonce = _read_line(sock)
+                nonce, early = _read_line(sock)
                 proof = auth.mac("liveness", self.round_id, str(self.rank), nonce)
                 sock.sendall(b"%s %s %d %s\n" % (HELLO, self.round_id.encode(), self.rank, proof.encode()))
             except OSError as err:
@@ -280,6 +280,8 @@ class Liveness:
                 self._sock = sock
             self.connected.set()
             logger.debug("rank %d: liveness connection to rank 0 at %s:%d", self.rank, host, port)
+            if BYE in early:  # rank 0 left in order before it read this hello: its goodbye came with the nonce
+                return
             self._hear_rank0(sock)
             return
         logger.warning("rank %d: cannot connect to rank 0's liveness listener (%s); rank 0 finds this rank's loss "
@@ -365,15 +367,18 @@ class _Pending:
     refused: bool = False
 
 
-def _read_line(sock: socket.socket) -> str:
-    """A peer: rank 0's nonce line (bounded: a listener that is not rank 0's gets no hello)."""
+def _read_line(sock: socket.socket) -> tuple[str, bytes]:
+    """A peer: rank 0's nonce line (bounded: a listener that is not rank 0's gets no hello), and what came after it
+    in the same reads: rank 0's goodbye when it left in order before it read this peer's hello (dropping it made the
+    peer read the end of the stream as rank 0's death)."""
     data = b""
     while b"\n" not in data:
         chunk = sock.recv(64)
         if not chunk or len(data) > 128:
             raise OSError("no nonce from the listener")
         data += chunk
-    return data.split(b"\n", 1)[0].decode(errors="replace")
+    line, rest = data.split(b"\n", 1)
+    return line.decode(errors="replace"), rest
 
 
 def _send_all(peers: dict[socket.socket, int], data: bytes) -> None:
