@@ -72,9 +72,9 @@ def main() -> None:
     for batch in (1000, 5000):
         config.batch_size = batch  # graphs capture full-size batches only
         lhs, rhs = ids(batch)
-        graphs = GraphedSteps(ctx)
-        timed(lambda i: graphs.run(i % NUM_RELATIONS, lhs, rhs, None, generator), 30)  # noqa: B023
-        seconds = timed(lambda i: graphs.run(i % NUM_RELATIONS, lhs, rhs, None, generator), 300)  # noqa: B023
+        graphs = GraphedSteps()
+        timed(lambda i: graphs.run(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator), 30)  # noqa: B023
+        seconds = timed(lambda i: graphs.run(ctx, i % NUM_RELATIONS, lhs, rhs, None, generator), 300)  # noqa: B023
         print(f"graphs, batch {batch:>6}: {seconds * 1e3:.2f} ms/batch, {batch / seconds:>12,.0f} edges/s "
               f"(replays so far {GraphedSteps.replays}, capture failure: {GraphedSteps.disabled_reason})", flush=True)
     if not args.no_profile:

@@ -229,11 +229,11 @@ def slow_store(tmp_path: Path, monkeypatch, fail: bool = False):
     raw = write_cycle_graph(tmp_path, num_partitions=3, num_epochs=1, prefetch_partitions=True)
     save = PartitionStore._save
 
-    def slow_save(self, key, table, name=None):
+    def slow_save(self, key, table, name=None, after=None):
         time.sleep(0.3)
         if fail:
             raise OSError(f"simulated write failure of {key}")
-        save(self, key, table, name)
+        save(self, key, table, name, after=after)
 
     monkeypatch.setattr(PartitionStore, "_save", slow_save)
     trainer = Trainer(parse_config(raw))

@@ -22,6 +22,7 @@ from job.eval_protocol import largest_partition, protocol_fields, resolve_protoc
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
 from job.train.batch.batching import process_edges, process_slices, split_almost_equally
+from job.train.batch.graphs import GraphedSteps
 from job.train.batch.optim import RelationAdagrad
 from job.train.batch.ranking import rank_bucket
 from job.train.batch.step import BatchContext, BatchStats
@@ -33,6 +34,8 @@ from job.train.schedule.interfaces import Iteration
 from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
+
+DEVICE_SHUFFLE_EDGES = 1 << 24  # a GPU bucket of at least this many edges is shuffled on the GPU (``_split``)
 
 
 
@@ -68,6 +71,8 @@ class BucketRunner:
         self.entity_counts = work.entity_counts
         self.pool: Optional[WorkerPool] = None  # started on first need (small graphs never pay for it)
         self.lr_scale = 1.0  # the learning-rate schedule's factor for the pass in flight (``set_lr_scale``)
+        # a GPU's captured training steps, kept across buckets (job/train/batch/graphs.py): made on first need
+        self.graphs: Optional[GraphedSteps] = None
 
     def set_lr_scale(self, scale: float) -> None:
         """The learning-rate schedule's factor for the buckets that follow (job/train/lr_schedule.py): for this
@@ -118,16 +123,26 @@ class BucketRunner:
         """(shuffled training edges, held-out eval edges, the bucket's generator). The held-out edges depend
         only on where they are, so they are the same every epoch."""
         config = self.config
-        split_generator = torch.Generator()
+        # a large bucket on a GPU is shuffled there, by the device's generator seeded alike (a 338M-edge bucket
+        # takes ~10 s per permutation on a CPU core); smaller ones on the CPU, so a seeded run is the same on both
+        where = self.device if self.device.type == "cuda" and num_edges >= DEVICE_SHUFFLE_EDGES else torch.device("cpu")
+        split_generator = torch.Generator(device=where)
         split_generator.manual_seed(zlib.crc32(f"{iteration.edge_path_idx}/{iteration.chunk_idx}/{bucket}".encode())
                                     + (config.seed or 0))
         num_eval = int(num_edges * config.eval_fraction)
-        permutation = torch.randperm(num_edges, generator=split_generator)
+        permutation = torch.randperm(num_edges, generator=split_generator, device=where)
         eval_indices = permutation[num_edges - num_eval:] if num_eval else permutation[:0]
         train_indices = permutation[: num_edges - num_eval]
-        shuffle_generator = torch.Generator()
-        shuffle_generator.manual_seed(seed_base * 1_000_003 + iteration.index * 10_007 + bucket_idx)
-        train_indices = train_indices[torch.randperm(train_indices.numel(), generator=shuffle_generator)]
+        shuffle_seed = seed_base * 1_000_003 + iteration.index * 10_007 + bucket_idx
+        shuffle_generator = torch.Generator()  # the batches' negatives are drawn from it, on the CPU everywhere
+        shuffle_generator.manual_seed(shuffle_seed)
+        if where.type == "cuda":
+            on_device = torch.Generator(device=where)
+            on_device.manual_seed(shuffle_seed)
+            order = torch.randperm(train_indices.numel(), generator=on_device, device=where)
+        else:
+            order = torch.randperm(train_indices.numel(), generator=shuffle_generator)
+        train_indices = train_indices[order]
         return train_indices.to(self.device), eval_indices.to(self.device), shuffle_generator
 
     def run(
@@ -162,6 +177,8 @@ class BucketRunner:
             self.pool = WorkerPool(work.workers, config, self.model, self.relation_optimizer, work.kernel_options)
         compute_started = time.perf_counter()
         train_stats = self._train(edges, train_indices, lhs_tables, rhs_tables, generator, delayed, stop)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the kernels run behind the host: the clock stops when they end
         compute_seconds = time.perf_counter() - compute_started
         eval_after = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
         record: dict[str, Any] = {
@@ -202,8 +219,10 @@ class BucketRunner:
         config = self.config
         slices = [indices[s] for s in split_almost_equally(indices.numel(), self.work.slices_per_bucket)]
         if self.pool is None or indices.numel() < 2 * config.batch_size:
+            if self.device.type == "cuda" and self.graphs is None:
+                self.graphs = GraphedSteps()
             return process_slices(self._context(lhs_tables, rhs_tables, True, stop), edges, slices, config.batch_size,
-                                  config.dynamic_relations, generator, True)
+                                  config.dynamic_relations, generator, True, graphs=self.graphs)
         slices = [s.clone() for s in slices]
         seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in slices]
         # PBG delays every worker but the first by hogwild_delay on each bucket of epoch 0 (train.py,

@@ -41,7 +41,13 @@ from job.train.input_check import checked_input
 from job.train.inputs import bucket_grid, pick_device
 from job.train.lr_schedule import lr_scale
 from job.train.pass_stats import add_io, eval_mrr_of, pass_message, pass_summary
-from job.train.residency.budget import checkpoint_transfer_bytes, choose_capacity, shared_values, sync_memory_bytes
+from job.train.residency.budget import (
+    checkpoint_transfer_bytes,
+    choose_capacity,
+    device_capacity,
+    shared_values,
+    sync_memory_bytes,
+)
 from job.train.residency.partitions import PartitionStore, Residency
 from job.train.resume import GroupBarrier, load_model_state
 from job.train.schedule.group import LockServerScheduler, SharedSync
@@ -138,9 +144,13 @@ class Trainer:
         self.checkpoints.add_metadata_provider(self._metadata)
         # the trainer, its Hogwild workers and the fork server they start from
         processes = 1 + (self.workers + server_processes() if self.workers > 1 else 0)
-        capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None, processes=processes,
-                                   transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path),
-                                   sync_bytes=self._sync_bytes())
+        if self.device.type == "cuda" and self.dist is None and config.partition_buffer is None:
+            # one GPU trainer: the buffer is the card's memory (what a host budget says does not bound it)
+            capacity = device_capacity(config, self.entity_counts, torch.cuda.mem_get_info(self.device)[0])
+        else:
+            capacity = choose_capacity(config, self.entity_counts, distributed=self.dist is not None,
+                                       processes=processes, transfer_bytes=checkpoint_transfer_bytes(config.checkpoint_path),
+                                       sync_bytes=self._sync_bytes())
         # distributed: what a trainer holds is locked from the others
         self.store = PartitionStore(config, self.checkpoint, self.version, self.entity_counts,
                                     self.checkpoints.metadata, self.device, Residency(capacity, self.dist is not None))

@@ -60,13 +60,15 @@ def process_slices(
     dynamic: bool,
     generator: torch.Generator,
     train: bool,
+    graphs: Optional[GraphedSteps] = None,
 ) -> BatchStats:
     """``process_edges`` on each slice in turn, in this process: the batches PBG's workers would take
-    (see ``split_almost_equally``), run one after another. A GPU bucket's CUDA graphs are captured once
-    for all its slices."""
-    graphs = None
+    (see ``split_almost_equally``), run one after another. On a GPU ``graphs`` (the trainer's, kept across
+    buckets) replays captured steps; None there: a set for this call only."""
     if GraphedSteps.applies(ctx, train) and edges.lhs_features is None and edges.rhs_features is None:
-        graphs = GraphedSteps(ctx)
+        graphs = graphs if graphs is not None else GraphedSteps()
+    else:
+        graphs = None
     total = BatchStats()
     for indices in slices:
         total.add(process_edges(ctx, edges, indices, batch_size, dynamic, generator, train, graphs=graphs))
@@ -166,7 +168,7 @@ class PlannedSlice:
         relation = int(plan.relations[k])
         if edges.lhs_features is None and edges.rhs_features is None:
             if graphs is not None:
-                return graphs.run(relation, lhs, rhs, rel_ids, generator)
+                return graphs.run(ctx, relation, lhs, rhs, rel_ids, generator)
             return run_batch(ctx, relation, lhs, rhs, rel_ids, generator=generator, train=train)
         on_cpu = chosen.cpu()
         return run_batch(ctx, relation, lhs, rhs, rel_ids, generator=generator, train=train,

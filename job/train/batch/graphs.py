@@ -7,19 +7,28 @@ with no host synchronisation, so it can be captured into a CUDA graph: afterward
 of its ids into fixed buffers and one replay. Partial batches (the last of each relation's edges) and
 ``all_negs`` relations run eagerly; batches with feature lists never come here.
 
-A ``GraphedSteps`` lives for one bucket: the graphs point at that bucket's partitions, which are
-swapped out afterwards. Capturing is an optimisation only: if it fails, training goes on eagerly.
+A ``GraphedSteps`` lives as long as its trainer (``BucketRunner``), and a graph is kept for every later
+bucket that trains the same relation on the same tables: a graph reads and writes its tables at the
+addresses they had when it was captured, so it is filed under those addresses and shapes (and the
+learning rates it baked in), and replayed only for a bucket whose tables are the same tensors there. A
+GPU that holds every partition (job/train/residency/budget.py, ``device_capacity``) keeps them at the same
+addresses for the whole run, so a P=4 run captures each relation's graph once per (lhs, rhs) pair of
+partitions, in the first pass, instead of once per bucket of every pass. At most ``MAX_GRAPHS`` are kept
+(the least recently replayed goes). Capturing is an optimisation only: if it fails, training goes on
+eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from job.model.scoring import Table
 from job.train.batch.rowops import cached_tensors
 from job.train.batch.step import BatchContext, BatchStats, draw_negatives, run_batch
 
@@ -28,6 +37,7 @@ logger = logging.getLogger("biggraph")
 # eager runs of a (relation, batch size) before it is captured: they create the lazily built tensors
 # (masks, scratch arrays, position ranges) outside the graph's memory pool
 WARMUP_STEPS = 1
+MAX_GRAPHS = 256  # graphs kept at most (each holds its batch's intermediates in the shared pool)
 _STAT_FIELDS = ("loss", "reg", "violators_lhs", "violators_rhs")
 
 
@@ -43,17 +53,35 @@ class _Graph:
     keepalive: list[Tensor]  # the cached tensors the graph reads and writes (see step.cached_tensors)
 
 
+GraphKey = tuple[object, ...]
+
+
+def _table_key(table: Table) -> tuple[int, tuple[int, ...], int, tuple[int, ...]]:
+    """Where a graph finds a table: its tensors' addresses and shapes (no optimizer state: a frozen type)."""
+    sums = table.optim_sum
+    return (table.weight.data_ptr(), tuple(table.weight.shape),
+            0 if sums is None else sums.data_ptr(), () if sums is None else tuple(sums.shape))
+
+
 class GraphedSteps:
-    """Runs the training batches of one bucket, replaying a captured graph where one applies."""
+    """Runs training batches, replaying a captured graph where one applies; kept across buckets."""
 
     disabled_reason: Optional[str] = None  # set once for the process when a capture fails
     replays = 0  # batches run by replaying a graph, in this process (tests read it)
+    captures = 0  # graphs captured, in this process (tests read it)
 
-    def __init__(self, ctx: BatchContext) -> None:
-        self.ctx = ctx
-        self.seen: dict[tuple[int, int], int] = {}
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+    def __init__(self) -> None:
+        self.seen: dict[GraphKey, int] = {}
+        self.graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()  # the graphs never run concurrently: one pool for all
+
+    @staticmethod
+    def key(ctx: BatchContext, rel_idx: int, num_pos: int) -> GraphKey:
+        """What a graph of relation ``rel_idx`` baked in: the batch size, its tables' addresses and shapes, the
+        entity and relation learning rates (Python numbers in its kernels' arguments)."""
+        optimizer = ctx.relation_optimizer
+        return (rel_idx, num_pos, ctx.entity_lr, None if optimizer is None else optimizer.scale,
+                _table_key(ctx.lhs_tables[rel_idx]), _table_key(ctx.rhs_tables[rel_idx]))
 
     @staticmethod
     def applies(ctx: BatchContext, train: bool) -> bool:
@@ -61,9 +89,8 @@ class GraphedSteps:
         return (train and GraphedSteps.disabled_reason is None and ctx.config.cuda_graphs
                 and table is not None and table.weight.device.type == "cuda")
 
-    def run(self, rel_idx: int, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
+    def run(self, ctx: BatchContext, rel_idx: int, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
             generator: Optional[torch.Generator]) -> BatchStats:
-        ctx = self.ctx
         config = ctx.config
         relation = config.relations[rel_idx]
         num_pos = int(lhs.shape[0])
@@ -73,17 +100,18 @@ class GraphedSteps:
         negatives = draw_negatives(ctx, rel_idx, num_pos, generator)
         if eager:
             return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator=generator, train=True, negatives=negatives)
-        key = (rel_idx, num_pos)
+        key = self.key(ctx, rel_idx, num_pos)
         captured = self.graphs.get(key)
         if captured is not None:
-            return self._replay(captured, lhs, rhs, rel_ids, negatives, num_pos)
+            self.graphs.move_to_end(key)
+            return self._replay(ctx, captured, lhs, rhs, rel_ids, negatives, num_pos)
         seen = self.seen.get(key, 0)
         self.seen[key] = seen + 1
         if seen < WARMUP_STEPS:
             return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator=generator, train=True, negatives=negatives)
-        return self._capture(key, lhs, rhs, rel_ids, negatives, num_pos)
+        return self._capture(ctx, key, lhs, rhs, rel_ids, negatives, num_pos)
 
-    def _replay(self, captured: _Graph, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
+    def _replay(self, ctx: BatchContext, captured: _Graph, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
                 negatives: tuple[Optional[Tensor], Optional[Tensor]], num_pos: int) -> BatchStats:
         captured.lhs.copy_(lhs)
         captured.rhs.copy_(rhs)
@@ -94,18 +122,17 @@ class GraphedSteps:
                 buffer.copy_(value, non_blocking=True)
         captured.graph.replay()
         GraphedSteps.replays += 1
-        if self.ctx.relation_optimizer is not None:
-            self.ctx.relation_optimizer.steps += 1  # a CPU counter: the graph does not replay it
+        if ctx.relation_optimizer is not None:
+            ctx.relation_optimizer.steps += 1  # a CPU counter: the graph does not replay it
         out = BatchStats(count=num_pos)
         for name in _STAT_FIELDS:
             value = getattr(captured.stats, name)
             setattr(out, name, value.clone() if isinstance(value, Tensor) else value)
         return out
 
-    def _capture(self, key: tuple[int, int], lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
+    def _capture(self, ctx: BatchContext, key: GraphKey, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
                  negatives: tuple[Optional[Tensor], Optional[Tensor]], num_pos: int) -> BatchStats:
-        ctx = self.ctx
-        rel_idx = key[0]
+        rel_idx = int(key[0])  # type: ignore[call-overload]
         static_lhs, static_rhs = lhs.clone(), rhs.clone()
         static_rel = rel_ids.clone() if rel_ids is not None else None
         lhs_neg, rhs_neg = negatives
@@ -133,4 +160,8 @@ class GraphedSteps:
                 optimizer.steps.copy_(steps_before)
         self.graphs[key] = _Graph(graph, static_lhs, static_rhs, static_rel, static_neg[0], static_neg[1], outputs,
                                   cached_tensors())
+        GraphedSteps.captures += 1
+        self.seen.pop(key, None)
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
         return stats

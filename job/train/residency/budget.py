@@ -136,6 +136,34 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     return capacity
 
 
+# a GPU's memory beyond the resident partitions: the bucket's edges and their shuffle (~64 B an edge), the batch
+# step's workspace and captured graphs, CUDA's own context; the larger of a fixed floor and a share of the card
+DEVICE_RESERVE_FLOOR = 4 * 2**30
+DEVICE_RESERVE_SHARE = 0.2
+
+
+def device_capacity(config: ConfigSchema, counts: dict[str, list[int]], free_bytes: int) -> Optional[int]:
+    """How many partitions a single trainer on a GPU holds on the card when ``partition_buffer`` is unset: as many
+    as fit in ``free_bytes`` (the card's free memory at start) beside a reserve for the bucket's edges and the
+    step's workspace, at least a bucket's. A card that holds every partition never swaps after the first pass's
+    loads (the CUDA graphs captured for a bucket are replayed for every later bucket with the same tables), which
+    is what makes P>1 cost about what P=1 does; one that holds fewer swaps through the host, as the CPU trainer
+    does with its buffer. None: nothing is partitioned."""
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    if not partitioned:
+        return None
+    total = sum(config.entities[t].num_partitions for t in partitioned)
+    per_part = partition_bytes(config, counts)
+    per_bucket = 2 * len(partitioned)
+    reserve = max(DEVICE_RESERVE_FLOOR, int(DEVICE_RESERVE_SHARE * free_bytes))
+    room = free_bytes - reserve - unpartitioned_bytes(config, counts)
+    fits = room // per_part if per_part else total
+    capacity = max(per_bucket, min(total, fits))
+    logger.info("partition buffer on the GPU: %d of %d partitions (%s free, %s kept for edges and workspace, up to "
+                "%s a partition)", capacity, total, _gib(free_bytes), _gib(reserve), _gib(per_part))
+    return capacity
+
+
 def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     """The host copies a distributed trainer takes at a bucket switch of the partitions it keeps, to write them
     in its write group while the next bucket trains on the originals (job/checkpoint/write_groups.py): at most a

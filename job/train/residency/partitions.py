@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 import storage_adapters as storage
@@ -29,26 +27,17 @@ from job.checkpoint.write_groups import WriteGroup, publish_group
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.model.scoring import Table
-from job.train.batch.optim import entity_adagrad_state, sums_from_state
+from job.train.batch.optim import entity_adagrad_state
 from job.train.residency.budget import per_coordinate
 from job.train.residency.copy_slots import CopySlots
+from job.train.residency.device_copies import DeviceCopies
 from job.train.residency.eviction import pick_victim
 from job.train.residency.io_stats import IOStats
+from job.train.residency.reads import PartitionRead, PartitionReader
 from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")
 
-
-
-@dataclass
-class _Read:
-    """A partition read into host memory, not yet placed on the training device."""
-
-    weight: torch.Tensor
-    optim_sum: Optional[torch.Tensor]
-    step: int
-    seconds: float
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -78,14 +67,12 @@ class PartitionStore:
         self.counts = entity_counts
         self.metadata = metadata  # the checkpoint manager's: what the files written now carry
         self.device = device
-        self.init_storage = CheckpointStorage(config.init_path) if config.init_path else None
-        self._init_version: Optional[int] = None
         self.loaded: dict[PartitionKey, Table] = {}
         self.steps: dict[PartitionKey, int] = {}
         self.written: set[PartitionKey] = set()
         self.io_seconds = 0.0
         self.io_bytes = 0
-        self.pending: dict[PartitionKey, Future[_Read]] = {}  # prefetched reads not yet taken by ``get``
+        self.pending: dict[PartitionKey, Future[PartitionRead]] = {}  # prefetched reads not yet taken by ``get``
         self.writing: dict[PartitionKey, Future[None]] = {}  # background write-backs not yet known to be done
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self.prefetched_reads = 0  # partitions taken from a prefetch (tests read it)
@@ -93,6 +80,9 @@ class PartitionStore:
         self.stats = IOStats()
         self._copies = CopySlots()  # host buffers the kept partitions of a write group are copied to
         self._group_behind: Optional[Future[None]] = None  # the last write group written on the I/O thread
+        # a GPU store: uploads and downloads on a stream of their own (job/train/residency/device_copies.py)
+        self.gpu = DeviceCopies(device) if device.type == "cuda" else None
+        self.reader = PartitionReader(config, checkpoint, entity_counts, device, self.gpu)
 
     @property
     def capacity(self) -> Optional[int]:
@@ -152,7 +142,7 @@ class PartitionStore:
         for key in sorted(keys):
             if key in self.loaded or key in self.pending:
                 continue
-            self.pending[key] = self._executor().submit(storage.carry(self._read), key)
+            self.pending[key] = self._executor().submit(storage.carry(self._read_ahead), key)
 
     def discard_prefetched(self) -> None:
         """Drop reads that will not be used (the run stops); background writes finish (into the uncommitted
@@ -220,14 +210,26 @@ class PartitionStore:
                 if victim is None or victim in current:
                     return
                 self.evict_behind(victim)
-            self.pending[key] = self._executor().submit(storage.carry(self._read_after), key, self.writing.pop(key, None))
+            self.pending[key] = self._executor().submit(storage.carry(self._read_after), key,
+                                                        self.writing.pop(key, None))
 
-    def _read_after(self, key: PartitionKey, write: Optional[Future[None]]) -> _Read:
+    def _read_after(self, key: PartitionKey, write: Optional[Future[None]]) -> PartitionRead:
         """Read ``key`` once its own write-back (queued before on the same thread) is done; if that write
         failed, fail too rather than read an older copy."""
         if write is not None:
             write.result()
-        return self._read(key)
+        return self._read_ahead(key)
+
+    def _read_ahead(self, key: PartitionKey) -> PartitionRead:
+        """``_read`` for a prefetch, in the I/O thread: on a GPU the partition is uploaded there too (the side
+        stream), so that the bucket that takes it waits for nothing but an event."""
+        read = self._read(key)
+        if self.gpu is not None and read.weight.device.type == "cpu":
+            started = time.perf_counter()
+            host = [read.weight] + ([read.optim_sum] if read.optim_sum is not None else [])
+            read.uploaded = self.gpu.upload(*host)
+            read.seconds += time.perf_counter() - started
+        return read
 
     def drain(self) -> None:
         """Wait for every background write-back (their errors surface here, before anything is committed)."""
@@ -237,67 +239,33 @@ class PartitionStore:
     def _load(self, key: PartitionKey) -> Table:
         return self._place(key, self._read(key))
 
-    def _read(self, key: PartitionKey) -> _Read:
-        """A partition's values and optimizer state in host memory; changes no state of the store (it may run
-        in the prefetch thread)."""
-        entity_type, part = key
-        count = self.counts[entity_type][part]
-        dim = self.config.entity_dimension(entity_type)
-        started = time.perf_counter()
-        weight = torch.empty((count, dim), dtype=torch.float32)
-        if self.device.type == "cpu":
-            # Into shared memory before any page is touched: sharing a filled tensor copies it, which
-            # doubles the peak memory of a partition for a moment.
-            weight.share_memory_()
-        optim_sum: Optional[torch.Tensor] = None
-        source = None
-        nbytes = 0
-        if key in self.written:
-            source = (self.checkpoint, self.next_version)
-        elif self.committed > 0 and self.checkpoint.has_entity_partition(self.committed, entity_type, part):
-            source = (self.checkpoint, self.committed)
-        elif self.init_storage is not None:
-            version = self._init_storage_version()
-            if self.init_storage.has_entity_partition(version, entity_type, part):
-                source = (self.init_storage, version)
-        if source is not None:
-            storage, version = source
-            array, state = storage.load_entity_partition(version, entity_type, part, out=weight.numpy())
-            # from init_path too: PBG 1.0.0 loads the Adagrad state saved beside the embeddings it starts from
-            # (torchbiggraph/train.py, load_embeddings and swap_partitioned_embeddings); none saved: zero sums
-            optim_sum, step = sums_from_state(state, count, dim, per_coordinate(self.config, entity_type))
-            nbytes = array.nbytes
-            self.stats.add(reads=1, bytes_read=nbytes + (optim_sum.numel() if optim_sum is not None else count) * 4)
-        else:
-            generator = torch.Generator()
-            generator.manual_seed(_stable_seed(self.config.seed, entity_type, part))
-            std = self.config.init_std(entity_type, sum(self.counts[entity_type]))
-            weight.normal_(0.0, 1.0, generator=generator).mul_(std)
-            step = 0
-        self.stats.add(loads=1)
-        return _Read(weight, optim_sum, step, time.perf_counter() - started, nbytes)
+    def _read(self, key: PartitionKey) -> PartitionRead:
+        """A partition's rows and optimizer state, from where they are now (job/train/residency/reads.py); changes no
+        state of the store (it may run in the prefetch thread)."""
+        return self.reader.read(key, written=key in self.written, committed=self.committed, stats=self.stats)
 
-    def _place(self, key: PartitionKey, read: _Read) -> Table:
+    def _place(self, key: PartitionKey, read: PartitionRead) -> Table:
         started = time.perf_counter()
-        optim_sum = read.optim_sum
-        if optim_sum is None:
-            optim_sum = torch.zeros(read.weight.shape if per_coordinate(self.config, key[0]) else read.weight.shape[0])
         self.steps[key] = read.step
-        weight = read.weight.to(self.device)
-        optim_sum = optim_sum.to(self.device)
+        per_row = not per_coordinate(self.config, key[0])
+        if read.uploaded is not None and self.gpu is not None:
+            # read ahead (or initialised) on the side stream: this stream waits for the copy, the host does not
+            tensors = self.gpu.ready(read.uploaded)
+            weight = tensors[0]
+            optim_sum = tensors[1] if len(tensors) > 1 else torch.zeros(
+                read.weight.shape[0] if per_row else read.weight.shape, device=weight.device)
+        else:
+            sums = read.optim_sum
+            if sums is None:
+                sums = torch.zeros(read.weight.shape[0] if per_row else read.weight.shape)
+            weight = read.weight.to(self.device)
+            optim_sum = sums.to(self.device)
         if self.device.type == "cpu":
             weight.share_memory_()
             optim_sum.share_memory_()
         self.io_bytes += read.nbytes
         self.io_seconds += read.seconds + time.perf_counter() - started
         return Table(weight=weight, optim_sum=optim_sum)
-
-    def _init_storage_version(self) -> int:
-        if self._init_version is None:
-            assert self.init_storage is not None
-            # PBG's init_path may be a plain directory of unversioned files or a checkpoint directory.
-            self._init_version = self.init_storage.load_version()
-        return self._init_version
 
     # writing ------------------------------------------------------------------------------------
     def evict(self, key: PartitionKey) -> None:
@@ -308,20 +276,29 @@ class PartitionStore:
         """Take ``key`` out of memory and write it back in the background thread; a read of it (``get``,
         ``prefetch``) runs after that write, on the same thread or by waiting for it."""
         table = self.loaded.pop(key)
-        self.writing[key] = self._executor().submit(storage.carry(self._write), key, table)
+        after = self.gpu.mark() if self.gpu is not None else None  # a GPU: what training wrote, nothing after
+        self.writing[key] = self._executor().submit(storage.carry(self._write), key, table, after)
         self.stats.add(written_behind=1)
 
-    def _write(self, key: PartitionKey, table: Table) -> None:
+    def _write(self, key: PartitionKey, table: Table, after: Optional[torch.cuda.Event] = None) -> None:
         """Write ``key`` under its PBG name in the next version (a single process, and a pass's final write)."""
-        self._save(key, table)
+        self._save(key, table, after=after)
         self.written.add(key)
 
-    def _save(self, key: PartitionKey, table: Table, name: Optional[str] = None) -> None:
+    def _host(self, tensor: torch.Tensor, after: Optional[torch.cuda.Event]) -> torch.Tensor:
+        """``tensor`` in host memory: on a GPU copied on the store's side stream once ``after`` (the training
+        thread's event when it let the table go; None: now) has happened, never queued behind later batches."""
+        if self.gpu is not None and tensor.device.type == "cuda":
+            return self.gpu.to_host(tensor, after)
+        return tensor.detach().cpu()
+
+    def _save(self, key: PartitionKey, table: Table, name: Optional[str] = None,
+              after: Optional[torch.cuda.Event] = None) -> None:
         """``table`` into the next version: under the PBG name of ``key``, or under ``name`` (a staged write)."""
         entity_type, part = key
         started = time.perf_counter()
-        weight = table.weight.detach().cpu().numpy()
-        optim_sum = table.optim_sum.detach().cpu() if table.optim_sum is not None else None
+        weight = self._host(table.weight, after).numpy()
+        optim_sum = self._host(table.optim_sum, after) if table.optim_sum is not None else None
         state = entity_adagrad_state(optim_sum, self.config.lr, self.steps.get(key, 0)) if optim_sum is not None else None
         self.checkpoint.save_entity_partition(self.next_version, entity_type, part, weight, state, self.metadata(),
                                               name=name)
@@ -341,9 +318,10 @@ class PartitionStore:
         group = self.take_group(keep, copy_kept=behind)
         if group is None:
             return [], None
+        after = self.gpu.mark() if self.gpu is not None else None  # a GPU: the leaving tables as training left them
 
         def task() -> None:
-            self.stage(group)
+            self.stage(group, after=after)
             commit(group)
 
         if not behind:
@@ -373,10 +351,11 @@ class PartitionStore:
             tables[key] = self._copies.take(slot, table) if copy_kept else table
         return WriteGroup.of(self.next_version, leaving, tables)
 
-    def stage(self, group: WriteGroup, keys: Optional[Sequence[PartitionKey]] = None) -> None:
-        """Write ``keys`` of ``group`` (all by default) under their staged names."""
+    def stage(self, group: WriteGroup, keys: Optional[Sequence[PartitionKey]] = None,
+              after: Optional[torch.cuda.Event] = None) -> None:
+        """Write ``keys`` of ``group`` (all by default) under their staged names (``after``: see ``_host``)."""
         for key in group.keys if keys is None else keys:
-            self._save(key, group.tables[key], group.names[key])
+            self._save(key, group.tables[key], group.names[key], after=after)
 
     def publish(self, group: WriteGroup, keys: Optional[Sequence[PartitionKey]] = None) -> None:
         """Move ``keys`` of ``group`` (all by default; the server recorded the group) to their PBG names: read
@@ -422,13 +401,3 @@ class PartitionStore:
         self.committed = committed_version
         self.written.clear()
         self.stats = IOStats()
-
-
-def _stable_seed(seed: Optional[int], entity_type: str, part: int) -> int:
-    base = 0 if seed is None else int(seed)
-    if seed is None:
-        entropy = np.random.SeedSequence().entropy  # fresh OS entropy: always an int when none is given
-        if not isinstance(entropy, int):
-            raise TypeError(f"numpy SeedSequence entropy is {type(entropy).__name__}, expected int")
-        base = int(entropy % (2**31))
-    return (base * 1_000_003 + zlib.crc32(f"{entity_type}/{part}".encode())) % (2**63)
