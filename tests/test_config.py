@@ -597,3 +597,21 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
                                sync_bytes=sync_memory_bytes(values, serves=True)) == 14 - 2 - 2 - TRANSFER_SLOTS
     assert f"{(4 + TRANSFER_SLOTS) * 4 * values / 2**20:.1f} MiB to sync the shared parameters" in caplog.text
     assert "3.8 MiB for the kept partitions' copies of a write group" in caplog.text
+
+
+def test_a_gpu_holds_every_partition_that_fits_beside_its_reserve() -> None:
+    """One GPU trainer's buffer is the card's free memory less a reserve (a floor, or a share of the card), at least
+    a bucket's partitions, at most all of them; nothing partitioned: None."""
+    from job.train.residency.budget import DEVICE_RESERVE_FLOOR, device_capacity
+
+    config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 8}}, "dimension": 99})
+    part = 10_000_000 * 100 * 4  # 10M rows x (99 + 1 row-wise Adagrad) x 4 bytes = 4 GB a partition
+    counts = {"all": [10_000_000] * 8}
+    assert device_capacity(config, counts, free_bytes=140 * 10**9) == 8  # an H200: every partition
+    assert device_capacity(config, counts, free_bytes=DEVICE_RESERVE_FLOOR + 4 * part) == 4  # the floor reserved
+    share = int(5 * part / 0.8) + 1  # 25 GB free: a fifth of it is the larger reserve
+    assert device_capacity(config, counts, free_bytes=share) == 5
+    assert device_capacity(config, counts, free_bytes=share - 10) == 4
+    assert device_capacity(config, counts, free_bytes=part) == 2  # too small: a bucket's, as always
+    unpartitioned = parse_config({**minimal(), "entities": {"all": {"num_partitions": 1}}, "dimension": 99})
+    assert device_capacity(unpartitioned, {"all": [10]}, free_bytes=10**12) is None

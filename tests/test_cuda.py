@@ -171,3 +171,107 @@ def test_num_gpus_2_trains_one_process_per_gpu(tmp_path: Path) -> None:
         assert np.isfinite(embeddings).all()
     losses = pass_losses(raw["checkpoint_path"])
     assert losses and losses[-1] < losses[0], losses
+
+
+def _run_trainer(raw: dict) -> Trainer:
+    """Train ``raw`` to the end with a ``Trainer`` kept for inspection (its store, its graphs)."""
+    trainer = Trainer(parse_config(raw))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_graphs_are_captured_in_the_first_pass_and_replayed_in_every_later_one(tmp_path: Path) -> None:
+    """P=4 on one card: every partition stays on it (the card's memory is the buffer), so each relation's graph is
+    captured once per (lhs, rhs) pair of tables and replayed in every later bucket and pass: three passes capture
+    exactly what one does, and compute what the eager steps compute."""
+    from job.train.batch.graphs import GraphedSteps
+
+    captures, results = [], []
+    for epochs in (1, 3):
+        GraphedSteps.captures = GraphedSteps.replays = 0
+        raw = _complex_graph(tmp_path / f"e{epochs}", num_entities=800, num_partitions=4, num_epochs=epochs,
+                             device="cuda")
+        trainer = _run_trainer(raw)
+        # the last pass loaded nothing: all four stayed on the card since the first
+        assert trainer.store.capacity == 4 and trainer.store.stats.loads == (4 if epochs == 1 else 0)
+        captures.append(GraphedSteps.captures)
+        assert GraphedSteps.disabled_reason is None
+    assert captures[0] > 0 and captures[1] == captures[0], captures
+    assert GraphedSteps.replays > 0
+    raw = _complex_graph(tmp_path / "eager", num_entities=800, num_partitions=4, num_epochs=3, device="cuda",
+                         cuda_graphs=False)
+    train(parse_config(raw))
+    for part in range(4):
+        results = [CheckpointStorage(str(tmp_path / name / "checkpoints")).load_entity_partition(3, "node", part)[0]
+                   for name in ("e3", "eager")]
+        np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-5)
+
+
+def test_swaps_through_the_side_stream_compute_what_the_cpu_computes(tmp_path: Path) -> None:
+    """A buffer of two partitions for P=4 swaps at nearly every bucket: the next bucket's partition is read and
+    uploaded in the I/O thread on the store's side stream, the one leaving is downloaded there after the event of
+    the bucket that let it go. The result is the CPU trainer's with the same buffer, up to float rounding."""
+    results = {}
+    for device in ("cpu", "cuda"):
+        raw = _complex_graph(tmp_path / device, num_entities=400, num_partitions=4, num_epochs=3, device=device,
+                             partition_buffer=1)
+        trainer = _run_trainer(raw)
+        if device == "cuda":
+            assert trainer.store.capacity == 2
+            assert trainer.store.gpu is not None
+            assert trainer.store.gpu.uploads > 0 and trainer.store.gpu.downloads > 0
+            assert trainer.store.prefetched_reads > 0
+        storage = CheckpointStorage(raw["checkpoint_path"])
+        results[device] = [storage.load_entity_partition(3, "node", part)[0] for part in range(4)]
+    for cpu, cuda in zip(results["cpu"], results["cuda"]):
+        assert np.abs(cpu).max() > 0.05
+        np.testing.assert_allclose(cuda, cpu, rtol=1e-3, atol=1e-4)
+
+
+def test_large_partitions_are_drawn_and_large_buckets_shuffled_on_the_card(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the thresholds (lowered here) a fresh partition is drawn by the card's generator and a bucket shuffled
+    there: a seeded run is the same twice, trains, and its initial rows are N(0, init_scale²)."""
+    from job.train import bucket_run
+    from job.train.residency import reads
+
+    monkeypatch.setattr(reads, "DEVICE_INIT_VALUES", 1)
+    monkeypatch.setattr(bucket_run, "DEVICE_SHUFFLE_EDGES", 1)
+    runs = []
+    for name in ("a", "b"):
+        raw = _complex_graph(tmp_path / name, num_entities=2000, num_partitions=2, num_epochs=2, device="cuda")
+        train(parse_config(raw))
+        storage = CheckpointStorage(raw["checkpoint_path"])
+        runs.append([storage.load_entity_partition(2, "node", part)[0] for part in range(2)])
+        losses = pass_losses(raw["checkpoint_path"])
+        assert losses[-1] < losses[0], losses
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    raw = _complex_graph(tmp_path / "init", num_entities=20000, num_partitions=2, num_epochs=1, device="cuda",
+                         lr=0.0)
+    train(parse_config(raw))
+    rows = CheckpointStorage(raw["checkpoint_path"]).load_entity_partition(1, "node", 0)[0]
+    assert abs(float(rows.std()) - 0.1) < 0.005 and abs(float(rows.mean())) < 0.005
+
+
+def test_device_copies_order_the_side_stream_after_the_training_stream() -> None:
+    """A download after ``mark`` sees what the training stream wrote before it, however long that took; an upload is
+    ready on the training stream once ``ready`` returns, without the host waiting for it."""
+    from job.train.residency.device_copies import DeviceCopies
+
+    copies = DeviceCopies(torch.device("cuda", torch.cuda.current_device()))
+    big = torch.randn(4096, 4096, device="cuda")
+    table = torch.zeros(1000, 16, device="cuda")
+    for _ in range(20):  # queue work that takes a while before the write the download must see
+        big = big @ big / 64
+    table.add_(1.0)
+    after = copies.mark()
+    host = copies.to_host(table, after)
+    assert float(host.sum()) == 16_000.0
+    uploaded = copies.upload(torch.full((500, 8), 2.0), torch.ones(500))
+    weight, sums = copies.ready(uploaded)
+    assert float((weight * 2).sum()) == 16_000.0 and float(sums.sum()) == 500.0
+    assert copies.uploads == 1 and copies.downloads == 1
