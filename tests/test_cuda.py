@@ -211,16 +211,16 @@ def test_graphs_are_captured_in_the_first_pass_and_replayed_in_every_later_one(t
 
 
 def test_swaps_through_the_side_stream_compute_what_the_cpu_computes(tmp_path: Path) -> None:
-    """A buffer of two partitions for P=4 swaps at nearly every bucket: the next bucket's partition is read and
+    """A buffer of three partitions for P=4 swaps every few buckets: the next bucket's partition is read and
     uploaded in the I/O thread on the store's side stream, the one leaving is downloaded there after the event of
     the bucket that let it go. The result is the CPU trainer's with the same buffer, up to float rounding."""
     results = {}
     for device in ("cpu", "cuda"):
         raw = _complex_graph(tmp_path / device, num_entities=400, num_partitions=4, num_epochs=3, device=device,
-                             partition_buffer=1)
+                             partition_buffer=3)
         trainer = _run_trainer(raw)
         if device == "cuda":
-            assert trainer.store.capacity == 2
+            assert trainer.store.capacity == 3
             assert trainer.store.gpu is not None
             assert trainer.store.gpu.uploads > 0 and trainer.store.gpu.downloads > 0
             assert trainer.store.prefetched_reads > 0
