@@ -167,8 +167,12 @@ def import_kg(source: str, root: Path) -> None:
 
 def trainer_runs(devices: tuple[str, ...], with_pbg: bool) -> list[tuple[str, list[str], list[str]]]:
     """(label, command, arguments after the config file): biggraph on each device ("biggraph" is the CPU), then PBG."""
-    runs = [("biggraph" if device == "cpu" else f"biggraph-{device}", [PYTHON, "-m", "job", "train"],
-             ["-p", f"device={device}"]) for device in devices]
+    runs = []
+    for spec in devices:  # "cuda", or "cuda/bfloat16": the device and a compute_dtype
+        device, _, dtype = spec.partition("/")
+        label = ("biggraph" if device == "cpu" else f"biggraph-{device}") + (f"-{dtype}" if dtype else "")
+        extra = ["-p", f"device={device}"] + (["-p", f"compute_dtype={dtype}"] if dtype else [])
+        runs.append((label, [PYTHON, "-m", "job", "train"], extra))
     pbg = pbg_train_command()
     if with_pbg and pbg:
         runs.append(("pbg", pbg, []))
@@ -308,7 +312,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="generated graph: alternate the two trainers this many times, report each one's best")
     parser.add_argument("--devices", default="cpu",
-                        help="comma-separated devices biggraph trains on (cpu, cuda), each next to the same PBG run")
+                        help="comma-separated devices biggraph trains on (cpu, cuda; cuda/bfloat16 adds a "
+                             "compute_dtype), each next to the same PBG run")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="biggraph-bench-"))
