@@ -82,6 +82,8 @@ def stats_of(checkpoint_path: str) -> dict[str, Any]:
                 summary = record
     return {"edges": edges, "compute_s": round(compute, 2), "edge_io_s": round(io, 2), "buckets": buckets,
             "pass_s": round(summary["time"], 2) if summary else None,
+            "commit_s": summary.get("commit_seconds") if summary else None,
+            "io_blocked_s": summary.get("io_blocked_seconds") if summary else None,
             "loss": summary["stats"]["metrics"].get("loss") if summary else None}
 
 
@@ -92,14 +94,17 @@ def main() -> None:
     parser.add_argument("--label", default="gpu")
     parser.add_argument("--json", default=None, help="also append the result line to this file")
     parser.add_argument("--no-card-facts", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script on a machine without a GPU")
     args = parser.parse_args()
 
     from job.config import load_config
     from job.train import train
 
-    facts = {} if args.no_card_facts else card_facts()
-    config = load_config(args.config, ["device=cuda", *args.param])
-    torch.cuda.reset_peak_memory_stats()
+    on_gpu = args.device == "cuda"
+    facts = card_facts() if on_gpu and not args.no_card_facts else {}
+    config = load_config(args.config, [f"device={args.device}", *args.param])
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     train(config)
     wall = time.perf_counter() - started
@@ -113,8 +118,8 @@ def main() -> None:
         "wall_s": round(wall, 2), **stats,
         "compute_edges_per_s": round(stats["edges"] / stats["compute_s"]) if stats["compute_s"] else None,
         "wall_edges_per_s": round(stats["edges"] / wall),
-        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if on_gpu else None,
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     }
     line = json.dumps(result)
