@@ -72,6 +72,8 @@ def process_slices(
     total = BatchStats()
     for indices in slices:
         total.add(process_edges(ctx, edges, indices, batch_size, dynamic, generator, train, graphs=graphs))
+    if graphs is not None:
+        total.add(graphs.collect())  # what the replays added up on the device
     return total
 
 
@@ -163,12 +165,12 @@ class PlannedSlice:
         """Batch ``k`` of the plan; batches with feature lists run eagerly."""
         plan, edges = self.plan, self.edges
         chosen = plan.indices[int(plan.starts[k]):int(plan.ends[k])]
+        relation = int(plan.relations[k])
+        if graphs is not None and edges.lhs_features is None and edges.rhs_features is None:
+            return graphs.run_edges(ctx, relation, edges, chosen, plan.dynamic, generator)
         lhs, rhs = edges.lhs[chosen], edges.rhs[chosen]
         rel_ids = edges.rel[chosen] if plan.dynamic else None
-        relation = int(plan.relations[k])
         if edges.lhs_features is None and edges.rhs_features is None:
-            if graphs is not None:
-                return graphs.run(ctx, relation, lhs, rhs, rel_ids, generator)
             return run_batch(ctx, relation, lhs, rhs, rel_ids, generator=generator, train=train)
         on_cpu = chosen.cpu()
         return run_batch(ctx, relation, lhs, rhs, rel_ids, generator=generator, train=train,

@@ -31,6 +31,7 @@ from torch import Tensor
 from job.model.scoring import Table
 from job.train.batch.rowops import cached_tensors
 from job.train.batch.step import BatchContext, BatchStats, draw_negatives, run_batch
+from job.train.inputs import EdgeTensors
 
 logger = logging.getLogger("biggraph")
 
@@ -74,6 +75,9 @@ class GraphedSteps:
         self.seen: dict[GraphKey, int] = {}
         self.graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()  # the graphs never run concurrently: one pool for all
+        # the statistics every replay adds to, inside its graph (float64: a 338M-edge bucket's loss sum); read and
+        # zeroed once per call of ``process_slices`` (``collect``) instead of cloned and added up after every batch
+        self.totals: Optional[Tensor] = None
 
     @staticmethod
     def key(ctx: BatchContext, rel_idx: int, num_pos: int) -> GraphKey:
@@ -88,6 +92,38 @@ class GraphedSteps:
         table = next(iter(ctx.lhs_tables.values()), None)
         return (train and GraphedSteps.disabled_reason is None and ctx.config.cuda_graphs
                 and table is not None and table.weight.device.type == "cuda")
+
+    def run_edges(self, ctx: BatchContext, rel_idx: int, edges: EdgeTensors, chosen: Tensor, dynamic: bool,
+                  generator: Optional[torch.Generator]) -> BatchStats:
+        """The batch of ``edges`` at positions ``chosen``: where its graph is captured, the edges are gathered
+        straight into the graph's inputs (three kernels, then the replay); otherwise as ``run``."""
+        config = ctx.config
+        num_pos = int(chosen.shape[0])
+        if (num_pos == config.batch_size and not config.relations[rel_idx].all_negs
+                and GraphedSteps.disabled_reason is None):
+            key = self.key(ctx, rel_idx, num_pos)
+            captured = self.graphs.get(key)
+            if captured is not None:
+                negatives = draw_negatives(ctx, rel_idx, num_pos, generator)  # first, as ``run`` draws them
+                self.graphs.move_to_end(key)
+                torch.index_select(edges.lhs, 0, chosen, out=captured.lhs)
+                torch.index_select(edges.rhs, 0, chosen, out=captured.rhs)
+                if dynamic and captured.rel_ids is not None:
+                    torch.index_select(edges.rel, 0, chosen, out=captured.rel_ids)
+                return self._replay(ctx, captured, None, None, None, negatives, num_pos)
+        return self.run(ctx, rel_idx, edges.lhs[chosen], edges.rhs[chosen], edges.rel[chosen] if dynamic else None,
+                        generator)
+
+    def collect(self) -> BatchStats:
+        """What the replays since the last call added up (0-dim device tensors, read once by the bucket's totals),
+        the sums then zeroed; counts are not here (each replay returns its own)."""
+        out = BatchStats()
+        if self.totals is not None:
+            sums = self.totals.clone()
+            self.totals.zero_()
+            for index, name in enumerate(_STAT_FIELDS):
+                setattr(out, name, sums[index])
+        return out
 
     def run(self, ctx: BatchContext, rel_idx: int, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
             generator: Optional[torch.Generator]) -> BatchStats:
@@ -111,10 +147,14 @@ class GraphedSteps:
             return run_batch(ctx, rel_idx, lhs, rhs, rel_ids, generator=generator, train=True, negatives=negatives)
         return self._capture(ctx, key, lhs, rhs, rel_ids, negatives, num_pos)
 
-    def _replay(self, ctx: BatchContext, captured: _Graph, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
-                negatives: tuple[Optional[Tensor], Optional[Tensor]], num_pos: int) -> BatchStats:
-        captured.lhs.copy_(lhs)
-        captured.rhs.copy_(rhs)
+    def _replay(self, ctx: BatchContext, captured: _Graph, lhs: Optional[Tensor], rhs: Optional[Tensor],
+                rel_ids: Optional[Tensor], negatives: tuple[Optional[Tensor], Optional[Tensor]],
+                num_pos: int) -> BatchStats:
+        """Replay ``captured`` on these edges (None: already gathered into its inputs); its statistics go to
+        ``totals``, inside the graph."""
+        if lhs is not None and rhs is not None:
+            captured.lhs.copy_(lhs)
+            captured.rhs.copy_(rhs)
         if captured.rel_ids is not None and rel_ids is not None:
             captured.rel_ids.copy_(rel_ids)
         for buffer, value in ((captured.lhs_neg, negatives[0]), (captured.rhs_neg, negatives[1])):
@@ -124,11 +164,7 @@ class GraphedSteps:
         GraphedSteps.replays += 1
         if ctx.relation_optimizer is not None:
             ctx.relation_optimizer.steps += 1  # a CPU counter: the graph does not replay it
-        out = BatchStats(count=num_pos)
-        for name in _STAT_FIELDS:
-            value = getattr(captured.stats, name)
-            setattr(out, name, value.clone() if isinstance(value, Tensor) else value)
-        return out
+        return BatchStats(count=num_pos)
 
     def _capture(self, ctx: BatchContext, key: GraphKey, lhs: Tensor, rhs: Tensor, rel_ids: Optional[Tensor],
                  negatives: tuple[Optional[Tensor], Optional[Tensor]], num_pos: int) -> BatchStats:
@@ -148,9 +184,15 @@ class GraphedSteps:
         graph = torch.cuda.CUDAGraph()
         try:
             # recorded, not run: the step above already applied this batch
+            if self.totals is None:  # outside the graph's pool: every graph adds to the same sums
+                self.totals = torch.zeros(len(_STAT_FIELDS), dtype=torch.float64, device=static_lhs.device)
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 outputs = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, generator=None, train=True,
                                     negatives=static_neg)
+                for index, name in enumerate(_STAT_FIELDS):
+                    value = getattr(outputs, name)
+                    if isinstance(value, Tensor):
+                        self.totals[index].add_(value)
         except RuntimeError as err:
             GraphedSteps.disabled_reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             logger.warning("CUDA graph capture failed (%s); training on without graphs", GraphedSteps.disabled_reason)
