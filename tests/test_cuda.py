@@ -208,6 +208,9 @@ def test_graphs_are_captured_in_the_first_pass_and_replayed_in_every_later_one(t
         results = [CheckpointStorage(str(tmp_path / name / "checkpoints")).load_entity_partition(3, "node", part)[0]
                    for name in ("e3", "eager")]
         np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-5)
+    # the replays' statistics, added up inside the graphs, are the eager steps' (the pass losses of the log)
+    replayed, eager = (pass_losses(str(tmp_path / name / "checkpoints")) for name in ("e3", "eager"))
+    np.testing.assert_allclose(replayed, eager, rtol=1e-4)
 
 
 def test_swaps_through_the_side_stream_compute_what_the_cpu_computes(tmp_path: Path) -> None:
