@@ -104,7 +104,8 @@ class GraphedSteps:
             key = self.key(ctx, rel_idx, num_pos)
             captured = self.graphs.get(key)
             if captured is not None:
-                negatives = draw_negatives(ctx, rel_idx, num_pos, generator)  # first, as ``run`` draws them
+                # first, as ``run`` draws them; left on the host, copied straight into the graph's inputs
+                negatives = draw_negatives(ctx, rel_idx, num_pos, generator, on_host=True)
                 self.graphs.move_to_end(key)
                 torch.index_select(edges.lhs, 0, chosen, out=captured.lhs)
                 torch.index_select(edges.rhs, 0, chosen, out=captured.rhs)

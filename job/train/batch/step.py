@@ -108,8 +108,9 @@ class BatchContext:
 
 
 def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: int, disabled: bool,
-                    generator: Optional[torch.Generator]) -> Optional[Tensor]:
-    """``num_uniform`` entity ids per chunk of positives (PBG draws a fresh sample for every chunk)."""
+                    generator: Optional[torch.Generator], on_host: bool = False) -> Optional[Tensor]:
+    """``num_uniform`` entity ids per chunk of positives (PBG draws a fresh sample for every chunk); ``on_host``:
+    left in host memory (a replayed graph copies them straight into its inputs)."""
     if disabled or num_uniform == 0 or count == 0:
         return None
     chunk = ctx.num_batch_negs if ctx.num_batch_negs > 0 else num_uniform
@@ -117,18 +118,19 @@ def _sample_uniform(ctx: BatchContext, num_pos: int, num_uniform: int, count: in
     device = next(iter(ctx.lhs_tables.values())).weight.device
     # drawn by the CPU generator on every device: a seeded run samples the same negatives on CPU and CUDA
     ids = torch.randint(0, count, (num_chunks, num_uniform), generator=generator)
-    return ids if device.type == "cpu" else ids.to(device, non_blocking=True)
+    return ids if device.type == "cpu" or on_host else ids.to(device, non_blocking=True)
 
 
-def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int,
-                   generator: Optional[torch.Generator]) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """A batch's uniform negatives (lhs, rhs), each (chunks x num_uniform_negs) or None."""
+def draw_negatives(ctx: BatchContext, rel_idx: int, num_pos: int, generator: Optional[torch.Generator],
+                   on_host: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A batch's uniform negatives (lhs, rhs), each (chunks x num_uniform_negs) or None; ``on_host``: see
+    ``_sample_uniform``."""
     config = ctx.config
     num_uniform = 0 if config.relations[rel_idx].all_negs else ctx.num_uniform_negs
     lhs_count = ctx.lhs_tables[rel_idx].weight.shape[0]
     rhs_count = ctx.rhs_tables[rel_idx].weight.shape[0]
-    return (_sample_uniform(ctx, num_pos, num_uniform, lhs_count, config.disable_lhs_negs, generator),
-            _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator))
+    return (_sample_uniform(ctx, num_pos, num_uniform, lhs_count, config.disable_lhs_negs, generator, on_host),
+            _sample_uniform(ctx, num_pos, num_uniform, rhs_count, config.disable_rhs_negs, generator, on_host))
 
 
 def _update_rows(ctx: BatchContext, rows: SelectedRows, lhs_table: Table, rhs_table: Table, lhs_rows: Tensor,
