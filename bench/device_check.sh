@@ -6,7 +6,8 @@
 #
 # SECTIONS, comma-separated (default: tests,generated,umls,freebase — issue #48's list), run in the order tests,
 # freebase, generated, umls (the headline figure before the cheaper ones, in case the device's time runs out):
-#   tests      tests/test_cuda.py, and the training suites with BIGGRAPH_TEST_DEVICE=cuda (side by side)
+#   tests      tests/test_cuda.py (alone: cuda), and the training suites with BIGGRAPH_TEST_DEVICE=cuda (alone:
+#              suites), side by side
 #   generated  the generated 1M-entity / 10M-edge graph at P=1 and P=4: GPU against the CPU trainer on the
 #              device's cores (16 Hogwild workers), compute and wall edges/s, one invocation
 #   umls       UMLS filtered MRR and speed, 25 epochs: GPU float32, GPU bfloat16, CPU (16 workers)
@@ -67,19 +68,27 @@ if want freebase; then
   GEN_PID=$!
 fi
 
-if want tests; then
+if want tests || want suites || want cuda; then
   stamp "tests"
-  # the training suites on the GPU (helpers_graphs / test_fused read BIGGRAPH_TEST_DEVICE) beside the CUDA-only tests
-  BIGGRAPH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 160 -m "not slow" \
-    tests/test_train_*.py tests/test_fused*.py tests/test_compute_dtype.py tests/test_regularizers.py \
-    tests/test_checkpoint_manager.py tests/test_quality_options.py tests/test_validation.py >"$OUTDIR/tests_full.log" 2>&1 &
-  SUITE_PID=$!
-  timeout ${CUDA_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider --timeout 160 -rA tests/test_cuda.py \
-    >"$OUTDIR/test_cuda_full.log" 2>&1
-  tail -40 "$OUTDIR/test_cuda_full.log" >"$OUTDIR/test_cuda.log"
-  wait $SUITE_PID
-  tail -40 "$OUTDIR/tests_full.log" >"$OUTDIR/tests.log"
-  grep -hE "passed|failed|error" "$OUTDIR/tests.log" "$OUTDIR/test_cuda.log" | tail -4
+  SUITE_PID=
+  if want tests || want suites; then
+    # the training suites on the GPU (helpers_graphs / test_fused read BIGGRAPH_TEST_DEVICE) beside the CUDA-only tests
+    BIGGRAPH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 160 \
+      -m "not slow" tests/test_train_*.py tests/test_fused*.py tests/test_compute_dtype.py tests/test_regularizers.py \
+      tests/test_checkpoint_manager.py tests/test_quality_options.py tests/test_validation.py \
+      >"$OUTDIR/tests_full.log" 2>&1 &
+    SUITE_PID=$!
+  fi
+  if want tests || want cuda; then
+    timeout ${CUDA_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider --timeout 160 -rA tests/test_cuda.py \
+      >"$OUTDIR/test_cuda_full.log" 2>&1
+    tail -60 "$OUTDIR/test_cuda_full.log" >"$OUTDIR/test_cuda.log"
+  fi
+  if [[ -n "$SUITE_PID" ]]; then
+    wait $SUITE_PID
+    tail -40 "$OUTDIR/tests_full.log" >"$OUTDIR/tests.log"
+  fi
+  grep -hE "passed|failed|error" "$OUTDIR"/tests.log "$OUTDIR"/test_cuda.log 2>/dev/null | tail -6
 fi
 if [[ -n "$GEN_PID" ]]; then
   stamp "waiting for the Freebase-size graph"
