@@ -92,6 +92,8 @@ class GraphSpec:
     def check(self) -> None:
         if not 1 <= self.num_entities <= np.iinfo(ID_DTYPE).max:
             raise SpecError(f"--entities {self.num_entities}: expected 1 .. {np.iinfo(ID_DTYPE).max}")
+        if self.seed < 0:
+            raise SpecError(f"--seed {self.seed}: expected a non-negative integer")
         if self.num_edges < 0:
             raise SpecError(f"--edges {self.num_edges}: expected a non-negative count")
         if not 1 <= self.num_relations <= 1 << (REL_TABLE_BITS - 1):
@@ -198,22 +200,27 @@ class Generator:
         begin = index * spec.block_edges
         size = min(spec.block_edges, spec.num_edges - begin)
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([spec.seed, index])))
-        rel = self.table[rng.integers(0, len(self.table), size=size, dtype=np.int64)]
+        rel = self.table[rng.integers(0, len(self.table), size=size, dtype=np.int32)]
         lhs = self.entity_ids(rng, size, 0)
         rhs = self.entity_ids(rng, size, 1)
         parts = spec.num_partitions
         if parts == 1:
             return Block(rel, lhs.astype(ID_DTYPE), rhs.astype(ID_DTYPE), np.array([0, size], dtype=np.int64))
         key_dtype = np.uint8 if parts * parts <= 256 else np.uint16  # radix-sorted by numpy's stable sort
-        lhs_part = (lhs * parts // spec.num_entities).astype(key_dtype)
-        rhs_part = (rhs * parts // spec.num_entities).astype(key_dtype)
-        lhs -= self.starts[lhs_part]
-        rhs -= self.starts[rhs_part]
-        key = lhs_part * key_dtype(parts) + rhs_part  # < P*P: fits the key's type
+        starts = self.starts.astype(ID_DTYPE)
+        sides = []
+        for ids in (lhs, rhs):
+            part = (ids * parts // spec.num_entities).astype(key_dtype)
+            local = ids.astype(ID_DTYPE)
+            local -= starts[part]
+            sides.append((part, local))
+        key = sides[0][0] * key_dtype(parts) + sides[1][0]  # < P*P: fits the key's type
         order = np.argsort(key, kind="stable")
-        offsets = np.zeros(parts * parts + 1, dtype=np.int64)
-        np.cumsum(np.bincount(key, minlength=parts * parts), out=offsets[1:])
-        return Block(rel[order], lhs.astype(ID_DTYPE)[order], rhs.astype(ID_DTYPE)[order], offsets)
+        # the sorted keys' boundaries: cheaper than a bincount, which widens the keys to intp first
+        # (needles of the keys' own type, so that the sorted keys are not widened to a common type)
+        firsts = np.searchsorted(key[order], np.arange(parts * parts, dtype=key_dtype), side="left")
+        offsets = np.append(firsts, size).astype(np.int64)
+        return Block(rel[order], sides[0][1][order], sides[1][1][order], offsets)
 
     def blocks(self, threads: int) -> list[Block]:
         count = self.spec.num_blocks()
