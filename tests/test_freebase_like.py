@@ -134,3 +134,19 @@ def test_the_cli_refuses_bad_sizes_on_one_line(tmp_path: Path, capsys: pytest.Ca
     assert fl.main(["--out", str(tmp_path), "--batch-size", "1000", "--num-batch-negs", "300"]) == 2
     assert "--num-batch-negs 300" in capsys.readouterr().err
     assert not (tmp_path / "edges").exists()
+
+
+@pytest.mark.parametrize("partitions", [16, 17])  # 8-bit bucket keys up to P=16, 16-bit above
+def test_every_bucket_holds_ids_of_its_own_partitions(partitions: int) -> None:
+    spec = fl.GraphSpec(num_entities=5_000, num_edges=30_000, num_relations=10, num_partitions=partitions,
+                        block_edges=7_000)
+    counts = spec.partition_counts()
+    total = 0
+    for block in fl.Generator(spec).blocks(threads=2):
+        for bucket in range(partitions * partitions):
+            rows = slice(int(block.offsets[bucket]), int(block.offsets[bucket + 1]))
+            lhs, rhs = block.lhs[rows], block.rhs[rows]
+            assert ((lhs >= 0) & (lhs < counts[bucket // partitions])).all()
+            assert ((rhs >= 0) & (rhs < counts[bucket % partitions])).all()
+            total += rows.stop - rows.start
+    assert total == spec.num_edges
