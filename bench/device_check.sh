@@ -2,7 +2,7 @@
 # The checks that need a GPU, in one go on a lent machine (~15 minutes of device time per issue, start-up
 # included, so the default sections are sized to end within ~9 minutes: there is no time for a second run).
 #
-#   bench/device_check.sh [OUTDIR] [SECTIONS]
+#   bench/device_check.sh [LOGDIR] [SECTIONS]      e.g. bash bench/device_check.sh /tmp/logs cuda
 #
 # SECTIONS, comma-separated (default: tests,generated,umls,freebase — issue #48's list), run in the order tests,
 # freebase, generated, umls (the headline figure before the cheaper ones, in case the device's time runs out):
@@ -32,14 +32,20 @@
 # Large files (the generated graphs, checkpoints) go under WORK (/tmp/device-work), never under OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${1:-${OUT:-/tmp/device-check}}
+# logs go to OUTDIR; with $OUT set (the device tool's folder, which returns at most 8 files) they are packed into
+# $OUT/device_logs.tgz after every section, so that a run cut short still returns what it did
+OUTDIR=${1:-/tmp/device-check}
+PACK=${OUT:-}
 SECTIONS=${2:-tests,generated,umls,freebase}
 WORK=${WORK:-/tmp/device-work}
 mkdir -p "$OUTDIR" "$WORK"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BIGGRAPH_NATIVE_CACHE=/tmp/biggraph-native
 export BIGGRAPH_DATA_DIR=${BIGGRAPH_DATA_DIR:-$PWD/.devdata/datasets}
 want() { [[ ",$SECTIONS," == *",$1,"* ]]; }
-stamp() { date -u "+%H:%M:%S $1" | tee -a "$OUTDIR/card.txt"; }
+stamp() {
+  [[ -n "$PACK" ]] && tar czf "$PACK/device_logs.tgz" -C "$OUTDIR" . 2>/dev/null
+  date -u "+%H:%M:%S $1" | tee -a "$OUTDIR/card.txt"
+}
 
 {
   date -u '+%Y-%m-%d %H:%M UTC'
@@ -195,4 +201,6 @@ n3e03lr01 regularization_coef=0.03 lr=0.1"}
     fi
   done
 fi
-date -u '+%H:%M:%S done' | tee -a "$OUTDIR/card.txt"
+stamp "done"
+[[ -n "$PACK" ]] && tar czf "$PACK/device_logs.tgz" -C "$OUTDIR" . 2>/dev/null
+true
