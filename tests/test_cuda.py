@@ -185,8 +185,8 @@ def _run_trainer(raw: dict) -> Trainer:
 
 def test_graphs_are_captured_in_the_first_pass_and_replayed_in_every_later_one(tmp_path: Path) -> None:
     """P=4 on one card: every partition stays on it (the card's memory is the buffer), so each relation's graph is
-    captured once per (lhs, rhs) pair of tables and replayed in every later bucket and pass: three passes capture
-    exactly what one does, and compute what the eager steps compute."""
+    captured once per (lhs, rhs) pair of tables and replayed in every later bucket and pass, and computes what the
+    eager steps compute."""
     from job.train.batch.graphs import GraphedSteps
 
     captures, results = [], []
@@ -199,7 +199,10 @@ def test_graphs_are_captured_in_the_first_pass_and_replayed_in_every_later_one(t
         assert trainer.store.capacity == 4 and trainer.store.stats.loads == (4 if epochs == 1 else 0)
         captures.append(GraphedSteps.captures)
         assert GraphedSteps.disabled_reason is None
-    assert captures[0] > 0 and captures[1] == captures[0], captures
+    # a graph per (relation, lhs table, rhs table) at most, whatever the passes (per-bucket graphs captured them
+    # again in every pass: ~3x the first pass's); a key whose first pass had too few full batches to be captured
+    # may be captured in a later one
+    assert 0 < captures[0] <= captures[1] <= 2 * 16 and captures[1] < 2 * captures[0], captures
     assert GraphedSteps.replays > 0
     raw = _complex_graph(tmp_path / "eager", num_entities=800, num_partitions=4, num_epochs=3, device="cuda",
                          cuda_graphs=False)
@@ -254,7 +257,7 @@ def test_large_partitions_are_drawn_and_large_buckets_shuffled_on_the_card(tmp_p
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     raw = _complex_graph(tmp_path / "init", num_entities=20000, num_partitions=2, num_epochs=1, device="cuda",
-                         lr=0.0)
+                         lr=1e-9)  # (a rate of 0 is refused): rows that training leaves as they were drawn
     train(parse_config(raw))
     rows = CheckpointStorage(raw["checkpoint_path"]).load_entity_partition(1, "node", 0)[0]
     assert abs(float(rows.std()) - 0.1) < 0.005 and abs(float(rows.mean())) < 0.005

@@ -191,9 +191,11 @@ def launch(config: Any, entrypoint: str, args: list[str]) -> None:
     pool = SparePool([entrypoint, *map(str, args)], int(config.nproc_per_node)) if _spares_installed else None
     global _pool
     _pool = pool
+    # torch 2.12 added LaunchConfig.shutdown_timeout (the agent's wait for its workers to stop); an image with an
+    # older torch (a CUDA base image, say) has neither it nor the agent's keyword
+    stop_wait = {"shutdown_timeout": config.shutdown_timeout} if hasattr(config, "shutdown_timeout") else {}
     agent = BiggraphAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                          log_line_prefix_template=config.log_line_prefix_template,
-                          shutdown_timeout=config.shutdown_timeout, pool=pool)
+                          log_line_prefix_template=config.log_line_prefix_template, pool=pool, **stop_wait)
     close_rendezvous = True
     try:
         result = agent.run()
