@@ -14,7 +14,7 @@
 #   freebase   a Freebase86m-size graph (86M entities, 338M edges, 14,824 relations; bench/freebase_like.py,
 #              generated in the background while the tests run) trained for one epoch at P=1 on the card
 #              (bench/gpu_epoch_bench.py: wall, pass, compute, peak card memory, the card's own rates);
-#              FB_P4=1 adds P=4 if FB_P4_TIMEOUT allows
+#   freebase4  the same graph at P=4 (generated again, split in 4), one epoch: last, in whatever time is left
 #   wn18rr, sweep, elastic   earlier issues' sections (see their comments below)
 #
 # The sweep's variants: SWEEP (lines "label override=value ...") or SWEEP_FILE (a file of such lines; blank lines
@@ -36,12 +36,16 @@ cd "$(dirname "$0")/.."
 # $OUT/device_logs.tgz after every section, so that a run cut short still returns what it did
 OUTDIR=${1:-/tmp/device-check}
 PACK=${OUT:-}
-SECTIONS=${2:-tests,generated,umls,freebase}
+SECTIONS=${2:-tests,generated,umls,freebase,freebase4}
 WORK=${WORK:-/tmp/device-work}
 mkdir -p "$OUTDIR" "$WORK"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BIGGRAPH_NATIVE_CACHE=/tmp/biggraph-native
 export BIGGRAPH_DATA_DIR=${BIGGRAPH_DATA_DIR:-$PWD/.devdata/datasets}
 want() { [[ ",$SECTIONS," == *",$1,"* ]]; }
+# DEADLINE_S (seconds from the start, default 540): a section's limit is the smaller of its own and what is left,
+# so a slow section cannot push the last ones past the device call's limit
+STARTED=$(date +%s)
+limit() { local left=$(( ${DEADLINE_S:-540} - ($(date +%s) - STARTED) )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 stamp() {
   [[ -n "$PACK" ]] && tar czf "$PACK/device_logs.tgz" -C "$OUTDIR" . 2>/dev/null
   date -u "+%H:%M:%S $1" | tee -a "$OUTDIR/card.txt"
@@ -79,14 +83,14 @@ if want tests || want suites || want cuda; then
   SUITE_PID=
   if want tests || want suites; then
     # the training suites on the GPU (helpers_graphs / test_fused read BIGGRAPH_TEST_DEVICE) beside the CUDA-only tests
-    BIGGRAPH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 160 \
+    BIGGRAPH_TEST_DEVICE=cuda timeout $(limit ${TESTS_TIMEOUT:-170}) python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 160 \
       -m "not slow" tests/test_train_*.py tests/test_fused*.py tests/test_compute_dtype.py tests/test_regularizers.py \
       tests/test_checkpoint_manager.py tests/test_quality_options.py tests/test_validation.py \
       >"$OUTDIR/tests_full.log" 2>&1 &
     SUITE_PID=$!
   fi
   if want tests || want cuda; then
-    timeout ${CUDA_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider --timeout 160 -rA tests/test_cuda.py \
+    timeout $(limit ${CUDA_TESTS_TIMEOUT:-170}) python3 -m pytest -q -p no:cacheprovider --timeout 160 -rA tests/test_cuda.py \
       >"$OUTDIR/test_cuda_full.log" 2>&1
     tail -60 "$OUTDIR/test_cuda_full.log" >"$OUTDIR/test_cuda.log"
   fi
@@ -105,26 +109,17 @@ fi
 if want freebase; then
   stamp "freebase P=1"
   rm -rf "$FB_CKPT/fb_p1_ckpt"
-  timeout ${FB_TIMEOUT:-200} python3 bench/gpu_epoch_bench.py "$WORK/fb_p1/config.json" --label fb86m-p1 \
+  timeout $(limit ${FB_TIMEOUT:-200}) python3 bench/gpu_epoch_bench.py "$WORK/fb_p1/config.json" --label fb86m-p1 \
     --json "$OUTDIR/freebase.json" ${FB_PARAMS:-} >"$OUTDIR/freebase_full.log" 2>&1
   echo "exit $?" >>"$OUTDIR/freebase_full.log"
   tail -25 "$OUTDIR/freebase_full.log" | tee "$OUTDIR/freebase.log"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader >>"$OUTDIR/freebase.log" 2>&1
-  if [[ "${FB_P4:-0}" == 1 ]]; then
-    stamp "freebase P=4"
-    rm -rf "$WORK/fb_p1" "$FB_CKPT/fb_p1_ckpt"
-    timeout ${FB_P4_TIMEOUT:-300} bash -c "python3 bench/freebase_like.py --out '$WORK/fb_p4' --entities $FB_ENTITIES \
-      --edges $FB_EDGES --relations $FB_RELATIONS --partitions 4 --threads 16 --checkpoint-path '$FB_CKPT/fb_p4_ckpt' \
-      && python3 bench/gpu_epoch_bench.py '$WORK/fb_p4/config.json' --label fb86m-p4 --no-card-facts \
-      --json '$OUTDIR/freebase.json' ${FB_PARAMS:-}" >"$OUTDIR/freebase_p4_full.log" 2>&1
-    tail -10 "$OUTDIR/freebase_p4_full.log" | tee "$OUTDIR/freebase_p4.log"
-  fi
 fi
 
 if want generated; then
   stamp "generated"
   # the generated 1M-entity / 10M-edge graph at P=1 and P=4, the GPU against the CPU trainer on the same cores
-  timeout ${GENERATED_TIMEOUT:-130} python3 bench/train_bench.py --generated --edges 10000000 --entities 1000000 \
+  timeout $(limit ${GENERATED_TIMEOUT:-130}) python3 bench/train_bench.py --generated --edges 10000000 --entities 1000000 \
     --partitions 1,4 --workers 16 --devices cuda,cpu --no-pbg --work "$WORK/generated" 2>&1 | tail -30 \
     | tee "$OUTDIR/generated.log"
 fi
@@ -132,8 +127,18 @@ fi
 if want umls; then
   stamp "umls"
   # quality on the GPU in float32 and bfloat16 against the CPU trainer, same epochs, same evaluator
-  timeout ${UMLS_TIMEOUT:-90} python3 bench/train_bench.py --datasets umls --epochs 25 --workers 16 \
+  timeout $(limit ${UMLS_TIMEOUT:-90}) python3 bench/train_bench.py --datasets umls --epochs 25 --workers 16 \
     --devices cuda,cuda/bfloat16,cpu --no-pbg --work "$WORK/umls" 2>&1 | tail -12 | tee "$OUTDIR/umls.log"
+fi
+
+if want freebase4; then
+  stamp "freebase P=4"
+  rm -rf "$WORK/fb_p1" "$FB_CKPT/fb_p1_ckpt"
+  timeout $(limit ${FB_P4_TIMEOUT:-300}) bash -c "python3 bench/freebase_like.py --out '$WORK/fb_p4' --entities $FB_ENTITIES \
+    --edges $FB_EDGES --relations $FB_RELATIONS --partitions 4 --threads 16 --checkpoint-path '$FB_CKPT/fb_p4_ckpt' \
+    && python3 bench/gpu_epoch_bench.py '$WORK/fb_p4/config.json' --label fb86m-p4 --no-card-facts \
+    --json '$OUTDIR/freebase.json' ${FB_PARAMS:-}" >"$OUTDIR/freebase_p4_full.log" 2>&1
+  tail -10 "$OUTDIR/freebase_p4_full.log" | tee "$OUTDIR/freebase_p4.log"
 fi
 
 if want wn18rr; then
