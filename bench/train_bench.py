@@ -284,7 +284,7 @@ def bench_generated(num_entities: int, num_edges: int, partitions: list[int], wo
                        "compute_s": seconds, "peak_rss_mib": measured["peak_rss_mib"]}
                 # where the rest of the wall went: the trainer's start-up clock and its pass lines
                 run["log"] = [line.strip()[-300:] for line in measured["output"].splitlines()
-                              if "start-up:" in line or "edges/s" in line][:4]
+                              if "start-up:" in line or "edges/s" in line or "orker" in line][:6]
                 entry = result.setdefault(label, {"runs": []})
                 entry["runs"].append(run)
                 for key in ("compute_edges_per_s", "wall_edges_per_s"):

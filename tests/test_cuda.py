@@ -256,6 +256,9 @@ def test_large_partitions_are_drawn_and_large_buckets_shuffled_on_the_card(tmp_p
         assert losses[-1] < losses[0], losses
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    from job.train.batch.graphs import GraphedSteps
+
+    assert GraphedSteps.disabled_reason is None  # every capture held (a failed one leaves torch's RNG unusable)
     raw = _complex_graph(tmp_path / "init", num_entities=20000, num_partitions=2, num_epochs=1, device="cuda",
                          lr=1e-9)  # (a rate of 0 is refused): rows that training leaves as they were drawn
     train(parse_config(raw))

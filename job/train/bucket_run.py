@@ -84,6 +84,11 @@ class BucketRunner:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self.graphs is not None:
+            # now, not whenever the collector finds the runner: a CUDA graph destroyed while another is being
+            # captured (a later trainer in this process) breaks that capture (seen on an H200, torch 2.11)
+            self.graphs.release()
+            self.graphs = None
 
     def _keys_for(self, bucket: Bucket) -> tuple[dict[int, PartitionKey], dict[int, PartitionKey]]:
         """Per relation, the (entity type, partition) of its lhs and rhs tables in ``bucket``."""

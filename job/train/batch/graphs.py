@@ -20,6 +20,7 @@ eagerly.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class GraphedSteps:
         # the statistics every replay adds to, inside its graph (float64: a 338M-edge bucket's loss sum); read and
         # zeroed once per call of ``process_slices`` (``collect``) instead of cloned and added up after every batch
         self.totals: Optional[Tensor] = None
+        self.stream: Optional[torch.cuda.Stream] = None
 
     @staticmethod
     def key(ctx: BatchContext, rel_idx: int, num_pos: int) -> GraphKey:
@@ -114,6 +116,19 @@ class GraphedSteps:
                 return self._replay(ctx, captured, None, None, None, negatives, num_pos)
         return self.run(ctx, rel_idx, edges.lhs[chosen], edges.rhs[chosen], edges.rel[chosen] if dynamic else None,
                         generator)
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The stream graphs are captured on (one per set: capture needs a stream other than the default)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.stream
+
+    def release(self) -> None:
+        """Destroy every graph now (once the card is done with them), outside any capture."""
+        torch.cuda.synchronize()
+        self.graphs.clear()
+        self.seen.clear()
+        self.totals = None
 
     def collect(self) -> BatchStats:
         """What the replays since the last call added up (0-dim device tensors, read once by the bucket's totals),
@@ -183,22 +198,36 @@ class GraphedSteps:
         optimizer = ctx.relation_optimizer
         steps_before = optimizer.steps.clone() if optimizer is not None else None
         graph = torch.cuda.CUDAGraph()
+        if self.totals is None:  # outside the graph's pool: every graph adds to the same sums
+            self.totals = torch.zeros(len(_STAT_FIELDS), dtype=torch.float64, device=static_lhs.device)
+        capture_stream = self._capture_stream()
+        capture_stream.wait_stream(torch.cuda.current_stream())
+        # Not ``torch.cuda.graph``: it synchronises the card and empties the allocator's cache before every capture
+        # (and, in some torch versions, collects garbage), tens of milliseconds each, paid per captured key: 160 keys
+        # of a P=4 pass cost more than its training. The collector is held off meanwhile instead: a graph that it
+        # destroyed during the capture (another trainer's, say) would break it.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            # recorded, not run: the step above already applied this batch
-            if self.totals is None:  # outside the graph's pool: every graph adds to the same sums
-                self.totals = torch.zeros(len(_STAT_FIELDS), dtype=torch.float64, device=static_lhs.device)
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                outputs = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, generator=None, train=True,
-                                    negatives=static_neg)
-                for index, name in enumerate(_STAT_FIELDS):
-                    value = getattr(outputs, name)
-                    if isinstance(value, Tensor):
-                        self.totals[index].add_(value)
+            with torch.cuda.stream(capture_stream):
+                # recorded, not run: the step above already applied this batch
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                try:
+                    outputs = run_batch(ctx, rel_idx, static_lhs, static_rhs, static_rel, generator=None, train=True,
+                                        negatives=static_neg)
+                    for index, name in enumerate(_STAT_FIELDS):
+                        value = getattr(outputs, name)
+                        if isinstance(value, Tensor):
+                            self.totals[index].add_(value)
+                finally:
+                    graph.capture_end()
         except RuntimeError as err:
             GraphedSteps.disabled_reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             logger.warning("CUDA graph capture failed (%s); training on without graphs", GraphedSteps.disabled_reason)
             return stats
         finally:
+            if collecting:
+                gc.enable()
             if optimizer is not None and steps_before is not None:
                 optimizer.steps.copy_(steps_before)
         self.graphs[key] = _Graph(graph, static_lhs, static_rhs, static_rel, static_neg[0], static_neg[1], outputs,
