@@ -204,8 +204,9 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     # job/train/distributed/transfers.py; a trainer waits on the server that long at most)
     transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
     mark("transport")
-    logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
-                round_id, run_id, restart_count)
+    # the pid: which process is rank 0 (bench/chaos_events.py freezes it; an operator finds it the same way)
+    logger.info("rank %d of %d joined round %s of run %s (pid %d, this agent's restart count: %d)", rank, world_size,
+                round_id, run_id, os.getpid(), restart_count)
     heartbeat = Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id)
     # a peer dials rank 0 where it reaches rank 0's store: the store's own host (MASTER_ADDR under torchrun)
     liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")),
