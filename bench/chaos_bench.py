@@ -24,9 +24,9 @@ Measured:
   partition and the model, each file against the version's checksums) and once more at the end;
 - buckets trained other than once per epoch in the committed stats (missing, repeated or stray records);
 - shared updates lost: the counter relation's vector in each committed version against the buckets it commits;
-- time from each rank-0 freeze to training again (``rank0_freeze_to_training``), the same way;
 - time from each kill to training again: from the pods' logs, read as they grow, until a trainer of a group formed
-  after the kill finishes its first bucket (median, worst; also for scale changes and freezes);
+  after the kill finishes its first bucket (median, worst; also for scale changes, freezes and rank-0 freezes:
+  ``rank0_freeze_to_training``);
 - buckets redone (the committed pass summaries' ``buckets_redone``) per lost pod;
 - the final filtered MRR (``biggraph eval --candidates all``, train and test filtered).
 
