@@ -8,7 +8,7 @@ peer's counter (a SIGSTOPped process keeps its liveness connection open, so only
 as long as it kept bumping, and the group waited on the frozen peer's partitions. Now what such a client writes is
 either refused (no MAC, a count that is not the peer's) or a replay of a beat already counted: the frozen peer is
 declared dead after the peer timeout whatever it writes. Rank 0 reads a beat with a compare-and-set that changes
-nothing (``_read``): a plain ``get`` of a key that someone deleted would block for the store's timeout (30 min).
+nothing (``read_beat``): a plain ``get`` of a key that someone deleted would block for the store's timeout (30 min).
 
 What a forger can still do is the store's own weakness, not the beat's: overwrite or delete a live peer's beat until
 rank 0 declares it dead (a group restart, never data: docs/security.md).
