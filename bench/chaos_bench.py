@@ -11,8 +11,13 @@ S3 (``s3.endpointUrl`` = the box's host address, ``s3.existingSecret`` for the c
 
 Once the group trains, ``--events`` events follow, each after a seeded random gap (``--gap``): kill-and-replace of
 any running index (index 0 hosts the rendezvous: every pod goes), a scale to another size within
-``--pods-min..--pods-max``, or a freeze (SIGSTOP of every process of a pod) of a random length on both sides of the
-6 s dead-peer timeout, then a thaw. ``--no-events``: the same run without events (the MRR baseline).
+``--pods-min..--pods-max``, a freeze (SIGSTOP of every process of a pod) of a random length on both sides of the
+6 s dead-peer timeout, then a thaw, or a freeze of rank 0's trainer alone (``rank0``: its pod and agent live on; held
+until a group formed without it, then thawed). ``--no-events``: the same run without events (the MRR baseline).
+A kill is a lost node's: the pod carries DisruptionTarget, which the chart's podFailurePolicy ignores.
+
+The Job runs with the chart's shipped failure budget (issue 44): ``torchrun.maxRestarts`` 3 and
+``backoffLimitPerIndex`` 3 as rendered for Kubernetes 1.35, the podFailurePolicy's Ignore rules applied by the box.
 
 Measured:
 - committed versions that fail to load or verify: every version is read as soon as the marker names it (every
@@ -20,7 +25,8 @@ Measured:
 - buckets trained other than once per epoch in the committed stats (missing, repeated or stray records);
 - shared updates lost: the counter relation's vector in each committed version against the buckets it commits;
 - time from each kill to training again: from the pods' logs, read as they grow, until a trainer of a group formed
-  after the kill finishes its first bucket (median, worst; also for scale changes and freezes);
+  after the kill finishes its first bucket (median, worst; also for scale changes, freezes and rank-0 freezes:
+  ``rank0_freeze_to_training``);
 - buckets redone (the committed pass summaries' ``buckets_redone``) per lost pod;
 - the final filtered MRR (``biggraph eval --candidates all``, train and test filtered).
 
@@ -136,16 +142,18 @@ def build_box(args: argparse.Namespace, work: Path, config: dict[str, Any], port
     """The chart rendered for the run, and its box (not started)."""
     subnet = free_subnet()
     endpoint = f"http://{subnet}.1:{port}"  # the box's host address (ClusterBox.host_address)
-    docs = render(work, release="chaos", extra={
+    # the chart's shipped failure budget (torchrun.maxRestarts, backoffLimitPerIndex, the podFailurePolicy), rendered
+    # for a cluster that has per-index retries (Kubernetes >= 1.33)
+    docs = render(work, release="chaos", kube="1.35", extra={
         "replicas": args.pods_max, "elastic": {"minReplicas": 2}, "config": config,
-        "torchrun": {"maxRestarts": 1_000_000},
         "s3": {"existingSecret": SECRET, "endpointUrl": endpoint, "region": "us-east-1"},
         "env": [{"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
                 *({"name": name, "value": value} for name, value in (item.split("=", 1) for item in args.env))],
     })
     hooks = BENCH / "chaos_hooks"
+    [job] = [d for d in docs if d["kind"] == "Job"]
     box = ClusterBox(RenderedJob.from_docs(docs), work / "box", max_replicas=args.pods_max, initial=args.pods_min,
-                     subnet=subnet, backoff_limit_per_index=1_000_000,
+                     subnet=subnet, backoff_limit_per_index=int(job["spec"]["backoffLimitPerIndex"]),
                      secrets={SECRET: {"AWS_ACCESS_KEY_ID": CREDENTIAL, "AWS_SECRET_ACCESS_KEY": CREDENTIAL}},
                      extra_env={"BIGGRAPH_NATIVE_CACHE": str(work / "native"), "PYTHONPATH": f"{hooks}:{ROOT}",
                                 "BIGGRAPH_CHAOS_COUNTER": str(RELATIONS)})
@@ -190,7 +198,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         wait_training(box, tail, 900)
         print(f"chaos: training after {time.monotonic() - t0:.0f} s", flush=True)
         chaos = Chaos(box, ChaosPlan(args.events, args.pods_min, args.pods_max, tuple(args.gap), args.seed,
-                                       minutes=args.minutes, kinds=tuple(args.kinds)))
+                                       minutes=args.minutes, kinds=tuple(args.kinds)), tail=tail)
         if not args.no_events:
             chaos.run()
         incomplete = None
@@ -256,6 +264,11 @@ def report(args: argparse.Namespace, chaos: Chaos, tail: LogTail, watcher: Versi
                                                 and r["to_new_group"] is not None]),
         "freeze_to_training": summarize_seconds([r["seconds"] for r in recoveries if r["kind"] == "freeze"
                                                  and r["seconds"] is not None]),
+        "rank0_freeze_to_training": summarize_seconds([r["seconds"] for r in recoveries if r["kind"] == "rank0"
+                                                       and r["seconds"] is not None]),
+        "rank0_freeze_to_training_clean": summarize_seconds([r["seconds"] for r in recoveries if r["kind"] == "rank0"
+                                                             and r["seconds"] is not None and not r["overlapped"]]),
+        "rank0_freezes_not_recovered": sum(1 for r in recoveries if r["kind"] == "rank0" and r["seconds"] is None),
         "pods_lost": pods_lost, "rounds": len(tail.rounds()),
         "buckets_redone_per_lost_pod": round(stats["buckets_redone"] / pods_lost, 2) if pods_lost else None,
         "buckets_redone_per_round": round(stats["buckets_redone"] / max(1, len(tail.rounds()) - 1), 2),
@@ -332,6 +345,8 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"  kill -> training: {r['kill_to_training']} (no other event in between: {r['kill_to_training_clean']})")
     print(f"  kill -> new group: {r['kill_to_new_group']}")
     print(f"  scale -> training: {r['scale_to_training']}; freeze -> training: {r['freeze_to_training']}")
+    print(f"  rank-0 freeze -> training: {r['rank0_freeze_to_training']} (no other event in between: "
+          f"{r['rank0_freeze_to_training_clean']}; not recovered: {r['rank0_freezes_not_recovered']})")
     print(f"  buckets redone {r['buckets']['buckets_redone']}, pods lost {r['pods_lost']} "
           f"({r['buckets_redone_per_lost_pod']} per lost pod), rounds {r['rounds']} "
           f"({r['buckets_redone_per_round']} per re-formation)")

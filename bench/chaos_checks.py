@@ -29,6 +29,7 @@ from job.formats.checkpoint import CheckpointStorage
 ROOT = Path(__file__).resolve().parent.parent
 
 JOINED = re.compile(r"rank (\d+) of (\d+) joined round (\w+)")
+RANK0 = re.compile(r"rank 0 of \d+ joined round (\w+) of run \S+ \(pid (\d+)")
 PROGRESS = re.compile(r"INFO (?:\[rank \d+\] )?progress: ")
 
 
@@ -142,6 +143,7 @@ class LogTail:
     logs: Path
     joins: list[tuple[float, str, int, str]] = field(default_factory=list)  # (time, round, world size, log)
     trains: list[tuple[float, Optional[str], str]] = field(default_factory=list)  # (time, round, log)
+    rank0: list[tuple[float, str, int, str]] = field(default_factory=list)  # (time, round, rank 0's pid, log)
     tracebacks: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -186,6 +188,9 @@ class LogTail:
         if joined:
             self._round[path] = joined.group(3)
             self.joins.append((now, joined.group(3), int(joined.group(2)), path.name))
+            rank0 = RANK0.search(line)
+            if rank0:
+                self.rank0.append((now, rank0.group(1), int(rank0.group(2)), path.name))
         elif PROGRESS.search(line):
             self.trains.append((now, self._round.get(path), path.name))
         elif line.startswith("Traceback"):
@@ -204,6 +209,14 @@ class LogTail:
         fresh = {r for r, (at, _) in self.rounds().items() if at > since}
         times = [at for at, round_id, _ in self.trains if at > since and round_id in fresh]
         return min(times) - since if times else None
+
+    def current_rank0(self) -> Optional[tuple[int, str]]:
+        """(pid, log file name) of the rank 0 of the latest round that any rank joined; None before any."""
+        if not self.rank0 or not self.joins:
+            return None
+        latest_round = max(self.joins)[1]
+        found = [(pid, log) for _, round_id, pid, log in self.rank0 if round_id == latest_round]
+        return found[-1] if found else None
 
     def new_group(self, since: float) -> Optional[float]:
         """Seconds from ``since`` until a round formed after it (its first rank joined); None if none did."""

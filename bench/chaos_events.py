@@ -1,4 +1,5 @@
-"""The events of bench/chaos_bench.py: seeded random kills, scale changes and freezes on a running ``ClusterBox``.
+"""The events of bench/chaos_bench.py: seeded random kills, scale changes, freezes of a pod and freezes of rank 0's
+trainer alone, on a running ``ClusterBox``.
 
 One event at a time, each after a random gap: a freeze holds the loop until its thaw, a scale-down until the
 deleted pods are gone (the kubelet's grace period), so that each event's cost can be read from the logs afterwards
@@ -6,7 +7,10 @@ deleted pods are gone (the kubelet's grace period), so that each event's cost ca
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -16,7 +20,10 @@ from chaos_checks import LogTail
 from cluster_box import ClusterBox
 
 PEER_TIMEOUT_S = 6.0  # job/train/distributed/group.py's DEFAULT_PEER_TIMEOUT_S: a freeze past it loses the pod
-WEIGHTS = {"kill": 0.5, "scale": 0.25, "freeze": 0.25}
+# rank0: SIGSTOP of the torchrun rank 0's trainer process alone (its agent and pod live on, as when only the trainer
+# starves): the others must notice (the liveness pings) and re-form without it (issue 44)
+WEIGHTS = {"kill": 0.4, "scale": 0.2, "freeze": 0.2, "rank0": 0.2}
+RANK0_HOLD_S = 120.0  # a frozen rank 0 is thawed once a new group formed, or after this (then it is a failure)
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,9 @@ class ChaosPlan:
 class Chaos:
     """Injects ``plan.events`` events into ``box`` (until the Job completes or fails); ``log`` has one entry each."""
 
-    def __init__(self, box: ClusterBox, plan: ChaosPlan) -> None:
+    def __init__(self, box: ClusterBox, plan: ChaosPlan, tail: Optional[LogTail] = None) -> None:
         self.box = box
+        self.tail = tail  # the pods' logs: which process is rank 0 (the ``rank0`` kind needs it)
         self.plan = plan
         self.rng = random.Random(plan.seed)
         self.log: list[dict[str, Any]] = []
@@ -78,7 +86,7 @@ class Chaos:
         entry: dict[str, Any] = {"kind": kind, "monotonic": at, "at": round(at - self.t0, 1), "pods": len(running)}
         if kind == "kill":
             index = self.rng.choice(running)
-            self.box.kill(index)
+            self.box.kill(index, disruption=True)  # a lost node (spot reclaim, drain): the pod has DisruptionTarget
             # index 0 hosts the rendezvous store: every agent fails with it, every pod is replaced
             entry.update(index=index, detail=f"index {index}", pods_lost=len(running) if index == 0 else 1)
         elif kind == "scale":
@@ -86,6 +94,9 @@ class Chaos:
             target = self.rng.choice([n for n in range(self.plan.pods_min, self.plan.pods_max + 1) if n != current])
             self.box.scale(target)
             entry.update(index=-1, detail=f"{current}->{target}", pods_lost=max(0, current - target))
+        elif kind == "rank0":
+            if not self._freeze_rank0(entry, running):
+                return None
         else:
             index = self.rng.choice(running)
             length = self.rng.uniform(*self.plan.freeze)
@@ -96,6 +107,34 @@ class Chaos:
                          pods_lost=1 if length > PEER_TIMEOUT_S else 0)
         entry["done"] = time.monotonic()
         return entry
+
+    def _freeze_rank0(self, entry: dict[str, Any], running: list[int]) -> bool:
+        """SIGSTOP rank 0's trainer (found by its ``joined round ... (pid N`` line), hold it until a group formed
+        after the freeze (or ``RANK0_HOLD_S``), then SIGCONT it: by then its agent has normally killed it. False when
+        rank 0 cannot be found in a running pod (the event is drawn again after the next gap)."""
+        found = self.tail.current_rank0() if self.tail is not None else None
+        if found is None:
+            return False
+        pid, log = found
+        pods = {pod.log.name: index for index, pod in self.box.pods.items()}
+        index = pods.get(log)
+        if index is None or index not in running:
+            return False
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return False
+        self.box.event("freeze-rank0", index, f"pid {pid}")
+        frozen = time.monotonic()
+        assert self.tail is not None
+        while self.tail.new_group(frozen) is None and time.monotonic() - frozen < RANK0_HOLD_S and not self._over():
+            time.sleep(0.05)
+        held = time.monotonic() - frozen
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        entry.update(index=index, detail=f"rank 0 (index {index}, pid {pid}) held {held:.1f} s", length_s=round(held, 1),
+                     pods_lost=0)
+        return True
 
     def kinds(self) -> dict[str, int]:
         return dict(Counter(e["kind"] for e in self.log))

@@ -101,6 +101,7 @@ class Pod:
     exit_code: Optional[int] = None
     frozen: bool = False
     deleting: bool = False  # terminated by scale-down: its exit is neither success nor failure
+    disrupted: bool = False  # killed as a lost node is (``kill(disruption=True)``): the pod has DisruptionTarget
 
 
 def _stopped_or_gone(pid: int) -> bool:
@@ -126,6 +127,8 @@ class RenderedJob:
     # the podFailurePolicy's ``Ignore`` exit codes: a pod failing with one is replaced without counting
     ignored_exit_codes: frozenset[int] = frozenset()
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # the Secrets rendered with it (the group's)
+    # the podFailurePolicy's ``Ignore`` rule on the DisruptionTarget condition: a pod of a lost node is not counted
+    ignores_disruptions: bool = False
 
     @staticmethod
     def from_docs(docs: list[dict[str, Any]]) -> RenderedJob:
@@ -146,7 +149,10 @@ class RenderedJob:
                                      if rule["action"] == "Ignore" and "onExitCodes" in rule
                                      for code in rule["onExitCodes"]["values"]),
                            {d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()}
-                            for d in docs if d["kind"] == "Secret"})
+                            for d in docs if d["kind"] == "Secret"},
+                           any(rule["action"] == "Ignore" and any(c.get("type") == "DisruptionTarget"
+                                                                  for c in rule.get("onPodConditions", []))
+                               for rule in (job["spec"].get("podFailurePolicy") or {}).get("rules", [])))
 
 
 @dataclass
@@ -375,7 +381,9 @@ class ClusterBox:
                 self._reap(index)  # a pod that succeeded leaves nothing behind either
                 self.succeeded.add(index)
             else:
-                if pod.exit_code not in self.job.ignored_exit_codes:  # the podFailurePolicy's Ignore rule
+                ignored = pod.exit_code in self.job.ignored_exit_codes or (pod.disrupted
+                                                                            and self.job.ignores_disruptions)
+                if not ignored:  # the podFailurePolicy's Ignore rules
                     self.failures[index] = self.failures.get(index, 0) + 1
                 if self.failures.get(index, 0) > self.backoff_limit_per_index:
                     self.failed_reason = f"index {index} failed {self.failures[index]} times (backoffLimitPerIndex)"
@@ -392,9 +400,12 @@ class ClusterBox:
         with self._lock:
             return sorted(i for i, pod in self.pods.items() if pod.exit_code is None and pod.proc.poll() is None)
 
-    def kill(self, index: int) -> None:
-        """SIGKILL every process of the pod at once (a lost node, an OOM kill); the controller replaces it."""
+    def kill(self, index: int, *, disruption: bool = False) -> None:
+        """SIGKILL every process of the pod at once (a lost node, an OOM kill); the controller replaces it.
+        ``disruption``: the pod is marked as a lost node's is (the DisruptionTarget condition), which the rendered
+        podFailurePolicy may ignore; an OOM kill is not."""
         with self._lock:
+            self.pods[index].disrupted = disruption
             self.event("kill", index, self.pods[index].name)
             self._signal_all(index, signal.SIGKILL)
 

@@ -372,7 +372,7 @@ def test_the_box_runs_pods_as_the_job_controller_does(tmp_path: Path) -> None:
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "BIGGRAPH_RUN_ID", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}},
-        {"name": "HOME", "value": "/tmp"}], {"config.yaml": "{}"}, 2, "4Gi")
+        {"name": "HOME", "value": "/tmp"}], {"config.yaml": "{}"}, 2, "4Gi", ignores_disruptions=True)
     box = ClusterBox(job, tmp_path / "box", max_replicas=3, job_uid="uid-1", grace_period_s=2)
     try:
         box.start()
@@ -401,6 +401,10 @@ def test_the_box_runs_pods_as_the_job_controller_does(tmp_path: Path) -> None:
         until("pod 1 replaced", lambda: (logs / "job-1-1.log").exists()
               and "host=job-1 idx=1 pod=job-1-1" in (logs / "job-1-1.log").read_text())
         assert box.failures == {1: 1} and box.incarnations[1] == 2
+        box.kill(1, disruption=True)  # a lost node's pod (DisruptionTarget): replaced, not counted (the Ignore rule)
+        until("pod 1 replaced again", lambda: (logs / "job-1-2.log").exists()
+              and "host=job-1 idx=1 pod=job-1-2" in (logs / "job-1-2.log").read_text())
+        assert box.failures == {1: 1} and box.incarnations[1] == 3
         box.scale(3)
         until("pod 2 added", lambda: (logs / "job-2-0.log").exists() and "idx=2" in (logs / "job-2-0.log").read_text())
         box.scale(1)

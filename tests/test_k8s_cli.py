@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -286,6 +287,24 @@ def test_submit_default_name_and_dry_run_need_no_cluster(user_config: Any, capsy
     assert re.fullmatch(r"biggraph-mygraph-[0-9a-f]{6}", name)
     assert yaml.safe_load(docs[0]["data"]["config.yaml"]) == raw
     assert all(d["metadata"]["namespace"] == "default" for d in docs)
+
+
+def test_dry_run_prints_no_group_secret_and_the_submit_creates_a_fresh_one(
+        cluster: FakeCluster, user_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = user_config
+    assert main(cluster.cli("submit", str(path), "--dry-run", "--name", "sec1")) == 0
+    out = capsys.readouterr().out
+    [secret] = [d for d in yaml.safe_load_all(out) if d["kind"] == "Secret"]
+    assert secret["data"] == {"secret": "<redacted>"}
+    assert "creates this Secret with a new random value" in secret["metadata"]["annotations"]["biggraph.io/redacted"]
+    # what the cluster gets is a real secret, and neither it nor its base64 was in what the dry run printed
+    assert main(cluster.cli("submit", str(path), "--name", "sec1")) == 0
+    created = cluster.core.read_namespaced_secret("sec1-group", NS)
+    encoded = created.data["secret"]
+    value = base64.b64decode(encoded).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", value)
+    assert encoded not in out and value not in out
+    assert "biggraph.io/redacted" not in (created.metadata.annotations or {})
 
 
 @pytest.mark.parametrize(("minor", "per_index", "replacement"), [("32", None, None), ("33", 3, None),

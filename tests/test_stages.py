@@ -209,5 +209,8 @@ def test_dry_run_of_stages_prints_every_stage(staged: Any, capsys: pytest.Captur
     path, root = staged
     assert main(["submit", str(path), "--name", "pipe", "--stages", "import,train,archive", "--dry-run",
                  *stage_values(root)]) == 0
-    jobs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "Job"]
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    jobs = [d for d in docs if d["kind"] == "Job"]
     assert [j["metadata"]["name"] for j in jobs] == ["pipe-import", "pipe-train", "pipe-archive"]
+    secrets = [d for d in docs if d["kind"] == "Secret"]  # the group secret helm generated is not printed
+    assert secrets and all(s["data"] == {"secret": "<redacted>"} for s in secrets)

@@ -25,6 +25,7 @@ from helpers_distributed import Agents, free_port, wait_until
 from helpers_graphs import write_cycle_graph
 
 from job.train.distributed.group import Heartbeat
+from job.train.distributed.heartbeat import read_beat
 from job.train.startup import StartupClock, process_age
 
 # one rank: joins the group, takes the input's facts (its own config: argv[1]), prints what it got, leaves
@@ -155,7 +156,7 @@ def test_a_peer_whose_first_beat_comes_after_the_peer_timeout_is_not_declared_de
     try:
         time.sleep(4 * dead_after)  # the late peer has not beaten for four peer timeouts
         late = Heartbeat(store, 2, 3, interval=interval, dead_after=dead_after)
-        assert wait_until(lambda: int(store.add("biggraph/0/heartbeat/2", 0)) > 10)
+        assert wait_until(lambda: read_beat(store, "0", 2) > 10)
         assert watcher.dead_rank is None
         late.stop()
         assert wait_until(lambda: watcher.dead_rank is not None)
@@ -185,9 +186,10 @@ def test_a_peer_that_never_beats_is_declared_dead_after_the_first_beat_allowance
 KILLED_SCRIPT = """
 import sys, time
 from job.train.distributed.group import init_distributed, wait_all
+from job.train.distributed.heartbeat import read_beat
 ctx = init_distributed("digest")
 if ctx.rank == 2:
-    while int(ctx.store.add(ctx.key("heartbeat/2"), 0)) == 0:
+    while read_beat(ctx.store, ctx.round_id, 2) == 0:
         time.sleep(0.01)
     print("beating", flush=True)
     time.sleep(600)

@@ -15,9 +15,10 @@ import pytest
 from helpers_distributed import partition_keys
 
 from job.checkpoint.group_progress import PROGRESS_FILE, ProgressLog, StaleProgressWriter, read_progress
+from job.checkpoint.manager import CheckpointManager
 from job.checkpoint.owner import OWNER_FILE, Ownership, OwnershipLost
 from job.checkpoint.write_groups import publish, roll_forward
-from job.formats.checkpoint import CheckpointStorage
+from job.formats.checkpoint import CheckpointStorage, SumRegistry
 from job.train.distributed.lock_state import LockState
 
 
@@ -105,6 +106,48 @@ def test_a_taken_over_run_moves_no_staged_file_over_the_new_owners(tmp_path: Pat
     with pytest.raises(OwnershipLost):
         roll_forward(str(tmp_path), 1, [["node", 0, "staged-old"]], guard=old.check)
     assert target.read_bytes() == b"the new owner's rows"
+
+
+class _Group:
+    """A torchrun group as the checkpoint manager sees it (its barriers are the test's order of calls)."""
+
+    def __init__(self, rank: int, run_id: str) -> None:
+        self.rank, self.run_id = rank, run_id
+
+    def barrier(self, name: str) -> None:
+        pass
+
+    def shared_sums(self) -> SumRegistry:
+        return SumRegistry()
+
+
+def test_a_rank_other_than_0_writes_nothing_once_another_run_took_the_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of a group holds no owner record (rank 0 does), yet it writes into the directory: it checks the record
+    before each write (``OwnerWatch``), so once another run took the directory over (``--take-over`` of this one,
+    stalled) its staged moves and roll-forward are refused, as rank 0's are."""
+    monkeypatch.setenv("BIGGRAPH_OWNER_HEARTBEAT_S", "0")  # the record is read before every write
+    key = ("node", 0)
+    rank0 = CheckpointManager(str(tmp_path), [key])
+    rank0.open(_Group(0, "torchrun:run"))
+    peer = CheckpointManager(str(tmp_path), [key])
+    peer.open(_Group(1, "torchrun:run"))
+    target = Path(peer.storage.partition_file(1, *key))
+    (tmp_path / "staged-1").write_bytes(b"rank 1's rows")
+    publish(peer.storage, 1, key, "staged-1")  # its own run's directory: moved
+    assert target.read_bytes() == b"rank 1's rows"
+
+    later = time.time() + 3600  # this run's heartbeat is an hour old: stalled, taken over
+    Ownership(str(tmp_path), run_id="local:new", take_over=True, heartbeat_seconds=0, clock=lambda: later).acquire()
+    target.write_bytes(b"the new owner's rows")
+    (tmp_path / "staged-2").write_bytes(b"rank 1's stale rows")
+    with pytest.raises(OwnershipLost, match="taken over by run local:new"):
+        publish(peer.storage, 1, key, "staged-2")
+    with pytest.raises(OwnershipLost):
+        roll_forward(str(tmp_path), 1, [["node", 0, "staged-2"]], guard=peer.storage.guard)
+    assert target.read_bytes() == b"the new owner's rows" and (tmp_path / "staged-2").exists()
+    peer.close()  # gives nothing up: the record is rank 0's (and now the new run's)
+    assert json.loads((tmp_path / OWNER_FILE).read_text())["run_id"] == "local:new"
 
 
 STALL_SCRIPT = """

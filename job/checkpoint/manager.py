@@ -37,7 +37,7 @@ import storage_adapters as storage
 from job.checkpoint.group_progress import Progress
 from job.checkpoint.journal import finish_committed_grow
 from job.checkpoint.journal_checks import GrowInputs
-from job.checkpoint.owner import Ownership, claim, unclaim
+from job.checkpoint.owner import Ownership, OwnerWatch, claim, unclaim, watch_owner
 from job.checkpoint.recovery import recover_pass
 from job.errors import CheckpointError
 from job.formats.checkpoint import CheckpointStorage, SumRegistry
@@ -84,6 +84,7 @@ class CheckpointManager:
         self.version = 0
         self.best: Optional[int] = None  # the version best_version.txt names (validation_edge_paths), kept
         self._owner: Optional[Ownership] = None
+        self._watch: Optional[OwnerWatch] = None  # a rank other than 0: its group's record, read (``watch_owner``)
         self._providers: list[MetadataProvider] = []
         self._input_check: Optional[dict[str, Any]] = None  # a passing input check, written with the next commit
         # (rank 0) the group progress of the pass this run resumes, found at ``open`` (job/checkpoint/recovery.py)
@@ -96,6 +97,8 @@ class CheckpointManager:
         self._fence()
         if self._owner is not None:
             self._owner.guard()
+        if self._watch is not None:
+            self._watch.guard()
 
     # metadata ------------------------------------------------------------------------------------
     def add_metadata_provider(self, provider: MetadataProvider) -> None:
@@ -129,6 +132,8 @@ class CheckpointManager:
             finish_committed_grow(self.url, clean_uncommitted=True, inputs=self.inputs)
         if group is not None:
             group.barrier("prepared")
+            if rank != 0:  # every writer checks the owner record before it writes, not rank 0 alone
+                self._watch = watch_owner(self.url, group.run_id)
         version = self.storage.load_version()
         if group is not None:
             # a partition written by one rank is read by others: they verify it against the writer's record

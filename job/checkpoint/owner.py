@@ -246,6 +246,66 @@ class Ownership:
             self._tag = None
 
 
+class OwnerWatch:
+    """A torchrun rank other than 0's owner check: the group is one writer and rank 0 holds its record, but every
+    rank writes into the directory (its partitions, the staged moves of its write groups), so each checks before it
+    writes that the record still names its run.
+
+    Why not the record's own conditional rewrite, as rank 0: only one process can hold its tag. Reading it is the
+    same judgement of who owns the directory: a run that took it over (``--take-over`` of a stalled run) wrote its
+    own run id there, and from then on this rank writes nothing (:class:`OwnershipLost`), exactly as rank 0 of the
+    same run. A record that is missing is not a loss: rank 0 removes it when it gives the directory up in order
+    (``release``, at a round's end too, while a peer may still finish its bucket), and a stale rank of the same run
+    is fenced by its round (``DistributedContext.fence``). Read at most once per ``heartbeat_seconds`` (the owner
+    heartbeat's interval) from ``guard``, always from ``check``; no thread: a rank that was frozen reads it again
+    before its first write, because its last read is old.
+    """
+
+    def __init__(self, checkpoint_url: str, run_id: str, heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
+        self.url = storage.join(checkpoint_url, OWNER_FILE)
+        self.run_id = run_id
+        self.heartbeat_seconds = heartbeat_seconds
+        self._lock = threading.Lock()
+        self._read_at: Optional[float] = None  # monotonic time of the last read that found this run the owner
+        self._failure: Optional[OwnershipLost] = None
+
+    def guard(self) -> None:
+        """Before writing any file: raise :class:`OwnershipLost` once the record names another run (read again when
+        the last read is older than ``heartbeat_seconds``)."""
+        if self._failure is not None:
+            raise self._failure
+        read_at = self._read_at
+        if read_at is None or time.monotonic() - read_at >= self.heartbeat_seconds:
+            self.check()
+
+    def check(self) -> None:
+        """Read the record now; raise :class:`OwnershipLost` if it names another run."""
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            try:
+                data = storage.read_bytes(self.url)
+            except FileNotFoundError:  # given up in order by rank 0 (see the class docstring)
+                self._read_at = time.monotonic()
+                return
+            record = OwnerRecord.parse(self.url, data)
+            if record.run_id != self.run_id:
+                self._failure = OwnershipLost(
+                    f"{self.url}: this run ({self.run_id}) no longer owns the checkpoint directory: taken over by "
+                    f"{record.describe()}; this rank writes nothing more")
+                raise self._failure
+            self._read_at = time.monotonic()
+
+
+def watch_owner(checkpoint_url: str, run_id: str) -> OwnerWatch:
+    """A rank other than 0's :class:`OwnerWatch` of ``checkpoint_url``, read once now (rank 0 has claimed it), at
+    the owner heartbeat's interval (``BIGGRAPH_OWNER_HEARTBEAT_S``, as ``claim``)."""
+    beat = float(os.environ.get("BIGGRAPH_OWNER_HEARTBEAT_S", HEARTBEAT_SECONDS))
+    watch = OwnerWatch(checkpoint_url.rstrip("/"), run_id, heartbeat_seconds=beat)
+    watch.check()
+    return watch
+
+
 def describe_owner(checkpoint_url: str) -> Optional[dict[str, Any]]:
     """The owner record of a checkpoint directory, for status displays (None when nobody owns it)."""
     url = storage.join(checkpoint_url, OWNER_FILE)

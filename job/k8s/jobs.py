@@ -162,8 +162,30 @@ def prepare(config_path: str, options: SubmitOptions, access: ClusterAccess) -> 
     if cluster is None:
         for obj in objects:
             obj.setdefault("metadata", {})["namespace"] = namespace
+            if obj["kind"] == "Secret":
+                redact_secret(obj)
     return Prepared(Submission(name=name, namespace=namespace, objects=objects, created=False,
                                checkpoint_path=config.get("checkpoint_path")), cluster)
+
+
+REDACTED = "<redacted>"
+REDACTED_NOTE = "biggraph.io/redacted"
+
+
+def redact_secret(secret: dict[str, Any]) -> None:
+    """Replace a rendered Secret's values by a marker, in place, and say so in an annotation.
+
+    Why: a dry run's output is printed, piped and pasted; the group secret helm generated for it must not be in
+    it. The value is no loss: a real submit renders the chart again, so the Secret it creates holds a fresh random
+    value, never the dry run's. The marker is not base64, so a ``kubectl apply`` of the printed Secret fails
+    instead of creating a Secret whose value is known.
+    """
+    for key in ("data", "stringData"):
+        if isinstance(secret.get(key), dict):
+            secret[key] = {name: REDACTED for name in secret[key]}
+    annotations = secret.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[REDACTED_NOTE] = "a dry run: the values are left out; biggraph submit creates this Secret with a " \
+                                 "new random value"
 
 
 def _render(helm: str, options: SubmitOptions, name: str, namespace: str, config: dict[str, Any],

@@ -35,6 +35,12 @@ from torch.distributed import distributed_c10d
 
 from job.errors import UserError
 from job.train.distributed import auth
+from job.train.distributed.heartbeat import (  # noqa: F401 - Heartbeat and round_key are this module's API too
+    DEFAULT_PEER_INTERVAL_S,
+    DEFAULT_PEER_TIMEOUT_S,
+    Heartbeat,
+    round_key,
+)
 from job.train.distributed.liveness import Liveness, store_host
 from job.train.distributed.protocol import RoundGone
 from job.train.distributed.transport import TensorTransport
@@ -42,18 +48,7 @@ from job.train.startup import StartupClock
 
 logger = logging.getLogger("biggraph")
 
-# How fast rank 0 gives up on a silent peer (env BIGGRAPH_PEER_INTERVAL / BIGGRAPH_PEER_TIMEOUT). The timeout
-# is the first term of the recovery time after a lost pod (bench/elastic_bench.py: 15 s of a 47 s recovery
-# before). 6 s is six missed beats: a beat comes from its own thread and only needs the GIL for a moment,
-# so it survives partition writes and training (measured: torch.save of a 400 MB optimizer state holds the
-# GIL for 0.4 s, h5py reads and writes and torch kernels release it). A false alarm costs a group restart
-# (about 20 s) and the in-flight buckets, never data.
-DEFAULT_PEER_INTERVAL_S = 1.0
-DEFAULT_PEER_TIMEOUT_S = 6.0
 MIN_TRANSFER_TIMEOUT_S = 30.0  # a shared-parameter transfer's least timeout (init_distributed)
-# How long rank 0 waits for a peer's first beat (``Heartbeat``): a starting peer may take 10 s to connect its
-# heartbeat to the store (a dropped reverse-DNS query and its retry), more on a starved node
-FIRST_BEAT_TIMEOUT_S = 60.0
 # How long rank 0 keeps serving, once the round ends, for the live ranks to finish their bucket and give back what they
 # hold (``LockServerScheduler``; env BIGGRAPH_DRAIN_TIMEOUT). Under the torchrun agent's grace between its SIGTERM and
 # its SIGKILL (30 s, ``LocalElasticAgent._shutdown``'s default, which torchrun's command line cannot set): a rank 0
@@ -179,120 +174,6 @@ class RoundEnding(RuntimeError):
     non-zero so that torchrun starts it into the next round (never counted as success)."""
 
 
-class Heartbeat:
-    """Every rank bumps a counter in the store; rank 0 notices a rank whose counter stops moving.
-
-    torchrun's agents do not restart survivors when a node dies and no collective is pending (our
-    trainers only talk to the store), so without this the survivors would wait for its bucket forever.
-
-    A peer is judged from its first beat on: until then it has ``first_beat_after`` (at least a minute) to show
-    up. Its first beat comes once its heartbeat has its own store connection, and connecting is what a starting
-    group can stall on: torch's store client looks the server's address up in reverse DNS on every connection, and
-    a resolver that drops a query costs 5 s (10 s with its retry) before the connection is made (seen on the bench
-    VMs: about one query in 25-50 of a burst; bench/RESULTS.md, "A group's start-up"; where the lookup fails torch
-    warns ``[c10d] The hostname of the client socket cannot be retrieved. err=-3``). Judged from rank 0's own
-    start instead, such a peer, alive and starting, was declared dead after 6 s and the whole group restarted. A
-    peer that dies before its first beat is still found, after ``first_beat_after``; one that dies after it, after
-    ``dead_after`` as before. The window between the two is the few moments from the group's last collective
-    (``init_distributed``) to the peer's first beat.
-    """
-
-    def __init__(self, store: Any, rank: int, world_size: int, interval: float = DEFAULT_PEER_INTERVAL_S,
-                 dead_after: float = DEFAULT_PEER_TIMEOUT_S, round_id: str = "0",
-                 first_beat_after: float = FIRST_BEAT_TIMEOUT_S) -> None:
-        self.store = store.clone()
-        self.round_id = round_id
-        self.rank = rank
-        self.world_size = world_size
-        self.interval = interval
-        self.dead_after = dead_after
-        self.first_beat_after = max(first_beat_after, dead_after)
-        self.dead_rank: Optional[int] = None  # the first peer declared dead
-        self._dead: set[int] = set()  # every peer declared dead (each fenced: ``DistributedContext.fence``)
-        self.silent_for = dead_after  # how long the dead rank was silent before it was declared dead
-        self._started = time.monotonic()
-        self._last_run = self._started  # when the beat thread last ran (``stalled``)
-        self._stalled_for = 0.0  # the longest gap between two of its runs past ``dead_after`` (latched)
-        self._last_change: dict[int, float] = {}  # rank 0: when each peer's counter last moved
-        self._declare_lock = threading.Lock()  # ``lost`` declares from the liveness watcher's thread
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="biggraph-heartbeat", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        started = self._started
-        last_value: dict[int, int] = {}
-        last_change = self._last_change
-        while True:  # the first beat at once: the watcher judges this rank from it on
-            now = time.monotonic()
-            if now - self._last_run > self.dead_after:  # this process (or its store) stalled past the peer timeout
-                self._stalled_for = max(self._stalled_for, now - self._last_run)
-            self._last_run = now
-            try:
-                self.store.add(round_key(self.round_id, f"heartbeat/{self.rank}"), 1)
-                if self.rank == 0:
-                    self._watch(started, last_value, last_change)
-            except Exception:  # the store is gone: the main thread will fail on its next call
-                return
-            if self._stop.wait(self.interval):
-                return
-
-    def _watch(self, started: float, last_value: dict[int, int], last_change: dict[int, float]) -> None:
-        """Rank 0: declare dead a peer silent for ``dead_after`` since its last beat, or one that has not beaten
-        ``first_beat_after`` after this watcher started."""
-        now = time.monotonic()
-        for peer in range(1, self.world_size):
-            value = int(self.store.add(round_key(self.round_id, f"heartbeat/{peer}"), 0))
-            if value == 0:  # not started yet
-                if now - started > self.first_beat_after:
-                    self._declare(peer, self.first_beat_after)
-            elif last_value.get(peer) != value:
-                last_value[peer] = value
-                last_change[peer] = now
-            elif now - last_change[peer] > self.dead_after:
-                self._declare(peer, self.dead_after)
-
-    def _declare(self, peer: int, silent_for: float) -> None:
-        """Fence ``peer`` (should it wake up, it writes nothing: ``fence``) before the lock server learns it is
-        dead (``dead_ranks``) and refuses its requests. Called from the heartbeat's thread and, through ``lost``,
-        from the liveness watcher's."""
-        with self._declare_lock:
-            if peer in self._dead:
-                return
-            self.store.set(round_key(self.round_id, f"dead/{peer}"), auth.mac("dead", self.round_id, str(peer)))
-            if self.dead_rank is None:
-                self.silent_for = silent_for
-                self.dead_rank = peer
-            self._dead = self._dead | {peer}  # a new set: read from other threads without a lock
-
-    def stalled(self) -> float:
-        """How long this process went without a beat past the peer timeout (0: never): a process stopped (SIGSTOP, a
-        paused VM, a starved node) or cut off from rank 0's store for that long has been declared dead by the others
-        (rank 0 of it, or it of rank 0), whose round went on without it. Latched by the beat thread when it wakes;
-        read as it stands otherwise (the writer may wake before the beat thread does)."""
-        gap = time.monotonic() - self._last_run
-        return max(self._stalled_for, gap if gap > self.dead_after + self.interval else 0.0)
-
-    def dead_ranks(self) -> frozenset[int]:
-        """Every peer declared dead so far."""
-        return frozenset(self._dead)
-
-    def lost(self, peer: int) -> None:
-        """Rank 0: declare ``peer`` dead now, as a silent one is: its process is gone (its liveness connection
-        closed without a goodbye, job/train/distributed/liveness.py), so waiting out the peer timeout would only delay the next
-        group. ``silent_for`` is then the time since its counter last moved."""
-        since = self._last_change.get(peer, self._started)
-        self._declare(peer, time.monotonic() - since)
-
-    def stop(self) -> None:
-        """Stop beating, and wait (briefly) for a store call in flight: a process that exits while its heartbeat
-        thread is inside torch's store client is aborted (``terminate called without an active exception``) and
-        torchrun counts the worker as failed."""
-        self._stop.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=self.interval + 5.0)
-
-
 def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> Optional[DistributedContext]:
     """Join the torchrun group when launched by torchrun (or with WORLD_SIZE > 1), and agree on its round.
     ``digest``: the training config's (``config_digest``; part of the run identity, ``run_identity``); ``clock``:
@@ -323,8 +204,9 @@ def init_distributed(digest: str = "", clock: Optional[StartupClock] = None) -> 
     # job/train/distributed/transfers.py; a trainer waits on the server that long at most)
     transport = TensorTransport.for_group(rank, timeout_s=max(dead_after, MIN_TRANSFER_TIMEOUT_S))
     mark("transport")
-    logger.info("rank %d of %d joined round %s of run %s (this agent's restart count: %d)", rank, world_size,
-                round_id, run_id, restart_count)
+    # the pid: which process is rank 0 (bench/chaos_events.py freezes it; an operator finds it the same way)
+    logger.info("rank %d of %d joined round %s of run %s (pid %d, this agent's restart count: %d)", rank, world_size,
+                round_id, run_id, os.getpid(), restart_count)
     heartbeat = Heartbeat(store, rank, world_size, interval=interval, dead_after=dead_after, round_id=round_id)
     # a peer dials rank 0 where it reaches rank 0's store: the store's own host (MASTER_ADDR under torchrun)
     liveness.start(store, heartbeat.lost, hosts=(store_host(store), os.environ.get("MASTER_ADDR")),
@@ -358,10 +240,6 @@ def leave_without_rank0(why: str) -> None:
 def config_digest(config_json: str) -> str:
     """A short digest of the training config's JSON (without credentials): part of the run identity."""
     return hashlib.sha256(config_json.encode()).hexdigest()[:12]
-
-
-def round_key(round_id: str, name: str) -> str:
-    return f"biggraph/{round_id}/{name}"
 
 
 def run_identity(env: Any, digest: str = "") -> str:
