@@ -180,13 +180,18 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
     parser.add_argument("--git", default=str(REPO), help="the checkout the commits are taken from (default: this one; "
                         "set it when running a copy of the tree made with git archive)")
+    parser.add_argument("--cpu-list", default="",
+                        help="run every importer process on these CPUs only (taskset -c): with one CPU, N pods take "
+                             "turns on it as one process has it alone, rather than running side by side on cores "
+                             "that slow each other down (shared caches, memory bandwidth, a host's SMT siblings)")
     parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
                         help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
     args = parser.parse_args()
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="biggraph-import-pods-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs", flush=True)
+    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs"
+          + (f"; importers pinned to CPUs {args.cpu_list}" if args.cpu_list else ""), flush=True)
     try:
         inputs = []
         per_file = args.edges // args.files
@@ -216,7 +221,8 @@ def main() -> int:
             out = root / re.sub(r"\W", "_", name)
             shutil.rmtree(out, ignore_errors=True)
             config = str(write_config(root / f"{out.name}.json", out, args.partitions, args.files))
-            base = [sys.executable, "-m", "job", "import", config, *inputs, *columns]
+            pinned = ["taskset", "-c", args.cpu_list] if args.cpu_list else []
+            base = [*pinned, sys.executable, "-m", "job", "import", config, *inputs, *columns]
             cwd, run_env = src, (env if src == REPO else {**env, "PYTHONPATH": str(src)})
             if pods <= 1:
                 commands = [base]
