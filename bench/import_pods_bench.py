@@ -1,9 +1,11 @@
 """The cost of a parallel import: CPU seconds per million edges and peak memory per pod, N pods against 1 process.
 
-Three importers on the same generated TSV files (ids like Wikidata's, uniform, dynamic relations):
+Importers on the same generated TSV files (ids like Wikidata's, uniform, dynamic relations):
 
 - ``baseline``: the importer of ``--baseline-commit`` (the single-process importer before sharding), unpacked
   with ``git archive`` into a temporary directory and run from there;
+- with ``--compare-commit C``: ``1 process`` and ``N pods`` as below, of commit C's importer (unpacked the same
+  way), so that a change is measured against main in the same go, on the same machine state;
 - ``1 process``: ``biggraph import`` as it is now (pod 0 of 1, staging in a local temporary directory);
 - ``N pods``: N processes ``biggraph import ... --pods N --pod-index i``, the code an Indexed Job's pods run,
   meeting in a local staging directory, each timed on its own (``os.wait4``: its CPU time and peak RSS).
@@ -137,6 +139,17 @@ def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cw
     return results
 
 
+def unpack(commit: str, where: Path, git: Path = REPO) -> Path:
+    """The importer's code at ``commit`` of the checkout ``git`` (job/ and storage_adapters/, ``git archive``), run
+    from ``where``."""
+    if not where.exists():
+        where.mkdir()
+        archive = subprocess.run(["git", "-C", str(git), "archive", commit, "job", "storage_adapters"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
 def digests(out: Path) -> dict[str, str]:
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".biggraph-import.json"}
@@ -160,15 +173,25 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=16)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--pods", type=int, default=4)
-    parser.add_argument("--baseline-commit", default="3de917b", help="the commit whose importer is the baseline")
+    parser.add_argument("--baseline-commit", default="3de917b",
+                        help="the commit whose importer is the baseline ('' for none)")
+    parser.add_argument("--compare-commit", default="",
+                        help="also run 1 process and N pods of this commit's importer (main, say), in the same go")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
+    parser.add_argument("--git", default=str(REPO), help="the checkout the commits are taken from (default: this one; "
+                        "set it when running a copy of the tree made with git archive)")
+    parser.add_argument("--cpu-list", default="",
+                        help="run every importer process on these CPUs only (taskset -c): with one CPU, N pods take "
+                             "turns on it as one process has it alone, rather than running side by side on cores "
+                             "that slow each other down (shared caches, memory bandwidth, a host's SMT siblings)")
     parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
                         help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
     args = parser.parse_args()
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="biggraph-import-pods-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs", flush=True)
+    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs"
+          + (f"; importers pinned to CPUs {args.cpu_list}" if args.cpu_list else ""), flush=True)
     try:
         inputs = []
         per_file = args.edges // args.files
@@ -182,29 +205,32 @@ def main() -> int:
         print(f"input: {args.files} files, {per_file * args.files:,} edges, {size / 2**20:,.0f} MiB "
               f"(generated in {time.monotonic() - started:.0f} s)", flush=True)
         edges = per_file * args.files
-        baseline_src = root / "baseline_src"
-        if not baseline_src.exists():
-            baseline_src.mkdir()
-            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline_commit, "job", "storage_adapters"],
-                                     check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", str(baseline_src)], input=archive, check=True)
         columns = ["-l", "0", "-r", "2", "--rel-col", "1"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # (row name, source tree, pods): this tree's rows first (the model below reads rows 0 and 1)
+        runs: list[tuple[str, Path, int]] = [("1 process", REPO, 1), (f"{args.pods} pods", REPO, args.pods)]
+        if args.compare_commit:
+            other = unpack(args.compare_commit, root / f"src_{args.compare_commit}", Path(args.git))
+            runs += [(f"1 process ({args.compare_commit})", other, 1),
+                     (f"{args.pods} pods ({args.compare_commit})", other, args.pods)]
+        if args.baseline_commit:
+            runs.append((f"baseline ({args.baseline_commit})",
+                         unpack(args.baseline_commit, root / "baseline_src", Path(args.git)), 0))
         rows = []
-        for name in ("baseline", "1 process", f"{args.pods} pods"):
+        for name, src, pods in runs:
             out = root / re.sub(r"\W", "_", name)
             shutil.rmtree(out, ignore_errors=True)
             config = str(write_config(root / f"{out.name}.json", out, args.partitions, args.files))
-            base = [sys.executable, "-m", "job", "import", config, *inputs, *columns]
-            if name == "baseline":
-                commands, cwd, run_env = [base], baseline_src, {**env, "PYTHONPATH": str(baseline_src)}
-            elif name == "1 process":
-                commands, cwd, run_env = [base], REPO, env
+            pinned = ["taskset", "-c", args.cpu_list] if args.cpu_list else []
+            base = [*pinned, sys.executable, "-m", "job", "import", config, *inputs, *columns]
+            cwd, run_env = src, (env if src == REPO else {**env, "PYTHONPATH": str(src)})
+            if pods <= 1:
+                commands = [base]
             else:
-                staging = str(root / "staging")
-                commands = [[*base, "--pods", str(args.pods), "--pod-index", str(i), "--staging", staging]
-                            for i in range(args.pods)]
-                cwd, run_env = REPO, env
+                staging = str(root / f"staging_{out.name}")
+                shutil.rmtree(staging, ignore_errors=True)
+                commands = [[*base, "--pods", str(pods), "--pod-index", str(i), "--staging", staging]
+                            for i in range(pods)]
             logs = [root / f"{out.name}.{i}.log" for i in range(len(commands))]
             results = run_all(commands, logs, run_env, cwd)
             wall = max(r[0] for r in results)
@@ -213,24 +239,30 @@ def main() -> int:
             rows.append((name, wall, cpu, peak, [r[2] for r in results], phases(logs), out))
         print("\n| importer | edges | wall | CPU | CPU s / M edges | edges/s of CPU | peak RSS per process | CPU vs 1 process |")
         print("|---|---|---|---|---|---|---|---|")
-        one_cpu = rows[1][2]
+        one_cpu = rows[0][2]
         for name, wall, cpu, peak, peaks, _, _ in rows:
             print(f"| {name} | {edges:,} | {wall:.1f} s | {cpu:.1f} s | {cpu / edges * 1e6:.2f} | {edges / cpu:,.0f} | "
                   f"{peak / 2**20:,.0f} MiB ({', '.join(f'{p / 2**20:,.0f}' for p in peaks)}) | {cpu / one_cpu:.2f}x |")
-        for name, _, cpu, _, _, phase_cpu, _ in rows[1:]:
-            print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items())
-                  + f", outside the phases (interpreter, imports, start-up) {cpu - sum(phase_cpu.values()):.1f}")
+        if args.compare_commit:
+            print(f"N pods against 1 process: this tree {rows[1][2] / rows[0][2]:.2f}x, {args.compare_commit} "
+                  f"{rows[3][2] / rows[2][2]:.2f}x")
+        for name, _, cpu, _, _, phase_cpu, _ in rows:
+            if phase_cpu:
+                print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items())
+                      + f", outside the phases (interpreter, imports, start-up) {cpu - sum(phase_cpu.values()):.1f}")
         found = []
-        for row in rows[1:]:
+        for row in rows[:2]:
             logs = sorted(root.glob(f"{row[6].name}.*.log"))
             found.append(sum(int(m.group(1).replace(",", "")) for log in logs for m in GROUP_DONE.finditer(log.read_text())))
         print(f"group entries (distinct ids per group, summed): 1 process {found[0]:,}, {args.pods} pods {found[1]:,}")
-        outside = tuple(row[2] - sum(row[5].values()) for row in rows[1:])
-        measured = measure(edges, rows[1][5], rows[2][5], args.pods, (outside[0], outside[1]), (found[0], found[1]),
-                           (rows[1][3], rows[2][3]), args.fixed_rss << 20)
+        outside = tuple(row[2] - sum(row[5].values()) for row in rows[:2])
+        measured = measure(edges, rows[0][5], rows[1][5], args.pods, (outside[0], outside[1]), (found[0], found[1]),
+                           (rows[0][3], rows[1][3]), args.fixed_rss << 20)
         paper_model(measured)
-        same = digests(rows[1][6]) == digests(rows[2][6])
-        print(f"\n{args.pods}-pod output byte-identical to the 1-process output: {same} ({len(digests(rows[1][6]))} files)")
+        expected = digests(rows[0][6])
+        same = all(digests(row[6]) == expected for row in rows[1:] if not row[0].startswith("baseline"))
+        print(f"\nevery N-pod and 1-process output (of every tree) byte-identical to this tree's 1-process output: "
+              f"{same} ({len(expected)} files)")
         return 0 if same else 1
     finally:
         if not args.dir:

@@ -317,3 +317,36 @@ def test_pbg_reads_and_trains_on_a_three_pod_import(tmp_path: Path, reference: t
     assert done.returncode == 0, done.stderr[-2000:]
     embeddings, _ = CheckpointManager(raw["checkpoint_path"]).read("all", 2)
     assert tuple(embeddings.shape) == (counts[2], 4)
+
+
+@pytest.mark.parametrize("num_parts", [1, 3, 40_000])
+def test_a_groups_layout_orders_its_ids_by_partition_then_hash(num_parts: int) -> None:
+    """The (partition, hash) order of a group's ids (names.arrow's batches, the positions its edges refer to), taken
+    from the table's hash order by a radix sort on the partition, is the order a two-key sort gives."""
+    import pyarrow as pa
+
+    from job.config import parse_config
+    from job.data.importing.hashing import hash_strings, partition_of
+    from job.data.importing.mapper import GroupImporter
+    from job.data.importing.table import EntityTable
+
+    table = EntityTable()
+    rng = np.random.default_rng(num_parts)
+    for _ in range(3):  # ids in batches, as pass 1 adds them: dense ids not in hash order
+        names = pa.array([f"id{i}" for i in rng.integers(0, 5000, 3000)])
+        table.encode(hash_strings(names)[0], names.take)
+    config = parse_config({"entities": {"all": {"num_partitions": num_parts}}, "dimension": 4, "global_emb": False,
+                           "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "none"}],
+                           "dynamic_relations": True, "entity_path": "/e", "edge_paths": ["/p"], "checkpoint_path": "/c"})
+    importer = GroupImporter.__new__(GroupImporter)  # the layouts of a read group: its plan, tables and seed only
+    importer.config, importer.tables, importer.options = config, [table], ImportOptions(lhs_col=0, rhs_col=2, seed=7)
+    importer.plan = type("Plan", (), {"type_names": ["all"]})()
+    [layout] = importer.layouts()
+    hashes = table.hashes_of(np.arange(table.size))
+    part = partition_of(hashes, num_parts, 7)
+    expected = np.lexsort((hashes, part))
+    assert np.array_equal(layout.order, expected) and np.array_equal(layout.part, part)
+    assert np.array_equal(layout.hashes, hashes)
+    assert np.array_equal(layout.sizes, np.bincount(part, minlength=num_parts))
+    starts = np.concatenate([[0], np.cumsum(layout.sizes)[:-1]])
+    assert np.array_equal(layout.index[expected], np.arange(table.size) - starts[part[expected]])

@@ -29,6 +29,7 @@ import tempfile
 import time
 import zipfile
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Optional
 
@@ -280,26 +281,36 @@ class ZipWriter:
         self._zip = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
 
     def write(self, name: str, data: bytes | memoryview, date_time: tuple[int, int, int, int, int, int] | None = None) -> None:
-        """Add a stored member whose bytes start on a 64-byte boundary of the file.
+        """Add a stored member whose bytes start on a 64-byte boundary of the file. ``data`` is written in slices:
+        a memoryview (of a mapped file, say) is never copied whole."""
+        view = memoryview(data).cast("B")
+        self.write_chunks(name, len(view), (view[start:start + _WRITE_SLICE] for start in range(0, len(view), _WRITE_SLICE)),
+                          date_time=date_time)
+
+    def write_chunks(self, name: str, size: int, chunks: Iterable[bytes | memoryview],
+                     date_time: tuple[int, int, int, int, int, int] | None = None) -> None:
+        """Add a stored member of ``size`` bytes from ``chunks`` (a member larger than memory, such as a graph.fb
+        with a large type's names, streamed from a spool file), aligned as ``write``'s.
 
         Every member gets a zip64 local header: zipfile adds that extra field (20 bytes) after ours on its own for a
         member near 2 GiB (it guesses from the size), which would shift the data off the boundary. Forcing it for all
-        members makes the header's length known, and it is counted in the padding. ``data`` is written in slices: a
-        memoryview (of a mapped file, say) is never copied whole."""
+        members makes the header's length known, and it is counted in the padding."""
         info = zipfile.ZipInfo(name, date_time=date_time or _now())
         info.compress_type = zipfile.ZIP_STORED
         info.create_system = 3  # unix
         info.external_attr = 0o644 << 16
-        info.file_size = len(data) if isinstance(data, bytes) else data.nbytes
+        info.file_size = size
         assert self._zip.fp is not None
         header_start = self._zip.fp.tell()
         base = header_start + _LOCAL_HEADER.size + len(name.encode("utf-8")) + 6 + ZIP64_EXTRA_BYTES
         pad = (-base) % ALIGNMENT
         info.extra = struct.pack("<HHH", ALIGN_EXTRA_ID, 2 + pad, ALIGNMENT) + b"\0" * pad
-        view = memoryview(data).cast("B")
+        written = 0
         with self._zip.open(info, mode="w", force_zip64=True) as member:
-            for start in range(0, len(view), _WRITE_SLICE):
-                member.write(view[start:start + _WRITE_SLICE])
+            for chunk in chunks:
+                written += member.write(chunk)
+        if written != size:
+            raise ValueError(f"zip member {name}: {written} bytes written, {size} announced")
 
     def close(self) -> None:
         self._zip.close()

@@ -2,12 +2,23 @@
 
 Kept apart from :mod:`job.archive.writer` (which reads the checkpoint and lays out the zip) so each
 stays small; like the writer, only ``biggraph archive`` imports it, never the torch-free loader.
+
+``graph.fb`` is written as a head built in memory and a tail streamed: each entity type's names index (its
+``names_utf8`` vector, as large as the type) never goes through the builder. FlatBuffers are built back to front, and
+a uoffset only points forward, so vectors can sit after everything that refers to them: the head is a finished
+buffer whose ``names_utf8`` fields point past its own end, at ``[u32 length][bytes][pad to 4]`` entries laid one after
+another behind it (``GraphMember``). The head's length is a multiple of its largest alignment (``Finish`` pads it so),
+so every object in it keeps its alignment, and the entries behind it are 4-aligned as a vector's length must be. A
+reader sees an ordinary buffer (job/archive/loader.py is unchanged; archives written before read as before).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import flatbuffers
@@ -21,10 +32,36 @@ from job.archive.fb import RelationType as fb_relation
 from job.archive.fb import TrainingConfig as fb_training
 from job.archive.fb import Variable as fb_variable
 from job.archive.loader import FORMAT_VERSION, GRAPH_IDENTIFIER, TRAINING_IDENTIFIER
+from job.archive.names import NamesIndex
 from job.config import ConfigSchema
 
 # (name, dtype code, shape) of each variable of a tag, in graph.fb order
 Variable = tuple[str, int, tuple[int, ...]]
+_NAMES_SLOT = 6  # EntityType.names_utf8 (job/archive/schema/graph.fbs); fb_entity.AddNamesUtf8 writes this slot
+
+
+def _entry_size(names: NamesIndex) -> int:
+    """Bytes of a names vector behind the head: its length, its bytes, padding to the next 4-byte boundary."""
+    return 4 + names.size + (-names.size) % 4
+
+
+@dataclass
+class GraphMember:
+    """A tag's ``graph.fb``: ``head`` (everything but the names indexes), then each type's names vector."""
+
+    head: bytes
+    names: list[NamesIndex]
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(_entry_size(n) for n in self.names)
+
+    def chunks(self) -> Iterator[bytes]:
+        yield self.head
+        for names in self.names:
+            yield struct.pack("<I", names.size)
+            yield from names.chunks()
+            yield b"\0" * ((-names.size) % 4)
 
 
 def _strings(builder: flatbuffers.Builder, values: list[str]) -> int:
@@ -63,13 +100,16 @@ def _operation(builder: flatbuffers.Builder, name: str, op_type: str, inputs: li
 
 
 def _entity_type_offsets(builder: flatbuffers.Builder, entity_types: list[dict[str, Any]]) -> list[int]:
-    offsets = []
+    names_at, behind = [], 0  # where each type's names vector starts behind the head
     for e in entity_types:
+        names_at.append(behind)
+        behind += _entry_size(e["names"])
+    offsets: list[int] = []
+    for index, e in enumerate(entity_types):
         name = builder.CreateString(e["name"])
         counts = builder.CreateNumpyVector(np.asarray(e["partition_counts"], dtype="<i8"))
         tables = _strings(builder, e["embeddings"])
         global_off = builder.CreateString(e["global"]) if e["global"] else None
-        blob = builder.CreateNumpyVector(np.frombuffer("\0".join(e["names"]).encode("utf-8"), dtype=np.uint8))
         fb_entity.Start(builder)
         fb_entity.AddName(builder, name)
         fb_entity.AddCount(builder, e["count"])
@@ -78,8 +118,11 @@ def _entity_type_offsets(builder: flatbuffers.Builder, entity_types: list[dict[s
         fb_entity.AddEmbeddings(builder, tables)
         if global_off is not None:
             fb_entity.AddGlobalEmbedding(builder, global_off)
-        fb_entity.AddNamesUtf8(builder, blob)
-        fb_entity.AddNamesGenerated(builder, e["generated"])
+        # its names vector lies behind the head (see the module docstring): an offset from the buffer's end,
+        # negative, set without AddNamesUtf8, which drops a field whose value is 0 (the first type's)
+        builder.PrependUOffsetTRelative(-names_at[index])
+        builder.Slot(_NAMES_SLOT)
+        fb_entity.AddNamesGenerated(builder, e["names"].generated)
         offsets.append(fb_entity.End(builder))
     return offsets
 
@@ -132,11 +175,11 @@ def _operation_offsets(builder: flatbuffers.Builder, config: ConfigSchema, varia
     return operations
 
 
-def graph_flatbuffer(config: ConfigSchema, tag: str, entity_types: list[dict[str, Any]], variables: list[Variable],
-                     dynamic_names: list[str]) -> bytes:
-    """The ``graph.fb`` of a tag: entity and relation types, variables (name, dtype, shape) and the scoring ops."""
-    names_bytes = sum(len(n.encode("utf-8")) + 1 for e in entity_types for n in e["names"])
-    builder = flatbuffers.Builder(1024 + 2 * names_bytes + 256 * len(variables))
+def graph_member(config: ConfigSchema, tag: str, entity_types: list[dict[str, Any]], variables: list[Variable],
+                 dynamic_names: list[str]) -> GraphMember:
+    """The ``graph.fb`` of a tag: entity and relation types (``names``: each type's spooled ``NamesIndex``), variables
+    (name, dtype, shape) and the scoring ops."""
+    builder = flatbuffers.Builder(4096 + 256 * len(variables) + 64 * len(dynamic_names))
     entity_vec = _tables(builder, _entity_type_offsets(builder, entity_types))
     relation_vec = _tables(builder, _relation_type_offsets(builder, config))
     variable_vec = _tables(builder, _variable_offsets(builder, variables))
@@ -157,7 +200,7 @@ def graph_flatbuffer(config: ConfigSchema, tag: str, entity_types: list[dict[str
     fb_graph.AddVariables(builder, variable_vec)
     fb_graph.AddOperations(builder, operation_vec)
     builder.Finish(fb_graph.End(builder), file_identifier=GRAPH_IDENTIFIER)
-    return bytes(builder.Output())
+    return GraphMember(bytes(builder.Output()), [e["names"] for e in entity_types])
 
 
 def training_flatbuffer(config: ConfigSchema, checkpoint: Any, version: int, dtype: str, has_updater: bool) -> bytes:

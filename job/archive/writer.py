@@ -10,6 +10,9 @@ params.txt), which is how an fp16 or int8 tag shares the fp32 relation operators
 embeddings of an fp32 tag of the same checkpoint version (those stay fp32 in every tag: they
 are small and every score goes through them).
 
+An entity type's names are never held in memory (job/archive/names.py): they are spooled to a local
+temporary file and copied into graph.fb behind the rest of it (serialize.GraphMember).
+
 This module reads checkpoints (h5py) and, for ``--updater``, optimizer blobs (torch); the
 loader never imports it.
 """
@@ -32,7 +35,8 @@ from job.archive import container, ndarray
 from job.archive.container import Ref, ZipWriter
 from job.archive.errors import ArchiveError, TagError
 from job.archive.loader import ArchiveReader
-from job.archive.serialize import Variable, graph_flatbuffer, training_flatbuffer
+from job.archive.names import NamesIndex, spool_names
+from job.archive.serialize import Variable, graph_member, training_flatbuffer
 from job.checkpoint import CheckpointManager
 from job.checkpoint.journal_checks import GrowInputs
 from job.config import ConfigSchema
@@ -144,16 +148,6 @@ def _copy_members(existing: ArchiveReader, writer: ZipWriter, known_params: dict
 # One tag's members ---------------------------------------------------------------------------------------
 
 
-def _entity_names(config: ConfigSchema, entity_type: str, partition: int, count: int) -> tuple[list[str], bool]:
-    if not entity_format.has_entity_names(config.entity_path, entity_type, partition):
-        return [f"{entity_type}_{partition}_{offset}" for offset in range(count)], True
-    names = entity_format.read_entity_names(config.entity_path, entity_type, partition)
-    if len(names) != count:
-        raise CheckpointError(f"{entity_format.names_file(config.entity_path, entity_type, partition)}: {len(names)} "
-                              f"names but the partition has {count} entities")
-    return names, False
-
-
 def _dynamic_names(config: ConfigSchema) -> list[str]:
     count = entity_format.read_dynamic_rel_count(config.entity_path)
     if storage.exists(entity_format.dynamic_rel_names_file(config.entity_path)):
@@ -228,16 +222,22 @@ def _write_tag(config: ConfigSchema, checkpoint: CheckpointStorage, version: int
                include_updater: bool, writer: ZipWriter, known_params: dict[str, Ref], known_updater: dict[str, Ref],
                out: str) -> TagSummary:
     contents = _TagContents(TagSummary(out, tag, dtype, version, []), writer, known_params, known_updater)
-    entity_types = [_add_entity_type(config, checkpoint, version, entity_type, dtype, include_updater, contents, out)
-                    for entity_type in config.entities]
-    _add_model_params(config, checkpoint, version, include_updater, contents, entity_types)
-    dynamic_names = _dynamic_names(config) if config.dynamic_relations else []
-    graph = graph_flatbuffer(config, tag, entity_types, contents.variables, dynamic_names)
-    writer.write(f"{tag}/{container.GRAPH_FILE}", graph)
+    entity_types: list[dict[str, Any]] = []
+    try:
+        for entity_type in config.entities:
+            entity_types.append(_add_entity_type(config, checkpoint, version, entity_type, dtype, include_updater,
+                                                 contents, out))
+        _add_model_params(config, checkpoint, version, include_updater, contents, entity_types)
+        dynamic_names = _dynamic_names(config) if config.dynamic_relations else []
+        graph = graph_member(config, tag, entity_types, contents.variables, dynamic_names)
+        writer.write_chunks(f"{tag}/{container.GRAPH_FILE}", graph.size, graph.chunks())
+    finally:
+        for entry in entity_types:
+            entry["names"].close()
     writer.write(f"{tag}/{container.PARAMS_FILE}", container.format_refs(contents.param_refs, tag).encode("utf-8"))
     training = training_flatbuffer(config, checkpoint, version, dtype, include_updater and bool(contents.updater_refs))
     writer.write(f"{tag}/{container.TRAINING_FILE}", training)
-    extra = len(graph) + len(training)
+    extra = graph.size + len(training)
     if include_updater:
         text = container.format_refs(contents.updater_refs, tag).encode("utf-8")
         writer.write(f"{tag}/{container.UPDATER_FILE}", text)
@@ -255,8 +255,6 @@ def _add_entity_type(config: ConfigSchema, checkpoint: CheckpointStorage, versio
     dimension = config.entity_dimension(entity_type)
     counts = entity_format.read_entity_counts(config.entity_path, entity_type,
                                               config.entities[entity_type].num_partitions)
-    names: list[str] = []
-    generated = False
     tables = []
     for part, count in enumerate(counts):
         array, state = checkpoint.load_entity_partition(version, entity_type, part)
@@ -268,13 +266,10 @@ def _add_entity_type(config: ConfigSchema, checkpoint: CheckpointStorage, versio
         tables.append(var)
         if include_updater:
             contents.add_state(var, _row_sums(state, count))
-        part_names, part_generated = _entity_names(config, entity_type, part, count)
-        names.extend(part_names)
-        generated = generated or part_generated
-    if any("\0" in n for n in names):
-        raise ArchiveError(out, f"entity type '{entity_type}': a name holds a NUL character")
+    # the type's names, streamed to a local spool (never a list of them: a type may have a hundred million)
+    names: NamesIndex = spool_names(config.entity_path, entity_type, counts, archive=out)
     return {"name": entity_type, "count": sum(counts), "partition_counts": counts, "dimension": dimension,
-            "embeddings": tables, "names": names, "generated": generated, "global": None}
+            "embeddings": tables, "names": names, "global": None}
 
 
 def _add_model_params(config: ConfigSchema, checkpoint: CheckpointStorage, version: int, include_updater: bool,

@@ -1,10 +1,18 @@
-"""A test hook for the cluster box (tests/test_cluster_box.py), loaded by Python at start-up from the pods' PYTHONPATH.
+"""A test hook for the cluster box (tests/test_cluster_box.py, tests/test_stages_box.py), loaded by Python at start-up
+from the pods' PYTHONPATH.
 
-In the torchrun worker of the pod whose index is ``BIGGRAPH_BOX_HOLD_INDEX``, while the file
-``BIGGRAPH_BOX_HOLD_FILE`` exists, wait (having touched ``<file>.held``): after training a bucket, before it goes on
-to its write-back (``BIGGRAPH_BOX_HOLD_AT=train``, the default), or at the start of writing a partition back
-(``write``). The test freezes the pod there: the moments a stalled node's trainer is most dangerous in, since,
-woken after the group went on without it, it holds rows to write over the others'.
+In the pod whose index is ``BIGGRAPH_BOX_HOLD_INDEX``, while the file ``BIGGRAPH_BOX_HOLD_FILE`` exists, wait (having
+touched ``<file>.held``) at the point ``BIGGRAPH_BOX_HOLD_AT`` names:
+
+- ``train`` (the default), in the torchrun worker: after training a bucket, before it goes on to its write-back;
+- ``write``, in the torchrun worker: at the start of writing a partition back;
+- ``import``, in the import pod: with a unit's files written, before its marker is committed, for the first unit whose
+  name starts with ``BIGGRAPH_BOX_HOLD_UNIT`` (``bucket-`` unless set): the moment a pod lost mid-import leaves a
+  file that must not be taken as done.
+
+The test freezes or kills the pod there: the moments a stalled or lost node is most dangerous in (a stalled trainer,
+woken after the group went on without it, holds rows to write over the others'; a lost importer leaves an
+uncommitted file behind). The hold file is removed once the pod is killed, so that its replacement runs on.
 
 ``write`` holds only a write-back of the trainer's main thread (the partitions it gives back at the end of a pass,
 or evicts in front of a bucket), not one of its background write-back thread: held there, the thaw would set two
@@ -15,13 +23,12 @@ import os
 import threading
 
 _FILE = os.environ.get("BIGGRAPH_BOX_HOLD_FILE")
+_AT = os.environ.get("BIGGRAPH_BOX_HOLD_AT", "train")
 # a torchrun worker: LOCAL_RANK set, or a warm spare that becomes one (job/train/elastic/spare.py: BIGGRAPH_WARM_SPARE)
 _WORKER = "LOCAL_RANK" in os.environ or os.environ.get("BIGGRAPH_WARM_SPARE") == "1"
-if _FILE and _WORKER and os.environ.get("JOB_COMPLETION_INDEX") == os.environ.get("BIGGRAPH_BOX_HOLD_INDEX"):
+_THIS_POD = os.environ.get("JOB_COMPLETION_INDEX") == os.environ.get("BIGGRAPH_BOX_HOLD_INDEX")
+if _FILE and _THIS_POD and (_WORKER or _AT == "import"):
     import time
-
-    from job.formats.checkpoint import CheckpointStorage
-    from job.train import bucket_run
 
     def _hold() -> None:
         if os.path.exists(_FILE):
@@ -29,7 +36,21 @@ if _FILE and _WORKER and os.environ.get("JOB_COMPLETION_INDEX") == os.environ.ge
             while os.path.exists(_FILE):
                 time.sleep(0.01)
 
-    if os.environ.get("BIGGRAPH_BOX_HOLD_AT", "train") == "write":
+    if _AT == "import":
+        from job.data.importing.staging import Staging
+
+        _commit = Staging.commit
+        _prefix = os.environ.get("BIGGRAPH_BOX_HOLD_UNIT", "bucket-")
+
+        def _held_commit(self, unit, record):  # type: ignore[no-untyped-def]
+            if unit.startswith(_prefix):
+                _hold()
+            return _commit(self, unit, record)
+
+        Staging.commit = _held_commit  # type: ignore[method-assign]
+    elif _AT == "write":
+        from job.formats.checkpoint import CheckpointStorage
+
         _save = CheckpointStorage.save_entity_partition
 
         def _held_save(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -39,6 +60,8 @@ if _FILE and _WORKER and os.environ.get("JOB_COMPLETION_INDEX") == os.environ.ge
 
         CheckpointStorage.save_entity_partition = _held_save  # type: ignore[method-assign]
     else:
+        from job.train import bucket_run
+
         _train = bucket_run.BucketRunner._train
 
         def _held_train(self, *args, **kwargs):  # type: ignore[no-untyped-def]
