@@ -299,7 +299,7 @@ def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(
             client.release(sorted(state.bucket_keys[finished]))
         client.next_bucket(set(), finished, {"n": 1})
         assert (tmp_path / PROGRESS_FILE).read_bytes() == snapshot  # never rewritten under the lock
-        records = sorted((tmp_path / PROGRESS_LOG).iterdir())
+        records = sorted(p for p in (tmp_path / PROGRESS_LOG).iterdir() if not p.name.endswith("-base.json"))
         assert len(records) == 33  # one per next and per release
         assert max(r.stat().st_size for r in records) < 1000  # each holds its own change, not the state so far
         resumed = read_progress(checkpoint, 2, "job-a/cfg")
@@ -319,10 +319,10 @@ def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(
 def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_state(
         tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], monkeypatch: pytest.MonkeyPatch,
         cut: Any) -> None:
-    """Every ``compact_every`` records the server writes a snapshot of the state as it stands: a restart then reads
-    fewer records than that, and replays to the same state. A compaction cut before its snapshot is written leaves
-    the last snapshot and its records; one cut after it (before the old records are dropped) the new one: either
-    replays to the state the last answered request left."""
+    """Every ``compact_every`` records the server writes them again as one segment: a restart then reads fewer
+    records than that (and the segments), and replays to the same state. A compaction cut before its snapshot is
+    rewritten leaves the last snapshot and its records; one cut after it (before the old records are dropped) the
+    new one: either replays to the state the last answered request left."""
     checkpoint = str(tmp_path)
     state = LockState(4, 4, partition_keys(4), world_size=1, version=3)
     log = ProgressLog(checkpoint, "job-a/cfg", 3, compact_every=5)
@@ -353,11 +353,19 @@ def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_
             client.next_bucket(set(), finished, {"n": 1})
         if cut is None:
             assert len(state.done) == 16
-        records = [p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".json")]
+        names = sorted(p.name for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".json"))
+        records = [n for n in names if "-seg-" not in n and not n.endswith("-base.json")]
         resumed = read_progress(checkpoint, 2, "job-a/cfg")
         assert resumed is not None
         if cut is None:  # 33 records written in all, at most 4 since the last compaction
             assert len(records) < 5
+            # each segment holds the records since the one before, never the state so far: together with the
+            # records after them they are every change once (a pass writes O(buckets) bytes of progress)
+            segments = [json.loads((tmp_path / PROGRESS_LOG / n).read_text()) for n in names if "-seg-" in n]
+            assert len(segments) == 6  # of 5 record objects each
+            kept = [r for part in segments for r in part] + [
+                r for n in records for r in json.loads((tmp_path / PROGRESS_LOG / n).read_text())]
+            assert [r for r in kept if r["e"] != "shared"] == resumed.records
         again = LockState(4, 4, partition_keys(4), world_size=1, version=3)
         again.restore(resumed.state)
         for record in resumed.records:
@@ -387,7 +395,7 @@ def test_a_new_snapshot_drops_the_records_of_the_last(tmp_path: Path) -> None:
     first.append([{"e": "start", "rank": 0, "bucket": [0, 0]}])
     second = ProgressLog(checkpoint, "run", 1)
     second.start(LockState(2, 2, partition_keys(2)).to_json())
-    assert not list((tmp_path / PROGRESS_LOG).iterdir())
+    assert [p.name for p in (tmp_path / PROGRESS_LOG).iterdir()] == [f"{second.log_id}-base.json"]
     progress = read_progress(checkpoint, 0, "run")
     assert progress is not None and progress.records == []
     remove_progress(checkpoint)

@@ -2,24 +2,30 @@
 
 Two parts, beside the checkpoint (any storage URL; an object store has no append, so a record is an object):
 
-- ``distributed_progress.json``, the *snapshot*: ``{"format": 2, "run": <run id>, "version": <version the pass
-  commits>, "log": <log id>, "state": <LockState.to_json()>}``, written when the lock server starts a pass (a fresh
-  one, or one resumed after a restart: then it is the compaction of what was resumed), and again every
-  ``COMPACT_EVERY`` records (the compaction mid-pass, so that a restart reads at most that many records);
-- ``distributed_progress.log/<log id>-<seq>.json``, the *records*: one object per request that changed the state
-  (``LockState.drain_journal``), written before the request is answered, each a few hundred bytes whatever the
-  pass's size (not the whole state again under the server's lock, as before);
+- ``distributed_progress.json``, the *snapshot*: ``{"format": 3, "run": <run id>, "version": <version the pass
+  commits>, "log": <log id>, "segments": n, "records_from": k, "shared": <vector>}``, a few hundred bytes;
+- ``distributed_progress.log/<log id>-base.json``: the state the log starts from (``LockState.to_json()``, and
+  the staged files recorded before it), written when the lock server starts a pass (a fresh one, or one resumed
+  after a restart: then it is the compaction of what was resumed);
+- ``distributed_progress.log/<log id>-<seq>.json``, the *records*: one object per write of the server's committer
+  (the changes of the requests that arrived together, ``LockState.drain_journal``), written before any of them is
+  answered, each a few hundred bytes per request whatever the pass's size;
+- ``distributed_progress.log/<log id>-seg-<n>.json``, the *segments*: every ``COMPACT_EVERY`` records the log
+  writes them again as one segment and drops them (``compact``), so that a restart reads at most that many records
+  plus one object per segment, read together. A segment holds only the records since the previous one, never the
+  state so far: a pass writes O(buckets) bytes of progress, not O(buckets²) as when every compaction rewrote the
+  whole state (its stats lines and staged names) again;
 - ``distributed_progress.log/<log id>-base.f32`` and ``<log id>-<seq>.f32``: the shared parameters (the server's
-  flat float32 vector: relation operators, global embeddings, unpartitioned tables) as the snapshot had them and
+  flat float32 vector: relation operators, global embeddings, unpartitioned tables) as the base had them and
   as a record left them. A trainer sends its change with the ``next`` that finishes its bucket, and the server
   adds it, marks the bucket done and writes the vector, then the record naming it (``{"e": "shared"}``), before
   it answers: a restart resumes with every done bucket's shared update and none of a bucket not done (no update
-  lost, none counted twice). Only the latest vector is kept. It is the whole vector each time (small for
-  relation parameters; as large as the unpartitioned tables where there are some).
+  lost, none counted twice). Only the latest vector is kept. It is the whole vector, once per write that saved a
+  bucket (the requests of one write share it).
 
-Reading (``read_progress``) takes the snapshot and replays its records in order (only those of its log id, only
-while their numbers follow each other). The commit drops both (``remove_progress``: the snapshot first, so a kill
-in between leaves only records no snapshot names).
+Reading (``read_progress``) takes the snapshot's base, its segments and the records from ``records_from`` on, in
+order (only those of its log id, only while their numbers follow each other). The commit drops both
+(``remove_progress``: the snapshot first, so a kill in between leaves only records no snapshot names).
 
 **Bound to its run.** A snapshot is taken up only by the run that wrote it (``run``: torchrun's rendezvous id or
 ``BIGGRAPH_RUN_ID``, and the training config's digest, as ``job.train.distributed.group.run_identity`` makes it), for the pass
@@ -52,7 +58,7 @@ logger = logging.getLogger("biggraph")
 COMPACT_EVERY = 64
 PROGRESS_FILE = "distributed_progress.json"
 PROGRESS_LOG = "distributed_progress.log"
-FORMAT = 2
+FORMAT = 3
 
 
 def progress_url(checkpoint_path: str) -> str:
@@ -76,8 +82,8 @@ class Progress:
 
     def staged(self) -> list[list[Any]]:
         """Every staged file a persisted ``written`` record named this pass, ``[type, partition, name]`` in record
-        order: what a restart publishes if it is still there (``roll_forward``). A compaction mid-pass keeps those of
-        the records it drops in the snapshot (a file recorded just before it may not be moved yet)."""
+        order: what a restart publishes if it is still there (``roll_forward``). A base written mid-pass keeps those of
+        the records before it (a file recorded just before it may not be moved yet)."""
         return [*self.staged_before,
                 *(list(entry) for record in self.records if record.get("e") == "written"
                   for entry in record.get("staged", []))]
@@ -107,42 +113,48 @@ class ProgressLog:
         self.fence: Callable[[], None] = fence or (lambda: None)
         self.log_id = ""
         self.seq = 0
+        self.segments = 0  # segments written under this log id
+        self.records_from = 0  # the first record not in a segment
+        self._since: list[dict[str, Any]] = []  # the records from ``records_from`` on: the next segment's contents
         self.shared_name = ""  # the vector the last record names
-        # the staged files this log's ``written`` records named: a compaction carries them into its snapshot, since
-        # the rank publishes a group's files only after its record (job/checkpoint/write_groups.py) and a restart must
+        # the staged files this log's ``written`` records named: a base written mid-pass carries them, since the
+        # rank publishes a group's files only after its record (job/checkpoint/write_groups.py) and a restart must
         # still know them (files no record names are removed, never published)
         self.staged: list[list[Any]] = []
 
     def _url(self, name: str) -> str:
         return storage.join(log_url(self.checkpoint_path), name)
 
+    def _pointer(self) -> dict[str, Any]:
+        return {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id,
+                "segments": self.segments, "records_from": self.records_from, "shared": self.shared_name}
+
     def start(self, state: dict[str, Any], shared: Optional[np.ndarray] = None) -> None:
-        """Write the snapshot (and the shared vector it starts from) under a new log id, then drop the records of
-        earlier snapshots (no longer read). Also the compaction mid-pass (``append`` says when): ``state`` and
-        ``shared`` must then be what the snapshot and its records replay to. A kill before the snapshot is written
-        leaves the old snapshot with its records whole; one after it, records no snapshot names (dropped by the next
-        ``start``)."""
+        """Write the base (the state, and the shared vector it starts from) and the snapshot naming it under a new
+        log id, then drop the files of earlier log ids (no longer read). ``state`` and ``shared`` must be what the
+        directory's snapshot replays to when one of this writer's is there (only its own is replaced). A kill before
+        the snapshot is written leaves the old snapshot with its files whole; one after it, files no snapshot names
+        (dropped by the next ``start``)."""
         self.fence()
-        if self.log_id:  # a compaction: only over this writer's own snapshot
+        if self.log_id:  # a new base mid-pass: only over this writer's own snapshot
             self._check_own_snapshot()
         self.log_id = secrets.token_hex(6)
-        self.seq = 0
-        snapshot: dict[str, Any] = {"format": FORMAT, "run": self.run, "version": self.version, "log": self.log_id,
-                                    "state": state}
+        self.seq = self.segments = self.records_from = 0
+        self._since = []
+        self.shared_name = ""
         if shared is not None:
             self.shared_name = f"{self.log_id}-base.f32"
             storage.write_bytes(self._url(self.shared_name), np.ascontiguousarray(shared, np.float32).tobytes())
-            snapshot["shared"] = self.shared_name
-        if self.staged:
-            snapshot["staged"] = self.staged
-        storage.write_text(progress_url(self.checkpoint_path), json.dumps(snapshot))
+        storage.write_text(self._url(f"{self.log_id}-base.json"), json.dumps({"state": state, "staged": self.staged}))
+        storage.write_text(progress_url(self.checkpoint_path), json.dumps(self._pointer()))
         storage.remove_many([self._url(name) for name in storage.listdir(log_url(self.checkpoint_path))
                              if not name.startswith(f"{self.log_id}-")])
 
     def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None) -> bool:
-        """One record of ``records``; with ``shared``, the vector first, then the record naming it. Returns whether
-        the log is due for compaction: ``compact_every`` records since the snapshot, after which the writer calls
-        ``start`` with the state as it stands, so that a restart reads at most that many records."""
+        """One object holding ``records`` (those of every request the server's committer writes together); with
+        ``shared``, the vector first, then the record naming it. Returns whether the log is due for compaction:
+        ``compact_every`` records since the last segment, after which the writer calls ``compact``, so that a
+        restart reads at most that many records."""
         if not records and shared is None:
             return False
         if not self.log_id:
@@ -157,12 +169,27 @@ class ProgressLog:
             records = [*records, {"e": "shared", "file": f"{name}.f32"}]
         storage.write_text(self._url(f"{name}.json"), json.dumps(records))
         self.seq += 1
+        self._since.extend(records)
         if shared is not None:
             self.shared_name = f"{name}.f32"
             if previous:  # no record names it any more (one request: no directory check)
                 storage.remove_many([self._url(previous)])
-        return 0 < self.compact_every <= self.seq
+        return 0 < self.compact_every <= self.seq - self.records_from
 
+    def compact(self) -> None:
+        """The records since the last segment become one segment, the snapshot names it, then they are dropped: the
+        bytes written are those records again, whatever the pass's size (O(buckets) per pass). Only over this
+        writer's own snapshot (``StaleProgressWriter`` otherwise). A kill before the snapshot is rewritten leaves
+        the old one, whose records are all still there; one after it, records it no longer reads."""
+        self.fence()
+        self._check_own_snapshot()
+        storage.write_text(self._url(f"{self.log_id}-seg-{self.segments:08d}.json"), json.dumps(self._since))
+        dropped = [self._url(f"{self.log_id}-{n:08d}.json") for n in range(self.records_from, self.seq)]
+        self.segments += 1
+        self.records_from = self.seq
+        self._since = []
+        storage.write_text(progress_url(self.checkpoint_path), json.dumps(self._pointer()))
+        storage.remove_many(dropped)
 
     def _check_own_snapshot(self) -> None:
         try:
@@ -177,8 +204,9 @@ class ProgressLog:
 
 
 def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """The snapshot as stored and its records in order, whoever wrote them (the ``shared`` records, which name the
-    vector, moved into the snapshot's ``shared``); None if there is none."""
+    """The snapshot as stored (its base's ``state`` and ``staged`` taken into it) and its records in order, the
+    segments' then those after them, whoever wrote them (the ``shared`` records, which name the vector, moved into
+    the snapshot's ``shared``); None if there is none."""
     try:
         snapshot = json.loads(storage.read_text(progress_url(checkpoint_path)))
     except (FileNotFoundError, json.JSONDecodeError):
@@ -186,35 +214,54 @@ def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[d
     if not isinstance(snapshot, dict):
         return None
     log_id = str(snapshot.get("log", ""))
+    try:
+        segments = max(0, int(snapshot.get("segments", 0)))
+        first = max(0, int(snapshot.get("records_from", 0)))
+    except (TypeError, ValueError):
+        return None
     numbered = []
     for name in storage.listdir(log_url(checkpoint_path)):
         stem = name[:-len(".json")] if name.endswith(".json") else ""
         prefix, _, digits = stem.rpartition("-")
-        if log_id and prefix == log_id and digits.isdigit():
+        if log_id and prefix == log_id and digits.isdigit() and int(digits) >= first:
             numbered.append((int(digits), name))
     in_order = []
-    for expected, (number, name) in enumerate(sorted(numbered)):
+    for expected, (number, name) in enumerate(sorted(numbered), start=first):
         if number != expected:  # a record lost before the next was written cannot be: stop where they break off
             logger.warning("progress records of %s break off after %d", checkpoint_path, expected)
             break
         in_order.append(name)
+    fixed = [f"{log_id}-base.json", *(f"{log_id}-seg-{n:08d}.json" for n in range(segments))]
     # read together (a pass's records are hundreds of small objects), replayed in order
-    contents = storage.read_many([storage.join(log_url(checkpoint_path), name) for name in in_order])
-    records: list[dict[str, Any]] = []
-    for name, content in zip(in_order, contents):
+    contents = storage.read_many([storage.join(log_url(checkpoint_path), name) for name in fixed + in_order])
+    try:
+        base = json.loads(_text(fixed[0], contents[0]))
+        parts = [json.loads(_text(name, content)) for name, content in zip(fixed[1:], contents[1:len(fixed)])]
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        logger.warning("progress of %s unreadable (%s): not resumed", checkpoint_path, err)
+        return None
+    snapshot["state"] = base.get("state", {}) if isinstance(base, dict) else {}
+    snapshot["staged"] = base.get("staged", []) if isinstance(base, dict) else []
+    for name, content in zip(in_order, contents[len(fixed):]):
         try:
-            if content is None:
-                raise FileNotFoundError(name)
-            changes = json.loads(content.decode("utf-8"))
+            parts.append(json.loads(_text(name, content)))
         except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
             logger.warning("progress record %s unreadable; the records after it are not replayed", name)
             break
+    records: list[dict[str, Any]] = []
+    for changes in parts:
         for change in changes:
             if change.get("e") == "shared":
                 snapshot["shared"] = change["file"]
             else:
                 records.append(change)
     return snapshot, records
+
+
+def _text(name: str, content: Optional[bytes]) -> str:
+    if content is None:
+        raise FileNotFoundError(name)
+    return content.decode("utf-8")
 
 
 def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Progress]:
