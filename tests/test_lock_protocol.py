@@ -927,3 +927,31 @@ def test_adagrad_sums_are_shared_so_every_trainer_steps_with_the_groups_sums(sto
         assert parameter.detach().tolist() == pytest.approx([-2.0 - 12.0 / 13.0] * 2)  # sqrt(25 + 144) = 13
     finally:
         server.stop()
+
+
+def test_unsaved_updates_beyond_the_memory_bound_wait_on_disk_and_are_stored_once() -> None:
+    """Rank 0 keeps at most ``in_memory`` updates of buckets done but unsaved (``memory_budget`` counts them): the
+    others go to temporary files, and each reaches the stored vector once, when its bucket is saved."""
+    from job.train.distributed.shared_vector import SharedVector
+    from job.types import Bucket
+
+    vector = SharedVector(np.zeros(4, np.float32), in_memory=1)
+    buckets = [Bucket(0, 0), Bucket(0, 1), Bucket(1, 0)]
+    for i, bucket in enumerate(buckets):
+        change = np.zeros(4, np.float32)
+        change[i] = i + 1.0
+        vector.add(change)
+        assert not vector.finish(bucket, change, saved=False)
+    assert vector.pending_in_memory == 1 and vector.spilled == 2
+    assert vector.save({Bucket(0, 0)})  # the other two saved: one of them from its file
+    assert vector.stored.tolist() == [0.0, 2.0, 3.0, 0.0]
+    assert vector.save(set()) and vector.stored.tolist() == vector.served.tolist() == [1.0, 2.0, 3.0, 0.0]
+    assert not vector.pending and not vector.save(set())
+    # a change of a few values (a bucket's relations) is kept as those values
+    sparse = SharedVector(np.zeros(64, np.float32), in_memory=1)
+    change = np.zeros(64, np.float32)
+    change[5] = 2.0
+    sparse.add(change)
+    assert not sparse.finish(Bucket(0, 0), change, saved=False)
+    assert sparse.pending_in_memory == 0 and sparse.held_bytes == 12 and sparse.spilled == 0
+    assert sparse.save(set()) and sparse.stored.tolist() == sparse.served.tolist() and sparse.held_bytes == 0

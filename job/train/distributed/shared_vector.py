@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Collection
-from typing import IO, Union
+from dataclasses import dataclass
+from typing import IO, Optional
 
 import numpy as np
 
@@ -31,14 +32,19 @@ class SharedVector:
     def __init__(self, initial: np.ndarray, in_memory: int = PENDING_VECTORS) -> None:
         self.served = initial.astype(np.float32, copy=True)
         self.stored = self.served.copy()  # the updates of the buckets done and saved: what a restart resumes
-        # the update of each bucket done but not yet saved: in memory, or (beyond ``in_memory``) in a temporary file
-        self.pending: dict[Bucket, Union[np.ndarray, IO[bytes]]] = {}
+        # the update of each bucket done but not yet saved: its non-zero values (a bucket touches few relations),
+        # or the whole change in one of ``in_memory`` reused vectors, or (beyond) in a temporary file
+        self.pending: dict[Bucket, Pending] = {}
         self.in_memory = in_memory
+        self._pool: list[np.ndarray] = []  # vectors of the pool not holding an update now
+        self._budget = in_memory * 4 * self.served.size  # bytes of pending updates held in memory, at most
+        self.held_bytes = 0  # the pool's vectors and the sparse updates held now
         self.spilled = 0  # updates written to a temporary file so far (how often the bound was reached)
 
     @property
     def pending_in_memory(self) -> int:
-        return sum(1 for v in self.pending.values() if isinstance(v, np.ndarray))
+        """Whole-vector updates held in memory now (at most ``in_memory``)."""
+        return sum(1 for v in self.pending.values() if v.dense is not None)
 
     @property
     def size(self) -> int:
@@ -61,12 +67,24 @@ class SharedVector:
         if saved:
             self.stored += change
             return True
-        if self.pending_in_memory < self.in_memory:
-            self.pending[bucket] = change.copy()
+        nonzero = int(np.count_nonzero(change))
+        sparse = 12 * nonzero  # (an int64 index and a float32 value each)
+        if nonzero * SPARSE_BELOW < change.size and self.held_bytes + sparse <= self._budget:
+            # a few relations' rows (and their sums)
+            where = np.flatnonzero(change)
+            self.pending[bucket] = Pending(index=where, values=change[where])
+            self.held_bytes += sparse
+        elif self._pool or self.held_bytes + change.nbytes <= self._budget:
+            if not self._pool:  # allocated once, then reused: a fresh 12 MB copy costs page faults (~40 ms here)
+                self._pool.append(np.empty_like(self.served))
+                self.held_bytes += change.nbytes
+            dense = self._pool.pop()
+            np.copyto(dense, change)
+            self.pending[bucket] = Pending(dense=dense)
         else:
             spill = tempfile.TemporaryFile()
             spill.write(np.ascontiguousarray(change, np.float32).tobytes())
-            self.pending[bucket] = spill
+            self.pending[bucket] = Pending(file=spill)
             self.spilled += 1
         return False
 
@@ -76,10 +94,30 @@ class SharedVector:
         saved = [b for b in self.pending if b not in unsaved]
         for b in saved:
             update = self.pending.pop(b)
-            if isinstance(update, np.ndarray):
-                self.stored += update
-            else:
-                update.seek(0)
-                self.stored += np.frombuffer(update.read(), dtype=np.float32)
-                update.close()
+            if update.index is not None and update.values is not None:
+                self.stored[update.index] += update.values
+                self.held_bytes -= 12 * update.index.size
+            elif update.dense is not None:
+                self.stored += update.dense
+                self._pool.append(update.dense)
+            elif update.file is not None:
+                update.file.seek(0)
+                self.stored += np.frombuffer(update.file.read(), dtype=np.float32)
+                update.file.close()
         return bool(saved)
+
+
+# a change with fewer than 1/SPARSE_BELOW of its values non-zero is kept as (index, value) pairs (8 bytes a value):
+# at most a quarter of the vector's bytes
+SPARSE_BELOW = 8
+
+
+@dataclass
+class Pending:
+    """One bucket's update waiting for its save: sparse (``index``, ``values``), whole (``dense``, a pool vector)
+    or in a temporary ``file``."""
+
+    index: Optional[np.ndarray] = None
+    values: Optional[np.ndarray] = None
+    dense: Optional[np.ndarray] = None
+    file: Optional[IO[bytes]] = None
