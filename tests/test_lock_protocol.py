@@ -36,6 +36,7 @@ from job.checkpoint.group_progress import (
 from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
+from job.formats.checksums import checksum_file
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
@@ -584,7 +585,7 @@ class RowTrainer:
                 for key in group.keys:
                     self.partitions.stage(group, [key])
                     yield
-                self.client.written(group.keys, group.staged())
+                self.client.written(group.keys, group.staged(self.partitions.checkpoint))  # with sizes, CRC-32s
                 yield
                 for key in group.keys:
                     self.partitions.publish(group, [key])
@@ -694,6 +695,63 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
     """The same on S3 (moto): staged files uploaded, moved by a copy and a removal."""
     points = kill_at_every_step(lambda crash_after: f"{s3_bucket}/{crash_after}/checkpoint", store, ranks)
     assert points > 60
+
+
+def test_the_commit_after_a_restart_reads_no_partition_back_and_a_corrupted_one_is_still_caught(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write group's record carries its files' size and CRC-32, so the round after a restart knows every
+    partition file the earlier round made current (``known_sums``) and the commit's manifest reads none of them back
+    (counted through the real storage layer); a file changed after its write is still caught, by the next read
+    against the manifest. Without the records' sums the same manifest reads every partition back."""
+    from job.checkpoint.write_groups import known_sums
+    from job.errors import InputFormatError
+
+    checkpoint = str(tmp_path / "checkpoint")
+    server = serve(store, checkpoint, None, "first/lock", ranks[0])
+    trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix="first/lock", transport=ranks[rank]),
+                           row_store(checkpoint, store, "first")) for rank in (0, 1)]
+    running = [trainer.actions(server.state) for trainer in trainers]
+    try:
+        for step in range(40):  # the group dies part-way through the pass, groups of both ranks recorded
+            next(running[step % 2])
+    finally:
+        server.stop()
+    progress = read_progress(checkpoint, 0, "run")
+    assert progress is not None and all(len(entry) == 5 for entry in progress.staged())
+    roll_forward(checkpoint, progress.version, progress.staged())
+    survivor = row_store(checkpoint, store, "second")
+    earlier = {(str(t), int(p)) for t, p, *_ in progress.staged()}
+    assert known_sums(survivor.checkpoint, 1, progress.staged()) == len(earlier) >= 2
+    reads: list[str] = []
+    real_read = storage.local_copy_for_reading
+
+    def counted(url: str) -> Any:
+        reads.append(url)
+        return real_read(url)
+
+    monkeypatch.setattr(storage, "local_copy_for_reading", counted)
+    # the commit's manifest, as the new round's rank 0 builds it (here of the files the earlier round made current)
+    survivor.checkpoint.save_version(1)
+    assert reads == []
+    manifest = survivor.checkpoint.manifest(1)
+    assert manifest is not None and set(manifest.files) == {Path(survivor.checkpoint.partition_file(1, *key)).name
+                                                           for key in earlier}
+    for name, entry in manifest.files.items():  # what the records said is what the files hold
+        assert checksum_file(str(Path(checkpoint) / name)) == entry
+    # the same commit in a round that was not told the records' sums reads every partition back
+    unknowing = CheckpointStorage(checkpoint)
+    unknowing.save_version(1)
+    assert len(reads) == len(earlier)
+    # a partition corrupted after its write: its next read (against the manifest) refuses it
+    monkeypatch.setattr(storage, "local_copy_for_reading", real_read)
+    victim = Path(checkpoint) / sorted(manifest.files)[0]
+    data = bytearray(victim.read_bytes())
+    data[-8] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    reader = CheckpointStorage(checkpoint)
+    key = next(k for k in [("node", p) for p in range(4)] if reader.partition_file(1, *k).endswith(victim.name))
+    with pytest.raises(InputFormatError, match="checksum|size"):
+        reader.load_entity_partition(1, *key)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
