@@ -1006,10 +1006,11 @@ def test_unsaved_updates_beyond_the_memory_bound_wait_on_disk_and_are_stored_onc
     assert vector.save(set()) and vector.stored.tolist() == vector.served.tolist() == [1.0, 2.0, 3.0, 0.0]
     assert not vector.pending and not vector.save(set())
     # a change of a few values (a bucket's relations) is kept as those values
-    sparse = SharedVector(np.zeros(64, np.float32), in_memory=1)
-    change = np.zeros(64, np.float32)
-    change[5] = 2.0
+    sparse = SharedVector(np.zeros(64 * 9 + 3, np.float32), in_memory=1)
+    change = np.zeros(64 * 9 + 3, np.float32)
+    change[[5, 64 * 9 + 1]] = 2.0
     sparse.add(change)
     assert not sparse.finish(Bucket(0, 0), change, saved=False)
-    assert sparse.pending_in_memory == 0 and sparse.held_bytes == 12 and sparse.spilled == 0
+    # one block of 64 values and its index, and the 3 values after the last whole block
+    assert sparse.pending_in_memory == 0 and sparse.held_bytes == 8 + 4 * 64 + 4 * 3 and sparse.spilled == 0
     assert sparse.save(set()) and sparse.stored.tolist() == sparse.served.tolist() and sparse.held_bytes == 0
