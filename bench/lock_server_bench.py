@@ -291,6 +291,82 @@ def sync_child(args: argparse.Namespace) -> None:
     print(json.dumps(times), flush=True)
 
 
+def progress_pass_phase(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """The progress a whole pass writes, in bytes: ``LockState`` driven through every bucket by ``--trainers`` ranks
+    as the server sees them (each ``next`` with its stats line, a write group's ``written`` record naming staged
+    files, a ``release``), one progress write per request and a compaction whenever the log says so (``compact``
+    where the log has it, else a new snapshot of the whole state, as before issue #45). No transport, no vector:
+    the bytes the records and compactions write, counted at the storage layer, per P."""
+    import random
+
+    import storage_adapters
+
+    counts = [int(n) for n in args.trainers.split(",")]
+    parts = [int(p) for p in args.partitions.split(",")] if args.partitions else [2 * n for n in counts]
+    rows = []
+    written = {"bytes": 0, "writes": 0}
+    real_text, real_bytes = storage_adapters.write_text, storage_adapters.write_bytes
+
+    def text(url: str, data: str) -> None:
+        written["bytes"] += len(data.encode())
+        written["writes"] += 1
+        real_text(url, data)
+
+    storage_adapters.write_text = text  # type: ignore[assignment]
+    try:
+        for trainers, nparts in zip(counts, parts):
+            keys = bucket_keys(nparts)
+            state = LockState(nparts, nparts, keys, world_size=trainers, version=1)
+            log = ProgressLog(str(work / f"progress-pass-{nparts}"), "bench", 1)
+            log.start(state.to_json())
+            written.update(bytes=0, writes=0)
+            rng = random.Random(0)
+            current: dict[int, Optional[Bucket]] = {rank: None for rank in range(trainers)}
+            started = time.perf_counter()
+            compactions = records = 0
+            while not state.finished():
+                progressed = False
+                for rank in range(trainers):
+                    finished = current[rank]
+                    held = set(keys[finished]) if finished is not None else set()
+                    if finished is not None:
+                        state.add_record({"epoch_idx": 0, "edge_path_idx": 0, "lhs_partition": finished.lhs,
+                                          "rhs_partition": finished.rhs, "index": 1, "stats": {
+                                              "count": 5000, "metrics": {"loss": 1.2345678, "reg": 0.0123456,
+                                                                         "violators_lhs": 12.5, "violators_rhs": 11.25,
+                                                                         "pos_rank": 3.5, "mrr": 0.5, "r1": 0.25,
+                                                                         "r10": 0.75, "r50": 0.875, "auc": 0.9}}})
+                    kind, bucket = state.next_bucket(rank, held, finished, rng)
+                    current[rank] = bucket
+                    for request in ("next", "written", "release"):
+                        if request == "written" and finished is not None:
+                            state.record_written(rank, sorted(held), [
+                                [t, p, f".tmp-staged-{rng.getrandbits(48):012x}-embeddings_{t}_{p}.v1.h5"]
+                                for t, p in sorted(held)])
+                        elif request == "release" and finished is not None:
+                            state.release(rank, sorted(held - (set(keys[bucket]) if bucket else set())), written=False)
+                        changes = state.drain_journal()
+                        if changes:
+                            records += 1
+                            if log.append(changes):
+                                compactions += 1
+                                if hasattr(log, "compact"):
+                                    log.compact()
+                                else:  # the code before issue #45: a snapshot of the whole state
+                                    log.start(state.to_json())
+                    progressed |= bucket is not None or finished is not None
+                if not progressed:
+                    break
+            rows.append({"phase": "progress-pass", "trainers": trainers, "partitions": nparts,
+                         "buckets": nparts * nparts, "records": records, "compactions": compactions,
+                         "bytes_written": written["bytes"], "bytes_per_bucket": written["bytes"] / (nparts * nparts),
+                         "objects_written": written["writes"], "seconds": time.perf_counter() - started})
+    finally:
+        storage_adapters.write_text = real_text  # type: ignore[assignment]
+        storage_adapters.write_bytes = real_bytes  # type: ignore[assignment]
+    return rows
+
+
 def state_phase(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``LockState`` alone (the scheduling logic the server runs under its lock, without transport or progress):
     ms per ``next_bucket`` / ``reserve`` / ``release`` with every trainer holding a bucket, per (trainers, P)."""
@@ -364,6 +440,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if "progress" in phases:
         print(json.dumps(progress_phase(args, work)), flush=True)
+    if "progress-pass" in phases:
+        for row in progress_pass_phase(args, work):
+            print(json.dumps(row), flush=True)
     if "transfer" in phases:
         print(json.dumps(transfer_phase(args, work)), flush=True)
     if "scale" in phases:
