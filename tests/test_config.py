@@ -584,7 +584,7 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
 
     values = 1_000_000  # 4 MB a copy
     assert sync_memory_bytes(values, serves=False) == 2 * 4 * values
-    server = 2 + TRANSFER_SLOTS + PENDING_VECTORS
+    server = 3 + TRANSFER_SLOTS + PENDING_VECTORS
     assert sync_memory_bytes(values, serves=True) == (2 + server) * 4 * values
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 24}}, "dimension": 99,
                            "memory_budget": str(3 * 2**20 + 20 * 4_000_000)})

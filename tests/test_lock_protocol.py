@@ -1014,3 +1014,34 @@ def test_unsaved_updates_beyond_the_memory_bound_wait_on_disk_and_are_stored_onc
     # one block of 64 values and its index, and the 3 values after the last whole block
     assert sparse.pending_in_memory == 0 and sparse.held_bytes == 8 + 4 * 64 + 4 * 3 and sparse.spilled == 0
     assert sparse.save(set()) and sparse.stored.tolist() == sparse.served.tolist() and sparse.held_bytes == 0
+
+
+def test_a_progress_writes_the_changed_blocks_of_the_shared_vector_and_a_restart_replays_them(tmp_path: Path) -> None:
+    """After the whole vector, a write that saved buckets carries only the blocks of the stored vector that changed
+    (their values, so replaying them is exact); a compaction writes it whole again and drops them; a torn block
+    file refuses the progress instead of resuming a wrong vector."""
+    from job.train.distributed.shared_vector import SharedVector
+    from job.types import Bucket
+
+    checkpoint = str(tmp_path)
+    vector = SharedVector(np.zeros(64 * 50 + 7, np.float32))
+    log = ProgressLog(checkpoint, "run", 1, compact_every=3)
+    log.start(LockState(2, 2, partition_keys(2)).to_json(), vector.stored)
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        change = np.zeros(vector.size, np.float32)
+        change[rng.choice(vector.size, 5, replace=False)] = rng.random(5).astype(np.float32) + 0.1
+        change[-1] = step + 1.0  # the values after the last whole block too
+        vector.add(change)
+        assert vector.finish(Bucket(0, step % 2), change, saved=True)
+        blocks = vector.changed_blocks()
+        assert blocks is not None and blocks.index.size <= 5
+        if log.append([{"e": "record", "record": {"n": step}}], blocks=blocks):
+            log.compact(shared=vector.stored)
+            assert not [p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".b32")]
+        progress = read_progress(checkpoint, 0, "run")
+        assert progress is not None and progress.shared is not None
+        assert progress.shared.tobytes() == vector.stored.tobytes(), step
+    torn = next(p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".b32"))
+    torn.write_bytes(torn.read_bytes()[:-4])
+    assert read_progress(checkpoint, 0, "run") is None

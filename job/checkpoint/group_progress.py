@@ -20,8 +20,11 @@ Two parts, beside the checkpoint (any storage URL; an object store has no append
   as a record left them. A trainer sends its change with the ``next`` that finishes its bucket, and the server
   adds it, marks the bucket done and writes the vector, then the record naming it (``{"e": "shared"}``), before
   it answers: a restart resumes with every done bucket's shared update and none of a bucket not done (no update
-  lost, none counted twice). Only the latest vector is kept. It is the whole vector, once per write that saved a
-  bucket (the requests of one write share it).
+  lost, none counted twice). Once per write that saved a bucket (the requests of one write share it), and
+  usually only its blocks that changed since the last write (``<log id>-<seq>.b32``, ``{"e": "shared_blocks"}``:
+  their values, not differences, so replaying them is exact), which for a bucket's few relations is KBs where the
+  whole vector is 11.86 MB for Freebase86m; the whole vector when most of it changed, and at each compaction (then
+  the earlier vector files are dropped), so a restart reads one vector and at most ``COMPACT_EVERY`` block files.
 
 Reading (``read_progress``) takes the snapshot's base, its segments and the records from ``records_from`` on, in
 order (only those of its log id, only while their numbers follow each other). The commit drops both
@@ -59,6 +62,46 @@ COMPACT_EVERY = 64
 PROGRESS_FILE = "distributed_progress.json"
 PROGRESS_LOG = "distributed_progress.log"
 FORMAT = 3
+
+
+@dataclass
+class VectorBlocks:
+    """Blocks of ``block`` values of the shared vector, with their values as they are now (not differences: applying
+    them is exact), and the values after its last whole block (``tail``)."""
+
+    index: np.ndarray  # int64 block numbers
+    values: np.ndarray  # float32, (len(index), block)
+    tail: np.ndarray  # float32
+    block: int
+
+    def encode(self) -> bytes:
+        header = np.array([self.index.size, self.block, self.tail.size], dtype=np.int64)
+        return b"".join([header.tobytes(), self.index.astype(np.int64).tobytes(),
+                         np.ascontiguousarray(self.values, np.float32).tobytes(), self.tail.astype(np.float32).tobytes()])
+
+    @classmethod
+    def decode(cls, raw: bytes, name: str) -> VectorBlocks:
+        """``ValueError`` naming ``name`` when its sizes do not add up (a torn or foreign file)."""
+        if len(raw) < 24:
+            raise ValueError(f"{name}: {len(raw)} bytes, shorter than its header")
+        count, block, tail = (int(v) for v in np.frombuffer(raw[:24], dtype=np.int64))
+        if min(count, block, tail) < 0 or len(raw) != 24 + 8 * count + 4 * count * block + 4 * tail:
+            raise ValueError(f"{name}: {len(raw)} bytes do not hold {count} blocks of {block} values and {tail} more")
+        index = np.frombuffer(raw, dtype=np.int64, count=count, offset=24)
+        values = np.frombuffer(raw, dtype=np.float32, count=count * block, offset=24 + 8 * count)
+        rest = np.frombuffer(raw, dtype=np.float32, count=tail, offset=24 + 8 * count + 4 * count * block)
+        return cls(index, values.reshape(count, block), rest, block)
+
+    def apply(self, vector: np.ndarray) -> None:
+        """Set these blocks of ``vector`` (``ValueError`` if they do not fit it)."""
+        whole = vector.size - self.tail.size
+        if whole < 0 or (self.block and whole % self.block) or (self.index.size and (
+                self.index.max() >= whole // max(self.block, 1) or self.index.min() < 0)):
+            raise ValueError(f"blocks of {self.block} values and {self.tail.size} more do not fit a vector of "
+                             f"{vector.size}")
+        if self.index.size:
+            vector[:whole].reshape(-1, self.block)[self.index] = self.values
+        vector[whole:] = self.tail
 
 
 def progress_url(checkpoint_path: str) -> str:
@@ -116,7 +159,8 @@ class ProgressLog:
         self.segments = 0  # segments written under this log id
         self.records_from = 0  # the first record not in a segment
         self._since: list[dict[str, Any]] = []  # the records from ``records_from`` on: the next segment's contents
-        self.shared_name = ""  # the vector the last record names
+        self.shared_name = ""  # the whole vector the last record names
+        self.vector_files: list[str] = []  # the whole vector and the block files after it: what a restart reads
         # the staged files this log's ``written`` records named: a base written mid-pass carries them, since the
         # rank publishes a group's files only after its record (job/checkpoint/write_groups.py) and a restart must
         # still know them (files no record names are removed, never published)
@@ -142,49 +186,69 @@ class ProgressLog:
         self.seq = self.segments = self.records_from = 0
         self._since = []
         self.shared_name = ""
+        self.vector_files = []
         if shared is not None:
             self.shared_name = f"{self.log_id}-base.f32"
+            self.vector_files = [self.shared_name]
             storage.write_bytes(self._url(self.shared_name), np.ascontiguousarray(shared, np.float32).tobytes())
         storage.write_text(self._url(f"{self.log_id}-base.json"), json.dumps({"state": state, "staged": self.staged}))
         storage.write_text(progress_url(self.checkpoint_path), json.dumps(self._pointer()))
         storage.remove_many([self._url(name) for name in storage.listdir(log_url(self.checkpoint_path))
                              if not name.startswith(f"{self.log_id}-")])
 
-    def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None) -> bool:
+    def append(self, records: list[dict[str, Any]], shared: Optional[np.ndarray] = None,
+               blocks: Optional[VectorBlocks] = None) -> bool:
         """One object holding ``records`` (those of every request the server's committer writes together); with
-        ``shared``, the vector first, then the record naming it. Returns whether the log is due for compaction:
+        ``shared`` (the whole vector) or ``blocks`` (its blocks changed since the last vector file, a vector file
+        already written), that file first, then the record naming it. Returns whether the log is due for compaction:
         ``compact_every`` records since the last segment, after which the writer calls ``compact``, so that a
         restart reads at most that many records."""
-        if not records and shared is None:
+        if not records and shared is None and blocks is None:
             return False
         if not self.log_id:
             raise RuntimeError("progress records appended before the pass's snapshot")
+        if blocks is not None and not self.vector_files:
+            raise RuntimeError("changed blocks of the shared vector appended before any whole vector")
         self.fence()
         name = f"{self.log_id}-{self.seq:08d}"
-        previous = self.shared_name
+        previous = self.vector_files
         self.staged.extend(list(entry) for record in records if record.get("e") == "written"
                            for entry in record.get("staged", []))
         if shared is not None:
             storage.write_bytes(self._url(f"{name}.f32"), np.ascontiguousarray(shared, np.float32).tobytes())
             records = [*records, {"e": "shared", "file": f"{name}.f32"}]
+        elif blocks is not None:
+            storage.write_bytes(self._url(f"{name}.b32"), blocks.encode())
+            records = [*records, {"e": "shared_blocks", "file": f"{name}.b32"}]
         storage.write_text(self._url(f"{name}.json"), json.dumps(records))
         self.seq += 1
         self._since.extend(records)
         if shared is not None:
             self.shared_name = f"{name}.f32"
-            if previous:  # no record names it any more (one request: no directory check)
-                storage.remove_many([self._url(previous)])
+            self.vector_files = [self.shared_name]
+            if previous:  # no record names them any more (one request: no directory check)
+                storage.remove_many([self._url(old) for old in previous])
+        elif blocks is not None:
+            self.vector_files = [*previous, f"{name}.b32"]
         return 0 < self.compact_every <= self.seq - self.records_from
 
-    def compact(self) -> None:
+    def compact(self, shared: Optional[np.ndarray] = None) -> None:
         """The records since the last segment become one segment, the snapshot names it, then they are dropped: the
-        bytes written are those records again, whatever the pass's size (O(buckets) per pass). Only over this
-        writer's own snapshot (``StaleProgressWriter`` otherwise). A kill before the snapshot is rewritten leaves
-        the old one, whose records are all still there; one after it, records it no longer reads."""
+        bytes written are those records again, whatever the pass's size (O(buckets) per pass). With ``shared`` (the
+        vector the records leave), when block files follow the last whole vector, the segment names it whole
+        instead, and they are dropped too. Only over this writer's own snapshot (``StaleProgressWriter``
+        otherwise). A kill before the snapshot is rewritten leaves the old one, whose records and files are all
+        still there; one after it, records and files it no longer reads."""
         self.fence()
         self._check_own_snapshot()
-        storage.write_text(self._url(f"{self.log_id}-seg-{self.segments:08d}.json"), json.dumps(self._since))
         dropped = [self._url(f"{self.log_id}-{n:08d}.json") for n in range(self.records_from, self.seq)]
+        if shared is not None and len(self.vector_files) > 1:
+            whole = f"{self.log_id}-seg-{self.segments:08d}.f32"
+            storage.write_bytes(self._url(whole), np.ascontiguousarray(shared, np.float32).tobytes())
+            self._since.append({"e": "shared", "file": whole})
+            dropped += [self._url(old) for old in self.vector_files]
+            self.shared_name, self.vector_files = whole, [whole]
+        storage.write_text(self._url(f"{self.log_id}-seg-{self.segments:08d}.json"), json.dumps(self._since))
         self.segments += 1
         self.records_from = self.seq
         self._since = []
@@ -249,12 +313,16 @@ def load_snapshot(checkpoint_path: str) -> Optional[tuple[dict[str, Any], list[d
             logger.warning("progress record %s unreadable; the records after it are not replayed", name)
             break
     records: list[dict[str, Any]] = []
+    blocks: list[str] = []  # the block files after the last whole vector, in order
     for changes in parts:
         for change in changes:
             if change.get("e") == "shared":
-                snapshot["shared"] = change["file"]
+                snapshot["shared"], blocks = change["file"], []
+            elif change.get("e") == "shared_blocks":
+                blocks.append(str(change["file"]))
             else:
                 records.append(change)
+    snapshot["shared_blocks"] = blocks
     return snapshot, records
 
 
@@ -283,8 +351,16 @@ def read_progress(checkpoint_path: str, version: int, run: str) -> Optional[Prog
         try:
             raw = storage.read_bytes(storage.join(log_url(checkpoint_path), str(snapshot["shared"])))
             shared = np.frombuffer(raw, dtype=np.float32).copy()
-        except FileNotFoundError:
-            reason = f"its shared parameters ({snapshot['shared']}) are missing"
+            names = list(snapshot.get("shared_blocks", []))
+            for name, content in zip(names, storage.read_many([storage.join(log_url(checkpoint_path), n)
+                                                               for n in names])):
+                if content is None:
+                    raise FileNotFoundError(name)
+                VectorBlocks.decode(content, name).apply(shared)
+        except FileNotFoundError as err:
+            reason = f"its shared parameters ({snapshot['shared']}, then {err}) are missing"
+        except ValueError as err:
+            reason = f"its shared parameters are unreadable ({err})"
     if reason:
         logger.warning("%s: not resumed (%s); the pass starts over from version %d", progress_url(checkpoint_path),
                        reason, version)

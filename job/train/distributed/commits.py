@@ -161,12 +161,14 @@ class Committer:
             with Stopwatch() as progress_watch:
                 if self.failed is None:
                     try:
-                        if stored:
-                            due = self.progress.append(records, shared=self.vector.stored)
+                        if stored:  # only the blocks that changed, unless most did
+                            blocks = self.vector.changed_blocks()
+                            due = self.progress.append(records, shared=self.vector.stored if blocks is None else None,
+                                                       blocks=blocks)
                         else:
                             due = self.progress.append(records)
                         if due:
-                            self._compact()
+                            self.progress.compact(shared=self.vector.stored)
                     except Exception as err:  # noqa: BLE001 - the group restarts from what is stored
                         self.failed = f"{type(err).__name__}: {err}"
                         logger.warning("lock server: the progress could not be saved (%s); every request is "
@@ -180,9 +182,3 @@ class Committer:
             self.stats.commits += len(commits)
             self.stats.shared_writes += int(stored and batch.error is None)
         self._done(("committed", batch))
-
-    def _compact(self) -> None:
-        compact = getattr(self.progress, "compact", None)
-        if compact is None:  # a progress without segments: a new base of what the records replay to
-            raise RuntimeError("this progress log cannot compact (no ``compact``)")
-        compact()

@@ -7,7 +7,7 @@ only once the bucket is done *and* its partitions are written: until then a rest
 saves the bucket. A restart thus resumes with every saved bucket's shared update once and without any bucket it
 redoes (docs/ARCHITECTURE.md, invariants; docs/design/distributed.md, "Shared parameters across a restart").
 
-Memory: ``served``, ``stored`` and at most ``PENDING_VECTORS`` pending updates (job/train/residency/budget.py,
+Memory: ``served``, ``stored``, ``persisted`` and at most ``PENDING_VECTORS`` pending updates (job/train/residency/budget.py,
 counted in ``memory_budget``); a group with more buckets done but unsaved at once (many pods, each holding a
 partition across buckets) keeps the others in local temporary files until their buckets are saved. They are never
 needed after a restart (which redoes unsaved buckets), so the files are unnamed and go with the process.
@@ -22,6 +22,7 @@ from typing import IO, Optional
 
 import numpy as np
 
+from job.checkpoint.group_progress import VectorBlocks
 from job.train.residency.budget import PENDING_VECTORS
 from job.types import Bucket
 
@@ -32,6 +33,7 @@ class SharedVector:
     def __init__(self, initial: np.ndarray, in_memory: int = PENDING_VECTORS) -> None:
         self.served = initial.astype(np.float32, copy=True)
         self.stored = self.served.copy()  # the updates of the buckets done and saved: what a restart resumes
+        self.persisted = self.stored.copy()  # ``stored`` as the progress files last left it (``changed_blocks``)
         # the update of each bucket done but not yet saved: its non-zero values (a bucket touches few relations),
         # or the whole change in one of ``in_memory`` reused vectors, or (beyond) in a temporary file
         self.pending: dict[Bucket, Pending] = {}
@@ -90,6 +92,17 @@ class SharedVector:
             self.pending[bucket] = Pending(file=spill)
             self.spilled += 1
         return False
+
+    def changed_blocks(self) -> Optional[VectorBlocks]:
+        """The blocks of ``stored`` that differ from what the progress files hold, with their values now, taken as
+        persisted from here on; None when they are more than a quarter of the vector (write it whole)."""
+        whole = self.stored.size - self.stored.size % BLOCK
+        now, before = self.stored.view(np.int32), self.persisted.view(np.int32)
+        index = np.flatnonzero((now[:whole] != before[:whole]).reshape(-1, BLOCK).any(axis=1))
+        np.copyto(self.persisted, self.stored)  # (the caller writes them, or the whole vector)
+        if index.size * BLOCK * 4 > self.stored.size:
+            return None
+        return VectorBlocks(index, self.stored[:whole].reshape(-1, BLOCK)[index], self.stored[whole:].copy(), BLOCK)
 
     def save(self, unsaved: Collection[Bucket]) -> bool:
         """Move the updates of the buckets saved now (pending, and no longer ``unsaved``) into ``stored``; whether
