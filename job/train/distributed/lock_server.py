@@ -122,6 +122,7 @@ class LockServer(RequestHandlers):
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
         self._committer = Committer(self.vector, progress, self._inbox.put)
+        self._unanswered = 0  # requests handed to the committer whose replies have not left yet
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)
@@ -265,6 +266,8 @@ class LockServer(RequestHandlers):
         """A batch's records (and the stored vector) are written: answer each request, and send the sum to each
         that carried a change (one buffer for all of them)."""
         sends = []
+        with self.lock:  # answered below, in this event (a stop is served after it)
+            self._unanswered -= len(batch.commits)
         for commit in batch.commits:
             if batch.error is not None:
                 self._refuse(commit.job, LockServerError(
@@ -326,6 +329,8 @@ class LockServer(RequestHandlers):
         if not records and work.change is None and work.unsaved is None:
             self._push(job, reply)
             return
+        with self.lock:
+            self._unanswered += 1
         self._committer.submit(Commit(job, reply, records, work, buffer, slot, wants_sum=buffer is not None))
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
@@ -347,11 +352,12 @@ class LockServer(RequestHandlers):
     def settled(self, deadline: Optional[float] = None) -> bool:
         """Whether every live rank (not declared dead, not gone) has given back what it held (``LockState.settled``):
         once the round ends, rank 0 serves until then (or its deadline) before it exits. ``deadline`` (monotonic):
-        a rank whose bucket in flight cannot end by then (job/train/schedule/clock.py) is not waited for."""
+        a rank whose bucket in flight cannot end by then (job/train/schedule/clock.py) is not waited for. Never while a
+        request decided is not yet stored and answered (the committer's): the state runs ahead of its replies."""
         dead = self._lost() | set(self._gone)
         now = time.monotonic()
         with self.lock:
-            return all(self.state.settled(rank) or rank in self._gave_up
+            return self._unanswered == 0 and all(self.state.settled(rank) or rank in self._gave_up
                        or (deadline is not None and self._hopeless(rank, deadline, now))
                        for rank in range(self.state.world_size) if rank not in dead)
 
