@@ -47,11 +47,11 @@ from job.checkpoint.group_progress import ProgressLog  # noqa: E402
 from job.train.distributed.lock_client import LockClient  # noqa: E402
 from job.train.distributed.lock_server import LockServer  # noqa: E402
 from job.train.distributed.lock_state import LockState  # noqa: E402
-from job.train.distributed.shared_params import SharedParameters  # noqa: E402
 from job.train.distributed.transport import TensorTransport  # noqa: E402
 from job.types import Bucket  # noqa: E402
 
 FREEBASE_RELATION_VALUES = 14_824 * 200  # ComplEx d=100: a real and an imaginary diagonal per relation
+ROW = 200  # values of one relation's row
 TIMEOUT_S = 600.0
 PREFIX = "bench/lock"
 
@@ -71,24 +71,38 @@ def percentiles(values: list[float]) -> dict[str, float]:
 # a trainer: the request sequence of LockServerScheduler, timed ----------------------------------------------------
 
 
-def run_trainer(store: Any, rank: int, transport: TensorTransport, weights: torch.Tensor, nparts: int, buckets: int,
-                train_s: float, out: dict[str, Any]) -> None:
-    """Train ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of sleep)."""
+def bucket_change(buffer: torch.Tensor, touched: int, rng: np.random.Generator) -> torch.Tensor:
+    """A bucket's shared-parameter change in ``buffer`` (which the sum then overwrites): ``touched`` relation rows of
+    ``ROW`` values changed, as a bucket of a few thousand edges touches a few hundred of Freebase86m's relations
+    (0: no change; -1: every value)."""
+    buffer.zero_()
+    if touched < 0:
+        buffer.fill_(1e-6)
+    elif touched:
+        rows = buffer.numel() // ROW
+        chosen = torch.from_numpy(rng.choice(rows, size=min(touched, rows), replace=False))
+        buffer[:rows * ROW].view(rows, ROW)[chosen] = 1e-6
+    return buffer
+
+
+def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, nparts: int, buckets: int,
+                train_s: float, touched: int, out: dict[str, Any]) -> None:
+    """Train ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of sleep), each
+    finished with a change of ``touched`` rows (``bucket_change``) that the sum then replaces."""
     keys = bucket_keys(nparts)
     client = LockClient(store, rank, timeout_s=TIMEOUT_S, prefix=PREFIX, transport=transport)
     writer = LockClient(store, rank, timeout_s=TIMEOUT_S, channel="/writer", prefix=PREFIX)
-    shared = SharedParameters([weights])
+    buffer = torch.zeros(values)
+    rng = np.random.default_rng(rank)
     latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
     current: Optional[Bucket] = None
     held: set = set()
     trained = waits = 0
     while trained < buckets:
+        change = bucket_change(buffer, touched, rng) if current is not None else None
         started = time.perf_counter()
-        kind, bucket, _, total = client.finish_and_next(held, current, None,
-                                                        shared.change() if current is not None else None)
+        kind, bucket, _, _ = client.finish_and_next(held, current, None, change)
         latency["next"].append(time.perf_counter() - started)
-        if total is not None:
-            shared.assign(total)
         current = bucket
         if kind == "done":
             break
@@ -133,10 +147,10 @@ def child_main(args: argparse.Namespace) -> None:
         t.join()
     store.add("bench/joined", len(ranks))
     store.wait(["bench/go"])
-    weights = torch.zeros(args.values)  # the process's trainers share one copy of the "model" (memory)
     out: dict[str, Any] = {}
-    threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], weights, args.partitions,
-                                                          args.buckets, args.train_ms / 1e3, out)) for r in ranks]
+    threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], args.values, args.partitions,
+                                                          args.buckets, args.train_ms / 1e3, args.touched_rows, out))
+               for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
@@ -156,7 +170,7 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         children.append(subprocess.Popen(
             [sys.executable, __file__, "--child", "--port", str(port), "--ranks", f"{first},{last}", "--world",
              str(trainers), "--values", str(args.values), "--partitions", str(nparts), "--buckets",
-             str(args.buckets), "--train-ms", str(args.train_ms)],
+             str(args.buckets), "--train-ms", str(args.train_ms), "--touched-rows", str(args.touched_rows)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))))
     made: dict[int, TensorTransport] = {}
@@ -172,8 +186,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     out: dict[str, Any] = {}
     started = time.perf_counter()
     store.set("bench/go", "1")
-    own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], torch.zeros(args.values), nparts,
-                                                     args.buckets, args.train_ms / 1e3, out))
+    own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], args.values, nparts, args.buckets,
+                                                     args.train_ms / 1e3, args.touched_rows, out))
     own.start()
     for child in children:
         stdout, stderr = child.communicate(timeout=3600)
@@ -189,6 +203,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         for op, values in result["latency"].items():
             latency[op].extend(values)
     requests = sum(op["count"] for op in stats["ops"].values())
+    trained = sum(r["trained"] for r in out.values())
+    committer = stats.get("committer", {})
     return {
         "phase": "scale", "trainers": trainers, "partitions": nparts, "buckets_per_pass": nparts * nparts,
         "values": args.values, "wall_s": wall, "buckets_trained": sum(r["trained"] for r in out.values()),
@@ -200,6 +216,12 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         "appends": stats["appends"], "shared_appends": stats["shared_appends"],
         "copy_ms_per_sum": 1e3 * stats["copy_s"] / max(stats["ops"].get("next", {"count": 1})["count"], 1),
         "latency": {op: percentiles(values) for op, values in latency.items()},
+        # the issue's figure: the serving thread's time per bucket (its next + reserve + release), and beside it
+        # the committer thread's (the vector's arithmetic and the progress writes, job/train/distributed/commits.py)
+        "serving_ms_per_bucket": 1e3 * stats["busy_s"] / max(trained, 1),
+        "committer_ms_per_bucket": 1e3 * committer.get("busy_s", 0.0) / max(trained, 1),
+        "committer": committer, "commits_per_batch": committer.get("commits", 0) / max(committer.get("batches", 0), 1),
+        "pending_spilled": stats.get("pending_spilled", 0),
     }
 
 
@@ -269,6 +291,82 @@ def sync_child(args: argparse.Namespace) -> None:
     print(json.dumps(times), flush=True)
 
 
+def progress_pass_phase(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """The progress a whole pass writes, in bytes: ``LockState`` driven through every bucket by ``--trainers`` ranks
+    as the server sees them (each ``next`` with its stats line, a write group's ``written`` record naming staged
+    files, a ``release``), one progress write per request and a compaction whenever the log says so (``compact``
+    where the log has it, else a new snapshot of the whole state, as before issue #45). No transport, no vector:
+    the bytes the records and compactions write, counted at the storage layer, per P."""
+    import random
+
+    import storage_adapters
+
+    counts = [int(n) for n in args.trainers.split(",")]
+    parts = [int(p) for p in args.partitions.split(",")] if args.partitions else [2 * n for n in counts]
+    rows = []
+    written = {"bytes": 0, "writes": 0}
+    real_text, real_bytes = storage_adapters.write_text, storage_adapters.write_bytes
+
+    def text(url: str, data: str) -> None:
+        written["bytes"] += len(data.encode())
+        written["writes"] += 1
+        real_text(url, data)
+
+    storage_adapters.write_text = text  # type: ignore[assignment]
+    try:
+        for trainers, nparts in zip(counts, parts):
+            keys = bucket_keys(nparts)
+            state = LockState(nparts, nparts, keys, world_size=trainers, version=1)
+            log = ProgressLog(str(work / f"progress-pass-{nparts}"), "bench", 1)
+            log.start(state.to_json())
+            written.update(bytes=0, writes=0)
+            rng = random.Random(0)
+            current: dict[int, Optional[Bucket]] = {rank: None for rank in range(trainers)}
+            started = time.perf_counter()
+            compactions = records = 0
+            while not state.finished():
+                progressed = False
+                for rank in range(trainers):
+                    finished = current[rank]
+                    held = set(keys[finished]) if finished is not None else set()
+                    if finished is not None:
+                        state.add_record({"epoch_idx": 0, "edge_path_idx": 0, "lhs_partition": finished.lhs,
+                                          "rhs_partition": finished.rhs, "index": 1, "stats": {
+                                              "count": 5000, "metrics": {"loss": 1.2345678, "reg": 0.0123456,
+                                                                         "violators_lhs": 12.5, "violators_rhs": 11.25,
+                                                                         "pos_rank": 3.5, "mrr": 0.5, "r1": 0.25,
+                                                                         "r10": 0.75, "r50": 0.875, "auc": 0.9}}})
+                    kind, bucket = state.next_bucket(rank, held, finished, rng)
+                    current[rank] = bucket
+                    for request in ("next", "written", "release"):
+                        if request == "written" and finished is not None:
+                            state.record_written(rank, sorted(held), [
+                                [t, p, f".tmp-staged-{rng.getrandbits(48):012x}-embeddings_{t}_{p}.v1.h5"]
+                                for t, p in sorted(held)])
+                        elif request == "release" and finished is not None:
+                            state.release(rank, sorted(held - (set(keys[bucket]) if bucket else set())), written=False)
+                        changes = state.drain_journal()
+                        if changes:
+                            records += 1
+                            if log.append(changes):
+                                compactions += 1
+                                if hasattr(log, "compact"):
+                                    log.compact()
+                                else:  # the code before issue #45: a snapshot of the whole state
+                                    log.start(state.to_json())
+                    progressed |= bucket is not None or finished is not None
+                if not progressed:
+                    break
+            rows.append({"phase": "progress-pass", "trainers": trainers, "partitions": nparts,
+                         "buckets": nparts * nparts, "records": records, "compactions": compactions,
+                         "bytes_written": written["bytes"], "bytes_per_bucket": written["bytes"] / (nparts * nparts),
+                         "objects_written": written["writes"], "seconds": time.perf_counter() - started})
+    finally:
+        storage_adapters.write_text = real_text  # type: ignore[assignment]
+        storage_adapters.write_bytes = real_bytes  # type: ignore[assignment]
+    return rows
+
+
 def state_phase(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``LockState`` alone (the scheduling logic the server runs under its lock, without transport or progress):
     ms per ``next_bucket`` / ``reserve`` / ``release`` with every trainer holding a bucket, per (trainers, P)."""
@@ -310,6 +408,8 @@ def main() -> None:
     parser.add_argument("--values", type=int, default=FREEBASE_RELATION_VALUES)
     parser.add_argument("--buckets", type=int, default=4, help="buckets each trainer trains in a scale run")
     parser.add_argument("--train-ms", type=float, default=0.0)
+    parser.add_argument("--touched-rows", type=int, default=300,
+                        help=f"relation rows ({ROW} values) each bucket's change touches (0: none, -1: all)")
     parser.add_argument("--per-process", type=int, default=16)
     parser.add_argument("--progress-repeats", type=int, default=50)
     parser.add_argument("--transfer-repeats", type=int, default=20)
@@ -340,6 +440,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if "progress" in phases:
         print(json.dumps(progress_phase(args, work)), flush=True)
+    if "progress-pass" in phases:
+        for row in progress_pass_phase(args, work):
+            print(json.dumps(row), flush=True)
     if "transfer" in phases:
         print(json.dumps(transfer_phase(args, work)), flush=True)
     if "scale" in phases:

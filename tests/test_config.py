@@ -578,24 +578,25 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
         caplog: pytest.LogCaptureFixture) -> None:
     """In a group a trainer keeps two copies of the shared vector to sync it (its synced values and one transfer
     buffer), and rank 0, which serves it, its served and stored vectors and its transfer slots (the sums in flight
-    to peers that have not taken them yet: job/train/distributed/transfers.py): a fixed number each, whatever the pass's
-    length or the group's size."""
-    from job.train.residency.budget import TRANSFER_SLOTS, choose_capacity, sync_memory_bytes
+    to peers that have not taken them yet: job/train/distributed/transfers.py) and at most ``PENDING_VECTORS`` updates
+    of buckets done but unsaved: a fixed number each, whatever the pass's length or the group's size."""
+    from job.train.residency.budget import PENDING_VECTORS, TRANSFER_SLOTS, choose_capacity, sync_memory_bytes
 
     values = 1_000_000  # 4 MB a copy
     assert sync_memory_bytes(values, serves=False) == 2 * 4 * values
-    assert sync_memory_bytes(values, serves=True) == (2 + 2 + TRANSFER_SLOTS) * 4 * values
-    config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 16}}, "dimension": 99,
-                           "memory_budget": str(3 * 2**20 + 16 * 4_000_000)})
-    counts = {"all": [10_000] * 16}
-    # a partition in flight + the copy of the one a write group keeps (job/checkpoint/write_groups.py) + 14
-    assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20) == 14
+    server = 3 + TRANSFER_SLOTS + PENDING_VECTORS
+    assert sync_memory_bytes(values, serves=True) == (2 + server) * 4 * values
+    config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 24}}, "dimension": 99,
+                           "memory_budget": str(3 * 2**20 + 20 * 4_000_000)})
+    counts = {"all": [10_000] * 24}
+    # a partition in flight + the copy of the one a write group keeps (job/checkpoint/write_groups.py) + 18
+    assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20) == 18
     assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20,
-                           sync_bytes=sync_memory_bytes(values, serves=False)) == 12
+                           sync_bytes=sync_memory_bytes(values, serves=False)) == 16
     with caplog.at_level(logging.INFO, "biggraph"):
         assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20,
-                               sync_bytes=sync_memory_bytes(values, serves=True)) == 14 - 2 - 2 - TRANSFER_SLOTS
-    assert f"{(4 + TRANSFER_SLOTS) * 4 * values / 2**20:.1f} MiB to sync the shared parameters" in caplog.text
+                               sync_bytes=sync_memory_bytes(values, serves=True)) == 18 - 2 - server
+    assert f"{(2 + server) * 4 * values / 2**20:.1f} MiB to sync the shared parameters" in caplog.text
     assert "3.8 MiB for the kept partitions' copies of a write group" in caplog.text
 
 

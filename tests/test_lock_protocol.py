@@ -36,6 +36,7 @@ from job.checkpoint.group_progress import (
 from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
+from job.formats.checksums import checksum_file
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
@@ -299,7 +300,7 @@ def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(
             client.release(sorted(state.bucket_keys[finished]))
         client.next_bucket(set(), finished, {"n": 1})
         assert (tmp_path / PROGRESS_FILE).read_bytes() == snapshot  # never rewritten under the lock
-        records = sorted((tmp_path / PROGRESS_LOG).iterdir())
+        records = sorted(p for p in (tmp_path / PROGRESS_LOG).iterdir() if not p.name.endswith("-base.json"))
         assert len(records) == 33  # one per next and per release
         assert max(r.stat().st_size for r in records) < 1000  # each holds its own change, not the state so far
         resumed = read_progress(checkpoint, 2, "job-a/cfg")
@@ -319,10 +320,10 @@ def test_each_request_appends_one_small_record_and_the_snapshot_is_written_once(
 def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_state(
         tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], monkeypatch: pytest.MonkeyPatch,
         cut: Any) -> None:
-    """Every ``compact_every`` records the server writes a snapshot of the state as it stands: a restart then reads
-    fewer records than that, and replays to the same state. A compaction cut before its snapshot is written leaves
-    the last snapshot and its records; one cut after it (before the old records are dropped) the new one: either
-    replays to the state the last answered request left."""
+    """Every ``compact_every`` records the server writes them again as one segment: a restart then reads fewer
+    records than that (and the segments), and replays to the same state. A compaction cut before its snapshot is
+    rewritten leaves the last snapshot and its records; one cut after it (before the old records are dropped) the
+    new one: either replays to the state the last answered request left."""
     checkpoint = str(tmp_path)
     state = LockState(4, 4, partition_keys(4), world_size=1, version=3)
     log = ProgressLog(checkpoint, "job-a/cfg", 3, compact_every=5)
@@ -353,11 +354,19 @@ def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_
             client.next_bucket(set(), finished, {"n": 1})
         if cut is None:
             assert len(state.done) == 16
-        records = [p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".json")]
+        names = sorted(p.name for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".json"))
+        records = [n for n in names if "-seg-" not in n and not n.endswith("-base.json")]
         resumed = read_progress(checkpoint, 2, "job-a/cfg")
         assert resumed is not None
         if cut is None:  # 33 records written in all, at most 4 since the last compaction
             assert len(records) < 5
+            # each segment holds the records since the one before, never the state so far: together with the
+            # records after them they are every change once (a pass writes O(buckets) bytes of progress)
+            segments = [json.loads((tmp_path / PROGRESS_LOG / n).read_text()) for n in names if "-seg-" in n]
+            assert len(segments) == 6  # of 5 record objects each
+            kept = [r for part in segments for r in part] + [
+                r for n in records for r in json.loads((tmp_path / PROGRESS_LOG / n).read_text())]
+            assert [r for r in kept if r["e"] != "shared"] == resumed.records
         again = LockState(4, 4, partition_keys(4), world_size=1, version=3)
         again.restore(resumed.state)
         for record in resumed.records:
@@ -387,7 +396,7 @@ def test_a_new_snapshot_drops_the_records_of_the_last(tmp_path: Path) -> None:
     first.append([{"e": "start", "rank": 0, "bucket": [0, 0]}])
     second = ProgressLog(checkpoint, "run", 1)
     second.start(LockState(2, 2, partition_keys(2)).to_json())
-    assert not list((tmp_path / PROGRESS_LOG).iterdir())
+    assert [p.name for p in (tmp_path / PROGRESS_LOG).iterdir()] == [f"{second.log_id}-base.json"]
     progress = read_progress(checkpoint, 0, "run")
     assert progress is not None and progress.records == []
     remove_progress(checkpoint)
@@ -576,7 +585,7 @@ class RowTrainer:
                 for key in group.keys:
                     self.partitions.stage(group, [key])
                     yield
-                self.client.written(group.keys, group.staged())
+                self.client.written(group.keys, group.staged(self.partitions.checkpoint))  # with sizes, CRC-32s
                 yield
                 for key in group.keys:
                     self.partitions.publish(group, [key])
@@ -686,6 +695,63 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
     """The same on S3 (moto): staged files uploaded, moved by a copy and a removal."""
     points = kill_at_every_step(lambda crash_after: f"{s3_bucket}/{crash_after}/checkpoint", store, ranks)
     assert points > 60
+
+
+def test_the_commit_after_a_restart_reads_no_partition_back_and_a_corrupted_one_is_still_caught(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write group's record carries its files' size and CRC-32, so the round after a restart knows every
+    partition file the earlier round made current (``known_sums``) and the commit's manifest reads none of them back
+    (counted through the real storage layer); a file changed after its write is still caught, by the next read
+    against the manifest. Without the records' sums the same manifest reads every partition back."""
+    from job.checkpoint.write_groups import known_sums
+    from job.errors import InputFormatError
+
+    checkpoint = str(tmp_path / "checkpoint")
+    server = serve(store, checkpoint, None, "first/lock", ranks[0])
+    trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix="first/lock", transport=ranks[rank]),
+                           row_store(checkpoint, store, "first")) for rank in (0, 1)]
+    running = [trainer.actions(server.state) for trainer in trainers]
+    try:
+        for step in range(40):  # the group dies part-way through the pass, groups of both ranks recorded
+            next(running[step % 2])
+    finally:
+        server.stop()
+    progress = read_progress(checkpoint, 0, "run")
+    assert progress is not None and all(len(entry) == 5 for entry in progress.staged())
+    roll_forward(checkpoint, progress.version, progress.staged())
+    survivor = row_store(checkpoint, store, "second")
+    earlier = {(str(t), int(p)) for t, p, *_ in progress.staged()}
+    assert known_sums(survivor.checkpoint, 1, progress.staged()) == len(earlier) >= 2
+    reads: list[str] = []
+    real_read = storage.local_copy_for_reading
+
+    def counted(url: str) -> Any:
+        reads.append(url)
+        return real_read(url)
+
+    monkeypatch.setattr(storage, "local_copy_for_reading", counted)
+    # the commit's manifest, as the new round's rank 0 builds it (here of the files the earlier round made current)
+    survivor.checkpoint.save_version(1)
+    assert reads == []
+    manifest = survivor.checkpoint.manifest(1)
+    assert manifest is not None and set(manifest.files) == {Path(survivor.checkpoint.partition_file(1, *key)).name
+                                                           for key in earlier}
+    for name, entry in manifest.files.items():  # what the records said is what the files hold
+        assert checksum_file(str(Path(checkpoint) / name)) == entry
+    # the same commit in a round that was not told the records' sums reads every partition back
+    unknowing = CheckpointStorage(checkpoint)
+    unknowing.save_version(1)
+    assert len(reads) == len(earlier)
+    # a partition corrupted after its write: its next read (against the manifest) refuses it
+    monkeypatch.setattr(storage, "local_copy_for_reading", real_read)
+    victim = Path(checkpoint) / sorted(manifest.files)[0]
+    data = bytearray(victim.read_bytes())
+    data[-8] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    reader = CheckpointStorage(checkpoint)
+    key = next(k for k in [("node", p) for p in range(4)] if reader.partition_file(1, *k).endswith(victim.name))
+    with pytest.raises(InputFormatError, match="checksum|size"):
+        reader.load_entity_partition(1, *key)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -919,3 +985,63 @@ def test_adagrad_sums_are_shared_so_every_trainer_steps_with_the_groups_sums(sto
         assert parameter.detach().tolist() == pytest.approx([-2.0 - 12.0 / 13.0] * 2)  # sqrt(25 + 144) = 13
     finally:
         server.stop()
+
+
+def test_unsaved_updates_beyond_the_memory_bound_wait_on_disk_and_are_stored_once() -> None:
+    """Rank 0 keeps at most ``in_memory`` updates of buckets done but unsaved (``memory_budget`` counts them): the
+    others go to temporary files, and each reaches the stored vector once, when its bucket is saved."""
+    from job.train.distributed.shared_vector import SharedVector
+    from job.types import Bucket
+
+    vector = SharedVector(np.zeros(4, np.float32), in_memory=1)
+    buckets = [Bucket(0, 0), Bucket(0, 1), Bucket(1, 0)]
+    for i, bucket in enumerate(buckets):
+        change = np.zeros(4, np.float32)
+        change[i] = i + 1.0
+        vector.add(change)
+        assert not vector.finish(bucket, change, saved=False)
+    assert vector.pending_in_memory == 1 and vector.spilled == 2
+    assert vector.save({Bucket(0, 0)})  # the other two saved: one of them from its file
+    assert vector.stored.tolist() == [0.0, 2.0, 3.0, 0.0]
+    assert vector.save(set()) and vector.stored.tolist() == vector.served.tolist() == [1.0, 2.0, 3.0, 0.0]
+    assert not vector.pending and not vector.save(set())
+    # a change of a few values (a bucket's relations) is kept as those values
+    sparse = SharedVector(np.zeros(64 * 9 + 3, np.float32), in_memory=1)
+    change = np.zeros(64 * 9 + 3, np.float32)
+    change[[5, 64 * 9 + 1]] = 2.0
+    sparse.add(change)
+    assert not sparse.finish(Bucket(0, 0), change, saved=False)
+    # one block of 64 values and its index, and the 3 values after the last whole block
+    assert sparse.pending_in_memory == 0 and sparse.held_bytes == 8 + 4 * 64 + 4 * 3 and sparse.spilled == 0
+    assert sparse.save(set()) and sparse.stored.tolist() == sparse.served.tolist() and sparse.held_bytes == 0
+
+
+def test_a_progress_writes_the_changed_blocks_of_the_shared_vector_and_a_restart_replays_them(tmp_path: Path) -> None:
+    """After the whole vector, a write that saved buckets carries only the blocks of the stored vector that changed
+    (their values, so replaying them is exact); a compaction writes it whole again and drops them; a torn block
+    file refuses the progress instead of resuming a wrong vector."""
+    from job.train.distributed.shared_vector import SharedVector
+    from job.types import Bucket
+
+    checkpoint = str(tmp_path)
+    vector = SharedVector(np.zeros(64 * 50 + 7, np.float32))
+    log = ProgressLog(checkpoint, "run", 1, compact_every=3)
+    log.start(LockState(2, 2, partition_keys(2)).to_json(), vector.stored)
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        change = np.zeros(vector.size, np.float32)
+        change[rng.choice(vector.size, 5, replace=False)] = rng.random(5).astype(np.float32) + 0.1
+        change[-1] = step + 1.0  # the values after the last whole block too
+        vector.add(change)
+        assert vector.finish(Bucket(0, step % 2), change, saved=True)
+        blocks = vector.changed_blocks()
+        assert blocks is not None and blocks.index.size <= 5
+        if log.append([{"e": "record", "record": {"n": step}}], blocks=blocks):
+            log.compact(shared=vector.stored)
+            assert not [p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".b32")]
+        progress = read_progress(checkpoint, 0, "run")
+        assert progress is not None and progress.shared is not None
+        assert progress.shared.tobytes() == vector.stored.tobytes(), step
+    torn = next(p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".b32"))
+    torn.write_bytes(torn.read_bytes()[:-4])
+    assert read_progress(checkpoint, 0, "run") is None

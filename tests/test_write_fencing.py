@@ -42,7 +42,9 @@ def test_a_stale_progress_log_cannot_overwrite_the_live_one(tmp_path: Path) -> N
     due = stale.append([{"e": "start", "rank": 0, "bucket": [0, 0]}])
     assert due  # compact_every=1: the stale writer now compacts, which would rewrite the snapshot
     with pytest.raises(StaleProgressWriter, match="another round's rank 0"):
-        stale.start(stale_state.to_json())
+        stale.compact()  # the compaction mid-pass (segments)
+    with pytest.raises(StaleProgressWriter, match="another round's rank 0"):
+        stale.start(stale_state.to_json())  # a new base mid-pass
     assert (tmp_path / PROGRESS_FILE).read_text() == snapshot_before
     progress = read_progress(checkpoint, 0, "run")
     assert progress is not None and progress.records == [{"e": "start", "rank": 1, "bucket": [1, 1]}]

@@ -13,14 +13,18 @@ record that made it current. So, at a bucket switch that lets partitions go:
    meanwhile), each under a staged name of its own (``STAGED_PREFIX``: never a PBG name, so no reader, manifest or
    version listing sees it) in the uncommitted version. An exclusive store holds exactly the finished bucket's
    partitions, so the group holds every row of every done-but-unsaved bucket of the rank.
-2. **One record.** One ``written`` request names the group (key -> staged name); the server persists one record
-   for all of it, which saves every bucket of the group (with its shared update, job/train/distributed/lock_server.py).
+2. **One record.** One ``written`` request names the group (key -> staged name, with the file's size and CRC-32);
+   the server persists one record for all of it, which saves every bucket of the group (with its shared update,
+   job/train/distributed/lock_server.py).
 3. **Publish.** The rank moves each staged file to its PBG name (``storage_adapters.staging.move``: a rename
    locally, a copy and a removal on object stores, finished by moving again), its checksum record with it, and only
    then frees the locks of the leaving partitions (a second request): the next holder reads the PBG name.
 4. **Restart.** Before the new group serves, rank 0 ``roll_forward``s: it moves every staged file a persisted
    record names and that is still there (in record order; a moved one is gone, so this is idempotent) and removes
-   the staged files no record names (written, never made current).
+   the staged files no record names (written, never made current). Then ``known_sums`` gives the new round the
+   size and CRC-32 each record carried for the file it made current, so that the commit's manifest takes them
+   instead of downloading and hashing every partition an earlier round wrote (the next read of the version still
+   verifies each file against the manifest, so a file changed since its write is caught there).
 
 Then the done-but-unsaved buckets of a rank are exactly those none of whose rows left its memory, and a redo reads
 files without their update. Cost: one more write of each kept partition per switch that lets another go, a move per
@@ -75,9 +79,15 @@ class WriteGroup:
     def keys(self) -> list[PartitionKey]:
         return sorted(self.names)
 
-    def staged(self) -> list[list[Any]]:
-        """The group as the server's record names it: ``[type, partition, staged name]`` per partition."""
-        return [[entity_type, part, self.names[(entity_type, part)]] for entity_type, part in self.keys]
+    def staged(self, checkpoint: Optional[CheckpointStorage] = None) -> list[list[Any]]:
+        """The group as the server's record names it: ``[type, partition, staged name]`` per partition, followed by
+        the file's ``size, crc32`` where ``checkpoint`` recorded its write (its files stored: after ``flush``)."""
+        entries = []
+        for entity_type, part in self.keys:
+            name = self.names[(entity_type, part)]
+            entry = checkpoint.sums.get(storage.join(checkpoint.url, name)) if checkpoint is not None else None
+            entries.append([entity_type, part, name, *(entry or ())])
+        return entries
 
 
 def publish(checkpoint: CheckpointStorage, version: int, key: PartitionKey, name: str) -> bool:
@@ -106,6 +116,22 @@ def publish_group(checkpoint: CheckpointStorage, group: WriteGroup, keys: Option
                                     f"{key[0]} partition {key[1]} is gone before it was published")
 
 
+def known_sums(checkpoint: CheckpointStorage, version: int, recorded: Sequence[Sequence[Any]]) -> int:
+    """(Rank 0 of a restarted group.) Record in ``checkpoint.sums`` (shared with the round's ranks) the size and
+    CRC-32 of each partition file of ``version`` that the persisted records made current, the last record of a
+    partition winning (``recorded``: ``Progress.staged``, in record order); records without them (an older writer)
+    are skipped. Returns the files known."""
+    latest: dict[PartitionKey, tuple[int, str]] = {}
+    for entry in recorded:
+        if len(entry) >= 5:
+            latest[(str(entry[0]), int(entry[1]))] = (int(entry[3]), str(entry[4]))
+        else:
+            latest.pop((str(entry[0]), int(entry[1])), None)
+    for key, sums in latest.items():
+        checkpoint.sums.record(checkpoint.partition_file(version, *key), sums)
+    return len(latest)
+
+
 def roll_forward(checkpoint_path: str, version: int, recorded: Sequence[Sequence[Any]],
                  guard: Optional[Callable[[], None]] = None) -> int:
     """(Rank 0 of a restarted group, before anything is served.) Finish the publication of every staged file the
@@ -119,7 +145,7 @@ def roll_forward(checkpoint_path: str, version: int, recorded: Sequence[Sequence
     # name hundreds (on an object store each check is a request: seconds of every recovery)
     staged = {name for name in storage.listdir(checkpoint_path) if name.startswith(STAGED_PREFIX)}
     moved = 0
-    for entity_type, part, name in recorded:
+    for entity_type, part, name, *_ in recorded:
         if str(name) in staged:
             staged.discard(str(name))
             moved += publish(checkpoint, version, (str(entity_type), int(part)), str(name))

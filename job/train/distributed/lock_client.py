@@ -168,9 +168,10 @@ class LockClient:
 
     def written(self, keys: Sequence[PartitionKey], staged: Sequence[Sequence[Any]]) -> None:
         """Have the server record a write group (``keys``, their staged files ``[type, partition, name]``) as one
-        change; the locks stay with this rank (``release`` after the files are published)."""
+        change; the locks stay with this rank (``release`` after the files are published). A staged entry may
+        carry the file's ``size, crc32`` after its name (``WriteGroup.staged``)."""
         self._ask(Written(keys=tuple((k[0], int(k[1])) for k in keys),
-                          staged=tuple((s[0], int(s[1]), s[2]) for s in staged)), Done)
+                          staged=tuple((s[0], int(s[1]), *s[2:]) for s in staged)), Done)
 
     def sync(self, change: torch.Tensor) -> torch.Tensor:
         """Outside a bucket (a pass's start and end): push ``change``, receive the sum into it and return it."""

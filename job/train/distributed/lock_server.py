@@ -26,23 +26,14 @@ import torch
 
 import storage_adapters as storage
 from job.train.distributed import protocol
+from job.train.distributed.commits import Batch, Commit, Committer, VectorWork
+from job.train.distributed.handlers import RequestHandlers
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import (
     DEFAULT_PREFIX,
-    Done,
-    Granted,
     LockServerError,
-    Next,
     ProtocolError,
-    Release,
     Reply,
-    Request,
-    Reserve,
-    Reserved,
-    State,
-    Status,
-    Sync,
-    Written,
     request_queue,
     response_queue,
 )
@@ -58,7 +49,7 @@ logger = logging.getLogger("biggraph")
 __all__ = ["LockServer"]
 
 
-class LockServer:
+class LockServer(RequestHandlers):
     """Serves ``LockState`` and the shared-parameter vector to every rank: requests over the store's queues, the
     shared parameters over ``transport`` (job/train/distributed/transport.py).
 
@@ -78,7 +69,12 @@ class LockServer:
     slot held, waits its turn. A peer whose transfer failed or outlived the transport's timeout is gone: its
     requests are then answered with an error (the round ends through the heartbeat, as for a dead peer).
 
-    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py), plus one vector per bucket done but not yet saved."""
+    What the serving thread does not do (job/train/distributed/commits.py): the vector's arithmetic and the progress
+    writes go to the committer thread, which writes the records of the requests that arrived together as one
+    object and copies one sum for all of them; their replies and sums leave once that write is stored.
+
+    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, the transfer slots and at most
+    ``PENDING_VECTORS`` updates of buckets done but not yet saved (more wait in local temporary files)."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
@@ -104,7 +100,7 @@ class LockServer:
         self.vector = SharedVector(shared)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.failed: Optional[str] = None  # a progress write failed: every request is refused with this
+        self._failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
         self._stop = threading.Event()
         # the serving thread's one input: requests (from the reader thread) and the ends of transfers
@@ -123,10 +119,10 @@ class LockServer:
         self._clocks = GroupClocks(state.world_size)
         self._gave_up: set[int] = set()  # ranks that gave their bucket up and left unwritten: not waited for
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
-        # one handler per request type (job/train/distributed/protocol.py), called with ``lock`` held
-        self._handlers: dict[type, Callable[[int, Any, Optional[np.ndarray]], Reply]] = {
-            Next: self._answer_next, Reserve: self._answer_reserve, Written: self._answer_written,
-            Release: self._answer_release, Sync: self._answer_sync, Status: self._answer_status}
+        # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
+        self._sums: dict[int, list[Any]] = {}
+        self._committer = Committer(self.vector, progress, self._inbox.put)
+        self._unanswered = 0  # requests handed to the committer whose replies have not left yet
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)
@@ -164,6 +160,12 @@ class LockServer:
                         self._on_request(event[1])
                     elif event[0] == "ended":
                         self._on_ended(event[1], event[2])
+                    elif event[0] == "committed":
+                        self._on_committed(event[1])
+                    elif event[0] == "added":
+                        for buffer, is_slot in event[1]:
+                            self._slots.settle(is_slot, buffer, well=True)
+                        self._dispatch()
                     self._expire(time.monotonic())
                 except Exception:  # noqa: BLE001 - logged, and the server serves on
                     logger.exception("lock server: an event (%s) failed; serving on", event[0])
@@ -237,28 +239,58 @@ class LockServer:
         self._flights.end(flight)
         job = flight.job
         if error is not None:
-            self._slots.settle(flight.slot, flight.buffer, well=False)
+            self._settle(flight.slot, flight.buffer, well=False)
             if not flight.overdue:  # an overdue one was reported at its deadline
                 self._lose(job.rank, error)
                 if flight.kind == "receive":
                     self._refuse(job, TransferError(error))
         elif flight.kind == "receive" and not flight.overdue:
-            if self._judge(job, flight.buffer.numpy()):
-                with Stopwatch() as watch:
-                    flight.buffer.copy_(torch.from_numpy(self.vector.served))
-                self._stats.copy_s += watch.seconds
+            self._judge(job, flight.buffer, flight.slot)  # the slot is given back once its change is added
+        else:  # a sum taken, or a transfer done after its deadline (its peer counted gone already)
+            self._settle(flight.slot, flight.buffer, well=True)
+        self._dispatch()
+
+    def _settle(self, is_slot: bool, buffer: torch.Tensor, well: bool) -> None:
+        """A transfer's buffer is done with; a batch's sum only once every send of it has ended."""
+        shared = self._sums.get(id(buffer))
+        if shared is None:
+            self._slots.settle(is_slot, buffer, well=well)
+            return
+        shared[0] -= 1
+        shared[2] = shared[2] or not well
+        if shared[0] <= 0:
+            del self._sums[id(buffer)]
+            self._slots.settle(shared[1], buffer, well=not shared[2])
+
+    def _on_committed(self, batch: Batch) -> None:
+        """A batch's records (and the stored vector) are written: answer each request, and send the sum to each
+        that carried a change (one buffer for all of them)."""
+        sends = []
+        with self.lock:  # answered below, in this event (a stop is served after it)
+            self._unanswered -= len(batch.commits)
+        for commit in batch.commits:
+            if batch.error is not None:
+                self._refuse(commit.job, LockServerError(
+                    f"the progress could not be saved ({batch.error}); the group must restart from what is stored"))
+                if commit.buffer is not None:
+                    self._slots.settle(commit.slot, commit.buffer, well=True)
+                continue
+            self._push(commit.job, commit.reply)
+            if commit.wants_sum:
+                sends.append(commit.job)
+        if batch.sum is not None and not sends:  # (a failed write: nothing is sent)
+            self._slots.settle(batch.sum_slot, batch.sum, well=True)
+        elif batch.sum is not None:
+            self._sums[id(batch.sum)] = [len(sends), batch.sum_slot, False]
+            for job in sends:
                 try:
                     assert job.incoming.envelope.payload is not None
-                    transfer = self.transport.send(flight.buffer, job.rank, job.incoming.envelope.payload.tag)
+                    transfer = self.transport.send(batch.sum, job.rank, job.incoming.envelope.payload.tag)
                 except TransferError as err:
-                    self._slots.settle(flight.slot, flight.buffer, well=False)
+                    self._settle(False, batch.sum, well=False)
                     self._lose(job.rank, str(err))
                 else:
-                    self._flights.start("send", job, flight.buffer, flight.slot, transfer)
-            else:
-                self._slots.settle(flight.slot, flight.buffer, well=True)
-        else:  # a sum taken, or a transfer done after its deadline (its peer counted gone already)
-            self._slots.settle(flight.slot, flight.buffer, well=True)
+                    self._flights.start("send", job, batch.sum, False, transfer)
         self._dispatch()
 
     def _expire(self, now: float) -> None:
@@ -279,19 +311,27 @@ class LockServer:
             logger.warning("lock server: the shared parameters did not reach rank %d or come from it (%s); it is "
                            "treated as gone, its requests refused", rank, why)
 
-    def _judge(self, job: Waiting, change: Optional[np.ndarray]) -> bool:
-        """Handle and answer a request (its change arrived); whether its sum is to be sent."""
+    def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False) -> None:
+        """Handle a request (its change arrived into ``buffer``): answered at once if it changed nothing to store,
+        else handed to the committer (the reply, and the sum, leave once its records are stored)."""
+        work = VectorWork(change=buffer.numpy() if buffer is not None else None)
         try:
             with Stopwatch() as watch:
                 request = protocol.decode_request(job.incoming)
-                reply = self._handle(job.rank, request, change)
+                reply, records = self._handle(job.rank, request, work)
         except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
+            if buffer is not None:
+                self._slots.settle(slot, buffer, well=True)
             self._refuse(job, err)
-            return False
+            return
         with self.lock:
             self._stats.judged(job.incoming.op, watch.seconds)
-        self._push(job, reply)
-        return change is not None
+        if not records and work.change is None and work.unsaved is None:
+            self._push(job, reply)
+            return
+        with self.lock:
+            self._unanswered += 1
+        self._committer.submit(Commit(job, reply, records, work, buffer, slot, wants_sum=buffer is not None))
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
         logger.warning("lock server: %s request of rank %s refused: %s: %s", job.incoming.op, job.rank,
@@ -309,19 +349,15 @@ class LockServer:
             if not self._stop.is_set():
                 logger.warning("lock server: could not answer rank %s's %s (%s)", job.rank, job.incoming.op, err)
 
-    def round_ending(self) -> Optional[str]:
-        """Why this round ends (None while it stands): then ``next`` finishes the rank's bucket and answers
-        ``ending`` instead of another, and nothing more is reserved."""
-        return self._ending() or self._left
-
     def settled(self, deadline: Optional[float] = None) -> bool:
         """Whether every live rank (not declared dead, not gone) has given back what it held (``LockState.settled``):
         once the round ends, rank 0 serves until then (or its deadline) before it exits. ``deadline`` (monotonic):
-        a rank whose bucket in flight cannot end by then (job/train/schedule/clock.py) is not waited for."""
+        a rank whose bucket in flight cannot end by then (job/train/schedule/clock.py) is not waited for. Never while a
+        request decided is not yet stored and answered (the committer's): the state runs ahead of its replies."""
         dead = self._lost() | set(self._gone)
         now = time.monotonic()
         with self.lock:
-            return all(self.state.settled(rank) or rank in self._gave_up
+            return self._unanswered == 0 and all(self.state.settled(rank) or rank in self._gave_up
                        or (deadline is not None and self._hopeless(rank, deadline, now))
                        for rank in range(self.state.world_size) if rank not in dead)
 
@@ -336,93 +372,24 @@ class LockServer:
         return dict(self._gone)
 
     def stats(self) -> dict[str, Any]:
-        """The serving thread's time so far (``ServerStats``, job/train/distributed/server_stats.py)."""
+        """The serving thread's time so far (``ServerStats``, job/train/distributed/server_stats.py), and the
+        committer's (``committer``: its time on the vector and on progress writes, the batches it wrote)."""
         with self.lock:
-            return self._stats.as_dict()
+            stats = self._stats.as_dict()
+        committer = self._committer.snapshot()
+        stats.update(committer=committer, progress_s=committer["progress_s"], appends=committer["batches"],
+                     shared_appends=committer["shared_writes"], copy_s=committer["vector_s"],
+                     pending_spilled=self.vector.spilled)
+        return stats
 
     @property
     def slots_allocated(self) -> int:  # transfer vectors alive now (at most ``TRANSFER_SLOTS``)
         return self._slots.allocated
 
-    def _handle(self, rank: int, request: Request, change: Optional[np.ndarray]) -> Reply:
-        """The reply to ``request`` of ``rank``, by its type's handler (a request's sum is sent after it)."""
-        handler = self._handlers.get(type(request))
-        if handler is None:
-            raise ProtocolError(f"a {request.op!r} request is not served")
-        with self.lock:
-            if self.failed is not None:
-                raise LockServerError(f"the progress could not be saved earlier ({self.failed}); the group must "
-                                      "restart from what is stored")
-            if change is not None and not isinstance(request, (Next, Sync)):
-                raise ValueError(f"a {request.op!r} request carries no shared-parameter change")
-            return handler(rank, request, change)
-
-    def _answer_next(self, rank: int, request: Next, change: Optional[np.ndarray]) -> Reply:
-        finished = request.finished
-        if request.gave_up:
-            self._gave_up.add(rank)
-        if request.leaving and self._left is None:
-            self._left = f"rank {rank} is leaving ({request.leaving})"
-            logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)
-        if change is not None:
-            self.vector.add(change)
-        if request.record:
-            self.state.add_record(request.record)
-        was_done = finished is not None and finished in self.state.done
-        why = self.round_ending()
-        if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
-            self.state.stop(rank, finished)
-            kind, bucket = "ending", None
-        else:
-            kind, bucket = self.state.next_bucket(rank, set(request.held), finished, self.rng)
-        self._clocks.after_next(rank, finished is not None and finished in self.state.done, bucket is not None,
-                                time.monotonic())
-        stored = False
-        if change is not None and finished is not None and not was_done and finished in self.state.done:
-            stored = self.vector.finish(finished, change, saved=finished not in self.state.unsaved_buckets())
-        self._persist(with_shared=stored)
-        return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why)
-
-    def _answer_reserve(self, rank: int, request: Reserve, change: Optional[np.ndarray]) -> Reply:
-        # not persisted: a reservation is never started work, so a restart has nothing of it to redo
-        bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) if self.round_ending() is None \
-            else None
-        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty))
-
-    def _answer_written(self, rank: int, request: Written, change: Optional[np.ndarray]) -> Reply:
-        # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
-        # buckets, shared updates included; the locks stay until the rank has published the files
-        self.state.record_written(rank, request.keys, request.staged)
-        self._persist(with_shared=self.vector.save(self.state.unsaved_buckets()))
-        return Done()
-
-    def _answer_release(self, rank: int, request: Release, change: Optional[np.ndarray]) -> Reply:
-        self.state.release(rank, list(request.keys), written=request.written)
-        self._persist(with_shared=self.vector.save(self.state.unsaved_buckets()))
-        return Done()
-
-    def _answer_sync(self, rank: int, request: Sync, change: Optional[np.ndarray]) -> Reply:
-        # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
-        if change is None:
-            raise ValueError("a sync without a shared-parameter change")
-        self.vector.add(change)
-        return Done()
-
-    def _answer_status(self, rank: int, request: Status, change: Optional[np.ndarray]) -> Reply:
-        return State(state=self.state.to_json())
-
-    def _persist(self, with_shared: bool = False) -> None:
-        records = self.state.drain_journal()
-        try:
-            with Stopwatch() as watch:
-                due = self.progress.append(records, shared=self.vector.stored) if with_shared else self.progress.append(records)
-                if due:  # a snapshot of what the records replay to (the state now, the stored vector): see progress.py
-                    self.progress.start(self.state.to_json(), self.vector.stored)
-        except Exception as err:
-            self.failed = f"{type(err).__name__}: {err}"
-            raise
-        if records or with_shared:  # (called with self.lock held)
-            self._stats.persisted(watch.seconds, with_shared)
+    @property
+    def failed(self) -> Optional[str]:
+        """Why a progress write failed (then every request is refused: the group restarts from what is stored)."""
+        return self._failed or self._committer.failed
 
     @property
     def shared(self) -> np.ndarray:
@@ -443,3 +410,4 @@ class LockServer:
         self._stopper.queue_push(self.requests, protocol.encode_request(
             protocol.Envelope(rank=-1), protocol.Stop(server=self.server_id), scope=self.prefix))
         self.thread.join(timeout=5)
+        self._committer.stop()

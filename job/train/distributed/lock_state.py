@@ -17,7 +17,8 @@ are forgotten by a restart: ``forget_rank_locks``):
 - ``start``: ``rank`` trains ``bucket`` (in flight);  ``stop``: ``rank`` has nothing in flight any more
 - ``finish``: ``rank`` finished ``bucket`` (done); ``keys``: its partitions, still unwritten by that rank
 - ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten); ``staged`` (a write
-  group, job/checkpoint/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there
+  group, job/checkpoint/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there,
+  with its size and CRC-32 (what the commit's manifest takes instead of reading the file back)
 - ``record``: a finished bucket's ``training_stats.json`` line
 """
 
@@ -228,10 +229,11 @@ class LockState:
 
     def record_written(self, rank: int, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]] = ()) -> None:
         """``rank`` made ``keys`` current in the next version, all in this one record (a write group: ``staged``
-        names each one's staged file, ``[type, partition, name]``); its locks stay (``release`` frees them)."""
+        names each one's staged file, ``[type, partition, name]`` or with ``size, crc32`` after it); its locks stay
+        (``release`` frees them)."""
         event: dict[str, Any] = {"e": "written", "rank": rank, "keys": [[k[0], int(k[1])] for k in keys]}
         if staged:
-            event["staged"] = [[t, int(p), str(name)] for t, p, name in staged]
+            event["staged"] = [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]
         self._change(event)
 
     def add_record(self, record: dict[str, Any]) -> None:

@@ -77,7 +77,9 @@ class Unauthentic(ProtocolError):
 
 # requests ---------------------------------------------------------------------------------------------------------
 
-Staged = tuple[str, int, str]  # a staged file of a write group: (entity type, partition, its staged name)
+# a staged file of a write group: (entity type, partition, its staged name), then its size and CRC-32 when the
+# writer knows them (job/checkpoint/write_groups.py: the commit after a restart reads nothing it already knows)
+Staged = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,7 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
     elif isinstance(request, Release):
         message.update(keys=_keys(request.keys), written=request.written)
     elif isinstance(request, Written):
-        message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), s[2]] for s in request.staged])
+        message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), *s[2:]] for s in request.staged])
     elif isinstance(request, Stop):
         message["server"] = request.server
     if envelope.payload is not None:
@@ -333,9 +335,15 @@ def _decode_bucket(value: Any, what: str) -> Optional[Bucket]:
 
 
 def _staged(value: Any) -> Staged:
-    if not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[0], str) \
-            or not isinstance(value[2], str):
-        raise ProtocolError(f"'staged' holds {value!r}, not [entity type, partition, name]")
+    if not isinstance(value, (list, tuple)) or len(value) not in (3, 5) or not isinstance(value[0], str) \
+            or not isinstance(value[2], str) or (len(value) == 5 and not isinstance(value[4], str)):
+        raise ProtocolError(f"'staged' holds {value!r}, not [entity type, partition, name] or [entity type, "
+                            "partition, name, size, crc32]")
+    if len(value) == 5:
+        size = _int(value[3], "'staged' size")
+        if size < 0:
+            raise ProtocolError(f"'staged' holds {value!r}: a negative size")
+        return value[0], _int(value[1], "'staged'"), value[2], size, value[4]
     return value[0], _int(value[1], "'staged'"), value[2]
 
 

@@ -200,8 +200,11 @@ def _gib(nbytes: int) -> str:
 # buffer (``SharedParameters``); the server's served and stored vectors and its transfer slots (``LockServer``,
 # job/train/distributed/transfers.py)
 TRANSFER_SLOTS = 3  # vectors for transfers in flight: up to two frozen peers leave one for everybody else
+# updates of buckets done but not yet saved that the server keeps in memory (``SharedVector``); more wait in local
+# temporary files, so rank 0's memory does not grow with the group
+PENDING_VECTORS = 4
 CLIENT_VECTORS = 2
-SERVER_VECTORS = 2 + TRANSFER_SLOTS
+SERVER_VECTORS = 3 + TRANSFER_SLOTS + PENDING_VECTORS  # served, stored, persisted (what the progress files hold)
 
 
 def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[int]]) -> int:
@@ -217,6 +220,6 @@ def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[
 
 def sync_memory_bytes(values: int, serves: bool) -> int:
     """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
-    ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (the vectors of buckets done
-    but not yet saved, ``LockServer.pending``, come on top: a few per trainer, while their partitions are held)."""
+    ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (served, stored, persisted, the transfer
+    slots, and at most ``PENDING_VECTORS`` updates of buckets done but not yet saved: the rest wait on local disk)."""
     return 4 * values * (CLIENT_VECTORS + (SERVER_VECTORS if serves else 0))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from job.checkpoint.group_progress import Progress, ProgressLog, remove_progress, resumable
-from job.checkpoint.write_groups import WriteGroup
+from job.checkpoint.write_groups import WriteGroup, known_sums
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.distributed.group import DistributedContext, RoundEnding, wait_all
@@ -112,6 +112,8 @@ class LockServerScheduler(BucketScheduler):
                 for record in progress.records:
                     state.apply(record)
                 by_rank = state.forget_rank_locks()
+                # what the records say each file made current holds: the commit reads none of them back
+                known_sums(self.checkpoint, version + 1, progress.staged())
                 logger.info(
                     "resuming pass %d: %d of %d buckets already done, %d to redo (by rank of the round that ended: "
                     "%s)", pass_index + 1, len(state.done), state.total, state.redone,
@@ -195,7 +197,7 @@ class LockServerScheduler(BucketScheduler):
         """Once the group's staged files are written: wait for their uploads, have the server record the group
         (one record: its buckets saved), move the files to their PBG names, then free the leaving ones' locks."""
         self.checkpoint.flush()
-        client.written(group.keys, group.staged())
+        client.written(group.keys, group.staged(self.checkpoint))  # with each file's size and CRC-32
         self.store.publish(group)
         client.release(group.leaving, written=False)
 
@@ -328,9 +330,9 @@ class LockServerScheduler(BucketScheduler):
                   for rank in range(1, self.ctx.world_size)]
         self.server.stop()
         stats = self.server.stats()
-        logger.info("lock server: %d requests served in %.2f s of its thread (%.2f s of it writing %d progress "
-                    "records)", sum(op["count"] for op in stats["ops"].values()), stats["busy_s"],
-                    stats["progress_s"], stats["appends"])
+        logger.info("lock server: %d requests served in %.2f s of its thread; its committer %.2f s (%.2f s writing "
+                    "%d progress objects)", sum(op["count"] for op in stats["ops"].values()), stats["busy_s"],
+                    stats["committer"]["busy_s"], stats["progress_s"], stats["appends"])
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
                           restart_count=self.ctx.restart_count, buckets_redone=self.server.state.redone)
 

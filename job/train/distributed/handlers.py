@@ -1,0 +1,132 @@
+"""What each lock request does to the group's state: the lock server's handlers, one per request type
+(job/train/distributed/protocol.py), called by the serving thread with the server's lock held.
+
+Kept apart from job/train/distributed/lock_server.py, which receives, orders and answers requests: here is only the
+decision (``LockState``, O(P) per request) and what it leaves for the committer (job/train/distributed/commits.py):
+the records to store and the ``VectorWork`` on the shared vector, both done before the reply leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from job.train.distributed.commits import VectorWork
+from job.train.distributed.lock_state import LockState
+from job.train.distributed.protocol import (
+    Done,
+    Granted,
+    LockServerError,
+    Next,
+    ProtocolError,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    Reserved,
+    State,
+    Status,
+    Sync,
+    Written,
+)
+from job.train.distributed.shared_vector import SharedVector
+from job.train.schedule.clock import GroupClocks
+
+logger = logging.getLogger("biggraph")
+
+
+class RequestHandlers:
+    """The handlers of ``LockServer`` (a base class of it: the attributes below are the server's)."""
+
+    state: LockState
+    vector: SharedVector
+    rng: random.Random
+    lock: threading.Lock
+    _clocks: GroupClocks
+    _gave_up: set[int]
+    _left: Optional[str]
+    _ending: Callable[[], Optional[str]]
+
+    @property
+    def failed(self) -> Optional[str]:  # (the server's: why a progress write failed)
+        raise NotImplementedError
+
+    def _handlers(self) -> dict[type, Callable[[int, Any, VectorWork], Reply]]:
+        return {Next: self._answer_next, Reserve: self._answer_reserve, Written: self._answer_written,
+                Release: self._answer_release, Sync: self._answer_sync, Status: self._answer_status}
+
+    def round_ending(self) -> Optional[str]:
+        """Why this round ends (None while it stands): then ``next`` finishes the rank's bucket and answers
+        ``ending`` instead of another, and nothing more is reserved."""
+        return self._ending() or self._left
+
+    def _handle(self, rank: int, request: Request, work: VectorWork) -> tuple[Reply, list[dict[str, Any]]]:
+        """The reply to ``request`` of ``rank``, by its type's handler (a request's sum is sent after it), and the
+        records it leaves to store before the reply is sent; ``work``: what it does to the shared vector."""
+        handler = self._handlers().get(type(request))
+        if handler is None:
+            raise ProtocolError(f"a {request.op!r} request is not served")
+        with self.lock:
+            if self.failed is not None:
+                raise LockServerError(f"the progress could not be saved earlier ({self.failed}); the group must "
+                                      "restart from what is stored")
+            if work.change is not None:
+                if not isinstance(request, (Next, Sync)):
+                    raise ValueError(f"a {request.op!r} request carries no shared-parameter change")
+                self.vector.check(work.change)
+            reply = handler(rank, request, work)
+            return reply, self.state.drain_journal()
+
+    def _answer_next(self, rank: int, request: Next, work: VectorWork) -> Reply:
+        finished = request.finished
+        if request.gave_up:
+            self._gave_up.add(rank)
+        if request.leaving and self._left is None:
+            self._left = f"rank {rank} is leaving ({request.leaving})"
+            logger.warning("lock server: %s: the round ends, no more buckets are handed out", self._left)
+        if request.record:
+            self.state.add_record(request.record)
+        was_done = finished is not None and finished in self.state.done
+        why = self.round_ending()
+        if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
+            self.state.stop(rank, finished)
+            kind, bucket = "ending", None
+        else:
+            kind, bucket = self.state.next_bucket(rank, set(request.held), finished, self.rng)
+        self._clocks.after_next(rank, finished is not None and finished in self.state.done, bucket is not None,
+                                time.monotonic())
+        if work.change is not None and finished is not None and not was_done and finished in self.state.done:
+            work.finished, work.saved = finished, finished not in self.state.unsaved.get(rank, {})
+        return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why)
+
+    def _answer_reserve(self, rank: int, request: Reserve, work: VectorWork) -> Reply:
+        # not persisted: a reservation is never started work, so a restart has nothing of it to redo
+        bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) if self.round_ending() is None \
+            else None
+        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty))
+
+    def _answer_written(self, rank: int, request: Written, work: VectorWork) -> Reply:
+        # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
+        # buckets, shared updates included; the locks stay until the rank has published the files
+        self.state.record_written(rank, request.keys, request.staged)
+        work.unsaved = frozenset(self.state.unsaved_buckets())
+        return Done()
+
+    def _answer_release(self, rank: int, request: Release, work: VectorWork) -> Reply:
+        self.state.release(rank, list(request.keys), written=request.written)
+        work.unsaved = frozenset(self.state.unsaved_buckets())
+        return Done()
+
+    def _answer_sync(self, rank: int, request: Sync, work: VectorWork) -> Reply:
+        # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
+        if work.change is None:
+            raise ValueError("a sync without a shared-parameter change")
+        return Done()
+
+    def _answer_status(self, rank: int, request: Status, work: VectorWork) -> Reply:
+        return State(state=self.state.to_json())
+
