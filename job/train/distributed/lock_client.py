@@ -67,6 +67,8 @@ class LockClient:
         self._reply_scope = ""
         self.transport = transport
         self.last_why: Optional[str] = None  # why the round ends, from the last ``ending`` reply
+        # where the last granted bucket's partitions are kept in memory (``next`` and ``reserve``; partition_handoff)
+        self.last_holders: tuple[protocol.Holder, ...] = ()
 
     def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None) -> R:
         raw = self._call(request, change)
@@ -153,6 +155,7 @@ class LockClient:
                        leaving=leaving, gave_up=gave_up)
         reply = self._ask(request, Granted, change)
         self.last_why = reply.why
+        self.last_holders = reply.holders
         return reply.kind, reply.bucket, set(reply.dirty), change
 
     def reserve(self, leaving: Sequence[PartitionKey] = ()) -> tuple[Optional[Bucket], set]:
@@ -160,11 +163,15 @@ class LockClient:
         written this pass so far (where to read the reserved bucket's partitions from). ``leaving``: partitions
         being written back in the background (see ``LockState.reserve``)."""
         reply = self._ask(Reserve(leaving=tuple((k[0], int(k[1])) for k in leaving)), Reserved)
+        self.last_holders = reply.holders
         return reply.bucket, set(reply.dirty)
 
-    def release(self, keys: Sequence[PartitionKey], written: bool = True) -> None:
-        """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
-        self._ask(Release(keys=tuple((k[0], int(k[1])) for k in keys), written=written), Done)
+    def release(self, keys: Sequence[PartitionKey], written: bool = True,
+                kept: Sequence[protocol.Kept] = ()) -> None:
+        """Give up the locks of ``keys`` (``written``: and record them as written, as one change; ``kept``: those whose
+        published rows this rank keeps in memory for their next holder, with their digests)."""
+        self._ask(Release(keys=tuple((k[0], int(k[1])) for k in keys), written=written,
+                          kept=tuple((k[0], int(k[1]), str(k[2])) for k in kept)), Done)
 
     def written(self, keys: Sequence[PartitionKey], staged: Sequence[Sequence[Any]]) -> None:
         """Have the server record a write group (``keys``, their staged files ``[type, partition, name]``) as one

@@ -78,6 +78,8 @@ class Unauthentic(ProtocolError):
 # requests ---------------------------------------------------------------------------------------------------------
 
 Staged = tuple[str, int, str]  # a staged file of a write group: (entity type, partition, its staged name)
+Kept = tuple[str, int, str]  # a released partition kept in the rank's memory: (entity type, partition, rows digest)
+Holder = tuple[str, int, int, str]  # where a granted partition's rows are in memory: (type, partition, rank, digest)
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,12 @@ class Reserve:
 
 @dataclass(frozen=True)
 class Release:
-    """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
+    """Give up the locks of ``keys`` (``written``: and record them as written, as one change). ``kept``: those of them
+    whose rows, as published, the rank keeps in memory to hand to their next holder (job/train/distributed/handoff.py)."""
 
     keys: tuple[PartitionKey, ...]
     written: bool = True
+    kept: tuple[Kept, ...] = ()
     op = "release"
 
 
@@ -181,20 +185,23 @@ class Incoming:
 @dataclass(frozen=True)
 class Granted:
     """The answer to ``next``: ``kind`` is ``bucket`` (train ``bucket``), ``wait``, ``done`` or ``ending`` (the round
-    ends, ``why``: give back and exit); ``dirty``: the partitions written this pass."""
+    ends, ``why``: give back and exit); ``dirty``: the partitions written this pass; ``holders``: which rank keeps
+    the published rows of the bucket's partitions to read in memory (job/train/distributed/handoff.py)."""
 
     kind: str
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
     why: Optional[str] = None
+    holders: tuple[Holder, ...] = ()
 
 
 @dataclass(frozen=True)
 class Reserved:
-    """The answer to ``reserve``: the bucket granted (None: not now) and the partitions written this pass."""
+    """The answer to ``reserve``: the bucket granted (None: not now), the partitions written this pass, ``holders``."""
 
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
+    holders: tuple[Holder, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,6 +250,8 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
         message["leaving"] = _keys(request.leaving)
     elif isinstance(request, Release):
         message.update(keys=_keys(request.keys), written=request.written)
+        if request.kept:
+            message["kept"] = [list(k) for k in request.kept]
     elif isinstance(request, Written):
         message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), s[2]] for s in request.staged])
     elif isinstance(request, Stop):
@@ -283,6 +292,8 @@ def encode_reply(reply: Reply, *, scope: str) -> bytes:
             message["why"] = reply.why
     elif isinstance(reply, Reserved):
         message.update(bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
+    if isinstance(reply, (Granted, Reserved)) and reply.holders:  # (absent without partition_handoff: as before)
+        message["holders"] = [list(h) for h in reply.holders]
     elif isinstance(reply, State):
         message["state"] = reply.state
     return seal(message, scope)
@@ -355,8 +366,22 @@ def _next(fields: Mapping[str, Any]) -> Next:
                 leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)))
 
 
+def _tagged(value: Any, what: str, ints: int) -> tuple[Any, ...]:
+    """``[type, partition, (rank,) digest]`` entries of ``kept`` (``ints`` 1) or ``holders`` (2)."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what} is not a list: {value!r}")
+    out = []
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != ints + 2 or not isinstance(entry[0], str) \
+                or not isinstance(entry[-1], str):
+            raise ProtocolError(f"{what} holds {entry!r}")
+        out.append((entry[0], *(_int(v, what) for v in entry[1:-1]), entry[-1]))
+    return tuple(out)
+
+
 def _release(fields: Mapping[str, Any]) -> Release:
-    return Release(keys=_key_list(_required(fields, "keys"), "'keys'"), written=bool(fields.get("written", True)))
+    return Release(keys=_key_list(_required(fields, "keys"), "'keys'"), written=bool(fields.get("written", True)),
+                   kept=_tagged(fields.get("kept", []), "'kept'", 1))
 
 
 def _written(fields: Mapping[str, Any]) -> Written:
@@ -424,10 +449,11 @@ def decode_reply(raw: bytes, expected: type[R], op: str, *, scope: str) -> R:
         if expected is Granted:
             reply: Any = Granted(kind=str(message["kind"]), bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
                                  dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
-                                 why=message.get("why"))
+                                 why=message.get("why"), holders=_tagged(message.get("holders", []), "'holders'", 2))
         elif expected is Reserved:
             reply = Reserved(bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
-                             dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")))
+                             dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
+                             holders=_tagged(message.get("holders", []), "'holders'", 2))
         elif expected is State:
             reply = State(state=dict(message["state"]))
         else:

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from job.train.residency.copy_slots import CopySlots
 from job.train.residency.eviction import pick_victim
 from job.train.residency.io_stats import IOStats
 from job.types import PartitionKey
+
+if TYPE_CHECKING:  # a torchrun group's (partition_handoff); the store itself knows nothing of groups
+    from job.train.distributed.handoff import PartitionHandoff
 
 logger = logging.getLogger("biggraph")
 
@@ -93,6 +96,8 @@ class PartitionStore:
         self.stats = IOStats()
         self._copies = CopySlots()  # host buffers the kept partitions of a write group are copied to
         self._group_behind: Optional[Future[None]] = None  # the last write group written on the I/O thread
+        # partition_handoff (job/train/distributed/handoff.py): rows kept in a rank's memory, taken before the file
+        self.peers: Optional[PartitionHandoff] = None
 
     @property
     def capacity(self) -> Optional[int]:
@@ -244,6 +249,12 @@ class PartitionStore:
         count = self.counts[entity_type][part]
         dim = self.config.entity_dimension(entity_type)
         started = time.perf_counter()
+        if self.peers is not None:  # the last grant named a rank keeping the current rows: the file's bytes, no read
+            rows = self.peers.take(key, (count, dim), per_coordinate(self.config, entity_type), self.device.type == "cpu")
+            if rows is not None:
+                self.stats.add(loads=1, handed_in=1 if rows.received else 0, bytes_handed_in=rows.received,
+                               kept_hits=0 if rows.received else 1)
+                return _Read(rows.weight, rows.optim_sum, rows.step, time.perf_counter() - started, 0)
         weight = torch.empty((count, dim), dtype=torch.float32)
         if self.device.type == "cpu":
             # Into shared memory before any page is touched: sharing a filled tensor copies it, which

@@ -27,6 +27,7 @@ from job.checkpoint.write_groups import WriteGroup
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.distributed.group import DistributedContext, RoundEnding, wait_all
+from job.train.distributed.handoff import PartitionHandoff
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
@@ -91,6 +92,14 @@ class LockServerScheduler(BucketScheduler):
         self.clock = BucketClock()  # this rank's bucket times: whether one in flight can end before the drain's deadline
         self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
         self._written_seen: Optional[int] = None  # partitions written this pass, at the first reply (progress)
+        # partition_handoff: published partitions kept in memory for their next holder (job/train/distributed/handoff.py)
+        self.handoff: Optional[PartitionHandoff] = None
+        if config.partition_handoff:
+            partitioned = sum(1 for e in config.entities.values() if e.num_partitions > 1)
+            self.handoff = PartitionHandoff(rank=ctx.rank, round_id=ctx.round_id, store=ctx.store, key=ctx.key,
+                                            limit=2 * partitioned)
+            self.handoff.start()
+            store.peers = self.handoff
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         if self.pass_tag:  # this process saw a pass commit: the round made progress
@@ -99,6 +108,8 @@ class LockServerScheduler(BucketScheduler):
         self._written_seen = None
         self.current = None
         self.ahead = None
+        if self.handoff is not None:
+            self.handoff.forget()  # the pass's server knows no holder yet
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
@@ -135,9 +146,11 @@ class LockServerScheduler(BucketScheduler):
             if finished is not None:
                 self.clock.finish(time.monotonic())
                 note_progress()  # this round made progress (the failure budget: job/train/elastic/budget.py)
+            held = self.store.resident_partitioned()
             kind, bucket, dirty, shared = self.client.finish_and_next(
-                self.store.resident_partitioned(), self.current, finished,
-                carry.change() if carry is not None else None, leaving=leaving)
+                held, self.current, finished, carry.change() if carry is not None else None, leaving=leaving)
+            if self.handoff is not None and bucket is not None:
+                self.handoff.hint(self.bucket_keys[bucket] - held, self.client.last_holders)
             if carry is not None and shared is not None:
                 carry.assign(shared)
             self.current, finished = None, None
@@ -181,6 +194,9 @@ class LockServerScheduler(BucketScheduler):
         if behind:
             self.ahead, dirty = self.client.reserve(leaving)
             self.store.set_written(set(dirty) | set(leaving))
+            if self.handoff is not None and self.ahead is not None:
+                # (the leaving ones are this rank's own group's: ``_commit_group`` keeps them)
+                self.handoff.hint(self.bucket_keys[self.ahead] - set(leaving), self.client.last_holders)
 
     def _writer(self) -> LockClient:
         """The rank's second client, for the background thread (its replies come on their own queue)."""
@@ -197,7 +213,14 @@ class LockServerScheduler(BucketScheduler):
         self.checkpoint.flush()
         client.written(group.keys, group.staged())
         self.store.publish(group)
-        client.release(group.leaving, written=False)
+        kept = []
+        if self.handoff is not None:  # the rows just published stay in memory for the partition's next holder
+            for key in group.leaving:
+                table = group.tables[key]
+                if table.optim_sum is not None:
+                    digest = self.handoff.keep(key, table.weight, table.optim_sum, self.store.steps.get(key, 0))
+                    kept.append((key[0], key[1], digest))
+        client.release(group.leaving, written=False, kept=kept)
 
     def _settle_releases(self) -> float:
         """Wait for the background releases (normally long done: they had a bucket to finish), so that the
