@@ -707,6 +707,7 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
     assert points > 60  # every step of a whole pass was a point of death (45 before write groups)
 
 
+@pytest.mark.slow  # as long as the test above (~60 s here): CI's fast tier has no room for both
 def test_with_partitions_handed_pod_to_pod_each_buckets_update_still_reaches_the_pass_exactly_once(
         tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:
     """partition_handoff (job/train/distributed/handoff.py): the rows a rank publishes stay in its memory and the next
