@@ -205,10 +205,11 @@ class PartitionHandoff:
                     self._hints.pop(key, None)
 
     def forget(self) -> None:
-        """Drop every kept partition and hint (a pass starts: its server knows no holder)."""
+        """Drop every kept partition and hint, and count from zero (a pass starts: its server knows no holder)."""
         with self._lock:
             self._kept.clear()
             self._hints.clear()
+            self.stats = HandoffStats()
 
     def kept_bytes(self) -> int:
         with self._lock:

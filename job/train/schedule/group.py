@@ -337,6 +337,8 @@ class LockServerScheduler(BucketScheduler):
         self.server = None
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
+        if self.handoff is not None:
+            logger.info("rank %d: partition hand-off this pass: %s", self.ctx.rank, json.dumps(self.handoff.stats.as_record()))
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
         try:
             wait_all(self.ctx, f"pass-written-{self.pass_tag}")
