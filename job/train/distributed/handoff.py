@@ -84,7 +84,7 @@ class HandoffStats:
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().numpy()).cast("B")
+    return tensor.detach().contiguous().numpy().data.cast("B")
 
 
 def rows_digest(round_id: str, key: PartitionKey, weight: torch.Tensor, optim_sum: torch.Tensor, step: int) -> str:
@@ -289,7 +289,7 @@ class PartitionHandoff:
 
 
 def _raw_out(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
+    return tensor.numpy().data.cast("B")
 
 
 class _Reader:
