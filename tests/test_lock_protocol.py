@@ -36,8 +36,8 @@ from job.checkpoint.group_progress import (
 from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
-from job.train.distributed.lock_client import LockClient
 from job.train.distributed.handoff import PartitionHandoff
+from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import LockServerError, seal

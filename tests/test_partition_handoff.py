@@ -113,13 +113,24 @@ def test_a_request_without_the_groups_mac_gets_no_rows(pair: list[PartitionHando
 
 
 def test_the_server_names_a_holder_only_while_its_rows_are_the_files() -> None:
-    holders = Holders()
-    holders.released(1, [("node", 0), ("node", 1)], [("node", 0, "d0"), ("node", 3, "d3")])  # 3 was not released
-    assert holders.for_grant([("node", 0), ("node", 3)], skip=(), gone=()) == (("node", 0, 1, "d0"),)
-    assert holders.for_grant([("node", 0)], skip=[("node", 0)], gone=()) == ()  # the rank's own
-    assert holders.for_grant([("node", 0)], skip=(), gone={1}) == ()  # its holder died
+    from job.types import Bucket
+
+    gone: set[int] = set()
+    holders = Holders({Bucket(0, 3): frozenset({("node", 0), ("node", 3)})}, gone=lambda: gone)
+    bucket = Bucket(0, 3)
+    assert holders.grant(bucket, skip=()) == ()
+    holders.released(1, [("node", 0), ("node", 1)], [("node", 0, "d0"), ("node", 3, "d3")], written=False)  # 3: not released
+    assert holders.grant(bucket, skip=()) == (("node", 0, 1, "d0"),)
+    assert holders.grant(bucket, skip=[("node", 0)]) == ()  # the rank's own
+    assert holders.grant(None, skip=()) == ()
+    gone.add(1)  # its holder died
+    assert holders.grant(bucket, skip=()) == ()
+    gone.clear()
     holders.written([("node", 0)])  # another rank's write group makes new rows current
-    assert holders.for_grant([("node", 0)], skip=(), gone=()) == ()
+    assert holders.grant(bucket, skip=()) == ()
+    holders.released(2, [("node", 0)], [("node", 0, "e0")], written=False)
+    holders.released(1, [("node", 0)], [], written=True)  # a plain written release: new rows, none kept
+    assert holders.grant(bucket, skip=()) == ()
 
 
 def test_kept_rows_and_holders_travel_in_sealed_messages_and_not_at_all_without_them() -> None:

@@ -37,8 +37,8 @@ from typing import Any, Optional
 import torch
 
 from job.train.distributed import auth
+from job.train.distributed.holders import Holder
 from job.train.distributed.liveness import store_host
-from job.train.distributed.protocol import Holder
 from job.types import PartitionKey
 
 logger = logging.getLogger("biggraph")

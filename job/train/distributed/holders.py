@@ -16,35 +16,46 @@ new round's processes hold nothing in memory, so after a restart every partition
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Optional
 
-from job.train.distributed.protocol import Holder, Kept
-from job.types import PartitionKey
+from job.types import Bucket, PartitionKey
+
+Kept = tuple[str, int, str]  # a released partition whose rows its rank keeps: (entity type, partition, digest)
+Holder = tuple[str, int, int, str]  # where a granted partition's rows are kept: (entity type, partition, rank, digest)
 
 
 class Holders:
-    """Partition -> (rank, digest) of the rows kept in memory that equal its current file (see the module docstring)."""
+    """Partition -> (rank, digest) of the rows kept in memory that equal its current file (see the module docstring).
+    ``bucket_keys``: the partitions of each bucket; ``gone``: the ranks declared dead or lost now (never named)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_keys: Mapping[Bucket, frozenset], gone: Callable[[], Collection[int]]) -> None:
         self._at: dict[PartitionKey, tuple[int, str]] = {}
+        self._bucket_keys = bucket_keys
+        self._gone = gone
 
     def written(self, keys: Iterable[PartitionKey]) -> None:
         """``keys`` are being made current from new rows: whatever a rank kept of them is stale from now on."""
         for key in keys:
             self._at.pop((key[0], int(key[1])), None)
 
-    def released(self, rank: int, keys: Collection[PartitionKey], kept: Sequence[Kept]) -> None:
-        """``rank`` released ``keys`` after publishing them and keeps the rows of ``kept`` (a subset) in memory."""
+    def released(self, rank: int, keys: Collection[PartitionKey], kept: Sequence[Kept], written: bool) -> None:
+        """``rank`` released ``keys`` (``written``: and wrote them now, a plain release) and keeps the rows of ``kept``
+        (a subset, published before this release) in memory."""
+        if written:
+            self.written(keys)
         for entity_type, part, digest in kept:
             if (entity_type, part) in keys:
                 self._at[(entity_type, part)] = (rank, digest)
 
-    def for_grant(self, keys: Iterable[PartitionKey], skip: Collection[PartitionKey],
-                  gone: Collection[int]) -> tuple[Holder, ...]:
-        """The holders of ``keys`` a granted bucket reads (not ``skip``: what the rank holds or is writing itself),
-        leaving out ranks known to be gone (dead, fenced): their rows went with them."""
+    def grant(self, bucket: Optional[Bucket], skip: Collection[PartitionKey]) -> tuple[Holder, ...]:
+        """The holders of ``bucket``'s partitions, for its grant (not ``skip``: what the rank holds or is writing
+        itself), leaving out ranks known to be gone (dead, fenced): their rows went with them."""
+        if bucket is None or not self._at:
+            return ()
+        gone = self._gone()
         out = []
-        for key in sorted(keys):
+        for key in sorted(self._bucket_keys[bucket]):
             at = self._at.get(key)
             if at is not None and key not in skip and at[0] not in gone:
                 out.append((key[0], key[1], at[0], at[1]))

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 
 from job.train.distributed import protocol
+from job.train.distributed.holders import Holder, Kept
 from job.train.distributed.protocol import (
     DEFAULT_PREFIX,
     SERVER_RANK,
@@ -68,7 +69,7 @@ class LockClient:
         self.transport = transport
         self.last_why: Optional[str] = None  # why the round ends, from the last ``ending`` reply
         # where the last granted bucket's partitions are kept in memory (``next`` and ``reserve``; partition_handoff)
-        self.last_holders: tuple[protocol.Holder, ...] = ()
+        self.last_holders: tuple[Holder, ...] = ()
 
     def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None) -> R:
         raw = self._call(request, change)
@@ -167,7 +168,7 @@ class LockClient:
         return reply.bucket, set(reply.dirty)
 
     def release(self, keys: Sequence[PartitionKey], written: bool = True,
-                kept: Sequence[protocol.Kept] = ()) -> None:
+                kept: Sequence[Kept] = ()) -> None:
         """Give up the locks of ``keys`` (``written``: and record them as written, as one change; ``kept``: those whose
         published rows this rank keeps in memory for their next holder, with their digests)."""
         self._ask(Release(keys=tuple((k[0], int(k[1])) for k in keys), written=written,

@@ -124,7 +124,7 @@ class LockServer:
         self._clocks = GroupClocks(state.world_size)
         self._gave_up: set[int] = set()  # ranks that gave their bucket up and left unwritten: not waited for
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
-        self.holders = Holders()  # where partitions' current rows are kept in memory (holders.py; partition_handoff)
+        self.holders = Holders(state.bucket_keys, gone=lambda: self._lost() | set(self._gone))  # partition_handoff
         # one handler per request type (job/train/distributed/protocol.py), called with ``lock`` held
         self._handlers: dict[type, Callable[[int, Any, Optional[np.ndarray]], Reply]] = {
             Next: self._answer_next, Reserve: self._answer_reserve, Written: self._answer_written,
@@ -384,19 +384,13 @@ class LockServer:
             stored = self.vector.finish(finished, change, saved=finished not in self.state.unsaved_buckets())
         self._persist(with_shared=stored)
         return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why,
-                       holders=self._holders(bucket, request.held))
+                       holders=self.holders.grant(bucket, request.held))
 
     def _answer_reserve(self, rank: int, request: Reserve, change: Optional[np.ndarray]) -> Reply:
         # not persisted: a reservation is never started work, so a restart has nothing of it to redo
         bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) if self.round_ending() is None \
             else None
-        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty), holders=self._holders(bucket, request.leaving))
-
-    def _holders(self, bucket: Optional[Any], own: Any) -> tuple[protocol.Holder, ...]:
-        """Where ``bucket``'s partitions that the rank does not hold or write itself (``own``) are kept in memory."""
-        if bucket is None or not len(self.holders):
-            return ()
-        return self.holders.for_grant(self.state.bucket_keys[bucket], frozenset(own), self._lost() | set(self._gone))
+        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty), holders=self.holders.grant(bucket, request.leaving))
 
     def _answer_written(self, rank: int, request: Written, change: Optional[np.ndarray]) -> Reply:
         # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
@@ -408,9 +402,7 @@ class LockServer:
 
     def _answer_release(self, rank: int, request: Release, change: Optional[np.ndarray]) -> Reply:
         self.state.release(rank, list(request.keys), written=request.written)
-        if request.written:
-            self.holders.written(request.keys)
-        self.holders.released(rank, request.keys, request.kept)
+        self.holders.released(rank, request.keys, request.kept, written=request.written)
         self._persist(with_shared=self.vector.save(self.state.unsaved_buckets()))
         return Done()
 

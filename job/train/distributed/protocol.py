@@ -78,8 +78,6 @@ class Unauthentic(ProtocolError):
 # requests ---------------------------------------------------------------------------------------------------------
 
 Staged = tuple[str, int, str]  # a staged file of a write group: (entity type, partition, its staged name)
-Kept = tuple[str, int, str]  # a released partition kept in the rank's memory: (entity type, partition, rows digest)
-Holder = tuple[str, int, int, str]  # where a granted partition's rows are in memory: (type, partition, rank, digest)
 
 
 @dataclass(frozen=True)
@@ -107,12 +105,11 @@ class Reserve:
 
 @dataclass(frozen=True)
 class Release:
-    """Give up the locks of ``keys`` (``written``: and record them as written, as one change). ``kept``: those of them
-    whose rows, as published, the rank keeps in memory to hand to their next holder (job/train/distributed/handoff.py)."""
+    """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
 
     keys: tuple[PartitionKey, ...]
     written: bool = True
-    kept: tuple[Kept, ...] = ()
+    kept: tuple[tuple[str, int, str], ...] = ()  # of keys, rows kept in memory: [type, partition, digest] (handoff.py)
     op = "release"
 
 
@@ -185,14 +182,13 @@ class Incoming:
 @dataclass(frozen=True)
 class Granted:
     """The answer to ``next``: ``kind`` is ``bucket`` (train ``bucket``), ``wait``, ``done`` or ``ending`` (the round
-    ends, ``why``: give back and exit); ``dirty``: the partitions written this pass; ``holders``: which rank keeps
-    the published rows of the bucket's partitions to read in memory (job/train/distributed/handoff.py)."""
+    ends, ``why``: give back and exit); ``dirty``: the partitions written this pass."""
 
     kind: str
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
     why: Optional[str] = None
-    holders: tuple[Holder, ...] = ()
+    holders: tuple[tuple[str, int, int, str], ...] = ()  # where the bucket's rows are kept: [type, part, rank, digest]
 
 
 @dataclass(frozen=True)
@@ -201,7 +197,7 @@ class Reserved:
 
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
-    holders: tuple[Holder, ...] = ()
+    holders: tuple[tuple[str, int, int, str], ...] = ()  # where the bucket's rows are kept: [type, part, rank, digest]
 
 
 @dataclass(frozen=True)
@@ -250,8 +246,7 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
         message["leaving"] = _keys(request.leaving)
     elif isinstance(request, Release):
         message.update(keys=_keys(request.keys), written=request.written)
-        if request.kept:
-            message["kept"] = [list(k) for k in request.kept]
+        message.update({"kept": [list(k) for k in request.kept]} if request.kept else {})
     elif isinstance(request, Written):
         message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), s[2]] for s in request.staged])
     elif isinstance(request, Stop):
@@ -285,15 +280,14 @@ def encode_reply(reply: Reply, *, scope: str) -> bytes:
     """``reply`` sealed under ``scope`` (``reply_scope`` of the request it answers)."""
     if isinstance(reply, Refusal):
         return seal({"ok": False, "error": reply.error}, scope)
-    message: dict[str, Any] = {"ok": True}
+    holders = getattr(reply, "holders", ())  # (none without partition_handoff: the message as before)
+    message: dict[str, Any] = {"ok": True, **({"holders": [list(h) for h in holders]} if holders else {})}
     if isinstance(reply, Granted):
         message.update(kind=reply.kind, bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
         if reply.why is not None:
             message["why"] = reply.why
     elif isinstance(reply, Reserved):
         message.update(bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
-    if isinstance(reply, (Granted, Reserved)) and reply.holders:  # (absent without partition_handoff: as before)
-        message["holders"] = [list(h) for h in reply.holders]
     elif isinstance(reply, State):
         message["state"] = reply.state
     return seal(message, scope)
@@ -366,17 +360,10 @@ def _next(fields: Mapping[str, Any]) -> Next:
                 leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)))
 
 
-def _tagged(value: Any, what: str, ints: int) -> tuple[Any, ...]:
-    """``[type, partition, (rank,) digest]`` entries of ``kept`` (``ints`` 1) or ``holders`` (2)."""
-    if not isinstance(value, list):
-        raise ProtocolError(f"{what} is not a list: {value!r}")
-    out = []
-    for entry in value:
-        if not isinstance(entry, list) or len(entry) != ints + 2 or not isinstance(entry[0], str) \
-                or not isinstance(entry[-1], str):
-            raise ProtocolError(f"{what} holds {entry!r}")
-        out.append((entry[0], *(_int(v, what) for v in entry[1:-1]), entry[-1]))
-    return tuple(out)
+def _tagged(value: Any, what: str, ints: int) -> tuple[Any, ...]:  # ``kept`` (``ints``: 1), ``holders`` (2)
+    if type(value) is not list or any(type(e) is not list or [*map(type, e)] != [str, *[int] * ints, str] for e in value):
+        raise ProtocolError(f"{what} is not a list of [type, partition, ..., digest]: {value!r}")
+    return tuple(tuple(e) for e in value)
 
 
 def _release(fields: Mapping[str, Any]) -> Release:
