@@ -131,6 +131,19 @@ def test_the_server_names_a_holder_only_while_its_rows_are_the_files() -> None:
     holders.released(2, [("node", 0)], [("node", 0, "e0")], written=False)
     holders.released(1, [("node", 0)], [], written=True)  # a plain written release: new rows, none kept
     assert holders.grant(bucket, skip=()) == ()
+    holders.released(2, [("node", 3)], [("node", 3, "e3")], written=False)
+    following = Holders({bucket: frozenset({("node", 0), ("node", 3)})}, gone=lambda: gone)
+    following.adopt(holders)  # the next pass's server, once this pass committed what the holders published
+    assert following.grant(bucket, skip=()) == (("node", 3, 2, "e3"),)
+
+
+def test_a_new_pass_keeps_the_rows_but_no_hint(pair: list[PartitionHandoff]) -> None:
+    holder, asker = pair
+    digest = holder.keep(KEY, *rows(), step=0)
+    holder.new_pass()
+    assert holder.take(KEY, (7, 3), per_coordinate=False, shared=False) is None  # its own hint went with the pass
+    asker.hint([KEY], [(KEY[0], KEY[1], 0, digest)])  # the next pass's grant names it again
+    assert asker.take(KEY, (7, 3), per_coordinate=False, shared=False) is not None
 
 
 def test_kept_rows_and_holders_travel_in_sealed_messages_and_not_at_all_without_them() -> None:

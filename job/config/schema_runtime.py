@@ -72,8 +72,8 @@ class RuntimeKeys:
         default=True,
     )
     partition_handoff: bool = field_help(
-        "Distributed runs (torchrun): a trainer keeps the partitions it has just written back in memory (a "
-        "bucket's at most, counted in memory_budget), the lock server names it in the grant of the next bucket "
+        "Distributed runs (torchrun): a trainer keeps the partitions it has just written back in memory (two "
+        "buckets' at most, counted in memory_budget), the lock server names it in the grant of the next bucket "
         "that needs one, and that trainer takes the rows from there (its own memory, or over TCP from the other "
         "pod, authenticated with the group's secret and checked against a digest) instead of reading the file. "
         "Partitions are still written to checkpoint storage as before, so a lost pod costs the same; a failed "

@@ -30,16 +30,19 @@ import secrets
 import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from job.train.distributed import auth
-from job.train.distributed.holders import Holder
+from job.train.distributed.holders import Holder, Kept
 from job.train.distributed.liveness import store_host
 from job.types import PartitionKey
+
+if TYPE_CHECKING:
+    from job.checkpoint.write_groups import WriteGroup
 
 logger = logging.getLogger("biggraph")
 
@@ -47,6 +50,9 @@ CONNECT_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 120.0  # per socket operation: a frozen holder costs the asker this, then it reads the file
 MAX_LINE = 4096
 HELLO = "biggraph-handoff"
+# how many buckets' partitions a rank keeps after they left: with one, the partition a peer asks for had often been
+# dropped already (2 trainers, P=8: 4-7 of ~10 asks a pass read the file); with two, about none
+KEPT_BUCKETS = 2
 
 
 @dataclass
@@ -112,6 +118,16 @@ class PartitionHandoff:
         self._addresses: dict[int, tuple[str, int]] = {}
         self._listener: Optional[socket.socket] = None
         self._closed = False
+
+    @classmethod
+    def of_group(cls, ctx: Any, config: Any) -> PartitionHandoff:
+        """This rank's end in the group of ``ctx`` (a ``DistributedContext``), listening: it keeps up to two buckets'
+        partitions (``KEPT_BUCKETS``; ``memory_budget`` counts them, job/train/residency/budget.py)."""
+        partitioned = sum(1 for e in config.entities.values() if e.num_partitions > 1)
+        handoff = cls(rank=ctx.rank, round_id=ctx.round_id, store=ctx.store, key=ctx.key,
+                      limit=KEPT_BUCKETS * 2 * partitioned)
+        handoff.start()
+        return handoff
 
     # serving --------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,6 +209,15 @@ class PartitionHandoff:
             self._hints[key] = (self.rank, digest)
         return digest
 
+    def keep_group(self, group: WriteGroup, steps: Mapping[PartitionKey, int]) -> list[Kept]:
+        """``keep`` the partitions leaving in ``group`` (just published); what the release that frees them names."""
+        kept: list[Kept] = []
+        for key in group.leaving:
+            table = group.tables[key]
+            if table.optim_sum is not None:
+                kept.append((key[0], key[1], self.keep(key, table.weight, table.optim_sum, steps.get(key, 0))))
+        return kept
+
     def hint(self, keys: Iterable[PartitionKey], holders: Iterable[Holder]) -> None:
         """A grant: for each of ``keys`` (the granted bucket's partitions this rank will read), where its current rows
         are kept (``holders``), or nowhere: every earlier word about those partitions is stale."""
@@ -203,6 +228,13 @@ class PartitionHandoff:
                     self._hints[key] = named[key]
                 else:
                     self._hints.pop(key, None)
+
+    def new_pass(self) -> None:
+        """A pass starts: the rows kept stay (the last commit holds them, and its server's record of holders passes to
+        the next pass's), every hint goes (grants give them again), the counts start from zero."""
+        with self._lock:
+            self._hints.clear()
+            self.stats = HandoffStats()
 
     def forget(self) -> None:
         """Drop every kept partition and hint, and count from zero (a pass starts: its server knows no holder)."""

@@ -34,6 +34,12 @@ class Holders:
         self._bucket_keys = bucket_keys
         self._gone = gone
 
+    def adopt(self, other: Optional[Holders]) -> None:
+        """Take ``other``'s record (the previous pass's server, once that pass committed: each partition's committed
+        file is what it last published, so a holder it names still keeps the current rows)."""
+        if other is not None:
+            self._at.update(other._at)
+
     def written(self, keys: Iterable[PartitionKey]) -> None:
         """``keys`` are being made current from new rows: whatever a rank kept of them is stale from now on."""
         for key in keys:

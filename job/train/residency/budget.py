@@ -139,10 +139,10 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
 def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     """The host copies a distributed trainer takes at a bucket switch of the partitions it keeps, to write them
     in its write group while the next bucket trains on the originals (job/checkpoint/write_groups.py): at most a
-    bucket's partitions less the one leaving; with ``partition_handoff`` also a bucket's partitions kept after they
-    left, for their next holder (job/train/distributed/handoff.py)."""
+    bucket's partitions less the one leaving; with ``partition_handoff`` also two buckets' partitions kept after they
+    left, for their next holder (job/train/distributed/handoff.py, ``KEPT_BUCKETS``)."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
-    kept = 2 * len(partitioned) if config.partition_handoff else 0
+    kept = 4 * len(partitioned) if config.partition_handoff else 0
     return (max(0, 2 * len(partitioned) - 1) + kept) * partition_bytes(config, counts)
 
 

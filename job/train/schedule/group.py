@@ -28,6 +28,7 @@ from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.distributed.group import DistributedContext, RoundEnding, wait_all
 from job.train.distributed.handoff import PartitionHandoff
+from job.train.distributed.holders import Holders
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
@@ -93,13 +94,8 @@ class LockServerScheduler(BucketScheduler):
         self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
         self._written_seen: Optional[int] = None  # partitions written this pass, at the first reply (progress)
         # partition_handoff: published partitions kept in memory for their next holder (job/train/distributed/handoff.py)
-        self.handoff: Optional[PartitionHandoff] = None
-        if config.partition_handoff:
-            partitioned = sum(1 for e in config.entities.values() if e.num_partitions > 1)
-            self.handoff = PartitionHandoff(rank=ctx.rank, round_id=ctx.round_id, store=ctx.store, key=ctx.key,
-                                            limit=2 * partitioned)
-            self.handoff.start()
-            store.peers = self.handoff
+        self.handoff = store.peers = PartitionHandoff.of_group(ctx, config) if config.partition_handoff else None
+        self._holders: Optional[Holders] = None  # rank 0: the last committed pass's, still true of what it committed
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         if self.pass_tag:  # this process saw a pass commit: the round made progress
@@ -109,7 +105,7 @@ class LockServerScheduler(BucketScheduler):
         self.current = None
         self.ahead = None
         if self.handoff is not None:
-            self.handoff.forget()  # the pass's server knows no holder yet
+            self.handoff.new_pass()
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
@@ -134,6 +130,7 @@ class LockServerScheduler(BucketScheduler):
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
                                      world_size=self.ctx.world_size)
+            self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
@@ -213,13 +210,8 @@ class LockServerScheduler(BucketScheduler):
         self.checkpoint.flush()
         client.written(group.keys, group.staged())
         self.store.publish(group)
-        kept = []
-        if self.handoff is not None:  # the rows just published stay in memory for the partition's next holder
-            for key in group.leaving:
-                table = group.tables[key]
-                if table.optim_sum is not None:
-                    digest = self.handoff.keep(key, table.weight, table.optim_sum, self.store.steps.get(key, 0))
-                    kept.append((key[0], key[1], digest))
+        # partition_handoff: the rows just published stay in memory for the partition's next holder
+        kept = self.handoff.keep_group(group, self.store.steps) if self.handoff is not None else []
         client.release(group.leaving, written=False, kept=kept)
 
     def _settle_releases(self) -> float:
@@ -365,7 +357,7 @@ class LockServerScheduler(BucketScheduler):
         if self.server is not None:
             remove_progress(self.config.checkpoint_path)  # the compaction at the commit: nothing left to resume
             self.ctx.store.set(key, json.dumps(result))
-            self.server = None
+            self._holders, self.server = self.server.holders, None
         wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
         published: dict[str, Any] = json.loads(self.ctx.store.get(key))
         return published
