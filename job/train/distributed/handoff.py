@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("biggraph")
 
 CONNECT_TIMEOUT_S = 10.0
-TRANSFER_TIMEOUT_S = 120.0  # per socket operation: a frozen holder costs the asker this, then it reads the file
+# per socket operation (each recv returns as bytes arrive, so a live peer never comes close): a frozen holder costs the
+# asker this, then it reads the file; well under the drain deadline (25 s), so a round that ends meanwhile is not held
+TRANSFER_TIMEOUT_S = 15.0
 MAX_LINE = 4096
 HELLO = "biggraph-handoff"
 # how many buckets' partitions a rank keeps after they left: with one, the partition a peer asks for had often been
