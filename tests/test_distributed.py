@@ -454,13 +454,15 @@ def _resumed(agents: Agents) -> list[tuple[int, dict[str, int]]]:
 
 
 @pytest.mark.slow
-def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs(umls_p4: dict,
-                                                                                  tmp_path: Path) -> None:
+@pytest.mark.parametrize("handoff", [False, True])
+def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs(umls_p4: dict, tmp_path: Path,
+                                                                                  handoff: bool) -> None:
     """Issue #30: rank 0 declares a SIGKILLed peer dead; the survivors finish their bucket, give back what they hold
     and exit, rank 0 serving until they have; the resumed pass redoes only the lost rank's buckets (its bucket in
-    flight and the done ones whose partitions died unwritten with it), none of the survivors'."""
+    flight and the done ones whose partitions died unwritten with it), none of the survivors'. With
+    ``partition_handoff`` (issue 45) the same: the rows the lost rank kept die with it and are read from storage."""
     # buckets slow enough (~1 s here) that the survivors are still training when the peer timeout (2 s) expires
-    path = write_run_config(umls_p4, "drained", num_epochs=2, **SLOW_BUCKETS)
+    path = write_run_config(umls_p4, f"drained-{handoff}", num_epochs=2, partition_handoff=handoff, **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
     agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
     try:

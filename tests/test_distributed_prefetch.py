@@ -359,3 +359,34 @@ def test_two_ranks_read_reserved_partitions_ahead_and_train_as_without(umls_p4: 
     assert all(s["partition_writes_background"] == 0 for s in without)
     assert "partition buffer: 3 of 4 partitions" in logs[True], logs[True][-3000:]  # read-ahead within the buffer
     assert mrr_on == pytest.approx(mrr_off, abs=0.06), (mrr_on, mrr_off)
+
+
+@pytest.mark.slow
+def test_two_ranks_hand_partitions_over_in_memory_and_still_train_each_bucket_once(umls_p4: dict,
+                                                                                  tmp_path: Path) -> None:
+    """2 torchrun agents on loopback, P=4, partition_handoff (job/train/distributed/handoff.py): partitions that change
+    hands come from the memory of the rank that published them (the other's, over TCP, or its own) instead of
+    storage, every bucket is trained once per epoch, every write still reaches storage, and the version is whole."""
+    epochs = 4
+    reads, mrr = {}, {}
+    for handoff in (True, False):
+        path = write_run_config(umls_p4, f"handoff-{handoff}", num_epochs=epochs, partition_handoff=handoff)
+        (tmp_path / str(handoff)).mkdir()
+        agents = Agents(path, "2", tmp_path / str(handoff))
+        codes = agents.run(["a", "b"], timeout=300)
+        assert codes == {"a": 0, "b": 0}, agents.tail()
+        checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+        records = bucket_records(checkpoint_path)
+        assert_each_bucket_once_per_epoch(records, epochs)
+        summaries = [r for r in records if r.get("pass_summary")]
+        sizes = partition_sizes(path)
+        for summary in summaries:
+            check_io_stats(summary, sizes)  # storage reads and writes as before, fewer reads
+        handed = sum(s.get("partition_handoffs", 0) for s in summaries)
+        kept = sum(s.get("partition_kept_hits", 0) for s in summaries)
+        assert (handed + kept > 0) == handoff, agents.text()[-3000:]
+        assert sum(s.get("bytes_handed_over", 0) for s in summaries) <= max(sizes) * handed
+        check_checkpoint(checkpoint_path, epochs)
+        reads[handoff], mrr[handoff] = sum(s["partition_reads"] for s in summaries), filtered_mrr(umls_p4, path)
+    assert reads[True] < reads[False], reads
+    assert mrr[True] == pytest.approx(mrr[False], abs=0.06), mrr  # the rows handed over are the files' rows

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -37,6 +37,7 @@ from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, st
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.formats.checksums import checksum_file
+from job.train.distributed.handoff import PartitionHandoff
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
@@ -563,10 +564,12 @@ class RowTrainer:
     pass (``set_written``). ``actions`` yields after every request, every file written and every file moved, so
     that the group can die between any two of them."""
 
-    def __init__(self, client: LockClient, partitions: PartitionStore) -> None:
+    def __init__(self, client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff] = None) -> None:
         self.client = client
         self.partitions = partitions
         self.current: Any = None
+        self.handoff = handoff  # partition_handoff: leaving rows kept, granted ones taken from their holder
+        partitions.peers = handoff
 
     def actions(self, state: LockState) -> Iterator[None]:
         while True:
@@ -577,6 +580,8 @@ class RowTrainer:
             held = set(self.partitions.loaded)
             kind, bucket, dirty, _ = self.client.finish_and_next(held, self.current, None, delta)
             self.partitions.set_written(dirty)
+            if self.handoff is not None and bucket is not None:
+                self.handoff.hint(state.bucket_keys[bucket] - held, self.client.last_holders)
             yield
             self.current = bucket
             keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
@@ -590,7 +595,9 @@ class RowTrainer:
                 for key in group.keys:
                     self.partitions.publish(group, [key])
                     yield
-                self.client.release(group.leaving, written=False)
+                kept = [(key[0], key[1], self.handoff.keep(key, group.tables[key].weight, group.tables[key].optim_sum, 0))
+                        for key in group.leaving] if self.handoff is not None else []
+                self.client.release(group.leaving, written=False, kept=kept)
                 yield
             if kind == "done":
                 return
@@ -618,7 +625,19 @@ def staged_left(checkpoint_url: str) -> list[str]:
     return [name for name in storage.listdir(checkpoint_url) if name.startswith(STAGED_PREFIX)]
 
 
-def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ranks: list[TensorTransport]) -> int:
+def handoffs(store: TCPStore, round_id: str, on: bool) -> list[Optional[PartitionHandoff]]:
+    """Ranks 0 and 1's ends of partition_handoff in the round ``round_id`` (listening on 127.0.0.1), or none."""
+    if not on:
+        return [None, None]
+    ends = [PartitionHandoff(rank=rank, round_id=round_id, store=store, key=lambda name: f"{round_id}/{name}", limit=2)
+            for rank in (0, 1)]
+    for end in ends:
+        end.start()
+    return list(ends)
+
+
+def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ranks: list[TensorTransport],
+                       handoff: bool = False) -> int:
     """Two ranks train buckets on partition rows kept in real files until the group dies after every number of
     actions of the protocol (requests, each partition file staged and each one moved to its PBG name), ``crash_after``
     0, 1, 2, ... until a pass completes, each in the checkpoint ``checkpoint_of(crash_after)``. The restarted group
@@ -626,19 +645,22 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
     the pass; first one file by hand, as a roll-forward killed after its first move leaves it) and one rank
     finishes the pass. Then each bucket's update must be in the rows of each of its partitions as the pass commits
     them exactly once (and in no other partition), as its shared update is in the vector, and no staged file left.
-    Returns the number of points of death."""
+    ``handoff``: the ranks keep the rows they publish and take granted ones from their holder (partition_handoff);
+    then some partitions must have changed hands through memory. Returns the number of points of death."""
     expected = np.zeros((4, 16))
     for bucket, keys in partition_keys(4).items():
         for _, part in keys:
             expected[part, bucket.lhs * 4 + bucket.rhs] = 1.0
     initial = row_store(checkpoint_of(-1))
     start = np.stack([initial.get(("node", part)).weight.numpy().copy() for part in range(4)])
-    crash_after, complete = 0, False
+    crash_after, complete, moved = 0, False, 0
     while not complete:
         checkpoint = checkpoint_of(crash_after)  # the progress beside the partition files, as in a run
         server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0])
+        ends = handoffs(store, f"{crash_after}/first", handoff)
         trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix=f"{crash_after}/first/lock",
-                                          transport=ranks[rank]), row_store(checkpoint, store, f"{crash_after}/first"))
+                                          transport=ranks[rank]), row_store(checkpoint, store, f"{crash_after}/first"),
+                               ends[rank])
                     for rank in (0, 1)]
         running = [trainer.actions(server.state) for trainer in trainers]
         try:
@@ -651,6 +673,10 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
             complete = not running
         finally:
             server.stop()  # the group dies: what is in memory is gone (rows and shared values alike)
+            for end in ends:
+                if end is not None:
+                    moved += end.stats.handed_in + end.stats.kept_hits
+                    end.close()
         progress = read_progress(checkpoint, 0, "run")
         assert progress is not None
         recorded = progress.staged()
@@ -678,6 +704,7 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
         assert (counts == expected[:, None, :]).all(), (crash_after, [
             (part, divmod(column, 4), counts[part, 0, column]) for part, column in zip(*(counts[:, 0] - expected).nonzero())])
         crash_after += 1
+    assert (moved > 0) == handoff, moved
     return crash_after
 
 
@@ -687,6 +714,17 @@ def test_each_buckets_partition_updates_reach_the_pass_exactly_once_across_a_res
     not hold its update yet, whatever step of the protocol the group died at (``kill_at_every_step``)."""
     points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store, ranks)
     assert points > 60  # every step of a whole pass was a point of death (45 before write groups)
+
+
+@pytest.mark.slow  # as long as the test above (~60 s here): CI's fast tier has no room for both
+def test_with_partitions_handed_pod_to_pod_each_buckets_update_still_reaches_the_pass_exactly_once(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:
+    """partition_handoff (job/train/distributed/handoff.py): the rows a rank publishes stay in its memory and the next
+    holder takes them from there (over TCP, or from its own memory) instead of the file; killed after every step, the
+    same exactly-once holds (a restart's new processes hold nothing: every partition is then read from storage)."""
+    points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store, ranks,
+                                handoff=True)
+    assert points > 60
 
 
 @pytest.mark.slow
@@ -860,6 +898,7 @@ GROUP_SCRIPT = """
 import json, sys, time
 import numpy as np, torch
 from job.train.distributed.lock_client import LockClient
+from job.train.distributed.handoff import PartitionHandoff
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.shared_params import SharedParameters
 from job.train.distributed.group import init_distributed, leave, wait_all

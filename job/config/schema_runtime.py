@@ -71,6 +71,15 @@ class RuntimeKeys:
         "locks are released once stored). false: every swap waits, as in PBG.",
         default=True,
     )
+    partition_handoff: bool = field_help(
+        "Distributed runs (torchrun): a trainer keeps the partitions it has just written back in memory (two "
+        "buckets' at most, counted in memory_budget), the lock server names it in the grant of the next bucket "
+        "that needs one, and that trainer takes the rows from there (its own memory, or over TCP from the other "
+        "pod, authenticated with the group's secret and checked against a digest) instead of reading the file. "
+        "Partitions are still written to checkpoint storage as before, so a lost pod costs the same; a failed "
+        "hand-off reads the file. false: every partition that changes hands is read back from storage.",
+        default=False,
+    )
     partition_buffer: int | None = field_help(
         "How many partitions (of the partitioned entity types, per partition index) stay in memory, >= 2. "
         "Partitions leave the buffer only when it is full, the one needed again latest first. Default: what "

@@ -64,7 +64,7 @@ def secret() -> bytes:
     return _cached
 
 
-def mac(*parts: str | bytes, key: Optional[bytes] = None) -> str:
+def mac(*parts: str | bytes | memoryview, key: Optional[bytes] = None) -> str:
     """The hex HMAC-SHA256 of ``parts`` (each length-prefixed, so that no two sequences of parts collide) under
     ``key`` (default: this process's secret)."""
     digest = hmac.new(secret() if key is None else key, digestmod=hashlib.sha256)
@@ -75,7 +75,7 @@ def mac(*parts: str | bytes, key: Optional[bytes] = None) -> str:
     return digest.hexdigest()
 
 
-def verify(expected_mac: object, *parts: str | bytes, key: Optional[bytes] = None) -> bool:
+def verify(expected_mac: object, *parts: str | bytes | memoryview, key: Optional[bytes] = None) -> bool:
     """Whether ``expected_mac`` is the MAC of ``parts`` (compared in constant time)."""
     return isinstance(expected_mac, str) and hmac.compare_digest(expected_mac, mac(*parts, key=key))
 

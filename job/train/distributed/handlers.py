@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from job.train.distributed.commits import VectorWork
+from job.train.distributed.holders import Holders
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import (
     Done,
@@ -44,6 +45,7 @@ class RequestHandlers:
 
     state: LockState
     vector: SharedVector
+    holders: Holders  # partition_handoff: which rank keeps which partition's current rows
     rng: random.Random
     lock: threading.Lock
     _clocks: GroupClocks
@@ -101,23 +103,27 @@ class RequestHandlers:
                                 time.monotonic())
         if work.change is not None and finished is not None and not was_done and finished in self.state.done:
             work.finished, work.saved = finished, finished not in self.state.unsaved.get(rank, {})
-        return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why)
+        return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why,
+                       holders=self.holders.grant(bucket, request.held))
 
     def _answer_reserve(self, rank: int, request: Reserve, work: VectorWork) -> Reply:
         # not persisted: a reservation is never started work, so a restart has nothing of it to redo
         bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) if self.round_ending() is None \
             else None
-        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty))
+        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty),
+                        holders=self.holders.grant(bucket, request.leaving))
 
     def _answer_written(self, rank: int, request: Written, work: VectorWork) -> Reply:
         # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
         # buckets, shared updates included; the locks stay until the rank has published the files
         self.state.record_written(rank, request.keys, request.staged)
+        self.holders.written(request.keys)
         work.unsaved = frozenset(self.state.unsaved_buckets())
         return Done()
 
     def _answer_release(self, rank: int, request: Release, work: VectorWork) -> Reply:
         self.state.release(rank, list(request.keys), written=request.written)
+        self.holders.released(rank, request.keys, request.kept, written=request.written)
         work.unsaved = frozenset(self.state.unsaved_buckets())
         return Done()
 

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 
 from job.train.distributed import protocol
+from job.train.distributed.holders import Holder, Kept
 from job.train.distributed.protocol import (
     DEFAULT_PREFIX,
     SERVER_RANK,
@@ -67,6 +68,8 @@ class LockClient:
         self._reply_scope = ""
         self.transport = transport
         self.last_why: Optional[str] = None  # why the round ends, from the last ``ending`` reply
+        # where the last granted bucket's partitions are kept in memory (``next`` and ``reserve``; partition_handoff)
+        self.last_holders: tuple[Holder, ...] = ()
 
     def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None) -> R:
         raw = self._call(request, change)
@@ -153,6 +156,7 @@ class LockClient:
                        leaving=leaving, gave_up=gave_up)
         reply = self._ask(request, Granted, change)
         self.last_why = reply.why
+        self.last_holders = reply.holders
         return reply.kind, reply.bucket, set(reply.dirty), change
 
     def reserve(self, leaving: Sequence[PartitionKey] = ()) -> tuple[Optional[Bucket], set]:
@@ -160,11 +164,15 @@ class LockClient:
         written this pass so far (where to read the reserved bucket's partitions from). ``leaving``: partitions
         being written back in the background (see ``LockState.reserve``)."""
         reply = self._ask(Reserve(leaving=tuple((k[0], int(k[1])) for k in leaving)), Reserved)
+        self.last_holders = reply.holders
         return reply.bucket, set(reply.dirty)
 
-    def release(self, keys: Sequence[PartitionKey], written: bool = True) -> None:
-        """Give up the locks of ``keys`` (``written``: and record them as written, as one change)."""
-        self._ask(Release(keys=tuple((k[0], int(k[1])) for k in keys), written=written), Done)
+    def release(self, keys: Sequence[PartitionKey], written: bool = True,
+                kept: Sequence[Kept] = ()) -> None:
+        """Give up the locks of ``keys`` (``written``: and record them as written, as one change; ``kept``: those whose
+        published rows this rank keeps in memory for their next holder, with their digests)."""
+        self._ask(Release(keys=tuple((k[0], int(k[1])) for k in keys), written=written,
+                          kept=tuple((k[0], int(k[1]), str(k[2])) for k in kept)), Done)
 
     def written(self, keys: Sequence[PartitionKey], staged: Sequence[Sequence[Any]]) -> None:
         """Have the server record a write group (``keys``, their staged files ``[type, partition, name]``) as one

@@ -28,6 +28,7 @@ import storage_adapters as storage
 from job.train.distributed import protocol
 from job.train.distributed.commits import Batch, Commit, Committer, VectorWork
 from job.train.distributed.handlers import RequestHandlers
+from job.train.distributed.holders import Holders
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import (
     DEFAULT_PREFIX,
@@ -123,6 +124,7 @@ class LockServer(RequestHandlers):
         self._sums: dict[int, list[Any]] = {}
         self._committer = Committer(self.vector, progress, self._inbox.put)
         self._unanswered = 0  # requests handed to the committer whose replies have not left yet
+        self.holders = Holders(state.bucket_keys, gone=lambda: self._lost() | set(self._gone))  # partition_handoff
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)

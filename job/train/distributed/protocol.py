@@ -1,23 +1,20 @@
 """The lock protocol, defined once: every message between a trainer's ``LockClient`` and rank 0's ``LockServer``.
 
-Both ends import this module and nothing of each other. A request is one frozen dataclass per operation, carried
-in an ``Envelope`` that says who asks (rank, and channel: a second client of the same rank gets its replies on a
-queue of its own) and whether a shared-parameter change travels with it (``Payload``: how many values, and the
-transport tag it was posted under). A reply is one dataclass per answer; ``Refusal`` is the answer to anything the
-server could not do, so a client never waits out its timeout on a request the server read.
+Both ends import this module and nothing of each other. A request is one frozen dataclass per operation, in an
+``Envelope`` saying who asks (rank, and channel: a second client of a rank gets its replies on a queue of its own)
+and whether a shared-parameter change travels with it (``Payload``: how many values, under which transport tag). A
+reply is one dataclass per answer; ``Refusal`` answers anything the server could not do, so that a client never
+waits out its timeout on a request the server read.
 
 On the wire a message is one JSON object (``{"op": ..., "rank": ..., "channel": ..., <the operation's fields>}``)
-in the rendezvous store's queues (``request_queue``, ``response_queue``). Decoding checks every field it reads: a
-malformed message raises ``ProtocolError`` naming the operation and the field, which the server sends back as a
-``Refusal`` when it can tell who asked (and logs once when it cannot).
+in the rendezvous store's queues. Decoding checks every field it reads: a malformed message raises
+``ProtocolError`` naming the operation and the field, sent back as a ``Refusal`` when it can tell who asked.
 
-Sealed (issue 44; job/train/distributed/auth.py): every message carries ``"mac"``, an HMAC under the group's secret
-over its content and its *scope* (the queue prefix, which names the round), and every request a ``"seq"`` that
-grows per rank and channel. ``read_incoming`` refuses a request whose MAC fails (forged, or of another round) with
-``Unauthentic``, which the server logs without answering: an answer would land in the queue of the rank the forger
-named. A reply's MAC also covers whom it answers (rank, channel and the request's seq), so that a forged or replayed
-reply is told apart by the client (``decode_reply``: ``Unauthentic``), which then waits on for the real one. Only
-here are MACs made and checked.
+Sealed (job/train/distributed/auth.py): every message carries an HMAC (``"mac"``) under the group's secret over its
+content and its *scope* (the queue prefix, which names the round), every request a ``"seq"`` growing per rank and
+channel. A request whose MAC fails is ``Unauthentic``: logged, never answered (the answer would land in the queue of
+the rank the forger named). A reply's MAC also covers whom it answers (rank, channel, seq), so the client tells a
+forged or replayed reply apart and waits on for the real one. Only here are MACs made and checked.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ def request_queue(prefix: str) -> str:
     return f"{prefix}/requests"
 
 
-def response_queue(prefix: str, rank: int, channel: str = "") -> str:
+def response_queue(prefix: str, rank: int, channel: str = "") -> str:  # (a rank's, per channel)
     return f"{prefix}/response/{rank}{channel}"
 
 
@@ -49,10 +46,8 @@ class LockServerError(RuntimeError):
 
 
 class RoundGone(LockServerError):
-    """The request failed because its round is over (the server found its own round, or the asking rank's, ended:
-    fenced, declared dead, a newer round's snapshot) or gone (the store that carries it went away): the round ended
-    from outside, which the trainer reports with the failure budget's code (job/train/elastic/budget.py), not as a
-    crash."""
+    """The request's round is over (fenced, declared dead, a newer round's snapshot) or gone (its store went away):
+    ended from outside, reported with the failure budget's code (job/train/elastic/budget.py), not as a crash."""
 
 
 # what a refusal's error says when the round ended from outside (the server names the exception it caught)
@@ -71,12 +66,10 @@ class ProtocolError(ValueError):
 
 
 class Unauthentic(ProtocolError):
-    """A message whose MAC fails under the group's secret and its scope: forged, of another round, or a reply to
-    another request. Never answered."""
+    """A message whose MAC fails under the group's secret and scope (forged, another round's, another's reply)."""
 
 
 # requests ---------------------------------------------------------------------------------------------------------
-
 # a staged file of a write group: (entity type, partition, its staged name), then its size and CRC-32 when the
 # writer knows them (job/checkpoint/write_groups.py: the commit after a restart reads nothing it already knows)
 Staged = tuple[Any, ...]
@@ -111,6 +104,7 @@ class Release:
 
     keys: tuple[PartitionKey, ...]
     written: bool = True
+    kept: tuple[tuple[str, int, str], ...] = ()  # of keys, rows kept in memory: [type, partition, digest] (handoff.py)
     op = "release"
 
 
@@ -179,7 +173,6 @@ class Incoming:
 
 # replies ----------------------------------------------------------------------------------------------------------
 
-
 @dataclass(frozen=True)
 class Granted:
     """The answer to ``next``: ``kind`` is ``bucket`` (train ``bucket``), ``wait``, ``done`` or ``ending`` (the round
@@ -189,14 +182,16 @@ class Granted:
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
     why: Optional[str] = None
+    holders: tuple[tuple[str, int, int, str], ...] = ()  # where the bucket's rows are kept: [type, part, rank, digest]
 
 
 @dataclass(frozen=True)
 class Reserved:
-    """The answer to ``reserve``: the bucket granted (None: not now) and the partitions written this pass."""
+    """The answer to ``reserve``: the bucket granted (None: not now), the partitions written this pass, ``holders``."""
 
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
+    holders: tuple[tuple[str, int, int, str], ...] = ()  # where the bucket's rows are kept: [type, part, rank, digest]
 
 
 @dataclass(frozen=True)
@@ -223,7 +218,6 @@ R = TypeVar("R", Granted, Reserved, Done, State)
 
 # encoding ---------------------------------------------------------------------------------------------------------
 
-
 def _keys(keys: Any) -> list[list[Any]]:
     return [[k[0], int(k[1])] for k in keys]
 
@@ -245,6 +239,7 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
         message["leaving"] = _keys(request.leaving)
     elif isinstance(request, Release):
         message.update(keys=_keys(request.keys), written=request.written)
+        message.update({"kept": [list(k) for k in request.kept]} if request.kept else {})
     elif isinstance(request, Written):
         message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), *s[2:]] for s in request.staged])
     elif isinstance(request, Stop):
@@ -278,7 +273,8 @@ def encode_reply(reply: Reply, *, scope: str) -> bytes:
     """``reply`` sealed under ``scope`` (``reply_scope`` of the request it answers)."""
     if isinstance(reply, Refusal):
         return seal({"ok": False, "error": reply.error}, scope)
-    message: dict[str, Any] = {"ok": True}
+    holders = getattr(reply, "holders", ())  # (none without partition_handoff: the message as before)
+    message: dict[str, Any] = {"ok": True, **({"holders": [list(h) for h in holders]} if holders else {})}
     if isinstance(reply, Granted):
         message.update(kind=reply.kind, bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
         if reply.why is not None:
@@ -300,13 +296,12 @@ def unpack(raw: bytes) -> dict[str, Any]:
         message = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise ProtocolError(f"not a JSON message ({err})") from err
-    if not isinstance(message, dict):
-        raise ProtocolError("the message is not a JSON object")
-    return message
+    if isinstance(message, dict):
+        return message
+    raise ProtocolError("the message is not a JSON object")
 
 
 # decoding ---------------------------------------------------------------------------------------------------------
-
 
 def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -363,8 +358,15 @@ def _next(fields: Mapping[str, Any]) -> Next:
                 leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)))
 
 
+def _tagged(value: Any, what: str, ints: int) -> tuple[Any, ...]:  # ``kept`` (``ints``: 1), ``holders`` (2)
+    if type(value) is not list or any(type(e) is not list or [*map(type, e)] != [str, *[int] * ints, str] for e in value):
+        raise ProtocolError(f"{what} is not a list of [type, partition, ..., digest]: {value!r}")
+    return tuple(tuple(e) for e in value)
+
+
 def _release(fields: Mapping[str, Any]) -> Release:
-    return Release(keys=_key_list(_required(fields, "keys"), "'keys'"), written=bool(fields.get("written", True)))
+    return Release(keys=_key_list(_required(fields, "keys"), "'keys'"), written=bool(fields.get("written", True)),
+                   kept=_tagged(fields.get("kept", []), "'kept'", 1))
 
 
 def _written(fields: Mapping[str, Any]) -> Written:
@@ -432,10 +434,11 @@ def decode_reply(raw: bytes, expected: type[R], op: str, *, scope: str) -> R:
         if expected is Granted:
             reply: Any = Granted(kind=str(message["kind"]), bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
                                  dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
-                                 why=message.get("why"))
+                                 why=message.get("why"), holders=_tagged(message.get("holders", []), "'holders'", 2))
         elif expected is Reserved:
             reply = Reserved(bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
-                             dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")))
+                             dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
+                             holders=_tagged(message.get("holders", []), "'holders'", 2))
         elif expected is State:
             reply = State(state=dict(message["state"]))
         else:

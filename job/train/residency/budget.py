@@ -167,9 +167,11 @@ def device_capacity(config: ConfigSchema, counts: dict[str, list[int]], free_byt
 def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     """The host copies a distributed trainer takes at a bucket switch of the partitions it keeps, to write them
     in its write group while the next bucket trains on the originals (job/checkpoint/write_groups.py): at most a
-    bucket's partitions less the one leaving."""
+    bucket's partitions less the one leaving; with ``partition_handoff`` also two buckets' partitions kept after they
+    left, for their next holder (job/train/distributed/handoff.py, ``KEPT_BUCKETS``)."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
-    return max(0, 2 * len(partitioned) - 1) * partition_bytes(config, counts)
+    kept = 4 * len(partitioned) if config.partition_handoff else 0
+    return (max(0, 2 * len(partitioned) - 1) + kept) * partition_bytes(config, counts)
 
 
 def shared_memory_bytes(config: ConfigSchema, counts: dict[str, list[int]], capacity: Optional[int]) -> int:

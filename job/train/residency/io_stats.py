@@ -20,11 +20,19 @@ class IOStats:
     written_behind: int = 0  # writes of evicted partitions done in the background while a bucket trained
     blocked_seconds: float = 0.0  # training waited for partition I/O (swaps, not the commit)
     commit_seconds: float = 0.0  # writing every partition into the new version at the end of the pass
+    # partition_handoff (job/train/distributed/handoff.py): loads taken from another rank's memory, and from this one's
+    handed_in: int = 0
+    bytes_handed_in: int = 0
+    kept_hits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, *, loads: int = 0, reads: int = 0, writes: int = 0, bytes_read: int = 0, bytes_written: int = 0,
-            prefetched: int = 0, written_behind: int = 0) -> None:
+            prefetched: int = 0, written_behind: int = 0, handed_in: int = 0, bytes_handed_in: int = 0,
+            kept_hits: int = 0) -> None:
         with self._lock:
+            self.handed_in += handed_in
+            self.bytes_handed_in += bytes_handed_in
+            self.kept_hits += kept_hits
             self.prefetched += prefetched
             self.written_behind += written_behind
             self.loads += loads
@@ -34,7 +42,9 @@ class IOStats:
             self.bytes_written += bytes_written
 
     def as_record(self) -> dict[str, float]:
-        return {"partition_loads": self.loads, "partition_reads": self.reads, "partition_writes": self.writes,
+        handoff = {"partition_handoffs": self.handed_in, "bytes_handed_over": self.bytes_handed_in,
+                   "partition_kept_hits": self.kept_hits} if self.handed_in or self.kept_hits else {}
+        return {**handoff, "partition_loads": self.loads, "partition_reads": self.reads, "partition_writes": self.writes,
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "partition_loads_prefetched": self.prefetched,
                 "partition_writes_background": self.written_behind,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -35,6 +35,9 @@ from job.train.residency.eviction import pick_victim
 from job.train.residency.io_stats import IOStats
 from job.train.residency.reads import PartitionRead, PartitionReader
 from job.types import PartitionKey
+
+if TYPE_CHECKING:  # a torchrun group's (partition_handoff); the store itself knows nothing of groups
+    from job.train.distributed.handoff import PartitionHandoff
 
 logger = logging.getLogger("biggraph")
 
@@ -83,6 +86,8 @@ class PartitionStore:
         # a GPU store: uploads and downloads on a stream of their own (job/train/residency/device_copies.py)
         self.gpu = DeviceCopies(device) if device.type == "cuda" else None
         self.reader = PartitionReader(config, checkpoint, entity_counts, device, self.gpu)
+        # partition_handoff (job/train/distributed/handoff.py): rows kept in a rank's memory, taken before the file
+        self.peers: Optional[PartitionHandoff] = None
 
     @property
     def capacity(self) -> Optional[int]:
@@ -240,8 +245,19 @@ class PartitionStore:
         return self._place(key, self._read(key))
 
     def _read(self, key: PartitionKey) -> PartitionRead:
-        """A partition's rows and optimizer state, from where they are now (job/train/residency/reads.py); changes no
-        state of the store (it may run in the prefetch thread)."""
+        """A partition's rows and optimizer state: from a rank that keeps its current rows (``partition_handoff``),
+        else from where they are now (job/train/residency/reads.py); changes no state of the store (it may run in the
+        prefetch thread)."""
+        if self.peers is not None:  # the last grant named a rank keeping the current rows: the file's bytes, no read
+            entity_type, part = key
+            count = self.counts[entity_type][part]
+            dim = self.config.entity_dimension(entity_type)
+            started = time.perf_counter()
+            rows = self.peers.take(key, (count, dim), per_coordinate(self.config, entity_type), self.device.type == "cpu")
+            if rows is not None:
+                self.stats.add(loads=1, handed_in=1 if rows.received else 0, bytes_handed_in=rows.received,
+                               kept_hits=0 if rows.received else 1)
+                return PartitionRead(rows.weight, rows.optim_sum, rows.step, time.perf_counter() - started, 0)
         return self.reader.read(key, written=key in self.written, committed=self.committed, stats=self.stats)
 
     def _place(self, key: PartitionKey, read: PartitionRead) -> Table:

@@ -27,6 +27,8 @@ from job.checkpoint.write_groups import WriteGroup, known_sums
 from job.config import ConfigSchema
 from job.formats.checkpoint import CheckpointStorage
 from job.train.distributed.group import DistributedContext, RoundEnding, wait_all
+from job.train.distributed.handoff import PartitionHandoff
+from job.train.distributed.holders import Holders
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
@@ -91,6 +93,9 @@ class LockServerScheduler(BucketScheduler):
         self.clock = BucketClock()  # this rank's bucket times: whether one in flight can end before the drain's deadline
         self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
         self._written_seen: Optional[int] = None  # partitions written this pass, at the first reply (progress)
+        # partition_handoff: published partitions kept in memory for their next holder (job/train/distributed/handoff.py)
+        self.handoff = store.peers = PartitionHandoff.of_group(ctx, config) if config.partition_handoff else None
+        self._holders: Optional[Holders] = None  # rank 0: the last committed pass's, still true of what it committed
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         if self.pass_tag:  # this process saw a pass commit: the round made progress
@@ -99,6 +104,8 @@ class LockServerScheduler(BucketScheduler):
         self._written_seen = None
         self.current = None
         self.ahead = None
+        if self.handoff is not None:
+            self.handoff.new_pass()
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
@@ -125,6 +132,7 @@ class LockServerScheduler(BucketScheduler):
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
                                      world_size=self.ctx.world_size)
+            self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
@@ -137,9 +145,11 @@ class LockServerScheduler(BucketScheduler):
             if finished is not None:
                 self.clock.finish(time.monotonic())
                 note_progress()  # this round made progress (the failure budget: job/train/elastic/budget.py)
+            held = self.store.resident_partitioned()
             kind, bucket, dirty, shared = self.client.finish_and_next(
-                self.store.resident_partitioned(), self.current, finished,
-                carry.change() if carry is not None else None, leaving=leaving)
+                held, self.current, finished, carry.change() if carry is not None else None, leaving=leaving)
+            if self.handoff is not None and bucket is not None:
+                self.handoff.hint(self.bucket_keys[bucket] - held, self.client.last_holders)
             if carry is not None and shared is not None:
                 carry.assign(shared)
             self.current, finished = None, None
@@ -183,6 +193,9 @@ class LockServerScheduler(BucketScheduler):
         if behind:
             self.ahead, dirty = self.client.reserve(leaving)
             self.store.set_written(set(dirty) | set(leaving))
+            if self.handoff is not None and self.ahead is not None:
+                # (the leaving ones are this rank's own group's: ``_commit_group`` keeps them)
+                self.handoff.hint(self.bucket_keys[self.ahead] - set(leaving), self.client.last_holders)
 
     def _writer(self) -> LockClient:
         """The rank's second client, for the background thread (its replies come on their own queue)."""
@@ -199,7 +212,9 @@ class LockServerScheduler(BucketScheduler):
         self.checkpoint.flush()
         client.written(group.keys, group.staged(self.checkpoint))  # with each file's size and CRC-32
         self.store.publish(group)
-        client.release(group.leaving, written=False)
+        # partition_handoff: the rows just published stay in memory for the partition's next holder
+        kept = self.handoff.keep_group(group, self.store.steps) if self.handoff is not None else []
+        client.release(group.leaving, written=False, kept=kept)
 
     def _settle_releases(self) -> float:
         """Wait for the background releases (normally long done: they had a bucket to finish), so that the
@@ -316,6 +331,8 @@ class LockServerScheduler(BucketScheduler):
         self.server = None
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
+        if self.handoff is not None:
+            logger.info("rank %d: partition hand-off this pass: %s", self.ctx.rank, json.dumps(self.handoff.stats.as_record()))
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
         try:
             wait_all(self.ctx, f"pass-written-{self.pass_tag}")
@@ -342,7 +359,7 @@ class LockServerScheduler(BucketScheduler):
         if self.server is not None:
             remove_progress(self.config.checkpoint_path)  # the compaction at the commit: nothing left to resume
             self.ctx.store.set(key, json.dumps(result))
-            self.server = None
+            self._holders, self.server = self.server.holders, None
         wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
         published: dict[str, Any] = json.loads(self.ctx.store.get(key))
         return published
