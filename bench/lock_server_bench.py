@@ -219,6 +219,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         # the figure: the serving thread's time per bucket (its next + reserve + release), and beside it
         # the committer thread's (the vector's arithmetic and the progress writes, job/train/distributed/commits.py)
         "serving_ms_per_bucket": 1e3 * stats["busy_s"] / max(trained, 1),
+        "serving_cpu_ms_per_bucket": 1e3 * stats.get("cpu_s", float("nan")) / max(trained, 1),
+        "committer_cpu_ms_per_bucket": 1e3 * committer.get("cpu_s", float("nan")) / max(trained, 1),
         "committer_ms_per_bucket": 1e3 * committer.get("busy_s", 0.0) / max(trained, 1),
         "committer": committer, "commits_per_batch": committer.get("commits", 0) / max(committer.get("batches", 0), 1),
         "pending_spilled": stats.get("pending_spilled", 0),

@@ -77,6 +77,7 @@ class CommitStats:
     ``progress_s`` (the writes); ``batches`` written, ``commits`` in them."""
 
     busy_s: float = 0.0
+    cpu_s: float = 0.0  # of it on a CPU (the rest waited for a CPU, the GIL or the disk)
     vector_s: float = 0.0
     progress_s: float = 0.0
     batches: int = 0
@@ -111,8 +112,8 @@ class Committer:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             s = self.stats
-            return {"busy_s": s.busy_s, "vector_s": s.vector_s, "progress_s": s.progress_s, "batches": s.batches,
-                    "commits": s.commits, "shared_writes": s.shared_writes}
+            return {"busy_s": s.busy_s, "cpu_s": s.cpu_s, "vector_s": s.vector_s, "progress_s": s.progress_s,
+                    "batches": s.batches, "commits": s.commits, "shared_writes": s.shared_writes}
 
     def _run(self) -> None:
         while True:
@@ -176,6 +177,7 @@ class Committer:
                 batch.error = self.failed
         with self._lock:
             self.stats.busy_s += whole.seconds
+            self.stats.cpu_s += whole.cpu_seconds
             self.stats.vector_s += vector_watch.seconds
             self.stats.progress_s += progress_watch.seconds
             self.stats.batches += 1

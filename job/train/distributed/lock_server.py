@@ -173,6 +173,7 @@ class LockServer(RequestHandlers):
                     logger.exception("lock server: an event (%s) failed; serving on", event[0])
             with self.lock:
                 self._stats.busy_s += watch.seconds
+                self._stats.cpu_s += watch.cpu_seconds
                 self._stats.events += 1
 
     def _on_request(self, raw: bytes) -> None:

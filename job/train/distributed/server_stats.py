@@ -21,6 +21,7 @@ class ServerStats:
     ``copy_s`` to copying sums into their transfer slots."""
 
     busy_s: float = 0.0
+    cpu_s: float = 0.0  # of it on a CPU (``time.thread_time``): the rest waited for a CPU or the GIL
     events: int = 0
     ops: dict[str, list[float]] = field(default_factory=dict)
     progress_s: float = 0.0
@@ -39,7 +40,8 @@ class ServerStats:
         self.shared_appends += int(with_shared)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"busy_s": self.busy_s, "events": self.events, "progress_s": self.progress_s, "appends": self.appends,
+        return {"busy_s": self.busy_s, "cpu_s": self.cpu_s,
+                "events": self.events, "progress_s": self.progress_s, "appends": self.appends,
                 "shared_appends": self.shared_appends, "copy_s": self.copy_s,
                 "ops": {op: {"count": int(n), "seconds": s} for op, (n, s) in self.ops.items()}}
 
@@ -49,8 +51,10 @@ class Stopwatch:
 
     def __enter__(self) -> Stopwatch:
         self.started = time.perf_counter()
-        self.seconds = 0.0
+        self.cpu_started = time.thread_time()
+        self.seconds = self.cpu_seconds = 0.0
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.started
+        self.cpu_seconds = time.thread_time() - self.cpu_started  # this thread's CPU time in the block
