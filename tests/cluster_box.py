@@ -48,6 +48,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,16 @@ def _stopped_or_gone(pid: int) -> bool:
         return True
 
 
+def _secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    """A rendered Secret's values; one that ``biggraph submit --dry-run`` printed redacted (job/k8s/jobs.py) gets a
+    fresh random value, as the real submit creates it."""
+    from job.k8s.jobs import REDACTED_NOTE
+
+    if REDACTED_NOTE in (secret["metadata"].get("annotations") or {}):
+        return {k: secrets.token_hex(24) for k in (secret.get("data") or {})}
+    return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+
 @dataclass
 class RenderedJob:
     """What the box needs of ``helm template``'s output."""
@@ -148,8 +159,7 @@ class RenderedJob:
                            frozenset(code for rule in (job["spec"].get("podFailurePolicy") or {}).get("rules", [])
                                      if rule["action"] == "Ignore" and "onExitCodes" in rule
                                      for code in rule["onExitCodes"]["values"]),
-                           {d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()}
-                            for d in docs if d["kind"] == "Secret"},
+                           {d["metadata"]["name"]: _secret_data(d) for d in docs if d["kind"] == "Secret"},
                            any(rule["action"] == "Ignore" and any(c.get("type") == "DisruptionTarget"
                                                                   for c in rule.get("onPodConditions", []))
                                for rule in (job["spec"].get("podFailurePolicy") or {}).get("rules", [])))
