@@ -33,6 +33,7 @@ Measured:
     sudo .venv/bin/python bench/chaos_bench.py --events 10 --epochs 3 --json bench/out/chaos-debug.json
     sudo .venv/bin/python bench/chaos_bench.py --events 100 --epochs 12 --seed 1 --json bench/out/chaos.json
     sudo .venv/bin/python bench/chaos_bench.py --no-events --epochs 12 --seed 1 --json bench/out/chaos-base.json
+    sudo .venv/bin/python bench/chaos_bench.py --events 100 --epochs 12 --seed 1 --config partition_handoff=true
 
 Needs root and iproute2 (the box), helm (tests/test_chart.py finds it) and moto_server in the venv.
 """
@@ -124,7 +125,17 @@ def training_config(args: argparse.Namespace, data: str, checkpoint: str) -> dic
         "num_batch_negs": 50, "num_uniform_negs": 50, "batch_size": 500, "lr": 0.1, "eval_fraction": 0.0,
         "workers": 1, "partition_buffer": 3, "seed": args.seed,
         "num_edge_chunks": 1,  # said, not found out: counting would ask S3 for the size of 256 files per restart
+        **dict(parse_setting(item) for item in args.config),
     }
+
+
+def parse_setting(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--config``: the value read as JSON (``true``, ``3``, ``"x"``), else as a plain string."""
+    key, _, text = item.partition("=")
+    try:
+        return key, json.loads(text)
+    except json.JSONDecodeError:
+        return key, text
 
 
 def import_graph(work: Path, config: dict[str, Any], files: tuple[Path, Path], data: str) -> None:
@@ -297,6 +308,9 @@ def main() -> int:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for every pod, through the chart's `env` (repeatable; e.g. "
                              "BIGGRAPH_WARM_SPARES=0)")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="a training config key over the bench's own, the value as JSON (repeatable; e.g. "
+                             "partition_handoff=true)")
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the final filtered MRR (all candidates: ~17 min on 2 vCPUs after a 30-pass run)")
     parser.add_argument("--copy-for-eval", action="store_true",
@@ -311,8 +325,8 @@ def main() -> int:
         parser.error(f"the cluster box cannot run here: {reason}")
     if args.copy_for_eval and not args.work:
         parser.error("--copy-for-eval needs --work (the copy stays there)")
-    if any("=" not in item for item in args.env):
-        parser.error("--env takes NAME=VALUE")
+    if any("=" not in item for item in args.env + args.config):
+        parser.error("--env and --config take NAME=VALUE")
     if not 2 <= args.pods_min <= args.pods_max:
         parser.error("--pods-min must be at least 2 and at most --pods-max")
     if args.edges < 10 * PARTITIONS * PARTITIONS or args.entities < 20 * PARTITIONS:
