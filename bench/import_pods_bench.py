@@ -123,10 +123,15 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cwd: Path) -> list[tuple[float, float, int]]:
-    """Start every command at once; (wall s, CPU s, peak RSS bytes) of each, from its own wait4."""
+def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cwd: Path,
+            stagger: bool = False) -> list[tuple[float, float, int]]:
+    """Start every command at once (``stagger``: each once the one before has logged the end of its phase 1, so
+    that no two pods read shards at the same time); (wall s, CPU s, peak RSS bytes) of each, from its own wait4."""
     procs = []
     for argv, log in zip(commands, logs):
+        if stagger and procs:
+            while "phase 1 (shards) took" not in logs[len(procs) - 1].read_text() and procs[-1].poll() is None:
+                time.sleep(0.05)
         with open(log, "w") as out:
             measure = [sys.executable, "-S", "-c", MEASURE, f"{log}.usage", *argv]
             procs.append(subprocess.Popen(measure, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env))
@@ -184,6 +189,10 @@ def main() -> int:
                         help="run every importer process on these CPUs only (taskset -c): with one CPU, N pods take "
                              "turns on it as one process has it alone, rather than running side by side on cores "
                              "that slow each other down (shared caches, memory bandwidth, a host's SMT siblings)")
+    parser.add_argument("--stagger", action="store_true",
+                        help="start each pod once the one before has read its shards (phase 1, where nearly all the "
+                             "CPU goes): the pods' shares then run one at a time, as on a cluster each pod has its "
+                             "own core, rather than side by side on cores that slow each other down")
     parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
                         help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
     args = parser.parse_args()
@@ -191,7 +200,9 @@ def main() -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="biggraph-import-pods-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs"
-          + (f"; importers pinned to CPUs {args.cpu_list}" if args.cpu_list else ""), flush=True)
+          + (f"; importers pinned to CPUs {args.cpu_list}" if args.cpu_list else "")
+          + ("; pods staggered (each starts once the one before has read its shards)" if args.stagger else ""),
+          flush=True)
     try:
         inputs = []
         per_file = args.edges // args.files
@@ -232,7 +243,7 @@ def main() -> int:
                 commands = [[*base, "--pods", str(pods), "--pod-index", str(i), "--staging", staging]
                             for i in range(pods)]
             logs = [root / f"{out.name}.{i}.log" for i in range(len(commands))]
-            results = run_all(commands, logs, run_env, cwd)
+            results = run_all(commands, logs, run_env, cwd, args.stagger)
             wall = max(r[0] for r in results)
             cpu = sum(r[1] for r in results)
             peak = max(r[2] for r in results)

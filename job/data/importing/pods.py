@@ -141,8 +141,12 @@ def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role
         units = dict_units(config, plan)
         for unit in _mine(units, role):
             if dict_unit(*unit) not in done:
-                build_dictionary(config, plan, unit, group_records, entity_min_count=options.entity_min_count,
-                                 staging=staging)
+                try:
+                    build_dictionary(config, plan, unit, group_records, entity_min_count=options.entity_min_count,
+                                     staging=staging)
+                except UserError as err:  # two ids sharing a hash: the other pods must not wait for this unit
+                    staging.fail(err, role.index)
+                    raise
         clock.lap("phase 2 (dictionaries)")
         staging.wait_for([dict_unit(*u) for u in units], "partition dictionaries")
         clock.lap("waiting for the other pods' dictionaries")
