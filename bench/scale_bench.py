@@ -108,6 +108,7 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
         "bytes_storage": int(summary["bytes_read"]) + int(summary["bytes_written"]),
         "bytes_storage_read": int(summary["bytes_read"]), "bytes_storage_written": int(summary["bytes_written"]),
         "partition_handoffs": int(summary.get("partition_handoffs", 0)),
+        "partition_reads": int(summary["partition_reads"]), "partition_writes": int(summary["partition_writes"]),
         "server_busy": round(float(server.group(2)) / epoch, 3), "server_cpu_busy": round(float(server.group(3)) / epoch, 3),
         "cpu_ms_per_bucket": {"server": round(1e3 * server_cpu / n, 1), "transfers": round(1e3 * transfers_cpu / n, 1),
                               "client": round(1e3 * (all_cpu - server_cpu - transfers_cpu) / n, 1)},
