@@ -15,7 +15,8 @@ Per row (one epoch; M pods, P partitions, hand-off on or off, a rate):
 - ``epoch_s``: the pass's wall time on rank 0 (start to committed version), start-up excluded;
 - ``efficiency``: T(1) / (M T(M)), T(1) the one-pod row with the same P, rate and hand-off;
 - per pod (min / max over pods): seconds waiting on the scheduler (the lock server's reply to ``next`` and the
-  shared-parameter sync) and blocked on partitions (reads, hand-offs, writes before a release);
+  shared-parameter sync, net of partition I/O inside those calls) and blocked on partitions (reads, hand-offs,
+  the writes a switch waits for before its release);
 - bytes pod to pod (partition hand-offs) and bytes through storage (partition reads + writes, the commit included);
 - the lock server's serving thread busy fraction (its wall time over the epoch) and its CPU;
 - CPU seconds of coordination per bucket: ``server`` (serving thread + committer), ``transfers`` (partition

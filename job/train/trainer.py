@@ -349,9 +349,9 @@ class Trainer:
         seconds = 0.0
         bucket_idx = 0
         record: Optional[dict[str, Any]] = None
-        self.waited_s, waited = 0.0, time.perf_counter()  # on the scheduler: next bucket, shared sync (logged)
+        self.waited_s, waited = 0.0, self._wait_mark()  # on the scheduler: next bucket, shared sync (logged)
         while (bucket := self.scheduler.next_bucket(record)) is not None:
-            self.waited_s += time.perf_counter() - waited
+            self.waited_s += self._wait_mark() - waited
             self.clock.mark("bucket handed out")
             following, needs = self.scheduler.upcoming()
             if following:  # object stores: download the next bucket while this one trains
@@ -374,10 +374,14 @@ class Trainer:
             total.add(stats)
             seconds += compute_seconds
             bucket_idx += 1
-            waited = time.perf_counter()
+            waited = self._wait_mark()
             self.sync.sync()
-        self.waited_s += time.perf_counter() - waited
+        self.waited_s += self._wait_mark() - waited
         return total, seconds, bucket_idx
+
+    def _wait_mark(self) -> float:
+        """Wall time less the time blocked on partition I/O: the scheduler's calls, net of the writes they wait on."""
+        return time.perf_counter() - self.store.stats.blocked_seconds
 
     def _commit_pass(self, iteration: Iteration, gathered: PassGather, pass_started: float,
                      resident_at_start: int) -> dict[str, Any]:
