@@ -125,7 +125,10 @@ def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool
     shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
     path = work / f"config_{label}.py"
     write_py_config(path, config)
-    env = {"OMP_NUM_THREADS": "1", SIMULATED_COMPUTE_ENV: str(rate), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # a 60 s peer timeout (default 6 s): 16 pods on 2 shared vCPUs can leave a heartbeat thread unscheduled that long,
+    # which would end the round (a real pod has its own CPUs); nothing else of the group's behaviour changes
+    env = {"OMP_NUM_THREADS": "1", SIMULATED_COMPUTE_ENV: str(rate), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "BIGGRAPH_PEER_TIMEOUT": "60"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pods}",
                "-m", "job", "train", str(path)]
     measured = run_measured(command, env=env, log=work / f"{label}.log")
