@@ -11,9 +11,12 @@ an epoch is P^2 buckets of E/P^2 edges. Per bucket a pod
   over, takes or keeps: HMAC digests and copies, ``write_s_per_gb`` for every byte it writes), taken from the two
   vCPUs that train, so X s of it costs X/2 s of the bucket's wall (a GPU pod's host cores do it beside the card);
 - takes in ``alpha`` partitions (from another pod's memory with ``partition_handoff``, else from storage) and
-  sends out as many, and writes ``w`` partitions to storage (every switch writes its group before a release),
-  each of C/P bytes (C: every entity's row and Adagrad sum), on the pod's own link of ``bandwidth``: overlapped
-  with the compute (prefetch, write-behind), so a bucket costs max(compute + overheads, link time).
+  sends out as many, overlapped with the compute (prefetch), and writes ``w`` partitions to storage, each of C/P
+  bytes (C: every entity's row and Adagrad sum), on the pod's own link of ``bandwidth``; today a switch stores its
+  write group before its release, so that write is on the critical path: a bucket costs
+  max(compute + overheads, reads' link time) + write time ("behind": the writes join the overlapped reads).
+Not modelled: pods queueing for free partitions at P = 2M and the epoch's tail (the bench measures both, on one
+shared disk that inflates them).
 One rank serves the schedule and, in this design, the shared vector:
 - its serving thread spends ``server_s`` of CPU per bucket, its committer ``committer_s``: the epoch is at least
   P^2 times either;
@@ -37,14 +40,18 @@ GB = 1e9
 class Costs:
     """What each bucket costs besides its compute; defaults: this session's measurements (bench/RESULTS.md)."""
 
-    round_trip_s: float = 0.005  # the lock server's `next` + sync round trip, idle server (scale bench, 1-2 pods)
-    client_cpu_s: float = 0.020  # trainer-side coordination CPU per bucket, partition bytes excluded
-    digest_s_per_gb: float = 0.65  # CPU per GB of partition handed over (each end) or kept (its digest)
-    write_s_per_gb: float = 1.0  # CPU per GB of partition written to storage (serialising, CRC-32, the write)
+    round_trip_s: float = 0.018  # a pod's wait on the scheduler per bucket, one pod (its `next` waits for the
+    #                              progress record's fsync in the group commit): 18.8-19.8 s / 1,024 buckets
+    client_cpu_s: float = 0.005  # trainer-side coordination CPU per bucket besides partition bytes (the fit of
+    #                              the client's CPU against storage bytes per bucket, P=16 and 32, leaves ~0)
+    handoff_s_per_gb: float = 0.85  # CPU per GB handed over, at each end (socket copies, the receiver's digest)
+    digest_s_per_gb: float = 0.26  # CPU per GB of partition kept for a hand-off (its digest)
+    write_s_per_gb: float = 1.8  # CPU per GB of partition read or written on storage (serialising, CRC-32, I/O):
+    #                              1.7-1.9 measured, on a machine loaded 13-24 (so an upper bound)
     server_s: float = 0.004  # serving thread CPU per bucket (lock_server_bench, 128 pods, Freebase's vector)
     committer_s: float = 0.0017  # committer thread CPU per bucket (same run)
-    alpha: float = 0.6  # partitions a pod takes in per bucket (hand-offs + storage reads)
-    writes: float = 1.0  # partitions a pod writes to storage per bucket (write groups at every switch)
+    alpha: float = 0.5  # partitions a pod takes in per bucket (hand-offs + storage reads): 0.43-0.56 measured
+    writes: float = 1.0  # partitions a pod writes to storage per bucket (write groups at every switch): 1.0-1.01
     rows_per_5k: float = 300.0  # relation rows a 5.2k-edge Freebase86m bucket touches (issue 45)
 
 
@@ -79,10 +86,15 @@ def epoch(graph: Graph, costs: Costs, *, pods: int, partitions: int, rate: float
     moved = costs.alpha * partition  # in from a peer or storage; as much out to a peer, on average
     overhead = costs.round_trip_s
     if cpu_pod:  # the coordination's CPU is taken from the pod's 2 vCPUs that train: X s of it costs X/2 of wall
-        overhead += 0.5 * (costs.client_cpu_s + costs.digest_s_per_gb * (2 * moved + costs.writes * partition) / GB
-                     + costs.write_s_per_gb * costs.writes * partition / GB)
-    link = max(moved, moved + costs.writes * partition) / bandwidth
-    bucket = max(compute + overhead, link)
+        written = costs.writes * partition
+        overhead += 0.5 * (costs.client_cpu_s + (2 * costs.handoff_s_per_gb * moved + costs.digest_s_per_gb * written
+                                                 + costs.write_s_per_gb * written) / GB)
+    if behind:  # writes leave with the prefetched reads, off the critical path
+        link = (moved + costs.writes * partition) / bandwidth
+        bucket = max(compute + overhead, link)
+    else:  # reads and hand-offs are prefetched; the switch's write group is stored before the release (measured:
+        link = (moved + costs.writes * partition) / bandwidth  # a pod blocked on partitions for the bytes it wrote)
+        bucket = max(compute + overhead, moved / bandwidth) + costs.writes * partition / bandwidth
     if sparse:
         rows = min(graph.relations, costs.rows_per_5k * edges / 5_200)
         exchange = min(graph.vector_bytes, rows * 2 * graph.shared_floats_per_relation * 4)  # never above dense
@@ -97,25 +109,40 @@ def epoch(graph: Graph, costs: Costs, *, pods: int, partitions: int, rate: float
     commit = graph.checkpoint_bytes / pods / bandwidth  # every pod writes what it holds at the pass's end
     total = max(bounds.values()) + commit
     return {"epoch_s": total, "compute_s": graph.edges / rate / pods, "bucket_s": bucket, "compute_per_bucket_s": compute,
+            "overhead_s": overhead,
             "link_per_bucket_s": link, **{f"{k}_s": v for k, v in bounds.items()}, "commit_s": commit,
             "bound": max(bounds, key=lambda k: bounds[k]), "exchange_mb": exchange / 1e6}
 
 
 def table(graph: Graph, costs: Costs, rows: list[tuple[int, int]], behind: bool = False) -> list[str]:
-    lines = ["| pods | P | pod | network | shared exchange | compute alone | per bucket: compute + overheads / "
-             "link | bound by | epoch |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pods | P | pod | network | compute alone | per bucket: compute + overheads / link | epoch, dense vector "
+             "(bound) | epoch, sparse rows (exchange; bound) |", "|---|---|---|---|---|---|---|---|"]
     for pods, partitions in rows:
         for kind, rate, cpu in (("CPU 2 vCPU", 200e3, True), ("H100", 1.8e6, False)):
             for gbps in (10, 100):
-                for sparse in (False, True):
-                    r = epoch(graph, costs, pods=pods, partitions=partitions, rate=rate, bandwidth=gbps * GB / 8,
-                              cpu_pod=cpu, sparse=sparse, behind=behind)
-                    over = r["bucket_s"] if r["bucket_s"] > r["link_per_bucket_s"] else r["compute_per_bucket_s"]
-                    lines.append(
-                        f"| {pods} | {partitions} | {kind} | {gbps} Gb/s | "
-                        f"{'sparse' if sparse else 'dense'} {r['exchange_mb']:.2f} MB | {_t(r['compute_s'])} | "
-                        f"{over * 1e3:.0f} / {r['link_per_bucket_s'] * 1e3:.0f} ms | {r['bound']} | "
-                        f"**{_t(r['epoch_s'])}** |")
+                dense, sparse = (epoch(graph, costs, pods=pods, partitions=partitions, rate=rate,
+                                       bandwidth=gbps * GB / 8, cpu_pod=cpu, sparse=s, behind=behind)
+                                 for s in (False, True))
+                lines.append(
+                    f"| {pods} | {partitions} | {kind} | {gbps} Gb/s | {_t(dense['compute_s'])} | "
+                    f"{dense['overhead_s'] * 1e3 + dense['compute_per_bucket_s'] * 1e3:.0f} / "
+                    f"{dense['link_per_bucket_s'] * 1e3:.0f} ms | **{_t(dense['epoch_s'])}** ({dense['bound']}) | "
+                    f"**{_t(sparse['epoch_s'])}** ({sparse['exchange_mb']:.2f} MB; {sparse['bound']}) |")
+    return lines
+
+
+def bench_graph_lines(costs: Costs) -> list[str]:
+    """The scale bench's graph (2M entities, 20M edges, 10 relations, d=100) on pods that each have their own link
+    and CPUs: the efficiency the bench would show without one machine's disk and CPUs under every pod."""
+    graph = Graph(entities=2e6, edges=20e6, relations=10)
+    lines = ["| rate | P | pods | link per pod | epoch, 1 pod | epoch, M pods | efficiency | bound by |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rate, partitions, pods in ((200e3, 32, 16), (1.8e6, 16, 8), (1.8e6, 32, 16)):
+        for name, bandwidth in (("200 MB/s", 0.2 * GB), ("10 Gb/s", 1.25 * GB), ("100 Gb/s", 12.5 * GB)):
+            one, many = (epoch(graph, costs, pods=m, partitions=partitions, rate=rate, bandwidth=bandwidth,
+                               cpu_pod=rate < 1e6, sparse=False) for m in (1, pods))
+            lines.append(f"| {rate / 1e3:.0f}k | {partitions} | {pods} | {name} | {_t(one['epoch_s'])} | "
+                         f"{_t(many['epoch_s'])} | {one['epoch_s'] / pods / many['epoch_s']:.2f} | {many['bound']} |")
     return lines
 
 
@@ -137,6 +164,8 @@ def main() -> None:
     print("\n".join(table(graph, costs, rows)))
     print("\nWith storage written behind the training at the issue's target (1.5 checkpoints an epoch):")
     print("\n".join(table(graph, costs, rows, behind=True)))
+    print("\nThe scale bench's graph on pods with their own links and CPUs (today's writes at every switch):")
+    print("\n".join(bench_graph_lines(costs)))
 
 
 if __name__ == "__main__":
