@@ -346,8 +346,7 @@ class Trainer:
         and number. Prefetch only where the scheduler knows what comes next (see job/train/schedule/interfaces.py)."""
         edge_path = self.config.edge_paths[iteration.edge_path_idx]
         total = BatchStats()
-        seconds = 0.0
-        bucket_idx = 0
+        seconds, bucket_idx = 0.0, 0
         record: Optional[dict[str, Any]] = None
         self.waited_s, waited = 0.0, self._wait_mark()  # on the scheduler: next bucket, shared sync (logged)
         while (bucket := self.scheduler.next_bucket(record)) is not None:
