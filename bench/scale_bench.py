@@ -154,7 +154,7 @@ def main() -> None:
     if args.model:
         from scale_model import main as model_main
 
-        model_main()
+        model_main([])
         return
     print(json.dumps({"matmul_gflops": round(matmul_rate(), 1), "cpus": os.cpu_count(), "load": os.getloadavg()[0],
                       "note": "COMPUTE SIMULATED: each bucket waits edges / edges_per_s instead of training"}), flush=True)

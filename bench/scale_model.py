@@ -150,12 +150,12 @@ def _t(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, value in Costs().__dict__.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
     parser.add_argument("--rows", default="8:16,16:32,32:64,128:256", help="pods:P, comma-separated")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     costs = Costs(**{name: getattr(args, name) for name in Costs().__dict__})
     graph = Graph()
     rows = [(int(m), int(p)) for m, p in (row.split(":") for row in args.rows.split(","))]
