@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table(graph, costs, rows)))
     print("\nWith storage written behind the training at the issue's target (1.5 checkpoints an epoch):")
     print("\n".join(table(graph, costs, rows, behind=True)))
-    print("\nThe scale bench's graph on pods with their own links and CPUs (today's writes at every switch):")
+    print("\nThe scale bench's graph on pods with their own links and CPUs (today's writes at every switch; queueing "
+          "for partitions is not modelled, so the efficiency is an upper bound):")
     print("\n".join(bench_graph_lines(costs)))
 
 
