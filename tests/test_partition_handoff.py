@@ -56,6 +56,8 @@ def test_the_next_holder_receives_the_published_rows_byte_for_byte(pair: list[Pa
     assert got is not None and got.step == 4 and got.received == weight.nbytes + sums.nbytes
     assert torch.equal(got.weight, weight) and torch.equal(got.optim_sum, sums) and got.weight.is_shared()
     assert (asker.stats.handed_in, holder.stats.handed_out, holder.stats.bytes_out) == (1, 1, got.received)
+    # the CPU both ends spent (the keeper's digest, the sender's thread, the receiver's copy and check) is counted
+    assert holder.stats.cpu_s > 0 and asker.stats.as_record()["handoff_cpu_s"] >= 0 and asker.stats.cpu_s > 0
     assert asker.take(KEY, (7, 3), per_coordinate=False, shared=True) is None  # a hint serves one read
 
 

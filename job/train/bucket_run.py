@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from job.config import ConfigSchema
+from job.errors import UserError
 from job.eval_protocol import largest_partition, protocol_fields, resolve_protocol
 from job.model.kernel_options import KernelOptions
 from job.model.scoring import Model, Table
@@ -25,7 +27,7 @@ from job.train.batch.batching import process_edges, process_slices, split_almost
 from job.train.batch.graphs import GraphedSteps
 from job.train.batch.optim import RelationAdagrad
 from job.train.batch.ranking import rank_bucket
-from job.train.batch.step import BatchContext, BatchStats
+from job.train.batch.step import BatchContext, BatchStats, BucketAbandoned
 from job.train.edge_source import EdgeSource
 from job.train.hogwild.pool import WorkerPool
 from job.train.inputs import EdgeTensors, edge_limits
@@ -36,6 +38,39 @@ from job.types import Bucket, PartitionKey
 logger = logging.getLogger("biggraph")
 
 DEVICE_SHUFFLE_EDGES = 1 << 24  # a GPU bucket of at least this many edges is shuffled on the GPU (``_split``)
+
+# BENCHMARK ONLY (bench/scale_bench.py). Set, it replaces a bucket's batch arithmetic by a wait of its training
+# edges / this rate (edges per second): no batch runs, no row changes, held-out edges are not ranked, and the
+# bucket's stats count its edges with zero loss. Everything else (partitions held, read, handed over, written; the
+# lock server; the shared-parameter sync, of a zero change) runs for real. Why: one 2-vCPU machine can then host
+# the coordination of 16 pods at the speed of a real pod (200k edges/s) or a GPU (1.8M). Unset: training as usual.
+SIMULATED_COMPUTE_ENV = "BIGGRAPH_BENCH_SIMULATED_EDGES_PER_S"
+
+
+def simulated_edges_per_s() -> Optional[float]:
+    """The rate of ``SIMULATED_COMPUTE_ENV`` when it is set (read once, by each ``BucketRunner``), else None."""
+    raw = os.environ.get(SIMULATED_COMPUTE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = 0.0
+    if not rate > 0 or rate == float("inf"):
+        raise UserError(f"environment variable {SIMULATED_COMPUTE_ENV}={raw!r}: expected a positive number of "
+                        f"edges per second (a benchmark-only setting; unset it to train)")
+    return rate
+
+
+def simulate_compute(num_edges: int, rate: float, stop: Optional[Callable[[], bool]] = None) -> BatchStats:
+    """Wait ``num_edges / rate`` seconds in place of training them (``SIMULATED_COMPUTE_ENV``), polling ``stop``
+    as the batches would (True gives the bucket up: ``BucketAbandoned``)."""
+    deadline = time.perf_counter() + num_edges / rate
+    while (left := deadline - time.perf_counter()) > 0:
+        if stop is not None and stop():
+            raise BucketAbandoned("the round ends: the bucket in (simulated) training is given up")
+        time.sleep(min(left, 0.05))
+    return BatchStats(count=num_edges, loss=0.0)
 
 
 
@@ -73,6 +108,7 @@ class BucketRunner:
         self.lr_scale = 1.0  # the learning-rate schedule's factor for the pass in flight (``set_lr_scale``)
         # a GPU's captured training steps, kept across buckets (job/train/batch/graphs.py): made on first need
         self.graphs: Optional[GraphedSteps] = None
+        self.simulated_rate = simulated_edges_per_s()  # benchmark only: see SIMULATED_COMPUTE_ENV
 
     def set_lr_scale(self, scale: float) -> None:
         """The learning-rate schedule's factor for the buckets that follow (job/train/lr_schedule.py): for this
@@ -175,6 +211,11 @@ class BucketRunner:
             edges = edges.to(self.device)
         io_seconds = time.perf_counter() - swap_started
         train_indices, eval_indices, generator = self._split(iteration, bucket, bucket_idx, len(edges), seed_base)
+        if self.simulated_rate is not None:  # benchmark only (SIMULATED_COMPUTE_ENV): a wait, not the arithmetic
+            compute_started = time.perf_counter()
+            simulated = simulate_compute(train_indices.numel(), self.simulated_rate, stop)
+            return (self._record(iteration, bucket, bucket_idx, simulated, time.perf_counter() - compute_started,
+                                 io_seconds, io_before), simulated, time.perf_counter() - compute_started)
         evaluating = eval_indices.numel() > 0
         eval_before = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
         if work.workers > 1 and self.pool is None and train_indices.numel() >= 2 * config.batch_size:
@@ -186,20 +227,26 @@ class BucketRunner:
             torch.cuda.synchronize(self.device)  # the kernels run behind the host: the clock stops when they end
         compute_seconds = time.perf_counter() - compute_started
         eval_after = self._evaluate(edges, eval_indices, lhs_tables, rhs_tables, generator) if evaluating else None
-        record: dict[str, Any] = {
-            "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
-            "edge_chunk_idx": iteration.chunk_idx, "lhs_partition": bucket.lhs, "rhs_partition": bucket.rhs,
-            "index": iteration.index * work.grid[0] * work.grid[1] + bucket_idx,
-            "stats": {"count": train_stats.count, "metrics": train_stats.training_metrics()},
-            "edges_per_sec": train_stats.count / compute_seconds if compute_seconds > 0 else 0.0,
-            "time": compute_seconds, "io_time": io_seconds, "swap_time": self.store.io_seconds - io_before,
-        }
+        record = self._record(iteration, bucket, bucket_idx, train_stats, compute_seconds, io_seconds, io_before)
         if eval_before is not None and eval_after is not None:
             protocol = protocol_fields(self.eval_protocol())
             record["eval_stats_before"] = {"count": eval_before.count, "metrics": eval_before.ranking_metrics(), **protocol}
             record["eval_stats_after"] = {"count": eval_after.count, "metrics": eval_after.ranking_metrics(), **protocol}
         logger.debug("bucket %s: %s", bucket, json.dumps(record))
         return record, train_stats, compute_seconds
+
+    def _record(self, iteration: Iteration, bucket: Bucket, bucket_idx: int, train_stats: BatchStats,
+                compute_seconds: float, io_seconds: float, io_before: float) -> dict[str, Any]:
+        """The bucket's stats record (training_stats.json), without its held-out ranks."""
+        grid = self.work.grid
+        return {
+            "epoch_idx": iteration.epoch, "edge_path_idx": iteration.edge_path_idx,
+            "edge_chunk_idx": iteration.chunk_idx, "lhs_partition": bucket.lhs, "rhs_partition": bucket.rhs,
+            "index": iteration.index * grid[0] * grid[1] + bucket_idx,
+            "stats": {"count": train_stats.count, "metrics": train_stats.training_metrics()},
+            "edges_per_sec": train_stats.count / compute_seconds if compute_seconds > 0 else 0.0,
+            "time": compute_seconds, "io_time": io_seconds, "swap_time": self.store.io_seconds - io_before,
+        }
 
     def _context(self, lhs_tables: dict[int, Table], rhs_tables: dict[int, Table], train: bool,
                  stop: Optional[Callable[[], bool]] = None) -> BatchContext:

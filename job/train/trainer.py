@@ -295,7 +295,7 @@ class Trainer:
         self._schedule_lr(iteration)
         seed_base = (config.seed if config.seed is not None else random.randrange(2**31)) + 104_729 * self.rank
         resident_at_start = len(self.store.resident_partitioned())
-        pass_started = time.perf_counter()
+        pass_started, cpu_started = time.perf_counter(), time.process_time()
         self.scheduler.start_pass(iteration.index, seed_base, self.version)
         self.sync.pull()
         self.clock.mark("pass start")
@@ -321,9 +321,11 @@ class Trainer:
                                      self.store.capacity is not None),
                         extra={"fields": {k: v for k, v in summary.items() if k != "stats"}})
         if self.dist is not None:
-            logger.info("epoch %d/%d chunk %d/%d: this trainer did %d buckets, %d edges, %.0f edges/s, loss %.4f",
+            logger.info("epoch %d/%d chunk %d/%d: this trainer did %d buckets, %d edges, %.0f edges/s, loss %.4f; "
+                        "waited %.3f s on the scheduler, %.3f s on partitions; %.3f s of CPU in %.3f s",
                         iteration.epoch + 1, config.num_epochs, iteration.chunk_idx + 1, self.num_chunks,
-                        own_buckets, own.count, edges_per_sec, loss)
+                        own_buckets, own.count, edges_per_sec, loss, self.waited_s, self.store.stats.blocked_seconds,
+                        time.process_time() - cpu_started, time.perf_counter() - pass_started)
         return {"train_edges": own.count, "eval_mrr": eval_mrr, "loss": loss, "edges_per_sec_pass": edges_per_sec,
                 "validation": published["validation"]}
 
@@ -344,10 +346,11 @@ class Trainer:
         and number. Prefetch only where the scheduler knows what comes next (see job/train/schedule/interfaces.py)."""
         edge_path = self.config.edge_paths[iteration.edge_path_idx]
         total = BatchStats()
-        seconds = 0.0
-        bucket_idx = 0
+        seconds, bucket_idx = 0.0, 0
         record: Optional[dict[str, Any]] = None
+        self.waited_s, waited = 0.0, self._wait_mark()  # on the scheduler: next bucket, shared sync (logged)
         while (bucket := self.scheduler.next_bucket(record)) is not None:
+            self.waited_s += self._wait_mark() - waited
             self.clock.mark("bucket handed out")
             following, needs = self.scheduler.upcoming()
             if following:  # object stores: download the next bucket while this one trains
@@ -370,8 +373,14 @@ class Trainer:
             total.add(stats)
             seconds += compute_seconds
             bucket_idx += 1
+            waited = self._wait_mark()
             self.sync.sync()
+        self.waited_s += self._wait_mark() - waited
         return total, seconds, bucket_idx
+
+    def _wait_mark(self) -> float:
+        """Wall time less the time blocked on partition I/O: the scheduler's calls, net of the writes they wait on."""
+        return time.perf_counter() - self.store.stats.blocked_seconds
 
     def _commit_pass(self, iteration: Iteration, gathered: PassGather, pass_started: float,
                      resident_at_start: int) -> dict[str, Any]:

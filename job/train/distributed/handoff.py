@@ -29,6 +29,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,18 +78,22 @@ class HandoffStats:
     handed_out: int = 0  # partitions sent to another rank
     bytes_out: int = 0
     misses: int = 0  # a grant named a holder, but the rows came from storage (holder gone, rows dropped or refused)
+    # CPU seconds of the hand-offs on every thread of this rank (``time.thread_time``): sending, receiving, the
+    # digests of kept and received rows. What pod-to-pod transfers cost a pod's CPUs (bench/scale_bench.py)
+    cpu_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
 
-    def as_record(self) -> dict[str, int]:
+    def as_record(self) -> dict[str, float]:
         with self._lock:
             return {"handoff_partitions_in": self.handed_in, "handoff_bytes_in": self.bytes_in,
                     "handoff_kept_hits": self.kept_hits, "handoff_partitions_out": self.handed_out,
-                    "handoff_bytes_out": self.bytes_out, "handoff_misses": self.misses}
+                    "handoff_bytes_out": self.bytes_out, "handoff_misses": self.misses,
+                    "handoff_cpu_s": round(self.cpu_s, 3)}
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -165,6 +170,13 @@ class PartitionHandoff:
             threading.Thread(target=self._serve, args=(conn,), name="biggraph-handoff-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        cpu_started = time.thread_time()
+        try:
+            self._send(conn)
+        finally:
+            self.stats.add(cpu_s=time.thread_time() - cpu_started)
+
+    def _send(self, conn: socket.socket) -> None:
         with conn:
             try:
                 conn.settimeout(TRANSFER_TIMEOUT_S)
@@ -201,8 +213,10 @@ class PartitionHandoff:
         """Keep the rows of ``key`` just published (host copies of device tables; a CPU table is kept as it is:
         nothing trains it once it left) and return their digest; this rank's own next read of ``key`` takes them
         unless a grant says otherwise first."""
+        cpu_started = time.thread_time()
         rows = Rows(weight.detach().cpu(), optim_sum.detach().cpu(), int(step))
         digest = rows_digest(self.round_id, key, rows.weight, rows.optim_sum, rows.step)
+        self.stats.add(cpu_s=time.thread_time() - cpu_started)
         with self._lock:
             self._kept[key] = (rows, digest)
             self._kept.move_to_end(key)
@@ -269,12 +283,14 @@ class PartitionHandoff:
             self.stats.add(misses=1)
             return None
         sums_shape = shape if per_coordinate else (shape[0],)
+        cpu_started = time.thread_time()
         try:
             rows = self._fetch(holder, key, digest, shape, sums_shape, shared)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
             logger.warning("rank %d: %s partition %d from rank %d failed (%s); reading the file", self.rank, key[0],
                            key[1], holder, err)
             rows = None
+        self.stats.add(cpu_s=time.thread_time() - cpu_started)
         if rows is None:
             self.stats.add(misses=1)
         else:
