@@ -34,7 +34,8 @@ from job.train.batch.step import BatchStats, BucketAbandoned
 from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_negs_cost
 from job.train.distributed.group import config_digest, init_distributed, leave
 from job.train.distributed.protocol import SERVER_RANK
-from job.train.distributed.shared_params import SharedParameters, shared_state
+from job.train.distributed.shared_params import SharedParameters, relation_indexed, shared_state
+from job.train.distributed.shared_rows import RowLayout
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.hogwild.spawning import server_processes, start_worker_server
 from job.train.input_check import checked_input
@@ -203,9 +204,13 @@ class Trainer:
             return LocalScheduler(self._pass_order, self.buckets.needs), NoSync()
         # relation parameters, global embeddings and unpartitioned tables are the same on every trainer
         tables = self.store.load_unpartitioned()
-        shared = SharedParameters(shared_state(list(self.model.parameters()), self.relation_optimizer.sums, tables))
+        tensors = shared_state(list(self.model.parameters()), self.relation_optimizer.sums, tables)
+        by_row = relation_indexed(self.model, self.num_dynamic_rels)  # (the sums: the same shapes, in the same order)
+        layout = RowLayout.of_tensors(tensors, by_row + by_row + [False] * (len(tensors) - 2 * len(by_row)),
+                                      self.num_dynamic_rels)
+        shared = SharedParameters(tensors, layout)
         scheduler = LockServerScheduler(self.dist, self.config, self.store, self.checkpoint,
-                                        (self.nparts_lhs, self.nparts_rhs), self.progress, shared.flatten)
+                                        (self.nparts_lhs, self.nparts_rhs), self.progress, shared.flatten, layout)
         self.progress = None
         return scheduler, SharedSync(shared, scheduler)
 
@@ -359,6 +364,7 @@ class Trainer:
                 record, stats, compute_seconds = self.buckets.run(
                     iteration, bucket, bucket_idx, edge_path=edge_path, seed_base=seed_base, delayed=delayed,
                     on_evicted=self.scheduler.release, upcoming=needs, stop=self.scheduler.stop_check(),
+                    on_edges=self.sync.prepare,
                 )
             except BucketAbandoned as abandoned:
                 self.scheduler.abandon(str(abandoned))  # raises: this process leaves its round

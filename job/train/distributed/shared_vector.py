@@ -16,6 +16,7 @@ needed after a restart (which redoes unsaved buckets), so the files are unnamed 
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import IO, Optional
@@ -42,6 +43,9 @@ class SharedVector:
         self._budget = in_memory * 4 * self.served.size  # bytes of pending updates held in memory, at most
         self.held_bytes = 0  # the pool's vectors and the sparse updates held now
         self.spilled = 0  # updates written to a temporary file so far (how often the bound was reached)
+        # held by the committer while it changes ``served``, and by the serving thread while it reads a pull's
+        # rows from it: a pull sees every change committed before it whole, never a half-added one
+        self.lock = threading.Lock()
 
     @property
     def pending_in_memory(self) -> int:
@@ -59,14 +63,36 @@ class SharedVector:
                              f"{self.served.size} (trainers built with different models?)")
         return change
 
-    def add(self, change: np.ndarray) -> None:
-        """Serve ``change`` from now on (a bucket's, or a sync's outside any bucket)."""
-        self.served += self.check(change)
+    def add(self, change: np.ndarray, positions: Optional[np.ndarray] = None) -> None:
+        """Serve ``change`` from now on (a bucket's, or a sync's outside any bucket); ``positions``: a sparse change's
+        flat positions (distinct: ``RowLayout.positions``), else a whole vector."""
+        if positions is not None:
+            self.served[positions] += change
+        else:
+            self.served += self.check(change)
 
-    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool) -> bool:
-        """``bucket`` is done with ``change`` (already served): stored now if it is ``saved`` (no partition of its
-        own left to write), else pending until its write; whether ``stored`` changed."""
-        if saved:
+    def gather(self, positions: np.ndarray, into: np.ndarray) -> None:
+        """The served values at ``positions`` into ``into`` (a pull), with every committed change whole."""
+        with self.lock:
+            np.take(self.served, positions, out=into)
+
+    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool, positions: Optional[np.ndarray] = None) -> bool:
+        """``bucket`` is done with ``change`` (already served; ``positions``: a sparse one's): stored now if it is
+        ``saved`` (no partition of its own left to write), else pending until its write; whether ``stored``
+        changed."""
+        if positions is not None:
+            if saved:
+                self.stored[positions] += change
+                return True
+            nbytes = 12 * change.size  # its values and their int64 positions
+            if self.held_bytes + nbytes <= self._budget:
+                self.pending[bucket] = Pending(positions=positions.copy(), values=change.copy(), nbytes=nbytes)
+                self.held_bytes += nbytes
+                return False
+            expanded = np.zeros_like(self.served)  # (beyond the bound: kept as a whole change would be)
+            expanded[positions] = change
+            change = expanded
+        elif saved:
             self.stored += change
             return True
         # by blocks of BLOCK values (a relation's row spans a few): which hold a non-zero value, found in well under
@@ -110,7 +136,10 @@ class SharedVector:
         saved = [b for b in self.pending if b not in unsaved]
         for b in saved:
             update = self.pending.pop(b)
-            if update.index is not None and update.values is not None and update.tail is not None:
+            if update.positions is not None and update.values is not None:
+                self.stored[update.positions] += update.values
+                self.held_bytes -= update.nbytes
+            elif update.index is not None and update.values is not None and update.tail is not None:
                 whole = self.stored.size - update.tail.size
                 self.stored[:whole].reshape(-1, BLOCK)[update.index] += update.values
                 self.stored[whole:] += update.tail
@@ -134,7 +163,8 @@ BLOCK = 64
 @dataclass
 class Pending:
     """One bucket's update waiting for its save: by blocks (``index`` of the blocks, their ``values``, the ``tail``
-    after the last whole block: ``nbytes`` in all), whole (``dense``, a pool vector) or in a temporary ``file``."""
+    after the last whole block: ``nbytes`` in all), by flat ``positions`` (a sparse change: its ``values``), whole
+    (``dense``, a pool vector) or in a temporary ``file``."""
 
     index: Optional[np.ndarray] = None
     values: Optional[np.ndarray] = None
@@ -142,3 +172,4 @@ class Pending:
     nbytes: int = 0
     dense: Optional[np.ndarray] = None
     file: Optional[IO[bytes]] = None
+    positions: Optional[np.ndarray] = None
