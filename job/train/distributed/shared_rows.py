@@ -14,6 +14,7 @@ from the same tensors (rank 0's server from its own trainer's), so only row ids 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -22,8 +23,24 @@ import numpy as np
 import torch
 
 # a sparse push or pull is used while it moves at most this fraction of the vector's values (beyond, the dense
-# round trip of before is as cheap and takes one request, not two)
+# round trip of before is as cheap and takes one request, not two); ``BIGGRAPH_SHARED_SPARSE_AT_MOST`` sets another
+# (0: always dense; 1: sparse whenever the model has relation rows, as the real-group test runs it)
 SPARSE_AT_MOST = 0.5
+SPARSE_AT_MOST_ENV = "BIGGRAPH_SHARED_SPARSE_AT_MOST"
+
+
+def sparse_at_most() -> float:
+    """``SPARSE_AT_MOST``, or the fraction in ``BIGGRAPH_SHARED_SPARSE_AT_MOST`` (a number in [0, 1])."""
+    text = os.environ.get(SPARSE_AT_MOST_ENV, "").strip()
+    if not text:
+        return SPARSE_AT_MOST
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{SPARSE_AT_MOST_ENV}={text!r}: not a fraction of the shared vector in [0, 1]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,7 @@ class RowLayout:
     rows: int = 0  # relation types (0: nothing indexed, every push and pull is dense)
     segments: tuple[tuple[int, int], ...] = ()
     _whole: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False)
+    at_most: float = field(default_factory=sparse_at_most, compare=False)  # (``SPARSE_AT_MOST``)
 
     @classmethod
     def of(cls, size: int, rows: int, segments: Sequence[tuple[int, int]]) -> RowLayout:
@@ -77,7 +95,7 @@ class RowLayout:
 
     def worth(self, rows: int) -> bool:
         """Whether a sparse payload of ``rows`` rows is worth a request of its own (see ``SPARSE_AT_MOST``)."""
-        return self.rows > 0 and self.count(rows) <= SPARSE_AT_MOST * self.size
+        return self.rows > 0 and self.count(rows) <= self.at_most * self.size
 
     def check(self, rows: np.ndarray, values: Optional[int] = None) -> np.ndarray:
         """``rows`` as int64 if they are ascending, distinct and relation ids of this layout, and (``values``) a

@@ -352,8 +352,9 @@ class LockServerScheduler(BucketScheduler):
                   for rank in range(1, self.ctx.world_size)]
         self.server.stop()
         stats = self.server.stats()
-        logger.info("lock server: %d requests served in %.2f s of its thread; its committer %.2f s (%.2f s writing "
-                    "%d progress objects)", sum(op["count"] for op in stats["ops"].values()), stats["busy_s"],
+        logger.info("lock server: %d requests served (%s) in %.2f s of its thread; its committer %.2f s (%.2f s "
+                    "writing %d progress objects)", sum(op["count"] for op in stats["ops"].values()),
+                    json.dumps({name: op["count"] for name, op in sorted(stats["ops"].items())}), stats["busy_s"],
                     stats["committer"]["busy_s"], stats["progress_s"], stats["appends"])
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
                           restart_count=self.ctx.restart_count, buckets_redone=self.server.state.redone)
