@@ -43,6 +43,7 @@ class VectorWork:
 
     change: Optional[np.ndarray] = None  # added to the served vector (a bucket's change, or a sync's)
     positions: Optional[np.ndarray] = None  # a sparse change's flat positions (job/train/distributed/shared_rows.py)
+    rows: Optional[np.ndarray] = None  # ... and its relation rows
     pull: Optional[np.ndarray] = None  # a pull's: the served values to send (read by the serving thread)
     finished: Optional[Bucket] = None  # a bucket done with ``change``: stored now if ``saved``, else pending
     saved: bool = False
@@ -147,7 +148,7 @@ class Committer:
                         self.vector.add(work.change, work.positions)
                     if work.finished is not None and work.change is not None:
                         stored |= self.vector.finish(work.finished, work.change, saved=work.saved,
-                                                     positions=work.positions)
+                                                     positions=work.positions, rows=work.rows)
                     if work.unsaved is not None:
                         stored |= self.vector.save(work.unsaved)
                 wanting = [c for c in commits if c.buffer is not None and c.work.change is not None and c.wants_sum]

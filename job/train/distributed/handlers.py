@@ -87,8 +87,8 @@ class RequestHandlers:
                 if not isinstance(request, (Next, Sync)):
                     raise ValueError(f"a {request.op!r} request carries no shared-parameter change")
                 if rows is not None:  # a sparse change: exactly the values of the rows it names
-                    work.positions = self.layout.positions(self.layout.check(np.asarray(rows, np.int64),
-                                                                             values=work.change.size))
+                    work.rows = self.layout.check(np.asarray(rows, np.int64), values=work.change.size)
+                    work.positions = self.layout.positions(work.rows)
                 else:
                     self.vector.check(work.change)
             elif rows is not None:

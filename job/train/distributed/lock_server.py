@@ -102,10 +102,10 @@ class LockServer(RequestHandlers, PullServing):
         self.transport = transport
         self.state = state
         self.progress = progress
-        self.vector = SharedVector(shared)
-        self.layout = layout if layout is not None else RowLayout.dense(self.vector.size)
-        if self.layout.size != self.vector.size:
-            raise ValueError(f"a row layout of {self.layout.size} values for a shared vector of {self.vector.size}")
+        self.layout = layout if layout is not None else RowLayout.dense(int(shared.size))
+        if self.layout.size != shared.size:
+            raise ValueError(f"a row layout of {self.layout.size} values for a shared vector of {shared.size}")
+        self.vector = SharedVector(shared, layout=self.layout)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self._failed: Optional[str] = None  # a progress write failed: every request is refused with this

@@ -24,6 +24,7 @@ from typing import IO, Optional
 import numpy as np
 
 from job.checkpoint.group_progress import VectorBlocks
+from job.train.distributed.shared_rows import RowLayout
 from job.train.residency.budget import PENDING_VECTORS
 from job.types import Bucket
 
@@ -31,8 +32,11 @@ from job.types import Bucket
 class SharedVector:
     """The served, stored and pending parts of the shared-parameter vector (float32, one flat vector)."""
 
-    def __init__(self, initial: np.ndarray, in_memory: int = PENDING_VECTORS) -> None:
+    def __init__(self, initial: np.ndarray, in_memory: int = PENDING_VECTORS,
+                 layout: Optional[RowLayout] = None) -> None:
         self.served = initial.astype(np.float32, copy=True)
+        # which values are relation rows (a sparse change's positions: job/train/distributed/shared_rows.py)
+        self.layout = layout if layout is not None else RowLayout.dense(self.served.size)
         self.stored = self.served.copy()  # the updates of the buckets done and saved: what a restart resumes
         self.persisted = self.stored.copy()  # ``stored`` as the progress files last left it (``changed_blocks``)
         # the update of each bucket done but not yet saved: its non-zero values (a bucket touches few relations),
@@ -76,22 +80,27 @@ class SharedVector:
         with self.lock:
             np.take(self.served, positions, out=into)
 
-    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool, positions: Optional[np.ndarray] = None) -> bool:
-        """``bucket`` is done with ``change`` (already served; ``positions``: a sparse one's): stored now if it is
-        ``saved`` (no partition of its own left to write), else pending until its write; whether ``stored``
-        changed."""
-        if positions is not None:
+    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool, positions: Optional[np.ndarray] = None,
+               rows: Optional[np.ndarray] = None) -> bool:
+        """``bucket`` is done with ``change`` (already served; ``positions``: a sparse one's, of relation ``rows`` of
+        ``layout``): stored now if it is ``saved`` (no partition of its own left to write), else pending until its
+        write; whether ``stored`` changed."""
+        if positions is not None and rows is not None:
             if saved:
                 self.stored[positions] += change
                 return True
-            nbytes = 12 * change.size  # its values and their int64 positions
-            if self.held_bytes + nbytes <= self._budget:
-                self.pending[bucket] = Pending(positions=positions.copy(), values=change.copy(), nbytes=nbytes)
-                self.held_bytes += nbytes
-                return False
-            expanded = np.zeros_like(self.served)  # (beyond the bound: kept as a whole change would be)
-            expanded[positions] = change
-            change = expanded
+            # kept as its rows (their positions are the layout's: 4 bytes a row, not 8 a value) and values
+            rows32 = rows.astype(np.int32)
+            update = Pending(rows=rows32, values=change.copy(), nbytes=4 * (rows.size + change.size))
+            if self.held_bytes + update.nbytes <= self._budget:
+                self.pending[bucket] = update
+                self.held_bytes += update.nbytes
+            else:  # beyond the bound: in a temporary file, a few hundred KB (not the whole vector)
+                spill = tempfile.TemporaryFile()
+                spill.write(rows32.tobytes() + np.ascontiguousarray(change, np.float32).tobytes())
+                self.pending[bucket] = Pending(file=spill, rows=np.zeros(rows.size, np.int32), nbytes=0)
+                self.spilled += 1
+            return False
         elif saved:
             self.stored += change
             return True
@@ -136,8 +145,16 @@ class SharedVector:
         saved = [b for b in self.pending if b not in unsaved]
         for b in saved:
             update = self.pending.pop(b)
-            if update.positions is not None and update.values is not None:
-                self.stored[update.positions] += update.values
+            if update.rows is not None:  # a sparse change's (in memory, or its file: rows then values)
+                if update.file is not None:
+                    update.file.seek(0)
+                    raw = update.file.read()
+                    update.file.close()
+                    cut = 4 * update.rows.size
+                    update.rows = np.frombuffer(raw[:cut], dtype=np.int32)
+                    update.values = np.frombuffer(raw[cut:], dtype=np.float32)
+                assert update.values is not None
+                self.stored[self.layout.positions(update.rows)] += update.values
                 self.held_bytes -= update.nbytes
             elif update.index is not None and update.values is not None and update.tail is not None:
                 whole = self.stored.size - update.tail.size
@@ -163,7 +180,8 @@ BLOCK = 64
 @dataclass
 class Pending:
     """One bucket's update waiting for its save: by blocks (``index`` of the blocks, their ``values``, the ``tail``
-    after the last whole block: ``nbytes`` in all), by flat ``positions`` (a sparse change: its ``values``), whole
+    after the last whole block: ``nbytes`` in all), by relation ``rows`` (a sparse change: its ``values``, or with
+    ``file``, both in it), whole
     (``dense``, a pool vector) or in a temporary ``file``."""
 
     index: Optional[np.ndarray] = None
@@ -172,4 +190,4 @@ class Pending:
     nbytes: int = 0
     dense: Optional[np.ndarray] = None
     file: Optional[IO[bytes]] = None
-    positions: Optional[np.ndarray] = None
+    rows: Optional[np.ndarray] = None
