@@ -106,7 +106,8 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         weights = 1.0 / np.arange(1, layout.rows + 1) ** zipf
         weights /= weights.sum()
     latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": []}
-    moved: list[int] = []  # shared-parameter bytes per bucket, both ways
+    moved: list[int] = []  # shared-parameter bytes of each bucket granted: its pull, then its change (and sum)
+    complete: list[int] = []  # ... of the buckets whose change has left
     used: list[int] = []  # relation rows per bucket
     current: Optional[Bucket] = None
     held: set = set()
@@ -127,8 +128,9 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         kind, bucket, _, _ = client.finish_and_next(held, current, None, change,
                                                     rows=sent.tolist() if sparse and sent is not None else None)
         latency["next"].append(time.perf_counter() - started)
-        if change is not None:
-            moved.append(change.numel() * 4 * (1 if sparse else 2))
+        if change is not None and moved:  # the finished bucket's change (and a dense one's sum back)
+            moved[-1] += change.numel() * 4 * (1 if sparse else 2)
+            complete.append(moved[-1])
         current = bucket
         if kind == "done":
             break
@@ -148,7 +150,9 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
             pulled = time.perf_counter()
             client.pull(rows.tolist(), into)
             latency["pull"].append(time.perf_counter() - pulled)
-            moved[-1:] = [(moved[-1] if moved else 0) + into.numel() * 4]
+            moved.append(into.numel() * 4)
+        else:
+            moved.append(0)
         latency["next_and_pull"].append(time.perf_counter() - started)
         leaving = held - keys[bucket]
         started = time.perf_counter()
@@ -162,7 +166,7 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         trained += 1
         if train_s:
             time.sleep(train_s)
-    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": moved, "rows": used}
+    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": complete, "rows": used}
 
 
 def join_transport(store: Any, rank: int, world: int, made: dict[int, TensorTransport]) -> None:
