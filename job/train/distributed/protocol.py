@@ -2,7 +2,8 @@
 
 Both ends import this module and nothing of each other. A request is one frozen dataclass per operation, in an
 ``Envelope`` saying who asks (rank, and channel: a second client of a rank gets its replies on a queue of its own)
-and whether a shared-parameter change travels with it (``Payload``: how many values, under which transport tag). A
+and whether a shared-parameter change travels with it (``Payload``: how many values, under which transport tag; a
+sparse one names its relation ``rows``, and ``Pull`` asks for rows: job/train/distributed/shared_rows.py). A
 reply is one dataclass per answer; ``Refusal`` answers anything the server could not do, so that a client never
 waits out its timeout on a request the server read.
 
@@ -208,7 +209,8 @@ class Reserved:
 
 @dataclass(frozen=True)
 class Done:
-    """The answer to ``release``, ``written`` and ``sync`` (the sum of a sync follows over the transport)."""
+    """The answer to ``release``, ``written``, ``sync`` and ``pull`` (a sync's sum, a pull's rows follow over the
+    transport)."""
 
 
 @dataclass(frozen=True)
