@@ -49,6 +49,12 @@ def test_a_payload_is_the_whole_values_then_each_rows_values_of_every_segment() 
     assert (layout.size, layout.rows, layout.segments, layout.row_values) == (39, 6, ((2, 3), (20, 3)), 6)
     assert layout.count(2) == 3 + 2 * 6
     assert layout.positions(np.array([1, 4])).tolist() == [0, 1, 38, 5, 6, 7, 23, 24, 25, 14, 15, 16, 32, 33, 34]
+    vector = np.arange(39, dtype=np.float32)
+    out = np.empty(15, np.float32)
+    layout.gather(vector, np.array([1, 4]), out)  # through the segments' row views: the positions' values
+    assert out.tolist() == [0, 1, 38, 5, 6, 7, 23, 24, 25, 14, 15, 16, 32, 33, 34]
+    layout.scatter_add(vector, np.array([1, 4]), np.ones(15, np.float32))
+    assert np.flatnonzero(vector != np.arange(39)).tolist() == sorted(layout.positions(np.array([1, 4])).tolist())
     with pytest.raises(ValueError, match="ascending distinct relation ids in \\[0, 6\\)"):
         layout.check(np.array([4, 1]))
     with pytest.raises(ValueError, match="ascending distinct"):
@@ -246,10 +252,9 @@ def test_unsaved_sparse_changes_wait_as_their_rows_in_memory_or_a_small_file_and
     for index, rows in enumerate(([1, 4], [0, 2, 5], [4])):
         rows_array = np.array(rows)
         change = np.full(layout.count(len(rows)), float(index + 1), np.float32)
-        positions = layout.positions(rows_array)
-        vector.add(change, positions)
-        assert not vector.finish(Bucket(index, 0), change, saved=False, positions=positions, rows=rows_array)
-        np.add.at(expected, positions, change)
+        vector.add(change, rows_array)
+        assert not vector.finish(Bucket(index, 0), change, saved=False, rows=rows_array)
+        np.add.at(expected, layout.positions(rows_array), change)
     assert vector.spilled == 1 and vector.held_bytes <= 4 * layout.size  # the third one went to a file
     assert vector.pending[Bucket(1, 0)].file is not None  # 3 rows: 76 bytes, past the bound after the first
     np.testing.assert_array_equal(vector.served, expected)

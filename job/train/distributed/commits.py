@@ -42,9 +42,8 @@ class VectorWork:
     """What one request does to the shared vector, decided by the serving thread and done by the committer."""
 
     change: Optional[np.ndarray] = None  # added to the served vector (a bucket's change, or a sync's)
-    positions: Optional[np.ndarray] = None  # a sparse change's flat positions (job/train/distributed/shared_rows.py)
-    rows: Optional[np.ndarray] = None  # ... and its relation rows
-    pull: Optional[np.ndarray] = None  # a pull's: the served values to send (read by the serving thread)
+    rows: Optional[np.ndarray] = None  # a sparse change's relation rows (job/train/distributed/shared_rows.py)
+    pull: Optional[np.ndarray] = None  # a pull's rows: their served values to send (read by the serving thread)
     finished: Optional[Bucket] = None  # a bucket done with ``change``: stored now if ``saved``, else pending
     saved: bool = False
     unsaved: Optional[frozenset[Bucket]] = None  # after the request: the buckets not in it have their updates stored
@@ -145,10 +144,9 @@ class Committer:
                 for commit in commits:
                     work = commit.work
                     if work.change is not None:
-                        self.vector.add(work.change, work.positions)
+                        self.vector.add(work.change, work.rows)
                     if work.finished is not None and work.change is not None:
-                        stored |= self.vector.finish(work.finished, work.change, saved=work.saved,
-                                                     positions=work.positions, rows=work.rows)
+                        stored |= self.vector.finish(work.finished, work.change, saved=work.saved, rows=work.rows)
                     if work.unsaved is not None:
                         stored |= self.vector.save(work.unsaved)
                 wanting = [c for c in commits if c.buffer is not None and c.work.change is not None and c.wants_sum]
@@ -162,7 +160,7 @@ class Committer:
                     for c in wanting:
                         c.buffer = None
                 for c in commits:  # sparse changes: their buffers are free once added
-                    if c.buffer is not None and c.work.positions is not None and self.failed is None:
+                    if c.buffer is not None and c.work.rows is not None and self.failed is None:
                         added.append((c.buffer, c.slot))
                         c.buffer = None
                 if added:

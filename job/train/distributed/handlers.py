@@ -88,7 +88,6 @@ class RequestHandlers:
                     raise ValueError(f"a {request.op!r} request carries no shared-parameter change")
                 if rows is not None:  # a sparse change: exactly the values of the rows it names
                     work.rows = self.layout.check(np.asarray(rows, np.int64), values=work.change.size)
-                    work.positions = self.layout.positions(work.rows)
                 else:
                     self.vector.check(work.change)
             elif rows is not None:
@@ -148,7 +147,7 @@ class RequestHandlers:
 
     def _answer_pull(self, rank: int, request: Pull, work: VectorWork) -> Reply:
         # the values leave after the reply (``LockServer._judge``), read from the served vector then
-        work.pull = self.layout.positions(self.layout.check(np.asarray(request.rows, np.int64)))
+        work.pull = self.layout.check(np.asarray(request.rows, np.int64))
         return Done()
 
     def _answer_status(self, rank: int, request: Status, work: VectorWork) -> Reply:

@@ -339,8 +339,9 @@ class LockServer(RequestHandlers, PullServing):
             with Stopwatch() as watch:
                 request = protocol.decode_request(job.incoming)
                 reply, records = self._handle(job.rank, request, work)
-                if work.pull is not None and (pull_into is None or pull_into.numel() != work.pull.size):
-                    raise ProtocolError(f"a pull of {work.pull.size} values without its buffer")
+                if work.pull is not None and (pull_into is None
+                                              or pull_into.numel() != self.layout.count(work.pull.size)):
+                    raise ProtocolError(f"a pull of {work.pull.size} rows without its buffer")
         except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
             for held, is_slot in ((buffer, slot), (pull_into, False)):
                 if held is not None:
@@ -358,7 +359,7 @@ class LockServer(RequestHandlers, PullServing):
         with self.lock:
             self._unanswered += 1
         self._committer.submit(Commit(job, reply, records, work, buffer, slot,
-                                      wants_sum=buffer is not None and work.positions is None))
+                                      wants_sum=buffer is not None and work.rows is None))
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
         logger.warning("lock server: %s request of rank %s refused: %s: %s", job.incoming.op, job.rank,

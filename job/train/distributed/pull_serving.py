@@ -55,9 +55,9 @@ class PullServing:
         self._judge(job, None, pull_into=buffer)
         return True
 
-    def _send_pull(self, job: Waiting, positions: np.ndarray, buffer: torch.Tensor, tag: int) -> None:
-        """Answer a pull, then send it the served values at ``positions`` (read now) under its ``tag``."""
-        self.vector.gather(positions, buffer.numpy())
+    def _send_pull(self, job: Waiting, rows: np.ndarray, buffer: torch.Tensor, tag: int) -> None:
+        """Answer a pull, then send it the served values of ``rows`` (read now) under its ``tag``."""
+        self.vector.gather(rows, buffer.numpy())
         self._push(job, protocol.Done())
         try:
             transfer = self.transport.send(buffer, job.rank, tag)

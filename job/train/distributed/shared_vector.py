@@ -67,29 +67,28 @@ class SharedVector:
                              f"{self.served.size} (trainers built with different models?)")
         return change
 
-    def add(self, change: np.ndarray, positions: Optional[np.ndarray] = None) -> None:
-        """Serve ``change`` from now on (a bucket's, or a sync's outside any bucket); ``positions``: a sparse change's
-        flat positions (distinct: ``RowLayout.positions``), else a whole vector."""
-        if positions is not None:
-            self.served[positions] += change
+    def add(self, change: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+        """Serve ``change`` from now on (a bucket's, or a sync's outside any bucket); ``rows``: a sparse change's
+        relation rows (checked: ``RowLayout.check``), else a whole vector."""
+        if rows is not None:
+            self.layout.scatter_add(self.served, rows, change)
         else:
             self.served += self.check(change)
 
-    def gather(self, positions: np.ndarray, into: np.ndarray) -> None:
-        """The served values at ``positions`` into ``into`` (a pull), with every committed change whole."""
+    def gather(self, rows: np.ndarray, into: np.ndarray) -> None:
+        """The served values of a pull of ``rows`` into ``into``, with every committed change whole."""
         with self.lock:
-            np.take(self.served, positions, out=into)
+            self.layout.gather(self.served, rows, into)
 
-    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool, positions: Optional[np.ndarray] = None,
-               rows: Optional[np.ndarray] = None) -> bool:
-        """``bucket`` is done with ``change`` (already served; ``positions``: a sparse one's, of relation ``rows`` of
-        ``layout``): stored now if it is ``saved`` (no partition of its own left to write), else pending until its
-        write; whether ``stored`` changed."""
-        if positions is not None and rows is not None:
+    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool, rows: Optional[np.ndarray] = None) -> bool:
+        """``bucket`` is done with ``change`` (already served; ``rows``: a sparse one's relation rows): stored now if it
+        is ``saved`` (no partition of its own left to write), else pending until its write; whether ``stored``
+        changed."""
+        if rows is not None:
             if saved:
-                self.stored[positions] += change
+                self.layout.scatter_add(self.stored, rows, change)
                 return True
-            # kept as its rows (their positions are the layout's: 4 bytes a row, not 8 a value) and values
+            # kept as its rows and values (4 bytes a row and a value)
             rows32 = rows.astype(np.int32)
             update = Pending(rows=rows32, values=change.copy(), nbytes=4 * (rows.size + change.size))
             if self.held_bytes + update.nbytes <= self._budget:
@@ -154,7 +153,7 @@ class SharedVector:
                     update.rows = np.frombuffer(raw[:cut], dtype=np.int32)
                     update.values = np.frombuffer(raw[cut:], dtype=np.float32)
                 assert update.values is not None
-                self.stored[self.layout.positions(update.rows)] += update.values
+                self.layout.scatter_add(self.stored, update.rows, update.values)
                 self.held_bytes -= update.nbytes
             elif update.index is not None and update.values is not None and update.tail is not None:
                 whole = self.stored.size - update.tail.size
