@@ -47,6 +47,7 @@ from job.checkpoint.group_progress import ProgressLog  # noqa: E402
 from job.train.distributed.lock_client import LockClient  # noqa: E402
 from job.train.distributed.lock_server import LockServer  # noqa: E402
 from job.train.distributed.lock_state import LockState  # noqa: E402
+from job.train.distributed.shared_rows import RowLayout  # noqa: E402
 from job.train.distributed.transport import TensorTransport  # noqa: E402
 from job.types import Bucket  # noqa: E402
 
@@ -71,38 +72,65 @@ def percentiles(values: list[float]) -> dict[str, float]:
 # a trainer: the request sequence of LockServerScheduler, timed ----------------------------------------------------
 
 
-def bucket_change(buffer: torch.Tensor, touched: int, rng: np.random.Generator) -> torch.Tensor:
-    """A bucket's shared-parameter change in ``buffer`` (which the sum then overwrites): ``touched`` relation rows of
-    ``ROW`` values changed, as a bucket of a few thousand edges touches a few hundred of Freebase86m's relations
-    (0: no change; -1: every value)."""
-    buffer.zero_()
-    if touched < 0:
-        buffer.fill_(1e-6)
-    elif touched:
-        rows = buffer.numel() // ROW
-        chosen = torch.from_numpy(rng.choice(rows, size=min(touched, rows), replace=False))
-        buffer[:rows * ROW].view(rows, ROW)[chosen] = 1e-6
-    return buffer
+def layout_of(values: int) -> RowLayout:
+    """Freebase86m's rows as the model flattens them: each relation's ``ROW // 2`` parameters in one segment, their
+    Adagrad sums in another (``shared_state``)."""
+    rows = values // ROW
+    return RowLayout.of(values, rows, [(0, ROW // 2), (rows * ROW // 2, ROW // 2)])
+
+
+def bucket_rows(rng: np.random.Generator, weights: Optional[np.ndarray], edges: int, touched: int,
+                rows: int) -> np.ndarray:
+    """The relation rows a bucket uses, ascending: those of ``edges`` edges drawn from ``weights`` (a skewed
+    distribution over the relations), or ``touched`` rows drawn uniformly."""
+    if weights is not None:
+        return np.unique(rng.choice(rows, size=edges, p=weights))
+    return np.sort(rng.choice(rows, size=min(touched, rows), replace=False))
 
 
 def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, nparts: int, buckets: int,
-                train_s: float, touched: int, out: dict[str, Any]) -> None:
+                train_s: float, touched: int, out: dict[str, Any], sparse: bool = False, edges: int = 0,
+                zipf: float = 1.5) -> None:
     """Train ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of sleep), each
-    finished with a change of ``touched`` rows (``bucket_change``) that the sum then replaces."""
+    finished with a change of its rows (``bucket_rows``) that the sum then replaces. ``sparse``: the change
+    carries only those rows and the next bucket's rows are pulled (job/train/distributed/shared_rows.py);
+    ``edges`` > 0: a bucket's rows are those of ``edges`` edges whose relations follow a Zipf law of ``zipf``."""
     keys = bucket_keys(nparts)
     client = LockClient(store, rank, timeout_s=TIMEOUT_S, prefix=PREFIX, transport=transport)
     writer = LockClient(store, rank, timeout_s=TIMEOUT_S, channel="/writer", prefix=PREFIX)
     buffer = torch.zeros(values)
     rng = np.random.default_rng(rank)
-    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
+    layout = layout_of(values)
+    weights = None
+    if edges > 0:
+        weights = 1.0 / np.arange(1, layout.rows + 1) ** zipf
+        weights /= weights.sum()
+    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": []}
+    moved: list[int] = []  # shared-parameter bytes of each bucket granted: its pull, then its change (and sum)
+    complete: list[int] = []  # ... of the buckets whose change has left
+    used: list[int] = []  # relation rows per bucket
     current: Optional[Bucket] = None
     held: set = set()
+    rows = bucket_rows(rng, weights, edges, touched, layout.rows)
     trained = waits = 0
     while trained < buckets:
-        change = bucket_change(buffer, touched, rng) if current is not None else None
+        sent = rows if current is not None else None
+        if sparse and sent is not None:
+            change: Optional[torch.Tensor] = torch.full((layout.count(sent.size),), 1e-6)
+        elif sent is not None:
+            buffer.zero_()
+            for offset, width in layout.segments:
+                buffer[offset:offset + layout.rows * width].view(layout.rows, width)[torch.from_numpy(sent)] = 1e-6
+            change = buffer
+        else:
+            change = None
         started = time.perf_counter()
-        kind, bucket, _, _ = client.finish_and_next(held, current, None, change)
+        kind, bucket, _, _ = client.finish_and_next(held, current, None, change,
+                                                    rows=sent.tolist() if sparse and sent is not None else None)
         latency["next"].append(time.perf_counter() - started)
+        if change is not None and moved:  # the finished bucket's change (and a dense one's sum back)
+            moved[-1] += change.numel() * 4 * (1 if sparse else 2)
+            complete.append(moved[-1])
         current = bucket
         if kind == "done":
             break
@@ -115,6 +143,17 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
                 held = set()
             time.sleep(0.02)
             continue
+        rows = bucket_rows(rng, weights, edges, touched, layout.rows)  # the edges of the bucket granted, read
+        used.append(int(rows.size))
+        if sparse:  # its rows' values, before it trains
+            into = torch.empty(layout.count(rows.size))
+            pulled = time.perf_counter()
+            client.pull(rows.tolist(), into)
+            latency["pull"].append(time.perf_counter() - pulled)
+            moved.append(into.numel() * 4)
+        else:
+            moved.append(0)
+        latency["next_and_pull"].append(time.perf_counter() - started)
         leaving = held - keys[bucket]
         started = time.perf_counter()
         client.reserve(sorted(leaving))
@@ -127,7 +166,7 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         trained += 1
         if train_s:
             time.sleep(train_s)
-    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits}
+    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": complete, "rows": used}
 
 
 def join_transport(store: Any, rank: int, world: int, made: dict[int, TensorTransport]) -> None:
@@ -149,7 +188,8 @@ def child_main(args: argparse.Namespace) -> None:
     store.wait(["bench/go"])
     out: dict[str, Any] = {}
     threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], args.values, args.partitions,
-                                                          args.buckets, args.train_ms / 1e3, args.touched_rows, out))
+                                                          args.buckets, args.train_ms / 1e3, args.touched_rows, out,
+                                                          args.shared == "sparse", args.bucket_edges, args.zipf))
                for r in ranks]
     for t in threads:
         t.start()
@@ -170,7 +210,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         children.append(subprocess.Popen(
             [sys.executable, __file__, "--child", "--port", str(port), "--ranks", f"{first},{last}", "--world",
              str(trainers), "--values", str(args.values), "--partitions", str(nparts), "--buckets",
-             str(args.buckets), "--train-ms", str(args.train_ms), "--touched-rows", str(args.touched_rows)],
+             str(args.buckets), "--train-ms", str(args.train_ms), "--touched-rows", str(args.touched_rows),
+             "--shared", args.shared, "--bucket-edges", str(args.bucket_edges), "--zipf", str(args.zipf)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))))
     made: dict[int, TensorTransport] = {}
@@ -182,12 +223,13 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     log = ProgressLog(str(log_dir), "bench", 1)
     shared = np.zeros(args.values, np.float32)
     log.start(state.to_json(), shared)
-    server = LockServer(store, state, log, shared, 0, made[0], prefix=PREFIX)
+    server = LockServer(store, state, log, shared, 0, made[0], prefix=PREFIX, layout=layout_of(args.values))
     out: dict[str, Any] = {}
     started = time.perf_counter()
     store.set("bench/go", "1")
     own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], args.values, nparts, args.buckets,
-                                                     args.train_ms / 1e3, args.touched_rows, out))
+                                                     args.train_ms / 1e3, args.touched_rows, out,
+                                                     args.shared == "sparse", args.bucket_edges, args.zipf))
     own.start()
     for child in children:
         stdout, stderr = child.communicate(timeout=3600)
@@ -198,10 +240,12 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     wall = time.perf_counter() - started
     stats = server.stats()
     server.stop()
-    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": []}
+    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": []}
     for result in out.values():
         for op, values in result["latency"].items():
             latency[op].extend(values)
+    moved = [b for r in out.values() for b in r["moved"]]
+    used = [n for r in out.values() for n in r["rows"]]
     requests = sum(op["count"] for op in stats["ops"].values())
     trained = sum(r["trained"] for r in out.values())
     committer = stats.get("committer", {})
@@ -223,7 +267,9 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         "committer_cpu_ms_per_bucket": 1e3 * committer.get("cpu_s", float("nan")) / max(trained, 1),
         "committer_ms_per_bucket": 1e3 * committer.get("busy_s", 0.0) / max(trained, 1),
         "committer": committer, "commits_per_batch": committer.get("commits", 0) / max(committer.get("batches", 0), 1),
-        "pending_spilled": stats.get("pending_spilled", 0),
+        "pending_spilled": stats.get("pending_spilled", 0), "shared": args.shared,
+        "shared_bytes_per_bucket": float(np.mean(moved)) if moved else 0.0,
+        "rows_per_bucket": {"mean": float(np.mean(used)) if used else 0.0, "max": max(used, default=0)},
     }
 
 
@@ -411,7 +457,12 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, default=4, help="buckets each trainer trains in a scale run")
     parser.add_argument("--train-ms", type=float, default=0.0)
     parser.add_argument("--touched-rows", type=int, default=300,
-                        help=f"relation rows ({ROW} values) each bucket's change touches (0: none, -1: all)")
+                        help=f"relation rows ({ROW} values) each bucket uses, drawn uniformly (without --bucket-edges)")
+    parser.add_argument("--shared", choices=("dense", "sparse"), default="dense",
+                        help="dense: the whole vector both ways per next; sparse: the rows changed, then a pull")
+    parser.add_argument("--bucket-edges", type=int, default=0,
+                        help="> 0: a bucket's rows are the relations of this many edges drawn from a Zipf law")
+    parser.add_argument("--zipf", type=float, default=1.5, help="the Zipf exponent of the relations' frequencies")
     parser.add_argument("--per-process", type=int, default=16)
     parser.add_argument("--progress-repeats", type=int, default=50)
     parser.add_argument("--transfer-repeats", type=int, default=20)

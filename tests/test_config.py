@@ -576,27 +576,34 @@ def test_memory_budget_counts_this_process_by_default() -> None:
 
 def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
         caplog: pytest.LogCaptureFixture) -> None:
-    """In a group a trainer keeps two copies of the shared vector to sync it (its synced values and one transfer
-    buffer), and rank 0, which serves it, its served and stored vectors and its transfer slots (the sums in flight
-    to peers that have not taken them yet: job/train/distributed/transfers.py) and at most ``PENDING_VECTORS`` updates
-    of buckets done but unsaved: a fixed number each, whatever the pass's length or the group's size."""
-    from job.train.residency.budget import PENDING_VECTORS, TRANSFER_SLOTS, choose_capacity, sync_memory_bytes
+    """In a group a trainer keeps three copies of the shared vector to sync it (its synced values, one transfer
+    buffer, a sparse payload of at most half of it), and rank 0, which serves it, its served and stored vectors and its
+    transfer slots (the sums in flight to peers that have not taken them yet: job/train/distributed/transfers.py), the
+    sparse payloads' buffers and at most ``PENDING_VECTORS`` updates of buckets done but unsaved: a fixed number each,
+    whatever the pass's length or the group's size."""
+    from job.train.residency.budget import (
+        PENDING_VECTORS,
+        SPARSE_TRANSFER_VECTORS,
+        TRANSFER_SLOTS,
+        choose_capacity,
+        sync_memory_bytes,
+    )
 
     values = 1_000_000  # 4 MB a copy
-    assert sync_memory_bytes(values, serves=False) == 2 * 4 * values
-    server = 3 + TRANSFER_SLOTS + PENDING_VECTORS
-    assert sync_memory_bytes(values, serves=True) == (2 + server) * 4 * values
+    assert sync_memory_bytes(values, serves=False) == 3 * 4 * values
+    server = 3 + TRANSFER_SLOTS + PENDING_VECTORS + SPARSE_TRANSFER_VECTORS
+    assert sync_memory_bytes(values, serves=True) == (3 + server) * 4 * values
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 24}}, "dimension": 99,
                            "memory_budget": str(3 * 2**20 + 20 * 4_000_000)})
     counts = {"all": [10_000] * 24}
     # a partition in flight + the copy of the one a write group keeps (job/checkpoint/write_groups.py) + 18
     assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20) == 18
     assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20,
-                           sync_bytes=sync_memory_bytes(values, serves=False)) == 16
+                           sync_bytes=sync_memory_bytes(values, serves=False)) == 15
     with caplog.at_level(logging.INFO, "biggraph"):
         assert choose_capacity(config, counts, distributed=True, processes=3, runtime_bytes=2**20,
-                               sync_bytes=sync_memory_bytes(values, serves=True)) == 18 - 2 - server
-    assert f"{(2 + server) * 4 * values / 2**20:.1f} MiB to sync the shared parameters" in caplog.text
+                               sync_bytes=sync_memory_bytes(values, serves=True)) == 18 - 3 - server
+    assert f"{(3 + server) * 4 * values / 2**20:.1f} MiB to sync the shared parameters" in caplog.text
     assert "3.8 MiB for the kept partitions' copies of a write group" in caplog.text
 
 

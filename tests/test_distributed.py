@@ -269,6 +269,24 @@ def test_nodes_train_every_bucket_once_with_mrr_close_to_one_machine(
     assert mrr == pytest.approx(single_machine_mrr, abs=0.06), (mrr, single_machine_mrr)
 
 
+@pytest.mark.slow
+def test_two_nodes_with_sparse_shared_parameters_train_every_bucket_once_with_mrr_close_to_one_machine(
+        umls_p4: dict, single_machine_mrr: float, tmp_path: Path) -> None:
+    """Every bucket's change of the relation rows only, and a pull of the rows its next bucket reads (issue #45;
+    ``BIGGRAPH_SHARED_SPARSE_AT_MOST=1``: sparse whatever the share of UMLS's 46 relations a bucket uses): the same
+    buckets, and a model as good as one machine's."""
+    path = write_run_config(umls_p4, "sparse2")
+    agents = Agents(path, "2", tmp_path, env={"BIGGRAPH_SHARED_SPARSE_AT_MOST": "1"})
+    codes = agents.run(["node0", "node1"], timeout=300)
+    assert set(codes.values()) == {0}, agents.tail()
+    records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
+    assert_each_bucket_once_per_epoch(records, 8)
+    pulls = [int(n) for n in re.findall(r'requests served \(\{[^)]*"pull": (\d+)', agents.text())]
+    assert len(pulls) == 8 and min(pulls) > 0, pulls  # every pass's buckets pulled their rows
+    mrr = filtered_mrr(umls_p4, path)
+    assert mrr == pytest.approx(single_machine_mrr, abs=0.06), (mrr, single_machine_mrr)
+
+
 # the pass summary both modes write (tests/test_train_buckets_and_partitions.py checks a single-process run against it)
 PASS_SUMMARY_KEYS = {
     "epoch_idx", "edge_path_idx", "edge_chunk_idx", "index", "pass_summary", "world_size", "restart_count",

@@ -131,6 +131,29 @@ def test_a_huge_sync_malformed_json_and_an_unknown_op(served: Served) -> None:
     assert served.server.thread.is_alive()
 
 
+def test_forged_and_malformed_sparse_rows_and_pulls_change_nothing(served: Served) -> None:
+    """The fields of sparse shared parameters (issue #45): a forged pull or sparse change is dropped; an insider's
+    pull or sparse change that names rows these parameters do not have, or rows that are not a list of ascending ids,
+    is refused with the server's error, its payload taken and its buffer given back."""
+    forged_pull = {"op": "pull", "rank": 1, "channel": "", "seq": 2**62, "rows": [0], "pull_tag": 1}
+    served.unchanged_after(lambda: served.push(forged(forged_pull)))
+    served.unchanged_after(lambda: served.push(forged({"op": "next", "rank": 1, "channel": "", "seq": 2**62,
+                                                       "rows": [0], "values": 1, "tag": 3})))
+    assert served.server._gate.dropped["unauthentic"] == 2
+
+    def insider(message: dict[str, Any], change: Any, why: str) -> None:
+        with pytest.raises(LockServerError, match=why):
+            served.rank1._call(message, change, back=False)
+
+    # (the parameters of this server have no relation rows: every row named is out of range)
+    served.unchanged_after(lambda: insider({"op": "pull", "rows": [0], "pull_tag": 4}, None, "no relation-indexed"))
+    served.unchanged_after(lambda: insider({"op": "pull", "rows": {"0": 1}, "pull_tag": 4}, None, "'rows' is not a"))
+    served.unchanged_after(lambda: insider({"op": "next", "rows": [0]}, torch.ones(1), "no relation-indexed"))
+    served.unchanged_after(lambda: insider({"op": "next", "rows": [2, 1]}, torch.ones(1), "not strictly ascending"))
+    assert wait_until(lambda: served.server._slots.sparse_held == 0, 10) and not served.server.gone()
+    assert served.rank1.sync(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]  # the rank's pair still carries its sums
+
+
 def test_replays_from_an_earlier_round_and_of_this_one_are_dropped(served: Served) -> None:
     release = protocol.Release(keys=(("node", 0),), written=True)
     envelope = protocol.Envelope(1, "", None, time.time_ns())  # numbered past anything rank 1 sent: only the round

@@ -42,6 +42,7 @@ from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import LockServerError, seal
+from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.transport import TensorTransport
 from job.train.residency.partitions import PartitionStore
 
@@ -472,22 +473,27 @@ class Trainer:
     """A rank as the lock server sees it: its bucket's shared update (1 in that bucket's slot) goes with the
     request that finishes the bucket; the partitions it no longer needs are written back and released."""
 
-    def __init__(self, client: LockClient, nparts: int, block: int = 1) -> None:
-        """``block``: the values of each bucket's slot (its change is ``block`` ones)."""
+    def __init__(self, client: LockClient, nparts: int, block: int = 1, sparse: bool = False) -> None:
+        """``block``: the values of each bucket's slot (its change is ``block`` ones); ``sparse``: the change carries
+        the slot alone, as its relation row (job/train/distributed/shared_rows.py: a layout of one value a row)."""
         self.client = client
         self.nparts = nparts
         self.block = block
+        self.sparse = sparse
         self.current: Any = None
         self.held: set = set()
         self.sums: list[torch.Tensor] = []  # the sums the server answered, in order
 
     def step(self, state: LockState) -> str:
-        delta = None
+        delta, rows = None, None
         if self.current is not None:
-            delta = torch.zeros(self.nparts * self.nparts * self.block)
             slot = self.current.lhs * self.nparts + self.current.rhs
-            delta[slot * self.block:(slot + 1) * self.block] = 1.0
-        kind, bucket, _, total = self.client.finish_and_next(self.held, self.current, None, delta)
+            if self.sparse:
+                delta, rows = torch.ones(self.block), [slot]
+            else:
+                delta = torch.zeros(self.nparts * self.nparts * self.block)
+                delta[slot * self.block:(slot + 1) * self.block] = 1.0
+        kind, bucket, _, total = self.client.finish_and_next(self.held, self.current, None, delta, rows=rows)
         if total is not None:
             self.sums.append(total)
         self.current = bucket
@@ -498,9 +504,10 @@ class Trainer:
         return kind
 
 
-def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: TensorTransport) -> LockServer:
+def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: TensorTransport,
+          sparse: bool = False) -> LockServer:
     """Rank 0's lock server for the pass committing version 1, resumed from ``progress`` if any (as
-    ``LockServerScheduler.start_pass`` does)."""
+    ``LockServerScheduler.start_pass`` does); ``sparse``: each of the 16 values is a relation row."""
     state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
     shared = np.zeros(16, np.float32)
     if progress is not None:
@@ -511,20 +518,24 @@ def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: Te
         shared = progress.shared
     log = ProgressLog(checkpoint, "run", 1, compact_every=4)  # the kills fall on either side of compactions too
     log.start(state.to_json(), shared)
-    return LockServer(store, state, log, shared, 0, transport, prefix=prefix)
+    layout = RowLayout.of(16, 16, [(0, 1)]) if sparse else None
+    return LockServer(store, state, log, shared, 0, transport, prefix=prefix, layout=layout)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("crash_after", [0, 1, 2, 5, 9, 14, 20, 27, 35])
 def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_restart(tmp_path: Path, store: TCPStore,
                                                                                   ranks: list[TensorTransport],
-                                                                                  crash_after: int) -> None:
+                                                                                  crash_after: int,
+                                                                                  sparse: bool) -> None:
     """Two ranks take buckets until the group dies after ``crash_after`` requests (each rank with a bucket in
     flight whose update never left it); the restarted server resumes from storage and one rank finishes the
-    pass: every bucket's shared update is in the result once, none lost, none twice."""
+    pass: every bucket's shared update is in the result once, none lost, none twice. ``sparse``: each change
+    carries its bucket's row alone (issue #45)."""
     checkpoint = str(tmp_path)
-    server = serve(store, checkpoint, None, "first/lock", ranks[0])
-    trainers = [Trainer(LockClient(store, rank, timeout_s=60, prefix="first/lock", transport=ranks[rank]), 4)
-                for rank in (0, 1)]
+    server = serve(store, checkpoint, None, "first/lock", ranks[0], sparse)
+    trainers = [Trainer(LockClient(store, rank, timeout_s=60, prefix="first/lock", transport=ranks[rank]), 4,
+                        sparse=sparse) for rank in (0, 1)]
     try:
         for step in range(crash_after):
             trainers[step % 2].step(server.state)
@@ -539,8 +550,8 @@ def test_each_buckets_shared_update_reaches_the_pass_exactly_once_across_a_resta
         resumed.apply(record)
     resumed.forget_rank_locks()
     assert sorted(np.flatnonzero(progress.shared).tolist()) == sorted(b.lhs * 4 + b.rhs for b in resumed.done)
-    server = serve(store, checkpoint, progress, "second/lock", ranks[0])
-    survivor = Trainer(LockClient(store, 0, timeout_s=60, prefix="second/lock", transport=ranks[0]), 4)
+    server = serve(store, checkpoint, progress, "second/lock", ranks[0], sparse)
+    survivor = Trainer(LockClient(store, 0, timeout_s=60, prefix="second/lock", transport=ranks[0]), 4, sparse=sparse)
     try:
         while survivor.step(server.state) != "done":
             pass

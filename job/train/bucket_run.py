@@ -189,12 +189,13 @@ class BucketRunner:
     def run(
         self, iteration: Iteration, bucket: Bucket, bucket_idx: int, *, edge_path: str, seed_base: int, delayed: bool,
         on_evicted: Optional[Callable[[list[PartitionKey]], None]] = None, upcoming: Sequence[set[PartitionKey]] = (),
-        stop: Optional[Callable[[], bool]] = None,
+        stop: Optional[Callable[[], bool]] = None, on_edges: Optional[Callable[[EdgeTensors], None]] = None,
     ) -> tuple[dict[str, Any], BatchStats, float]:
         """Train one bucket; returns its stats record, its training sums and its compute seconds. ``delayed``:
         Hogwild workers but the first start ``hogwild_delay`` seconds late (PBG: every bucket of epoch 0).
         ``stop``: polled while it trains; True gives the bucket up (``BucketAbandoned``, its tables then hold part
-        of its update and the caller must not write them)."""
+        of its update and the caller must not write them). ``on_edges``: called with the bucket's edges once read,
+        before anything reads the model (a group's pull of the relation rows they name)."""
         config = self.config
         io_before = self.store.io_seconds
         swap_started = time.perf_counter()
@@ -207,6 +208,8 @@ class BucketRunner:
         work = self.work
         edges = work.edge_source.read(iteration, edge_path, bucket, work.num_chunks,
                                       edge_limits(self.config, self.entity_counts, work.num_dynamic_rels, bucket))
+        if on_edges is not None:
+            on_edges(edges)
         if self.device.type == "cuda":
             edges = edges.to(self.device)
         io_seconds = time.perf_counter() - swap_started

@@ -34,7 +34,7 @@ from job.train.batch.step import BatchStats, BucketAbandoned
 from job.train.bucket_run import BucketRunner, BucketWork, HogwildStagger, all_negs_cost
 from job.train.distributed.group import config_digest, init_distributed, leave
 from job.train.distributed.protocol import SERVER_RANK
-from job.train.distributed.shared_params import SharedParameters, shared_state
+from job.train.distributed.shared_params import group_shared
 from job.train.edge_source import ChunkedEdges, EdgeSource
 from job.train.hogwild.spawning import server_processes, start_worker_server
 from job.train.input_check import checked_input
@@ -202,10 +202,10 @@ class Trainer:
         if self.dist is None:
             return LocalScheduler(self._pass_order, self.buckets.needs), NoSync()
         # relation parameters, global embeddings and unpartitioned tables are the same on every trainer
-        tables = self.store.load_unpartitioned()
-        shared = SharedParameters(shared_state(list(self.model.parameters()), self.relation_optimizer.sums, tables))
+        shared, layout = group_shared(self.model, self.relation_optimizer.sums, self.store.load_unpartitioned(),
+                                      self.num_dynamic_rels)
         scheduler = LockServerScheduler(self.dist, self.config, self.store, self.checkpoint,
-                                        (self.nparts_lhs, self.nparts_rhs), self.progress, shared.flatten)
+                                        (self.nparts_lhs, self.nparts_rhs), self.progress, shared.flatten, layout)
         self.progress = None
         return scheduler, SharedSync(shared, scheduler)
 
@@ -362,7 +362,7 @@ class Trainer:
                 record, stats, compute_seconds = self.buckets.run(
                     iteration, bucket, bucket_idx, edge_path=edge_path, seed_base=seed_base, delayed=delayed,
                     on_evicted=self.scheduler.release, upcoming=needs, stop=self.scheduler.stop_check(),
-                )
+                    on_edges=self.sync.prepare)
             except BucketAbandoned as abandoned:
                 self.scheduler.abandon(str(abandoned))  # raises: this process leaves its round
                 raise

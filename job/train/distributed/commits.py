@@ -42,6 +42,8 @@ class VectorWork:
     """What one request does to the shared vector, decided by the serving thread and done by the committer."""
 
     change: Optional[np.ndarray] = None  # added to the served vector (a bucket's change, or a sync's)
+    rows: Optional[np.ndarray] = None  # a sparse change's relation rows (job/train/distributed/shared_rows.py)
+    pull: Optional[np.ndarray] = None  # a pull's rows: their served values to send (read by the serving thread)
     finished: Optional[Bucket] = None  # a bucket done with ``change``: stored now if ``saved``, else pending
     saved: bool = False
     unsaved: Optional[frozenset[Bucket]] = None  # after the request: the buckets not in it have their updates stored
@@ -57,7 +59,7 @@ class Commit:
     work: VectorWork = field(default_factory=VectorWork)
     buffer: Optional[torch.Tensor] = None  # the transfer buffer its change arrived in (the sum leaves from one)
     slot: bool = False  # whether ``buffer`` is a transfer slot
-    wants_sum: bool = False  # it carried a change: the sum goes back to it
+    wants_sum: bool = False  # it carried a whole change: the sum goes back to it (a sparse one's rank pulls rows)
 
 
 @dataclass
@@ -137,18 +139,19 @@ class Committer:
 
     def _commit(self, commits: list[Commit]) -> None:
         with Stopwatch() as whole:
-            with Stopwatch() as vector_watch:
+            with Stopwatch() as vector_watch, self.vector.lock:
                 stored = False
                 for commit in commits:
                     work = commit.work
                     if work.change is not None:
-                        self.vector.add(work.change)
+                        self.vector.add(work.change, work.rows)
                     if work.finished is not None and work.change is not None:
-                        stored |= self.vector.finish(work.finished, work.change, saved=work.saved)
+                        stored |= self.vector.finish(work.finished, work.change, saved=work.saved, rows=work.rows)
                     if work.unsaved is not None:
                         stored |= self.vector.save(work.unsaved)
-                wanting = [c for c in commits if c.buffer is not None and c.work.change is not None]
+                wanting = [c for c in commits if c.buffer is not None and c.work.change is not None and c.wants_sum]
                 batch = Batch(commits)
+                added = []
                 if wanting and self.failed is None:  # one copy of the sum for every reply of the batch
                     batch.sum, batch.sum_slot = wanting[0].buffer, wanting[0].slot
                     assert batch.sum is not None
@@ -156,8 +159,12 @@ class Committer:
                     added = [(c.buffer, c.slot) for c in wanting[1:]]
                     for c in wanting:
                         c.buffer = None
-                    if added:
-                        self._done(("added", added))
+                for c in commits:  # sparse changes: their buffers are free once added
+                    if c.buffer is not None and c.work.rows is not None and self.failed is None:
+                        added.append((c.buffer, c.slot))
+                        c.buffer = None
+                if added:
+                    self._done(("added", added))
             records = [record for commit in commits for record in commit.records]
             with Stopwatch() as progress_watch:
                 if self.failed is None:

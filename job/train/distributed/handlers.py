@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+import numpy as np
+
 from job.train.distributed.commits import VectorWork
 from job.train.distributed.holders import Holders
 from job.train.distributed.lock_state import LockState
@@ -24,6 +26,7 @@ from job.train.distributed.protocol import (
     LockServerError,
     Next,
     ProtocolError,
+    Pull,
     Release,
     Reply,
     Request,
@@ -34,6 +37,7 @@ from job.train.distributed.protocol import (
     Sync,
     Written,
 )
+from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
 from job.train.schedule.clock import GroupClocks
 
@@ -45,6 +49,7 @@ class RequestHandlers:
 
     state: LockState
     vector: SharedVector
+    layout: RowLayout  # which values are relation rows (sparse changes and pulls)
     holders: Holders  # partition_handoff: which rank keeps which partition's current rows
     rng: random.Random
     lock: threading.Lock
@@ -59,7 +64,8 @@ class RequestHandlers:
 
     def _handlers(self) -> dict[type, Callable[[int, Any, VectorWork], Reply]]:
         return {Next: self._answer_next, Reserve: self._answer_reserve, Written: self._answer_written,
-                Release: self._answer_release, Sync: self._answer_sync, Status: self._answer_status}
+                Release: self._answer_release, Sync: self._answer_sync, Status: self._answer_status,
+                Pull: self._answer_pull}
 
     def round_ending(self) -> Optional[str]:
         """Why this round ends (None while it stands): then ``next`` finishes the rank's bucket and answers
@@ -76,10 +82,16 @@ class RequestHandlers:
             if self.failed is not None:
                 raise LockServerError(f"the progress could not be saved earlier ({self.failed}); the group must "
                                       "restart from what is stored")
+            rows = request.rows if isinstance(request, Next) else None
             if work.change is not None:
                 if not isinstance(request, (Next, Sync)):
                     raise ValueError(f"a {request.op!r} request carries no shared-parameter change")
-                self.vector.check(work.change)
+                if rows is not None:  # a sparse change: exactly the values of the rows it names
+                    work.rows = self.layout.check(np.asarray(rows, np.int64), values=work.change.size)
+                else:
+                    self.vector.check(work.change)
+            elif rows is not None:
+                raise ValueError("a 'next' naming the rows of a change it does not carry")
             reply = handler(rank, request, work)
             return reply, self.state.drain_journal()
 
@@ -131,6 +143,11 @@ class RequestHandlers:
         # outside a bucket (the pass's start and end): a change here is not tied to any bucket's progress
         if work.change is None:
             raise ValueError("a sync without a shared-parameter change")
+        return Done()
+
+    def _answer_pull(self, rank: int, request: Pull, work: VectorWork) -> Reply:
+        # the values leave after the reply (``LockServer._judge``), read from the served vector then
+        work.pull = self.layout.check(np.asarray(request.rows, np.int64))
         return Done()
 
     def _answer_status(self, rank: int, request: Status, work: VectorWork) -> Reply:

@@ -26,6 +26,7 @@ from job.train.distributed.protocol import (
     LockServerError,
     Next,
     Payload,
+    Pull,
     R,
     Release,
     Request,
@@ -71,14 +72,16 @@ class LockClient:
         # where the last granted bucket's partitions are kept in memory (``next`` and ``reserve``; partition_handoff)
         self.last_holders: tuple[Holder, ...] = ()
 
-    def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None) -> R:
-        raw = self._call(request, change)
+    def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None,
+             back: bool = True) -> R:
+        raw = self._call(request, change, back)
         return protocol.decode_reply(raw, expected, request.op, scope=self._reply_scope)
 
-    def _call(self, request: Union[Request, dict[str, Any]], change: Optional[torch.Tensor] = None) -> bytes:
-        """Ask; with ``change`` (a contiguous float32 CPU vector), send it along and receive the sum into it; the raw
-        reply. A dict ``request`` is sent as it is (with this client's rank and channel): a message that does not
-        follow the protocol, as the protocol tests send."""
+    def _call(self, request: Union[Request, dict[str, Any]], change: Optional[torch.Tensor] = None,
+              back: bool = True) -> bytes:
+        """Ask; with ``change`` (a contiguous float32 CPU vector), send it along and (``back``) receive the sum into
+        it; the raw reply. A dict ``request`` is sent as it is (with this client's rank and channel): a message that
+        does not follow the protocol, as the protocol tests send."""
         payload = None
         transfer = None
         op = request.get("op") if isinstance(request, dict) else request.op
@@ -119,7 +122,8 @@ class LockClient:
             try:
                 transfer.wait()  # taken before the reply was sent: the buffer is free for the sum
                 assert self.transport is not None
-                self.transport.recv(change, SERVER_RANK, payload.tag)
+                if back:
+                    self.transport.recv(change, SERVER_RANK, payload.tag)
             except TransferError as err:
                 raise LockServerError(f"lock server (rank 0): the shared parameters of {op!r} did not "
                                       f"travel: {err}") from err
@@ -144,20 +148,36 @@ class LockClient:
 
     def finish_and_next(self, held: set, finished: Optional[Bucket], record: Optional[dict],
                         change: Optional[torch.Tensor] = None,
-                        leaving: Optional[str] = None,
-                        gave_up: bool = False) -> tuple[str, Optional[Bucket], set, Optional[torch.Tensor]]:
+                        leaving: Optional[str] = None, gave_up: bool = False,
+                        rows: Optional[Sequence[int]] = None) -> tuple[str, Optional[Bucket], set,
+                                                                       Optional[torch.Tensor]]:
         """Finish ``finished`` (its stats ``record``, and ``change``: the shared-parameter change it made, a
         contiguous float32 CPU vector) and ask for the next bucket: (kind, bucket, partitions written this pass,
         the shared parameters' sum if ``change``: received into ``change`` itself). ``leaving``: why this rank
         leaves (its SIGTERM): the round ends, kind is then ``ending`` (give back what it holds, then exit).
         ``gave_up``: this rank gave its bucket in flight up and leaves without writing what it holds (its done
-        buckets whose rows were still only in memory are redone): the server does not wait for it."""
+        buckets whose rows were still only in memory are redone): the server does not wait for it. ``rows``: the
+        change is sparse, the whole values then these relation rows' (ascending; job/train/distributed/
+        shared_rows.py), and no sum comes back (None is returned in its place: ``pull`` the rows a bucket reads)."""
         request = Next(held=frozenset((k[0], int(k[1])) for k in held), finished=finished, record=record,
-                       leaving=leaving, gave_up=gave_up)
-        reply = self._ask(request, Granted, change)
+                       leaving=leaving, gave_up=gave_up, rows=tuple(int(r) for r in rows) if rows is not None else None)
+        reply = self._ask(request, Granted, change, back=rows is None)
         self.last_why = reply.why
         self.last_holders = reply.holders
-        return reply.kind, reply.bucket, set(reply.dirty), change
+        return reply.kind, reply.bucket, set(reply.dirty), change if rows is None else None
+
+    def pull(self, rows: Sequence[int], into: torch.Tensor) -> torch.Tensor:
+        """The current values of the whole part and of relation ``rows`` (ascending), received into ``into`` (a
+        contiguous float32 CPU vector of the sparse payload's size, ``RowLayout.count``) and returned."""
+        if self.transport is None:
+            raise ValueError(f"lock client of rank {self.rank}{self.channel}: no transport for shared parameters")
+        tag = self.transport.next_tag()
+        self._ask(Pull(rows=tuple(int(r) for r in rows), tag=tag), Done)
+        try:
+            self.transport.recv(into, SERVER_RANK, tag)
+        except TransferError as err:
+            raise LockServerError(f"lock server (rank 0): the pulled rows did not travel: {err}") from err
+        return into
 
     def reserve(self, leaving: Sequence[PartitionKey] = ()) -> tuple[Optional[Bucket], set]:
         """This rank's next bucket, granted while the current one trains (None: not now), and the partitions

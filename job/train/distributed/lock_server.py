@@ -38,8 +38,10 @@ from job.train.distributed.protocol import (
     request_queue,
     response_queue,
 )
+from job.train.distributed.pull_serving import PullServing
 from job.train.distributed.request_gate import RequestGate
 from job.train.distributed.server_stats import ServerStats, Stopwatch
+from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
 from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
@@ -50,7 +52,7 @@ logger = logging.getLogger("biggraph")
 __all__ = ["LockServer"]
 
 
-class LockServer(RequestHandlers):
+class LockServer(RequestHandlers, PullServing):
     """Serves ``LockState`` and the shared-parameter vector to every rank: requests over the store's queues, the
     shared parameters over ``transport`` (job/train/distributed/transport.py).
 
@@ -80,13 +82,15 @@ class LockServer(RequestHandlers):
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
-                 lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None) -> None:
+                 lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None,
+                 layout: Optional[RowLayout] = None) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
         result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
         the round ends as the server's process knows it (a SIGTERM, a peer declared dead: ``DistributedContext``),
         None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused; ``world_size``:
-        the group's, whose ranks alone are served (None: any rank >= 0)."""
+        the group's, whose ranks alone are served (None: any rank >= 0); ``layout``: which values of ``shared`` are
+        relation rows, for sparse changes and pulls (job/train/distributed/shared_rows.py; None: none are)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the serving thread's connection)
@@ -98,7 +102,10 @@ class LockServer(RequestHandlers):
         self.transport = transport
         self.state = state
         self.progress = progress
-        self.vector = SharedVector(shared)
+        self.layout = layout if layout is not None else RowLayout.dense(int(shared.size))
+        if self.layout.size != shared.size:
+            raise ValueError(f"a row layout of {self.layout.size} values for a shared vector of {shared.size}")
+        self.vector = SharedVector(shared, layout=self.layout)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self._failed: Optional[str] = None  # a progress write failed: every request is refused with this
@@ -194,9 +201,9 @@ class LockServer(RequestHandlers):
                                               "over"))
         elif rank in self._lost():  # fenced: nothing it wrote since may be recorded (its buckets are redone)
             self._refuse(job, LockServerError(f"rank {rank} was declared dead; its round is over"))
-        elif incoming.envelope.payload is None:
+        elif incoming.envelope.payload is None and incoming.op != "pull":
             self._judge(job, None)
-        else:
+        else:  # a change to receive, or a pull to send (each needs a buffer, and its peer free of transfers)
             self._waiting.append(job)
             self._dispatch()
 
@@ -210,7 +217,10 @@ class LockServer(RequestHandlers):
             if self._flights.busy(job.rank):
                 continue  # its sum not yet reported taken: a correct client asks again only after taking it
             payload = job.incoming.envelope.payload
-            assert payload is not None  # only a request with a payload waits
+            if payload is None:  # a pull: its values leave from a buffer of their own once it is judged
+                if self._dispatch_pull(job):
+                    self._waiting.remove(job)
+                continue
             values, tag = payload.values, payload.tag
             if values > self._drain_limit:  # no buffer is sized from what a peer claims: refused unreceived, and its
                 # transfer pair is left unusable, so the rank is treated as gone
@@ -224,6 +234,11 @@ class LockServer(RequestHandlers):
                 if slot is None:
                     continue  # every slot held: it waits for one
                 buffer, is_slot = slot, True
+            elif values < self.vector.size and "rows" in job.incoming.fields:  # a sparse change
+                sparse = self._slots.take_sparse(values)
+                if sparse is None:
+                    continue  # the sparse buffers' bound reached: it waits for one to end
+                buffer, is_slot = sparse, False
             else:  # taken only to be refused, so that its sender is not left waiting (at most the vector's size:
                 # ``read_incoming`` refuses a larger announcement)
                 buffer, is_slot = torch.empty(values, dtype=torch.float32), False
@@ -314,27 +329,37 @@ class LockServer(RequestHandlers):
             logger.warning("lock server: the shared parameters did not reach rank %d or come from it (%s); it is "
                            "treated as gone, its requests refused", rank, why)
 
-    def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False) -> None:
+    def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False,
+               pull_into: Optional[torch.Tensor] = None) -> None:
         """Handle a request (its change arrived into ``buffer``): answered at once if it changed nothing to store,
-        else handed to the committer (the reply, and the sum, leave once its records are stored)."""
+        else handed to the committer (the reply, and the sum, leave once its records are stored). ``pull_into``: a
+        pull's buffer, its values sent after the reply."""
         work = VectorWork(change=buffer.numpy() if buffer is not None else None)
         try:
             with Stopwatch() as watch:
                 request = protocol.decode_request(job.incoming)
                 reply, records = self._handle(job.rank, request, work)
+                if work.pull is not None and (pull_into is None
+                                              or pull_into.numel() != self.layout.count(work.pull.size)):
+                    raise ProtocolError(f"a pull of {work.pull.size} rows without its buffer")
         except Exception as err:  # noqa: BLE001 - answered: the client raises with this message
-            if buffer is not None:
-                self._slots.settle(slot, buffer, well=True)
+            for held, is_slot in ((buffer, slot), (pull_into, False)):
+                if held is not None:
+                    self._slots.settle(is_slot, held, well=True)
             self._refuse(job, err)
             return
         with self.lock:
             self._stats.judged(job.incoming.op, watch.seconds)
+        if work.pull is not None and pull_into is not None and isinstance(request, protocol.Pull):
+            self._send_pull(job, work.pull, pull_into, request.tag)
+            return
         if not records and work.change is None and work.unsaved is None:
             self._push(job, reply)
             return
         with self.lock:
             self._unanswered += 1
-        self._committer.submit(Commit(job, reply, records, work, buffer, slot, wants_sum=buffer is not None))
+        self._committer.submit(Commit(job, reply, records, work, buffer, slot,
+                                      wants_sum=buffer is not None and work.rows is None))
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
         logger.warning("lock server: %s request of rank %s refused: %s: %s", job.incoming.op, job.rank,

@@ -2,7 +2,8 @@
 
 Both ends import this module and nothing of each other. A request is one frozen dataclass per operation, in an
 ``Envelope`` saying who asks (rank, and channel: a second client of a rank gets its replies on a queue of its own)
-and whether a shared-parameter change travels with it (``Payload``: how many values, under which transport tag). A
+and whether a shared-parameter change travels with it (``Payload``: how many values, under which transport tag; a
+sparse one names its relation ``rows``, and ``Pull`` asks for rows: job/train/distributed/shared_rows.py). A
 reply is one dataclass per answer; ``Refusal`` answers anything the server could not do, so that a client never
 waits out its timeout on a request the server read.
 
@@ -25,6 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
 
 from job.train.distributed import auth
+from job.train.distributed.wire_fields import ProtocolError, Staged
+from job.train.distributed.wire_fields import bucket as _decode_bucket
+from job.train.distributed.wire_fields import integer as _int
+from job.train.distributed.wire_fields import key_list as _key_list
+from job.train.distributed.wire_fields import required as _required
+from job.train.distributed.wire_fields import rows as _rows
+from job.train.distributed.wire_fields import staged as _staged
+from job.train.distributed.wire_fields import tagged as _tagged
 from job.types import Bucket, PartitionKey
 
 # the store queues live under a prefix of the group's round (``DistributedContext.key("lock")``), so that a request
@@ -61,20 +70,11 @@ def refusal(op: str, error: Any) -> LockServerError:
     return RoundGone(text) if ended else LockServerError(text)
 
 
-class ProtocolError(ValueError):
-    """A message that does not follow the protocol: not JSON, an unknown operation, a missing or mistyped field."""
-
-
 class Unauthentic(ProtocolError):
     """A message whose MAC fails under the group's secret and scope (forged, another round's, another's reply)."""
 
 
 # requests ---------------------------------------------------------------------------------------------------------
-# a staged file of a write group: (entity type, partition, its staged name), then its size and CRC-32 when the
-# writer knows them (job/checkpoint/write_groups.py: the commit after a restart reads nothing it already knows)
-Staged = tuple[Any, ...]
-
-
 @dataclass(frozen=True)
 class Next:
     """Finish ``finished`` (its stats ``record``; with a payload, the shared-parameter change it made) and ask for the
@@ -86,6 +86,9 @@ class Next:
     record: Optional[dict[str, Any]] = None
     leaving: Optional[str] = None
     gave_up: bool = False
+    # the payload is sparse: the whole values, then these relation rows' (job/train/distributed/shared_rows.py), and
+    # no sum comes back (the trainer pulls the rows its next bucket reads); None: a whole change, the sum back
+    rows: Optional[tuple[int, ...]] = None
     op = "next"
 
 
@@ -139,7 +142,17 @@ class Stop:
     op = "stop"
 
 
-Request = Union[Next, Reserve, Release, Written, Sync, Status, Stop]
+@dataclass(frozen=True)
+class Pull:
+    """The current values of the shared parameters' whole part and of relation ``rows`` (ascending), sent after the
+    reply under transport ``tag`` (a sparse payload, job/train/distributed/shared_rows.py): the rows a bucket reads."""
+
+    rows: tuple[int, ...]
+    tag: int
+    op = "pull"
+
+
+Request = Union[Next, Reserve, Release, Written, Sync, Status, Stop, Pull]
 
 
 @dataclass(frozen=True)
@@ -196,7 +209,8 @@ class Reserved:
 
 @dataclass(frozen=True)
 class Done:
-    """The answer to ``release``, ``written`` and ``sync`` (the sum of a sync follows over the transport)."""
+    """The answer to ``release``, ``written``, ``sync`` and ``pull`` (a sync's sum, a pull's rows follow over the
+    transport)."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +249,8 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
             message["leaving"] = request.leaving
         if request.gave_up:
             message["gave_up"] = True
+        if request.rows is not None:
+            message["rows"] = list(request.rows)
     elif isinstance(request, Reserve):
         message["leaving"] = _keys(request.leaving)
     elif isinstance(request, Release):
@@ -244,6 +260,8 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
         message.update(keys=_keys(request.keys), staged=[[s[0], int(s[1]), *s[2:]] for s in request.staged])
     elif isinstance(request, Stop):
         message["server"] = request.server
+    elif isinstance(request, Pull):
+        message.update(rows=list(request.rows), pull_tag=request.tag)
     if envelope.payload is not None:
         message.update(values=envelope.payload.values, tag=envelope.payload.tag)
     return seal(message, scope)
@@ -301,67 +319,25 @@ def unpack(raw: bytes) -> dict[str, Any]:
     raise ProtocolError("the message is not a JSON object")
 
 
-# decoding ---------------------------------------------------------------------------------------------------------
-
-def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{what} is not an integer: {value!r}")
-    return value
-
-
-def _key(value: Any, what: str) -> PartitionKey:
-    if not isinstance(value, (list, tuple)) or len(value) != 2 or not isinstance(value[0], str):
-        raise ProtocolError(f"{what} is not a partition [entity type, partition]: {value!r}")
-    return value[0], _int(value[1], what)
-
-
-def _key_list(value: Any, what: str) -> tuple[PartitionKey, ...]:
-    if not isinstance(value, list):
-        raise ProtocolError(f"{what} is not a list: {value!r}")
-    return tuple(_key(k, what) for k in value)
-
-
-def _decode_bucket(value: Any, what: str) -> Optional[Bucket]:
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ProtocolError(f"{what} is not a bucket [lhs, rhs]: {value!r}")
-    return Bucket(_int(value[0], what), _int(value[1], what))
-
-
-def _staged(value: Any) -> Staged:
-    if not isinstance(value, (list, tuple)) or len(value) not in (3, 5) or not isinstance(value[0], str) \
-            or not isinstance(value[2], str) or (len(value) == 5 and not isinstance(value[4], str)):
-        raise ProtocolError(f"'staged' holds {value!r}, not [entity type, partition, name] or [entity type, "
-                            "partition, name, size, crc32]")
-    if len(value) == 5:
-        size = _int(value[3], "'staged' size")
-        if size < 0:
-            raise ProtocolError(f"'staged' holds {value!r}: a negative size")
-        return value[0], _int(value[1], "'staged'"), value[2], size, value[4]
-    return value[0], _int(value[1], "'staged'"), value[2]
-
-
-def _required(fields: Mapping[str, Any], name: str) -> Any:
-    if name not in fields:
-        raise ProtocolError(f"KeyError: no {name!r}")
-    return fields[name]
-
+# decoding (the field checks: job/train/distributed/wire_fields.py) -------------------------------------------
 
 def _next(fields: Mapping[str, Any]) -> Next:
     record = fields.get("record")
     if record is not None and not isinstance(record, dict):
         raise ProtocolError(f"'record' is not an object: {record!r}")
     leaving = fields.get("leaving")
+    rows = fields.get("rows")
     return Next(held=frozenset(_key_list(fields.get("held", []), "'held'")),
                 finished=_decode_bucket(fields.get("finished"), "'finished'"), record=record,
-                leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)))
+                leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)),
+                rows=_rows(rows, "'rows'") if rows is not None else None)
 
 
-def _tagged(value: Any, what: str, ints: int) -> tuple[Any, ...]:  # ``kept`` (``ints``: 1), ``holders`` (2)
-    if type(value) is not list or any(type(e) is not list or [*map(type, e)] != [str, *[int] * ints, str] for e in value):
-        raise ProtocolError(f"{what} is not a list of [type, partition, ..., digest]: {value!r}")
-    return tuple(tuple(e) for e in value)
+def _pull(fields: Mapping[str, Any]) -> Pull:
+    tag = _int(_required(fields, "pull_tag"), "'pull_tag'")
+    if tag < 0:
+        raise ProtocolError(f"'pull_tag' is negative: {tag}")
+    return Pull(rows=_rows(_required(fields, "rows"), "'rows'"), tag=tag)
 
 
 def _release(fields: Mapping[str, Any]) -> Release:
@@ -384,6 +360,7 @@ _DECODERS: dict[str, Callable[[Mapping[str, Any]], Request]] = {
     "sync": lambda f: Sync(),
     "status": lambda f: Status(),
     "stop": lambda f: Stop(server=str(_required(f, "server"))),
+    "pull": _pull,
 }
 
 

@@ -16,6 +16,7 @@ needed after a restart (which redoes unsaved buckets), so the files are unnamed 
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import IO, Optional
@@ -23,6 +24,7 @@ from typing import IO, Optional
 import numpy as np
 
 from job.checkpoint.group_progress import VectorBlocks
+from job.train.distributed.shared_rows import RowLayout
 from job.train.residency.budget import PENDING_VECTORS
 from job.types import Bucket
 
@@ -30,8 +32,11 @@ from job.types import Bucket
 class SharedVector:
     """The served, stored and pending parts of the shared-parameter vector (float32, one flat vector)."""
 
-    def __init__(self, initial: np.ndarray, in_memory: int = PENDING_VECTORS) -> None:
+    def __init__(self, initial: np.ndarray, in_memory: int = PENDING_VECTORS,
+                 layout: Optional[RowLayout] = None) -> None:
         self.served = initial.astype(np.float32, copy=True)
+        # which values are relation rows (a sparse change's positions: job/train/distributed/shared_rows.py)
+        self.layout = layout if layout is not None else RowLayout.dense(self.served.size)
         self.stored = self.served.copy()  # the updates of the buckets done and saved: what a restart resumes
         self.persisted = self.stored.copy()  # ``stored`` as the progress files last left it (``changed_blocks``)
         # the update of each bucket done but not yet saved: its non-zero values (a bucket touches few relations),
@@ -42,6 +47,9 @@ class SharedVector:
         self._budget = in_memory * 4 * self.served.size  # bytes of pending updates held in memory, at most
         self.held_bytes = 0  # the pool's vectors and the sparse updates held now
         self.spilled = 0  # updates written to a temporary file so far (how often the bound was reached)
+        # held by the committer while it changes ``served``, and by the serving thread while it reads a pull's
+        # rows from it: a pull sees every change committed before it whole, never a half-added one
+        self.lock = threading.Lock()
 
     @property
     def pending_in_memory(self) -> int:
@@ -59,14 +67,40 @@ class SharedVector:
                              f"{self.served.size} (trainers built with different models?)")
         return change
 
-    def add(self, change: np.ndarray) -> None:
-        """Serve ``change`` from now on (a bucket's, or a sync's outside any bucket)."""
-        self.served += self.check(change)
+    def add(self, change: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+        """Serve ``change`` from now on (a bucket's, or a sync's outside any bucket); ``rows``: a sparse change's
+        relation rows (checked: ``RowLayout.check``), else a whole vector."""
+        if rows is not None:
+            self.layout.scatter_add(self.served, rows, change)
+        else:
+            self.served += self.check(change)
 
-    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool) -> bool:
-        """``bucket`` is done with ``change`` (already served): stored now if it is ``saved`` (no partition of its
-        own left to write), else pending until its write; whether ``stored`` changed."""
-        if saved:
+    def gather(self, rows: np.ndarray, into: np.ndarray) -> None:
+        """The served values of a pull of ``rows`` into ``into``, with every committed change whole."""
+        with self.lock:
+            self.layout.gather(self.served, rows, into)
+
+    def finish(self, bucket: Bucket, change: np.ndarray, saved: bool, rows: Optional[np.ndarray] = None) -> bool:
+        """``bucket`` is done with ``change`` (already served; ``rows``: a sparse one's relation rows): stored now if it
+        is ``saved`` (no partition of its own left to write), else pending until its write; whether ``stored``
+        changed."""
+        if rows is not None:
+            if saved:
+                self.layout.scatter_add(self.stored, rows, change)
+                return True
+            # kept as its rows and values (4 bytes a row and a value)
+            rows32 = rows.astype(np.int32)
+            update = Pending(rows=rows32, values=change.copy(), nbytes=4 * (rows.size + change.size))
+            if self.held_bytes + update.nbytes <= self._budget:
+                self.pending[bucket] = update
+                self.held_bytes += update.nbytes
+            else:  # beyond the bound: in a temporary file, a few hundred KB (not the whole vector)
+                spill = tempfile.TemporaryFile()
+                spill.write(rows32.tobytes() + np.ascontiguousarray(change, np.float32).tobytes())
+                self.pending[bucket] = Pending(file=spill, rows=np.zeros(rows.size, np.int32), nbytes=0)
+                self.spilled += 1
+            return False
+        elif saved:
             self.stored += change
             return True
         # by blocks of BLOCK values (a relation's row spans a few): which hold a non-zero value, found in well under
@@ -110,7 +144,18 @@ class SharedVector:
         saved = [b for b in self.pending if b not in unsaved]
         for b in saved:
             update = self.pending.pop(b)
-            if update.index is not None and update.values is not None and update.tail is not None:
+            if update.rows is not None:  # a sparse change's (in memory, or its file: rows then values)
+                if update.file is not None:
+                    update.file.seek(0)
+                    raw = update.file.read()
+                    update.file.close()
+                    cut = 4 * update.rows.size
+                    update.rows = np.frombuffer(raw[:cut], dtype=np.int32)
+                    update.values = np.frombuffer(raw[cut:], dtype=np.float32)
+                assert update.values is not None
+                self.layout.scatter_add(self.stored, update.rows, update.values)
+                self.held_bytes -= update.nbytes
+            elif update.index is not None and update.values is not None and update.tail is not None:
                 whole = self.stored.size - update.tail.size
                 self.stored[:whole].reshape(-1, BLOCK)[update.index] += update.values
                 self.stored[whole:] += update.tail
@@ -134,7 +179,9 @@ BLOCK = 64
 @dataclass
 class Pending:
     """One bucket's update waiting for its save: by blocks (``index`` of the blocks, their ``values``, the ``tail``
-    after the last whole block: ``nbytes`` in all), whole (``dense``, a pool vector) or in a temporary ``file``."""
+    after the last whole block: ``nbytes`` in all), by relation ``rows`` (a sparse change: its ``values``, or with
+    ``file``, both in it), whole
+    (``dense``, a pool vector) or in a temporary ``file``."""
 
     index: Optional[np.ndarray] = None
     values: Optional[np.ndarray] = None
@@ -142,3 +189,4 @@ class Pending:
     nbytes: int = 0
     dense: Optional[np.ndarray] = None
     file: Optional[IO[bytes]] = None
+    rows: Optional[np.ndarray] = None

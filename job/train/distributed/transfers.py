@@ -31,18 +31,32 @@ import torch
 
 from job.train.distributed.protocol import Incoming
 from job.train.distributed.transport import Transfer, TransferError
-from job.train.residency.budget import TRANSFER_SLOTS
+from job.train.residency.budget import SPARSE_TRANSFER_VECTORS, TRANSFER_SLOTS
 
 
 class TransferSlots:
     """Up to ``limit`` vectors of ``values`` float32s, allocated when first needed and reused after a transfer
     that ended well; one given up (``retire``) frees its place only once its transfer has ended."""
 
-    def __init__(self, values: int, limit: int = TRANSFER_SLOTS) -> None:
+    def __init__(self, values: int, limit: int = TRANSFER_SLOTS, sparse_vectors: int = SPARSE_TRANSFER_VECTORS) -> None:
         self.values = values
         self.limit = limit
         self._free: list[torch.Tensor] = []
         self.held = 0  # slots in use or retired but still in gloo's hands
+        # sparse payloads (a bucket's rows, a pull's): buffers of their own size, ``sparse_limit`` values in all
+        self.sparse_limit = sparse_vectors * values
+        self.sparse_held = 0
+        self._sparse: set[int] = set()  # ids of the sparse buffers held
+
+    def take_sparse(self, values: int) -> Optional[torch.Tensor]:
+        """A buffer of ``values`` for a sparse payload, or None while the sparse ones held leave no room (one at a
+        time always fits: a sparse payload is at most the vector's size)."""
+        if self.sparse_held and self.sparse_held + values > self.sparse_limit:
+            return None
+        buffer = torch.empty(values, dtype=torch.float32)
+        self.sparse_held += values
+        self._sparse.add(id(buffer))
+        return buffer
 
     def take(self) -> Optional[torch.Tensor]:
         """A free slot, or None when ``limit`` are held."""
@@ -67,6 +81,9 @@ class TransferSlots:
                 self.give_back(buffer)
             else:
                 self.drop()
+        elif id(buffer) in self._sparse:  # (one whose transfer failed too: gloo is done with it once it ended)
+            self._sparse.discard(id(buffer))
+            self.sparse_held -= buffer.numel()
 
     def drop(self) -> None:
         """A slot whose transfer failed: its buffer is let go (gloo is done with it) and a fresh one may be made."""

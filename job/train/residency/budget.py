@@ -205,8 +205,12 @@ TRANSFER_SLOTS = 3  # vectors for transfers in flight: up to two frozen peers le
 # updates of buckets done but not yet saved that the server keeps in memory (``SharedVector``); more wait in local
 # temporary files, so rank 0's memory does not grow with the group
 PENDING_VECTORS = 4
-CLIENT_VECTORS = 2
-SERVER_VECTORS = 3 + TRANSFER_SLOTS + PENDING_VECTORS  # served, stored, persisted (what the progress files hold)
+# the server's buffers of sparse payloads in flight (a bucket's changed rows, a pull's rows: job/train/distributed/
+# shared_rows.py), this many vectors' values in all; a sparse payload past them waits for one to end
+SPARSE_TRANSFER_VECTORS = 1
+CLIENT_VECTORS = 3  # synced, the transfer buffer, a sparse payload or pull (at most half a vector)
+# served, stored, persisted (what the progress files hold)
+SERVER_VECTORS = 3 + TRANSFER_SLOTS + PENDING_VECTORS + SPARSE_TRANSFER_VECTORS
 
 
 def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[int]]) -> int:
@@ -223,5 +227,6 @@ def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[
 def sync_memory_bytes(values: int, serves: bool) -> int:
     """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
     ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (served, stored, persisted, the transfer
-    slots, and at most ``PENDING_VECTORS`` updates of buckets done but not yet saved: the rest wait on local disk)."""
+    slots, the sparse payloads' buffers, and at most ``PENDING_VECTORS`` updates of buckets done but not yet saved:
+    the rest wait on local disk)."""
     return 4 * values * (CLIENT_VECTORS + (SERVER_VECTORS if serves else 0))

@@ -8,7 +8,8 @@ says what they are for, and how prefetch and pass results work in both modes) se
   restart) and commits.
 - ``SharedSync``: relation parameters, global embeddings and unpartitioned tables pushed and pulled through the
   lock server at every bucket boundary (the request through the store, the vectors point-to-point with rank 0:
-  job/train/distributed/transport.py).
+  job/train/distributed/transport.py); with dynamic relations a bucket pushes only the relation rows it changed and
+  pulls only those its edges name (job/train/distributed/shared_rows.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.shared_params import SharedParameters
+from job.train.distributed.shared_rows import RowLayout
 from job.train.elastic.budget import note_progress
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.clock import BucketClock
@@ -68,7 +70,7 @@ class LockServerScheduler(BucketScheduler):
 
     def __init__(self, ctx: DistributedContext, config: ConfigSchema, store: PartitionStore,
                  checkpoint: CheckpointStorage, nparts: tuple[int, int], progress: Optional[Progress],
-                 shared_values: Callable[[], np.ndarray]) -> None:
+                 shared_values: Callable[[], np.ndarray], layout: Optional[RowLayout] = None) -> None:
         self.ctx = ctx
         self.config = config
         self.store = store
@@ -76,6 +78,7 @@ class LockServerScheduler(BucketScheduler):
         self.nparts = nparts
         self.progress = progress  # the interrupted pass's state, for the first pass after a restart
         self.shared_values = shared_values
+        self.layout = layout  # which shared values are relation rows (sparse changes and pulls)
         self.commits = ctx.rank == 0
         self.bucket_keys = bucket_locks(config, *nparts)
         if ctx.transport is None:
@@ -131,7 +134,7 @@ class LockServerScheduler(BucketScheduler):
             log.start(state.to_json(), shared)
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
-                                     world_size=self.ctx.world_size)
+                                     world_size=self.ctx.world_size, layout=self.layout)
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
@@ -146,12 +149,14 @@ class LockServerScheduler(BucketScheduler):
                 self.clock.finish(time.monotonic())
                 note_progress()  # this round made progress (the failure budget: job/train/elastic/budget.py)
             held = self.store.resident_partitioned()
-            kind, bucket, dirty, shared = self.client.finish_and_next(
-                held, self.current, finished, carry.change() if carry is not None else None, leaving=leaving)
+            change, rows = carry.outgoing() if carry is not None else (None, None)  # sparse: the rows it changed
+            kind, bucket, dirty, shared = self.client.finish_and_next(held, self.current, finished, change,
+                                                                      leaving=leaving,
+                                                                      rows=None if rows is None else rows.tolist())
             if self.handoff is not None and bucket is not None:
                 self.handoff.hint(self.bucket_keys[bucket] - held, self.client.last_holders)
-            if carry is not None and shared is not None:
-                carry.assign(shared)
+            if carry is not None:
+                carry.taken(shared)
             self.current, finished = None, None
             self.store.set_written(dirty)
             if self._written_seen is not None and len(dirty) > self._written_seen:
@@ -348,9 +353,10 @@ class LockServerScheduler(BucketScheduler):
         self.server.stop()
         stats = self.server.stats()
         logger.info("lock server: %d requests served in %.2f s of its thread (%.2f s of CPU); its committer %.2f s "
-                    "(%.2f s of CPU, %.2f s writing %d progress objects)", sum(op["count"] for op in stats["ops"].values()),
-                    stats["busy_s"], stats["cpu_s"], stats["committer"]["busy_s"], stats["committer"]["cpu_s"],
-                    stats["progress_s"], stats["appends"])
+                    "(%.2f s of CPU, %.2f s writing %d progress objects); requests by kind %s",
+                    sum(op["count"] for op in stats["ops"].values()), stats["busy_s"], stats["cpu_s"],
+                    stats["committer"]["busy_s"], stats["committer"]["cpu_s"], stats["progress_s"], stats["appends"],
+                    json.dumps({name: op["count"] for name, op in sorted(stats["ops"].items())}))
         return PassGather(records=records, others_io=others, world_size=self.ctx.world_size,
                           restart_count=self.ctx.restart_count, buckets_redone=self.server.state.redone)
 
@@ -377,6 +383,12 @@ class SharedSync(ParameterSync):
 
     def pull(self) -> None:
         self.shared.assign(self.scheduler.client.sync(self.shared.no_change()))
+
+    def prepare(self, edges: Any) -> None:
+        """The bucket's edges are read: take the group's values of the relation rows they name (the others may stay
+        stale, nothing reads them: ``SharedParameters.pull``)."""
+        if self.scheduler.current is not None:
+            self.shared.pull(self.scheduler.client, edges.rel)
 
     def sync(self) -> None:
         if self.scheduler.current is not None:

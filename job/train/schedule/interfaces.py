@@ -156,6 +156,10 @@ class ParameterSync:
         """At a bucket boundary: push this process's change, take the sum."""
         return None
 
+    def prepare(self, edges: Any) -> None:
+        """A bucket's edges are read, before it trains: take the group's values of what they read."""
+        return None
+
     def settle(self) -> None:
         """After the pass's last sync: the committing process takes the final values."""
         return None
