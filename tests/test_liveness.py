@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -237,3 +238,22 @@ def test_rank_0_leaving_before_it_read_a_peers_hello_is_not_a_loss() -> None:
     finally:
         peer.close()
         listener.close()
+
+
+def test_rank_0s_goodbye_ends_the_stream_in_order_even_with_bytes_it_never_read() -> None:
+    """Rank 0 leaving with a peer's bytes unread (a hello that came after the watcher's last read): its close must not
+    become a reset. The peer reads the goodbye and then the end of the stream; a plain close would have sent a
+    reset (and dropped a goodbye that Nagle's algorithm still held), which the peer takes for rank 0's death."""
+    from job.train.distributed.liveness import _part
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname()[:2], timeout=5)
+        conn, _ = listener.accept()
+        with peer, conn:
+            conn.setblocking(False)
+            peer.sendall(b"a hello rank 0 never read\n")
+            assert wait_until(lambda: bool(select.select([conn], [], [], 0)[0]), 5)  # the peer's bytes arrived
+            _part(conn)
+            conn.close()
+            assert peer.recv(64) == BYE
+            assert peer.recv(64) == b""  # the end of the stream: not ConnectionResetError

@@ -131,7 +131,8 @@ class Liveness:
                     sock: socket.socket = key.fileobj  # type: ignore[assignment]
                     if sock is self._wake[0]:
                         # leaving in order: the peers stop watching (one whose hello is not read yet too)
-                        _send_all({**peers, **dict.fromkeys(hellos, -1)}, BYE)
+                        for conn in [*peers, *hellos]:
+                            _part(conn)
                         return
                     if sock is self._listener:
                         if not self._accept(selector, hellos):
@@ -389,6 +390,27 @@ def _send_all(peers: dict[socket.socket, int], data: bytes) -> None:
             sock.send(data)
         except OSError:
             pass
+
+
+def _part(sock: socket.socket) -> None:
+    """Rank 0 leaving in order: a goodbye that reaches the peer as a goodbye, never as a reset.
+
+    Closing a TCP socket with bytes it never read (a hello that arrived after the watcher's last read) makes the
+    kernel send a reset and drop what it had not sent yet: a goodbye held back by Nagle's algorithm was lost that
+    way, and the peer took rank 0's orderly leaving for its death (exit 76; CI's test_startup). So: the goodbye,
+    then a half-close that pushes it out at once with the end of the stream behind it, then every unread byte
+    read, so that the close is a plain one. A reset after that (a peer writing to the closed socket) comes behind
+    the goodbye, which the peer reads first."""
+    try:
+        sock.send(BYE)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:  # the peer is gone, or its buffer is full: it has its own timeout
+        pass
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:  # nothing more to read now (non-blocking), or reset
+        pass
 
 
 def _goodbye(sock: socket.socket) -> None:
