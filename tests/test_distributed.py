@@ -281,7 +281,7 @@ def test_two_nodes_with_sparse_shared_parameters_train_every_bucket_once_with_mr
     assert set(codes.values()) == {0}, agents.tail()
     records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
     assert_each_bucket_once_per_epoch(records, 8)
-    pulls = [int(n) for n in re.findall(r'requests served \(\{[^)]*"pull": (\d+)', agents.text())]
+    pulls = [int(n) for n in re.findall(r'requests by kind \{[^}]*"pull": (\d+)', agents.text())]
     assert len(pulls) == 8 and min(pulls) > 0, pulls  # every pass's buckets pulled their rows
     mrr = filtered_mrr(umls_p4, path)
     assert mrr == pytest.approx(single_machine_mrr, abs=0.06), (mrr, single_machine_mrr)
