@@ -78,10 +78,12 @@ from storage_bench import start_fake_s3  # noqa: E402
 from test_chart import render  # noqa: E402
 
 import storage_adapters as storage  # noqa: E402
-from job.formats.entities import read_entity_counts  # noqa: E402
+from job.formats.entities import read_dynamic_rel_names, read_entity_counts  # noqa: E402
 
 PARTITIONS = 16
 RELATIONS = 10
+COUNTER = "chaos_counter"
+DYNAMIC_VARIANTS = 400  # --dynamic-relations: 4,000 relation names, ~940 edges a bucket touch ~840 of their rows
 BUCKET = "chaos"
 SECRET = "chaos-s3"
 CREDENTIAL = "bench"  # moto takes any
@@ -93,6 +95,7 @@ class GraphShape:
     edges: int
     test_fraction: float
     seed: int
+    counter_in_test: bool = False  # --dynamic-relations: 4,000 relation names, the counter named by one test edge
 
 
 def write_graph(work: Path, shape: GraphShape) -> tuple[Path, Path]:
@@ -104,9 +107,15 @@ def write_graph(work: Path, shape: GraphShape) -> tuple[Path, Path]:
     lhs = rng.integers(0, shape.entities, shape.edges)
     rel = rng.integers(0, RELATIONS, shape.edges)
     rhs = perms[rel, lhs % communities] + communities * rng.integers(0, shape.entities // communities, shape.edges)
-    rows = [f"e{a}\tr{r}\te{b}" for a, r, b in zip(lhs.tolist(), rel.tolist(), rhs.tolist())]
+    names = [f"r{r}" for r in rel.tolist()]
+    if shape.counter_in_test:  # many relation names (each a variant of one of the ten), so a bucket touches few rows
+        names = [f"{n}_{v}" for n, v in zip(names, rng.integers(0, DYNAMIC_VARIANTS, shape.edges).tolist())]
+    rows = [f"e{a}\t{n}\te{b}" for a, n, b in zip(lhs.tolist(), names, rhs.tolist())]
     test = int(len(rows) * shape.test_fraction)
     train_file, test_file = work / "train.tsv", work / "test.tsv"
+    if shape.counter_in_test:  # the counter's name for the dynamic relations' dictionary, no training edge
+        rows.insert(0, f"e0\t{COUNTER}\te1")
+        test += 1
     train_file.write_text("\n".join(rows[test:]) + "\n")
     test_file.write_text("\n".join(rows[:test]) + "\n")
     return train_file, test_file
@@ -117,7 +126,11 @@ def training_config(args: argparse.Namespace, data: str, checkpoint: str) -> dic
     under 4-8 pods), the counter relation last."""
     relations = [{"name": f"r{i}", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}
                  for i in range(RELATIONS)]
-    relations.append({"name": "chaos_counter", "lhs": "node", "rhs": "node", "operator": "translation"})
+    relations.append({"name": COUNTER, "lhs": "node", "rhs": "node", "operator": "translation"})
+    dynamic = {}
+    if args.dynamic_relations:  # one operator for every relation, a row each: the sparse shared exchange's case
+        relations = [{"name": "all", "lhs": "node", "rhs": "node", "operator": "translation"}]
+        dynamic = {"dynamic_relations": True, "global_emb": False}
     return {
         "entity_path": f"{data}/entities", "edge_paths": [f"{data}/train"], "checkpoint_path": checkpoint,
         "entities": {"node": {"num_partitions": PARTITIONS}}, "relations": relations,
@@ -125,7 +138,7 @@ def training_config(args: argparse.Namespace, data: str, checkpoint: str) -> dic
         "num_batch_negs": 50, "num_uniform_negs": 50, "batch_size": 500, "lr": 0.1, "eval_fraction": 0.0,
         "workers": 1, "partition_buffer": 3, "seed": args.seed,
         "num_edge_chunks": 1,  # said, not found out: counting would ask S3 for the size of 256 files per restart
-        **dict(parse_setting(item) for item in args.config),
+        **dynamic, **dict(parse_setting(item) for item in args.config),
     }
 
 
@@ -149,7 +162,8 @@ def import_graph(work: Path, config: dict[str, Any], files: tuple[Path, Path], d
         raise RuntimeError(f"biggraph import exited {done.returncode}: {done.stderr[-2000:]}")
 
 
-def build_box(args: argparse.Namespace, work: Path, config: dict[str, Any], port: int) -> ClusterBox:
+def build_box(args: argparse.Namespace, work: Path, config: dict[str, Any], port: int,
+              expected: Expected) -> ClusterBox:
     """The chart rendered for the run, and its box (not started)."""
     subnet = free_subnet()
     endpoint = f"http://{subnet}.1:{port}"  # the box's host address (ClusterBox.host_address)
@@ -167,7 +181,8 @@ def build_box(args: argparse.Namespace, work: Path, config: dict[str, Any], port
                      subnet=subnet, backoff_limit_per_index=int(job["spec"]["backoffLimitPerIndex"]),
                      secrets={SECRET: {"AWS_ACCESS_KEY_ID": CREDENTIAL, "AWS_SECRET_ACCESS_KEY": CREDENTIAL}},
                      extra_env={"BIGGRAPH_NATIVE_CACHE": str(work / "native"), "PYTHONPATH": f"{hooks}:{ROOT}",
-                                "BIGGRAPH_CHAOS_COUNTER": str(RELATIONS)})
+                                "BIGGRAPH_CHAOS_COUNTER": str(expected.counter_relation),
+                                "BIGGRAPH_CHAOS_COUNTER_DYNAMIC": "1" if expected.dynamic else "0"})
     assert box.host_address == f"{subnet}.1"
     return box
 
@@ -194,12 +209,17 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         checkpoint = f"s3://{BUCKET}/{'baseline' if args.no_events else 'chaos'}/checkpoints"
         config = training_config(args, data, checkpoint)
         started = time.monotonic()
-        files = write_graph(work, GraphShape(args.entities, args.edges, 0.01, args.seed))
+        files = write_graph(work, GraphShape(args.entities, args.edges, 0.01, args.seed,
+                                             counter_in_test=args.dynamic_relations))
         import_graph(work, config, files, data)
         print(f"chaos: graph generated and imported onto S3 in {time.monotonic() - started:.0f} s", flush=True)
         counts = read_entity_counts(config["entity_path"], "node", PARTITIONS)
-        expected = Expected(config, counts, RELATIONS)
-        box = build_box(args, work, config, int(endpoint.rsplit(":", 1)[1]))
+        if args.dynamic_relations:  # the counter is a row of the one operator's table
+            expected = Expected(config, counts, read_dynamic_rel_names(config["entity_path"]).index(COUNTER),
+                                dynamic=True)
+        else:
+            expected = Expected(config, counts, RELATIONS)
+        box = build_box(args, work, config, int(endpoint.rsplit(":", 1)[1]), expected)
         tail = LogTail(box.root / "logs")
         watcher = VersionWatcher(checkpoint, expected)
         box.start()
@@ -311,6 +331,10 @@ def main() -> int:
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="a training config key over the bench's own, the value as JSON (repeatable; e.g. "
                              "partition_handoff=true)")
+    parser.add_argument("--dynamic-relations", action="store_true",
+                        help="one translation operator for every relation, a row each (dynamic_relations), so that "
+                             "buckets exchange only the shared rows they touch (the sparse exchange); the counter is "
+                             "its own row, named by one test edge and by no training edge")
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the final filtered MRR (all candidates: ~17 min on 2 vCPUs after a 30-pass run)")
     parser.add_argument("--copy-for-eval", action="store_true",

@@ -39,7 +39,8 @@ class Expected:
 
     config: dict[str, Any]
     counts: list[int]  # entities per partition
-    counter_relation: int
+    counter_relation: int  # the relation's index, or with ``dynamic`` its row in the one operator's table
+    dynamic: bool = False
 
     @property
     def partitions(self) -> int:
@@ -53,6 +54,9 @@ def verify_version(checkpoint: str, version: int, expected: Expected) -> list[fl
     relation's vector (element 0: buckets; 1 + l: buckets of lhs partition l); raises on any problem."""
     params = load_version_files(CheckpointStorage(checkpoint), version, expected.counts, expected.config["dimension"])
     index = expected.counter_relation
+    if expected.dynamic:
+        [key] = [k for k in params if re.search(r"(^|/)0/", k) and "rhs" in k and "translations" in k]
+        return [float(x) for x in params[key][index][: 1 + expected.partitions]]
     [key] = [k for k in params if re.search(rf"(^|/){index}/", k) and "rhs" in k and "translation" in k]
     return [float(x) for x in params[key][: 1 + expected.partitions]]
 

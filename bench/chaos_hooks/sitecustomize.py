@@ -11,7 +11,9 @@ bucket when a lost trainer's bucket is redone. A committed version ``v`` of a ru
 holds ``v * P * P`` in element 0 and ``v * P`` in each element 1 + l.
 
 Active only in a torchrun worker (``LOCAL_RANK`` set, or a warm spare that becomes one: ``BIGGRAPH_WARM_SPARE``,
-job/train/elastic/spare.py) with ``BIGGRAPH_CHAOS_COUNTER`` naming the relation's index.
+job/train/elastic/spare.py) with ``BIGGRAPH_CHAOS_COUNTER`` naming the relation's index (with
+``BIGGRAPH_CHAOS_COUNTER_DYNAMIC=1``: its row in the dynamic relations' one operator table, which no training edge
+names, so no batch gives it a gradient and the sparse exchange pushes its changes without ever pulling it).
 """
 
 import os
@@ -26,7 +28,10 @@ if _COUNTER is not None and ("LOCAL_RANK" in os.environ or os.environ.get("BIGGR
 
     def _counted_run(self, iteration, bucket, *args, **kwargs):  # type: ignore[no-untyped-def]
         result = _run(self, iteration, bucket, *args, **kwargs)
-        vector = self.model.rhs_operators[int(_COUNTER)].translation
+        if os.environ.get("BIGGRAPH_CHAOS_COUNTER_DYNAMIC") == "1":  # a row of the one operator's table
+            vector = self.model.rhs_operators[0].translations[int(_COUNTER)]
+        else:
+            vector = self.model.rhs_operators[int(_COUNTER)].translation
         with torch.no_grad():
             vector[0] += 1.0
             vector[1 + bucket.lhs] += 1.0
