@@ -19,6 +19,8 @@ are forgotten by a restart: ``forget_rank_locks``):
 - ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten); ``staged`` (a write
   group, job/checkpoint/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there,
   with its size and CRC-32 (what the commit's manifest takes instead of reading the file back)
+- ``cut`` (``write_behind_buckets``, job/train/distributed/cuts.py): ``keys``, every partition trained since the last
+  cut, made current at once by the ``staged`` files of every rank: every done bucket is saved (whoever did it)
 - ``record``: a finished bucket's ``training_stats.json`` line
 """
 
@@ -236,6 +238,12 @@ class LockState:
             event["staged"] = [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]
         self._change(event)
 
+    def record_cut(self, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]]) -> None:
+        """A cut (job/train/distributed/cuts.py): ``keys`` made current by ``staged`` (every rank's files), saving
+        every done bucket of every rank in this one record."""
+        self._change({"e": "cut", "keys": [[k[0], int(k[1])] for k in keys],
+                      "staged": [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]})
+
     def add_record(self, record: dict[str, Any]) -> None:
         """A finished bucket's stats line (the committing rank writes them all at the commit)."""
         self._change({"e": "record", "record": record})
@@ -278,6 +286,9 @@ class LockState:
                         del pending[bucket]
             if rank in self.unsaved and not pending:
                 del self.unsaved[rank]
+        elif kind == "cut":  # one record for the whole group: every bucket done so far is in the files it names
+            self.dirty.update((k[0], int(k[1])) for k in event["keys"])
+            self.unsaved.clear()
         elif kind == "record":
             self.records.append(event["record"])
         else:
