@@ -7,17 +7,20 @@ fenced rank or naming the wrong partitions; a hand-off that fails ends the round
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from test_lock_protocol import kill_at_every_step, ranks, serve, store  # noqa: F401 - fixtures
+from test_lock_protocol import handoffs, kill_at_every_step, ranks, serve, store  # noqa: F401 - fixtures
 from torch.distributed import TCPStore
 
-from job.train.distributed.handoff import HandoffLost, PartitionHandoff
+from job.checkpoint.group_progress import read_progress
+from job.checkpoint.write_groups import staged_name
+from job.train.distributed.handoff import HandoffLost, rows_digest
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.protocol import LockServerError
 from job.train.distributed.transport import TensorTransport
-from job.types import Bucket
 
 
 @pytest.mark.slow  # ~as long as the write-group test (a point of death per request, staged file and move)
@@ -30,3 +33,85 @@ def test_with_writes_behind_each_buckets_update_reaches_the_pass_exactly_once(
     points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store, ranks,
                                 handoff=True, behind=every)
     assert points > 30
+
+
+def test_a_cut_refuses_what_would_lose_or_count_twice_a_bucket(tmp_path: Path, store: TCPStore,  # noqa: F811
+                                                                ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """With writes behind (a cut after every bucket here) the server refuses a rank's own write group, a release
+    that writes a trained partition or lets one go unwritten without keeping its rows, a staged report from a
+    fenced rank, and one naming other partitions than the rank was given; the rank's right report then records
+    the cut: every done bucket saved, its partitions made current, the staged files in the progress a restart
+    rolls forward."""
+    server = serve(store, str(tmp_path), None, "wb/lock", ranks[0], write_behind=1, lost=frozenset({1}))
+    client = LockClient(store, 0, timeout_s=60, prefix="wb/lock", transport=ranks[0])
+    fenced = LockClient(store, 1, timeout_s=60, prefix="wb/lock", transport=ranks[1])
+    try:
+        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
+        assert kind == "bucket" and bucket is not None
+        keys = sorted(server.state.bucket_keys[bucket])
+
+        def entries(parts: list, token: str) -> list[list[Any]]:
+            return [[key[0], key[1], staged_name(key, 1, token), 10, "0a0b0c0d"] for key in parts]
+
+        with pytest.raises(LockServerError, match="write group"):
+            client.written(keys, entries(keys, "own"))
+        kind, _, _, _ = client.finish_and_next(set(keys), bucket, None)
+        assert kind == "cut" and server.state.unsaved_buckets() == {bucket}
+        with pytest.raises(LockServerError, match="unwritten without keeping"):
+            client.release(keys, written=False)
+        with pytest.raises(LockServerError, match="as written"):
+            client.release(keys, written=True)
+        step = client.cut()
+        assert step.step == "stage" and sorted(step.keys) == keys  # it holds their locks: it has their latest rows
+        with pytest.raises(LockServerError, match="declared dead"):
+            fenced.cut(staged=[])
+        other = sorted({("node", part) for part in range(4)} - set(keys))[:1]
+        with pytest.raises(LockServerError, match="not the partitions this cut gave it"):
+            client.cut(staged=entries(other, "wrong"))
+        assert server.state.unsaved_buckets() == {bucket} and not server.state.dirty  # nothing recorded
+        assert client.cut(staged=entries(keys, "cut")).step == "move"
+        assert not server.state.unsaved_buckets() and set(keys) <= server.state.dirty
+        assert client.cut(moved=True).step == "go"
+        progress = read_progress(str(tmp_path), 0, "run")
+        assert progress is not None
+        assert [entry[:3] for entry in progress.staged()] == [entry[:3] for entry in entries(keys, "cut")]
+        assert sorted(np.flatnonzero(progress.shared).tolist()) == []  # no shared change travelled here
+    finally:
+        server.stop()
+
+
+def test_with_writes_behind_a_failed_hand_off_ends_the_round_instead_of_reading_the_older_file(
+        store: TCPStore) -> None:  # noqa: F811
+    """The holder of rows trained since the last cut is their only copy: a receive that fails (rows not kept, holder
+    gone) raises ``HandoffLost`` (the trainer exits, the round restarts from the last cut) instead of reading the
+    file; rows a cut stored and their holder dropped since send the asker to the file, as without writes behind."""
+    ends = handoffs(store, "wb", True)
+    try:
+        holder, taker = ends
+        assert holder is not None and taker is not None
+        holder.strict = taker.strict = True
+        weight = torch.arange(48, dtype=torch.float32).reshape(3, 16)
+        digest = holder.keep(("node", 1), weight, torch.zeros(3), 0)
+        taker.hint([("node", 1)], [("node", 1, 0, digest)])
+        rows = taker.take(("node", 1), (3, 16), False, False)
+        assert rows is not None and torch.equal(rows.weight, weight)
+        taker.hint([("node", 1)], [("node", 1, 0, "not-the-digest")])  # rows the holder does not keep
+        with pytest.raises(HandoffLost):
+            taker.take(("node", 1), (3, 16), False, False)
+        for part in (2, 3, 0):  # pinned: kept beyond the limit (2) until a cut stores them
+            holder.keep(("node", part), weight + part, torch.zeros(3), 0)
+        assert holder.kept_rows(("node", 1)) is not None
+        holder.unpin()  # a cut stored them: the oldest beyond the limit go
+        assert holder.kept_rows(("node", 1)) is None
+        taker.hint([("node", 1)], [("node", 1, 0, digest)])
+        assert taker.take(("node", 1), (3, 16), False, False) is None  # stored by the cut: the file is current
+        kept = holder.kept_rows(("node", 0))
+        assert kept is not None
+        holder.close()  # the holder gone
+        taker.hint([("node", 0)], [("node", 0, 0, rows_digest("wb", ("node", 0), kept.weight, kept.optim_sum, 0))])
+        with pytest.raises(HandoffLost):
+            taker.take(("node", 0), (3, 16), False, False)
+    finally:
+        for end in ends:
+            if end is not None:
+                end.close()
