@@ -95,6 +95,9 @@ def test_with_writes_behind_a_failed_hand_off_ends_the_round_instead_of_reading_
         taker.hint([("node", 1)], [("node", 1, 0, digest)])
         rows = taker.take(("node", 1), (3, 16), False, False)
         assert rows is not None and torch.equal(rows.weight, weight)
+        holder.hint([("node", 1)], [("node", 1, 0, digest)])  # its own rows back (a read ahead, say)...
+        assert holder.take(("node", 1), (3, 16), False, False) is not None
+        assert holder.kept_rows(("node", 1)) is not None  # ...still kept: a read ahead dropped at a cut loses nothing
         taker.hint([("node", 1)], [("node", 1, 0, "not-the-digest")])  # rows the holder does not keep
         with pytest.raises(HandoffLost):
             taker.take(("node", 1), (3, 16), False, False)

@@ -310,8 +310,8 @@ class PartitionHandoff:
             if holder == self.rank:
                 kept = self._kept.get(key)
                 if kept is not None and kept[1] == digest:
-                    del self._kept[key]
-                    self._pinned.discard(key)
+                    if not self.strict:  # (written behind they stay until a cut: a read ahead may be dropped unused)
+                        del self._kept[key]
                     self.stats.kept_hits += 1
                     return kept[0]
         if holder == self.rank:
