@@ -118,3 +118,34 @@ def test_with_writes_behind_a_failed_hand_off_ends_the_round_instead_of_reading_
         for end in ends:
             if end is not None:
                 end.close()
+
+
+def test_a_round_that_ends_abandons_the_cut_and_waits_for_locks_not_writes(tmp_path: Path, store: TCPStore,  # noqa: F811
+                                                                           ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Written behind, a round's end cannot save what no cut stored: a cut under way answers ``ending``, the rank
+    hands its locks back unwritten and without kept rows (refused while the round stands), and rank 0 is settled
+    once every live rank holds no lock and no bucket in flight, its done buckets unsaved (the restart redoes them)."""
+    server = serve(store, str(tmp_path), None, "end/lock", ranks[0], write_behind=-1, lost=frozenset({1}))
+    client = LockClient(store, 0, timeout_s=60, prefix="end/lock", transport=ranks[0])
+    try:
+        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
+        assert kind == "bucket" and bucket is not None
+        keys = sorted(server.state.bucket_keys[bucket])
+        for _ in range(40):  # every bucket but the one in flight, as if done by this rank
+            kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
+            if kind != "bucket":
+                break
+            with pytest.raises(LockServerError, match="unwritten without keeping"):
+                client.release(keys, written=False)
+            client.release(keys, written=False, kept=[(k[0], k[1], "digest") for k in keys])
+            keys = sorted(server.state.bucket_keys[bucket])
+        assert kind == "cut" and len(server.state.unsaved_buckets()) == 16  # the pass's end: its only cut
+        assert client.cut().step == "stage"
+        server._ending = lambda: "a peer was lost"  # the round ends (as ``DistributedContext.ending`` says)
+        step = client.cut()
+        assert step.step == "ending" and step.why == "a peer was lost"
+        assert not server.settled()  # it still holds the last bucket's locks
+        client.release(keys, written=False)  # unwritten, nothing kept: accepted now
+        assert server.settled() and len(server.state.unsaved_buckets()) == 16 and not server.state.dirty
+    finally:
+        server.stop()

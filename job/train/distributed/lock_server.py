@@ -387,11 +387,11 @@ class LockServer(RequestHandlers, PullServing):
         request decided is not yet stored and answered (the committer's): the state runs ahead of its replies."""
         dead = self._lost() | set(self._gone)
         now = time.monotonic()
-        with self.lock:  # (written behind, no rank's work since the last cut can be saved now: nobody is waited for)
-            return self._unanswered == 0 and (self.cuts is not None or all(
-                self.state.settled(rank) or rank in self._gave_up
+        with self.lock:  # (written behind, nothing unsaved can be saved once the round ends: not waited for)
+            return self._unanswered == 0 and all(
+                self.state.settled(rank, saved=self.cuts is None) or rank in self._gave_up
                 or (deadline is not None and self._hopeless(rank, deadline, now))
-                for rank in range(self.state.world_size) if rank not in dead))
+                for rank in range(self.state.world_size) if rank not in dead)
 
     def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
         """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""

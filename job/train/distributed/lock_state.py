@@ -156,10 +156,11 @@ class LockState:
         """The buckets done whose partitions are not all written yet (a restart redoes them)."""
         return {b for pending in self.unsaved.values() for b in pending}
 
-    def settled(self, rank: int) -> bool:
+    def settled(self, rank: int, saved: bool = True) -> bool:
         """Whether ``rank`` holds nothing a restart would redo or wait on: no bucket in flight, none done whose
-        partitions it has not written, no lock (its write groups recorded and published)."""
-        return (rank not in self.in_flight and not self.unsaved.get(rank)
+        partitions it has not written (``saved``; written behind, nothing unsaved can be saved once the round
+        ends), no lock (its write groups recorded and published, or its locks given back unwritten)."""
+        return (rank not in self.in_flight and not (saved and self.unsaved.get(rank))
                 and rank not in self.locks.values())
 
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:

@@ -72,6 +72,16 @@ class BehindWrites:
         self.client.release(leaving, written=False, kept=kept)
         return leaving
 
+    def give_up(self) -> None:
+        """The round ends: hand every lock back unwritten (nothing unsaved can be saved now; rank 0 waits for the
+        locks, not for writes), so that rank 0 knows this rank is done before it stops serving."""
+        held = sorted(self.store.resident_partitioned())
+        try:
+            if held:
+                self.client.release(held, written=False)
+        except Exception as err:  # noqa: BLE001 - rank 0 gone already: the next round redoes everything unsaved
+            logger.warning("rank %d: could not hand its locks back at the round's end (%s)", self.client.rank, err)
+
     def cut(self) -> Optional[str]:
         """This rank's turn in the cut the server announced; None once it is over, else why the round ends (the
         cut abandoned, or recorded and finished by the restart's roll-forward)."""

@@ -199,7 +199,9 @@ class LockServerScheduler(BucketScheduler):
         server knows now plus the ones leaving (locked for this rank until published, so nobody else writes
         them; the same thread reads them after their group). Without it the group is written now (PBG's way)."""
         if self.behind is not None:  # written behind: released unwritten, rows kept (job/train/schedule/behind.py)
+            started = time.perf_counter()
             self.behind.release(set(self.bucket_keys[bucket]))
+            self.store.stats.blocked_seconds += time.perf_counter() - started
             if self.config.prefetch_partitions:
                 self.ahead, dirty = self.client.reserve(())
                 self.store.set_written(dirty)
@@ -285,8 +287,10 @@ class LockServerScheduler(BucketScheduler):
         part of its update): this runs only between buckets."""
         logger.warning("rank %d: the round ends (%s): giving back what this rank holds, then exiting",
                        self.ctx.rank, why)
-        if self.behind is None:  # (written behind: nothing since the last cut can be saved now)
+        if self.behind is None:
             self.store.stats.commit_seconds += self._give_back()
+        else:  # written behind: nothing since the last cut can be saved now; the locks go back unwritten
+            self.behind.give_up()
         self._drain()
         raise RoundEnding(f"rank {self.ctx.rank}: the round ended ({why}) and this rank gave back what it held; "
                           "exiting so that torchrun re-forms the group")
