@@ -149,3 +149,36 @@ def test_a_round_that_ends_abandons_the_cut_and_waits_for_locks_not_writes(tmp_p
         assert server.settled() and len(server.state.unsaved_buckets()) == 16 and not server.state.dirty
     finally:
         server.stop()
+
+
+def test_a_rank_waiting_for_the_end_of_one_cut_is_not_drawn_into_the_next(tmp_path: Path, store: TCPStore,  # noqa: F811
+                                                                          ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """The last rank to move its files hears ``go`` at once and may finish a bucket that makes the next cut due
+    before another rank asks again: that rank still hears ``go`` (the cut it took part in is over), not the next
+    cut's steps (the scale bench's 8 pods, a cut every 8 buckets, failed so)."""
+    server = serve(store, str(tmp_path), None, "two/lock", ranks[0], write_behind=1)
+    clients = [LockClient(store, rank, timeout_s=60, prefix="two/lock", transport=ranks[rank]) for rank in (0, 1)]
+
+    def take_part(rank: int) -> str:  # stage what it is given, report it; the step it hears then
+        step = clients[rank].cut()
+        assert step.step == "stage", step
+        return clients[rank].cut(staged=[[k[0], k[1], staged_name(k, 1, f"r{rank}"), 10, "0a0b0c0d"]
+                                         for k in step.keys]).step
+
+    try:
+        buckets = [clients[rank].finish_and_next(set(), None, None)[1] for rank in (0, 1)]
+        assert clients[0].finish_and_next(set(), buckets[0], None)[0] == "cut"
+        assert clients[0].cut().step == "wait"  # rank 1 still trains
+        assert clients[1].finish_and_next(set(), buckets[1], None)[0] == "cut"
+        assert take_part(0) == "wait" and take_part(1) == "move" and clients[0].cut().step == "move"
+        assert clients[0].cut(moved=True).step == "wait"
+        assert clients[1].cut(moved=True).step == "go"
+        kind, bucket, _, _ = clients[1].finish_and_next(set(), None, None)
+        assert kind == "bucket"
+        assert clients[1].finish_and_next(set(), bucket, None)[0] == "cut"  # the next cut is due
+        assert clients[0].cut().step == "go"  # the one rank 0 took part in is over
+        assert clients[0].finish_and_next(set(), None, None)[0] == "cut"
+        assert take_part(0) == "wait" and take_part(1) == "move"
+        assert server.cuts is not None and server.cuts.stats.cuts == 2
+    finally:
+        server.stop()

@@ -67,6 +67,9 @@ class Cuts:
     plan: dict[int, tuple[PartitionKey, ...]] = field(default_factory=dict)
     reports: dict[int, list[Any]] = field(default_factory=dict)
     moved: set[int] = field(default_factory=set)
+    # ranks told the last cut is over that have not heard ``go`` yet: a rank polling for it must not be answered
+    # with the next cut's steps (the others may already have trained and made the next one due)
+    over: set[int] = field(default_factory=set)
     stats: CutStats = field(default_factory=CutStats)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,9 @@ class Cuts:
 
     def answer(self, state: LockState, holders: Holders, rank: int, request: Cut, live: Collection[int]) -> CutStep:
         """The step ``rank`` takes next (``live``: the ranks not lost); may record the cut (``state.record_cut``)."""
+        if rank in self.over:
+            self.over.discard(rank)
+            return CutStep("go")
         if self.phase == "drain":
             if state.in_flight:
                 return CutStep("wait")
@@ -116,6 +122,7 @@ class Cuts:
             self.moved.add(rank)
         if all(r in self.moved for r in live):
             self.phase = None
+            self.over = set(self.moved) - {rank}
             self.plan, self.reports, self.moved = {}, {}, set()
             return CutStep("go")
         return CutStep("wait") if rank in self.moved else CutStep("move", keys=self.plan.get(rank, ()))
