@@ -37,7 +37,7 @@ from job.train.distributed.shared_params import SharedParameters
 from job.train.distributed.shared_rows import RowLayout
 from job.train.elastic.budget import note_progress
 from job.train.residency.partitions import PartitionStore
-from job.train.schedule.behind import BehindWrites
+from job.train.schedule.behind import BehindWrites, CutCounts
 from job.train.schedule.clock import BucketClock
 from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
 from job.train.schedule.orders import all_buckets
@@ -113,6 +113,8 @@ class LockServerScheduler(BucketScheduler):
         self.ahead = None
         if self.handoff is not None:
             self.handoff.new_pass()
+        if self.behind is not None:
+            self.behind.counts = CutCounts()  # (this pass's, for its log line)
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
