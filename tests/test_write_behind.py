@@ -32,7 +32,7 @@ def test_with_writes_behind_each_buckets_update_reaches_the_pass_exactly_once(
     its partitions once and its shared update the vector once, and no staged file is left."""
     points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store, ranks,
                                 handoff=True, behind=every)
-    assert points > 30
+    assert points > 40  # 121 points of death at 3, 49 at -1 (67 with write groups)
 
 
 def test_a_cut_refuses_what_would_lose_or_count_twice_a_bucket(tmp_path: Path, store: TCPStore,  # noqa: F811
