@@ -2,6 +2,8 @@
 batch arithmetic SIMULATED.
 
     flock /work/bench.lock .venv/bin/python bench/scale_bench.py --rates 200000,1800000 --rows 1:16,2:16,4:16,8:16,1:32,16:32
+    # partitions written behind (write_behind_buckets, with hand-off): today's write groups, a cut every 8, at the commit
+    flock /work/bench.lock .venv/bin/python bench/scale_bench.py --rates 1800000 --rows 1:16,8:16 --handoff on --behind 0,8,-1
 
 Each row is a real group: ``torchrun --standalone --nproc-per-node=M -m job train`` (M trainers = M pods, workers=1
 each), the real lock server and its committer, the real transports (store queues, gloo for the shared vector, TCP
@@ -17,7 +19,9 @@ Per row (one epoch; M pods, P partitions, hand-off on or off, a rate):
 - per pod (min / max over pods): seconds waiting on the scheduler (the lock server's reply to ``next`` and the
   shared-parameter sync, net of partition I/O inside those calls) and blocked on partitions (reads, hand-offs,
   the writes a switch waits for before its release);
-- bytes pod to pod (partition hand-offs) and bytes through storage (partition reads + writes, the commit included);
+- bytes pod to pod (partition hand-offs) and bytes through storage (partition reads + writes, the commit included),
+  also as multiples of one checkpoint's partitions (``storage_checkpoints``: the committed version's partition files);
+  with ``--behind`` (``write_behind_buckets`` of the hand-off rows) the cuts each rank took part in;
 - the lock server's serving thread busy fraction (its wall time over the epoch) and its CPU;
 - CPU seconds of coordination per bucket: ``server`` (serving thread + committer), ``transfers`` (partition
   hand-offs on both ends, digests included), ``client`` (the rest of every trainer process: scheduler calls,
@@ -92,6 +96,7 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
     pods = [tuple(float(x) for x in m.groups()) for m in POD_LINE.finditer(output)]
     server = SERVER_LINE.search(output)
     handoffs = [json.loads(m.group(2)) for m in HANDOFF_LINE.finditer(output)]
+    checkpoint_bytes = sum(f.stat().st_size for f in checkpoint_path.glob("embeddings_*.v1.h5"))
     if not pods or server is None:
         raise SystemExit(f"{checkpoint_path}: the trainers' figures are missing from the log")
     epoch = float(summary["time"])
@@ -108,6 +113,10 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
         "bytes_pod_to_pod": int(summary.get("bytes_handed_over", 0)),
         "bytes_storage": int(summary["bytes_read"]) + int(summary["bytes_written"]),
         "bytes_storage_read": int(summary["bytes_read"]), "bytes_storage_written": int(summary["bytes_written"]),
+        "checkpoint_bytes": checkpoint_bytes,
+        "storage_checkpoints": round((int(summary["bytes_read"]) + int(summary["bytes_written"])) / checkpoint_bytes, 2),
+        "written_checkpoints": round(int(summary["bytes_written"]) / checkpoint_bytes, 2),
+        "cuts": max((int(h.get("cuts", 0)) for h in handoffs), default=0),
         "partition_handoffs": int(summary.get("partition_handoffs", 0)),
         "partition_reads": int(summary["partition_reads"]), "partition_writes": int(summary["partition_writes"]),
         "server_busy": round(float(server.group(2)) / epoch, 3), "server_cpu_busy": round(float(server.group(3)) / epoch, 3),
@@ -118,10 +127,12 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
 
 
 def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool, rate: float,
-            dimension: int) -> dict[str, Any]:
-    label = f"m{pods}-p{partitions}-{'on' if handoff else 'off'}-{int(rate)}"
+            dimension: int, behind: int = 0) -> dict[str, Any]:
+    label = f"m{pods}-p{partitions}-{'on' if handoff else 'off'}-{int(rate)}" + (f"-behind{behind}" if behind else "")
     config = generated_config(root, partitions, 1, dimension, label)
     config.update(num_epochs=1, seed=0, partition_handoff=handoff, checkpoint_path=str(work / f"ckpt_{label}"))
+    if behind:
+        config["write_behind_buckets"] = behind
     shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
     path = work / f"config_{label}.py"
     write_py_config(path, config)
@@ -132,7 +143,7 @@ def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pods}",
                "-m", "job", "train", str(path)]
     measured = run_measured(command, env=env, log=work / f"{label}.log")
-    result = {"pods": pods, "partitions": partitions, "handoff": handoff, "edges_per_s": rate,
+    result = {"pods": pods, "partitions": partitions, "handoff": handoff, "write_behind": behind, "edges_per_s": rate,
               "wall_with_startup_s": round(measured["wall"], 1), "peak_pss_mib": round(measured["peak_rss_mib"]),
               **parse_run(measured["output"], Path(config["checkpoint_path"]))}
     shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
@@ -148,6 +159,8 @@ def main() -> None:
     parser.add_argument("--rates", default="200000,1800000", help="simulated edges/s per pod, comma-separated")
     parser.add_argument("--rows", default="1:16,2:16,4:16,8:16,1:32,16:32", help="pods:P, comma-separated")
     parser.add_argument("--handoff", default="off,on", help="partition_handoff values to run")
+    parser.add_argument("--behind", default="0", help="write_behind_buckets values for the hand-off rows "
+                        "(0: write groups at every switch; N: a cut every N buckets; -1: only at the commit)")
     parser.add_argument("--work", default=None)
     parser.add_argument("--model", action="store_true", help="print the paper model (bench/scale_model.py) and exit")
     args = parser.parse_args()
@@ -171,11 +184,13 @@ def main() -> None:
             print(json.dumps({"graph": str(root), "partitions": p, "seconds": round(time.perf_counter() - started, 1)}),
                   flush=True)
     for rate in [float(r) for r in args.rates.split(",")]:
-        for handoff in [h == "on" for h in args.handoff.split(",")]:
+        modes = [(h == "on", int(b)) for h in args.handoff.split(",")
+                 for b in (args.behind.split(",") if h == "on" else ["0"])]
+        for handoff, behind in modes:
             ones: dict[int, float] = {}
             for pods, p in rows:
                 result = run_row(work / f"graph_p{p}", work, pods=pods, partitions=p, handoff=handoff, rate=rate,
-                                 dimension=args.dimension)
+                                 dimension=args.dimension, behind=behind)
                 if pods == 1:
                     ones[p] = result["epoch_s"]
                 if p in ones:

@@ -513,6 +513,8 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
     for bad, message in ((("partition_buffer", 1), "a bucket needs two partitions"),
                          (("memory_budget", "lots"), "is not a size"), (("memory_budget", "-5GB"), "is not a size"),
                          (("hogwild_delay", -1), r"'hogwild_delay': seconds, must be >= 0, got -1"),
+                         (("write_behind_buckets", 8), "only with partition_handoff: true; got 8 with "
+                          "partition_handoff false"),
                          (("hogwild_delay_scope", "always"),
                           r"'hogwild_delay_scope': unknown value 'always' \(expected one of first_visit, epoch_0\)")):
         with pytest.raises(ConfigError, match=message):

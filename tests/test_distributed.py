@@ -515,6 +515,40 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
     assert_each_bucket_once_per_epoch(records, 2)  # the committed stats: one line per bucket and pass
 
 
+@pytest.mark.slow
+def test_written_behind_a_killed_rank_rolls_the_group_back_to_the_last_cut_and_each_bucket_is_still_trained_once(
+        umls_p4: dict, tmp_path: Path) -> None:
+    """``write_behind_buckets`` (job/train/distributed/cuts.py), a cut every 4 buckets: a SIGKILLed peer's kept rows
+    were the only copy of buckets no cut stored, so the resumed pass redoes every bucket done since the last cut
+    (whoever did it), and nothing else: every bucket still reaches the committed version once per epoch."""
+    path = write_run_config(umls_p4, "behind-killed", num_epochs=2, partition_handoff=True, write_behind_buckets=4,
+                            **SLOW_BUCKETS)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
+    try:
+        for name in "abc":
+            agents.start(name)
+            time.sleep(0.3)
+        training = _mid_pass(checkpoint_path, agents, 3, time.monotonic() + 240)
+        victim = next(name for name in "abc" if _rank_of(agents, name, 3) in training - {0})
+        agents.kill_node(victim)
+        survivors = [name for name in "abc" if name != victim]
+        codes = agents.wait(survivors, timeout=300)
+    finally:
+        agents.stop()
+    assert codes == dict.fromkeys(survivors, 0), agents.tail()
+    resumed = _resumed(agents)
+    assert resumed, agents.tail()
+    redo, by_rank = resumed[0]
+    # the buckets done since the last cut and those in flight: a cut's 4, those the other ranks finished while it
+    # drained (one each), one in flight per rank; never the pass's 16
+    assert 1 <= redo == sum(by_rank.values()) <= 4 + 2 + 3, (redo, by_rank)
+    records = bucket_records(checkpoint_path)
+    assert len([r for r in records if r.get("pass_summary")]) == 2
+    assert_each_bucket_once_per_epoch(records, 2)
+    assert "cut_partitions_staged" in agents.text(), agents.tail()
+
+
 def _sigterm_mid_pass(path: Path, tmp_path: Path, env: dict[str, str] | None = None
                       ) -> tuple[Agents, dict[str, int]]:
     """Two agents train ``path``; mid-pass every worker's process group gets SIGTERM, as the agent's

@@ -390,3 +390,35 @@ def test_two_ranks_hand_partitions_over_in_memory_and_still_train_each_bucket_on
         reads[handoff], mrr[handoff] = sum(s["partition_reads"] for s in summaries), filtered_mrr(umls_p4, path)
     assert reads[True] < reads[False], reads
     assert mrr[True] == pytest.approx(mrr[False], abs=0.06), mrr  # the rows handed over are the files' rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [-1, 5])
+def test_two_ranks_writing_behind_store_partitions_only_at_cuts_and_train_each_bucket_once(umls_p4: dict,
+                                                                                         tmp_path: Path,
+                                                                                         every: int) -> None:
+    """2 torchrun agents on loopback, P=4, partitions handed on unwritten and stored only at cuts
+    (``write_behind_buckets``, job/train/distributed/cuts.py): only at the pass's end (-1), each pass writes each
+    partition once (one checkpoint's partitions: the commit's cut); every 5 buckets, a cut mid-pass too. Every
+    bucket is trained once per epoch, and the version is whole."""
+    epochs = 3
+    path = write_run_config(umls_p4, f"behind{every}", num_epochs=epochs, partition_handoff=True,
+                            write_behind_buckets=every)
+    agents = Agents(path, "2", tmp_path)
+    codes = agents.run(["a", "b"], timeout=300)
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    records = bucket_records(checkpoint_path)
+    assert_each_bucket_once_per_epoch(records, epochs)
+    summaries = [r for r in records if r.get("pass_summary")]
+    sizes = partition_sizes(path)
+    assert len(summaries) == epochs
+    for summary in summaries:
+        check_io_stats(summary, sizes)
+        if every == -1:
+            assert summary["partition_writes"] == 4, summary  # each partition once: nothing written between cuts
+        else:
+            assert 4 < summary["partition_writes"] <= 4 * 4, summary  # at most 4 cuts of 16 buckets
+    assert sum(s.get("partition_handoffs", 0) + s.get("partition_kept_hits", 0) for s in summaries) > 0
+    check_checkpoint(checkpoint_path, epochs)
+    assert "cut_partitions_staged" in agents.text(), agents.text()[-3000:]

@@ -33,7 +33,7 @@ from job.checkpoint.group_progress import (
     read_progress,
     remove_progress,
 )
-from job.checkpoint.write_groups import STAGED_PREFIX, publish, roll_forward, staged_name
+from job.checkpoint.write_groups import STAGED_PREFIX, WriteGroup, publish, roll_forward, staged_name
 from job.config import parse_config
 from job.formats.checkpoint import CheckpointStorage, SharedSumRegistry
 from job.formats.checksums import checksum_file
@@ -505,9 +505,10 @@ class Trainer:
 
 
 def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: TensorTransport,
-          sparse: bool = False) -> LockServer:
+          sparse: bool = False, write_behind: int = 0, lost: frozenset[int] = frozenset()) -> LockServer:
     """Rank 0's lock server for the pass committing version 1, resumed from ``progress`` if any (as
-    ``LockServerScheduler.start_pass`` does); ``sparse``: each of the 16 values is a relation row."""
+    ``LockServerScheduler.start_pass`` does); ``sparse``: each of the 16 values is a relation row;
+    ``write_behind``: ``write_behind_buckets`` (job/train/distributed/cuts.py); ``lost``: ranks declared dead."""
     state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
     shared = np.zeros(16, np.float32)
     if progress is not None:
@@ -519,7 +520,8 @@ def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: Te
     log = ProgressLog(checkpoint, "run", 1, compact_every=4)  # the kills fall on either side of compactions too
     log.start(state.to_json(), shared)
     layout = RowLayout.of(16, 16, [(0, 1)]) if sparse else None
-    return LockServer(store, state, log, shared, 0, transport, prefix=prefix, layout=layout)
+    return LockServer(store, state, log, shared, 0, transport, prefix=prefix, layout=layout,
+                      write_behind=write_behind, lost=lambda: lost)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -573,14 +575,21 @@ class RowTrainer:
     staged name, one ``written`` request naming the group, each moved to its PBG name, then one ``release`` freeing
     the leaving ones; a partition is read from the uncommitted version when the server says it was written this
     pass (``set_written``). ``actions`` yields after every request, every file written and every file moved, so
-    that the group can die between any two of them."""
+    that the group can die between any two of them. ``behind`` (``write_behind_buckets``, with a hand-off end): the
+    partitions leaving are released unwritten, their rows kept, and files are written only at cuts
+    (``behind_cut``, as tests/test_write_behind.py drives it)."""
 
-    def __init__(self, client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff] = None) -> None:
+    def __init__(self, client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff] = None,
+                 behind: bool = False) -> None:
         self.client = client
         self.partitions = partitions
         self.current: Any = None
         self.handoff = handoff  # partition_handoff: leaving rows kept, granted ones taken from their holder
         partitions.peers = handoff
+        self.behind = behind
+        if behind:
+            assert handoff is not None
+            handoff.strict = True
 
     def actions(self, state: LockState) -> Iterator[None]:
         while True:
@@ -596,6 +605,15 @@ class RowTrainer:
             yield
             self.current = bucket
             keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
+            if self.behind:
+                if kind == "cut":
+                    yield from behind_cut(self.client, self.partitions, self.handoff)
+                    continue
+                yield from self.release_behind(keep)
+                if kind == "done":
+                    return
+                self.train(bucket)
+                continue
             group = self.partitions.take_group(keep, copy_kept=False)
             if group is not None:
                 for key in group.keys:
@@ -612,10 +630,66 @@ class RowTrainer:
                 yield
             if kind == "done":
                 return
-            if bucket is None:
-                continue
-            for key in keep:  # train: the bucket's update, once, in each of its partitions
+            self.train(bucket)
+
+    def train(self, bucket: Any) -> None:
+        """The bucket's update, once, in each of its partitions."""
+        if bucket is not None:
+            for key in sorted({("node", bucket.lhs), ("node", bucket.rhs)}):
                 self.partitions.get(key).weight[:, bucket.lhs * 4 + bucket.rhs] += 1.0
+
+    def release_behind(self, keep: set) -> Iterator[None]:
+        """Writes behind: the partitions not in ``keep`` leave unwritten, their rows kept for the next holder."""
+        assert self.handoff is not None
+        leaving = sorted(set(self.partitions.loaded) - keep)
+        if leaving:
+            tables = {key: self.partitions.loaded.pop(key) for key in leaving}
+            kept = [(key[0], key[1], self.handoff.keep(key, tables[key].weight, tables[key].optim_sum, 0))
+                    for key in leaving]
+            self.client.release(leaving, written=False, kept=kept)
+            yield
+
+
+def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff]) -> Iterator[None]:
+    """A rank's turn in a cut (job/train/distributed/cuts.py), yielding after every request, staged file and move:
+    ask until told its keys, stage each (from its store if it holds the partition, else from the rows it keeps),
+    report them, wait for the record, move them, report that, wait for the others."""
+    assert handoff is not None
+    step = client.cut()
+    yield
+    while step.step == "wait":
+        step = client.cut()
+        yield
+    assert step.step == "stage", step
+    tables = {}
+    for key in step.keys:
+        table = partitions.loaded.get(key)
+        if table is None:
+            rows = handoff.kept_rows(key)
+            assert rows is not None, key
+            table = SimpleNamespace(weight=rows.weight, optim_sum=rows.optim_sum)
+        tables[key] = table
+    group = WriteGroup.of(partitions.next_version, [], tables)
+    for key in group.keys:
+        partitions.stage(group, [key])
+        yield
+    partitions.checkpoint.flush()
+    step = client.cut(staged=group.staged(partitions.checkpoint))
+    yield
+    while step.step == "wait":
+        step = client.cut()
+        yield
+    assert step.step == "move", step
+    for key in group.keys:
+        partitions.publish(group, [key])
+        yield
+    step = client.cut(moved=True)
+    yield
+    while step.step == "wait":
+        step = client.cut()
+        yield
+    assert step.step == "go", step
+    handoff.unpin()
 
 
 def row_store(checkpoint_url: str, store: Any = None, round_id: str = "") -> PartitionStore:
@@ -648,7 +722,7 @@ def handoffs(store: TCPStore, round_id: str, on: bool) -> list[Optional[Partitio
 
 
 def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ranks: list[TensorTransport],
-                       handoff: bool = False) -> int:
+                       handoff: bool = False, behind: int = 0) -> int:
     """Two ranks train buckets on partition rows kept in real files until the group dies after every number of
     actions of the protocol (requests, each partition file staged and each one moved to its PBG name), ``crash_after``
     0, 1, 2, ... until a pass completes, each in the checkpoint ``checkpoint_of(crash_after)``. The restarted group
@@ -657,7 +731,9 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
     finishes the pass. Then each bucket's update must be in the rows of each of its partitions as the pass commits
     them exactly once (and in no other partition), as its shared update is in the vector, and no staged file left.
     ``handoff``: the ranks keep the rows they publish and take granted ones from their holder (partition_handoff);
-    then some partitions must have changed hands through memory. Returns the number of points of death."""
+    then some partitions must have changed hands through memory. ``behind``: ``write_behind_buckets`` (with
+    ``handoff``): partitions released unwritten and stored only at cuts, the restart redoing every bucket since the
+    last cut. Returns the number of points of death."""
     expected = np.zeros((4, 16))
     for bucket, keys in partition_keys(4).items():
         for _, part in keys:
@@ -667,11 +743,11 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
     crash_after, complete, moved = 0, False, 0
     while not complete:
         checkpoint = checkpoint_of(crash_after)  # the progress beside the partition files, as in a run
-        server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0])
+        server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0], write_behind=behind)
         ends = handoffs(store, f"{crash_after}/first", handoff)
         trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix=f"{crash_after}/first/lock",
                                           transport=ranks[rank]), row_store(checkpoint, store, f"{crash_after}/first"),
-                               ends[rank])
+                               ends[rank], behind=bool(behind))
                     for rank in (0, 1)]
         running = [trainer.actions(server.state) for trainer in trainers]
         try:
@@ -695,9 +771,12 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
             publish(CheckpointStorage(checkpoint), 1, (recorded[0][0], recorded[0][1]), recorded[0][2])
         roll_forward(checkpoint, progress.version, progress.staged())  # job/checkpoint/recovery.py: recover_pass
         assert not staged_left(checkpoint)
-        server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0])
+        server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0], write_behind=behind,
+                       lost=frozenset({1}))
+        second_ends = handoffs(store, f"{crash_after}/second", bool(behind))
         survivor = RowTrainer(LockClient(store, 0, timeout_s=60, prefix=f"{crash_after}/second/lock",
-                                         transport=ranks[0]), row_store(checkpoint, store, f"{crash_after}/second"))
+                                         transport=ranks[0]), row_store(checkpoint, store, f"{crash_after}/second"),
+                              second_ends[0], behind=bool(behind))
         try:
             for _ in survivor.actions(server.state):
                 pass
@@ -710,6 +789,9 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
             assert not staged_left(checkpoint)
         finally:
             server.stop()
+            for end in second_ends:
+                if end is not None:
+                    end.close()
         # per partition and bucket: how many times the bucket's update reached the committed rows (once, in each row)
         counts = np.rint(rows - start)
         assert (counts == expected[:, None, :]).all(), (crash_after, [

@@ -59,6 +59,9 @@ logger = logging.getLogger("biggraph")
 # 4 trainers leaves ~600 records, which on S3 (moto, loaded) took 10 s of a recovery (bench/RESULTS.md, "Chaos
 # re-measured"). Every 64 records it is one snapshot (the state, a few tens of KB, and the shared vector) more.
 COMPACT_EVERY = 64
+# the records that name staged files (a restart moves them: job/checkpoint/write_groups.py): a rank's write group,
+# and a cut of the whole group (``write_behind_buckets``, job/train/distributed/cuts.py)
+STAGING_RECORDS = ("written", "cut")
 PROGRESS_FILE = "distributed_progress.json"
 PROGRESS_LOG = "distributed_progress.log"
 FORMAT = 3
@@ -124,11 +127,11 @@ class Progress:
     staged_before: list[list[Any]] = field(default_factory=list)  # recorded before the snapshot (see ``staged``)
 
     def staged(self) -> list[list[Any]]:
-        """Every staged file a persisted ``written`` record named this pass, ``[type, partition, name]`` in record
+        """Every staged file a persisted ``written`` or ``cut`` record named this pass, ``[type, partition, name]`` in record
         order: what a restart publishes if it is still there (``roll_forward``). A base written mid-pass keeps those of
         the records before it (a file recorded just before it may not be moved yet)."""
         return [*self.staged_before,
-                *(list(entry) for record in self.records if record.get("e") == "written"
+                *(list(entry) for record in self.records if record.get("e") in STAGING_RECORDS
                   for entry in record.get("staged", []))]
 
 
@@ -212,7 +215,7 @@ class ProgressLog:
         self.fence()
         name = f"{self.log_id}-{self.seq:08d}"
         previous = self.vector_files
-        self.staged.extend(list(entry) for record in records if record.get("e") == "written"
+        self.staged.extend(list(entry) for record in records if record.get("e") in STAGING_RECORDS
                            for entry in record.get("staged", []))
         if shared is not None:
             storage.write_bytes(self._url(f"{name}.f32"), np.ascontiguousarray(shared, np.float32).tobytes())

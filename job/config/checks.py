@@ -107,6 +107,10 @@ def check_ranges(config: ConfigSchema) -> None:
     if config.partition_buffer is not None and config.partition_buffer < 2:
         fail("partition_buffer",
              f"config key 'partition_buffer': a bucket needs two partitions, got {config.partition_buffer}")
+    if config.write_behind_buckets != 0 and (config.write_behind_buckets < -1 or not config.partition_handoff):
+        fail("write_behind_buckets", "config key 'write_behind_buckets': 0 (off), N > 0 or -1, and only with "
+             f"partition_handoff: true; got {config.write_behind_buckets} with partition_handoff "
+             f"{str(config.partition_handoff).lower()}")
     if config.hogwild_delay < 0:
         fail("hogwild_delay", f"config key 'hogwild_delay': seconds, must be >= 0, got {config.hogwild_delay}")
     if config.grow_num_epochs < 0:

@@ -80,6 +80,15 @@ class RuntimeKeys:
         "hand-off reads the file. false: every partition that changes hands is read back from storage.",
         default=False,
     )
+    write_behind_buckets: int = field_help(
+        "Distributed runs with partition_handoff: 0 writes every partition that changes hands to checkpoint "
+        "storage before its release (write groups; a lost pod costs only its own unsaved buckets). N > 0: a "
+        "partition is handed to its next holder unwritten, and storage receives partitions only at cuts of the "
+        "whole group, every N buckets done and at the pass's end; -1: only at the pass's end (one checkpoint's "
+        "bytes per epoch). A lost pod then costs the whole group's buckets since the last cut, a SIGTERM "
+        "re-formation too. Kept rows are never dropped before a cut stores them (not bounded by memory_budget).",
+        default=0,
+    )
     partition_buffer: int | None = field_help(
         "How many partitions (of the partitioned entity types, per partition index) stay in memory, >= 2. "
         "Partitions leave the buffer only when it is full, the one needed again latest first. Default: what "

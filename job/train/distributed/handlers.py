@@ -18,6 +18,8 @@ from typing import Any, Optional
 import numpy as np
 
 from job.train.distributed.commits import VectorWork
+from job.train.distributed.cut_wire import Cut, CutStep
+from job.train.distributed.cuts import Cuts
 from job.train.distributed.holders import Holders
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import (
@@ -57,6 +59,9 @@ class RequestHandlers:
     _gave_up: set[int]
     _left: Optional[str]
     _ending: Callable[[], Optional[str]]
+    _lost: Callable[[], frozenset[int]]
+    _gone: dict[int, str]
+    cuts: Optional[Cuts] = None  # write_behind_buckets: partitions stored only at cuts (job/train/distributed/cuts.py)
 
     @property
     def failed(self) -> Optional[str]:  # (the server's: why a progress write failed)
@@ -65,7 +70,7 @@ class RequestHandlers:
     def _handlers(self) -> dict[type, Callable[[int, Any, VectorWork], Reply]]:
         return {Next: self._answer_next, Reserve: self._answer_reserve, Written: self._answer_written,
                 Release: self._answer_release, Sync: self._answer_sync, Status: self._answer_status,
-                Pull: self._answer_pull}
+                Pull: self._answer_pull, Cut: self._answer_cut}
 
     def round_ending(self) -> Optional[str]:
         """Why this round ends (None while it stands): then ``next`` finishes the rank's bucket and answers
@@ -109,6 +114,9 @@ class RequestHandlers:
         if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
             self.state.stop(rank, finished)
             kind, bucket = "ending", None
+        elif self.cuts is not None and self.cuts.due(self.state, rank, finished):  # write what you hold, then wait
+            self.state.stop(rank, finished)
+            kind, bucket = "cut", None
         else:
             kind, bucket = self.state.next_bucket(rank, set(request.held), finished, self.rng)
         self._clocks.after_next(rank, finished is not None and finished in self.state.done, bucket is not None,
@@ -120,20 +128,25 @@ class RequestHandlers:
 
     def _answer_reserve(self, rank: int, request: Reserve, work: VectorWork) -> Reply:
         # not persisted: a reservation is never started work, so a restart has nothing of it to redo
-        bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) if self.round_ending() is None \
-            else None
+        bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) \
+            if self.round_ending() is None and not (self.cuts is not None and self.cuts.active) else None
         return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty),
                         holders=self.holders.grant(bucket, request.leaving))
 
     def _answer_written(self, rank: int, request: Written, work: VectorWork) -> Reply:
         # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its
         # buckets, shared updates included; the locks stay until the rank has published the files
+        if self.cuts is not None:
+            raise LockServerError(f"rank {rank} sent a write group: with writes behind only a cut of the whole group "
+                                  "saves buckets (job/train/distributed/cuts.py)")
         self.state.record_written(rank, request.keys, request.staged)
         self.holders.written(request.keys)
         work.unsaved = frozenset(self.state.unsaved_buckets())
         return Done()
 
     def _answer_release(self, rank: int, request: Release, work: VectorWork) -> Reply:
+        if self.cuts is not None:
+            self.cuts.check_release(self.state, rank, request, ending=self.round_ending() is not None)
         self.state.release(rank, list(request.keys), written=request.written)
         self.holders.released(rank, request.keys, request.kept, written=request.written)
         work.unsaved = frozenset(self.state.unsaved_buckets())
@@ -149,6 +162,19 @@ class RequestHandlers:
         # the values leave after the reply (``LockServer._judge``), read from the served vector then
         work.pull = self.layout.check(np.asarray(request.rows, np.int64))
         return Done()
+
+    def _answer_cut(self, rank: int, request: Cut, work: VectorWork) -> Reply:
+        if self.cuts is None:
+            raise LockServerError("a 'cut' request, but this group writes partitions at every switch")
+        why = self.round_ending()
+        if why is not None:  # a cut not recorded never happened; one recorded is finished by the restart
+            return CutStep("ending", why=why)
+        dead = self._lost() | set(self._gone)
+        step = self.cuts.answer(self.state, self.holders, rank, request,
+                                [r for r in range(self.state.world_size) if r not in dead])
+        # through the committer, after every request decided before it: ``move`` never outruns the cut's record
+        work.unsaved = frozenset(self.state.unsaved_buckets())
+        return step
 
     def _answer_status(self, rank: int, request: Status, work: VectorWork) -> Reply:
         return State(state=self.state.to_json())

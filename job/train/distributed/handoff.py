@@ -106,6 +106,11 @@ def rows_digest(round_id: str, key: PartitionKey, weight: torch.Tensor, optim_su
                     str(tuple(optim_sum.shape)), _raw(weight), _raw(optim_sum))
 
 
+class HandoffLost(RuntimeError):
+    """Writes behind: the only copy of a partition's latest rows could not be taken (its holder gone, the rows
+    refused); reading the file instead would lose buckets, so the trainer fails and the round ends."""
+
+
 class PartitionHandoff:
     """One rank's end: the rows it keeps and serves (``keep``, the listener) and the rows it takes (``hint`` from
     each grant, ``take`` from ``PartitionStore._read``). Thread-safe: the I/O thread keeps and takes, the main
@@ -125,6 +130,13 @@ class PartitionHandoff:
         self._addresses: dict[int, tuple[str, int]] = {}
         self._listener: Optional[socket.socket] = None
         self._closed = False
+        # writes behind (job/train/distributed/cuts.py): the rows kept since the last cut are the only copy of what
+        # was trained since, so they are never dropped (``pinned``) until the cut has stored them (``unpin``), and a
+        # hand-off that fails ends the round (``HandoffLost``) instead of reading the older file
+        self.strict = False
+        self._pinned: set[PartitionKey] = set()
+        # the digest of rows kept when a cut stored them: once dropped, an asker of those rows may read the file
+        self._stored: dict[PartitionKey, str] = {}
 
     @classmethod
     def of_group(cls, ctx: Any, config: Any) -> PartitionHandoff:
@@ -192,7 +204,8 @@ class PartitionHandoff:
                     return
                 rows = self._served((entity_type, part), digest)
                 if rows is None:
-                    conn.sendall(json.dumps({"ok": False, "why": "not kept"}).encode() + b"\n")
+                    why = "stored" if self._stored.get((entity_type, part)) == digest else "not kept"
+                    conn.sendall(json.dumps({"ok": False, "why": why}).encode() + b"\n")
                     return
                 header = {"ok": True, "weight": list(rows.weight.shape), "sums": list(rows.optim_sum.shape),
                           "step": rows.step}
@@ -220,10 +233,29 @@ class PartitionHandoff:
         with self._lock:
             self._kept[key] = (rows, digest)
             self._kept.move_to_end(key)
-            while len(self._kept) > self.limit:
-                self._kept.popitem(last=False)
+            if self.strict:
+                self._pinned.add(key)
+            self._stored.pop(key, None)
+            self._trim()
             self._hints[key] = (self.rank, digest)
         return digest
+
+    def _trim(self) -> None:  # (under ``_lock``) the oldest unpinned rows beyond ``limit`` go
+        for old in [k for k in self._kept if k not in self._pinned][:max(0, len(self._kept) - self.limit)]:
+            del self._kept[old]
+
+    def kept_rows(self, key: PartitionKey) -> Optional[Rows]:
+        """The rows this rank keeps of ``key`` (a cut stages them: job/train/distributed/cuts.py), or None."""
+        with self._lock:
+            kept = self._kept.get(key)
+        return kept[0] if kept is not None else None
+
+    def unpin(self) -> None:
+        """A cut stored every row kept so far: they may be dropped again, oldest first, beyond ``limit``."""
+        with self._lock:
+            self._stored.update((key, digest) for key, (_, digest) in self._kept.items())
+            self._pinned.clear()
+            self._trim()
 
     def keep_group(self, group: WriteGroup, steps: Mapping[PartitionKey, int]) -> list[Kept]:
         """``keep`` the partitions leaving in ``group`` (just published); what the release that frees them names."""
@@ -256,6 +288,8 @@ class PartitionHandoff:
         """Drop every kept partition and hint, and count from zero (a pass starts: its server knows no holder)."""
         with self._lock:
             self._kept.clear()
+            self._pinned.clear()
+            self._stored.clear()
             self._hints.clear()
             self.stats = HandoffStats()
 
@@ -276,21 +310,30 @@ class PartitionHandoff:
             if holder == self.rank:
                 kept = self._kept.get(key)
                 if kept is not None and kept[1] == digest:
-                    del self._kept[key]
+                    if not self.strict:  # (written behind they stay until a cut: a read ahead may be dropped unused)
+                        del self._kept[key]
                     self.stats.kept_hits += 1
                     return kept[0]
         if holder == self.rank:
             self.stats.add(misses=1)
+            if self.strict and self._stored.get(key) != digest:
+                raise HandoffLost(f"rank {self.rank}: the rows of {key[0]} partition {key[1]} it was to keep are "
+                                  "gone; the file is older than they were: the round restarts from the last cut")
             return None
         sums_shape = shape if per_coordinate else (shape[0],)
         cpu_started = time.thread_time()
+        failed = False
         try:
             rows = self._fetch(holder, key, digest, shape, sums_shape, shared)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
-            logger.warning("rank %d: %s partition %d from rank %d failed (%s); reading the file", self.rank, key[0],
-                           key[1], holder, err)
-            rows = None
+            logger.warning("rank %d: %s partition %d from rank %d failed (%s)%s", self.rank, key[0], key[1], holder,
+                           err, "" if self.strict else "; reading the file")
+            rows, failed = None, True
         self.stats.add(cpu_s=time.thread_time() - cpu_started)
+        if failed and self.strict:
+            self.stats.add(misses=1)
+            raise HandoffLost(f"rank {self.rank}: {key[0]} partition {key[1]} did not come from rank {holder}, the "
+                              "only holder of its latest rows (writes behind): the round restarts from the last cut")
         if rows is None:
             self.stats.add(misses=1)
         else:
@@ -311,6 +354,8 @@ class PartitionHandoff:
             sock.sendall(json.dumps(ask).encode() + b"\n")
             header = json.loads(reader.line())
             if not header.get("ok"):
+                if self.strict and header.get("why") != "stored":  # the only copy of rows newer than the file
+                    raise ValueError(f"rank {holder} no longer keeps the rows ({header.get('why')})")
                 logger.info("rank %d: rank %d no longer keeps %s partition %d (%s); reading the file", self.rank,
                             holder, key[0], key[1], header.get("why"))
                 return None

@@ -12,6 +12,11 @@ later ``written`` of the partition (another rank's group, or a plain written rel
 file changes. So a grant names a holder only while the rows kept there are the current file's, and a rank that finds
 the holder gone, or rows that fail the digest, reads the file as it would have anyway. Nothing here is persisted: a
 new round's processes hold nothing in memory, so after a restart every partition is read from storage, as before.
+
+With writes behind (``write_behind_buckets``, job/train/distributed/cuts.py) a holder is recorded by a release that
+wrote nothing: its rows are then newer than the file, the only copy of the buckets trained since the last cut. The
+record is ``strict`` then: a gone holder is still named, so that its receiver fails (and the round ends, rolling
+back to the last cut) instead of reading the older file.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ class Holders:
         self._at: dict[PartitionKey, tuple[int, str]] = {}
         self._bucket_keys = bucket_keys
         self._gone = gone
+        # writes behind (job/train/distributed/cuts.py): a holder's rows may be newer than the file, so a gone holder
+        # is still named (its receiver fails and ends the round) instead of leaving the receiver to read a stale file
+        self.strict = False
+
+    def holder(self, key: PartitionKey) -> Optional[int]:
+        """The rank named as keeping ``key``'s latest rows, if any."""
+        at = self._at.get((key[0], int(key[1])))
+        return at[0] if at is not None else None
 
     def adopt(self, other: Optional[Holders]) -> None:
         """Take ``other``'s record (the previous pass's server, once that pass committed: each partition's committed
@@ -59,7 +72,7 @@ class Holders:
         itself), leaving out ranks known to be gone (dead, fenced): their rows went with them."""
         if bucket is None or not self._at:
             return ()
-        gone = self._gone()
+        gone = self._gone() if not self.strict else ()
         out = []
         for key in sorted(self._bucket_keys[bucket]):
             at = self._at.get(key)

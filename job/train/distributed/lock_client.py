@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 
 from job.train.distributed import protocol
+from job.train.distributed.cut_wire import Cut, CutStep
 from job.train.distributed.holders import Holder, Kept
 from job.train.distributed.protocol import (
     DEFAULT_PREFIX,
@@ -200,6 +201,12 @@ class LockClient:
         carry the file's ``size, crc32`` after its name (``WriteGroup.staged``)."""
         self._ask(Written(keys=tuple((k[0], int(k[1])) for k in keys),
                           staged=tuple((s[0], int(s[1]), *s[2:]) for s in staged)), Done)
+
+    def cut(self, staged: Optional[Sequence[Sequence[Any]]] = None, moved: bool = False) -> CutStep:
+        """This rank's turn in a cut (``write_behind_buckets``, job/train/distributed/cuts.py): ask the next step, or
+        report ``staged`` files (``[type, partition, name, size, crc32]``) or that they are ``moved``."""
+        return self._ask(Cut(staged=tuple((s[0], int(s[1]), *s[2:]) for s in staged) if staged is not None else None,
+                             moved=moved), CutStep)
 
     def sync(self, change: torch.Tensor) -> torch.Tensor:
         """Outside a bucket (a pass's start and end): push ``change``, receive the sum into it and return it."""

@@ -27,6 +27,7 @@ import torch
 import storage_adapters as storage
 from job.train.distributed import protocol
 from job.train.distributed.commits import Batch, Commit, Committer, VectorWork
+from job.train.distributed.cuts import Cuts
 from job.train.distributed.handlers import RequestHandlers
 from job.train.distributed.holders import Holders
 from job.train.distributed.lock_state import LockState
@@ -83,14 +84,15 @@ class LockServer(RequestHandlers, PullServing):
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
                  lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None,
-                 layout: Optional[RowLayout] = None) -> None:
+                 layout: Optional[RowLayout] = None, write_behind: int = 0) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
         result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
         the round ends as the server's process knows it (a SIGTERM, a peer declared dead: ``DistributedContext``),
         None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused; ``world_size``:
         the group's, whose ranks alone are served (None: any rank >= 0); ``layout``: which values of ``shared`` are
-        relation rows, for sparse changes and pulls (job/train/distributed/shared_rows.py; None: none are)."""
+        relation rows, for sparse changes and pulls (job/train/distributed/shared_rows.py; None: none are);
+        ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the serving thread's connection)
@@ -132,6 +134,7 @@ class LockServer(RequestHandlers, PullServing):
         self._committer = Committer(self.vector, progress, self._inbox.put)
         self._unanswered = 0  # requests handed to the committer whose replies have not left yet
         self.holders = Holders(state.bucket_keys, gone=lambda: self._lost() | set(self._gone))  # partition_handoff
+        self.cuts, self.holders.strict = (Cuts(write_behind), True) if write_behind else (None, False)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
         self.thread = threading.Thread(target=storage.carry(self._serve), name="biggraph-lock-server", daemon=True)
         self._reader = threading.Thread(target=self._read, name="biggraph-lock-requests", daemon=True)
@@ -384,10 +387,11 @@ class LockServer(RequestHandlers, PullServing):
         request decided is not yet stored and answered (the committer's): the state runs ahead of its replies."""
         dead = self._lost() | set(self._gone)
         now = time.monotonic()
-        with self.lock:
-            return self._unanswered == 0 and all(self.state.settled(rank) or rank in self._gave_up
-                       or (deadline is not None and self._hopeless(rank, deadline, now))
-                       for rank in range(self.state.world_size) if rank not in dead)
+        with self.lock:  # (written behind, nothing unsaved can be saved once the round ends: not waited for)
+            return self._unanswered == 0 and all(
+                self.state.settled(rank, saved=self.cuts is None) or rank in self._gave_up
+                or (deadline is not None and self._hopeless(rank, deadline, now))
+                for rank in range(self.state.world_size) if rank not in dead)
 
     def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
         """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""

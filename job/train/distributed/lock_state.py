@@ -19,6 +19,8 @@ are forgotten by a restart: ``forget_rank_locks``):
 - ``written``: ``rank`` stored ``keys`` into the next version (dirty; no longer unwritten); ``staged`` (a write
   group, job/checkpoint/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there,
   with its size and CRC-32 (what the commit's manifest takes instead of reading the file back)
+- ``cut`` (``write_behind_buckets``, job/train/distributed/cuts.py): ``keys``, every partition trained since the last
+  cut, made current at once by the ``staged`` files of every rank: every done bucket is saved (whoever did it)
 - ``record``: a finished bucket's ``training_stats.json`` line
 """
 
@@ -154,10 +156,11 @@ class LockState:
         """The buckets done whose partitions are not all written yet (a restart redoes them)."""
         return {b for pending in self.unsaved.values() for b in pending}
 
-    def settled(self, rank: int) -> bool:
+    def settled(self, rank: int, saved: bool = True) -> bool:
         """Whether ``rank`` holds nothing a restart would redo or wait on: no bucket in flight, none done whose
-        partitions it has not written, no lock (its write groups recorded and published)."""
-        return (rank not in self.in_flight and not self.unsaved.get(rank)
+        partitions it has not written (``saved``; written behind, nothing unsaved can be saved once the round
+        ends), no lock (its write groups recorded and published, or its locks given back unwritten)."""
+        return (rank not in self.in_flight and not (saved and self.unsaved.get(rank))
                 and rank not in self.locks.values())
 
     def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
@@ -236,6 +239,12 @@ class LockState:
             event["staged"] = [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]
         self._change(event)
 
+    def record_cut(self, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]]) -> None:
+        """A cut (job/train/distributed/cuts.py): ``keys`` made current by ``staged`` (every rank's files), saving
+        every done bucket of every rank in this one record."""
+        self._change({"e": "cut", "keys": [[k[0], int(k[1])] for k in keys],
+                      "staged": [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]})
+
     def add_record(self, record: dict[str, Any]) -> None:
         """A finished bucket's stats line (the committing rank writes them all at the commit)."""
         self._change({"e": "record", "record": record})
@@ -278,6 +287,9 @@ class LockState:
                         del pending[bucket]
             if rank in self.unsaved and not pending:
                 del self.unsaved[rank]
+        elif kind == "cut":  # one record for the whole group: every bucket done so far is in the files it names
+            self.dirty.update((k[0], int(k[1])) for k in event["keys"])
+            self.unsaved.clear()
         elif kind == "record":
             self.records.append(event["record"])
         else:

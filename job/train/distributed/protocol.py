@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
 
 from job.train.distributed import auth
+from job.train.distributed.cut_wire import Cut, CutStep, decode_cut
 from job.train.distributed.wire_fields import ProtocolError, Staged
 from job.train.distributed.wire_fields import bucket as _decode_bucket
 from job.train.distributed.wire_fields import integer as _int
@@ -152,7 +153,7 @@ class Pull:
     op = "pull"
 
 
-Request = Union[Next, Reserve, Release, Written, Sync, Status, Stop, Pull]
+Request = Union[Next, Reserve, Release, Written, Sync, Status, Stop, Pull, Cut]  # Cut: cut_wire.py
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,8 @@ class Refusal:
     error: str
 
 
-Reply = Union[Granted, Reserved, Done, State, Refusal]
-R = TypeVar("R", Granted, Reserved, Done, State)
+Reply = Union[Granted, Reserved, Done, State, Refusal, CutStep]
+R = TypeVar("R", Granted, Reserved, Done, State, CutStep)
 
 # encoding ---------------------------------------------------------------------------------------------------------
 
@@ -262,6 +263,8 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
         message["server"] = request.server
     elif isinstance(request, Pull):
         message.update(rows=list(request.rows), pull_tag=request.tag)
+    elif isinstance(request, Cut):
+        message.update(request.wire())
     if envelope.payload is not None:
         message.update(values=envelope.payload.values, tag=envelope.payload.tag)
     return seal(message, scope)
@@ -301,6 +304,8 @@ def encode_reply(reply: Reply, *, scope: str) -> bytes:
         message.update(bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
     elif isinstance(reply, State):
         message["state"] = reply.state
+    elif isinstance(reply, CutStep):
+        message.update(reply.wire())
     return seal(message, scope)
 
 
@@ -361,6 +366,7 @@ _DECODERS: dict[str, Callable[[Mapping[str, Any]], Request]] = {
     "status": lambda f: Status(),
     "stop": lambda f: Stop(server=str(_required(f, "server"))),
     "pull": _pull,
+    "cut": decode_cut,
 }
 
 
@@ -418,6 +424,8 @@ def decode_reply(raw: bytes, expected: type[R], op: str, *, scope: str) -> R:
                              holders=_tagged(message.get("holders", []), "'holders'", 2))
         elif expected is State:
             reply = State(state=dict(message["state"]))
+        elif expected is CutStep:
+            reply = CutStep.from_wire(message)
         else:
             reply = Done()
     except (ProtocolError, KeyError, TypeError) as err:

@@ -37,6 +37,7 @@ from job.train.distributed.shared_params import SharedParameters
 from job.train.distributed.shared_rows import RowLayout
 from job.train.elastic.budget import note_progress
 from job.train.residency.partitions import PartitionStore
+from job.train.schedule.behind import BehindWrites, CutCounts
 from job.train.schedule.clock import BucketClock
 from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
 from job.train.schedule.orders import all_buckets
@@ -99,6 +100,9 @@ class LockServerScheduler(BucketScheduler):
         # partition_handoff: published partitions kept in memory for their next holder (job/train/distributed/handoff.py)
         self.handoff = store.peers = PartitionHandoff.of_group(ctx, config) if config.partition_handoff else None
         self._holders: Optional[Holders] = None  # rank 0: the last committed pass's, still true of what it committed
+        # write_behind_buckets: partitions handed on unwritten, stored at cuts of the group (job/train/schedule/behind.py)
+        self.behind = BehindWrites(self.client, store, checkpoint, self.handoff) \
+            if config.write_behind_buckets and self.handoff is not None else None
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         if self.pass_tag:  # this process saw a pass commit: the round made progress
@@ -109,6 +113,8 @@ class LockServerScheduler(BucketScheduler):
         self.ahead = None
         if self.handoff is not None:
             self.handoff.new_pass()
+        if self.behind is not None:
+            self.behind.counts = CutCounts()  # (this pass's, for its log line)
         if self.commits:
             state = LockState(*self.nparts, self.bucket_keys,
                               tree_init_order=self.config.distributed_tree_init_order and version == 0,
@@ -134,7 +140,8 @@ class LockServerScheduler(BucketScheduler):
             log.start(state.to_json(), shared)
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
-                                     world_size=self.ctx.world_size, layout=self.layout)
+                                     world_size=self.ctx.world_size, layout=self.layout,
+                                     write_behind=self.config.write_behind_buckets if self.behind else 0)
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
@@ -166,6 +173,12 @@ class LockServerScheduler(BucketScheduler):
                 return None
             if kind == "ending":
                 self._end_round(str(self.client.last_why or "the round ends"))
+            if kind == "cut" and self.behind is not None:  # every rank stores what it holds, then training goes on
+                self.ahead = None
+                why = self.behind.cut()
+                if why is not None:
+                    self._end_round(why)
+                continue
             if kind == "wait" or bucket is None:
                 # give our partitions back so that nobody waits on us, then ask again
                 self.store.stats.blocked_seconds += self._give_back()
@@ -187,6 +200,17 @@ class LockServerScheduler(BucketScheduler):
         locks as they will be while it trains. The reserved bucket's partitions are read from the sources the
         server knows now plus the ones leaving (locked for this rank until published, so nobody else writes
         them; the same thread reads them after their group). Without it the group is written now (PBG's way)."""
+        if self.behind is not None:  # written behind: released unwritten, rows kept (job/train/schedule/behind.py)
+            started = time.perf_counter()
+            self.behind.release(set(self.bucket_keys[bucket]))
+            self.store.stats.blocked_seconds += time.perf_counter() - started
+            if self.config.prefetch_partitions:
+                self.ahead, dirty = self.client.reserve(())
+                self.store.set_written(dirty)
+                if self.handoff is not None and self.ahead is not None:
+                    self.handoff.hint(self.bucket_keys[self.ahead] - self.store.resident_partitioned(),
+                                      self.client.last_holders)
+            return
         started = time.perf_counter()
         behind = self.config.prefetch_partitions
         client = self._writer() if behind else self.client
@@ -250,7 +274,10 @@ class LockServerScheduler(BucketScheduler):
         """Write back (as one group) and release every partition this rank holds; returns the seconds it took."""
         started = time.perf_counter()
         self._settle_releases()
-        self.store.write_group(set(), lambda group: self._commit_group(self.client, group), behind=False)
+        if self.behind is not None:
+            self.behind.release(set())
+        else:
+            self.store.write_group(set(), lambda group: self._commit_group(self.client, group), behind=False)
         return time.perf_counter() - started
 
     def _end_round(self, why: str) -> None:
@@ -262,7 +289,10 @@ class LockServerScheduler(BucketScheduler):
         part of its update): this runs only between buckets."""
         logger.warning("rank %d: the round ends (%s): giving back what this rank holds, then exiting",
                        self.ctx.rank, why)
-        self.store.stats.commit_seconds += self._give_back()
+        if self.behind is None:
+            self.store.stats.commit_seconds += self._give_back()
+        else:  # written behind: nothing since the last cut can be saved now; the locks go back unwritten
+            self.behind.give_up()
         self._drain()
         raise RoundEnding(f"rank {self.ctx.rank}: the round ended ({why}) and this rank gave back what it held; "
                           "exiting so that torchrun re-forms the group")
@@ -337,7 +367,8 @@ class LockServerScheduler(BucketScheduler):
 
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
         if self.handoff is not None:
-            logger.info("rank %d: partition hand-off this pass: %s", self.ctx.rank, json.dumps(self.handoff.stats.as_record()))
+            logger.info("rank %d: partition hand-off this pass: %s", self.ctx.rank, json.dumps(
+                {**self.handoff.stats.as_record(), **(self.behind.counts.as_record() if self.behind else {})}))
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
         try:
             wait_all(self.ctx, f"pass-written-{self.pass_tag}")

@@ -1,0 +1,178 @@
+"""Partitions written behind the training: the lock server's side of a *cut* (``write_behind_buckets``, issue 45;
+docs/design/distributed.md, "Partitions written behind").
+
+With ``partition_handoff`` alone every rank still writes a write group at each switch that lets a partition go,
+before the release that names it the partition's holder, so an epoch writes about as many partitions as it has
+buckets whatever the number of pods. With writes behind, a rank releases a partition to its next holder *unwritten*
+(its rows kept in memory, named with their digest: job/train/distributed/holders.py), and storage receives
+partitions only at cuts: every ``every`` buckets done by the group, and at the pass's end (the commit's).
+
+Why per-rank records cannot save anything then: a partition handed on unwritten holds the updates of buckets whose
+other partitions may die with their trainer, so a file one rank writes may hold a bucket that a restart redoes
+(counted twice). A cut saves the whole group at once instead:
+
+1. *Drain.* Once a cut is due, ``next`` finishes the rank's bucket and answers ``cut`` instead of another (nothing
+   is reserved either; a rank's reservation is dropped with its locks that only it needed).
+2. *Plan.* When no rank has a bucket in flight, the server assigns each partition trained since the last cut (the
+   keys of the done, unsaved buckets) to the rank that has its latest rows: the rank holding its lock (it trained
+   it last and still has it in its store), else its hand-off holder. Nothing changes hands during a cut, so the
+   plan is the truth until the cut ends.
+3. *Stage.* Each live rank writes its keys under staged names and reports them (``cut`` with ``staged``: exactly
+   its keys, or refused). Nothing is persisted yet.
+4. *Record.* When every live rank has reported, the server persists ONE ``cut`` record naming every staged file:
+   it makes them current and saves every done bucket of every rank, and its committer moves every pending
+   shared update into the stored vector (``VectorWork.unsaved`` empty). A death before that record: the cut never
+   happened (the restart removes the unrecorded staged files, and redoes every bucket done since the last cut:
+   the price of a lost pod is the group's work since the last cut).
+5. *Move.* Each rank moves its staged files to their PBG names (a restart's roll-forward finishes this for a
+   record whose ranks died), reports ``moved``, and once every live rank has, ``go``: training resumes. Reads of a
+   partition whose holder dropped its rows therefore find the cut's file under its PBG name.
+
+A round that ends abandons a cut not yet recorded (``ending``): a loss cannot save what it did not write. Every
+answer to ``cut`` goes through the committer after the requests decided before it, so ``move`` never reaches a
+rank before the record is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from job.checkpoint.write_groups import STAGED_PREFIX
+from job.train.distributed.cut_wire import Cut, CutStep
+from job.train.distributed.holders import Holders
+from job.train.distributed.lock_state import LockState
+from job.train.distributed.protocol import LockServerError, Release
+from job.types import Bucket, PartitionKey
+
+ONLY_AT_THE_COMMIT = -1  # ``write_behind_buckets``: no cut but the pass's end
+
+
+@dataclass
+class CutStats:
+    """The cuts of a pass as the server saw them (its pass line)."""
+
+    cuts: int = 0
+    files: int = 0  # staged files the cuts recorded
+
+
+@dataclass
+class Cuts:
+    """The server's record of the cut under way (see the module docstring). ``every``: buckets done by the group
+    between cuts (``ONLY_AT_THE_COMMIT``: none but the pass's end)."""
+
+    every: int
+    phase: Optional[str] = None  # None (training), "drain", "stage" (plan made), "move" (recorded)
+    plan: dict[int, tuple[PartitionKey, ...]] = field(default_factory=dict)
+    reports: dict[int, list[Any]] = field(default_factory=dict)
+    moved: set[int] = field(default_factory=set)
+    # ranks told the last cut is over that have not heard ``go`` yet: a rank polling for it must not be answered
+    # with the next cut's steps (the others may already have trained and made the next one due)
+    over: set[int] = field(default_factory=set)
+    stats: CutStats = field(default_factory=CutStats)
+
+    def __post_init__(self) -> None:
+        if self.every == 0 or self.every < ONLY_AT_THE_COMMIT:
+            raise ValueError(f"write_behind_buckets {self.every}: a cut every N > 0 buckets, or -1 (only at the "
+                             "commit); 0 is off (no Cuts)")
+
+    @property
+    def active(self) -> bool:
+        return self.phase is not None
+
+    def due(self, state: LockState, rank: int, finished: Optional[Bucket]) -> bool:
+        """Whether ``rank``'s ``next`` finishing ``finished`` must be answered ``cut``: one is under way, or the
+        buckets done and unsaved (``finished`` among them) reach ``every``, or none is left to do and some are
+        unsaved (the pass's last cut, which the commit needs)."""
+        if self.active:
+            return True
+        ends = finished is not None and state.in_flight.get(rank) == finished and finished not in state.done
+        unsaved = len(state.unsaved_buckets()) + int(ends)
+        if unsaved == 0:
+            return False
+        left = state.total - len(state.done) - int(ends)
+        if left == 0 or (self.every > 0 and unsaved >= self.every):
+            self.phase = "drain"
+            return True
+        return False
+
+    def answer(self, state: LockState, holders: Holders, rank: int, request: Cut, live: Collection[int]) -> CutStep:
+        """The step ``rank`` takes next (``live``: the ranks not lost); may record the cut (``state.record_cut``)."""
+        if rank in self.over:
+            self.over.discard(rank)
+            return CutStep("go")
+        if self.phase == "drain":
+            if state.in_flight:
+                return CutStep("wait")
+            self.plan = self._plan(state, holders, live)
+            self.phase = "stage"
+        if self.phase is None:
+            return CutStep("go")
+        if self.phase == "stage":
+            if request.staged is not None:
+                self._report(rank, request.staged)
+                if all(r in self.reports for r in live):
+                    self._record(state)
+                    return CutStep("move")
+                return CutStep("wait")
+            return CutStep("wait") if rank in self.reports else CutStep("stage", keys=self.plan.get(rank, ()))
+        # "move": recorded
+        if request.moved:
+            self.moved.add(rank)
+        if all(r in self.moved for r in live):
+            self.phase = None
+            self.over = set(self.moved) - {rank}
+            self.plan, self.reports, self.moved = {}, {}, set()
+            return CutStep("go")
+        return CutStep("wait") if rank in self.moved else CutStep("move", keys=self.plan.get(rank, ()))
+
+    def _plan(self, state: LockState, holders: Holders, live: Collection[int]) -> dict[int, tuple[PartitionKey, ...]]:
+        keys = {key for pending in state.unsaved.values() for bucket_keys in pending.values() for key in bucket_keys}
+        plan: dict[int, list[PartitionKey]] = {rank: [] for rank in live}
+        for key in sorted(keys):
+            owner = state.locks.get(key)
+            if owner is None:
+                owner = holders.holder(key)
+            if owner is None or owner not in plan:
+                raise LockServerError(f"{key[0]} partition {key[1]} was trained since the last cut but no live rank "
+                                      f"holds its rows (owner {owner}); the round must restart from the last cut")
+            plan[owner].append(key)
+        return {rank: tuple(owned) for rank, owned in plan.items()}
+
+    def _report(self, rank: int, staged: Sequence[Any]) -> None:
+        if rank in self.reports:
+            raise LockServerError(f"rank {rank} reported its staged files of this cut twice")
+        named = sorted((str(s[0]), int(s[1])) for s in staged)
+        if named != sorted(self.plan.get(rank, ())):
+            raise LockServerError(f"rank {rank} staged {named}, not the partitions this cut gave it "
+                                  f"({sorted(self.plan.get(rank, ()))})")
+        for entry in staged:
+            if len(entry) < 5 or not str(entry[2]).startswith(STAGED_PREFIX) or "/" in str(entry[2]):
+                raise LockServerError(f"rank {rank}: {entry!r} is not a staged file with its size and CRC-32")
+        self.reports[rank] = list(staged)
+
+    def _record(self, state: LockState) -> None:
+        staged = [entry for rank in sorted(self.reports) for entry in self.reports[rank]]
+        state.record_cut(sorted({(str(s[0]), int(s[1])) for s in staged}), staged)
+        self.phase = "move"
+        self.stats.cuts += 1
+        self.stats.files += len(staged)
+
+    def check_release(self, state: LockState, rank: int, request: Release, ending: bool) -> None:
+        """A release under writes behind: never ``written`` for a partition a bucket trains (only a cut writes
+        those), and a partition trained since the last cut leaves only with its rows kept (its holder is then the
+        only place its latest rows are), unless the round ends (nothing more is granted, nothing saved)."""
+        trained = {key for keys in state.bucket_keys.values() for key in keys}
+        keys = {(k[0], int(k[1])) for k in request.keys}
+        if request.written and keys & trained:
+            raise LockServerError(f"rank {rank} released {sorted(keys & trained)} as written: with writes behind "
+                                  "partitions are stored only at cuts")
+        if ending:
+            return
+        unsaved = {key for pending in state.unsaved.values() for bucket_keys in pending.values() for key in bucket_keys}
+        kept = {(k[0], int(k[1])) for k in request.kept}
+        lost = sorted((keys & unsaved) - kept)
+        if lost:
+            raise LockServerError(f"rank {rank} released {lost} unwritten without keeping their rows: they hold "
+                                  "buckets not yet written by a cut")

@@ -1,0 +1,135 @@
+"""A trainer's side of partitions written behind the training (``write_behind_buckets``; the server's side and why
+it is exact: job/train/distributed/cuts.py).
+
+At a bucket switch the partitions leaving are released *unwritten*: their rows are kept in this rank's memory
+(job/train/distributed/handoff.py, pinned until a cut stores them) and named with their digest, so the next holder
+takes them from here. When the server answers ``next`` with ``cut``, the rank takes its turn: it drops what it read
+ahead (its reservation is gone, and a copy read for it may be stale once others train again), stages the
+partitions the server gives it (from its store when it holds them, else from the rows it keeps), reports them,
+waits for the cut's record, moves them to their PBG names, reports that, and waits for every other rank before
+training on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from job.checkpoint.write_groups import WriteGroup
+from job.formats.checkpoint import CheckpointStorage
+from job.model.scoring import Table
+from job.train.distributed.cut_wire import CutStep
+from job.train.distributed.handoff import PartitionHandoff
+from job.train.distributed.lock_client import LockClient
+from job.train.residency.partitions import PartitionStore
+from job.types import PartitionKey
+
+logger = logging.getLogger("biggraph")
+
+POLL_S = 0.01  # the first wait between two asks of a cut's step (doubling to ``POLL_MAX_S``)
+POLL_MAX_S = 0.2
+
+
+@dataclass
+class CutCounts:
+    """This rank's part of the pass's cuts (its pass record)."""
+
+    cuts: int = 0
+    staged: int = 0  # partitions it staged
+    seconds: float = 0.0  # its time in cuts, waits for the other ranks included
+
+    def as_record(self) -> dict[str, float]:
+        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3)}
+
+
+class BehindWrites:
+    """Releases without writes, and this rank's turns in cuts (see the module docstring)."""
+
+    def __init__(self, client: LockClient, store: PartitionStore, checkpoint: CheckpointStorage,
+                 handoff: PartitionHandoff) -> None:
+        self.client = client
+        self.store = store
+        self.checkpoint = checkpoint
+        self.handoff = handoff
+        handoff.strict = True  # a failed hand-off ends the round: the file is older than the rows it lost
+        self.counts = CutCounts()
+
+    def release(self, keep: set[PartitionKey]) -> list[PartitionKey]:
+        """Let the resident partitions not in ``keep`` go unwritten, their rows kept for the next holder; returns
+        them."""
+        leaving = sorted(self.store.resident_partitioned() - keep)
+        if not leaving:
+            return []
+        kept = []
+        for key in leaving:
+            table = self.store.loaded.pop(key)
+            if table.optim_sum is None:
+                raise ValueError(f"{key[0]} partition {key[1]} has no optimizer state to hand on")
+            kept.append((key[0], key[1], self.handoff.keep(key, table.weight, table.optim_sum,
+                                                           self.store.steps.get(key, 0))))
+        self.client.release(leaving, written=False, kept=kept)
+        return leaving
+
+    def give_up(self) -> None:
+        """The round ends: hand every lock back unwritten (nothing unsaved can be saved now; rank 0 waits for the
+        locks, not for writes), so that rank 0 knows this rank is done before it stops serving."""
+        held = sorted(self.store.resident_partitioned())
+        try:
+            if held:
+                self.client.release(held, written=False)
+        except Exception as err:  # noqa: BLE001 - rank 0 gone already: the next round redoes everything unsaved
+            logger.warning("rank %d: could not hand its locks back at the round's end (%s)", self.client.rank, err)
+
+    def cut(self) -> Optional[str]:
+        """This rank's turn in the cut the server announced; None once it is over, else why the round ends (the
+        cut abandoned, or recorded and finished by the restart's roll-forward)."""
+        started = time.perf_counter()
+        try:
+            self.store.discard_prefetched()
+            step = self._ask()
+            if step.step != "stage":
+                return self._unexpected(step, "stage")
+            tables: dict[PartitionKey, Any] = {}
+            for key in step.keys:
+                table = self.store.loaded.get(key)
+                if table is None:
+                    rows = self.handoff.kept_rows(key)
+                    if rows is None:
+                        raise RuntimeError(f"the cut gave this rank {key[0]} partition {key[1]}, whose rows it no "
+                                           "longer keeps")
+                    table = Table(weight=rows.weight, optim_sum=rows.optim_sum)
+                    self.store.steps[key] = rows.step
+                tables[key] = table
+            group = WriteGroup.of(self.store.next_version, [], tables)
+            self.store.stage(group)
+            self.checkpoint.flush()  # stored before the report: the record makes them current
+            step = self._ask(staged=group.staged(self.checkpoint))
+            if step.step != "move":
+                return self._unexpected(step, "move")
+            self.store.publish(group)
+            step = self._ask(moved=True)
+            if step.step != "go":
+                return self._unexpected(step, "go")
+            self.handoff.unpin()
+            self.counts.cuts += 1
+            self.counts.staged += len(group.keys)
+            return None
+        finally:
+            self.counts.seconds += time.perf_counter() - started
+
+    def _ask(self, staged: Optional[list[list[Any]]] = None, moved: bool = False) -> CutStep:
+        step = self.client.cut(staged=staged, moved=moved)
+        wait = POLL_S
+        while step.step == "wait":
+            time.sleep(wait)
+            wait = min(2 * wait, POLL_MAX_S)
+            step = self.client.cut()
+        return step
+
+    @staticmethod
+    def _unexpected(step: CutStep, wanted: str) -> str:
+        if step.step == "ending":
+            return step.why or "the round ends"
+        raise RuntimeError(f"the lock server answered {step.step!r} in a cut where {wanted!r} was due")
