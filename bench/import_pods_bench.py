@@ -118,7 +118,8 @@ if pid == 0:
     os.execvp(sys.argv[2], sys.argv[2:])
 _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as out:
-    json.dump([time.monotonic() - started, usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024], out)
+    json.dump([time.monotonic() - started, usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024, usage.ru_minflt],
+              out)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
@@ -131,6 +132,7 @@ class Usage:
     user: float
     sys: float
     peak: int
+    faults: int  # minor page faults: fresh pages the kernel mapped in (and zeroed), a 2 MiB huge page counting once
 
     @property
     def cpu(self) -> float:
@@ -153,8 +155,8 @@ def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cw
     for proc, log in zip(procs, logs):
         if proc.wait() != 0:
             raise SystemExit(f"{' '.join(proc.args[5:])} failed:\n{log.read_text()[-3000:]}")
-        wall, user, system, peak = json.loads(Path(f"{log}.usage").read_text())
-        results.append(Usage(wall, user, system, int(peak)))
+        wall, user, system, peak, faults = json.loads(Path(f"{log}.usage").read_text())
+        results.append(Usage(wall, user, system, int(peak), int(faults)))
     return results
 
 
@@ -225,6 +227,10 @@ class Row:
     def peak(self) -> int:
         return max(u.peak for u in self.usages)
 
+    @property
+    def faults(self) -> int:
+        return sum(u.faults for u in self.usages)
+
 
 def run_importer(req: Request, root: Path, inputs: list[str], args: argparse.Namespace, env: dict[str, str]) -> Row:
     """One importer (1 process, or N pods meeting in a fresh staging directory) on ``inputs``, timed per process."""
@@ -245,7 +251,7 @@ def run_importer(req: Request, root: Path, inputs: list[str], args: argparse.Nam
     usages = run_all(commands, logs, run_env, req.src, args.stagger)
     row = Row(req.name, req.rep, usages, phases(logs), out, digests(out))
     print(f"run {req.rep + 1}: {req.name}: {row.cpu:.2f} s CPU ({row.user:.2f} user + {row.sys:.2f} sys), "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"{row.faults:,} page faults, load average {os.getloadavg()[0]:.1f}", flush=True)
     return row
 
 
