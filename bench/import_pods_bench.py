@@ -259,13 +259,17 @@ def summarize(rows: list[Row], names: list[str]) -> None:
     """Across the runs: each importer's median CPU and its range, and each run's N pods / 1 process ratio."""
     if max(row.rep for row in rows) == 0:
         return
-    one = {row.rep: row.cpu for row in rows if row.name == "1 process"}
     for name in names:
+        # a tree's pods against the same tree's 1 process ("4 pods (C)" against "1 process (C)")
+        tree = name[name.index(" ("):] if " (" in name else ""
+        one = {row.rep: row.cpu for row in rows if row.name == f"1 process{tree}"} or \
+            {row.rep: row.cpu for row in rows if row.name == "1 process"}
         cpus = sorted(row.cpu for row in rows if row.name == name)
         ratios = sorted(row.cpu / one[row.rep] for row in rows if row.name == name)
+        faults = sorted(row.faults for row in rows if row.name == name)
         print(f"{name}: CPU median {float(np.median(cpus)):.2f} s (range {cpus[0]:.2f}-{cpus[-1]:.2f}, {len(cpus)} runs); "
-              f"against the 1 process of the same run: median {float(np.median(ratios)):.2f}x "
-              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+              f"against the 1 process of the same tree and run: median {float(np.median(ratios)):.2f}x "
+              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); page faults median {int(np.median(faults)):,}")
 
 
 def main() -> int:
