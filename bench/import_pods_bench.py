@@ -238,7 +238,8 @@ def run_importer(req: Request, root: Path, inputs: list[str], args: argparse.Nam
     shutil.rmtree(out, ignore_errors=True)
     config = str(write_config(root / f"{out.name}.json", out, args.partitions, args.files))
     pinned = ["taskset", "-c", args.cpu_list] if args.cpu_list else []
-    base = [*pinned, sys.executable, "-m", "job", "import", config, *inputs, "-l", "0", "-r", "2", "--rel-col", "1"]
+    base = [*pinned, sys.executable, "-m", "job", "import", config, *inputs, "-l", "0", "-r", "2", "--rel-col", "1",
+            *args.import_args.split()]
     run_env = env if req.src == REPO else {**env, "PYTHONPATH": str(req.src)}
     if req.pods <= 1:
         commands = [base]
@@ -298,6 +299,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every importer this many times, alternating their order (this machine's CPU time "
                              "varies with other jobs: a ratio is read from runs side by side, over several runs)")
+    parser.add_argument("--import-args", default="",
+                        help="more options for every importer (e.g. '--block-size 2': a smaller read block, so a "
+                             "smaller working set per process)")
     parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
                         help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
     args = parser.parse_args()
