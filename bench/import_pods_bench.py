@@ -118,15 +118,31 @@ if pid == 0:
     os.execvp(sys.argv[2], sys.argv[2:])
 _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as out:
-    json.dump([time.monotonic() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024], out)
+    json.dump([time.monotonic() - started, usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024, usage.ru_minflt],
+              out)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+@dataclass
+class Usage:
+    """One process's own wait4 figures."""
+
+    wall: float
+    user: float
+    sys: float
+    peak: int
+    faults: int  # minor page faults: fresh pages the kernel mapped in (and zeroed), a 2 MiB huge page counting once
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.sys
+
+
 def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cwd: Path,
-            stagger: bool = False) -> list[tuple[float, float, int]]:
+            stagger: bool = False) -> list[Usage]:
     """Start every command at once (``stagger``: each once the one before has logged the end of its phase 1, so
-    that no two pods read shards at the same time); (wall s, CPU s, peak RSS bytes) of each, from its own wait4."""
+    that no two pods read shards at the same time); the usage of each, from its own wait4."""
     procs = []
     for argv, log in zip(commands, logs):
         if stagger and procs:
@@ -139,8 +155,8 @@ def run_all(commands: list[list[str]], logs: list[Path], env: dict[str, str], cw
     for proc, log in zip(procs, logs):
         if proc.wait() != 0:
             raise SystemExit(f"{' '.join(proc.args[5:])} failed:\n{log.read_text()[-3000:]}")
-        wall, cpu, peak = json.loads(Path(f"{log}.usage").read_text())
-        results.append((wall, cpu, int(peak)))
+        wall, user, system, peak, faults = json.loads(Path(f"{log}.usage").read_text())
+        results.append(Usage(wall, user, system, int(peak), int(faults)))
     return results
 
 
@@ -170,6 +186,93 @@ def phases(logs: list[Path]) -> dict[str, float]:
     return totals
 
 
+@dataclass(frozen=True)
+class Request:
+    """One importer run: its row name, source tree, pod count (0: the baseline, 1: one process) and repetition."""
+
+    name: str
+    src: Path
+    pods: int
+    rep: int
+
+
+@dataclass
+class Row:
+    """What one importer run cost (every process's usage, each phase's CPU over the pods) and its output's digests."""
+
+    name: str
+    rep: int
+    usages: list[Usage]
+    phase_cpu: dict[str, float]
+    out: Path
+    digests: dict[str, str]
+
+    @property
+    def wall(self) -> float:
+        return max(u.wall for u in self.usages)
+
+    @property
+    def user(self) -> float:
+        return sum(u.user for u in self.usages)
+
+    @property
+    def sys(self) -> float:
+        return sum(u.sys for u in self.usages)
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.sys
+
+    @property
+    def peak(self) -> int:
+        return max(u.peak for u in self.usages)
+
+    @property
+    def faults(self) -> int:
+        return sum(u.faults for u in self.usages)
+
+
+def run_importer(req: Request, root: Path, inputs: list[str], args: argparse.Namespace, env: dict[str, str]) -> Row:
+    """One importer (1 process, or N pods meeting in a fresh staging directory) on ``inputs``, timed per process."""
+    out = root / re.sub(r"\W", "_", req.name)
+    shutil.rmtree(out, ignore_errors=True)
+    config = str(write_config(root / f"{out.name}.json", out, args.partitions, args.files))
+    pinned = ["taskset", "-c", args.cpu_list] if args.cpu_list else []
+    base = [*pinned, sys.executable, "-m", "job", "import", config, *inputs, "-l", "0", "-r", "2", "--rel-col", "1",
+            *args.import_args.split()]
+    run_env = env if req.src == REPO else {**env, "PYTHONPATH": str(req.src)}
+    if req.pods <= 1:
+        commands = [base]
+    else:
+        staging = str(root / f"staging_{out.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        commands = [[*base, "--pods", str(req.pods), "--pod-index", str(i), "--staging", staging]
+                    for i in range(req.pods)]
+    logs = [root / f"{out.name}.{i}.log" for i in range(len(commands))]
+    usages = run_all(commands, logs, run_env, req.src, args.stagger)
+    row = Row(req.name, req.rep, usages, phases(logs), out, digests(out))
+    print(f"run {req.rep + 1}: {req.name}: {row.cpu:.2f} s CPU ({row.user:.2f} user + {row.sys:.2f} sys), "
+          f"{row.faults:,} page faults, load average {os.getloadavg()[0]:.1f}", flush=True)
+    return row
+
+
+def summarize(rows: list[Row], names: list[str]) -> None:
+    """Across the runs: each importer's median CPU and its range, and each run's N pods / 1 process ratio."""
+    if max(row.rep for row in rows) == 0:
+        return
+    for name in names:
+        # a tree's pods against the same tree's 1 process ("4 pods (C)" against "1 process (C)")
+        tree = name[name.index(" ("):] if " (" in name else ""
+        one = {row.rep: row.cpu for row in rows if row.name == f"1 process{tree}"} or \
+            {row.rep: row.cpu for row in rows if row.name == "1 process"}
+        cpus = sorted(row.cpu for row in rows if row.name == name)
+        ratios = sorted(row.cpu / one[row.rep] for row in rows if row.name == name)
+        faults = sorted(row.faults for row in rows if row.name == name)
+        print(f"{name}: CPU median {float(np.median(cpus)):.2f} s (range {cpus[0]:.2f}-{cpus[-1]:.2f}, {len(cpus)} runs); "
+              f"against the 1 process of the same tree and run: median {float(np.median(ratios)):.2f}x "
+              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); page faults median {int(np.median(faults)):,}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--edges", type=int, default=20_000_000)
@@ -193,13 +296,20 @@ def main() -> int:
                         help="start each pod once the one before has read its shards (phase 1, where nearly all the "
                              "CPU goes): the pods' shares then run one at a time, as on a cluster each pod has its "
                              "own core, rather than side by side on cores that slow each other down")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every importer this many times, alternating their order (this machine's CPU time "
+                             "varies with other jobs: a ratio is read from runs side by side, over several runs)")
+    parser.add_argument("--import-args", default="",
+                        help="more options for every importer (e.g. '--block-size 2': a smaller read block, so a "
+                             "smaller working set per process)")
     parser.add_argument("--fixed-rss", type=int, default=150, metavar="MIB",
                         help="a pod's peak on a tiny import (interpreter, numpy, pyarrow, h5py, fsspec), for the model")
     args = parser.parse_args()
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="biggraph-import-pods-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs"
+    print(f"machine: float32 matmul {matmul_rate():.0f} GFLOP/s, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}"
           + (f"; importers pinned to CPUs {args.cpu_list}" if args.cpu_list else "")
           + ("; pods staggered (each starts once the one before has read its shards)" if args.stagger else ""),
           flush=True)
@@ -216,7 +326,6 @@ def main() -> int:
         print(f"input: {args.files} files, {per_file * args.files:,} edges, {size / 2**20:,.0f} MiB "
               f"(generated in {time.monotonic() - started:.0f} s)", flush=True)
         edges = per_file * args.files
-        columns = ["-l", "0", "-r", "2", "--rel-col", "1"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         # (row name, source tree, pods): this tree's rows first (the model below reads rows 0 and 1)
         runs: list[tuple[str, Path, int]] = [("1 process", REPO, 1), (f"{args.pods} pods", REPO, args.pods)]
@@ -228,52 +337,41 @@ def main() -> int:
             runs.append((f"baseline ({args.baseline_commit})",
                          unpack(args.baseline_commit, root / "baseline_src", Path(args.git)), 0))
         rows = []
-        for name, src, pods in runs:
-            out = root / re.sub(r"\W", "_", name)
-            shutil.rmtree(out, ignore_errors=True)
-            config = str(write_config(root / f"{out.name}.json", out, args.partitions, args.files))
-            pinned = ["taskset", "-c", args.cpu_list] if args.cpu_list else []
-            base = [*pinned, sys.executable, "-m", "job", "import", config, *inputs, *columns]
-            cwd, run_env = src, (env if src == REPO else {**env, "PYTHONPATH": str(src)})
-            if pods <= 1:
-                commands = [base]
-            else:
-                staging = str(root / f"staging_{out.name}")
-                shutil.rmtree(staging, ignore_errors=True)
-                commands = [[*base, "--pods", str(pods), "--pod-index", str(i), "--staging", staging]
-                            for i in range(pods)]
-            logs = [root / f"{out.name}.{i}.log" for i in range(len(commands))]
-            results = run_all(commands, logs, run_env, cwd, args.stagger)
-            wall = max(r[0] for r in results)
-            cpu = sum(r[1] for r in results)
-            peak = max(r[2] for r in results)
-            rows.append((name, wall, cpu, peak, [r[2] for r in results], phases(logs), out))
-        print("\n| importer | edges | wall | CPU | CPU s / M edges | edges/s of CPU | peak RSS per process | CPU vs 1 process |")
-        print("|---|---|---|---|---|---|---|---|")
-        one_cpu = rows[0][2]
-        for name, wall, cpu, peak, peaks, _, _ in rows:
-            print(f"| {name} | {edges:,} | {wall:.1f} s | {cpu:.1f} s | {cpu / edges * 1e6:.2f} | {edges / cpu:,.0f} | "
-                  f"{peak / 2**20:,.0f} MiB ({', '.join(f'{p / 2**20:,.0f}' for p in peaks)}) | {cpu / one_cpu:.2f}x |")
-        if args.compare_commit:
-            print(f"N pods against 1 process: this tree {rows[1][2] / rows[0][2]:.2f}x, {args.compare_commit} "
-                  f"{rows[3][2] / rows[2][2]:.2f}x")
-        for name, _, cpu, _, _, phase_cpu, _ in rows:
-            if phase_cpu:
-                print(f"phases of {name} (CPU s, all pods): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_cpu.items())
-                      + f", outside the phases (interpreter, imports, start-up) {cpu - sum(phase_cpu.values()):.1f}")
+        for rep in range(args.repeat):
+            # alternate the order, so that neither side always runs first (or right after the other)
+            for name, src, pods in (runs if rep % 2 == 0 else runs[::-1]):
+                rows.append(run_importer(Request(name, src, pods, rep), root, inputs, args, env))
+        print(f"\nload average after the runs: {os.getloadavg()[0]:.1f}")
+        print("\n| importer | run | edges | wall | CPU (user + sys) | CPU s / M edges | edges/s of CPU | peak RSS per process "
+              "| CPU vs 1 process of the run |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        one = {row.rep: row.cpu for row in rows if row.name == "1 process"}
+        for row in rows:
+            peaks = ", ".join(f"{u.peak / 2**20:,.0f}" for u in row.usages)
+            print(f"| {row.name} | {row.rep + 1} | {edges:,} | {row.wall:.1f} s | {row.cpu:.1f} s ({row.user:.1f} + "
+                  f"{row.sys:.1f}) | {row.cpu / edges * 1e6:.2f} | {edges / row.cpu:,.0f} | {row.peak / 2**20:,.0f} MiB "
+                  f"({peaks}) | {row.cpu / one[row.rep]:.2f}x |")
+        summarize(rows, [name for name, _, _ in runs])
+        for row in rows:
+            if row.phase_cpu:
+                print(f"phases of {row.name}, run {row.rep + 1} (CPU s, all pods): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in row.phase_cpu.items())
+                      + f", outside the phases (interpreter, imports, start-up) {row.cpu - sum(row.phase_cpu.values()):.2f}")
+        rows_of = {row.name: row for row in rows if row.rep == 0}
+        first = [rows_of[runs[0][0]], rows_of[runs[1][0]]]
         found = []
-        for row in rows[:2]:
-            logs = sorted(root.glob(f"{row[6].name}.*.log"))
+        for row in first:
+            logs = sorted(root.glob(f"{row.out.name}.*.log"))
             found.append(sum(int(m.group(1).replace(",", "")) for log in logs for m in GROUP_DONE.finditer(log.read_text())))
         print(f"group entries (distinct ids per group, summed): 1 process {found[0]:,}, {args.pods} pods {found[1]:,}")
-        outside = tuple(row[2] - sum(row[5].values()) for row in rows[:2])
-        measured = measure(edges, rows[0][5], rows[1][5], args.pods, (outside[0], outside[1]), (found[0], found[1]),
-                           (rows[0][3], rows[1][3]), args.fixed_rss << 20)
+        outside = tuple(row.cpu - sum(row.phase_cpu.values()) for row in first)
+        measured = measure(edges, first[0].phase_cpu, first[1].phase_cpu, args.pods, (outside[0], outside[1]),
+                           (found[0], found[1]), (first[0].peak, first[1].peak), args.fixed_rss << 20)
         paper_model(measured)
-        expected = digests(rows[0][6])
-        same = all(digests(row[6]) == expected for row in rows[1:] if not row[0].startswith("baseline"))
-        print(f"\nevery N-pod and 1-process output (of every tree) byte-identical to this tree's 1-process output: "
-              f"{same} ({len(expected)} files)")
+        expected = first[0].digests
+        same = all(row.digests == expected for row in rows if not row.name.startswith("baseline"))
+        print(f"\nevery N-pod and 1-process output (of every tree and run) byte-identical to this tree's 1-process "
+              f"output: {same} ({len(expected)} files)")
         return 0 if same else 1
     finally:
         if not args.dir:

@@ -52,6 +52,7 @@ from job.data.importing.staging import (
     summary_of_marker,
 )
 from job.errors import InputFormatError, UserError
+from job.train.batch.allocator import keep_freed_memory
 
 logger = logging.getLogger("biggraph")
 
@@ -107,6 +108,11 @@ def _committed(staging: Staging) -> set[str]:
 def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role: PodRole) -> ImportSummary | None:
     """This pod's share of the import (see the module docstring); pod 0 returns the summary, others None."""
     started = time.monotonic()
+    # Each batch of phase 1 allocates ~100 MiB of numpy temporaries; with glibc's defaults most are mmapped or
+    # trimmed back on free, and faulted in and zeroed again by the next batch (a pod of the 20M-edge bench
+    # faulted 1 GiB of fresh pages for a 400 MiB peak, the one process 1.7 GiB). Kept in the heap, each process
+    # pays its peak once: the kernel's share of the CPU, which grew with the number of pods (issue #46).
+    keep_freed_memory()
     versions = input_versions(files)
     digest = fingerprint(config, files, versions, options)
     if role.skip_done and already_imported(config, digest):

@@ -42,7 +42,8 @@ def keep_freed_memory() -> bool:
     """Tune glibc's malloc so that batch temporaries are reused; True when it took effect.
 
     Called once per process that trains (the trainer and each Hogwild worker, which are spawned, not
-    forked, and so start with the defaults). Idempotent.
+    forked, and so start with the defaults), and by each pod of an import (``job.data.importing.pods``),
+    whose batches of parsed edges allocate temporaries the same way. Idempotent.
     """
     global _applied
     if _applied is not None:
