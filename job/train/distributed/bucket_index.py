@@ -10,7 +10,8 @@ every change of the state as it happens:
 - ``single``: the open eligible buckets whose locked partitions, if any, are all one rank's: the buckets some rank
   could take now (what a reservation must leave enough of to the ranks still waiting).
 
-A change of one partition's lock refreshes the 2P-1 buckets touching it; a bucket taken, given back or done
+A change of one partition's lock moves the 2P-1 buckets touching it between those sets, each by the few set changes
+its move needs (``lock_changed``: most stay where they were, or change owner); a bucket taken, given back or done
 refreshes itself; a partition trained for the first time refreshes the buckets that touch it. The containers of
 ``LockState`` that these follow (``locks``, ``in_flight``, ``reserved``, ``done``, ``trained_parts``) report their
 changes themselves (``WatchedDict``, ``WatchedSet``), so that no code path, the tests' included, can change the
@@ -194,6 +195,10 @@ class BucketIndex:
         self.owned: dict[int, set[Bucket]] = {}  # rank -> the single buckets whose one owner it is (not free)
         self._owner: dict[Bucket, int] = {}
         self._pairs: dict[tuple[PartitionKey, PartitionKey], frozenset[Bucket]] = {}
+        # key -> each bucket touching it with its other keys: what a lock change reads (``lock_changed``)
+        self._around: dict[PartitionKey, list[tuple[Bucket, tuple[PartitionKey, ...]]]] = {
+            key: [(b, tuple(k for k in state.bucket_keys[b] if k != key)) for b in buckets]
+            for key, buckets in self.by_key.items()}
         self.rebuild()
 
     # following the state -------------------------------------------------------------------------------------
@@ -213,10 +218,64 @@ class BucketIndex:
             self.held.get(old, set()).discard(key)
         if new is not MISSING:
             self.held.setdefault(new, set()).add(key)
-        done, taken = self.state.done, self.taken
-        for bucket in self.by_key.get(key, ()):
-            if bucket not in done and bucket not in taken:  # (a closed bucket is in no set, whoever locks what)
-                self.refresh(bucket)
+        self._moved(key, None if new is MISSING else new)
+
+    def _moved(self, key: PartitionKey, new: Any) -> None:
+        """Incremental: each open bucket touching ``key`` (now locked by ``new``, None: by nobody) moves between
+        ``free``, one owner's and several owners' by the few set changes that move needs, and a bucket whose class
+        did not change (several owners before and after, or the same one) costs two lookups. Not the full
+        ``refresh`` of each of the 2P-1 buckets: that was the serving thread's largest cost at P=256 (1.3 ms a
+        lock change, bench/RESULTS.md "The lock server's serving thread"). tests/test_bucket_index.py checks the
+        sets against a rebuild after every step of random passes."""
+        state = self.state
+        done, taken, locks = state.done, self.taken, state.locks
+        check_eligible = state.tree_init_order
+        free, owner_of, owned, single, counts = self.free, self._owner, self.owned, self.single, self.single_count
+        keys_of = state.bucket_keys
+        for bucket, others in self._around.get(key, ()):
+            if bucket in done or bucket in taken or (check_eligible and not state.eligible(bucket)):
+                continue  # (a closed bucket is in no set, whoever locks what)
+            owner, several = new, False
+            for other in others:
+                holder = locks.get(other)
+                if holder is not None and holder != owner:
+                    if owner is not None:
+                        several = True
+                        break
+                    owner = holder
+            was = owner_of.get(bucket)
+            if was is not None:  # one owner before
+                if several:
+                    del owner_of[bucket]
+                    owned[was].discard(bucket)
+                    single.discard(bucket)
+                    for k in keys_of[bucket]:
+                        counts[k] -= 1
+                elif owner is None:
+                    del owner_of[bucket]
+                    owned[was].discard(bucket)
+                    self._add_free(bucket, len(keys_of[bucket]))
+                elif owner != was:
+                    owner_of[bucket] = owner
+                    owned[was].discard(bucket)
+                    owned.setdefault(owner, set()).add(bucket)
+            elif bucket in free:  # free before
+                if several or owner is None:  # (not by one lock's change: the full refresh)
+                    self.refresh(bucket)
+                    continue
+                free.discard(bucket)
+                self.free_by_size[len(keys_of[bucket])].discard(bucket)
+                owner_of[bucket] = owner
+                owned.setdefault(owner, set()).add(bucket)
+            elif not several:  # several owners before (open and eligible: in no set), at most one now
+                single.add(bucket)
+                for k in keys_of[bucket]:
+                    counts[k] += 1
+                if owner is None:
+                    self._add_free(bucket, len(keys_of[bucket]))
+                else:
+                    owner_of[bucket] = owner
+                    owned.setdefault(owner, set()).add(bucket)
 
     def taken_changed(self, rank: Any, old: Any, new: Any) -> None:
         if old is not MISSING:
@@ -257,11 +316,7 @@ class BucketIndex:
         locks = state.locks
         owners = {locks[key] for key in keys if key in locks}
         if not owners:
-            self.free.add(bucket)
-            by_size = self.free_by_size.get(len(keys))
-            if by_size is None:
-                by_size = self.free_by_size[len(keys)] = IndexedSet()
-            by_size.add(bucket)
+            self._add_free(bucket, len(keys))
         elif len(owners) == 1:
             (owner,) = owners
             self._owner[bucket] = owner
@@ -271,6 +326,13 @@ class BucketIndex:
             counts = self.single_count
             for key in keys:
                 counts[key] += 1
+
+    def _add_free(self, bucket: Bucket, size: int) -> None:
+        self.free.add(bucket)
+        by_size = self.free_by_size.get(size)
+        if by_size is None:
+            by_size = self.free_by_size[size] = IndexedSet()
+        by_size.add(bucket)
 
     # queries ---------------------------------------------------------------------------------------------------
 
