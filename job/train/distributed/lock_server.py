@@ -45,6 +45,7 @@ from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
 from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
+from job.train.distributed.written_delta import WrittenLog
 from job.train.schedule.clock import GroupClocks
 
 logger = logging.getLogger("biggraph")
@@ -110,6 +111,7 @@ class LockServer(RequestHandlers, PullServing):
         self.lock = threading.Lock()
         self._failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
+        self.written_log = WrittenLog(self.server_id)  # the written partitions, each sent to a client once
         self._stop = threading.Event()
         # the serving thread's one input: requests (from the reader thread) and the ends of transfers
         self._inbox: queue.Queue[Any] = queue.Queue()
