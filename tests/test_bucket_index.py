@@ -9,6 +9,7 @@ import random
 import pytest
 from helpers_distributed import partition_keys
 
+from job.train.distributed.bucket_index import BucketIndex
 from job.train.distributed.lock_state import LockState
 from job.types import Bucket
 
@@ -44,7 +45,7 @@ def assert_index_matches(state: LockState, ranks: int) -> None:
     all_keys = sorted({k for ks in state.bucket_keys.values() for k in ks})
     for rank in range(ranks):
         owned = {b for b in single if {state.locks[k] for k in state.bucket_keys[b] if k in state.locks} == {rank}}
-        assert state.index.owned.get(rank, set()) == owned
+        assert state.index.owned_by(rank) == owned
         for size in (1, 2, 3):  # the count a reservation weighs, for sets of new partitions of every size
             new = frozenset(random.Random(rank * 7 + size).sample(all_keys, size))
             brute = sum(1 for b in single if rank not in {state.locks[k] for k in state.bucket_keys[b]
@@ -112,3 +113,37 @@ def test_a_pass_of_one_rank_trains_every_bucket_once_through_the_index() -> None
         assert bucket is not None
         trained.append(bucket)
     assert kind == "done" and sorted(trained) == sorted(state.bucket_keys)
+
+
+def index_sets(index: BucketIndex) -> tuple:
+    """What a lock change moves, as plain values."""
+    return (sorted(index.free), index.single, {s: sorted(bs) for s, bs in index.free_by_size.items() if len(bs)},
+            {k: n for k, n in index.single_count.items() if n}, {r: bs for r, bs in index.owned.items() if bs})
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("types", [1, 2])
+def test_a_lock_change_moves_each_bucket_as_a_full_rebuild_would(seed: int, types: int) -> None:
+    """``lock_changed`` reclassifies the buckets touching its key only (vectorised): after every one of
+    random lock changes (taken, given back, passed between ranks, on buckets of one or two entity types, so of one
+    to four partitions), with buckets done and taken among them, the index equals one built from scratch."""
+    rng = random.Random(seed)
+    nparts, ranks = 5, 4
+    keys = {b: frozenset({(t, p) for t in ("node", "user")[:types] for p in (b.lhs, b.rhs)})
+            for b in partition_keys(nparts)}
+    state = LockState(nparts, nparts, keys, world_size=ranks, tree_init_order=seed % 2 == 1)
+    all_keys = sorted({k for ks in keys.values() for k in ks})
+    for step in range(300):
+        action = rng.random()
+        key = rng.choice(all_keys)
+        if action < 0.5:
+            state.locks[key] = rng.randrange(ranks)
+        elif action < 0.8:
+            state.locks.pop(key, None)
+        elif action < 0.9:
+            state.done.add(rng.choice(sorted(keys)))
+        elif action < 0.95:
+            state.in_flight[rng.randrange(ranks)] = rng.choice(sorted(keys))
+        else:
+            state.trained_parts.add(rng.randrange(nparts))
+        assert index_sets(state.index) == index_sets(BucketIndex(state)), f"step {step}"

@@ -211,3 +211,41 @@ def test_the_transfer_slots_bound_the_vectors_in_flight_and_a_request_without_a_
         assert server.slots_allocated == TRANSFER_SLOTS and not server.gone()
     finally:
         server.stop()
+
+
+class HeldTransfer:
+    """A posted transfer that ends when the test says (``Transfer``'s ``wait_unbounded`` and ``what``)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.what = "a held transfer"
+
+    def wait_unbounded(self) -> None:
+        self.release.wait(timeout=60)
+
+
+def test_transfer_waiters_are_reused_and_a_held_transfer_never_holds_up_anothers_end() -> None:
+    """``Flights`` hands a transfer to an idle waiter, and starts a new one only when none is idle: a transfer that
+    never ends (a frozen peer's) keeps its waiter, another transfer's end is still reported at once, and the
+    transfers that follow reuse the waiters freed instead of starting a thread each."""
+    import queue
+
+    from job.train.distributed.transfers import Flights, Waiting
+
+    inbox: queue.Queue[Any] = queue.Queue()
+    flights = Flights(inbox, timeout_s=60)
+    frozen = HeldTransfer()
+    job = Waiting(None, 1, "")  # type: ignore[arg-type]
+    flights.start("send", job, torch.empty(1), False, frozen)  # type: ignore[arg-type]
+    for rank in range(2, 7):  # one after the other: each ends before the next is posted
+        quick = HeldTransfer()
+        quick.release.set()
+        flight = flights.start("send", Waiting(None, rank, ""), torch.empty(1), False, quick)  # type: ignore
+        kind, ended, error = inbox.get(timeout=30)
+        assert (kind, ended, error) == ("ended", flight, None)
+    assert flights.waiters == 2  # the frozen one's, and one reused by the five others
+    frozen.release.set()
+    assert inbox.get(timeout=30)[1].job is job
+    flights.close()

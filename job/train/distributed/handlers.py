@@ -41,6 +41,7 @@ from job.train.distributed.protocol import (
 )
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
+from job.train.distributed.written_delta import WrittenLog
 from job.train.schedule.clock import GroupClocks
 
 logger = logging.getLogger("biggraph")
@@ -53,6 +54,7 @@ class RequestHandlers:
     vector: SharedVector
     layout: RowLayout  # which values are relation rows (sparse changes and pulls)
     holders: Holders  # partition_handoff: which rank keeps which partition's current rows
+    written_log: WrittenLog  # the partitions written this pass, sent to each client once (written_delta.py)
     rng: random.Random
     lock: threading.Lock
     _clocks: GroupClocks
@@ -123,15 +125,23 @@ class RequestHandlers:
                                 time.monotonic())
         if work.change is not None and finished is not None and not was_done and finished in self.state.done:
             work.finished, work.saved = finished, finished not in self.state.unsaved.get(rank, {})
-        return Granted(kind=kind, bucket=bucket, dirty=frozenset(self.state.dirty), why=why,
-                       holders=self.holders.grant(bucket, request.held))
+        return Granted(kind=kind, bucket=bucket, why=why, holders=self.holders.grant(bucket, request.held),
+                       **self._written(request.written_known))
 
     def _answer_reserve(self, rank: int, request: Reserve, work: VectorWork) -> Reply:
         # not persisted: a reservation is never started work, so a restart has nothing of it to redo
         bucket = self.state.reserve(rank, self.rng, frozenset(request.leaving)) \
             if self.round_ending() is None and not (self.cuts is not None and self.cuts.active) else None
-        return Reserved(bucket=bucket, dirty=frozenset(self.state.dirty),
-                        holders=self.holders.grant(bucket, request.leaving))
+        return Reserved(bucket=bucket, holders=self.holders.grant(bucket, request.leaving),
+                        **self._written(request.written_known))
+
+    def _written(self, known: Optional[tuple[str, int]]) -> dict[str, Any]:
+        """A reply's written partitions: those the request's client lacks, or all of them to a client that did not
+        say what it holds (job/train/distributed/written_delta.py)."""
+        if known is None:
+            return {"dirty": frozenset(self.state.dirty)}
+        self.written_log.catch_up(self.state.dirty)
+        return {"written": self.written_log.since(known)}
 
     def _answer_written(self, rank: int, request: Written, work: VectorWork) -> Reply:
         # a write group (job/checkpoint/write_groups.py): one record makes all its files current and saves its

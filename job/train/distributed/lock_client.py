@@ -41,6 +41,7 @@ from job.train.distributed.protocol import (
     response_queue,
 )
 from job.train.distributed.transport import TensorTransport, TransferError
+from job.train.distributed.written_delta import WrittenView
 from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
@@ -72,6 +73,7 @@ class LockClient:
         self.last_why: Optional[str] = None  # why the round ends, from the last ``ending`` reply
         # where the last granted bucket's partitions are kept in memory (``next`` and ``reserve``; partition_handoff)
         self.last_holders: tuple[Holder, ...] = ()
+        self._written = WrittenView()  # the partitions written this pass, each sent once (written_delta.py)
 
     def _ask(self, request: Request, expected: type[R], change: Optional[torch.Tensor] = None,
              back: bool = True) -> R:
@@ -161,11 +163,12 @@ class LockClient:
         change is sparse, the whole values then these relation rows' (ascending; job/train/distributed/
         shared_rows.py), and no sum comes back (None is returned in its place: ``pull`` the rows a bucket reads)."""
         request = Next(held=frozenset((k[0], int(k[1])) for k in held), finished=finished, record=record,
-                       leaving=leaving, gave_up=gave_up, rows=tuple(int(r) for r in rows) if rows is not None else None)
+                       leaving=leaving, gave_up=gave_up, rows=tuple(int(r) for r in rows) if rows is not None else None,
+                       written_known=self._written.known)
         reply = self._ask(request, Granted, change, back=rows is None)
         self.last_why = reply.why
         self.last_holders = reply.holders
-        return reply.kind, reply.bucket, set(reply.dirty), change if rows is None else None
+        return reply.kind, reply.bucket, self._dirty(reply), change if rows is None else None
 
     def pull(self, rows: Sequence[int], into: torch.Tensor) -> torch.Tensor:
         """The current values of the whole part and of relation ``rows`` (ascending), received into ``into`` (a
@@ -184,9 +187,20 @@ class LockClient:
         """This rank's next bucket, granted while the current one trains (None: not now), and the partitions
         written this pass so far (where to read the reserved bucket's partitions from). ``leaving``: partitions
         being written back in the background (see ``LockState.reserve``)."""
-        reply = self._ask(Reserve(leaving=tuple((k[0], int(k[1])) for k in leaving)), Reserved)
+        reply = self._ask(Reserve(leaving=tuple((k[0], int(k[1])) for k in leaving),
+                                  written_known=self._written.known), Reserved)
         self.last_holders = reply.holders
-        return reply.bucket, set(reply.dirty)
+        return reply.bucket, self._dirty(reply)
+
+    def _dirty(self, reply: Union[Granted, Reserved]) -> set:
+        """The partitions written this pass: the reply's delta merged into what this client holds (a server that
+        sends the whole list, as older ones do: that list)."""
+        if reply.written is None:
+            return set(reply.dirty)
+        try:
+            return set(self._written.merge(reply.written))
+        except protocol.ProtocolError as err:
+            raise LockServerError(f"lock server (rank 0): an unreadable answer ({err})") from err
 
     def release(self, keys: Sequence[PartitionKey], written: bool = True,
                 kept: Sequence[Kept] = ()) -> None:

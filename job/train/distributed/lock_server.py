@@ -46,6 +46,7 @@ from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
 from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
+from job.train.distributed.written_delta import WrittenLog
 from job.train.schedule.clock import GroupClocks
 
 logger = logging.getLogger("biggraph")
@@ -112,6 +113,7 @@ class LockServer(RequestHandlers, PullServing):
         self.lock = threading.Lock()
         self._failed: Optional[str] = None  # a progress write failed: every request is refused with this
         self.server_id = secrets.token_hex(4)  # the servers of a round's passes share its queue: stop only this one
+        self.written_log = WrittenLog(self.server_id)  # the written partitions, each sent to a client once
         self._stop = threading.Event()
         # the serving thread's one input: requests (from the reader thread) and the ends of transfers
         self._inbox: queue.Queue[Any] = queue.Queue()
@@ -151,12 +153,12 @@ class LockServer(RequestHandlers, PullServing):
                     logger.warning("lock server: request queue closed")
                 self._inbox.put(("closed",))
                 return
-            stop = self._gate.is_stop(raw, self.server_id)
-            if stop:
+            kind, incoming, typed = self._gate.screen(raw, self.server_id)  # MAC, JSON, replay, fields: off _serve
+            if kind == "stop":
                 self._inbox.put(("stop",))
                 return
-            if stop is None:  # (False: an earlier server's stop, which ended between two requests and never read it)
-                self._inbox.put(("request", raw))
+            if incoming is not None:
+                self._inbox.put(("request", incoming, typed))
 
     def _serve(self) -> None:
         while True:
@@ -169,7 +171,7 @@ class LockServer(RequestHandlers, PullServing):
             with Stopwatch() as watch:
                 try:  # no request, however malformed, and no failure of one event stops the serving (issue 44)
                     if event[0] == "request":
-                        self._on_request(event[1])
+                        self._on_request(event[1], event[2])
                     elif event[0] == "ended":
                         self._on_ended(event[1], event[2])
                     elif event[0] == "committed":
@@ -186,12 +188,10 @@ class LockServer(RequestHandlers, PullServing):
                 self._stats.cpu_s += watch.cpu_seconds
                 self._stats.events += 1
 
-    def _on_request(self, raw: bytes) -> None:
-        incoming = self._gate.admit(raw)  # authentic, of the group, not a replay (request_gate.py); else dropped
-        if incoming is None:
-            return
+    def _on_request(self, incoming: protocol.Incoming, typed: Any) -> None:
+        """A request the reader let in (authentic, of the group, not a replay: request_gate.py), ``typed``: decoded."""
         rank = incoming.envelope.rank
-        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel))
+        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel), typed)
         try:
             self._admit(job)
         except Exception as err:  # noqa: BLE001 - answered (and logged once) with what failed
@@ -340,7 +340,7 @@ class LockServer(RequestHandlers, PullServing):
         work = VectorWork(change=buffer.numpy() if buffer is not None else None)
         try:
             with Stopwatch() as watch:
-                request = protocol.decode_request(job.incoming)
+                request = job.request()
                 reply, records = self._handle(job.rank, request, work)
                 if work.pull is not None and (pull_into is None
                                               or pull_into.numel() != self.layout.count(work.pull.size)):
@@ -443,3 +443,4 @@ class LockServer(RequestHandlers, PullServing):
             protocol.Envelope(rank=-1), protocol.Stop(server=self.server_id), scope=self.prefix))
         self.thread.join(timeout=5)
         self._committer.stop()
+        self._flights.close()

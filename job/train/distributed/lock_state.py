@@ -119,7 +119,7 @@ class LockState:
         near = [(len(self.bucket_keys[b] & held), b) for b in self.index.near_takeable(rank, held)]
         if near:
             best = max(n for n, _ in near)
-            group = sorted(b for n, b in near if n == best)
+            group: Sequence[Bucket] = sorted(b for n, b in near if n == best)
         else:
             group = self._open_to(rank)
             if not group:
@@ -163,11 +163,11 @@ class LockState:
         return (rank not in self.in_flight and not (saved and self.unsaved.get(rank))
                 and rank not in self.locks.values())
 
-    def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> list[Bucket]:
+    def _open_to(self, rank: int, also_trained: frozenset = frozenset()) -> Sequence[Bucket]:
         """The buckets ``rank`` may take now: not done, nobody's (in flight or reserved), no partition locked by
         another rank, eligible under the initialised-partition rule (``also_trained``: partitions that count as
-        trained, i.e. those of the bucket ``rank`` trains before this one). The free ones in the index's order (that
-        of the changes made: a seeded choice is reproducible), then the others sorted; not a copy when all are free."""
+        trained, i.e. those of the bucket ``rank`` trains before this one). The free ones ascending (a seeded choice is
+        reproducible), then the others sorted; never a copy of the free ones (a sequence read on demand)."""
         extras = self.index.extras(rank, also_trained)
         if not extras:
             return self.index.free.items

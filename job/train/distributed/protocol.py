@@ -35,6 +35,7 @@ from job.train.distributed.wire_fields import required as _required
 from job.train.distributed.wire_fields import rows as _rows
 from job.train.distributed.wire_fields import staged as _staged
 from job.train.distributed.wire_fields import tagged as _tagged
+from job.train.distributed.written_delta import WrittenDelta, decode_delta, decode_known, encode_delta, encode_known
 from job.types import Bucket, PartitionKey
 
 # the store queues live under a prefix of the group's round (``DistributedContext.key("lock")``), so that a request
@@ -90,6 +91,7 @@ class Next:
     # the payload is sparse: the whole values, then these relation rows' (job/train/distributed/shared_rows.py), and
     # no sum comes back (the trainer pulls the rows its next bucket reads); None: a whole change, the sum back
     rows: Optional[tuple[int, ...]] = None
+    written_known: Optional[tuple[str, int]] = None  # the written partitions held: only the later ones come back
     op = "next"
 
 
@@ -99,6 +101,7 @@ class Reserve:
     back in the background."""
 
     leaving: tuple[PartitionKey, ...] = ()
+    written_known: Optional[tuple[str, int]] = None  # as ``Next``'s (job/train/distributed/written_delta.py)
     op = "reserve"
 
 
@@ -197,6 +200,7 @@ class Granted:
     dirty: frozenset[PartitionKey] = frozenset()
     why: Optional[str] = None
     holders: tuple[tuple[str, int, int, str], ...] = ()  # where the bucket's rows are kept: [type, part, rank, digest]
+    written: Optional[WrittenDelta] = None  # instead of ``dirty``: the written partitions the request did not know
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,7 @@ class Reserved:
     bucket: Optional[Bucket] = None
     dirty: frozenset[PartitionKey] = frozenset()
     holders: tuple[tuple[str, int, int, str], ...] = ()  # where the bucket's rows are kept: [type, part, rank, digest]
+    written: Optional[WrittenDelta] = None  # instead of ``dirty``: the written partitions the request did not know
 
 
 @dataclass(frozen=True)
@@ -252,8 +257,9 @@ def encode_request(envelope: Envelope, request: Request, *, scope: str) -> bytes
             message["gave_up"] = True
         if request.rows is not None:
             message["rows"] = list(request.rows)
+        message.update(encode_known(request.written_known))
     elif isinstance(request, Reserve):
-        message["leaving"] = _keys(request.leaving)
+        message.update(leaving=_keys(request.leaving), **encode_known(request.written_known))
     elif isinstance(request, Release):
         message.update(keys=_keys(request.keys), written=request.written)
         message.update({"kept": [list(k) for k in request.kept]} if request.kept else {})
@@ -297,16 +303,20 @@ def encode_reply(reply: Reply, *, scope: str) -> bytes:
     holders = getattr(reply, "holders", ())  # (none without partition_handoff: the message as before)
     message: dict[str, Any] = {"ok": True, **({"holders": [list(h) for h in holders]} if holders else {})}
     if isinstance(reply, Granted):
-        message.update(kind=reply.kind, bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
+        message.update(kind=reply.kind, bucket=_bucket(reply.bucket), **_written_of(reply))
         if reply.why is not None:
             message["why"] = reply.why
     elif isinstance(reply, Reserved):
-        message.update(bucket=_bucket(reply.bucket), dirty=_keys(sorted(reply.dirty)))
+        message.update(bucket=_bucket(reply.bucket), **_written_of(reply))
     elif isinstance(reply, State):
         message["state"] = reply.state
     elif isinstance(reply, CutStep):
         message.update(reply.wire())
     return seal(message, scope)
+
+
+def _written_of(reply: Union[Granted, Reserved]) -> dict[str, Any]:
+    return encode_delta(reply.written) if reply.written is not None else {"dirty": _keys(sorted(reply.dirty))}
 
 
 def pack(message: Mapping[str, Any]) -> bytes:
@@ -335,7 +345,7 @@ def _next(fields: Mapping[str, Any]) -> Next:
     return Next(held=frozenset(_key_list(fields.get("held", []), "'held'")),
                 finished=_decode_bucket(fields.get("finished"), "'finished'"), record=record,
                 leaving=str(leaving) if leaving else None, gave_up=bool(fields.get("gave_up", False)),
-                rows=_rows(rows, "'rows'") if rows is not None else None)
+                rows=_rows(rows, "'rows'") if rows is not None else None, written_known=decode_known(fields))
 
 
 def _pull(fields: Mapping[str, Any]) -> Pull:
@@ -359,7 +369,7 @@ def _written(fields: Mapping[str, Any]) -> Written:
 
 _DECODERS: dict[str, Callable[[Mapping[str, Any]], Request]] = {
     "next": _next,
-    "reserve": lambda f: Reserve(leaving=_key_list(f.get("leaving", []), "'leaving'")),
+    "reserve": lambda f: Reserve(leaving=_key_list(f.get("leaving", []), "'leaving'"), written_known=decode_known(f)),
     "release": _release,
     "written": _written,
     "sync": lambda f: Sync(),
@@ -417,11 +427,12 @@ def decode_reply(raw: bytes, expected: type[R], op: str, *, scope: str) -> R:
         if expected is Granted:
             reply: Any = Granted(kind=str(message["kind"]), bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
                                  dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
-                                 why=message.get("why"), holders=_tagged(message.get("holders", []), "'holders'", 2))
+                                 why=message.get("why"), holders=_tagged(message.get("holders", []), "'holders'", 2),
+                                 written=decode_delta(message))
         elif expected is Reserved:
             reply = Reserved(bucket=_decode_bucket(message.get("bucket"), "'bucket'"),
                              dirty=frozenset(_key_list(message.get("dirty", []), "'dirty'")),
-                             holders=_tagged(message.get("holders", []), "'holders'", 2))
+                             holders=_tagged(message.get("holders", []), "'holders'", 2), written=decode_delta(message))
         elif expected is State:
             reply = State(state=dict(message["state"]))
         elif expected is CutStep:

@@ -5,7 +5,10 @@ change or take a sum, a frozen (SIGSTOPped) peer held it, and so every other ran
 timeout. Here a transfer is posted and a small thread of its own waits on it (``Transfer.wait_unbounded``: gloo's
 own timeout would close every pair of the group, job/train/distributed/transport.py) and reports its end to the server's
 inbox, so the serving thread only ever waits on its inbox. The server applies the timeout itself
-(``overdue``): a transfer past it makes its peer gone.
+(``overdue``): a transfer past it makes its peer gone. The waiting threads are reused (``Flights``: a transfer goes
+to an idle one, and a new one starts only when none is idle, so that a frozen peer's transfer never holds up
+another's): starting a thread per transfer cost the serving thread ~0.16 ms of wall time each on a quiet machine and
+~1 ms under load, two transfers a bucket (issue #45, bench/RESULTS.md "The lock server's serving thread").
 
 Memory: a transfer needs a vector of the shared parameters' size (the change arrives into it, the sum leaves from
 it: a copy of the served vector, since that one changes with the next request while the peer may not have taken
@@ -29,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from job.train.distributed import protocol
 from job.train.distributed.protocol import Incoming
 from job.train.distributed.transport import Transfer, TransferError
 from job.train.residency.budget import SPARSE_TRANSFER_VECTORS, TRANSFER_SLOTS
@@ -102,6 +106,12 @@ class Waiting:
     incoming: Incoming
     rank: int
     reply_to: str
+    typed: Any = None  # the request decoded on the reader thread, or the ProtocolError its fields raised
+
+    def request(self) -> protocol.Request:
+        if isinstance(self.typed, protocol.ProtocolError):
+            raise self.typed
+        return self.typed if self.typed is not None else protocol.decode_request(self.incoming)
 
 
 @dataclass
@@ -121,29 +131,62 @@ class Flight:
 @dataclass
 class Flights:
     """The transfers in flight, one at most per rank, each waited on by a thread that reports its end into
-    ``inbox`` as ``("ended", flight, error or None)``."""
+    ``inbox`` as ``("ended", flight, error or None)``: an idle waiter of earlier transfers, else a new one (an idle
+    waiter ends after ``IDLE_S``; ``close`` ends them all)."""
 
     inbox: "queue.Queue[Any]"
     timeout_s: float
     by_rank: dict[int, Flight] = field(default_factory=dict)
     _tickets: itertools.count = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _posted: "queue.Queue[Optional[Flight]]" = field(default_factory=queue.Queue)  # to the waiters
+    _idle: int = 0  # waiters free to take a posted flight (each posted one claims one, or starts a new waiter)
+    waiters: int = 0  # waiter threads alive (tests)
+
+    IDLE_S = 30.0
 
     def start(self, kind: str, job: Waiting, buffer: torch.Tensor, slot: bool, transfer: Transfer) -> Flight:
         flight = Flight(kind, job, buffer, slot, transfer, time.monotonic() + self.timeout_s, next(self._tickets))
         with self._lock:
             self.by_rank[job.rank] = flight
-        threading.Thread(target=self._wait, args=(flight,), name=f"biggraph-transfer-{job.rank}",
-                         daemon=True).start()
+            self._posted.put(flight)
+            if self._idle > 0:
+                self._idle -= 1
+                return flight
+            self.waiters += 1
+        threading.Thread(target=self._wait, name="biggraph-transfer-waiter", daemon=True).start()
         return flight
 
-    def _wait(self, flight: Flight) -> None:
-        error: Optional[str] = None
-        try:
-            flight.transfer.wait_unbounded()
-        except TransferError as err:
-            error = str(err)
-        self.inbox.put(("ended", flight, error))
+    def _wait(self) -> None:
+        while True:
+            try:
+                flight = self._posted.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # (none posted claimed this waiter: it ends; else one is on its way)
+                        self._idle -= 1
+                        self.waiters -= 1
+                        return
+                continue
+            if flight is None:  # ``close``
+                return
+            error: Optional[str] = None
+            try:
+                flight.transfer.wait_unbounded()
+            except TransferError as err:
+                error = str(err)
+            with self._lock:
+                self._idle += 1
+            self.inbox.put(("ended", flight, error))
+
+    def close(self) -> None:
+        """End the idle waiters (those still waiting on a transfer end with it, then wait for work until
+        ``IDLE_S``)."""
+        with self._lock:
+            idle, self._idle = self._idle, 0
+            self.waiters -= idle
+        for _ in range(idle):
+            self._posted.put(None)
 
     def end(self, flight: Flight) -> None:
         with self._lock:
