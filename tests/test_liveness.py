@@ -257,3 +257,46 @@ def test_rank_0s_goodbye_ends_the_stream_in_order_even_with_bytes_it_never_read(
             conn.close()
             assert peer.recv(64) == BYE
             assert peer.recv(64) == b""  # the end of the stream: not ConnectionResetError
+
+
+SLOW_PARTING_RANK0 = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from job.train.distributed import liveness
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+watcher = liveness.Liveness(0, 2, "r12", ping_interval_s=0.2, silent_after_s=30.0)
+watcher.listen(store, "127.0.0.1")
+watcher.start(store, lambda rank: None)
+print("listening", flush=True)
+sys.stdin.readline()
+part = liveness._part
+liveness._part = lambda sock: (time.sleep(6.0), part(sock))  # the watcher starved of the CPU for 6 s
+watcher.close()
+print("left", flush=True)
+"""
+
+
+def test_rank_0_leaving_with_a_starved_watcher_still_says_goodbye_before_its_process_exits() -> None:
+    """Rank 0 leaves in order and its process exits at once. Its watcher thread sends the goodbyes; a watcher that
+    gets the CPU late (here 6 s late, as under load) must still send them before the exit closes the sockets, or
+    every peer takes the orderly leaving for rank 0's death (exit 76: CI's test_startup, with a 5 s wait)."""
+    server = store()
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PARTING_RANK0, str(server.port)],  # type: ignore[attr-defined]
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lost: list[str] = []
+    peer = Liveness(1, 2, "r12", ping_interval_s=0.2, silent_after_s=30.0)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+        peer.start(server, lambda rank: None, hosts=("127.0.0.1",), on_rank0_lost=lost.append)
+        assert peer.connected.wait(30)
+        assert proc.stdin is not None
+        proc.stdin.write("leave\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "left"
+        assert proc.wait(timeout=60) == 0
+        assert not wait_until(lambda: bool(lost), seconds=2.0), lost
+    finally:
+        proc.kill()
+        proc.wait()
+        peer.close()

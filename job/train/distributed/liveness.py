@@ -53,6 +53,10 @@ MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
 HELLO_DEADLINE_S = 10.0  # a connection that has not said who it is by then is closed
 MAX_PENDING = 64  # connections waiting to say who they are; beyond, the oldest is closed
 ACCEPT_BACKOFF_S = 0.5  # out of descriptors (EMFILE): no accepting for this long
+# rank 0 leaving: how long ``close`` waits for the watcher to send its goodbyes. The process exits right after, and an
+# exit closes the sockets without one, which every peer takes for rank 0's death (exit 76): a 5 s wait was outlasted
+# by a watcher starved of the CPU under load (CI's test_startup). A watcher that is not starved returns at once.
+LEAVE_JOIN_S = 60.0
 
 
 def liveness_key(round_id: str) -> str:
@@ -350,7 +354,7 @@ class Liveness:
         if self._wake is not None:
             self._wake[1].send(b"x")
             if self._thread is not None and self._thread is not threading.current_thread():
-                self._thread.join(timeout=5.0)
+                self._thread.join(timeout=LEAVE_JOIN_S)
             self._wake[1].close()
             if self._thread is None:  # never watched: the watcher would have closed its end
                 self._wake[0].close()
