@@ -300,3 +300,28 @@ def test_rank_0_leaving_with_a_starved_watcher_still_says_goodbye_before_its_pro
         proc.kill()
         proc.wait()
         peer.close()
+
+
+def test_rank_0_leaving_says_goodbye_even_when_its_watcher_sees_the_flag_before_the_wake() -> None:
+    """``close`` marks the watcher closed, then wakes it. A watcher that returns from its wait in between (a ping
+    due, another event) sees the flag first and leaves its loop without reading the wake: it must still say goodbye
+    to every peer, not close the connections plainly (each peer then took rank 0's orderly leaving for its death)."""
+    server = store()
+    watcher = Liveness(0, 2, "r13", ping_interval_s=0.05, silent_after_s=30.0)
+    watcher.listen(server, "127.0.0.1")
+    watcher.start(server, lambda rank: None)
+    lost: list[str] = []
+    peer = Liveness(1, 2, "r13", ping_interval_s=0.05, silent_after_s=30.0)
+    try:
+        peer.start(server, lambda rank: None, hosts=("127.0.0.1",), on_rank0_lost=lost.append)
+        assert peer.connected.wait(30)
+        watcher._closed = True  # the race's first half only: the flag set, the wake never sent
+        assert watcher._thread is not None
+        watcher._thread.join(timeout=30)  # the next ping's timeout ends the loop on the flag
+        assert not watcher._thread.is_alive()
+        assert not wait_until(lambda: bool(lost), seconds=2.0), lost
+    finally:
+        peer.close()
+        for end in (watcher._listener, *(watcher._wake or ())):  # what ``close`` would have closed after its wake
+            if end is not None:
+                end.close()

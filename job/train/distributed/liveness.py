@@ -53,9 +53,8 @@ MAX_HELLO = 256  # a hello's bytes: more without a newline is not ours
 HELLO_DEADLINE_S = 10.0  # a connection that has not said who it is by then is closed
 MAX_PENDING = 64  # connections waiting to say who they are; beyond, the oldest is closed
 ACCEPT_BACKOFF_S = 0.5  # out of descriptors (EMFILE): no accepting for this long
-# rank 0 leaving: how long ``close`` waits for the watcher to send its goodbyes. The process exits right after, and an
-# exit closes the sockets without one, which every peer takes for rank 0's death (exit 76): a 5 s wait was outlasted
-# by a watcher starved of the CPU under load (CI's test_startup). A watcher that is not starved returns at once.
+# rank 0 leaving: how long ``close`` waits for the watcher's goodbyes before the process exits (an exit closes the
+# sockets without one: every peer reads rank 0's death, exit 76). 5 s was outlasted by a watcher starved under load.
 LEAVE_JOIN_S = 60.0
 
 
@@ -133,10 +132,7 @@ class Liveness:
                     selector.register(self._listener, selectors.EVENT_READ)
                 for key, _ in selector.select(timeout=self.ping_interval_s):
                     sock: socket.socket = key.fileobj  # type: ignore[assignment]
-                    if sock is self._wake[0]:
-                        # leaving in order: the peers stop watching (one whose hello is not read yet too)
-                        for conn in [*peers, *hellos]:
-                            _part(conn)
+                    if sock is self._wake[0]:  # leaving in order: the goodbyes are said below
                         return
                     if sock is self._listener:
                         if not self._accept(selector, hellos):
@@ -171,6 +167,11 @@ class Liveness:
                     elif not self._closed:
                         self._lost(rank, on_lost)
         finally:
+            if self._closed:  # leaving in order, whether the wake or the loop's test saw it first (``close`` sets the
+                # flag before it wakes: a plain close here made every peer read rank 0's death): the peers stop
+                # watching, one whose hello is not read yet too
+                for conn in [*peers, *hellos]:
+                    _part(conn)
             for sock in [*hellos, *peers, self._wake[0]]:
                 sock.close()
             selector.close()
