@@ -475,17 +475,11 @@ def _resumed(agents: Agents) -> list[tuple[int, dict[str, int]]]:
     return [(int(redo), json.loads(by_rank)) for redo, by_rank in found]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("handoff", [False, True])
-def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs(umls_p4: dict, tmp_path: Path,
-                                                                                  handoff: bool) -> None:
-    """Issue #30: rank 0 declares a SIGKILLed peer dead; the survivors finish their bucket, give back what they hold
-    and exit, rank 0 serving until they have; the resumed pass redoes only the lost rank's buckets (its bucket in
-    flight and the done ones whose partitions died unwritten with it), none of the survivors'. With
-    ``partition_handoff`` (issue 45) the same: the rows the lost rank kept die with it and are read from storage."""
-    # buckets slow enough (~1 s here) that the survivors are still training when the peer timeout (2 s) expires
-    path = write_run_config(umls_p4, f"drained-{handoff}", num_epochs=2, partition_handoff=handoff, **SLOW_BUCKETS)
-    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+def _three_ranks_one_killed_mid_pass(path: Path, checkpoint_path: str, tmp_path: Path
+                                     ) -> tuple[Agents, int, list[str], dict[str, int]]:
+    """Three agents train ``path`` (a 2 s peer timeout); mid-pass one whose rank is training and is not rank 0 is
+    SIGKILLed and the survivors run to their end. Returns the (stopped) agents, the lost rank, the survivors and
+    their exit codes."""
     agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
     try:
         for name in "abc":
@@ -499,6 +493,21 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
         codes = agents.wait(survivors, timeout=300)
     finally:
         agents.stop()
+    return agents, lost_rank, survivors, codes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("handoff", [False, True])
+def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs(umls_p4: dict, tmp_path: Path,
+                                                                                  handoff: bool) -> None:
+    """Issue #30: rank 0 declares a SIGKILLed peer dead; the survivors finish their bucket, give back what they hold
+    and exit, rank 0 serving until they have; the resumed pass redoes only the lost rank's buckets (its bucket in
+    flight and the done ones whose partitions died unwritten with it), none of the survivors'. With
+    ``partition_handoff`` (issue 45) the same: the rows the lost rank kept die with it and are read from storage."""
+    # buckets slow enough (~1 s here) that the survivors are still training when the peer timeout (2 s) expires
+    path = write_run_config(umls_p4, f"drained-{handoff}", num_epochs=2, partition_handoff=handoff, **SLOW_BUCKETS)
+    checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
+    agents, lost_rank, survivors, codes = _three_ranks_one_killed_mid_pass(path, checkpoint_path, tmp_path)
     assert codes == dict.fromkeys(survivors, 0), agents.tail()
     text = agents.text()
     assert "every live rank gave back what it held" in text, agents.tail()
@@ -528,18 +537,7 @@ def test_written_behind_a_killed_rank_rolls_the_group_back_to_the_last_cut_and_e
     path = write_run_config(umls_p4, "behind-killed", num_epochs=2, partition_handoff=True, write_behind_buckets=4,
                             **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
-    agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
-    try:
-        for name in "abc":
-            agents.start(name)
-            time.sleep(0.3)
-        training = _mid_pass(checkpoint_path, agents, 3, time.monotonic() + 240)
-        victim = next(name for name in "abc" if _rank_of(agents, name, 3) in training - {0})
-        agents.kill_node(victim)
-        survivors = [name for name in "abc" if name != victim]
-        codes = agents.wait(survivors, timeout=300)
-    finally:
-        agents.stop()
+    agents, _, survivors, codes = _three_ranks_one_killed_mid_pass(path, checkpoint_path, tmp_path)
     assert codes == dict.fromkeys(survivors, 0), agents.tail()
     resumed = _resumed(agents)
     assert resumed, agents.tail()
