@@ -22,9 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-import pytest
-from helpers_distributed import import_umls_p4
-from storage_scope import scope_for_test, use_storage
+# A TCPStore server (torch c10d, libuv or not) looks up the name of every client it accepts (getnameinfo of the
+# peer, for its logs), from the thread that serves every client. Clients on 127.0.0.1 connect as ::ffff:127.0.0.1,
+# which /etc/hosts does not name, so each accept asks DNS; this sandbox's resolver drops about one query in 25, and
+# glibc's default wait (5 s, then a retry) then stalls the whole store: measured, 18 of 400 clones of one store took
+# 5.0 s each (90 s of 92). One try of 1 s instead: one stall of 1 s in 400 clones here. Set before any lookup, so
+# that this process and every child it starts (torchrun agents, workers) inherit it; a caller's own setting wins.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+import pytest  # noqa: E402
+from helpers_distributed import import_umls_p4  # noqa: E402
+from storage_scope import scope_for_test, use_storage  # noqa: E402
 
 
 def _pbg_optionals_by_equality() -> None:

@@ -150,7 +150,7 @@ def test_raw_tsv_on_s3_to_a_queried_archive_through_the_rendered_stages(tmp_path
             if stage in ("import", "train"):
                 hold.touch()
                 env.update({"BIGGRAPH_BOX_HOLD_FILE": str(hold), "BIGGRAPH_BOX_HOLD_INDEX": str(LOST),
-                            "BIGGRAPH_BOX_HOLD_AT": stage})
+                            "BIGGRAPH_BOX_HOLD_AT": stage, "BIGGRAPH_BOX_HOLD_FIRST": "1"})
             box = ClusterBox(RenderedJob.from_docs(stage_docs), tmp_path / stage, max_replicas=2, subnet=subnet,
                              secrets=secrets, extra_env=env)
             boxes.append(box)

@@ -10,6 +10,11 @@ touched ``<file>.held``) at the point ``BIGGRAPH_BOX_HOLD_AT`` names:
   name starts with ``BIGGRAPH_BOX_HOLD_UNIT`` (``bucket-`` unless set): the moment a pod lost mid-import leaves a
   file that must not be taken as done.
 
+With ``BIGGRAPH_BOX_HOLD_FIRST=1`` (``train`` only), every other pod's trainer waits at its first bucket request
+until the held pod holds (at most ``BIGGRAPH_BOX_HOLD_FIRST_S``, 120 s): the held pod is then sure to get a bucket
+(a small graph's pass can be trained by one rank alone before another asks for any), and no one holds a lock the
+held pod's bucket needs while it waits (it asks before it takes any).
+
 The test freezes or kills the pod there: the moments a stalled or lost node is most dangerous in (a stalled trainer,
 woken after the group went on without it, holds rows to write over the others'; a lost importer leaves an
 uncommitted file behind). The hold file is removed once the pod is killed, so that its replacement runs on.
@@ -27,6 +32,24 @@ _AT = os.environ.get("BIGGRAPH_BOX_HOLD_AT", "train")
 # a torchrun worker: LOCAL_RANK set, or a warm spare that becomes one (job/train/elastic/spare.py: BIGGRAPH_WARM_SPARE)
 _WORKER = "LOCAL_RANK" in os.environ or os.environ.get("BIGGRAPH_WARM_SPARE") == "1"
 _THIS_POD = os.environ.get("JOB_COMPLETION_INDEX") == os.environ.get("BIGGRAPH_BOX_HOLD_INDEX")
+_FIRST = os.environ.get("BIGGRAPH_BOX_HOLD_FIRST") == "1"
+if _FILE and _FIRST and _WORKER and not _THIS_POD and _AT == "train":
+    import time
+
+    from job.train.schedule import group
+
+    _next = group.LockServerScheduler.next_bucket
+    _asked = []
+
+    def _next_after_the_held(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not _asked:
+            _asked.append(True)
+            deadline = time.monotonic() + float(os.environ.get("BIGGRAPH_BOX_HOLD_FIRST_S", "120"))
+            while os.path.exists(_FILE) and not os.path.exists(_FILE + ".held") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return _next(self, *args, **kwargs)
+
+    group.LockServerScheduler.next_bucket = _next_after_the_held  # type: ignore[method-assign]
 if _FILE and _THIS_POD and (_WORKER or _AT == "import"):
     import time
 
