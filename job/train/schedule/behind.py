@@ -46,9 +46,11 @@ class CutCounts:
     cuts: int = 0
     staged: int = 0  # partitions it staged
     seconds: float = 0.0  # its time in cuts, waits for the other ranks included
+    pinned_peak_bytes: int = 0  # the most rows it kept at once that no cut had stored yet (memory_budget bounds it)
 
     def as_record(self) -> dict[str, float]:
-        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3)}
+        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3),
+                "pinned_peak_bytes": self.pinned_peak_bytes}
 
 
 class BehindWrites:
@@ -78,6 +80,7 @@ class BehindWrites:
             kept.append((key[0], key[1], self.handoff.keep(key, table.weight, table.optim_sum,
                                                            self.store.steps.get(key, 0))))
         self.client.release(leaving, written=False, kept=kept)
+        self.counts.pinned_peak_bytes = max(self.counts.pinned_peak_bytes, self.handoff.pinned_bytes())
         return leaving
 
     def give_up(self) -> None:
