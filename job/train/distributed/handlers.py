@@ -201,8 +201,8 @@ class RequestHandlers:
         first = self.cuts.closing_since is None
         ok = self.cuts.before_leaving(time.monotonic(), healthy)
         if ok and first:
-            logger.warning("lock server: the round ends in order (%s): the group takes a cut first, so that the next "
-                           "round redoes nothing done", self.round_ending())
+            logger.warning("lock server: the round ends in order (%s): the group takes a cut first if any bucket is "
+                           "unsaved, so that the next round redoes nothing done", self.round_ending())
         if not ok and not self._cut_abandon_told:
             self._cut_abandon_told = True
             logger.warning("lock server: the round ends and takes no cut (%s): the next round redoes the buckets "
