@@ -6,6 +6,7 @@ fenced rank or naming the wrong partitions; a hand-off that fails ends the round
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,109 @@ def test_a_rank_waiting_for_the_end_of_one_cut_is_not_drawn_into_the_next(tmp_pa
         assert server.cuts is not None and server.cuts.stats.cuts == 2
     finally:
         server.stop()
+
+
+def _staged(rank: int, keys: Any, token: str) -> list[list[Any]]:
+    return [[k[0], k[1], staged_name(k, 1, f"{token}{rank}"), 10, "0a0b0c0d"] for k in keys]
+
+
+@pytest.mark.parametrize("end", ["in order", "window over", "leaver late"])
+def test_a_round_that_ends_in_order_takes_a_cut_first_unless_it_cannot_in_time(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], end: str) -> None:  # noqa: F811
+    """Issue 45: written behind (only at the commit here), a rank's SIGTERM (``next`` with ``leaving``) no longer
+    rolls the group back to the last cut: every rank, the leaving one included, first stages what it holds in a cut,
+    and hears ``ending`` once it is recorded, so the next round redoes nothing. Exactness first: once the drain
+    window is over, or the leaving rank gives its part up (its own deadline passed), the cut is abandoned and the
+    round ends as after a loss (nothing of it recorded, every done bucket redone)."""
+    prefix = f"order{end.replace(' ', '')}/lock"
+    server = serve(store, str(tmp_path), None, prefix, ranks[0], write_behind=-1)
+    clients = [LockClient(store, rank, timeout_s=60, prefix=prefix, transport=ranks[rank]) for rank in (0, 1)]
+    try:
+        assert server.cuts is not None
+        server.cuts.bound(window_s=0.0 if end == "window over" else 60.0, pinned_limit=None)
+        buckets = [clients[rank].finish_and_next(set(), None, None)[1] for rank in (0, 1)]
+        assert None not in buckets
+        keys = [sorted(server.state.bucket_keys[b]) for b in buckets]  # type: ignore[index]
+        # rank 1 finishes its bucket and leaves (its SIGTERM): a cut, not ``ending``; it waits for rank 0's bucket
+        assert clients[1].finish_and_next(set(keys[1]), buckets[1], None, leaving="rank 1 received SIGTERM")[0] \
+            == "cut"
+        if end == "leaver late":
+            assert clients[1].cut().step == "wait"
+            clients[1].finish_and_next(set(), None, None, leaving="its deadline passed", gave_up=True)
+        elif end == "window over":
+            time.sleep(0.01)
+        assert clients[0].finish_and_next(set(keys[0]), buckets[0], None)[0] == ("cut" if end == "in order"
+                                                                                  else "ending")
+        if end == "in order":
+            steps = [clients[rank].cut() for rank in (0, 1)]
+            assert [s.step for s in steps] == ["stage", "stage"]
+            assert sorted(steps[0].keys) == keys[0] and sorted(steps[1].keys) == keys[1]
+            assert clients[0].cut(staged=_staged(0, keys[0], "end")).step == "wait"
+            assert clients[1].cut(staged=_staged(1, keys[1], "end")).step == "move"  # recorded
+            assert not server.state.unsaved_buckets() and len(server.state.done) == 2
+            assert clients[0].cut(moved=True).step == "wait" and clients[1].cut(moved=True).step == "go"
+            assert clients[0].cut().step == "go"
+            for rank in (0, 1):  # the cut over, the round ends: nothing unsaved is left to redo
+                assert clients[rank].finish_and_next(set(keys[rank]), None, None)[0] == "ending"
+                clients[rank].release(keys[rank], written=False)
+            progress = read_progress(str(tmp_path), 0, "run")
+            assert progress is not None and len(progress.staged()) == len(keys[0]) + len(keys[1])
+        else:  # nothing recorded: the restart redoes both buckets, as after a loss
+            assert clients[1].cut().step == "ending" or end == "leaver late"
+            assert server.state.unsaved_buckets() == set(buckets) and not server.state.dirty
+            assert server.cuts.stats.cuts == 0
+        assert server.settled() or end != "in order"
+    finally:
+        server.stop()
+
+
+def test_a_cut_is_due_before_a_ranks_pinned_rows_could_pass_what_memory_budget_allows(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Issue 45: the rows a rank released unwritten since the last cut stay pinned in its memory until a cut stores
+    them. With a limit (``pinned_partitions`` from memory_budget) a cut comes before the pass's end (``-1``) once one
+    more switch could pass it, and the pinned count starts again from zero after it."""
+    server = serve(store, str(tmp_path), None, "pinned/lock", ranks[0], write_behind=-1)
+    client = LockClient(store, 0, timeout_s=60, prefix="pinned/lock", transport=ranks[0])
+    idle = LockClient(store, 1, timeout_s=60, prefix="pinned/lock", transport=ranks[1])  # (holds nothing)
+    try:
+        assert server.cuts is not None
+        server.cuts.bound(window_s=25.0, pinned_limit=4)  # a bucket pins 2 at a switch: a cut past 2 pinned
+        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
+        pinned: set = set()
+        for _ in range(15):
+            keys = sorted(server.state.bucket_keys[bucket])  # type: ignore[index]
+            kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
+            if kind == "cut":
+                break
+            leaving = sorted(set(keys) - set(server.state.bucket_keys[bucket]))  # type: ignore[index]
+            client.release(leaving, written=False, kept=[(k[0], k[1], "digest") for k in leaving])
+            pinned |= set(leaving)
+        assert kind == "cut" and len(server.state.done) < 16 and len(pinned) + 2 > 4 >= len(pinned), pinned
+        step = client.cut()
+        assert step.step == "stage"
+        assert client.cut(staged=_staged(0, step.keys, "pin")).step == "wait"
+        assert idle.cut().step == "stage" and idle.cut(staged=[]).step == "move"  # recorded
+        assert not server.cuts.pinned and not server.state.unsaved_buckets()  # counted from zero again
+    finally:
+        server.stop()
+
+
+def test_memory_budget_gives_the_pinned_rows_the_buffer_room_a_distributed_trainer_does_not_use() -> None:
+    """``pinned_partitions``: with a budget, a rank may pin the hand-off's kept partitions (already counted) plus the
+    part of the buffer's capacity beyond its bucket's and the next one's read ahead; without one, no limit."""
+    from job.config import parse_config
+    from job.train.residency.budget import choose_capacity, pinned_partitions
+
+    base = {"entity_path": "/tmp/e", "edge_paths": ["/tmp/x"], "checkpoint_path": "/tmp/c", "dimension": 99,
+            "entities": {"all": {"num_partitions": 16}}, "relations": [{"name": "r", "lhs": "all", "rhs": "all"}],
+            "partition_handoff": True, "write_behind_buckets": -1}
+    counts = {"all": [10_000] * 16}  # 4 MB a partition
+    assert pinned_partitions(parse_config(base), 3, kept=4) is None
+    budget = parse_config({**base, "memory_budget": str(3 * 2**20 + 14 * 4_000_000)})
+    # 14 partitions' room: one in flight, 5 copies (a write group's and the hand-off's 4) leave the buffer 8; the
+    # trainer holds 4 of them (its bucket's and the next one's), so 4 more may be pinned beside the hand-off's 4
+    capacity = choose_capacity(budget, counts, distributed=True, processes=1, runtime_bytes=2**20)
+    assert capacity == 8 and pinned_partitions(budget, capacity, kept=4) == 8
+    tight = parse_config({**base, "memory_budget": str(3 * 2**20 + 9 * 4_000_000)})  # a buffer of 3: no room
+    capacity = choose_capacity(tight, counts, distributed=True, processes=1, runtime_bytes=2**20)
+    assert capacity == 3 and pinned_partitions(tight, capacity, kept=4) == 4

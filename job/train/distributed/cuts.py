@@ -28,9 +28,18 @@ other partitions may die with their trainer, so a file one rank writes may hold 
    record whose ranks died), reports ``moved``, and once every live rank has, ``go``: training resumes. Reads of a
    partition whose holder dropped its rows therefore find the cut's file under its PBG name.
 
-A round that ends abandons a cut not yet recorded (``ending``): a loss cannot save what it did not write. Every
+A round that ends after a loss abandons a cut not yet recorded (``ending``): a loss cannot save what it did not
+write. A round that ends *in order* (a rank's SIGTERM: a pod deleted, evicted, scaled down, or the agent re-forming
+the group) takes a cut first (``before_leaving``): every live rank, the leaving one included, stages what it holds
+as at any cut, and only then hears ``ending``, so the next round redoes nothing. That cut is abandoned, and the
+round ends as after a loss (back to the last cut), once a rank is lost or gives a bucket up, or once the drain
+window (``window_s``, ``BIGGRAPH_DRAIN_TIMEOUT``) since the server saw the end is over: exactness first. Every
 answer to ``cut`` goes through the committer after the requests decided before it, so ``move`` never reaches a
 rank before the record is stored.
+
+``pinned_limit``: the partitions a rank may keep pinned between cuts (the rows it released unwritten since the last
+one: never dropped before a cut stores them) within its ``memory_budget`` (job/train/residency/budget.py,
+``pinned_partitions``); a cut is due once a rank's next switch could pass it. None (no budget): unbounded.
 """
 
 from __future__ import annotations
@@ -71,6 +80,13 @@ class Cuts:
     # with the next cut's steps (the others may already have trained and made the next one due)
     over: set[int] = field(default_factory=set)
     stats: CutStats = field(default_factory=CutStats)
+    window_s: float = 25.0  # how long after a round's orderly end its cut may still begin or be recorded
+    pinned_limit: Optional[int] = None  # partitions a rank may keep pinned between cuts (None: unbounded)
+    switch: Optional[int] = None  # the partitions one switch may pin at most (a bucket's; from the first ``due``)
+    # the partitions each rank released unwritten, its rows kept (pinned), since the last cut
+    pinned: dict[int, set[PartitionKey]] = field(default_factory=dict)
+    closing_since: Optional[float] = None  # when the server first saw the round end in order
+    abandoned: Optional[str] = None  # why the round's end takes no cut (a loss, the window over): as after a loss
 
     def __post_init__(self) -> None:
         if self.every == 0 or self.every < ONLY_AT_THE_COMMIT:
@@ -81,10 +97,11 @@ class Cuts:
     def active(self) -> bool:
         return self.phase is not None
 
-    def due(self, state: LockState, rank: int, finished: Optional[Bucket]) -> bool:
+    def due(self, state: LockState, rank: int, finished: Optional[Bucket], closing: bool = False) -> bool:
         """Whether ``rank``'s ``next`` finishing ``finished`` must be answered ``cut``: one is under way, or the
         buckets done and unsaved (``finished`` among them) reach ``every``, or none is left to do and some are
-        unsaved (the pass's last cut, which the commit needs)."""
+        unsaved (the pass's last cut, which the commit needs), or the round ends in order (``closing``) with some
+        unsaved, or a rank's pinned rows could pass ``pinned_limit`` at its next switch."""
         if self.active:
             return True
         ends = finished is not None and state.in_flight.get(rank) == finished and finished not in state.done
@@ -92,10 +109,37 @@ class Cuts:
         if unsaved == 0:
             return False
         left = state.total - len(state.done) - int(ends)
-        if left == 0 or (self.every > 0 and unsaved >= self.every):
+        if left == 0 or closing or (self.every > 0 and unsaved >= self.every) or self._pinned_full(state):
             self.phase = "drain"
             return True
         return False
+
+    def before_leaving(self, now: float, healthy: bool) -> bool:
+        """The round ends: whether it may still take a cut first (see the module docstring). ``healthy``: no rank
+        lost, gone or given up. Once it may not, it never may again in this round."""
+        if self.closing_since is None:
+            self.closing_since = now
+        if self.abandoned is None and not healthy:
+            self.abandoned = "a rank was lost or gave its bucket up"
+        elif self.abandoned is None and now > self.closing_since + self.window_s and self.phase != "move":
+            self.abandoned = f"the drain window ({self.window_s:.0f} s) is over"
+        return self.abandoned is None
+
+    def kept(self, rank: int, keys: Collection[PartitionKey]) -> None:
+        """``rank`` released ``keys`` unwritten, their rows kept: pinned there until the next cut records."""
+        self.pinned.setdefault(rank, set()).update(keys)
+
+    def bound(self, *, window_s: float, pinned_limit: Optional[int]) -> None:
+        """The drain window of an orderly end (``window_s``) and the pinned partitions a rank may keep."""
+        self.window_s, self.pinned_limit = window_s, pinned_limit
+
+    def _pinned_full(self, state: LockState) -> bool:
+        """Whether a rank's pinned rows could pass ``pinned_limit`` at its next switch."""
+        if self.pinned_limit is None or not self.pinned:
+            return False
+        if self.switch is None:
+            self.switch = max((len(keys) for keys in state.bucket_keys.values()), default=0)
+        return any(len(keys) + self.switch > self.pinned_limit for keys in self.pinned.values())
 
     def answer(self, state: LockState, holders: Holders, rank: int, request: Cut, live: Collection[int]) -> CutStep:
         """The step ``rank`` takes next (``live``: the ranks not lost); may record the cut (``state.record_cut``)."""
@@ -155,6 +199,7 @@ class Cuts:
     def _record(self, state: LockState) -> None:
         staged = [entry for rank in sorted(self.reports) for entry in self.reports[rank]]
         state.record_cut(sorted({(str(s[0]), int(s[1])) for s in staged}), staged)
+        self.pinned.clear()  # every rank unpins what it keeps once it hears ``go``
         self.phase = "move"
         self.stats.cuts += 1
         self.stats.files += len(staged)

@@ -63,6 +63,7 @@ class RequestHandlers:
     _ending: Callable[[], Optional[str]]
     _lost: Callable[[], frozenset[int]]
     _gone: dict[int, str]
+    _cut_abandon_told = False  # (logged once)
     cuts: Optional[Cuts] = None  # write_behind_buckets: partitions stored only at cuts (job/train/distributed/cuts.py)
 
     @property
@@ -113,9 +114,12 @@ class RequestHandlers:
             self.state.add_record(request.record)
         was_done = finished is not None and finished in self.state.done
         why = self.round_ending()
-        if why is not None:  # the bucket finished, nothing more: the rank gives back and exits
+        if why is not None:  # the bucket finished, nothing more: the rank gives back and exits, after a cut if the
+            # round ends in order and some work is unsaved (job/train/distributed/cuts.py, ``before_leaving``)
+            cut = self.cuts is not None and self._cut_before_leaving() and self.cuts.due(
+                self.state, rank, finished, closing=True)
             self.state.stop(rank, finished)
-            kind, bucket = "ending", None
+            kind, bucket = ("cut" if cut else "ending"), None
         elif self.cuts is not None and self.cuts.due(self.state, rank, finished):  # write what you hold, then wait
             self.state.stop(rank, finished)
             kind, bucket = "cut", None
@@ -157,6 +161,8 @@ class RequestHandlers:
     def _answer_release(self, rank: int, request: Release, work: VectorWork) -> Reply:
         if self.cuts is not None:
             self.cuts.check_release(self.state, rank, request, ending=self.round_ending() is not None)
+        if self.cuts is not None and request.kept:
+            self.cuts.kept(rank, [(k[0], int(k[1])) for k in request.kept])
         self.state.release(rank, list(request.keys), written=request.written)
         self.holders.released(rank, request.keys, request.kept, written=request.written)
         work.unsaved = frozenset(self.state.unsaved_buckets())
@@ -177,14 +183,31 @@ class RequestHandlers:
         if self.cuts is None:
             raise LockServerError("a 'cut' request, but this group writes partitions at every switch")
         why = self.round_ending()
-        if why is not None:  # a cut not recorded never happened; one recorded is finished by the restart
-            return CutStep("ending", why=why)
+        if why is not None and not self._cut_before_leaving():  # a cut not recorded never happened; one recorded
+            return CutStep("ending", why=why)  # is finished by the restart
         dead = self._lost() | set(self._gone)
         step = self.cuts.answer(self.state, self.holders, rank, request,
                                 [r for r in range(self.state.world_size) if r not in dead])
         # through the committer, after every request decided before it: ``move`` never outruns the cut's record
         work.unsaved = frozenset(self.state.unsaved_buckets())
         return step
+
+    def _cut_before_leaving(self) -> bool:
+        """The round ends: whether a cut may still save the group's work first (written behind, an orderly end: no
+        rank lost, gone or given up, and within the drain window; job/train/distributed/cuts.py)."""
+        if self.cuts is None:
+            return False
+        healthy = not (self._lost() or self._gone or self._gave_up)
+        first = self.cuts.closing_since is None
+        ok = self.cuts.before_leaving(time.monotonic(), healthy)
+        if ok and first:
+            logger.warning("lock server: the round ends in order (%s): the group takes a cut first if any bucket is "
+                           "unsaved, so that the next round redoes nothing done", self.round_ending())
+        if not ok and not self._cut_abandon_told:
+            self._cut_abandon_told = True
+            logger.warning("lock server: the round ends and takes no cut (%s): the next round redoes the buckets "
+                           "since the last cut", self.cuts.abandoned)
+        return ok
 
     def _answer_status(self, rank: int, request: Status, work: VectorWork) -> Reply:
         return State(state=self.state.to_json())

@@ -293,6 +293,11 @@ class PartitionHandoff:
             self._hints.clear()
             self.stats = HandoffStats()
 
+    def pinned_bytes(self) -> int:
+        """The rows kept that no cut has stored yet (writes behind: never dropped before one does)."""
+        with self._lock:
+            return sum(self._kept[k][0].weight.nbytes + self._kept[k][0].optim_sum.nbytes for k in self._pinned)
+
     def kept_bytes(self) -> int:
         with self._lock:
             return sum(rows.weight.nbytes + rows.optim_sum.nbytes for rows, _ in self._kept.values())

@@ -174,6 +174,20 @@ def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     return (max(0, 2 * len(partitioned) - 1) + kept) * partition_bytes(config, counts)
 
 
+def pinned_partitions(config: ConfigSchema, capacity: Optional[int], *, kept: int) -> Optional[int]:
+    """Written behind (``write_behind_buckets``), how many partitions a distributed trainer may keep pinned between
+    cuts (rows released unwritten, never dropped before a cut stores them; job/train/distributed/cuts.py) within its
+    ``memory_budget``: the hand-off's ``kept`` (counted in ``kept_copy_bytes``) plus the buffer's room that a
+    distributed trainer does not use (``choose_capacity`` gives it ``capacity`` partitions, and it holds only its
+    bucket's and the next one's read ahead). The server makes a cut due before a rank's next switch could pass it.
+    None without a budget: unbounded (at most every partition the rank released since the last cut)."""
+    if config.memory_budget_bytes is None:
+        return None
+    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
+    held = 2 * 2 * len(partitioned)  # the current bucket's and the next one's read ahead
+    return kept + max(0, (capacity or 0) - held)
+
+
 def shared_memory_bytes(config: ConfigSchema, counts: dict[str, list[int]], capacity: Optional[int]) -> int:
     """What a CPU trainer keeps in /dev/shm (torch's shared memory, where every table is allocated even with no
     Hogwild worker): the ``capacity`` resident partitions (None: a bucket's, as ``choose_capacity`` means it),

@@ -8,12 +8,18 @@ ahead (its reservation is gone, and a copy read for it may be stale once others 
 partitions the server gives it (from its store when it holds them, else from the rows it keeps), reports them,
 waits for the cut's record, moves them to their PBG names, reports that, and waits for every other rank before
 training on.
+
+A cut also comes before an orderly end of the round (this rank's SIGTERM, or another's: job/train/distributed/cuts.py,
+``before_leaving``). A rank that received the SIGTERM has its drain deadline (the agent's SIGKILL follows): once
+that passes before the cut is recorded, it gives up its part (``next`` with ``gave_up``, so the server abandons the
+cut and every rank hears ``ending`` at once) and the round ends as after a loss, back to the last cut.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +36,7 @@ logger = logging.getLogger("biggraph")
 
 POLL_S = 0.01  # the first wait between two asks of a cut's step (doubling to ``POLL_MAX_S``)
 POLL_MAX_S = 0.2
+LATE = "this rank's drain deadline passed before the cut was recorded"
 
 
 @dataclass
@@ -39,9 +46,11 @@ class CutCounts:
     cuts: int = 0
     staged: int = 0  # partitions it staged
     seconds: float = 0.0  # its time in cuts, waits for the other ranks included
+    pinned_peak_bytes: int = 0  # the most rows it kept at once that no cut had stored yet (memory_budget bounds it)
 
     def as_record(self) -> dict[str, float]:
-        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3)}
+        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3),
+                "pinned_peak_bytes": self.pinned_peak_bytes}
 
 
 class BehindWrites:
@@ -55,6 +64,7 @@ class BehindWrites:
         self.handoff = handoff
         handoff.strict = True  # a failed hand-off ends the round: the file is older than the rows it lost
         self.counts = CutCounts()
+        self._deadline: Callable[[], Optional[float]] = lambda: None  # (the cut's: ``cut``)
 
     def release(self, keep: set[PartitionKey]) -> list[PartitionKey]:
         """Let the resident partitions not in ``keep`` go unwritten, their rows kept for the next holder; returns
@@ -70,6 +80,7 @@ class BehindWrites:
             kept.append((key[0], key[1], self.handoff.keep(key, table.weight, table.optim_sum,
                                                            self.store.steps.get(key, 0))))
         self.client.release(leaving, written=False, kept=kept)
+        self.counts.pinned_peak_bytes = max(self.counts.pinned_peak_bytes, self.handoff.pinned_bytes())
         return leaving
 
     def give_up(self) -> None:
@@ -82,10 +93,12 @@ class BehindWrites:
         except Exception as err:  # noqa: BLE001 - rank 0 gone already: the next round redoes everything unsaved
             logger.warning("rank %d: could not hand its locks back at the round's end (%s)", self.client.rank, err)
 
-    def cut(self) -> Optional[str]:
+    def cut(self, deadline: Callable[[], Optional[float]] = lambda: None) -> Optional[str]:
         """This rank's turn in the cut the server announced; None once it is over, else why the round ends (the
-        cut abandoned, or recorded and finished by the restart's roll-forward)."""
+        cut abandoned, or recorded and finished by the restart's roll-forward). ``deadline``: this rank's drain
+        deadline (monotonic; None while it has none): past it, a cut not yet recorded is given up."""
         started = time.perf_counter()
+        self._deadline = deadline
         try:
             self.store.discard_prefetched()
             step = self._ask()
@@ -105,6 +118,8 @@ class BehindWrites:
             group = WriteGroup.of(self.store.next_version, [], tables)
             self.store.stage(group)
             self.checkpoint.flush()  # stored before the report: the record makes them current
+            if self._late():
+                return self._give_up_cut()
             step = self._ask(staged=group.staged(self.checkpoint))
             if step.step != "move":
                 return self._unexpected(step, "move")
@@ -119,10 +134,26 @@ class BehindWrites:
         finally:
             self.counts.seconds += time.perf_counter() - started
 
+    def _late(self) -> bool:
+        deadline = self._deadline()
+        return deadline is not None and time.monotonic() > deadline
+
+    def _give_up_cut(self) -> str:
+        """Past this rank's drain deadline: tell the server (the cut is abandoned, every rank hears ``ending``)."""
+        logger.warning("rank %d: %s: giving the cut up (the next round redoes the buckets since the last cut)",
+                       self.client.rank, LATE)
+        try:
+            self.client.finish_and_next(set(), None, None, None, leaving=LATE, gave_up=True)
+        except Exception as err:  # noqa: BLE001 - rank 0 gone already: its round ended anyway
+            logger.warning("rank %d: could not tell the server it gave the cut up (%s)", self.client.rank, err)
+        return LATE
+
     def _ask(self, staged: Optional[list[list[Any]]] = None, moved: bool = False) -> CutStep:
         step = self.client.cut(staged=staged, moved=moved)
         wait = POLL_S
         while step.step == "wait":
+            if not moved and self._late():  # (a recorded cut is finished: its moves are renames)
+                return CutStep("ending", why=self._give_up_cut())
             time.sleep(wait)
             wait = min(2 * wait, POLL_MAX_S)
             step = self.client.cut()

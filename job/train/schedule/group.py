@@ -36,6 +36,7 @@ from job.train.distributed.lock_state import LockState
 from job.train.distributed.shared_params import SharedParameters
 from job.train.distributed.shared_rows import RowLayout
 from job.train.elastic.budget import note_progress
+from job.train.residency.budget import pinned_partitions
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.behind import BehindWrites, CutCounts
 from job.train.schedule.clock import BucketClock
@@ -142,6 +143,9 @@ class LockServerScheduler(BucketScheduler):
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
                                      world_size=self.ctx.world_size, layout=self.layout,
                                      write_behind=self.config.write_behind_buckets if self.behind else 0)
+            if self.server.cuts is not None and self.handoff is not None:  # an orderly end's window; memory_budget
+                self.server.cuts.bound(window_s=self.ctx.drain_timeout_s, pinned_limit=pinned_partitions(
+                    self.config, self.store.capacity, kept=self.handoff.limit))
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
@@ -175,7 +179,7 @@ class LockServerScheduler(BucketScheduler):
                 self._end_round(str(self.client.last_why or "the round ends"))
             if kind == "cut" and self.behind is not None:  # every rank stores what it holds, then training goes on
                 self.ahead = None
-                why = self.behind.cut()
+                why = self.behind.cut(deadline=self._own_deadline)
                 if why is not None:
                     self._end_round(why)
                 continue
@@ -296,6 +300,15 @@ class LockServerScheduler(BucketScheduler):
         self._drain()
         raise RoundEnding(f"rank {self.ctx.rank}: the round ended ({why}) and this rank gave back what it held; "
                           "exiting so that torchrun re-forms the group")
+
+    def _own_deadline(self) -> Optional[float]:
+        """This process's drain deadline (monotonic) once it was asked to stop (its SIGTERM; on rank 0 also a peer
+        lost), counted from when it first saw that; None while it stands."""
+        if self.ctx.ending() is None:
+            return None
+        if self._ending_since is None:
+            self._ending_since = time.monotonic()
+        return self._ending_since + self.ctx.drain_timeout_s
 
     def stop_check(self) -> Optional[Callable[[], bool]]:
         return self._stop_due
