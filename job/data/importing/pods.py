@@ -96,6 +96,10 @@ class _PhaseClock:
     def __init__(self, pod: int) -> None:
         self.pod = pod
         self.wall, self.usage = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        # what this process spent before phase 1, which every pod pays whatever its share
+        logger.info("import: pod %d: start-up (interpreter, imports, config, plan): %.2f s CPU (%.2f user + %.2f sys, "
+                    "%d page faults)", pod, self.usage.ru_utime + self.usage.ru_stime, self.usage.ru_utime,
+                    self.usage.ru_stime, self.usage.ru_minflt)
 
     def lap(self, phase: str) -> None:
         wall, usage = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
