@@ -30,8 +30,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from fsspec.asyn import sync
-
 from storage_adapters.errors import ConditionFailed, StorageError
 from storage_adapters.fs import S3_SCHEMES, biggraph_option, call, get_filesystem, is_local, local_path, scheme_of
 from storage_adapters.ops import read_bytes, replace_local, write_bytes
@@ -63,6 +61,8 @@ def read_tagged(url: str) -> tuple[bytes, str]:
             return data, str(response["ETag"]).strip('"')
 
         def get() -> tuple[bytes, str]:
+            from fsspec.asyn import sync  # lazy: only S3 needs it (storage_adapters.fs)
+
             return sync(fs.loop, fetch)  # bytes and ETag from one response: no other write can fall between them
 
         data, tag = call(url, "read", get)

@@ -34,8 +34,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsspec.asyn import sync
-
 from storage_adapters.errors import StorageError
 from storage_adapters.retry import (
     NOT_FOUND,
@@ -237,6 +235,8 @@ def download_file(fs: Any, path: str, local: str, chunk_bytes: int | None = None
     policy afresh, tries without progress follow it (backoff, attempt n of m, each said). Every range is asked with
     ``If-Match`` on the ETag of the object's HEAD, so a file is never stitched from two versions of an object.
     """
+    from fsspec.asyn import sync  # lazy: only S3 needs it (storage_adapters.fs)
+
     sync(fs.loop, _download, _Ranges(fs, path, local, chunk_bytes or PART_BYTES, url or f"s3://{path}"))
 
 

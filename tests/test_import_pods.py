@@ -23,7 +23,7 @@ import pytest
 import storage_adapters as storage
 from job.cli import main
 from job.config import load_config
-from job.data.importing import ImportOptions, import_edges, import_pod
+from job.data.importing import ImportOptions, assemble, import_edges, import_pod, mapper
 from job.data.importing.pods import CRASH_ENV, PodRole
 from job.data.importing.staging import IMPORT_MARKER, Staging
 from job.errors import UserError
@@ -121,6 +121,21 @@ def test_three_pods_write_the_same_bytes_as_one_process(tmp_path: Path, referenc
     again = run_pods(config, files, 3, staging=str(tmp_path / "staging"))
     assert again[0].edges_written == results[0].edges_written
     assert os.stat(tmp_path / "three" / "edges_a" / "edges_0_0.h5").st_mtime_ns == before
+
+
+@pytest.mark.parametrize("limit", [0, 150])
+def test_pieces_kept_in_local_files_or_in_memory_write_the_same_bytes(
+    tmp_path: Path, reference: tuple[list[str], dict[str, str]], monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """A shard's bucket pieces (phase 1) and a bucket's columns (phase 3) go to local files above
+    ``PIECES_IN_MEMORY`` edges: 0 sends all there, 150 some (shards and buckets here hold ~100-250 edges)."""
+    files, expected = reference  # made with the default limit: everything in memory
+    monkeypatch.setattr(mapper, "PIECES_IN_MEMORY", limit)
+    monkeypatch.setattr(assemble, "PIECES_IN_MEMORY", limit)
+    config = write_config(tmp_path / "files.json", str(tmp_path / "files"))
+    results = run_pods(config, files, 3, staging=str(tmp_path / "staging"))
+    assert not any(isinstance(r, BaseException) for r in results.values()), results
+    assert digests(str(tmp_path / "files")) == expected
 
 
 def test_shard_size_and_the_order_pods_finish_in_change_nothing(

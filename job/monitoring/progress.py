@@ -7,7 +7,9 @@ fields. ``BIGGRAPH_PROGRESS=bar|lines|off`` overrides the choice. ``task_progres
 bar-or-nothing behaviour to ``import`` and ``eval``.
 
 tqdm is a dependency of the package (small, pure Python): a bar never depends on an optional import. Log lines
-written while a bar is drawn go above it through ``tqdm.contrib.logging.logging_redirect_tqdm``.
+written while a bar is drawn go above it through ``tqdm.contrib.logging.logging_redirect_tqdm``. tqdm is imported
+only when a bar is drawn: its import reads the installed packages' metadata (~30 ms), which every process that
+logs would pay, each pod of an import included (issue #46).
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
-
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from job.eval_protocol import recorded_label
 from job.monitoring.base import Reporter, metric
@@ -87,6 +86,9 @@ def task_progress(desc: str, total: Optional[int] = None, unit: str = "it") -> I
     if progress_mode() != "bar":
         yield _Progress()
         return
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, leave=False, file=sys.stderr)
     try:
         with logging_redirect_tqdm():  # the root logger's console handler writes above the bar meanwhile
@@ -205,6 +207,9 @@ class BarProgress(Reporter):
     """Interactive progress: a tqdm bar over every bucket of the run, log lines printed above it."""
 
     def __init__(self, config: Any, total_passes: int, buckets_per_pass: int) -> None:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         self.state = _ProgressState(config, total_passes, buckets_per_pass, time.monotonic)
         self.bar = tqdm(total=self.state.total, unit="bucket", dynamic_ncols=True, file=sys.stderr,
                         bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} buckets "

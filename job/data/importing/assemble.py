@@ -9,6 +9,7 @@ by pod 0 in that order: a reader that finds the count files finds everything the
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing.bucketing import PIECES_IN_MEMORY
 from job.data.importing.dictionary import MAP_DTYPE, dict_unit, map_file
 from job.data.importing.mapper import group_files
 from job.data.importing.options import ID_DTYPE, ImportSummary
@@ -158,31 +160,46 @@ def _piece(job: BucketJob, group: int, position: int, bucket: int, parts: tuple[
     return kept, dropped
 
 
+def _gather(job: BucketJob, pieces: list[tuple[int, int]], bucket: int, parts: tuple[int, int],
+            files: list[Any]) -> tuple[int, int]:
+    kept = dropped = 0
+    for group, position in pieces:
+        got, lost = _piece(job, group, position, bucket, parts, files)
+        kept, dropped = kept + got, dropped + lost
+    return kept, dropped
+
+
 def assemble_bucket(job: BucketJob, unit: tuple[int, int, int], workdir: str) -> None:
-    """Phase 3 for bucket ``unit`` = (edge path index, lhs partition, rhs partition): its file, then its marker."""
+    """Phase 3 for bucket ``unit`` = (edge path index, lhs partition, rhs partition): its file, then its marker.
+    Its columns are gathered in memory, or in local files when the bucket is large (``PIECES_IN_MEMORY``)."""
     edge_index, lhs_part, rhs_part = unit
     bucket = lhs_part * job.plan.parts_rhs + rhs_part
-    local = os.path.join(workdir, f"bucket_{edge_index}_{lhs_part}_{rhs_part}")
-    os.makedirs(local)
-    paths = [os.path.join(local, name) for name in ("rel", "lhs", "rhs")]
-    kept = dropped = 0
-    try:
-        files = [open(path, "wb") for path in paths]  # noqa: SIM115 - closed below
-        try:
-            for group in job.groups:  # in input order: groups are runs of shards, in order
-                for position, shard in enumerate(group.shards):
-                    if shard.file_index == edge_index and job.group_records[group.index]["buckets"][position][bucket]:
-                        got, lost = _piece(job, group.index, position, bucket, (lhs_part, rhs_part), files)
-                        kept, dropped = kept + got, dropped + lost
-        finally:
-            for handle in files:
-                handle.close()
-        arrays = [np.memmap(p, dtype=ID_DTYPE, mode="r") if kept else np.zeros(0, ID_DTYPE) for p in paths]
-        url = edges_file(job.config.edge_paths[edge_index], lhs_part, rhs_part)
+    pieces = [(group.index, position) for group in job.groups  # in input order: groups are runs of shards, in order
+              for position, shard in enumerate(group.shards)
+              if shard.file_index == edge_index and job.group_records[group.index]["buckets"][position][bucket]]
+    url = edges_file(job.config.edge_paths[edge_index], lhs_part, rhs_part)
+    if sum(job.group_records[g]["buckets"][p][bucket] for g, p in pieces) <= PIECES_IN_MEMORY:
+        columns = [io.BytesIO() for _ in range(3)]
+        kept, dropped = _gather(job, pieces, bucket, (lhs_part, rhs_part), columns)
+        arrays = [np.frombuffer(column.getbuffer(), dtype=ID_DTYPE) for column in columns]
         size, crc = write_edges(url, arrays[0], arrays[1], arrays[2])
         del arrays
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
+    else:
+        local = os.path.join(workdir, f"bucket_{edge_index}_{lhs_part}_{rhs_part}")
+        os.makedirs(local)
+        paths = [os.path.join(local, name) for name in ("rel", "lhs", "rhs")]
+        try:
+            files = [open(path, "wb") for path in paths]  # noqa: SIM115 - closed below
+            try:
+                kept, dropped = _gather(job, pieces, bucket, (lhs_part, rhs_part), files)
+            finally:
+                for handle in files:
+                    handle.close()
+            arrays = [np.memmap(p, dtype=ID_DTYPE, mode="r") if kept else np.zeros(0, ID_DTYPE) for p in paths]
+            size, crc = write_edges(url, arrays[0], arrays[1], arrays[2])
+            del arrays
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
     job.staging.commit(bucket_unit(*unit), {"size": size, "crc": crc, "edges": kept, "dropped": dropped})
 
 

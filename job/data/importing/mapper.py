@@ -25,7 +25,14 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
-from job.data.importing.bucketing import SPILLED, BucketedChunk, append_to_buckets, read_spilled
+from job.data.importing.bucketing import (
+    PIECES_IN_MEMORY,
+    SPILLED,
+    BucketedChunk,
+    append_to_buckets,
+    keep_by_bucket,
+    read_spilled,
+)
 from job.data.importing.hashing import partition_of, spread_of
 from job.data.importing.importer import Importer
 from job.data.importing.options import ImportOptions
@@ -148,8 +155,10 @@ def _hashes(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout]) -> n
     return hashes
 
 
-def _bucket_edges(importer: GroupImporter, layouts: list[_TypeLayout], bucket_dir: str, shard: int) -> np.ndarray:
-    """Group the spilled edges of the group's ``shard``-th shard by bucket into local files; the count per bucket."""
+def _bucket_edges(importer: GroupImporter, layouts: list[_TypeLayout], bucket_dir: str, shard: int,
+                  pieces: dict[tuple[int, str], list[bytes]] | None) -> np.ndarray:
+    """Group the spilled edges of the group's ``shard``-th shard by bucket, into ``pieces`` (None: local files in
+    ``bucket_dir``); the count per bucket."""
     plan = importer.plan
     num_buckets = plan.parts_lhs * plan.parts_rhs
     unpartitioned = np.array([importer.config.entities[n].num_partitions == 1 for n in plan.type_names])
@@ -175,14 +184,20 @@ def _bucket_edges(importer: GroupImporter, layouts: list[_TypeLayout], bucket_di
                 side_part[spread] = spread_of(_hashes(lhs_types[spread], lhs[spread], layouts),
                                               _hashes(rhs_types[spread], rhs[spread], layouts), parts)
         chunk = BucketedChunk(rel, lhs_index, rhs_index, lhs_part * plan.parts_rhs + rhs_part, 0)
-        counts += append_to_buckets(bucket_dir, num_buckets, chunk)
+        counts += append_to_buckets(bucket_dir, num_buckets, chunk) if pieces is None else \
+            keep_by_bucket(pieces, num_buckets, chunk)
     shutil.rmtree(source_dir, ignore_errors=True)
     return counts
 
 
-def _append_pieces(out: IO[bytes], bucket_dir: str, counts: np.ndarray) -> None:
+def _append_pieces(out: IO[bytes], bucket_dir: str, counts: np.ndarray,
+                   pieces: dict[tuple[int, str], list[bytes]] | None) -> None:
     for bucket in np.flatnonzero(counts).tolist():
         for name in SPILLED:
+            if pieces is not None:
+                for piece in pieces.pop((bucket, name)):
+                    out.write(piece)
+                continue
             path = os.path.join(bucket_dir, f"{bucket}.{name}")
             with open(path, "rb") as part:
                 shutil.copyfileobj(part, out, 1 << 20)
@@ -204,8 +219,10 @@ def read_group(config: ConfigSchema, group: Group, options: ImportOptions, stagi
         bucket_dir = os.path.join(group_dir, "buckets")
         with storage.local_file_for_writing(edges_url) as tmp, open(tmp, "wb") as out:
             for position in range(len(group.shards)):
-                counts.append(_bucket_edges(importer, layouts, bucket_dir, position))
-                _append_pieces(out, bucket_dir, counts[-1])
+                pieces: dict[tuple[int, str], list[bytes]] | None = \
+                    {} if importer.spilled[position] <= PIECES_IN_MEMORY else None
+                counts.append(_bucket_edges(importer, layouts, bucket_dir, position, pieces))
+                _append_pieces(out, bucket_dir, counts[-1], pieces)
     finally:
         shutil.rmtree(group_dir, ignore_errors=True)
     summary = importer.summary

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,7 @@ from job.data.importing.assemble import (
 )
 from job.data.importing.dictionary import build_dictionary, dict_unit, dict_units
 from job.data.importing.mapper import group_unit, read_group
+from job.data.importing.memory import settle_import_memory
 from job.data.importing.options import ImportOptions, ImportSummary
 from job.data.importing.plan import make_plan
 from job.data.importing.shards import plan_groups, plan_shards
@@ -52,7 +54,6 @@ from job.data.importing.staging import (
     summary_of_marker,
 )
 from job.errors import InputFormatError, UserError
-from job.train.batch.allocator import keep_freed_memory
 
 logger = logging.getLogger("biggraph")
 
@@ -89,16 +90,23 @@ class _CrashingStaging(Staging):
 
 
 class _PhaseClock:
-    """Logs each phase's wall and CPU seconds in this pod (what bench/import_pods_bench.py models costs from)."""
+    """Logs each phase's wall and CPU seconds in this pod, the CPU split into user and system time with the page
+    faults (what bench/import_pods_bench.py models costs from: a pod's system time is mostly fresh memory mapped in)."""
 
     def __init__(self, pod: int) -> None:
         self.pod = pod
-        self.wall, self.cpu = time.monotonic(), time.process_time()
+        self.wall, self.usage = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        # what this process spent before phase 1, which every pod pays whatever its share
+        logger.info("import: pod %d: start-up (interpreter, imports, config, plan): %.2f s CPU (%.2f user + %.2f sys, "
+                    "%d page faults)", pod, self.usage.ru_utime + self.usage.ru_stime, self.usage.ru_utime,
+                    self.usage.ru_stime, self.usage.ru_minflt)
 
     def lap(self, phase: str) -> None:
-        wall, cpu = time.monotonic(), time.process_time()
-        logger.info("import: pod %d: %s took %.2f s wall, %.2f s CPU", self.pod, phase, wall - self.wall, cpu - self.cpu)
-        self.wall, self.cpu = wall, cpu
+        wall, usage = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        user, system = usage.ru_utime - self.usage.ru_utime, usage.ru_stime - self.usage.ru_stime
+        logger.info("import: pod %d: %s took %.2f s wall, %.2f s CPU (%.2f user + %.2f sys, %d page faults)", self.pod,
+                    phase, wall - self.wall, user + system, user, system, usage.ru_minflt - self.usage.ru_minflt)
+        self.wall, self.usage = wall, usage
 
 
 def _committed(staging: Staging) -> set[str]:
@@ -108,11 +116,9 @@ def _committed(staging: Staging) -> set[str]:
 def run_pod(config: ConfigSchema, files: list[str], options: ImportOptions, role: PodRole) -> ImportSummary | None:
     """This pod's share of the import (see the module docstring); pod 0 returns the summary, others None."""
     started = time.monotonic()
-    # Each batch of phase 1 allocates ~100 MiB of numpy temporaries; with glibc's defaults most are mmapped or
-    # trimmed back on free, and faulted in and zeroed again by the next batch (a pod of the 20M-edge bench
-    # faulted 1 GiB of fresh pages for a 400 MiB peak, the one process 1.7 GiB). Kept in the heap, each process
-    # pays its peak once: the kernel's share of the CPU, which grew with the number of pods (issue #46).
-    keep_freed_memory()
+    # Memory from one heap that keeps what it frees, in 4 KiB pages: most of a pod's system time was the kernel
+    # zeroing fresh huge pages, one working set per pod (issue #46; job.data.importing.memory).
+    settle_import_memory()
     versions = input_versions(files)
     digest = fingerprint(config, files, versions, options)
     if role.skip_done and already_imported(config, digest):
