@@ -210,6 +210,8 @@ class BucketIndex:
                 self.by_part.setdefault(part, []).append(bucket)
         self.sizes = np.array([len(state.bucket_keys[b]) for b in self.buckets], np.int64)
         self.size_set = sorted({len(ks) for ks in state.bucket_keys.values()})
+        # the bucket ids of each size, ascending: a reservation's draw reads the classes of one size's buckets only
+        self._ids_of_size = {size: np.flatnonzero(self.sizes == size) for size in self.size_set}
         self.touching: dict[PartitionKey, np.ndarray] = {
             k: np.array([self.ids[b] for b in bs], np.int64) for k, bs in self.by_key.items()}
         self.owner_of_key = np.full(len(keys) + 1, -1, np.int64)  # key id -> the rank locking it, -1: none
@@ -303,8 +305,16 @@ class BucketIndex:
     @property
     def free_by_size(self) -> dict[int, BucketSeq]:
         """The free buckets by how many partitions each needs (a reservation's cost for one touching none held)."""
-        free = self.cls == FREE
-        return {size: self._where(free & (self.sizes == size)) for size in self.size_set}
+        return {size: self.free_of_size(size) for size in self.size_set}
+
+    def free_of_size(self, size: int) -> BucketSeq:
+        """The free buckets needing ``size`` partitions, ascending: one read of those buckets' classes (the draw of
+        a reservation asks for one size at a time, the cheapest first, and usually stops at the first size it asks
+        for; three passes over every bucket's class cost ~0.1 ms at P=256)."""
+        ids = self._ids_of_size.get(size)
+        if ids is None:
+            return BucketSeq(self.buckets, np.zeros(0, np.int64))
+        return BucketSeq(self.buckets, ids[self.cls[ids] == FREE])
 
     @property
     def single(self) -> set[Bucket]:

@@ -194,9 +194,8 @@ class LockState:
         by_cost: dict[int, list[Bucket]] = {}
         for bucket in sorted(self.index.extras(rank, frozenset((current.lhs, current.rhs)))):
             by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
-        free = self.index.free_by_size
-        for cost in sorted(set(by_cost) | {size for size, buckets in free.items() if buckets}):
-            far = free[cost].items if cost in free else []
+        for cost in sorted(set(by_cost) | set(self.index.size_set)):  # the free ones of a cost read when reached
+            far = self.index.free_of_size(cost).items
             for bucket in _random_order(rng, by_cost.get(cost, []), far):
                 new = self.bucket_keys[bucket] - mine
                 if new and not self._leaves_enough(rank, new):

@@ -10,8 +10,6 @@ buffer of their own (``TransferSlots.take_sparse``: bounded, counted in ``memory
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 
@@ -19,11 +17,12 @@ from job.train.distributed import protocol
 from job.train.distributed.protocol import Reply
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
+from job.train.distributed.transfer_serving import TransferServing
 from job.train.distributed.transfers import Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
 
 
-class PullServing:
+class PullServing(TransferServing):
     """How ``LockServer`` serves pulls (see the module docstring)."""
 
     layout: RowLayout
@@ -32,14 +31,7 @@ class PullServing:
     _slots: TransferSlots
     _flights: Flights
 
-    def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False,
-               pull_into: Optional[torch.Tensor] = None) -> None:
-        raise NotImplementedError
-
     def _push(self, job: Waiting, reply: Reply) -> None:
-        raise NotImplementedError
-
-    def _lose(self, rank: int, why: str) -> None:
         raise NotImplementedError
 
     def _dispatch_pull(self, job: Waiting) -> bool:
