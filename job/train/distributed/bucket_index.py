@@ -165,6 +165,9 @@ class BucketSeq(Sequence):
     def items(self) -> BucketSeq:  # (the reservation's ``free_by_size[cost].items``)
         return self
 
+    def subset(self, mask: np.ndarray) -> BucketSeq:
+        return BucketSeq(self._buckets, self._ids[mask])
+
     def __add__(self, other: Sequence) -> Sequence:
         return Chain(self, other)
 
@@ -381,6 +384,15 @@ class BucketIndex:
             extra.update(b for part in also_trained for b in self.by_part.get(part, ())
                          if not self.is_free(b) and b not in extra and self.takes(rank, b, also_trained))
         return extra
+
+    def extra_costs(self, rank: int, also_trained: frozenset, mine: set) -> tuple[BucketSeq, np.ndarray]:
+        """``extras`` ascending, and how many partitions outside ``mine`` each needs (a reservation's cost of each),
+        counted over their key ids at once (a set difference per bucket cost ~1 ms a reservation at 128 pods)."""
+        ids = self._owned_ids(rank) if not self.state.tree_init_order else np.array(
+            sorted(self.ids[b] for b in self.extras(rank, also_trained)), np.int64)
+        owned = np.zeros(self.owner_of_key.size, bool)
+        owned[[self.key_ids[k] for k in mine if k in self.key_ids] + [self.owner_of_key.size - 1]] = True  # (+pad)
+        return BucketSeq(self.buckets, ids), np.count_nonzero(~owned[self.bucket_key_ids[ids]], axis=1)
 
     def near_takeable(self, rank: int, keys: Iterable[PartitionKey]) -> list[Bucket]:
         """The buckets ``rank`` may take (without ``also_trained``) that touch any of ``keys``."""

@@ -39,7 +39,7 @@ from job.train.distributed.protocol import (
     request_queue,
     response_queue,
 )
-from job.train.distributed.pull_serving import PullServing
+from job.train.distributed.pull_serving import Gatherer, PullServing
 from job.train.distributed.replier import Replier
 from job.train.distributed.request_gate import RequestGate
 from job.train.distributed.server_stats import ServerStats, Stopwatch
@@ -143,6 +143,7 @@ class LockServer(RequestHandlers, PullServing):
         self.let_in = 0  # requests the reader let in so far
         self._reader_cpu_s = 0.0  # the reader thread's CPU time screening requests (MAC, JSON, replay, fields)
         self._replier = Replier(self.store, prefix, self._stop.is_set)
+        self._gatherer = Gatherer(self.vector, self._inbox.put)  # pulls' rows read off the serving thread
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
         self._committer = Committer(self.vector, progress, self._inbox.put)
@@ -217,6 +218,8 @@ class LockServer(RequestHandlers, PullServing):
                     self._on_ended(event[1], event[2])
                 elif event[0] == "committed":
                     self._on_committed(event[1])
+                elif event[0] == "gathered":
+                    self._on_gathered(*event[1:])
                 elif event[0] == "added":
                     for buffer, is_slot in event[1]:
                         self._slots.settle(is_slot, buffer, well=True)
@@ -251,20 +254,20 @@ class LockServer(RequestHandlers, PullServing):
         """A batch's records (and the stored vector) are written: answer each request, and send the sum to each
         that carried a change (one buffer for all of them)."""
         sends = []
-        try:
-            for commit in batch.commits:
-                if batch.error is not None:
-                    self._refuse(commit.job, LockServerError(
-                        f"the progress could not be saved ({batch.error}); the group must restart from what is "
-                        "stored"))
-                    if commit.buffer is not None:
-                        self._slots.settle(commit.slot, commit.buffer, well=True)
-                    continue
-                self._push(commit.job, commit.reply)
-                if commit.wants_sum:
-                    sends.append(commit.job)
-        finally:  # answered: handed to the replier (which ``settled`` also waits for) before this count falls
-            with self.lock:
+        with self.lock:  # answered (handed to the replier, which ``settled`` also waits for) as the count falls
+            try:
+                for commit in batch.commits:
+                    if batch.error is not None:
+                        self._refuse(commit.job, LockServerError(
+                            f"the progress could not be saved ({batch.error}); the group must restart from what is "
+                            "stored"))
+                        if commit.buffer is not None:
+                            self._slots.settle(commit.slot, commit.buffer, well=True)
+                        continue
+                    self._push(commit.job, commit.reply)
+                    if commit.wants_sum:
+                        sends.append(commit.job)
+            finally:
                 self._unanswered -= len(batch.commits)
         if batch.sum is not None and not sends:  # (a failed write: nothing is sent)
             self._slots.settle(batch.sum_slot, batch.sum, well=True)
@@ -387,5 +390,6 @@ class LockServer(RequestHandlers, PullServing):
             protocol.Envelope(rank=-1), protocol.Stop(server=self.server_id), scope=self.prefix))
         self.thread.join(timeout=5)
         self._replier.stop()  # (every reply decided before the stop leaves)
+        self._gatherer.stop()
         self._committer.stop()
         self._flights.close()

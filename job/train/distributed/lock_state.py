@@ -191,12 +191,10 @@ class LockState:
         mine = self.index.held.get(rank, set()) - leaving
         # the candidates by cost: those touching a partition the rank locks (or eligible through its current
         # bucket) one by one, O(P); the free ones, which touch none, cost as many partitions as they need
-        by_cost: dict[int, list[Bucket]] = {}
-        for bucket in sorted(self.index.extras(rank, frozenset((current.lhs, current.rhs)))):
-            by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
-        for cost in sorted(set(by_cost) | set(self.index.size_set)):  # the free ones of a cost read when reached
-            far = self.index.free_of_size(cost).items
-            for bucket in _random_order(rng, by_cost.get(cost, []), far):
+        extras, costs = self.index.extra_costs(rank, frozenset((current.lhs, current.rhs)), mine)
+        for cost in sorted(set(costs.tolist()) | set(self.index.size_set)):  # the free ones of a cost read when reached
+            near = extras.subset(costs == cost)
+            for bucket in _random_order(rng, near, self.index.free_of_size(cost)):
                 new = self.bucket_keys[bucket] - mine
                 if new and not self._leaves_enough(rank, new):
                     continue

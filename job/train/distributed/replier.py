@@ -9,8 +9,9 @@ only on it and on the request it answers. So the serving thread hands ``(job, re
 Order: one thread, first in first out, so that a client's replies leave in the order the server decided them (a
 channel has one request outstanding at a time, and a reply never overtakes one decided before it). A reply may
 leave after a transfer posted for the same request (a sum, a pull's rows): the client posts its receive only after
-it has read the reply, and a posted send waits for it. The server counts the replies handed here and not yet pushed
-(``pending``): it is settled only when none is left, and its ``stop`` pushes every reply decided before it.
+it has read the reply, and a posted send waits for it. The server counts the replies handed here and not yet taken
+by this thread (``pending``): it is settled only when none is left, and its ``stop`` waits for every reply decided
+before it to be pushed (as the serving thread's own push was waited for before).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Replier:
         self._stopping = stopping
         self._queue: queue.SimpleQueue[Optional[tuple[Any, Reply]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self.pending = 0  # replies handed here and not yet pushed (or given up)
+        self.pending = 0  # replies handed here and not yet taken by the thread
         self.cpu_s = 0.0  # this thread's CPU time on replies (``time.thread_time``)
         self.pushed = 0
         self.thread = threading.Thread(target=self._run, name="biggraph-lock-replies", daemon=True)
@@ -55,7 +56,7 @@ class Replier:
         self._queue.put((job, reply))
 
     def idle(self) -> bool:
-        """Whether every reply handed here has left."""
+        """Whether every reply handed here has been taken to be pushed (``stop`` waits for the push)."""
         with self._lock:
             return self.pending == 0
 
@@ -70,9 +71,10 @@ class Replier:
             started = time.thread_time()
             if item is None:
                 return
+            with self._lock:  # taken: a client that has its reply finds the server settled (``stop`` still waits
+                self.pending -= 1  # for this push)
             self._send(*item)
             with self._lock:
-                self.pending -= 1
                 self.pushed += 1
                 self.cpu_s += time.thread_time() - started
 
