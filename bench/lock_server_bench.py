@@ -130,6 +130,10 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     held: set = set()
     rows = bucket_rows(rng, weights, edges, touched, layout.rows)
     trained = waits = 0
+    # every trainer set up (its store connections, its rows) before any asks: a trainer's start-up is not in another's
+    # round trip (the first `next`s still come all at once, as a group's start: ``next_first``)
+    store.add("bench/ready", 1)
+    store.wait(["bench/steady"])
     while trained < buckets:
         sent = rows if current is not None else None
         if sparse and sent is not None:
@@ -250,13 +254,18 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
                                                      args.train_ms / 1e3, args.touched_rows, out,
                                                      args.shared == "sparse", args.bucket_edges, args.zipf))
     own.start()
+    while int(store.add("bench/ready", 0)) < trainers:
+        time.sleep(0.01)
+    store.set("bench/steady", "1")
+    steady = time.perf_counter()
     for child in children:
         stdout, stderr = child.communicate(timeout=3600)
         if child.returncode != 0:
             raise RuntimeError(f"a trainer process failed: {stderr[-3000:]}")
         out.update(json.loads(stdout.strip().splitlines()[-1]))
     own.join()
-    wall = time.perf_counter() - started
+    ended = time.perf_counter()
+    wall = ended - started
     stats = server.stats()
     threads_cpu = server_threads_cpu()
     server.stop()
@@ -272,7 +281,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     committer = stats.get("committer", {})
     return {
         "phase": "scale", "trainers": trainers, "partitions": nparts, "buckets_per_pass": nparts * nparts,
-        "values": args.values, "wall_s": wall, "buckets_trained": sum(r["trained"] for r in out.values()),
+        "values": args.values, "wall_s": wall, "wall_after_setup_s": ended - steady,
+        "buckets_trained": sum(r["trained"] for r in out.values()),
         "waits": sum(r["waits"] for r in out.values()), "requests": requests,
         "server_busy_s": stats["busy_s"], "server_busy_fraction": stats["busy_s"] / wall,
         "server_us_per_request": 1e6 * stats["busy_s"] / max(requests, 1),
