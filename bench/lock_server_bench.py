@@ -69,6 +69,22 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
 
 
+def server_threads_cpu() -> dict[str, float]:
+    """CPU seconds of this process's lock-server threads alive now, by thread name (``biggraph-*``: serving, reader,
+    replier where there is one, committer, transfer waiters), from /proc: the same count on any checkout."""
+    tick = os.sysconf("SC_CLK_TCK")
+    by_name: dict[str, float] = {}
+    for thread in threading.enumerate():
+        if not thread.name.startswith("biggraph-") or thread.native_id is None:
+            continue
+        try:
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        by_name[thread.name] = by_name.get(thread.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return by_name
+
+
 # a trainer: the request sequence of LockServerScheduler, timed ----------------------------------------------------
 
 
@@ -105,7 +121,8 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     if edges > 0:
         weights = 1.0 / np.arange(1, layout.rows + 1) ** zipf
         weights /= weights.sum()
-    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": []}
+    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": [],
+                                       "next_first": [], "next_later": []}
     moved: list[int] = []  # shared-parameter bytes of each bucket granted: its pull, then its change (and sum)
     complete: list[int] = []  # ... of the buckets whose change has left
     used: list[int] = []  # relation rows per bucket
@@ -113,6 +130,10 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     held: set = set()
     rows = bucket_rows(rng, weights, edges, touched, layout.rows)
     trained = waits = 0
+    # every trainer set up (its store connections, its rows) before any asks: a trainer's start-up is not in another's
+    # round trip (the first `next`s still come all at once, as a group's start: ``next_first``)
+    store.add("bench/ready", 1)
+    store.wait(["bench/steady"])
     while trained < buckets:
         sent = rows if current is not None else None
         if sparse and sent is not None:
@@ -128,6 +149,8 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         kind, bucket, _, _ = client.finish_and_next(held, current, None, change,
                                                     rows=sent.tolist() if sparse and sent is not None else None)
         latency["next"].append(time.perf_counter() - started)
+        # the first: every trainer asks at the same moment (the start's burst); the later ones: the steady state
+        latency["next_first" if len(latency["next"]) == 1 else "next_later"].append(latency["next"][-1])
         if change is not None and moved:  # the finished bucket's change (and a dense one's sum back)
             moved[-1] += change.numel() * 4 * (1 if sparse else 2)
             complete.append(moved[-1])
@@ -231,16 +254,23 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
                                                      args.train_ms / 1e3, args.touched_rows, out,
                                                      args.shared == "sparse", args.bucket_edges, args.zipf))
     own.start()
+    while int(store.add("bench/ready", 0)) < trainers:
+        time.sleep(0.01)
+    store.set("bench/steady", "1")
+    steady = time.perf_counter()
     for child in children:
         stdout, stderr = child.communicate(timeout=3600)
         if child.returncode != 0:
             raise RuntimeError(f"a trainer process failed: {stderr[-3000:]}")
         out.update(json.loads(stdout.strip().splitlines()[-1]))
     own.join()
-    wall = time.perf_counter() - started
+    ended = time.perf_counter()
+    wall = ended - started
     stats = server.stats()
+    threads_cpu = server_threads_cpu()
     server.stop()
-    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": []}
+    latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": [],
+                                       "next_first": [], "next_later": []}
     for result in out.values():
         for op, values in result["latency"].items():
             latency[op].extend(values)
@@ -251,7 +281,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     committer = stats.get("committer", {})
     return {
         "phase": "scale", "trainers": trainers, "partitions": nparts, "buckets_per_pass": nparts * nparts,
-        "values": args.values, "wall_s": wall, "buckets_trained": sum(r["trained"] for r in out.values()),
+        "values": args.values, "wall_s": wall, "wall_after_setup_s": ended - steady,
+        "buckets_trained": sum(r["trained"] for r in out.values()),
         "waits": sum(r["waits"] for r in out.values()), "requests": requests,
         "server_busy_s": stats["busy_s"], "server_busy_fraction": stats["busy_s"] / wall,
         "server_us_per_request": 1e6 * stats["busy_s"] / max(requests, 1),
@@ -264,8 +295,19 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         # the committer thread's (the vector's arithmetic and the progress writes, job/train/distributed/commits.py)
         "serving_ms_per_bucket": 1e3 * stats["busy_s"] / max(trained, 1),
         "serving_cpu_ms_per_bucket": 1e3 * stats.get("cpu_s", float("nan")) / max(trained, 1),
+        # with the GIL, what bounds the server's throughput on a pod of many cores is every one of its threads'
+        # Python: the serving thread, the reader (MAC and decoding), the replier (encoding and MAC), the committer
+        "reader_cpu_ms_per_bucket": 1e3 * stats.get("reader_cpu_s", float("nan")) / max(trained, 1),
+        "replier_cpu_ms_per_bucket": 1e3 * stats.get("replier_cpu_s", float("nan")) / max(trained, 1),
+        "server_threads_cpu_ms_per_bucket": 1e3 * (stats.get("cpu_s", 0.0) + stats.get("reader_cpu_s", 0.0)
+                                                   + stats.get("replier_cpu_s", 0.0) + committer.get("cpu_s", 0.0))
+        / max(trained, 1),
+        # a `next` asked while every other pod asks too queues behind them: its round trip is at least M x s_b
+        "model_next_p99_ms": trainers * 1e3 * stats.get("cpu_s", float("nan")) / max(trained, 1),
         "committer_cpu_ms_per_bucket": 1e3 * committer.get("cpu_s", float("nan")) / max(trained, 1),
         "committer_ms_per_bucket": 1e3 * committer.get("busy_s", 0.0) / max(trained, 1),
+        "threads_cpu_ms_per_bucket": {name: 1e3 * s / max(trained, 1) for name, s in sorted(threads_cpu.items())},
+        "all_threads_cpu_ms_per_bucket": 1e3 * sum(threads_cpu.values()) / max(trained, 1),
         "committer": committer, "commits_per_batch": committer.get("commits", 0) / max(committer.get("batches", 0), 1),
         "pending_spilled": stats.get("pending_spilled", 0), "shared": args.shared,
         "shared_bytes_per_bucket": float(np.mean(moved)) if moved else 0.0,

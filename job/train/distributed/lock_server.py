@@ -39,12 +39,13 @@ from job.train.distributed.protocol import (
     request_queue,
     response_queue,
 )
-from job.train.distributed.pull_serving import PullServing
+from job.train.distributed.pull_serving import Gatherer, PullServing
+from job.train.distributed.replier import Replier
 from job.train.distributed.request_gate import RequestGate
 from job.train.distributed.server_stats import ServerStats, Stopwatch
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
-from job.train.distributed.transfers import Flight, Flights, TransferSlots, Waiting
+from job.train.distributed.transfers import Flights, TransferSlots, Waiting
 from job.train.distributed.transport import TensorTransport, TransferError
 from job.train.distributed.written_delta import WrittenLog
 from job.train.schedule.clock import GroupClocks
@@ -52,6 +53,10 @@ from job.train.schedule.clock import GroupClocks
 logger = logging.getLogger("biggraph")
 
 __all__ = ["LockServer"]
+
+# events the serving thread takes off its inbox at once: judged one by one in their order, then one scan of the
+# waiting transfers, one check of the deadlines and one update of the stats for all of them
+BATCH_EVENTS = 64
 
 
 class LockServer(RequestHandlers, PullServing):
@@ -76,7 +81,10 @@ class LockServer(RequestHandlers, PullServing):
 
     What the serving thread does not do (job/train/distributed/commits.py): the vector's arithmetic and the progress
     writes go to the committer thread, which writes the records of the requests that arrived together as one
-    object and copies one sum for all of them; their replies and sums leave once that write is stored.
+    object and copies one sum for all of them; their replies and sums leave once that write is stored. A request's
+    MAC and decoding are checked on the reader thread (request_gate.py), a reply's encoding, MAC and push are done
+    by the replier thread (replier.py, in the order decided). The serving thread takes the events queued for it
+    together (``BATCH_EVENTS``): each judged in its order, as one at a time, with the per-event upkeep done once.
 
     Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, the transfer slots and at most
     ``PENDING_VECTORS`` updates of buckets done but not yet saved (more wait in local temporary files)."""
@@ -96,7 +104,7 @@ class LockServer(RequestHandlers, PullServing):
         ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
-        self.store = store.clone()  # the replies (the serving thread's connection)
+        self.store = store.clone()  # the replies (the replier thread's connection)
         # the requests: the reader thread's own connection (a store client serves one call at a time, and a long
         # blocking pop, which stop() wakes with a message of its own, would hold up the replies)
         self._incoming = store.clone()
@@ -123,6 +131,7 @@ class LockServer(RequestHandlers, PullServing):
         self._drain_limit = max(2 * self.vector.size, 2**20)
         self._flights = Flights(self._inbox, transport.timeout_s)
         self._waiting: deque[Waiting] = deque()  # requests with a change whose transfer has not started
+        self._dispatch_due = False  # something may let a waiting request start: scanned after the batch of events
         self._gone: dict[int, str] = {}  # ranks whose transfer failed or timed out, with why
         self._ending = ending
         self._lost = lost
@@ -131,6 +140,10 @@ class LockServer(RequestHandlers, PullServing):
         self._clocks = GroupClocks(state.world_size)
         self._gave_up: set[int] = set()  # ranks that gave their bucket up and left unwritten: not waited for
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
+        self.let_in = 0  # requests the reader let in so far
+        self._reader_cpu_s = 0.0  # the reader thread's CPU time screening requests (MAC, JSON, replay, fields)
+        self._replier = Replier(self.store, prefix, self._stop.is_set)
+        self._gatherer = Gatherer(self.vector, self._inbox.put)  # pulls' rows read off the serving thread
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
         self._committer = Committer(self.vector, progress, self._inbox.put)
@@ -153,40 +166,67 @@ class LockServer(RequestHandlers, PullServing):
                     logger.warning("lock server: request queue closed")
                 self._inbox.put(("closed",))
                 return
+            started = time.thread_time()
             kind, incoming, typed = self._gate.screen(raw, self.server_id)  # MAC, JSON, replay, fields: off _serve
+            self._reader_cpu_s += time.thread_time() - started  # (this thread's alone: read without a lock)
             if kind == "stop":
                 self._inbox.put(("stop",))
                 return
             if incoming is not None:
                 self._inbox.put(("request", incoming, typed))
+                self.let_in += 1  # (tests: every request queued for the serving thread)
 
     def _serve(self) -> None:
         while True:
             try:
-                event = self._inbox.get(timeout=self._flights.next_deadline_in(time.monotonic()))
+                first = self._inbox.get(timeout=self._flights.next_deadline_in(time.monotonic()))
             except queue.Empty:  # a transfer's deadline
-                event = ("deadline",)
-            if event[0] in ("stop", "closed"):
-                return
+                first = ("deadline",)
+            events = [first]
+            while len(events) < BATCH_EVENTS:  # what else is queued already: judged in the same go
+                try:
+                    events.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
             with Stopwatch() as watch:
-                try:  # no request, however malformed, and no failure of one event stops the serving (issue 44)
-                    if event[0] == "request":
-                        self._on_request(event[1], event[2])
-                    elif event[0] == "ended":
-                        self._on_ended(event[1], event[2])
-                    elif event[0] == "committed":
-                        self._on_committed(event[1])
-                    elif event[0] == "added":
-                        for buffer, is_slot in event[1]:
-                            self._slots.settle(is_slot, buffer, well=True)
-                        self._dispatch()
+                ended = self._handle_events(events)
+                try:
                     self._expire(time.monotonic())
+                    if self._dispatch_due:
+                        self._dispatch()
                 except Exception:  # noqa: BLE001 - logged, and the server serves on
-                    logger.exception("lock server: an event (%s) failed; serving on", event[0])
+                    logger.exception("lock server: the transfers' upkeep failed; serving on")
             with self.lock:
                 self._stats.busy_s += watch.seconds
                 self._stats.cpu_s += watch.cpu_seconds
-                self._stats.events += 1
+                self._stats.events += len(events)
+                self._stats.batches += 1
+                self._stats.largest_batch = max(self._stats.largest_batch, len(events))
+            if ended:
+                return
+
+    def _handle_events(self, events: list[tuple]) -> bool:
+        """Each event in its order, as if it came alone; whether the server's stop (or its queue's end) came (the
+        events after it are not served)."""
+        for event in events:
+            if event[0] in ("stop", "closed"):
+                return True
+            try:  # no request, however malformed, and no failure of one event stops the serving (issue 44)
+                if event[0] == "request":
+                    self._on_request(event[1], event[2])
+                elif event[0] == "ended":
+                    self._on_ended(event[1], event[2])
+                elif event[0] == "committed":
+                    self._on_committed(event[1])
+                elif event[0] == "gathered":
+                    self._on_gathered(*event[1:])
+                elif event[0] == "added":
+                    for buffer, is_slot in event[1]:
+                        self._slots.settle(is_slot, buffer, well=True)
+                    self._dispatch_due = True
+            except Exception:  # noqa: BLE001 - logged, and the server serves on
+                logger.exception("lock server: an event (%s) failed; serving on", event[0])
+        return False
 
     def _on_request(self, incoming: protocol.Incoming, typed: Any) -> None:
         """A request the reader let in (authentic, of the group, not a replay: request_gate.py), ``typed``: decoded."""
@@ -208,97 +248,27 @@ class LockServer(RequestHandlers, PullServing):
             self._judge(job, None)
         else:  # a change to receive, or a pull to send (each needs a buffer, and its peer free of transfers)
             self._waiting.append(job)
-            self._dispatch()
-
-    def _dispatch(self) -> None:
-        """Start the receive of every waiting request whose peer has no transfer in flight, while slots last."""
-        for job in list(self._waiting):
-            if job.rank in self._gone:
-                self._waiting.remove(job)
-                self._refuse(job, LockServerError(f"rank {job.rank} is treated as gone ({self._gone[job.rank]})"))
-                continue
-            if self._flights.busy(job.rank):
-                continue  # its sum not yet reported taken: a correct client asks again only after taking it
-            payload = job.incoming.envelope.payload
-            if payload is None:  # a pull: its values leave from a buffer of their own once it is judged
-                if self._dispatch_pull(job):
-                    self._waiting.remove(job)
-                continue
-            values, tag = payload.values, payload.tag
-            if values > self._drain_limit:  # no buffer is sized from what a peer claims: refused unreceived, and its
-                # transfer pair is left unusable, so the rank is treated as gone
-                self._waiting.remove(job)
-                why = f"it announced a change of {values} values (the shared parameters have {self.vector.size})"
-                self._lose(job.rank, why)
-                self._refuse(job, ProtocolError(why))
-                continue
-            if values == self.vector.size:
-                slot = self._slots.take()
-                if slot is None:
-                    continue  # every slot held: it waits for one
-                buffer, is_slot = slot, True
-            elif values < self.vector.size and "rows" in job.incoming.fields:  # a sparse change
-                sparse = self._slots.take_sparse(values)
-                if sparse is None:
-                    continue  # the sparse buffers' bound reached: it waits for one to end
-                buffer, is_slot = sparse, False
-            else:  # taken only to be refused, so that its sender is not left waiting (at most the vector's size:
-                # ``read_incoming`` refuses a larger announcement)
-                buffer, is_slot = torch.empty(values, dtype=torch.float32), False
-            self._waiting.remove(job)
-            try:
-                transfer = self.transport.recv_async(buffer, job.rank, tag)
-            except Exception as err:  # noqa: BLE001 - a TransferError, or gloo refusing the peer: answered
-                self._slots.settle(is_slot, buffer, well=False)
-                self._lose(job.rank, str(err))
-                self._refuse(job, err)
-                continue
-            self._flights.start("receive", job, buffer, is_slot, transfer)
-
-    def _on_ended(self, flight: Flight, error: Optional[str]) -> None:
-        """A transfer ended: judge the request whose change arrived and send its sum, or note a failure."""
-        self._flights.end(flight)
-        job = flight.job
-        if error is not None:
-            self._settle(flight.slot, flight.buffer, well=False)
-            if not flight.overdue:  # an overdue one was reported at its deadline
-                self._lose(job.rank, error)
-                if flight.kind == "receive":
-                    self._refuse(job, TransferError(error))
-        elif flight.kind == "receive" and not flight.overdue:
-            self._judge(job, flight.buffer, flight.slot)  # the slot is given back once its change is added
-        else:  # a sum taken, or a transfer done after its deadline (its peer counted gone already)
-            self._settle(flight.slot, flight.buffer, well=True)
-        self._dispatch()
-
-    def _settle(self, is_slot: bool, buffer: torch.Tensor, well: bool) -> None:
-        """A transfer's buffer is done with; a batch's sum only once every send of it has ended."""
-        shared = self._sums.get(id(buffer))
-        if shared is None:
-            self._slots.settle(is_slot, buffer, well=well)
-            return
-        shared[0] -= 1
-        shared[2] = shared[2] or not well
-        if shared[0] <= 0:
-            del self._sums[id(buffer)]
-            self._slots.settle(shared[1], buffer, well=not shared[2])
+            self._dispatch_due = True
 
     def _on_committed(self, batch: Batch) -> None:
         """A batch's records (and the stored vector) are written: answer each request, and send the sum to each
         that carried a change (one buffer for all of them)."""
         sends = []
-        with self.lock:  # answered below, in this event (a stop is served after it)
-            self._unanswered -= len(batch.commits)
-        for commit in batch.commits:
-            if batch.error is not None:
-                self._refuse(commit.job, LockServerError(
-                    f"the progress could not be saved ({batch.error}); the group must restart from what is stored"))
-                if commit.buffer is not None:
-                    self._slots.settle(commit.slot, commit.buffer, well=True)
-                continue
-            self._push(commit.job, commit.reply)
-            if commit.wants_sum:
-                sends.append(commit.job)
+        with self.lock:  # answered (handed to the replier, which ``settled`` also waits for) as the count falls
+            try:
+                for commit in batch.commits:
+                    if batch.error is not None:
+                        self._refuse(commit.job, LockServerError(
+                            f"the progress could not be saved ({batch.error}); the group must restart from what is "
+                            "stored"))
+                        if commit.buffer is not None:
+                            self._slots.settle(commit.slot, commit.buffer, well=True)
+                        continue
+                    self._push(commit.job, commit.reply)
+                    if commit.wants_sum:
+                        sends.append(commit.job)
+            finally:
+                self._unanswered -= len(batch.commits)
         if batch.sum is not None and not sends:  # (a failed write: nothing is sent)
             self._slots.settle(batch.sum_slot, batch.sum, well=True)
         elif batch.sum is not None:
@@ -312,25 +282,7 @@ class LockServer(RequestHandlers, PullServing):
                     self._lose(job.rank, str(err))
                 else:
                     self._flights.start("send", job, batch.sum, False, transfer)
-        self._dispatch()
-
-    def _expire(self, now: float) -> None:
-        """Transfers past the transport's timeout: their peers are gone (their buffers stay until gloo ends them)."""
-        late = self._flights.overdue(now)
-        for flight in late:
-            verb = "not received" if flight.kind == "receive" else "not taken"
-            why = f"{flight.transfer.what}: {verb} in {self._flights.timeout_s:.0f} s"
-            self._lose(flight.job.rank, why)
-            if flight.kind == "receive":
-                self._refuse(flight.job, TransferError(why))
-        if late:
-            self._dispatch()
-
-    def _lose(self, rank: int, why: str) -> None:
-        if rank not in self._gone:
-            self._gone[rank] = why
-            logger.warning("lock server: the shared parameters did not reach rank %d or come from it (%s); it is "
-                           "treated as gone, its requests refused", rank, why)
+        self._dispatch_due = True
 
     def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False,
                pull_into: Optional[torch.Tensor] = None) -> None:
@@ -370,15 +322,9 @@ class LockServer(RequestHandlers, PullServing):
         self._push(job, protocol.Refusal(f"{type(err).__name__}: {err}"))
 
     def _push(self, job: Waiting, reply: Reply) -> None:
-        """Answer ``job``; a reply that cannot be pushed (the store going away with the round) is logged, never
-        fatal: the server serves on until it is stopped or its request queue closes."""
-        try:
-            envelope = job.incoming.envelope
-            scope = protocol.reply_scope(self.prefix, envelope.rank, envelope.channel, envelope.seq)
-            self.store.queue_push(job.reply_to, protocol.encode_reply(reply, scope=scope))
-        except Exception as err:  # noqa: BLE001
-            if not self._stop.is_set():
-                logger.warning("lock server: could not answer rank %s's %s (%s)", job.rank, job.incoming.op, err)
+        """Answer ``job``: sealed and pushed by the replier thread, after every reply decided before it; one that
+        cannot be pushed (the store going away with the round) is logged, never fatal."""
+        self._replier.push(job, reply)
 
     def settled(self, deadline: Optional[float] = None) -> bool:
         """Whether every live rank (not declared dead, not gone) has given back what it held (``LockState.settled``):
@@ -388,7 +334,7 @@ class LockServer(RequestHandlers, PullServing):
         dead = self._lost() | set(self._gone)
         now = time.monotonic()
         with self.lock:  # (written behind, nothing unsaved can be saved once the round ends: not waited for)
-            return self._unanswered == 0 and all(
+            return self._unanswered == 0 and self._replier.idle() and all(
                 self.state.settled(rank, saved=self.cuts is None) or rank in self._gave_up
                 or (deadline is not None and self._hopeless(rank, deadline, now))
                 for rank in range(self.state.world_size) if rank not in dead)
@@ -408,6 +354,7 @@ class LockServer(RequestHandlers, PullServing):
         committer's (``committer``: its time on the vector and on progress writes, the batches it wrote)."""
         with self.lock:
             stats = self._stats.as_dict()
+        stats.update(reader_cpu_s=self._reader_cpu_s, replier_cpu_s=self._replier.cpu_s)
         committer = self._committer.snapshot()
         stats.update(committer=committer, progress_s=committer["progress_s"], appends=committer["batches"],
                      shared_appends=committer["shared_writes"], copy_s=committer["vector_s"],
@@ -442,5 +389,7 @@ class LockServer(RequestHandlers, PullServing):
         self._stopper.queue_push(self.requests, protocol.encode_request(
             protocol.Envelope(rank=-1), protocol.Stop(server=self.server_id), scope=self.prefix))
         self.thread.join(timeout=5)
+        self._replier.stop()  # (every reply decided before the stop leaves)
+        self._gatherer.stop()
         self._committer.stop()
         self._flights.close()

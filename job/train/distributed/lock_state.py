@@ -191,13 +191,10 @@ class LockState:
         mine = self.index.held.get(rank, set()) - leaving
         # the candidates by cost: those touching a partition the rank locks (or eligible through its current
         # bucket) one by one, O(P); the free ones, which touch none, cost as many partitions as they need
-        by_cost: dict[int, list[Bucket]] = {}
-        for bucket in sorted(self.index.extras(rank, frozenset((current.lhs, current.rhs)))):
-            by_cost.setdefault(len(self.bucket_keys[bucket] - mine), []).append(bucket)
-        free = self.index.free_by_size
-        for cost in sorted(set(by_cost) | {size for size, buckets in free.items() if buckets}):
-            far = free[cost].items if cost in free else []
-            for bucket in _random_order(rng, by_cost.get(cost, []), far):
+        extras, costs = self.index.extra_costs(rank, frozenset((current.lhs, current.rhs)), mine)
+        for cost in sorted(set(costs.tolist()) | set(self.index.size_set)):  # the free ones of a cost read when reached
+            near = extras.subset(costs == cost)
+            for bucket in _random_order(rng, near, self.index.free_of_size(cost)):
                 new = self.bucket_keys[bucket] - mine
                 if new and not self._leaves_enough(rank, new):
                     continue

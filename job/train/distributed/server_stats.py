@@ -23,6 +23,8 @@ class ServerStats:
     busy_s: float = 0.0
     cpu_s: float = 0.0  # of it on a CPU (``time.thread_time``): the rest waited for a CPU or the GIL
     events: int = 0
+    batches: int = 0  # passes of the serving loop, each over the events queued then (``events`` in all)
+    largest_batch: int = 0
     ops: dict[str, list[float]] = field(default_factory=dict)
     progress_s: float = 0.0
     appends: int = 0
@@ -41,7 +43,8 @@ class ServerStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"busy_s": self.busy_s, "cpu_s": self.cpu_s,
-                "events": self.events, "progress_s": self.progress_s, "appends": self.appends,
+                "events": self.events, "batches": self.batches, "largest_batch": self.largest_batch,
+                "progress_s": self.progress_s, "appends": self.appends,
                 "shared_appends": self.shared_appends, "copy_s": self.copy_s,
                 "ops": {op: {"count": int(n), "seconds": s} for op, (n, s) in self.ops.items()}}
 
