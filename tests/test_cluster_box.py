@@ -208,6 +208,10 @@ def test_scale_2_to_4_to_3_mid_pass(cluster: Callable[..., Run]) -> None:
     sizes = [s["world_size"] for s in summaries]
     assert 2 in sizes and 4 in sizes and sizes[-1] == 3, sizes
     assert run.box.failures == {}, run.box.failures  # a scale change fails no pod
+    # the deleted pod's agent says in one line why it stopped, with the signal's exit code: no traceback
+    deleted = (run.box.root / "logs" / f"{run.box.hostname(3)}-0.log").read_text(errors="replace")
+    assert "agent: stopped by SIGTERM, workers stopped (exit code 143)" in deleted, deleted[-3000:]
+    assert "Traceback" not in deleted, deleted[-3000:]
 
 
 @pytest.mark.slow

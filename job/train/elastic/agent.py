@@ -263,6 +263,7 @@ def launch_config(argv: list[str]) -> tuple[Any, str, list[str]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``torchrun`` with ``BiggraphAgent``; exits ``EXIT_RENDEZVOUS_LOST`` when the rendezvous is gone."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -275,6 +276,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     except RendezvousError as err:
         logger.error("rendezvous: %s: %s (exit code %d)", type(err).__name__, err, EXIT_RENDEZVOUS_LOST)
         sys.exit(EXIT_RENDEZVOUS_LOST)
+    except SignalException as err:
+        # the pod stopped from outside (deleted, scaled down, evicted): torchrun raises out of its monitor loop once
+        # it has stopped the workers (each gave back what it held). An expected end, said in one line, with the
+        # shell's code for the signal (budget.py reads 143 as a stop from outside), not a traceback in every
+        # scaled-down pod's log
+        code = 128 + int(err.sigval)
+        logger.warning("agent: stopped by %s, workers stopped (exit code %d)", signal.Signals(err.sigval).name, code)
+        sys.exit(code)
 
 
 if __name__ == "__main__":
