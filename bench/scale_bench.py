@@ -117,6 +117,8 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
         "storage_checkpoints": round((int(summary["bytes_read"]) + int(summary["bytes_written"])) / checkpoint_bytes, 2),
         "written_checkpoints": round(int(summary["bytes_written"]) / checkpoint_bytes, 2),
         "cuts": max((int(h.get("cuts", 0)) for h in handoffs), default=0),
+        "pinned_peak_mib": [round(min((int(h.get("pinned_peak_bytes", 0)) for h in handoffs), default=0) / 2**20),
+                            round(max((int(h.get("pinned_peak_bytes", 0)) for h in handoffs), default=0) / 2**20)],
         "partition_handoffs": int(summary.get("partition_handoffs", 0)),
         "partition_reads": int(summary["partition_reads"]), "partition_writes": int(summary["partition_writes"]),
         "server_busy": round(float(server.group(2)) / epoch, 3), "server_cpu_busy": round(float(server.group(3)) / epoch, 3),
@@ -127,12 +129,15 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
 
 
 def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool, rate: float,
-            dimension: int, behind: int = 0) -> dict[str, Any]:
+            dimension: int, behind: int = 0, memory_budget: str | None = None) -> dict[str, Any]:
     label = f"m{pods}-p{partitions}-{'on' if handoff else 'off'}-{int(rate)}" + (f"-behind{behind}" if behind else "")
+    label += f"-budget{memory_budget}" if memory_budget else ""
     config = generated_config(root, partitions, 1, dimension, label)
     config.update(num_epochs=1, seed=0, partition_handoff=handoff, checkpoint_path=str(work / f"ckpt_{label}"))
     if behind:
         config["write_behind_buckets"] = behind
+    if memory_budget:
+        config["memory_budget"] = memory_budget
     shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
     path = work / f"config_{label}.py"
     write_py_config(path, config)
@@ -144,6 +149,7 @@ def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool
                "-m", "job", "train", str(path)]
     measured = run_measured(command, env=env, log=work / f"{label}.log")
     result = {"pods": pods, "partitions": partitions, "handoff": handoff, "write_behind": behind, "edges_per_s": rate,
+              "memory_budget": memory_budget,
               "wall_with_startup_s": round(measured["wall"], 1), "peak_pss_mib": round(measured["peak_rss_mib"]),
               **parse_run(measured["output"], Path(config["checkpoint_path"]))}
     shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
@@ -161,6 +167,8 @@ def main() -> None:
     parser.add_argument("--handoff", default="off,on", help="partition_handoff values to run")
     parser.add_argument("--behind", default="0", help="write_behind_buckets values for the hand-off rows "
                         "(0: write groups at every switch; N: a cut every N buckets; -1: only at the commit)")
+    parser.add_argument("--memory-budget", default="", help="memory_budget of every trainer, comma-separated values "
+                        "to run each row under ('' none; e.g. ',1GiB': without and with)")
     parser.add_argument("--work", default=None)
     parser.add_argument("--model", action="store_true", help="print the paper model (bench/scale_model.py) and exit")
     args = parser.parse_args()
@@ -186,11 +194,12 @@ def main() -> None:
     for rate in [float(r) for r in args.rates.split(",")]:
         modes = [(h == "on", int(b)) for h in args.handoff.split(",")
                  for b in (args.behind.split(",") if h == "on" else ["0"])]
-        for handoff, behind in modes:
+        budgets = [b or None for b in args.memory_budget.split(",")]
+        for (handoff, behind), budget in [(mode, b) for mode in modes for b in budgets]:
             ones: dict[int, float] = {}
             for pods, p in rows:
                 result = run_row(work / f"graph_p{p}", work, pods=pods, partitions=p, handoff=handoff, rate=rate,
-                                 dimension=args.dimension, behind=behind)
+                                 dimension=args.dimension, behind=behind, memory_budget=budget)
                 if pods == 1:
                     ones[p] = result["epoch_s"]
                 if p in ones:
