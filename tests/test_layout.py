@@ -75,6 +75,40 @@ def test_every_entry_of_the_package_tree_exists() -> None:
     assert checked > 30
 
 
+def module_map_paths(text: str) -> list[str]:
+    """The files each row of docs/design/modules.md's table names in its first cell: a path with a slash inside
+    or at its end (a folder) is from the root and sets the folder for the bare names after it (`job/x/a.py`, `b.py`),
+    and `{a,b}.py` stands for both."""
+    paths: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for token in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            braces = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", token)
+            names = [braces[1] + part + braces[3] for part in braces[2].split(",")] if braces else [token]
+            for name in (n.rstrip("/") for n in names):
+                if "/" in name or token.endswith("/"):  # a path from the root
+                    folder = name if token.endswith("/") else name.rsplit("/", 1)[0]
+                    paths.append(name)
+                else:
+                    paths.append(f"{folder}/{name}" if folder else name)
+    return paths
+
+
+def test_every_file_the_module_map_names_exists() -> None:
+    paths = module_map_paths((ROOT / "docs" / "design" / "modules.md").read_text())
+    assert len(paths) > 60
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"docs/design/modules.md names files that do not exist: {missing}"
+
+
+def test_the_module_map_reader_resolves_folders_and_braces() -> None:
+    row = "| `job/a/b.py`, `c.py`; `job/d/`, `f.py`, `k8s/`; `Dockerfile`; `job/g/{h,i}.py` | what |"
+    assert module_map_paths(row) == ["job/a/b.py", "job/a/c.py", "job/d", "job/d/f.py", "k8s", "k8s/Dockerfile",
+                                     "job/g/h.py", "job/g/i.py"]
+
+
 def test_every_symbol_the_map_names_is_defined() -> None:
     quoted = re.findall(r"`([A-Za-z_][\w.]*)`", ARCHITECTURE.read_text())
     symbols = {q for q in quoted if "/" not in q and not q.endswith((".py", ".md", ".txt", ".json", ".h5"))
