@@ -18,13 +18,14 @@ an epoch is P^2 buckets of E/P^2 edges. Per bucket a pod
 Not modelled: pods queueing for free partitions at P = 2M and the epoch's tail (the bench measures both, on one
 shared disk that inflates them).
 One rank serves the schedule and, in this design, the shared vector:
-- its serving thread spends ``server_s`` of CPU per bucket, its committer ``committer_s``: the epoch is at least
-  P^2 times either;
+- its serving thread spends ``server_s`` of CPU per bucket, its committer ``committer_s``, and all its threads
+  together ``server_threads_s``, under one GIL: the epoch is at least P^2 times each (``server_gil`` the largest);
 - its link carries each bucket's change in and the sum out: the dense vector (V = 11.86 MB for Freebase86m's
   14,824 relations x 200 floats) or, with a sparse exchange, only the rows a bucket touches (values and Adagrad
   sums, 1.6 KB a row; rows = min(R, ``rows_per_5k`` x e / 5,200) for a bucket of e edges: linear in e, which
   overstates large buckets, whose distinct relations grow slower than e).
-Epoch = max(P^2/M x bucket, P^2 x server_s, P^2 x committer_s, P^2 x 2 x V / bandwidth) + the commit.
+Epoch = max(P^2/M x bucket, P^2 x server_s, P^2 x committer_s, P^2 x server_threads_s, P^2 x 2 x V / bandwidth)
++ the commit.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ class Costs:
     digest_s_per_gb: float = 0.26  # CPU per GB of partition kept for a hand-off (its digest)
     write_s_per_gb: float = 1.8  # CPU per GB of partition read or written on storage (serialising, CRC-32, I/O):
     #                              1.7-1.9 measured, on a machine loaded 13-24 (so an upper bound)
-    server_s: float = 0.004  # serving thread CPU per bucket (lock_server_bench, 128 pods, Freebase's vector)
-    committer_s: float = 0.0017  # committer thread CPU per bucket (same run)
+    server_s: float = 0.0006  # serving thread CPU per bucket (lock_server_bench, 128 pods, P=256, sparse, batched
+    #                           serving: 0.49-0.71 ms; 4.0 ms before the batching and the O(P) index)
+    committer_s: float = 0.0009  # committer thread CPU per bucket (same runs: 0.65-1.12 ms)
+    server_threads_s: float = 0.0022  # every lock-server thread's CPU per bucket (reader, serving, replier, gatherer,
+    #                                   committer: 1.93-2.76 ms); they share one GIL, so the process serves at most
+    #                                   one bucket per this much CPU (an upper bound: fsyncs and copies release it)
     alpha: float = 0.5  # partitions a pod takes in per bucket (hand-offs + storage reads): 0.43-0.56 measured
     writes: float = 1.0  # partitions a pod writes to storage per bucket (write groups at every switch): 1.0-1.01
     rows_per_5k: float = 300.0  # relation rows a 5.2k-edge Freebase86m bucket touches (issue 45)
@@ -104,6 +109,7 @@ def epoch(graph: Graph, costs: Costs, *, pods: int, partitions: int, rate: float
         "pods": buckets / pods * bucket,  # P^2/M buckets per pod
         "server": buckets * costs.server_s,
         "committer": buckets * costs.committer_s,
+        "server_gil": buckets * costs.server_threads_s,
         "rank0_link": buckets * 2 * exchange / bandwidth,
     }
     commit = graph.checkpoint_bytes / pods / bandwidth  # every pod writes what it holds at the pass's end
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Freebase86m: checkpoint {graph.checkpoint_bytes / GB:.1f} GB, shared vector "
           f"{graph.vector_bytes / 1e6:.2f} MB; costs {costs}")
     print("\n".join(table(graph, costs, rows)))
-    print("\nWith storage written behind the training at the issue's target (1.5 checkpoints an epoch):")
+    print("\nWith storage written behind the training (write_behind_buckets; -1 measured 1.0 checkpoint an epoch, "
+          "modelled at 1.5):")
     print("\n".join(table(graph, costs, rows, behind=True)))
     print("\nThe scale bench's graph on pods with their own links and CPUs (today's writes at every switch; queueing "
           "for partitions is not modelled, so the efficiency is an upper bound):")
