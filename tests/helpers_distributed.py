@@ -160,10 +160,12 @@ class Agents:
     """torchrun agents started like pods: each in its own session, killable together with its worker."""
 
     def __init__(self, config_path: Path, nnodes: str, log_dir: Path, env: dict[str, str] | None = None,
-                 max_restarts: int = 3) -> None:
+                 max_restarts: int = 3, read_timeout_s: int | None = None) -> None:
         """``env``: variables for every agent and its worker, over the defaults (``BIGGRAPH_PEER_TIMEOUT``...);
-        ``max_restarts``: torchrun's ``--max-restarts`` (3: the chart's ``torchrun.maxRestarts``)."""
+        ``max_restarts``: torchrun's ``--max-restarts`` (3: the chart's ``torchrun.maxRestarts``);
+        ``read_timeout_s``: the rendezvous store's read timeout (torch's default, 60 s, when None)."""
         self.max_restarts = max_restarts
+        self.read_timeout = f",read_timeout={read_timeout_s}" if read_timeout_s is not None else ""
         self.config_path = config_path
         self.nnodes = nnodes
         self.env = env or {}  # over the agents' defaults below (BIGGRAPH_PEER_TIMEOUT=8...)
@@ -171,16 +173,19 @@ class Agents:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, env_of_this: dict[str, str] | None = None) -> None:
+        """Start agent ``name`` (``env_of_this``: variables of this agent alone, over ``self.env``)."""
         # The first agent hosts the c10d rendezvous store (torchrun's single point of failure, see
         # docs/kubernetes.md); said explicitly, since on one machine every agent would otherwise race for it.
         is_host = "true" if not self.procs else "false"
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                    BIGGRAPH_PEER_TIMEOUT="8", PYTHONUNBUFFERED="1")
         env.update(self.env)
+        env.update(env_of_this or {})
         log = open(self.log_dir / f"{name}.log", "w")  # closed with the process
         command = agent_command(self.nnodes, self.port, "biggraph-test",
-                                f"join_timeout=120,last_call_timeout=3,is_host={is_host}", self.max_restarts, 1,
+                                f"join_timeout=120,last_call_timeout=3,is_host={is_host}{self.read_timeout}",
+                                self.max_restarts, 1,
                                 ["train", str(self.config_path)])
         self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)

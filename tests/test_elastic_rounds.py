@@ -116,6 +116,36 @@ def test_a_replaced_pod_whose_agent_counts_from_zero_rejoins_and_the_run_complet
     assert "round " in logs  # every rank logged the round it joined
 
 
+@pytest.mark.slow
+def test_a_node_lost_once_its_round_formed_costs_the_others_no_pod(umls_p4: dict, tmp_path: Path) -> None:
+    """Three agents start; the third is SIGKILLed (with its process group) the moment its first round has formed,
+    before it publishes its role in the round's store (tests/agent_hooks/sitecustomize.py): a pod lost while the
+    group forms. The two others wait for its role until the store's read timeout; torch's agent then raised the
+    timeout out of ``run`` and each pod exited 1 (the chaos bench's Job failed so, its index 0 four times). They join
+    the next round instead, train, and exit 0 (job/train/elastic/agent.py, module docstring, 4)."""
+    path = write_run_config(umls_p4, "lost-in-round", num_epochs=2)
+    died = tmp_path / "died"
+    agents = Agents(path, "2:3", tmp_path, read_timeout_s=10)
+    hook = {"PYTHONPATH": str(Path(__file__).parent / "agent_hooks"), "BIGGRAPH_TEST_AGENT_DIES_AFTER_ROUND": "1",
+            "BIGGRAPH_TEST_AGENT_DIED_FILE": str(died)}
+    try:
+        agents.start("a")
+        agents.start("b")
+        agents.start("c", env_of_this=hook)
+        codes = agents.wait(["a", "b"], timeout=300)  # a hang guard, not a timing threshold
+    finally:
+        agents.stop()
+    assert died.exists(), "the hook never fired: " + agents.tail()
+    assert codes == {"a": 0, "b": 0}, agents.tail()
+    logs = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
+    assert "the round's roles did not all arrive" in logs and "joining the next round" in logs, agents.tail()
+    records = bucket_records(json.loads(path.read_text())["checkpoint_path"])
+    summaries = [r for r in records if r.get("pass_summary")]
+    assert [s["checkpoint_version"] for s in summaries] == [1, 2] and summaries[-1]["world_size"] == 2
+    for epoch, buckets in buckets_per_epoch(records).items():
+        assert sorted(buckets) == sorted(all_buckets(4, 4)), epoch
+
+
 def kill_mid_pass(agents: Agents, checkpoint_path: str, min_version: int) -> int:
     """Wait until the pass after a committed version >= ``min_version`` has finished buckets, then SIGKILL every
     agent tree at once (the whole job lost); returns the version the killed pass would have committed."""

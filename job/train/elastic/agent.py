@@ -20,6 +20,13 @@ nothing in torch replaced process-wide but the one hook the warm spares need (be
    torchrun acts on for a scale-up: it stops its workers and joins the next round, without spending a restart.
 3. **Warm spares** (``_rendezvous``): trainers start from processes that imported torch and the trainer while the
    rendezvous formed (job/train/elastic/spare.py).
+4. **A round whose roles never arrive** (``_rendezvous``, ``_assign_worker_ranks``): once a round has formed, every
+   agent publishes its role in the round's store and waits for every other's (torch's ``_assign_worker_ranks``:
+   ``multi_get``, up to the rendezvous' ``read_timeout``, 60 s). A node lost or frozen in between (a pod killed
+   while the group re-forms) never publishes it, and torch's agent raises the store's timeout out of ``run``: the
+   pod exits 1, which the chart's podFailurePolicy counts (the chaos bench's 100 events once ended the Job so, its
+   index 0 failing four times in 30 minutes). Here the live agents join the next round instead (the lost node's
+   keep-alive lapses meanwhile), up to ``ROLE_EXCHANGE_TRIES`` times in a row, without spending a restart.
 
 Why the launch itself is ours (``launch``, torch's ``launch_agent`` reduced to what torchrun's command line uses):
 torch's ``launch_agent`` constructs ``LocalElasticAgent`` by name, with no way to pass a subclass.
@@ -50,6 +57,15 @@ from job.train.elastic.budget import EXIT_RENDEZVOUS_LOST, judge
 from job.train.elastic.spare import SparePool
 
 logger = logging.getLogger("biggraph")
+
+# rounds in a row whose role exchange may time out before the agent gives up (each waits the rendezvous'
+# read_timeout, 60 s by default): a node lost once a round formed costs one; more in a row means the store itself
+# fails every read, and the agent ends as torch's would
+ROLE_EXCHANGE_TRIES = 5
+
+
+class RoleExchangeLost(RuntimeError):
+    """The round formed, but not every node published its role in the round's store in time."""
 
 
 def evicted_and_others_forming(handler: Any) -> int:
@@ -82,9 +98,28 @@ class BiggraphAgent(LocalElasticAgent):
         self._warned_evicted = False
 
     def _rendezvous(self, worker_group: Any) -> None:
-        if self._pool is not None:
-            self._pool.warm()  # the trainers' imports run while the round forms
-        super()._rendezvous(worker_group)
+        """torch's rendezvous, with the trainers warmed meanwhile, and the next round joined when a node of this one
+        never published its role (module docstring, 4)."""
+        for attempt in range(1, ROLE_EXCHANGE_TRIES + 1):
+            if self._pool is not None:
+                self._pool.warm()  # the trainers' imports run while the round forms
+            try:
+                super()._rendezvous(worker_group)
+                return
+            except RoleExchangeLost as lost:
+                if attempt == ROLE_EXCHANGE_TRIES:
+                    raise
+                logger.warning("rendezvous: %s (a node lost or frozen once the round formed); joining the next round "
+                               "(%d of %d tries, no restart spent)", lost, attempt + 1, ROLE_EXCHANGE_TRIES)
+
+    def _assign_worker_ranks(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's exchange of roles once a round formed; its store timeout said as ``RoleExchangeLost``."""
+        from torch.distributed import DistStoreError
+
+        try:
+            return super()._assign_worker_ranks(*args, **kwargs)
+        except DistStoreError as err:
+            raise RoleExchangeLost(f"the round's roles did not all arrive ({str(err).split(',')[0]})") from err
 
     def _stop_workers(self, worker_group: Any) -> None:
         """torch's stop (SIGTERM, then SIGKILL after the shutdown timeout), but a worker that is stopped (SIGSTOP: a
