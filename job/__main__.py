@@ -1,8 +1,6 @@
 """``python -m job``: the same entry point as the ``biggraph`` console script (and what torchrun runs)."""
 
-import sys
-
-from job.cli import main
+from job.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

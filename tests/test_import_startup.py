@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,59 @@ def test_an_import_loads_neither_the_other_commands_nor_what_it_does_not_use() -
 def test_the_import_parser_alone_parses_as_the_whole_one(argv: list[str]) -> None:
     alone, whole = vars(build_parser(("importing",)).parse_args(argv)), vars(build_parser().parse_args(argv))
     assert alone == whole
+
+
+# A process armed with QuickExit: a module-level object whose finalizer speaks when the interpreter tears down, an
+# exit handler registered after arming (as the command's own would be), a log line and an unflushed print.
+QUICK = """
+import atexit, logging, sys
+from job.cli.quick_exit import QuickExit
+
+class Noisy:
+    def __del__(self):
+        print("torn down", flush=True)
+
+kept = Noisy()
+quick = QuickExit()
+quick.arm()
+atexit.register(print, "handler ran", flush=True)
+logging.basicConfig(stream=sys.stderr, format="%(message)s")
+logging.getLogger("t").warning("logged")
+print("unflushed", end="")
+if sys.argv[1] == "allow":
+    quick.allow(3)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_quick_exit_skips_the_teardown_but_not_the_exit_handlers_logs_or_output(allowed: bool) -> None:
+    run = subprocess.run([sys.executable, "-c", QUICK, "allow" if allowed else "no"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert run.returncode == 3
+    assert "handler ran" in run.stdout and "unflushed" in run.stdout and run.stderr.strip() == "logged"
+    assert ("torn down" in run.stdout) is not allowed
+
+
+def test_an_import_process_exits_quickly_with_its_output_whole(tmp_path: Path) -> None:
+    edges = tmp_path / "edges.tsv"
+    edges.write_text("a\tr\tb\nb\tr\tc\nc\tr\ta\n")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "entities": {"all": {"num_partitions": 1}},
+        "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "translation"}],
+        "dimension": 4, "entity_path": str(tmp_path / "entities"), "edge_paths": [str(tmp_path / "edges")],
+        "checkpoint_path": str(tmp_path / "model"),
+    }))
+    # a finalizer that would speak at the interpreter's teardown, loaded into the import process through -c
+    script = ("import sys, runpy\nclass Noisy:\n    def __del__(self): print('torn down', flush=True)\n"
+              "sys.modules['__main__'].kept = Noisy()\nsys.argv = ['job', *sys.argv[1:]]\n"
+              "runpy.run_module('job', run_name='__main__')\n")
+    argv = [sys.executable, "-c", script, "import", str(config), str(edges), "-l", "0", "-r", "2", "--rel-col", "1"]
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert "imported 3 edges" in run.stdout and "torn down" not in run.stdout
+    assert (tmp_path / "entities" / "entity_count_all_0.txt").read_text().strip() == "3"
+    failed = subprocess.run([*argv[:5], str(tmp_path / "missing.tsv"), *argv[6:]], capture_output=True, text=True,
+                            cwd=REPO)
+    assert failed.returncode == 2 and "torn down" in failed.stdout  # an error exits as Python does

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from job import __version__
 from job.cli.common import add_config_arguments, overrides_of
 from job.cli.logging_setup import configure_logging
+from job.cli.quick_exit import QUICK_EXIT_COMMANDS, QuickExit
 from job.errors import UserError
 from storage_adapters.errors import StorageError
 
-__all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "main", "overrides_of"]
+__all__ = ["COMMAND_MODULES", "add_config_arguments", "build_parser", "entry", "main", "overrides_of"]
 
 # Each module (of job.cli) registers one group of subcommands; this order is the order of ``biggraph --help``.
 COMMAND_MODULES = ("train", "importing", "grow", "validate", "exporting", "legacy", "demo", "k8s", "archive", "report",
@@ -88,6 +89,17 @@ def main(argv: list[str] | None = None) -> int:
             raise  # another pipe or socket broke: a real error, keep its traceback
         _discard_stdout()
         return EXIT_BROKEN_PIPE
+
+
+def entry() -> None:
+    """The process entry (the ``biggraph`` script, ``python -m job``): ``main``, then exit with its code. A command
+    of ``QUICK_EXIT_COMMANDS`` that succeeded skips the interpreter's teardown (``job.cli.quick_exit``)."""
+    quick = QuickExit()
+    quick.arm()  # before the command runs: its own exit handlers run before this one
+    code = main()
+    if code == 0 and command_of(sys.argv[1:]) in QUICK_EXIT_COMMANDS:
+        quick.allow(code)
+    sys.exit(code)
 
 
 def _stdout_fd() -> int | None:
