@@ -510,6 +510,7 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
     assert pbg["bucket_order"] == "inside_out" and "partition_buffer" not in pbg and "memory_budget" not in pbg
     assert "hogwild_delay_scope" not in pbg and "hogwild_delay" in pbg  # PBG's key kept, ours left out
     assert parse_bytes("8GiB", "k") == 8 * 2**30 and parse_bytes("500 MB", "k") == 500_000_000
+    assert config.partition_handoff and config.write_behind_buckets == 0  # the defaults
     for bad, message in ((("partition_buffer", 1), "a bucket needs two partitions"),
                          (("memory_budget", "lots"), "is not a size"), (("memory_budget", "-5GB"), "is not a size"),
                          (("hogwild_delay", -1), r"'hogwild_delay': seconds, must be >= 0, got -1"),
@@ -518,7 +519,8 @@ def test_buffer_keys_and_what_pbg_reads_of_them() -> None:
                          (("hogwild_delay_scope", "always"),
                           r"'hogwild_delay_scope': unknown value 'always' \(expected one of first_visit, epoch_0\)")):
         with pytest.raises(ConfigError, match=message):
-            parse_config({**minimal(), bad[0]: bad[1]})
+            parse_config({**minimal(), bad[0]: bad[1], **({"partition_handoff": False} if bad[0] == "write_behind_buckets"
+                                                          else {})})
 
 
 def test_memory_budget_too_small_for_a_bucket_says_how_much_is_needed(tmp_path: Path) -> None:

@@ -160,3 +160,52 @@ def test_kept_rows_and_holders_travel_in_sealed_messages_and_not_at_all_without_
     with pytest.raises(protocol.LockServerError, match="'holders'"):
         protocol.decode_reply(protocol.seal({"ok": True, "kind": "wait", "holders": [["node", "x", 1, "d"]]}, "s"),
                               Granted, "next", scope="s")
+
+
+def test_a_rank_with_no_room_to_keep_names_itself_holder_of_nothing_but_still_takes() -> None:
+    """A ``memory_budget`` whose buffer has no room beside a bucket's and the next one's partitions leaves the hand-off
+    nothing to keep (``handoff_kept_partitions`` 0): that rank's releases name no holder (an asker sent to it would
+    only be refused and read the file), and it still takes rows another rank keeps."""
+    from job.checkpoint.write_groups import WriteGroup
+    from job.model.scoring import Table
+
+    auth.reset_for_tests(b"s" * 32)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    keeper = PartitionHandoff(rank=0, round_id="r1", store=store, key=lambda name: f"r1/{name}", limit=2)
+    tight = PartitionHandoff(rank=1, round_id="r1", store=store, key=lambda name: f"r1/{name}", limit=0)
+    for end in (keeper, tight):
+        end.start()
+    try:
+        weight, sums = rows()
+        group = WriteGroup.of(3, [KEY], {KEY: Table(weight, sums)})
+        assert tight.keep_group(group, {KEY: 1}) == [] and tight.kept_rows(KEY) is None
+        (kept,) = keeper.keep_group(group, {KEY: 1})
+        tight.hint([KEY], [(KEY[0], KEY[1], 0, kept[2])])
+        taken = tight.take(KEY, (7, 3), per_coordinate=False, shared=False)
+        assert taken is not None and torch.equal(taken.weight, weight)
+    finally:
+        for end in (keeper, tight):
+            end.close()
+        auth.reset_for_tests(None)
+
+
+def test_the_kept_partitions_take_only_the_budgets_unused_buffer_room() -> None:
+    """Hand-offs on by default never make a ``memory_budget`` too small: the kept partitions are not a fixed cost
+    beside the buffer but live in the room a distributed trainer's buffer does not use (it holds its bucket's and
+    the next one's read ahead), two buckets' at most; a budget that held a group without hand-offs holds it with."""
+    from job.config import parse_config
+    from job.train.residency.budget import choose_capacity, handoff_kept_partitions
+
+    base = {"entity_path": "/tmp/e", "edge_paths": ["/tmp/x"], "checkpoint_path": "/tmp/c", "dimension": 99,
+            "entities": {"all": {"num_partitions": 16}}, "relations": [{"name": "r", "lhs": "all", "rhs": "all"}]}
+    counts = {"all": [10_000] * 16}  # 4 MB a partition
+    assert parse_config(base).partition_handoff  # on by default
+    assert handoff_kept_partitions(parse_config(base), None) == 4  # no budget: two buckets' partitions
+    for room, kept in ((40, 4), (9, 3), (6, 0), (4, 0)):
+        config = parse_config({**base, "memory_budget": str(2**20 + room * 4_000_000)})
+        capacity = choose_capacity(config, counts, distributed=True, processes=1, runtime_bytes=2**20)
+        without = choose_capacity(parse_config({**base, "partition_handoff": False,
+                                                "memory_budget": str(2**20 + room * 4_000_000)}),
+                                  counts, distributed=True, processes=1, runtime_bytes=2**20)
+        assert capacity == without  # the same buffer with and without hand-offs
+        assert handoff_kept_partitions(config, capacity) == kept, (room, capacity)

@@ -271,21 +271,24 @@ def test_a_cut_is_due_before_a_ranks_pinned_rows_could_pass_what_memory_budget_a
 
 
 def test_memory_budget_gives_the_pinned_rows_the_buffer_room_a_distributed_trainer_does_not_use() -> None:
-    """``pinned_partitions``: with a budget, a rank may pin the hand-off's kept partitions (already counted) plus the
-    part of the buffer's capacity beyond its bucket's and the next one's read ahead; without one, no limit."""
+    """``pinned_partitions``: with a budget, a rank may pin the part of the buffer's capacity beyond its bucket's and
+    the next one's read ahead (where the hand-off's kept partitions live too); without one, no limit."""
     from job.config import parse_config
-    from job.train.residency.budget import choose_capacity, pinned_partitions
+    from job.train.residency.budget import choose_capacity, handoff_kept_partitions, pinned_partitions
 
     base = {"entity_path": "/tmp/e", "edge_paths": ["/tmp/x"], "checkpoint_path": "/tmp/c", "dimension": 99,
             "entities": {"all": {"num_partitions": 16}}, "relations": [{"name": "r", "lhs": "all", "rhs": "all"}],
             "partition_handoff": True, "write_behind_buckets": -1}
     counts = {"all": [10_000] * 16}  # 4 MB a partition
-    assert pinned_partitions(parse_config(base), 3, kept=4) is None
+    assert pinned_partitions(parse_config(base), 3) is None
     budget = parse_config({**base, "memory_budget": str(3 * 2**20 + 14 * 4_000_000)})
-    # 14 partitions' room: one in flight, 5 copies (a write group's and the hand-off's 4) leave the buffer 8; the
-    # trainer holds 4 of them (its bucket's and the next one's), so 4 more may be pinned beside the hand-off's 4
+    # 14 partitions' room: one in flight and a write group's copy leave the buffer 12; the trainer holds 4 of them
+    # (its bucket's and the next one's), so 8 may be pinned, the hand-off's 4 kept among them
     capacity = choose_capacity(budget, counts, distributed=True, processes=1, runtime_bytes=2**20)
-    assert capacity == 8 and pinned_partitions(budget, capacity, kept=4) == 8
-    tight = parse_config({**base, "memory_budget": str(3 * 2**20 + 9 * 4_000_000)})  # a buffer of 3: no room
+    assert capacity == 12 and pinned_partitions(budget, capacity) == 8 and handoff_kept_partitions(budget, capacity) == 4
+    tight = parse_config({**base, "memory_budget": str(3 * 2**20 + 9 * 4_000_000)})  # a buffer of 7: 3 to spare
     capacity = choose_capacity(tight, counts, distributed=True, processes=1, runtime_bytes=2**20)
-    assert capacity == 3 and pinned_partitions(tight, capacity, kept=4) == 4
+    assert capacity == 7 and pinned_partitions(tight, capacity) == 3 and handoff_kept_partitions(tight, capacity) == 3
+    # a fixed partition_buffer is not the budget's: the hand-off keeps its 4 beside it, and they may be pinned
+    fixed = parse_config({**base, "memory_budget": "1GiB", "partition_buffer": 6})
+    assert pinned_partitions(fixed, 6) == 4 + 2 and handoff_kept_partitions(fixed, 6) == 4

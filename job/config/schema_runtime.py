@@ -73,12 +73,14 @@ class RuntimeKeys:
     )
     partition_handoff: bool = field_help(
         "Distributed runs (torchrun): a trainer keeps the partitions it has just written back in memory (two "
-        "buckets' at most, counted in memory_budget), the lock server names it in the grant of the next bucket "
-        "that needs one, and that trainer takes the rows from there (its own memory, or over TCP from the other "
-        "pod, authenticated with the group's secret and checked against a digest) instead of reading the file. "
-        "Partitions are still written to checkpoint storage as before, so a lost pod costs the same; a failed "
-        "hand-off reads the file. false: every partition that changes hands is read back from storage.",
-        default=False,
+        "buckets' at most; under memory_budget, as many as the buffer's room holds beside the bucket's and the "
+        "next one's), the lock server names it in the grant of the next bucket that needs one, and that trainer "
+        "takes the rows from there (its own memory, or over TCP from the other pod, authenticated with the "
+        "group's secret and checked against a digest) instead of downloading the file. Partitions are still "
+        "written to checkpoint storage as before, so a lost pod costs the same; a failed hand-off reads the file. "
+        "Each trainer listens on one more ephemeral port for it (the chart's NetworkPolicy admits the release's "
+        "pods). false: every partition that changes hands is read back from storage.",
+        default=True,
     )
     write_behind_buckets: int = field_help(
         "Distributed runs with partition_handoff: 0 writes every partition that changes hands to checkpoint "

@@ -40,6 +40,7 @@ import torch
 from job.train.distributed import auth
 from job.train.distributed.holders import Holder, Kept
 from job.train.distributed.liveness import store_host
+from job.train.residency.budget import handoff_kept_partitions
 from job.types import PartitionKey
 
 if TYPE_CHECKING:
@@ -53,9 +54,6 @@ CONNECT_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 15.0
 MAX_LINE = 4096
 HELLO = "biggraph-handoff"
-# how many buckets' partitions a rank keeps after they left: with one, the partition a peer asks for had often been
-# dropped already (2 trainers, P=8: 4-7 of ~10 asks a pass read the file); with two, about none
-KEPT_BUCKETS = 2
 
 
 @dataclass
@@ -119,7 +117,7 @@ class PartitionHandoff:
     def __init__(self, *, rank: int, round_id: str, store: Any, key: Callable[[str], str], limit: int) -> None:
         self.rank = rank
         self.round_id = round_id
-        self.limit = max(1, limit)
+        self.limit = max(0, limit)  # 0: a budget with no room to keep any (this rank still takes from the others)
         self.stats = HandoffStats()
         self._store = store.clone()  # one client of its own, used under ``_lock`` (the store's clients are not shared)
         self._store.set_timeout(datetime.timedelta(seconds=CONNECT_TIMEOUT_S * 6))
@@ -139,12 +137,16 @@ class PartitionHandoff:
         self._stored: dict[PartitionKey, str] = {}
 
     @classmethod
-    def of_group(cls, ctx: Any, config: Any) -> PartitionHandoff:
+    def of_group(cls, ctx: Any, config: Any, capacity: Optional[int]) -> PartitionHandoff:
         """This rank's end in the group of ``ctx`` (a ``DistributedContext``), listening: it keeps up to two buckets'
-        partitions (``KEPT_BUCKETS``; ``memory_budget`` counts them, job/train/residency/budget.py)."""
-        partitioned = sum(1 for e in config.entities.values() if e.num_partitions > 1)
-        handoff = cls(rank=ctx.rank, round_id=ctx.round_id, store=ctx.store, key=ctx.key,
-                      limit=KEPT_BUCKETS * 2 * partitioned)
+        partitions, fewer where its ``memory_budget`` leaves less room in its buffer of ``capacity`` partitions
+        (``handoff_kept_partitions``, job/train/residency/budget.py)."""
+        limit = handoff_kept_partitions(config, capacity)
+        if limit < handoff_kept_partitions(config, None):
+            logger.info("rank %d: partition hand-off: memory_budget leaves room to keep %d partition(s) after they "
+                        "leave, of %d%s", ctx.rank, limit, handoff_kept_partitions(config, None),
+                        " (it still takes partitions from the other pods)" if limit == 0 else "")
+        handoff = cls(rank=ctx.rank, round_id=ctx.round_id, store=ctx.store, key=ctx.key, limit=limit)
         handoff.start()
         return handoff
 
@@ -258,8 +260,12 @@ class PartitionHandoff:
             self._trim()
 
     def keep_group(self, group: WriteGroup, steps: Mapping[PartitionKey, int]) -> list[Kept]:
-        """``keep`` the partitions leaving in ``group`` (just published); what the release that frees them names."""
+        """``keep`` the partitions leaving in ``group`` (just published); what the release that frees them names.
+        Nothing with no room to keep any (``limit`` 0) unless writes behind pin them (``strict``): a holder named
+        for rows it dropped at once would only send its askers to the file after a round trip."""
         kept: list[Kept] = []
+        if self.limit == 0 and not self.strict:
+            return kept
         for key in group.leaving:
             table = group.tables[key]
             if table.optim_sum is not None:

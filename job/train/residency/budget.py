@@ -33,6 +33,10 @@ from storage_adapters.multipart import transfer_buffer_bytes
 logger = logging.getLogger("biggraph")
 
 PROCESS_FALLBACK_BYTES = 192 * 2**20  # a process with torch loaded, measured ~170-185 MiB anonymous here
+# how many buckets' partitions a distributed trainer keeps after they left, for their next holder
+# (``partition_handoff``): with one, the partition a peer asks for had often been dropped already (2 trainers, P=8:
+# 4-7 of ~10 asks a pass read the file); with two, about none
+KEPT_BUCKETS = 2
 
 
 def per_coordinate(config: ConfigSchema, entity_type: str) -> bool:
@@ -95,7 +99,8 @@ def choose_capacity(config: ConfigSchema, counts: dict[str, list[int]], distribu
     the shared parameters' copies a distributed trainer keeps to sync them (``sync_memory_bytes`` in
     job/train/distributed/lock_server.py: a fixed number per rank, more on the lock server's); a distributed trainer also
     holds host copies of the partitions it keeps at a switch while its write group is written behind
-    (``kept_copy_bytes``); the rest is the buffer."""
+    (``kept_copy_bytes``); the rest is the buffer (in whose room a distributed trainer's hand-off keeps
+    partitions: ``handoff_kept_partitions``)."""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
     if not partitioned or (distributed and not config.prefetch_partitions):
         return None
@@ -167,25 +172,51 @@ def device_capacity(config: ConfigSchema, counts: dict[str, list[int]], free_byt
 def kept_copy_bytes(config: ConfigSchema, counts: dict[str, list[int]]) -> int:
     """The host copies a distributed trainer takes at a bucket switch of the partitions it keeps, to write them
     in its write group while the next bucket trains on the originals (job/checkpoint/write_groups.py): at most a
-    bucket's partitions less the one leaving; with ``partition_handoff`` also two buckets' partitions kept after they
-    left, for their next holder (job/train/distributed/handoff.py, ``KEPT_BUCKETS``)."""
+    bucket's partitions less the one leaving. (The partitions ``partition_handoff`` keeps after they left live in
+    the buffer's room: ``handoff_kept_partitions``.)"""
     partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
-    kept = 4 * len(partitioned) if config.partition_handoff else 0
-    return (max(0, 2 * len(partitioned) - 1) + kept) * partition_bytes(config, counts)
+    return max(0, 2 * len(partitioned) - 1) * partition_bytes(config, counts)
 
 
-def pinned_partitions(config: ConfigSchema, capacity: Optional[int], *, kept: int) -> Optional[int]:
+def _held_by_a_distributed_trainer(config: ConfigSchema) -> int:
+    """The partitions a distributed trainer's buffer holds: the current bucket's and the next one's read ahead."""
+    return 2 * 2 * sum(1 for e in config.entities.values() if e.num_partitions > 1)
+
+
+def _budgets_the_buffer(config: ConfigSchema, capacity: Optional[int]) -> bool:
+    """Whether ``capacity`` came from ``memory_budget`` (not from ``partition_buffer``, nor None: no buffer sized)."""
+    return config.memory_budget_bytes is not None and config.partition_buffer is None and capacity is not None
+
+
+def handoff_kept_partitions(config: ConfigSchema, capacity: Optional[int]) -> int:
+    """How many partitions a distributed trainer keeps after they left, for their next holder (``partition_handoff``;
+    job/train/distributed/handoff.py): two buckets' (``KEPT_BUCKETS``). Under a ``memory_budget`` they live in the
+    room of the buffer that a distributed trainer does not use (``choose_capacity`` sizes ``capacity`` partitions;
+    it holds only its bucket's and the next one's read ahead): as many as fit there, none when none do (the rank
+    still takes partitions from the others, and reads the files of what it did not keep). So hand-offs never make
+    a budget too small; a tight one keeps fewer partitions."""
+    partitioned = sum(1 for e in config.entities.values() if e.num_partitions > 1)
+    most = KEPT_BUCKETS * 2 * partitioned
+    if capacity is None or not _budgets_the_buffer(config, capacity):
+        return most
+    return min(most, max(0, capacity - _held_by_a_distributed_trainer(config)))
+
+
+def pinned_partitions(config: ConfigSchema, capacity: Optional[int]) -> Optional[int]:
     """Written behind (``write_behind_buckets``), how many partitions a distributed trainer may keep pinned between
     cuts (rows released unwritten, never dropped before a cut stores them; job/train/distributed/cuts.py) within its
-    ``memory_budget``: the hand-off's ``kept`` (counted in ``kept_copy_bytes``) plus the buffer's room that a
-    distributed trainer does not use (``choose_capacity`` gives it ``capacity`` partitions, and it holds only its
-    bucket's and the next one's read ahead). The server makes a cut due before a rank's next switch could pass it.
-    None without a budget: unbounded (at most every partition the rank released since the last cut)."""
+    ``memory_budget``: the buffer's room that a distributed trainer does not use (``choose_capacity`` gives it
+    ``capacity`` partitions, and it holds only its bucket's and the next one's read ahead), where the hand-off's
+    kept partitions live too (``handoff_kept_partitions``); with no room sized by the budget (``partition_buffer``
+    set, or no buffer without ``prefetch_partitions``), the hand-off's kept partitions. The server makes a cut due
+    before a rank's next switch could pass it. None without a budget: unbounded (at most every partition the rank
+    released since the last cut)."""
     if config.memory_budget_bytes is None:
         return None
-    partitioned = [t for t, e in config.entities.items() if e.num_partitions > 1]
-    held = 2 * 2 * len(partitioned)  # the current bucket's and the next one's read ahead
-    return kept + max(0, (capacity or 0) - held)
+    room = max(0, (capacity or 0) - _held_by_a_distributed_trainer(config))
+    if _budgets_the_buffer(config, capacity):
+        return room
+    return handoff_kept_partitions(config, capacity) + room
 
 
 def shared_memory_bytes(config: ConfigSchema, counts: dict[str, list[int]], capacity: Optional[int]) -> int:

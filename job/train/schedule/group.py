@@ -99,7 +99,8 @@ class LockServerScheduler(BucketScheduler):
         self._ending_since: Optional[float] = None  # when this rank first saw its round end (``_stop_due``)
         self._written_seen: Optional[int] = None  # partitions written this pass, at the first reply (progress)
         # partition_handoff: published partitions kept in memory for their next holder (job/train/distributed/handoff.py)
-        self.handoff = store.peers = PartitionHandoff.of_group(ctx, config) if config.partition_handoff else None
+        self.handoff = store.peers = PartitionHandoff.of_group(ctx, config, store.capacity) \
+            if config.partition_handoff else None
         self._holders: Optional[Holders] = None  # rank 0: the last committed pass's, still true of what it committed
         # write_behind_buckets: partitions handed on unwritten, stored at cuts of the group (job/train/schedule/behind.py)
         self.behind = BehindWrites(self.client, store, checkpoint, self.handoff) \
@@ -145,7 +146,7 @@ class LockServerScheduler(BucketScheduler):
                                      write_behind=self.config.write_behind_buckets if self.behind else 0)
             if self.server.cuts is not None and self.handoff is not None:  # an orderly end's window; memory_budget
                 self.server.cuts.bound(window_s=self.ctx.drain_timeout_s, pinned_limit=pinned_partitions(
-                    self.config, self.store.capacity, kept=self.handoff.limit))
+                    self.config, self.store.capacity))
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
