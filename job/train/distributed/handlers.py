@@ -130,6 +130,8 @@ class RequestHandlers:
                                 time.monotonic())
         if work.change is not None and finished is not None and not was_done and finished in self.state.done:
             work.finished, work.saved = finished, finished not in self.state.unsaved.get(rank, {})
+        if self.cuts is not None:  # a cut taken in the background may have been recorded here: its updates stored
+            work.unsaved = frozenset(self.state.unsaved_buckets())
         return Granted(kind=kind, bucket=bucket, why=why, holders=self.holders.grant(bucket, request.held),
                        **self._written(request.written_known))
 

@@ -44,12 +44,13 @@ class CutCounts:
     """This rank's part of the pass's cuts (its pass record)."""
 
     cuts: int = 0
+    background: int = 0  # of them taken in the background (job/train/distributed/cut_behind.py): it trained on
     staged: int = 0  # partitions it staged
     seconds: float = 0.0  # its time in cuts, waits for the other ranks included
     pinned_peak_bytes: int = 0  # the most rows it kept at once that no cut had stored yet (memory_budget bounds it)
 
     def as_record(self) -> dict[str, float]:
-        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3),
+        return {"cuts": self.cuts, "cuts_in_background": self.background, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3),
                 "pinned_peak_bytes": self.pinned_peak_bytes}
 
 
@@ -114,6 +115,7 @@ class BehindWrites:
             if step.step != "stage":
                 return self._unexpected(step, "stage")
             self.kept_reservation = step.behind
+            self.counts.background += int(step.behind)
             if not step.behind:
                 self.store.discard_prefetched()  # the cut of the whole group dropped the reservation
             # what this rank keeps now holds nothing trained after the cut began: unpinned once it is recorded
