@@ -39,7 +39,7 @@ def epoch(pods: int, partitions: int, every: int, seed: int) -> dict[str, Any]:
     keys = {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(partitions, partitions)}
     state = LockState(partitions, partitions, keys, world_size=pods)
     holders = Holders(keys, gone=lambda: ())
-    cuts = Cuts(every) if every else None
+    cuts = Cuts(every, background=False) if every else None  # (cuts of the whole group: what this models)
     rng, order = random.Random(seed), random.Random(seed + 1)
     held: dict[int, set] = {rank: set() for rank in range(pods)}
     writes, redo, cut_now = 0, [], False
