@@ -9,7 +9,18 @@ partitions only at cuts: every ``every`` buckets done by the group, and at the p
 
 Why per-rank records cannot save anything then: a partition handed on unwritten holds the updates of buckets whose
 other partitions may die with their trainer, so a file one rank writes may hold a bucket that a restart redoes
-(counted twice). A cut saves the whole group at once instead:
+(counted twice). A cut saves the whole group at once instead, in one of two ways.
+
+*In the background* (job/train/distributed/cut_behind.py, ``behind``): the cuts every ``every`` buckets and those the
+pinned limit calls for at two switches from it. A consistent snapshot of the buckets done or in flight when it
+became due, taken while the group trains: each rank stages its part at its next ``next`` and trains on (at 16 pods
+and N=32 a cut of the whole group cost every pod 70-80 s of waiting per epoch: bench/RESULTS.md). ``background``
+False (tests, the redo bench) takes them as below instead.
+
+*Of the whole group*, the group stopped, where that is right: the pass's end (the commit needs every bucket saved
+and none in flight), an orderly end of the round (``before_leaving``: it ends anyway), and a rank one switch from its
+pinned limit (memory first). One that becomes due during a background cut lets that one end first (a rank owing a
+turn hears its steps first; the plan waits for it):
 
 1. *Drain.* Once a cut is due, ``next`` finishes the rank's bucket and answers ``cut`` instead of another (nothing
    is reserved either; a rank's reservation is dropped with its locks that only it needed).
@@ -39,7 +50,8 @@ rank before the record is stored.
 
 ``pinned_limit``: the partitions a rank may keep pinned between cuts (the rows it released unwritten since the last
 one: never dropped before a cut stores them) within its ``memory_budget`` (job/train/residency/budget.py,
-``pinned_partitions``); a cut is due once a rank's next switch could pass it. None (no budget): unbounded.
+``pinned_partitions``); a cut in the background is due once a rank's next two switches could pass it, one of the
+whole group once its next switch could. None (no budget): unbounded.
 """
 
 from __future__ import annotations
