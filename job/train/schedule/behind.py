@@ -50,8 +50,8 @@ class CutCounts:
     pinned_peak_bytes: int = 0  # the most rows it kept at once that no cut had stored yet (memory_budget bounds it)
 
     def as_record(self) -> dict[str, float]:
-        return {"cuts": self.cuts, "cuts_in_background": self.background, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3),
-                "pinned_peak_bytes": self.pinned_peak_bytes}
+        return {"cuts": self.cuts, "cuts_in_background": self.background, "cut_partitions_staged": self.staged,
+                "cut_seconds": round(self.seconds, 3), "pinned_peak_bytes": self.pinned_peak_bytes}
 
 
 class BehindWrites:
