@@ -114,6 +114,8 @@ class LockServerScheduler(BucketScheduler):
         self.ahead = None
         if self.handoff is not None:
             self.handoff.new_pass()
+            if self.behind is not None:  # the commit stored every row kept (or newer ones): none is pinned any more
+                self.handoff.unpin()
         if self.behind is not None:
             self.behind.counts = CutCounts()  # (this pass's, for its log line)
         if self.commits:
