@@ -692,7 +692,7 @@ def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional
             memo["group"], memo["marks"] = group, marks
             return
     assert step.step == "move", step
-    assert not step.behind or sorted(step.keys) == sorted(group.keys), (step.keys, group.keys)
+    assert not step.keys or sorted(step.keys) == sorted(group.keys), (step.keys, group.keys)
     for key in group.keys:
         partitions.publish(group, [key])
         yield

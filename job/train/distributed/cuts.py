@@ -225,9 +225,9 @@ class Cuts:
                 return CutStep("stage", keys=cut.keys_of(rank), behind=not self.active)
             cut.report(rank, request.staged, self.pinned.get(rank, set()))
             self.record_ready(state)
-            return CutStep("move", keys=cut.keys_of(rank), behind=True) if cut.recorded else CutStep("go")
-        if not request.moved:
-            return CutStep("move", keys=cut.keys_of(rank), behind=True)
+            return CutStep("move", keys=cut.keys_of(rank), behind=not self.active) if cut.recorded else CutStep("go")
+        if not request.moved:  # (``behind``: as at ``stage``; the rank's move may come within a stop of the group)
+            return CutStep("move", keys=cut.keys_of(rank), behind=not self.active)
         cut.unmoved.discard(rank)
         self.pinned[rank] = self.pinned.get(rank, set()) - cut.pinned_at_turn.pop(rank, set())
         if cut.over:

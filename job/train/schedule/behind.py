@@ -110,7 +110,9 @@ class BehindWrites:
         try:
             step = self._ask()
             if step.step == "move" and self._unmoved is not None:  # a cut taken in the background, recorded since
-                self.kept_reservation = True
+                self.kept_reservation = step.behind  # (not when the group stops meanwhile: that dropped it)
+                if not step.behind:
+                    self.store.discard_prefetched()
                 return self._move(step, *self._unmoved)
             if step.step != "stage":
                 return self._unexpected(step, "stage")
@@ -157,7 +159,7 @@ class BehindWrites:
         """The cut is recorded: move ``group`` to its PBG names, report it, and unpin what the cut stored (all that is
         kept after a cut of the whole group; ``kept_now``, the rows kept at this rank's turn and unchanged since,
         after one taken in the background)."""
-        if step.behind and sorted(step.keys) != sorted(group.keys):
+        if step.keys and sorted(step.keys) != sorted(group.keys):
             raise RuntimeError(f"the lock server named {sorted(step.keys)} to move, but this rank staged "
                                f"{sorted(group.keys)}")
         self.store.publish(group)
