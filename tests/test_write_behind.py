@@ -393,3 +393,38 @@ def test_a_cut_of_the_whole_group_waits_for_the_one_in_the_background_and_rows_a
         assert clients[1].cut().step == "wait"  # the stop waits for the background cut
     finally:
         server.stop()
+
+
+def test_memory_budget_calls_a_cut_in_the_background_two_switches_before_the_limit(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Issue 45: with a pinned limit (``pinned_partitions``) the cut comes in the background once a rank's next two
+    switches could pass it (the group stops only at one), before the pass's end (``-1``); its move unpins what the
+    rank kept at its turn, and a rank that held nothing still takes its (empty) turn before the cut is over."""
+    server = serve(store, str(tmp_path), None, "pinbg/lock", ranks[0], write_behind=-1)
+    client = LockClient(store, 0, timeout_s=60, prefix="pinbg/lock", transport=ranks[0])
+    idle = LockClient(store, 1, timeout_s=60, prefix="pinbg/lock", transport=ranks[1])  # (holds nothing)
+    try:
+        assert server.cuts is not None
+        server.cuts.bound(window_s=25.0, pinned_limit=6)  # a bucket pins 2 at a switch: background past 2 pinned
+        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
+        pinned: set = set()
+        for _ in range(15):
+            keys = sorted(server.state.bucket_keys[bucket])  # type: ignore[index]
+            kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
+            if kind == "cut":
+                break
+            leaving = sorted(set(keys) - set(server.state.bucket_keys[bucket]))  # type: ignore[index]
+            client.release(leaving, written=False, kept=[(k[0], k[1], "digest") for k in leaving])
+            pinned |= set(leaving)
+        assert kind == "cut" and len(server.state.done) < 16 and len(pinned) + 4 > 6 >= len(pinned) + 2, pinned
+        assert server.cuts.behind is not None and not server.cuts.active  # in the background
+        step = client.cut()
+        assert step.step == "stage" and step.behind
+        assert client.cut(staged=_staged(0, step.keys, "pin")).step == "move"  # its keys were all: recorded
+        assert client.cut(moved=True).step == "go" and not server.cuts.pinned[0]  # unpinned: counted from zero
+        assert not server.state.unsaved_buckets() and server.cuts.behind is not None  # rank 1's turn is owed
+        assert idle.finish_and_next(set(), None, None)[0] == "cut"
+        assert idle.cut().step == "stage" and idle.cut(staged=[]).step == "move"
+        assert idle.cut(moved=True).step == "go" and server.cuts.behind is None and server.cuts.stats.cuts == 1
+    finally:
+        server.stop()
