@@ -2,7 +2,10 @@
 next holder unwritten, stored only at cuts of the whole group. The kill-at-every-step exactly-once test of write
 groups (tests/test_lock_protocol.py, ``kill_at_every_step``) with cuts every few buckets and only at the commit, and
 the server's refusals: a per-rank write group, a release that would lose unwritten rows, a staged report from a
-fenced rank or naming the wrong partitions; a hand-off that fails ends the round instead of reading the stale file."""
+fenced rank or naming the wrong partitions; a hand-off that fails ends the round instead of reading the stale file.
+Cuts taken in the background (job/train/distributed/cut_behind.py): which buckets are granted during one, what its
+record saves (exactly its buckets and their shared updates), a stop of the group waiting for it, what is unpinned,
+the pinned limit calling one early, and a pinned partition handed on before its stage."""
 
 from __future__ import annotations
 
@@ -427,5 +430,38 @@ def test_memory_budget_calls_a_cut_in_the_background_two_switches_before_the_lim
         assert idle.finish_and_next(set(), None, None)[0] == "cut"
         assert idle.cut().step == "stage" and idle.cut(staged=[]).step == "move"
         assert idle.cut(moved=True).step == "go" and server.cuts.behind is None and server.cuts.stats.cuts == 1
+    finally:
+        server.stop()
+
+
+def test_during_a_cut_in_the_background_a_partition_its_stager_keeps_pinned_is_handed_on_before_its_stage(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Why no partition waits for its stage: rows a rank released kept are pinned there and never change (it takes
+    its own back only for a bucket it starts, and it starts none before its turn), so another rank may take a copy and
+    train it during the cut while the stager later stages the pinned rows as the cut's buckets left them. Here rank 0
+    keeps b0's partitions pinned and has not taken its turn; rank 1, after its own, is granted a bucket on one of them,
+    named with rank 0 as its holder."""
+    server = serve(store, str(tmp_path), None, "pinon/lock", ranks[0], write_behind=2)
+    clients = [LockClient(store, rank, timeout_s=60, prefix="pinon/lock", transport=ranks[rank]) for rank in (0, 1)]
+    keys_of = server.state.bucket_keys
+    try:
+        assert server.cuts is not None
+        b0, b1 = (clients[rank].finish_and_next(set(), None, None)[1] for rank in (0, 1))
+        kind, b2, _, _ = clients[0].finish_and_next(set(), b0, None)
+        assert kind == "bucket" and b2 is not None
+        leaving = sorted(keys_of[b0] - keys_of[b2])
+        assert leaving, (b0, b2)  # (the seeded order: b0 and b2 share at most one partition)
+        clients[0].release(leaving, written=False, kept=[(k[0], k[1], f"d{k[1]}") for k in leaving])
+        assert clients[1].finish_and_next(set(keys_of[b1]), b1, None)[0] == "cut"
+        cut = server.cuts.behind
+        assert cut is not None and cut.buckets == {b0, b1, b2} and all(cut.stager[k] == 0 for k in leaving)
+        step = clients[1].cut()
+        assert clients[1].cut(staged=_staged(1, step.keys, "pin")).step == "go"
+        kind, b3, _, _ = clients[1].finish_and_next(set(keys_of[b1]) | set(leaving), None, None)
+        assert kind == "bucket" and b3 not in cut.buckets and keys_of[b3] & set(leaving), (b3, leaving)
+        assert cut.turned == {1} and not cut.recorded  # rank 0 has staged nothing yet
+        # (held named them, to steer the choice; a rank that does not hold them is told to take them from rank 0)
+        handed = {(h[0], h[1]): h[2] for h in server.holders.grant(b3, keys_of[b1])}
+        assert all(handed[k] == 0 for k in keys_of[b3] & set(leaving))  # from rank 0's pinned rows
     finally:
         server.stop()
