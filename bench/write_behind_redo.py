@@ -6,7 +6,9 @@ No processes, no storage: the lock server's real decisions (``LockState``, and f
 and ``Holders``) driven as trainers drive them, M pods finishing buckets of random lengths (uniform 0.5-1.5) in
 time order. Today's mode (0): at a switch that lets a partition go the pod writes its write group (the partitions
 leaving and kept) and records it; writes behind: the partitions leaving are released unwritten with their rows kept,
-and a cut (every N buckets done, and at the pass's end) writes each partition trained since the last one once.
+and a cut (every N buckets done, and at the pass's end) writes each partition trained since the last one once. The
+cuts every N buckets are taken in the background (job/train/distributed/cut_behind.py: each pod's turn at once, at
+its next bucket end, the others training on) unless ``--stop-the-group`` (every pod waits at the cut).
 
 At every bucket's end the bench asks what a loss of each pod would cost now, as the restart counts it
 (``LockState.forget_rank_locks``): today, the lost pod's bucket in flight and its done-but-unsaved buckets (the
@@ -35,11 +37,24 @@ from job.train.distributed.lock_state import LockState  # noqa: E402
 from job.train.schedule.orders import all_buckets  # noqa: E402
 
 
-def epoch(pods: int, partitions: int, every: int, seed: int) -> dict[str, Any]:
+def turn(cuts: Cuts, state: LockState, holders: Holders, rank: int, pods: int) -> int:
+    """``rank``'s turn in the cut taken in the background (job/train/distributed/cut_behind.py), at once: its stage
+    or its move; returns the partitions it staged."""
+    staged: list[list[Any]] = []
+    step = cuts.answer(state, holders, rank, Cut(), range(pods))
+    if step.step == "stage":
+        staged = [[k[0], k[1], f".tmp-staged-x-{k[0]}_{k[1]}", 1, "0"] for k in step.keys]
+        step = cuts.answer(state, holders, rank, Cut(staged=tuple(staged)), range(pods))
+    if step.step == "move":
+        cuts.answer(state, holders, rank, Cut(moved=True), range(pods))
+    return len(staged)
+
+
+def epoch(pods: int, partitions: int, every: int, seed: int, background: bool = True) -> dict[str, Any]:
     keys = {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(partitions, partitions)}
     state = LockState(partitions, partitions, keys, world_size=pods)
     holders = Holders(keys, gone=lambda: ())
-    cuts = Cuts(every) if every else None
+    cuts = Cuts(every, background=background) if every else None
     rng, order = random.Random(seed), random.Random(seed + 1)
     held: dict[int, set] = {rank: set() for rank in range(pods)}
     writes, redo, cut_now = 0, [], False
@@ -55,13 +70,24 @@ def epoch(pods: int, partitions: int, every: int, seed: int) -> dict[str, Any]:
                     redo.append(int(lost in state.in_flight) + len(state.unsaved.get(lost, {})))
                 else:
                     redo.append(len(state.in_flight) + len(state.unsaved_buckets()))
-        if cuts is not None and cuts.due(state, rank, finished):
+        if cuts is not None and cuts.due(state, rank, finished, live=range(pods)):
+            if cuts.reserving(rank):  # a turn in a cut taken in the background: at once, then it asks again
+                state.stop(rank, finished, keep_reserved=True)
+                writes += turn(cuts, state, holders, rank, pods)
+                heapq.heappush(clock, (now, rank))
+                continue
             state.stop(rank, finished)
             cut_now = True
             if not state.in_flight:  # every pod has reached the cut: it stages, records and moves (no time here)
+                while cuts.behind is not None:  # the one in the background ends first
+                    for other in range(pods):
+                        if cuts.behind is not None and cuts.behind.owes(other):
+                            writes += turn(cuts, state, holders, other, pods)
                 step = cuts.answer(state, holders, 0, Cut(), range(pods))
                 for other in range(pods):
                     step = cuts.answer(state, holders, other, Cut(), range(pods))
+                    if step.step == "go":  # (the last cut's ``go`` it had not heard yet: ``Cuts.over``)
+                        step = cuts.answer(state, holders, other, Cut(), range(pods))
                     staged = [[k[0], k[1], f".tmp-staged-x-{k[0]}_{k[1]}", 1, "0"] for k in step.keys]
                     writes += len(staged)
                     cuts.answer(state, holders, other, Cut(staged=tuple(staged)), range(pods))
@@ -105,13 +131,18 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=32)
     parser.add_argument("--every", default="0,8,32,128,-1", help="write_behind_buckets values (0: today's mode)")
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--stop-the-group", action="store_true",
+                        help="take the cuts every N buckets with the group stopped (before issue 45's cuts in the "
+                             "background)")
     args = parser.parse_args()
     for every in [int(e) for e in args.every.split(",")]:
-        runs = [epoch(args.pods, args.partitions, every, seed) for seed in range(args.epochs)]
+        runs = [epoch(args.pods, args.partitions, every, seed, background=not args.stop_the_group)
+                for seed in range(args.epochs)]
         writes = statistics.fmean(r["writes"] for r in runs)
         print(json.dumps({
             "pods": args.pods, "partitions": args.partitions, "buckets": args.partitions ** 2,
-            "write_behind_buckets": every, "cuts_per_epoch": statistics.fmean(r["cuts"] for r in runs),
+            "write_behind_buckets": every, "cuts_in_background": not args.stop_the_group and every > 0,
+            "cuts_per_epoch": statistics.fmean(r["cuts"] for r in runs),
             "partition_writes_per_epoch": round(writes, 1), "checkpoints_written": round(writes / args.partitions, 2),
             "buckets_redone_per_lost_pod_mean": round(statistics.fmean(r["redo_mean"] for r in runs), 2),
             "buckets_redone_per_lost_pod_worst": max(r["redo_max"] for r in runs)}), flush=True)

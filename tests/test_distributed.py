@@ -546,9 +546,10 @@ def test_written_behind_a_killed_rank_rolls_the_group_back_to_the_last_cut_and_e
     resumed = _resumed(agents)
     assert resumed, agents.tail()
     redo, by_rank = resumed[0]
-    # the buckets done since the last cut and those in flight: a cut's 4, those the other ranks finished while it
-    # drained (one each), one in flight per rank; never the pass's 16
-    assert 1 <= redo == sum(by_rank.values()) <= 4 + 2 + 3, (redo, by_rank)
+    # the buckets done since the last recorded cut and those in flight: a cut's 4 and the other ranks' 2 in flight
+    # when it became due (its set, job/train/distributed/cut_behind.py), those they started while it was taken in the
+    # background (about one each, two at most), one in flight per rank; never the pass's 16
+    assert 1 <= redo == sum(by_rank.values()) <= 4 + 2 + 2 * 2 + 3, (redo, by_rank)
     records = bucket_records(checkpoint_path)
     assert len([r for r in records if r.get("pass_summary")]) == 2
     assert_each_bucket_once_per_epoch(records, 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -399,8 +400,9 @@ def test_two_ranks_writing_behind_store_partitions_only_at_cuts_and_train_each_b
                                                                                          every: int) -> None:
     """2 torchrun agents on loopback, P=4, partitions handed on unwritten and stored only at cuts
     (``write_behind_buckets``, job/train/distributed/cuts.py): only at the pass's end (-1), each pass writes each
-    partition once (one checkpoint's partitions: the commit's cut); every 5 buckets, a cut mid-pass too. Every
-    bucket is trained once per epoch, and the version is whole."""
+    partition once (one checkpoint's partitions: the commit's cut); every 5 buckets, a cut mid-pass too, taken in the
+    background while the group trains (job/train/distributed/cut_behind.py). Every bucket is trained once per epoch,
+    and the version is whole."""
     epochs = 3
     path = write_run_config(umls_p4, f"behind{every}", num_epochs=epochs, partition_handoff=True,
                             write_behind_buckets=every)
@@ -422,3 +424,7 @@ def test_two_ranks_writing_behind_store_partitions_only_at_cuts_and_train_each_b
     assert sum(s.get("partition_handoffs", 0) + s.get("partition_kept_hits", 0) for s in summaries) > 0
     check_checkpoint(checkpoint_path, epochs)
     assert "cut_partitions_staged" in agents.text(), agents.text()[-3000:]
+    # every 5 buckets: cuts taken in the background mid-pass (job/train/distributed/cut_behind.py), the group training
+    # on through them; only at the pass's end: none (the commit's cut stops the group)
+    background = [int(n) for n in re.findall(r'"cuts_in_background": (\d+)', agents.text())]
+    assert len(background) == 2 * epochs and (sum(background) > 0) == (every > 0), background

@@ -587,6 +587,7 @@ class RowTrainer:
         self.handoff = handoff  # partition_handoff: leaving rows kept, granted ones taken from their holder
         partitions.peers = handoff
         self.behind = behind
+        self.cut_memo: dict[str, Any] = {}  # a cut taken in the background: what this rank staged, to move later
         if behind:
             assert handoff is not None
             handoff.strict = True
@@ -607,7 +608,7 @@ class RowTrainer:
             keep = set(state.bucket_keys[bucket]) if bucket is not None else set()
             if self.behind:
                 if kind == "cut":
-                    yield from behind_cut(self.client, self.partitions, self.handoff)
+                    yield from behind_cut(self.client, self.partitions, self.handoff, self.cut_memo)
                     continue
                 yield from self.release_behind(keep)
                 if kind == "done":
@@ -650,36 +651,48 @@ class RowTrainer:
             yield
 
 
-def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff]) -> Iterator[None]:
+def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff],
+               memo: Optional[dict[str, Any]] = None) -> Iterator[None]:
     """A rank's turn in a cut (job/train/distributed/cuts.py), yielding after every request, staged file and move:
     ask until told its keys, stage each (from its store if it holds the partition, else from the rows it keeps),
-    report them, wait for the record, move them, report that, wait for the others."""
+    report them, wait for the record, move them, report that, wait for the others. In a cut taken in the background
+    (job/train/distributed/cut_behind.py) the report may be answered ``go`` (not recorded yet: the rank trains on,
+    its staged group and kept rows' marks in ``memo``) and a later turn starts with its ``move``."""
     assert handoff is not None
+    memo = {} if memo is None else memo
     step = client.cut()
     yield
     while step.step == "wait":
         step = client.cut()
         yield
-    assert step.step == "stage", step
-    tables = {}
-    for key in step.keys:
-        table = partitions.loaded.get(key)
-        if table is None:
-            rows = handoff.kept_rows(key)
-            assert rows is not None, key
-            table = SimpleNamespace(weight=rows.weight, optim_sum=rows.optim_sum)
-        tables[key] = table
-    group = WriteGroup.of(partitions.next_version, [], tables)
-    for key in group.keys:
-        partitions.stage(group, [key])
+    if step.step == "move" and memo.get("group") is not None:  # recorded since this rank staged
+        group, marks = memo.pop("group"), memo.pop("marks")
+    else:
+        assert step.step == "stage", step
+        marks = handoff.pinned_marks() if step.behind else None
+        tables = {}
+        for key in step.keys:
+            table = partitions.loaded.get(key)
+            if table is None:
+                rows = handoff.kept_rows(key)
+                assert rows is not None, key
+                table = SimpleNamespace(weight=rows.weight, optim_sum=rows.optim_sum)
+            tables[key] = table
+        group = WriteGroup.of(partitions.next_version, [], tables)
+        for key in group.keys:
+            partitions.stage(group, [key])
+            yield
+        partitions.checkpoint.flush()
+        step = client.cut(staged=group.staged(partitions.checkpoint))
         yield
-    partitions.checkpoint.flush()
-    step = client.cut(staged=group.staged(partitions.checkpoint))
-    yield
-    while step.step == "wait":
-        step = client.cut()
-        yield
+        while step.step == "wait":
+            step = client.cut()
+            yield
+        if step.step == "go" and marks is not None:
+            memo["group"], memo["marks"] = group, marks
+            return
     assert step.step == "move", step
+    assert not step.keys or sorted(step.keys) == sorted(group.keys), (step.keys, group.keys)
     for key in group.keys:
         partitions.publish(group, [key])
         yield
@@ -689,7 +702,10 @@ def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional
         step = client.cut()
         yield
     assert step.step == "go", step
-    handoff.unpin()
+    if marks is None:
+        handoff.unpin()
+    else:
+        handoff.unpin_unchanged(marks)
 
 
 def row_store(checkpoint_url: str, store: Any = None, round_id: str = "") -> PartitionStore:
@@ -733,14 +749,15 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
     ``handoff``: the ranks keep the rows they publish and take granted ones from their holder (partition_handoff);
     then some partitions must have changed hands through memory. ``behind``: ``write_behind_buckets`` (with
     ``handoff``): partitions released unwritten and stored only at cuts, the restart redoing every bucket since the
-    last cut. Returns the number of points of death."""
+    last cut; with ``behind`` > 0 the cuts are taken in the background, so some points of death fall while buckets
+    started after a cut began are trained and that cut is not yet over. Returns the number of points of death."""
     expected = np.zeros((4, 16))
     for bucket, keys in partition_keys(4).items():
         for _, part in keys:
             expected[part, bucket.lhs * 4 + bucket.rhs] = 1.0
     initial = row_store(checkpoint_of(-1))
     start = np.stack([initial.get(("node", part)).weight.numpy().copy() for part in range(4)])
-    crash_after, complete, moved = 0, False, 0
+    crash_after, complete, moved, during_cuts = 0, False, 0, 0
     while not complete:
         checkpoint = checkpoint_of(crash_after)  # the progress beside the partition files, as in a run
         server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0], write_behind=behind)
@@ -757,6 +774,9 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
                 if next(running[rank], "over") == "over":
                     running.pop(rank)
                 done += 1
+                cut = server.cuts.behind if server.cuts is not None else None
+                if cut is not None and set(server.state.in_flight.values()) - cut.buckets:
+                    during_cuts += 1  # a bucket started after a cut taken in the background began, before it ended
             complete = not running
         finally:
             server.stop()  # the group dies: what is in memory is gone (rows and shared values alike)
@@ -798,6 +818,7 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
             (part, divmod(column, 4), counts[part, 0, column]) for part, column in zip(*(counts[:, 0] - expected).nonzero())])
         crash_after += 1
     assert (moved > 0) == handoff, moved
+    assert (during_cuts > 0) == (behind > 0), during_cuts  # training went on through the cuts (every point of them)
     return crash_after
 
 

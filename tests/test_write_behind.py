@@ -2,7 +2,10 @@
 next holder unwritten, stored only at cuts of the whole group. The kill-at-every-step exactly-once test of write
 groups (tests/test_lock_protocol.py, ``kill_at_every_step``) with cuts every few buckets and only at the commit, and
 the server's refusals: a per-rank write group, a release that would lose unwritten rows, a staged report from a
-fenced rank or naming the wrong partitions; a hand-off that fails ends the round instead of reading the stale file."""
+fenced rank or naming the wrong partitions; a hand-off that fails ends the round instead of reading the stale file.
+Cuts taken in the background (job/train/distributed/cut_behind.py): which buckets are granted during one, what its
+record saves (exactly its buckets and their shared updates), a stop of the group waiting for it, what is unpinned,
+the pinned limit calling one early, and a pinned partition handed on before its stage."""
 
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ from job.train.distributed.transport import TensorTransport
 @pytest.mark.parametrize("every", [3, -1])
 def test_with_writes_behind_each_buckets_update_reaches_the_pass_exactly_once(
         tmp_path: Path, store: TCPStore, ranks: list[TensorTransport], every: int) -> None:  # noqa: F811
-    """Partitions handed on unwritten, stored at a cut every 3 buckets done (``every`` 3) or only at the pass's end
-    (-1): killed after every request, staged file and move, each bucket's update reaches the committed rows of each of
-    its partitions once and its shared update the vector once, and no staged file is left."""
+    """Partitions handed on unwritten, stored at a cut every 3 buckets done (``every`` 3: taken in the background, the
+    other rank training buckets started after the cut began, some points of death among them) or only at the pass's
+    end (-1): killed after every request, staged file and move, each bucket's update reaches the committed rows of
+    each of its partitions once and its shared update the vector once, and no staged file is left."""
     points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store, ranks,
                                 handoff=True, behind=every)
-    assert points > 40  # 121 points of death at 3, 49 at -1 (67 with write groups)
+    assert points > 40  # 119 points of death at 3 (the cuts in the background), 52 at -1 (67 with write groups)
 
 
 def test_a_cut_refuses_what_would_lose_or_count_twice_a_bucket(tmp_path: Path, store: TCPStore,  # noqa: F811
@@ -158,6 +162,8 @@ def test_a_rank_waiting_for_the_end_of_one_cut_is_not_drawn_into_the_next(tmp_pa
     before another rank asks again: that rank still hears ``go`` (the cut it took part in is over), not the next
     cut's steps (the scale bench's 8 pods, a cut every 8 buckets, failed so)."""
     server = serve(store, str(tmp_path), None, "two/lock", ranks[0], write_behind=1)
+    assert server.cuts is not None
+    server.cuts.background = False  # (the cut of the whole group: what the pass's end and an orderly end take)
     clients = [LockClient(store, rank, timeout_s=60, prefix="two/lock", transport=ranks[rank]) for rank in (0, 1)]
 
     def take_part(rank: int) -> str:  # stage what it is given, report it; the step it hears then
@@ -249,6 +255,7 @@ def test_a_cut_is_due_before_a_ranks_pinned_rows_could_pass_what_memory_budget_a
     idle = LockClient(store, 1, timeout_s=60, prefix="pinned/lock", transport=ranks[1])  # (holds nothing)
     try:
         assert server.cuts is not None
+        server.cuts.background = False  # (the group stops at one switch from the limit; background: two)
         server.cuts.bound(window_s=25.0, pinned_limit=4)  # a bucket pins 2 at a switch: a cut past 2 pinned
         kind, bucket, _, _ = client.finish_and_next(set(), None, None)
         pinned: set = set()
@@ -292,3 +299,172 @@ def test_memory_budget_gives_the_pinned_rows_the_buffer_room_a_distributed_train
     # a fixed partition_buffer is not the budget's: the hand-off keeps its 4 beside it, and they may be pinned
     fixed = parse_config({**base, "memory_budget": "1GiB", "partition_buffer": 6})
     assert pinned_partitions(fixed, 6) == 4 + 2 and handoff_kept_partitions(fixed, 6) == 4
+
+
+def test_a_cut_taken_in_the_background_saves_exactly_its_buckets_while_the_group_trains_on(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Issue 45: a cut every 2 buckets taken in the background. When it becomes due (rank 1 finishing b1) its set D is
+    the done unsaved buckets plus the one in flight (b0, b1, b2). Rank 1 stages its keys and trains on at once (b3,
+    granted during the cut, not in D and not touching a partition rank 0 still has to stage); rank 0's next ``next``
+    is its turn, not a bucket. The record (when the last key is staged) saves exactly D: its buckets leave the
+    unsaved ones, only their shared updates reach the stored vector, b3's stays pending, and a restart after it
+    redoes b3 alone. Each rank moves at its next ``next`` after the record; then the cut is over."""
+    server = serve(store, str(tmp_path), None, "bg/lock", ranks[0], write_behind=2)
+    clients = [LockClient(store, rank, timeout_s=60, prefix="bg/lock", transport=ranks[rank]) for rank in (0, 1)]
+    keys_of = server.state.bucket_keys
+
+    def delta(bucket: Any) -> torch.Tensor:  # its shared update: 1 in its own slot
+        change = torch.zeros(16)
+        change[bucket.lhs * 4 + bucket.rhs] = 1.0
+        return change
+
+    try:
+        assert server.cuts is not None
+        b0, b1 = (clients[rank].finish_and_next(set(), None, None)[1] for rank in (0, 1))
+        kind, b2, _, _ = clients[0].finish_and_next(set(keys_of[b0]), b0, None, delta(b0))
+        assert kind == "bucket" and b2 is not None  # one unsaved: no cut yet
+        assert clients[1].finish_and_next(set(keys_of[b1]), b1, None, delta(b1))[0] == "cut"
+        cut = server.cuts.behind
+        assert cut is not None and cut.buckets == {b0, b1, b2} and not server.cuts.active  # nobody stops
+        step = clients[1].cut()
+        assert step.step == "stage" and step.behind and set(step.keys) == set(keys_of[b1])
+        assert clients[1].cut(staged=_staged(1, step.keys, "bg")).step == "go"  # b2 still in flight: not recorded
+        kind, b3, _, _ = clients[1].finish_and_next(set(keys_of[b1]), None, None)
+        assert kind == "bucket" and b3 not in cut.buckets  # granted during the cut
+        assert not keys_of[b3] & (keys_of[b0] | keys_of[b2])  # rank 0 has not staged those yet
+        assert not server.state.dirty and server.state.unsaved_buckets() == {b0, b1}
+        assert clients[0].finish_and_next(set(keys_of[b2]), b2, None, delta(b2))[0] == "cut"  # its turn first
+        step = clients[0].cut()
+        assert step.step == "stage" and set(step.keys) == set(keys_of[b0] | keys_of[b2])
+        assert clients[0].cut(staged=_staged(0, step.keys, "bg")).step == "move"  # the last key: recorded
+        assert server.state.unsaved_buckets() == set() and server.state.dirty == keys_of[b0] | keys_of[b1] | keys_of[b2]
+        assert clients[0].cut(moved=True).step == "go"
+        assert clients[1].finish_and_next(set(keys_of[b3]), b3, None, delta(b3))[0] == "cut"  # its move is due
+        step = clients[1].cut()
+        assert step.step == "move" and set(step.keys) == set(keys_of[b1])
+        assert clients[1].cut(moved=True).step == "go" and server.cuts.behind is None  # over
+        assert server.state.unsaved_buckets() == {b3} and server.cuts.stats.cuts == 1
+        slots = sorted(b.lhs * 4 + b.rhs for b in (b0, b1, b2))
+        assert np.flatnonzero(server.vector.stored).tolist() == slots  # D's shared updates, not b3's
+        assert set(server.vector.pending) == {b3}
+        progress = read_progress(str(tmp_path), 0, "run")
+        assert progress is not None
+        cuts = [r for r in progress.records if r["e"] == "cut"]
+        assert len(cuts) == 1 and sorted(map(tuple, cuts[0]["buckets"])) == sorted([b0, b1, b2])
+        restarted = type(server.state)(4, 4, keys_of, world_size=2, version=1)  # what a restart resumes
+        restarted.restore(progress.state)
+        for record in progress.records:
+            restarted.apply(record)
+        restarted.forget_rank_locks()
+        assert restarted.done == {b0, b1, b2} and restarted.redone == 1  # b3 alone is redone
+        assert np.flatnonzero(progress.shared).tolist() == slots
+    finally:
+        server.stop()
+
+
+def test_a_cut_of_the_whole_group_waits_for_the_one_in_the_background_and_rows_are_unpinned_only_unchanged(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """The pass's end stops the group (its commit needs every bucket saved) but first lets a cut taken in the
+    background end: a rank owing its turn hears that turn's steps before the stop's. And a rank unpins, of the rows
+    it kept at its turn, only those neither kept anew nor taken back to train since (they may hold later work)."""
+    ends = handoffs(store, "unpin", True)
+    try:
+        holder = ends[0]
+        assert holder is not None
+        holder.strict = True
+        weight = torch.zeros(3, 16)
+        digests = [holder.keep(("node", part), weight + part, torch.zeros(3), 0) for part in (0, 1, 2)]
+        marks = holder.pinned_marks()  # its turn
+        holder.keep(("node", 1), weight + 10, torch.zeros(3), 0)  # kept anew after it: work after the cut
+        holder.hint([("node", 2)], [("node", 2, 0, digests[2])])
+        assert holder.take(("node", 2), (3, 16), False, False) is not None  # taken back to train
+        holder.unpin_unchanged(marks)
+        assert holder.pinned_marks() == {("node", 1): 2}  # 2 stays pinned, but taken back: not a mark
+        assert holder.pinned_bytes() == 2 * (weight.nbytes + 3 * 4)  # 1 and 2 pinned, 0 no longer
+    finally:
+        for end in ends:
+            if end is not None:
+                end.close()
+    server = serve(store, str(tmp_path), None, "stop/lock", ranks[0], write_behind=2)
+    clients = [LockClient(store, rank, timeout_s=60, prefix="stop/lock", transport=ranks[rank]) for rank in (0, 1)]
+    try:
+        assert server.cuts is not None
+        b0, b1 = (clients[rank].finish_and_next(set(), None, None)[1] for rank in (0, 1))
+        assert clients[0].finish_and_next(set(), b0, None)[0] == "bucket"
+        assert clients[1].finish_and_next(set(), b1, None)[0] == "cut"  # in the background
+        server.cuts.phase = "drain"  # as if the pass's last bucket were done now: the group stops
+        assert clients[0].cut().step == "stage" and clients[0].cut().behind is False  # its turn, reservation gone
+        step = clients[1].cut()
+        assert step.step == "stage"
+        assert clients[1].cut(staged=_staged(1, step.keys, "bg")).step == "go"
+        assert clients[1].cut().step == "wait"  # the stop waits for the background cut
+    finally:
+        server.stop()
+
+
+def test_memory_budget_calls_a_cut_in_the_background_two_switches_before_the_limit(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Issue 45: with a pinned limit (``pinned_partitions``) the cut comes in the background once a rank's next two
+    switches could pass it (the group stops only at one), before the pass's end (``-1``); its move unpins what the
+    rank kept at its turn, and a rank that held nothing still takes its (empty) turn before the cut is over."""
+    server = serve(store, str(tmp_path), None, "pinbg/lock", ranks[0], write_behind=-1)
+    client = LockClient(store, 0, timeout_s=60, prefix="pinbg/lock", transport=ranks[0])
+    idle = LockClient(store, 1, timeout_s=60, prefix="pinbg/lock", transport=ranks[1])  # (holds nothing)
+    try:
+        assert server.cuts is not None
+        server.cuts.bound(window_s=25.0, pinned_limit=6)  # a bucket pins 2 at a switch: background past 2 pinned
+        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
+        pinned: set = set()
+        for _ in range(15):
+            keys = sorted(server.state.bucket_keys[bucket])  # type: ignore[index]
+            kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
+            if kind == "cut":
+                break
+            leaving = sorted(set(keys) - set(server.state.bucket_keys[bucket]))  # type: ignore[index]
+            client.release(leaving, written=False, kept=[(k[0], k[1], "digest") for k in leaving])
+            pinned |= set(leaving)
+        assert kind == "cut" and len(server.state.done) < 16 and len(pinned) + 4 > 6 >= len(pinned) + 2, pinned
+        assert server.cuts.behind is not None and not server.cuts.active  # in the background
+        step = client.cut()
+        assert step.step == "stage" and step.behind
+        assert client.cut(staged=_staged(0, step.keys, "pin")).step == "move"  # its keys were all: recorded
+        assert client.cut(moved=True).step == "go" and not server.cuts.pinned[0]  # unpinned: counted from zero
+        assert not server.state.unsaved_buckets() and server.cuts.behind is not None  # rank 1's turn is owed
+        assert idle.finish_and_next(set(), None, None)[0] == "cut"
+        assert idle.cut().step == "stage" and idle.cut(staged=[]).step == "move"
+        assert idle.cut(moved=True).step == "go" and server.cuts.behind is None and server.cuts.stats.cuts == 1
+    finally:
+        server.stop()
+
+
+def test_during_a_cut_in_the_background_a_partition_its_stager_keeps_pinned_is_handed_on_before_its_stage(
+        tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
+    """Why no partition waits for its stage: rows a rank released kept are pinned there and never change (it takes
+    its own back only for a bucket it starts, and it starts none before its turn), so another rank may take a copy and
+    train it during the cut while the stager later stages the pinned rows as the cut's buckets left them. Here rank 0
+    keeps b0's partitions pinned and has not taken its turn; rank 1, after its own, is granted a bucket on one of them,
+    named with rank 0 as its holder."""
+    server = serve(store, str(tmp_path), None, "pinon/lock", ranks[0], write_behind=2)
+    clients = [LockClient(store, rank, timeout_s=60, prefix="pinon/lock", transport=ranks[rank]) for rank in (0, 1)]
+    keys_of = server.state.bucket_keys
+    try:
+        assert server.cuts is not None
+        b0, b1 = (clients[rank].finish_and_next(set(), None, None)[1] for rank in (0, 1))
+        kind, b2, _, _ = clients[0].finish_and_next(set(), b0, None)
+        assert kind == "bucket" and b2 is not None
+        leaving = sorted(keys_of[b0] - keys_of[b2])
+        assert leaving, (b0, b2)  # (the seeded order: b0 and b2 share at most one partition)
+        clients[0].release(leaving, written=False, kept=[(k[0], k[1], f"d{k[1]}") for k in leaving])
+        assert clients[1].finish_and_next(set(keys_of[b1]), b1, None)[0] == "cut"
+        cut = server.cuts.behind
+        assert cut is not None and cut.buckets == {b0, b1, b2} and all(cut.stager[k] == 0 for k in leaving)
+        step = clients[1].cut()
+        assert clients[1].cut(staged=_staged(1, step.keys, "pin")).step == "go"
+        kind, b3, _, _ = clients[1].finish_and_next(set(keys_of[b1]) | set(leaving), None, None)
+        assert kind == "bucket" and b3 not in cut.buckets and keys_of[b3] & set(leaving), (b3, leaving)
+        assert cut.turned == {1} and not cut.recorded  # rank 0 has staged nothing yet
+        # (held named them, to steer the choice; a rank that does not hold them is told to take them from rank 0)
+        handed = {(h[0], h[1]): h[2] for h in server.holders.grant(b3, keys_of[b1])}
+        assert all(handed[k] == 0 for k in keys_of[b3] & set(leaving))  # from rank 0's pinned rows
+    finally:
+        server.stop()

@@ -86,8 +86,10 @@ class RuntimeKeys:
         "Distributed runs with partition_handoff: 0 writes every partition that changes hands to checkpoint "
         "storage before its release (write groups; a lost pod costs only its own unsaved buckets). N > 0: a "
         "partition is handed to its next holder unwritten, and storage receives partitions only at cuts of the "
-        "whole group, every N buckets done and at the pass's end; -1: only at the pass's end (one checkpoint's "
-        "bytes per epoch). A lost pod then costs the whole group's buckets since the last cut; a pod leaving in order "
+        "whole group, every N buckets done (taken in the background: the group trains on while each pod stages its "
+        "part at its next bucket switch) and at the pass's end (the group waits for that one); -1: only at the "
+        "pass's end (one checkpoint's bytes per epoch). A lost pod then costs the whole group's buckets since the "
+        "last recorded cut; a pod leaving in order "
         "(SIGTERM: deleted, evicted, scaled down, a re-formation) makes the group take a cut first, within the drain "
         "window (BIGGRAPH_DRAIN_TIMEOUT), so nothing done is redone. Kept rows are never dropped before a cut stores "
         "them; with memory_budget a cut comes early enough that they fit in it (without one they are not bounded).",

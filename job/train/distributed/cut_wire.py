@@ -5,7 +5,10 @@ so that the lock protocol's own module stays within its size and a merge of eith
 A rank whose ``next`` was answered ``cut`` asks ``cut`` until it is told a step: ``wait`` (ask again: some rank still
 trains, or has not staged or moved yet), ``stage`` (write ``keys`` under staged names, then ask ``cut`` with
 ``staged``), ``move`` (the cut is recorded: move the staged files to their PBG names, then ask ``cut`` with
-``moved``), ``go`` (the cut is over: ask ``next``) or ``ending`` (the round ends: exit without writing anything).
+``moved``), ``go`` (the cut is over, or this rank's part of one taken in the background is: ask ``next``) or
+``ending`` (the round ends: exit without writing anything). In a cut taken in the background a rank's ``stage`` may be
+answered ``go`` (not recorded yet: it trains on) and a later ``next`` of it ``cut`` again, whose first step is then
+its ``move``.
 """
 
 from __future__ import annotations
@@ -51,16 +54,20 @@ def decode_cut(fields: Mapping[str, Any]) -> Cut:
 @dataclass(frozen=True)
 class CutStep:
     """The answer to ``cut``: the ``step`` to take (``STEPS``, see the module docstring) and, for ``stage``, the
-    ``keys`` to stage; ``why`` the round ends (``ending``)."""
+    ``keys`` to stage; ``why`` the round ends (``ending``); ``behind``: a turn in a cut taken in the background
+    (job/train/distributed/cut_behind.py) whose ``stage`` leaves the rank its reservation (it trains that next)."""
 
     step: str
     keys: tuple[PartitionKey, ...] = ()
     why: Optional[str] = None
+    behind: bool = False
 
     def wire(self) -> dict[str, Any]:
         message: dict[str, Any] = {"step": self.step, "keys": [[k[0], int(k[1])] for k in self.keys]}
         if self.why is not None:
             message["why"] = self.why
+        if self.behind:
+            message["behind"] = True
         return message
 
     @classmethod
@@ -69,5 +76,8 @@ class CutStep:
         if step not in STEPS:
             raise ProtocolError(f"'step' is not one of {STEPS}: {step!r}")
         why = message.get("why")
+        behind = message.get("behind", False)
+        if not isinstance(behind, bool):
+            raise ProtocolError(f"'behind' is not a boolean: {behind!r}")
         return cls(step=str(step), keys=_key_list(message.get("keys", []), "'keys'"),
-                   why=str(why) if why is not None else None)
+                   why=str(why) if why is not None else None, behind=behind)

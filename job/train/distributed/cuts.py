@@ -9,7 +9,18 @@ partitions only at cuts: every ``every`` buckets done by the group, and at the p
 
 Why per-rank records cannot save anything then: a partition handed on unwritten holds the updates of buckets whose
 other partitions may die with their trainer, so a file one rank writes may hold a bucket that a restart redoes
-(counted twice). A cut saves the whole group at once instead:
+(counted twice). A cut saves the whole group at once instead, in one of two ways.
+
+*In the background* (job/train/distributed/cut_behind.py, ``behind``): the cuts every ``every`` buckets and those the
+pinned limit calls for at two switches from it. A consistent snapshot of the buckets done or in flight when it
+became due, taken while the group trains: each rank stages its part at its next ``next`` and trains on (at 16 pods
+and N=32 a cut of the whole group cost every pod 70-80 s of waiting per epoch: bench/RESULTS.md). ``background``
+False (tests, the redo bench) takes them as below instead.
+
+*Of the whole group*, the group stopped, where that is right: the pass's end (the commit needs every bucket saved
+and none in flight), an orderly end of the round (``before_leaving``: it ends anyway), and a rank one switch from its
+pinned limit (memory first). One that becomes due during a background cut lets that one end first (a rank owing a
+turn hears its steps first; the plan waits for it):
 
 1. *Drain.* Once a cut is due, ``next`` finishes the rank's bucket and answers ``cut`` instead of another (nothing
    is reserved either; a rank's reservation is dropped with its locks that only it needed).
@@ -39,7 +50,8 @@ rank before the record is stored.
 
 ``pinned_limit``: the partitions a rank may keep pinned between cuts (the rows it released unwritten since the last
 one: never dropped before a cut stores them) within its ``memory_budget`` (job/train/residency/budget.py,
-``pinned_partitions``); a cut is due once a rank's next switch could pass it. None (no budget): unbounded.
+``pinned_partitions``); a cut in the background is due once a rank's next two switches could pass it, one of the
+whole group once its next switch could. None (no budget): unbounded.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from job.checkpoint.write_groups import STAGED_PREFIX
+from job.train.distributed.cut_behind import BehindCut
 from job.train.distributed.cut_wire import Cut, CutStep
 from job.train.distributed.holders import Holders
 from job.train.distributed.lock_state import LockState
@@ -86,6 +99,8 @@ class Cuts:
     # the partitions each rank released unwritten, its rows kept (pinned), since the last cut
     pinned: dict[int, set[PartitionKey]] = field(default_factory=dict)
     closing_since: Optional[float] = None  # when the server first saw the round end in order
+    behind: Optional[BehindCut] = None  # the cut taken in the background now, if any (cut_behind.py)
+    background: bool = True  # the cuts every N buckets and at the pinned limit are taken in the background
     abandoned: Optional[str] = None  # why the round's end takes no cut (a loss, the window over): as after a loss
 
     def __post_init__(self) -> None:
@@ -97,11 +112,18 @@ class Cuts:
     def active(self) -> bool:
         return self.phase is not None
 
-    def due(self, state: LockState, rank: int, finished: Optional[Bucket], closing: bool = False) -> bool:
-        """Whether ``rank``'s ``next`` finishing ``finished`` must be answered ``cut``: one is under way, or the
-        buckets done and unsaved (``finished`` among them) reach ``every``, or none is left to do and some are
-        unsaved (the pass's last cut, which the commit needs), or the round ends in order (``closing``) with some
-        unsaved, or a rank's pinned rows could pass ``pinned_limit`` at its next switch."""
+    def due(self, state: LockState, rank: int, finished: Optional[Bucket], closing: bool = False,
+            live: Collection[int] = ()) -> bool:
+        """Whether ``rank``'s ``next`` finishing ``finished`` must be answered ``cut``: it owes a turn to the cut
+        taken in the background (``behind``), or a cut of the whole group is under way, or one becomes due: the
+        buckets done and unsaved (``finished`` among them) reach ``every`` (in the background, unless one is under
+        way), or none is left to do and some are unsaved (the pass's last cut, which the commit needs; it stops the
+        group), or the round ends in order (``closing``, it stops the group) with some unsaved, or a rank's pinned
+        rows could pass ``pinned_limit`` at its next switch (in the background at two switches from it; the group
+        stops at one). ``live``: the ranks not lost (those of a cut taken in the background)."""
+        self.record_ready(state)
+        if self.behind is not None and self.behind.owes(rank):
+            return True
         if self.active:
             return True
         ends = finished is not None and state.in_flight.get(rank) == finished and finished not in state.done
@@ -109,10 +131,20 @@ class Cuts:
         if unsaved == 0:
             return False
         left = state.total - len(state.done) - int(ends)
-        if left == 0 or closing or (self.every > 0 and unsaved >= self.every) or self._pinned_full(state):
+        if left == 0 or closing or self._pinned_full(state, switches=1) or (
+                not self.background and self.every > 0 and unsaved >= self.every):
             self.phase = "drain"
             return True
+        if self.behind is None and self.background and (
+                (self.every > 0 and unsaved >= self.every) or self._pinned_full(state, switches=2)):
+            self.behind = BehindCut.begin(state, live)
+            return self.behind.owes(rank)
         return False
+
+    def reserving(self, rank: int) -> bool:
+        """Whether ``rank``'s reservation stays through the ``cut`` it is answered now: a turn in a cut taken in the
+        background (it trains its reserved bucket next), not a cut of the whole group."""
+        return not self.active and self.behind is not None and self.behind.owes(rank)
 
     def before_leaving(self, now: float, healthy: bool) -> bool:
         """The round ends: whether it may still take a cut first (see the module docstring). ``healthy``: no rank
@@ -126,28 +158,33 @@ class Cuts:
         return self.abandoned is None
 
     def kept(self, rank: int, keys: Collection[PartitionKey]) -> None:
-        """``rank`` released ``keys`` unwritten, their rows kept: pinned there until the next cut records."""
+        """``rank`` released ``keys`` unwritten, their rows kept: pinned there until a cut records them (one taken in
+        the background unpins at the rank's move what it kept before its turn and not since: ``_moved``)."""
         self.pinned.setdefault(rank, set()).update(keys)
+        if self.behind is not None and rank in self.behind.pinned_at_turn:
+            self.behind.pinned_at_turn[rank] -= set(keys)  # kept anew after its turn: pinned for the next cut
 
     def bound(self, *, window_s: float, pinned_limit: Optional[int]) -> None:
         """The drain window of an orderly end (``window_s``) and the pinned partitions a rank may keep."""
         self.window_s, self.pinned_limit = window_s, pinned_limit
 
-    def _pinned_full(self, state: LockState) -> bool:
-        """Whether a rank's pinned rows could pass ``pinned_limit`` at its next switch."""
+    def _pinned_full(self, state: LockState, switches: int = 1) -> bool:
+        """Whether a rank's pinned rows could pass ``pinned_limit`` within its next ``switches`` switches."""
         if self.pinned_limit is None or not self.pinned:
             return False
         if self.switch is None:
             self.switch = max((len(keys) for keys in state.bucket_keys.values()), default=0)
-        return any(len(keys) + self.switch > self.pinned_limit for keys in self.pinned.values())
+        return any(len(keys) + switches * self.switch > self.pinned_limit for keys in self.pinned.values())
 
     def answer(self, state: LockState, holders: Holders, rank: int, request: Cut, live: Collection[int]) -> CutStep:
         """The step ``rank`` takes next (``live``: the ranks not lost); may record the cut (``state.record_cut``)."""
         if rank in self.over:
             self.over.discard(rank)
             return CutStep("go")
+        if self.behind is not None and self.behind.owes(rank):  # first, even when the group stops meanwhile
+            return self._behind_step(state, rank, request)
         if self.phase == "drain":
-            if state.in_flight:
+            if state.in_flight or self.behind is not None:  # (the one in the background ends first)
                 return CutStep("wait")
             self.plan = self._plan(state, holders, live)
             self.phase = "stage"
@@ -170,6 +207,32 @@ class Cuts:
             self.plan, self.reports, self.moved = {}, {}, set()
             return CutStep("go")
         return CutStep("wait") if rank in self.moved else CutStep("move", keys=self.plan.get(rank, ()))
+
+    def record_ready(self, state: LockState) -> None:
+        """Record the cut taken in the background once it may be (every key staged, every bucket of it done)."""
+        if self.behind is not None and self.behind.ready(state):
+            self.stats.files += self.behind.record(state)
+            self.stats.cuts += 1
+
+    def _behind_step(self, state: LockState, rank: int, request: Cut) -> CutStep:
+        """``rank``'s turn in the cut taken in the background: ``stage`` its keys (``behind``: its reservation
+        stays), then ``go`` (train on) or ``move`` if the cut is recorded; after the record, ``move``, then ``go``."""
+        cut = self.behind
+        assert cut is not None
+        if rank not in cut.turned:
+            if request.staged is None:
+                # ``behind``: its reservation stays (not when the group stops meanwhile: that drops it)
+                return CutStep("stage", keys=cut.keys_of(rank), behind=not self.active)
+            cut.report(rank, request.staged, self.pinned.get(rank, set()))
+            self.record_ready(state)
+            return CutStep("move", keys=cut.keys_of(rank), behind=not self.active) if cut.recorded else CutStep("go")
+        if not request.moved:  # (``behind``: as at ``stage``; the rank's move may come within a stop of the group)
+            return CutStep("move", keys=cut.keys_of(rank), behind=not self.active)
+        cut.unmoved.discard(rank)
+        self.pinned[rank] = self.pinned.get(rank, set()) - cut.pinned_at_turn.pop(rank, set())
+        if cut.over:
+            self.behind = None
+        return CutStep("go")
 
     def _plan(self, state: LockState, holders: Holders, live: Collection[int]) -> dict[int, tuple[PartitionKey, ...]]:
         keys = {key for pending in state.unsaved.values() for bucket_keys in pending.values() for key in bucket_keys}

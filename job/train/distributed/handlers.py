@@ -117,11 +117,12 @@ class RequestHandlers:
         if why is not None:  # the bucket finished, nothing more: the rank gives back and exits, after a cut if the
             # round ends in order and some work is unsaved (job/train/distributed/cuts.py, ``before_leaving``)
             cut = self.cuts is not None and self._cut_before_leaving() and self.cuts.due(
-                self.state, rank, finished, closing=True)
-            self.state.stop(rank, finished)
+                self.state, rank, finished, closing=True, live=self._live())
+            self.state.stop(rank, finished, keep_reserved=cut and self.cuts is not None and self.cuts.reserving(rank))
             kind, bucket = ("cut" if cut else "ending"), None
-        elif self.cuts is not None and self.cuts.due(self.state, rank, finished):  # write what you hold, then wait
-            self.state.stop(rank, finished)
+        elif self.cuts is not None and self.cuts.due(self.state, rank, finished, live=self._live()):
+            # write what you hold, then wait (a cut of the group); or stage it and train on (one in the background)
+            self.state.stop(rank, finished, keep_reserved=self.cuts.reserving(rank))
             kind, bucket = "cut", None
         else:
             kind, bucket = self.state.next_bucket(rank, set(request.held), finished, self.rng)
@@ -129,6 +130,8 @@ class RequestHandlers:
                                 time.monotonic())
         if work.change is not None and finished is not None and not was_done and finished in self.state.done:
             work.finished, work.saved = finished, finished not in self.state.unsaved.get(rank, {})
+        if self.cuts is not None:  # a cut taken in the background may have been recorded here: its updates stored
+            work.unsaved = frozenset(self.state.unsaved_buckets())
         return Granted(kind=kind, bucket=bucket, why=why, holders=self.holders.grant(bucket, request.held),
                        **self._written(request.written_known))
 
@@ -185,12 +188,15 @@ class RequestHandlers:
         why = self.round_ending()
         if why is not None and not self._cut_before_leaving():  # a cut not recorded never happened; one recorded
             return CutStep("ending", why=why)  # is finished by the restart
-        dead = self._lost() | set(self._gone)
-        step = self.cuts.answer(self.state, self.holders, rank, request,
-                                [r for r in range(self.state.world_size) if r not in dead])
+        step = self.cuts.answer(self.state, self.holders, rank, request, self._live())
         # through the committer, after every request decided before it: ``move`` never outruns the cut's record
         work.unsaved = frozenset(self.state.unsaved_buckets())
         return step
+
+    def _live(self) -> list[int]:
+        """The ranks not lost (declared dead, or gone: a failed transfer)."""
+        dead = self._lost() | set(self._gone)
+        return [r for r in range(self.state.world_size) if r not in dead]
 
     def _cut_before_leaving(self) -> bool:
         """The round ends: whether a cut may still save the group's work first (written behind, an orderly end: no

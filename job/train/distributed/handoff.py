@@ -40,6 +40,7 @@ import torch
 from job.train.distributed import auth
 from job.train.distributed.holders import Holder, Kept
 from job.train.distributed.liveness import store_host
+from job.train.distributed.pinned import PinnedRows
 from job.train.residency.budget import handoff_kept_partitions
 from job.types import PartitionKey
 
@@ -109,7 +110,7 @@ class HandoffLost(RuntimeError):
     refused); reading the file instead would lose buckets, so the trainer fails and the round ends."""
 
 
-class PartitionHandoff:
+class PartitionHandoff(PinnedRows):
     """One rank's end: the rows it keeps and serves (``keep``, the listener) and the rows it takes (``hint`` from
     each grant, ``take`` from ``PartitionStore._read``). Thread-safe: the I/O thread keeps and takes, the main
     thread hints, the listener's threads serve."""
@@ -135,6 +136,11 @@ class PartitionHandoff:
         self._pinned: set[PartitionKey] = set()
         # the digest of rows kept when a cut stored them: once dropped, an asker of those rows may read the file
         self._stored: dict[PartitionKey, str] = {}
+        # a cut taken in the background (job/train/distributed/cut_behind.py) unpins only rows unchanged since this
+        # rank's turn: each ``keep`` of a key counts (``_kept_count``), and rows this rank took back to train are marked
+        self._kept_count: dict[PartitionKey, int] = {}
+        self._retaken: set[PartitionKey] = set()
+        self._told_stored: set[PartitionKey] = set()  # holders that answered "stored": the file of the next version
 
     @classmethod
     def of_group(cls, ctx: Any, config: Any, capacity: Optional[int]) -> PartitionHandoff:
@@ -237,6 +243,8 @@ class PartitionHandoff:
             self._kept.move_to_end(key)
             if self.strict:
                 self._pinned.add(key)
+            self._kept_count[key] = self._kept_count.get(key, 0) + 1
+            self._retaken.discard(key)
             self._stored.pop(key, None)
             self._trim()
             self._hints[key] = (self.rank, digest)
@@ -251,13 +259,6 @@ class PartitionHandoff:
         with self._lock:
             kept = self._kept.get(key)
         return kept[0] if kept is not None else None
-
-    def unpin(self) -> None:
-        """A cut stored every row kept so far: they may be dropped again, oldest first, beyond ``limit``."""
-        with self._lock:
-            self._stored.update((key, digest) for key, (_, digest) in self._kept.items())
-            self._pinned.clear()
-            self._trim()
 
     def keep_group(self, group: WriteGroup, steps: Mapping[PartitionKey, int]) -> list[Kept]:
         """``keep`` the partitions leaving in ``group`` (just published); what the release that frees them names.
@@ -296,13 +297,10 @@ class PartitionHandoff:
             self._kept.clear()
             self._pinned.clear()
             self._stored.clear()
+            self._retaken.clear()
+            self._told_stored.clear()
             self._hints.clear()
             self.stats = HandoffStats()
-
-    def pinned_bytes(self) -> int:
-        """The rows kept that no cut has stored yet (writes behind: never dropped before one does)."""
-        with self._lock:
-            return sum(self._kept[k][0].weight.nbytes + self._kept[k][0].optim_sum.nbytes for k in self._pinned)
 
     def kept_bytes(self) -> int:
         with self._lock:
@@ -323,6 +321,8 @@ class PartitionHandoff:
                 if kept is not None and kept[1] == digest:
                     if not self.strict:  # (written behind they stay until a cut: a read ahead may be dropped unused)
                         del self._kept[key]
+                    else:  # trained in place once its bucket starts: no longer the rows a cut may have staged
+                        self._retaken.add(key)
                     self.stats.kept_hits += 1
                     return kept[0]
         if holder == self.rank:
@@ -367,6 +367,9 @@ class PartitionHandoff:
             if not header.get("ok"):
                 if self.strict and header.get("why") != "stored":  # the only copy of rows newer than the file
                     raise ValueError(f"rank {holder} no longer keeps the rows ({header.get('why')})")
+                if self.strict:  # a recorded cut holds them, moved to the next version's names before they went
+                    with self._lock:
+                        self._told_stored.add(key)
                 logger.info("rank %d: rank %d no longer keeps %s partition %d (%s); reading the file", self.rank,
                             holder, key[0], key[1], header.get("why"))
                 return None

@@ -20,7 +20,8 @@ are forgotten by a restart: ``forget_rank_locks``):
   group, job/checkpoint/write_groups.py): the staged file of each, which a restart moves to its PBG name if still there,
   with its size and CRC-32 (what the commit's manifest takes instead of reading the file back)
 - ``cut`` (``write_behind_buckets``, job/train/distributed/cuts.py): ``keys``, every partition trained since the last
-  cut, made current at once by the ``staged`` files of every rank: every done bucket is saved (whoever did it)
+  cut, made current at once by the ``staged`` files of every rank: every done bucket is saved (whoever did it), or
+  with ``buckets`` (a cut taken in the background, job/train/distributed/cut_behind.py) exactly those
 - ``record``: a finished bucket's ``training_stats.json`` line
 """
 
@@ -57,6 +58,9 @@ class LockState:
     unsaved: dict = field(default_factory=dict)
     records: list = field(default_factory=list)  # training_stats.json lines of the finished buckets
     journal: list = field(default_factory=list)  # the changes not yet persisted (``drain_journal``)
+    # key -> the rank that last started a bucket training it: where its latest rows are in this round (a cut taken in
+    # the background stages each partition there: job/train/distributed/cut_behind.py); not persisted
+    trainer: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._watch()
@@ -139,12 +143,15 @@ class LockState:
         if rank in self.in_flight:
             self._change({"e": "stop", "rank": rank})
 
-    def stop(self, rank: int, finished: Optional[Bucket]) -> None:
+    def stop(self, rank: int, finished: Optional[Bucket], keep_reserved: bool = False) -> None:
         """The round ends: finish ``finished`` (if ``rank`` had it in flight) and hand ``rank`` nothing more, its
         reservation dropped with the locks only it needed (partitions not read yet, or read ahead and unchanged:
-        the rank's give-back writes and releases the ones it holds, ``settled`` waits for that)."""
+        the rank's give-back writes and releases the ones it holds, ``settled`` waits for that). ``keep_reserved``:
+        its reservation stays (a turn in a cut taken in the background: the rank trains it next)."""
         current = self.in_flight.get(rank)
         self._end_in_flight(rank, finished)
+        if keep_reserved:
+            return
         ahead = self.reserved.pop(rank, None)
         if ahead is not None:
             keep = self.bucket_keys[current] if current is not None else frozenset()
@@ -236,11 +243,16 @@ class LockState:
             event["staged"] = [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]
         self._change(event)
 
-    def record_cut(self, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]]) -> None:
+    def record_cut(self, keys: Sequence[Sequence[Any]], staged: Sequence[Sequence[Any]],
+                   buckets: Optional[Sequence[Bucket]] = None) -> None:
         """A cut (job/train/distributed/cuts.py): ``keys`` made current by ``staged`` (every rank's files), saving
-        every done bucket of every rank in this one record."""
-        self._change({"e": "cut", "keys": [[k[0], int(k[1])] for k in keys],
-                      "staged": [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]})
+        every done bucket of every rank in this one record, or exactly ``buckets`` (a cut taken in the background:
+        job/train/distributed/cut_behind.py; the buckets started after it began stay unsaved)."""
+        event: dict[str, Any] = {"e": "cut", "keys": [[k[0], int(k[1])] for k in keys],
+                                 "staged": [[entry[0], int(entry[1]), str(entry[2]), *entry[3:5]] for entry in staged]}
+        if buckets is not None:
+            event["buckets"] = [list(b) for b in buckets]
+        self._change(event)
 
     def add_record(self, record: dict[str, Any]) -> None:
         """A finished bucket's stats line (the committing rank writes them all at the commit)."""
@@ -261,8 +273,10 @@ class LockState:
         kind = event["e"]
         rank = int(event.get("rank", -1))
         if kind == "start":
-            self.in_flight[rank] = Bucket(*event["bucket"])
+            self.in_flight[rank] = started = Bucket(*event["bucket"])
             self.acquired += 1
+            for key in self.bucket_keys.get(started, ()):
+                self.trainer[key] = rank
         elif kind == "stop":
             # a bucket in flight that ends unfinished was given up (job/train/schedule/clock.py): trained again
             self.redone += self.in_flight.pop(rank, None) is not None
@@ -286,7 +300,16 @@ class LockState:
                 del self.unsaved[rank]
         elif kind == "cut":  # one record for the whole group: every bucket done so far is in the files it names
             self.dirty.update((k[0], int(k[1])) for k in event["keys"])
-            self.unsaved.clear()
+            if "buckets" not in event:
+                self.unsaved.clear()
+            else:  # a cut taken in the background saves its own buckets, not those started after it began
+                saved = {Bucket(*b) for b in event["buckets"]}
+                for owner in list(self.unsaved):
+                    pending = self.unsaved[owner]
+                    for bucket in saved & set(pending):
+                        del pending[bucket]
+                    if not pending:
+                        del self.unsaved[owner]
         elif kind == "record":
             self.records.append(event["record"])
         else:
@@ -316,6 +339,7 @@ class LockState:
                         if "lhs_partition" not in r or Bucket(r["lhs_partition"], r["rhs_partition"]) not in lost]
         self.unsaved.clear()
         self.locks.clear()
+        self.trainer.clear()
         return by_rank
 
     def to_json(self) -> dict[str, Any]:

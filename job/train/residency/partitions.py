@@ -258,7 +258,12 @@ class PartitionStore:
                 self.stats.add(loads=1, handed_in=1 if rows.received else 0, bytes_handed_in=rows.received,
                                kept_hits=0 if rows.received else 1)
                 return PartitionRead(rows.weight, rows.optim_sum, rows.step, time.perf_counter() - started, 0)
-        return self.reader.read(key, written=key in self.written, committed=self.committed, stats=self.stats)
+            # a holder whose rows a cut stored (writes behind): the cut may be newer than what this rank heard
+            told_stored = self.peers.told_stored(key)
+        else:
+            told_stored = False
+        return self.reader.read(key, written=key in self.written or told_stored, committed=self.committed,
+                                stats=self.stats)
 
     def _place(self, key: PartitionKey, read: PartitionRead) -> Table:
         started = time.perf_counter()

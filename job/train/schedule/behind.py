@@ -44,13 +44,14 @@ class CutCounts:
     """This rank's part of the pass's cuts (its pass record)."""
 
     cuts: int = 0
+    background: int = 0  # of them taken in the background (job/train/distributed/cut_behind.py): it trained on
     staged: int = 0  # partitions it staged
     seconds: float = 0.0  # its time in cuts, waits for the other ranks included
     pinned_peak_bytes: int = 0  # the most rows it kept at once that no cut had stored yet (memory_budget bounds it)
 
     def as_record(self) -> dict[str, float]:
-        return {"cuts": self.cuts, "cut_partitions_staged": self.staged, "cut_seconds": round(self.seconds, 3),
-                "pinned_peak_bytes": self.pinned_peak_bytes}
+        return {"cuts": self.cuts, "cuts_in_background": self.background, "cut_partitions_staged": self.staged,
+                "cut_seconds": round(self.seconds, 3), "pinned_peak_bytes": self.pinned_peak_bytes}
 
 
 class BehindWrites:
@@ -65,6 +66,10 @@ class BehindWrites:
         handoff.strict = True  # a failed hand-off ends the round: the file is older than the rows it lost
         self.counts = CutCounts()
         self._deadline: Callable[[], Optional[float]] = lambda: None  # (the cut's: ``cut``)
+        self.kept_reservation = False  # (the last ``cut``'s: whether the rank's reservation is still its next)
+        # a cut taken in the background that this rank staged for before it was recorded: its group, and the marks
+        # of the rows it kept then (what its move unpins)
+        self._unmoved: Optional[tuple[WriteGroup, Optional[dict[PartitionKey, int]]]] = None
 
     def release(self, keep: set[PartitionKey]) -> list[PartitionKey]:
         """Let the resident partitions not in ``keep`` go unwritten, their rows kept for the next holder; returns
@@ -94,45 +99,80 @@ class BehindWrites:
             logger.warning("rank %d: could not hand its locks back at the round's end (%s)", self.client.rank, err)
 
     def cut(self, deadline: Callable[[], Optional[float]] = lambda: None) -> Optional[str]:
-        """This rank's turn in the cut the server announced; None once it is over, else why the round ends (the
-        cut abandoned, or recorded and finished by the restart's roll-forward). ``deadline``: this rank's drain
-        deadline (monotonic; None while it has none): past it, a cut not yet recorded is given up."""
+        """This rank's turn in the cut the server announced; None once it is over (or this rank's part of one taken
+        in the background is: job/train/distributed/cut_behind.py), else why the round ends (the cut abandoned, or
+        recorded and finished by the restart's roll-forward). ``deadline``: this rank's drain deadline (monotonic;
+        None while it has none): past it, a cut not yet recorded is given up. ``kept_reservation`` says afterwards
+        whether the rank's reserved bucket (and what it read ahead for it) is still its next."""
         started = time.perf_counter()
         self._deadline = deadline
+        self.kept_reservation = False
         try:
-            self.store.discard_prefetched()
             step = self._ask()
+            if step.step == "move" and self._unmoved is not None:  # a cut taken in the background, recorded since
+                self.kept_reservation = step.behind  # (not when the group stops meanwhile: that dropped it)
+                if not step.behind:
+                    self.store.discard_prefetched()
+                return self._move(step, *self._unmoved)
             if step.step != "stage":
                 return self._unexpected(step, "stage")
-            tables: dict[PartitionKey, Any] = {}
-            for key in step.keys:
-                table = self.store.loaded.get(key)
-                if table is None:
-                    rows = self.handoff.kept_rows(key)
-                    if rows is None:
-                        raise RuntimeError(f"the cut gave this rank {key[0]} partition {key[1]}, whose rows it no "
-                                           "longer keeps")
-                    table = Table(weight=rows.weight, optim_sum=rows.optim_sum)
-                    self.store.steps[key] = rows.step
-                tables[key] = table
-            group = WriteGroup.of(self.store.next_version, [], tables)
-            self.store.stage(group)
-            self.checkpoint.flush()  # stored before the report: the record makes them current
+            self.kept_reservation = step.behind
+            self.counts.background += int(step.behind)
+            if not step.behind:
+                self.store.discard_prefetched()  # the cut of the whole group dropped the reservation
+            # what this rank keeps now holds nothing trained after the cut began: unpinned once it is recorded
+            kept_now = self.handoff.pinned_marks() if step.behind else None
+            group = self._stage(step.keys)
             if self._late():
                 return self._give_up_cut()
             step = self._ask(staged=group.staged(self.checkpoint))
+            self.counts.staged += len(group.keys)
+            if step.step == "go" and kept_now is not None:  # not recorded yet: train on, move at a later turn
+                self._unmoved = (group, kept_now)
+                return None
             if step.step != "move":
                 return self._unexpected(step, "move")
-            self.store.publish(group)
-            step = self._ask(moved=True)
-            if step.step != "go":
-                return self._unexpected(step, "go")
-            self.handoff.unpin()
-            self.counts.cuts += 1
-            self.counts.staged += len(group.keys)
-            return None
+            return self._move(step, group, kept_now)
         finally:
             self.counts.seconds += time.perf_counter() - started
+
+    def _stage(self, keys: tuple[PartitionKey, ...]) -> WriteGroup:
+        """Write ``keys`` under staged names, from this rank's store when it holds them, else from the rows it keeps;
+        stored before the report (the record makes them current)."""
+        tables: dict[PartitionKey, Any] = {}
+        for key in keys:
+            table = self.store.loaded.get(key)
+            if table is None:
+                rows = self.handoff.kept_rows(key)
+                if rows is None:
+                    raise RuntimeError(f"the cut gave this rank {key[0]} partition {key[1]}, whose rows it no "
+                                       "longer keeps")
+                table = Table(weight=rows.weight, optim_sum=rows.optim_sum)
+                self.store.steps[key] = rows.step
+            tables[key] = table
+        group = WriteGroup.of(self.store.next_version, [], tables)
+        self.store.stage(group)
+        self.checkpoint.flush()
+        return group
+
+    def _move(self, step: CutStep, group: WriteGroup, kept_now: Optional[dict[PartitionKey, int]]) -> Optional[str]:
+        """The cut is recorded: move ``group`` to its PBG names, report it, and unpin what the cut stored (all that is
+        kept after a cut of the whole group; ``kept_now``, the rows kept at this rank's turn and unchanged since,
+        after one taken in the background)."""
+        if step.keys and sorted(step.keys) != sorted(group.keys):
+            raise RuntimeError(f"the lock server named {sorted(step.keys)} to move, but this rank staged "
+                               f"{sorted(group.keys)}")
+        self.store.publish(group)
+        self._unmoved = None
+        step = self._ask(moved=True)
+        if step.step != "go":
+            return self._unexpected(step, "go")
+        if kept_now is None:
+            self.handoff.unpin()
+        else:
+            self.handoff.unpin_unchanged(kept_now)
+        self.counts.cuts += 1
+        return None
 
     def _late(self) -> bool:
         deadline = self._deadline()

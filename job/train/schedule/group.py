@@ -115,6 +115,8 @@ class LockServerScheduler(BucketScheduler):
         self.ahead = None
         if self.handoff is not None:
             self.handoff.new_pass()
+            if self.behind is not None:  # the commit stored every row kept (or newer ones): none is pinned any more
+                self.handoff.unpin()
         if self.behind is not None:
             self.behind.counts = CutCounts()  # (this pass's, for its log line)
         if self.commits:
@@ -179,10 +181,11 @@ class LockServerScheduler(BucketScheduler):
             if kind == "ending":
                 self._end_round(str(self.client.last_why or "the round ends"))
             if kind == "cut" and self.behind is not None:  # every rank stores what it holds, then training goes on
-                self.ahead = None
                 why = self.behind.cut(deadline=self._own_deadline)
                 if why is not None:
                     self._end_round(why)
+                if not self.behind.kept_reservation:  # (a cut taken in the background leaves it: its next bucket)
+                    self.ahead = None
                 continue
             if kind == "wait" or bucket is None:
                 # give our partitions back so that nobody waits on us, then ask again
