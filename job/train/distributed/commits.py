@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import storage_adapters as storage
+from job.train.distributed.request_trace import mark
 from job.train.distributed.server_stats import Stopwatch
 from job.train.distributed.shared_vector import SharedVector
 from job.types import Bucket
@@ -138,6 +139,7 @@ class Committer:
                 logger.exception("lock server: a commit of %d requests failed", len(batch))
 
     def _commit(self, commits: list[Commit]) -> None:
+        self._mark(commits, "commit_start")
         with Stopwatch() as whole:
             with Stopwatch() as vector_watch, self.vector.lock:
                 stored = False
@@ -165,6 +167,7 @@ class Committer:
                         c.buffer = None
                 if added:
                     self._done(("added", added))
+            self._mark(commits, "added")
             records = [record for commit in commits for record in commit.records]
             with Stopwatch() as progress_watch:
                 if self.failed is None:
@@ -182,6 +185,7 @@ class Committer:
                         logger.warning("lock server: the progress could not be saved (%s); every request is "
                                        "refused from now on", self.failed)
                 batch.error = self.failed
+            self._mark(commits, "durable")
         with self._lock:
             self.stats.busy_s += whole.seconds
             self.stats.cpu_s += whole.cpu_seconds
@@ -191,3 +195,8 @@ class Committer:
             self.stats.commits += len(commits)
             self.stats.shared_writes += int(stored and batch.error is None)
         self._done(("committed", batch))
+
+    @staticmethod
+    def _mark(commits: list[Commit], name: str) -> None:
+        for commit in commits:  # (traced requests only: request_trace.py)
+            mark(getattr(commit.job, "marks", None), name)

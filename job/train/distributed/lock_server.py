@@ -42,6 +42,7 @@ from job.train.distributed.protocol import (
 from job.train.distributed.pull_serving import Gatherer, PullServing
 from job.train.distributed.replier import Replier
 from job.train.distributed.request_gate import RequestGate
+from job.train.distributed.request_trace import Traces, mark
 from job.train.distributed.server_stats import ServerStats, Stopwatch
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
@@ -93,7 +94,7 @@ class LockServer(RequestHandlers, PullServing):
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
                  lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None,
-                 layout: Optional[RowLayout] = None, write_behind: int = 0) -> None:
+                 layout: Optional[RowLayout] = None, write_behind: int = 0, trace: bool = False) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
         result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
@@ -101,7 +102,8 @@ class LockServer(RequestHandlers, PullServing):
         None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused; ``world_size``:
         the group's, whose ranks alone are served (None: any rank >= 0); ``layout``: which values of ``shared`` are
         relation rows, for sparse changes and pulls (job/train/distributed/shared_rows.py; None: none are);
-        ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py)."""
+        ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py);
+        ``trace``: keep where each request's round trip went (request_trace.py; the bench's breakdown)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the replier thread's connection)
@@ -142,7 +144,8 @@ class LockServer(RequestHandlers, PullServing):
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         self.let_in = 0  # requests the reader let in so far
         self._reader_cpu_s = 0.0  # the reader thread's CPU time screening requests (MAC, JSON, replay, fields)
-        self._replier = Replier(self.store, prefix, self._stop.is_set)
+        self.traces = Traces(trace)  # (``traces.take()``: the requests answered so far, with their stamps)
+        self._replier = Replier(self.store, prefix, self._stop.is_set, self.traces.finish)
         self._gatherer = Gatherer(self.vector, self._inbox.put)  # pulls' rows read off the serving thread
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
@@ -166,6 +169,7 @@ class LockServer(RequestHandlers, PullServing):
                     logger.warning("lock server: request queue closed")
                 self._inbox.put(("closed",))
                 return
+            marks = self.traces.begin()
             started = time.thread_time()
             kind, incoming, typed = self._gate.screen(raw, self.server_id)  # MAC, JSON, replay, fields: off _serve
             self._reader_cpu_s += time.thread_time() - started  # (this thread's alone: read without a lock)
@@ -173,7 +177,8 @@ class LockServer(RequestHandlers, PullServing):
                 self._inbox.put(("stop",))
                 return
             if incoming is not None:
-                self._inbox.put(("request", incoming, typed))
+                mark(marks, "inbox")
+                self._inbox.put(("request", incoming, typed, marks))
                 self.let_in += 1  # (tests: every request queued for the serving thread)
 
     def _serve(self) -> None:
@@ -213,7 +218,7 @@ class LockServer(RequestHandlers, PullServing):
                 return True
             try:  # no request, however malformed, and no failure of one event stops the serving (issue 44)
                 if event[0] == "request":
-                    self._on_request(event[1], event[2])
+                    self._on_request(event[1], event[2], event[3] if len(event) > 3 else None)
                 elif event[0] == "ended":
                     self._on_ended(event[1], event[2])
                 elif event[0] == "committed":
@@ -228,10 +233,12 @@ class LockServer(RequestHandlers, PullServing):
                 logger.exception("lock server: an event (%s) failed; serving on", event[0])
         return False
 
-    def _on_request(self, incoming: protocol.Incoming, typed: Any) -> None:
-        """A request the reader let in (authentic, of the group, not a replay: request_gate.py), ``typed``: decoded."""
+    def _on_request(self, incoming: protocol.Incoming, typed: Any, marks: Optional[dict[str, float]] = None) -> None:
+        """A request the reader let in (authentic, of the group, not a replay: request_gate.py), ``typed``: decoded;
+        ``marks``: its stamps so far, when traced."""
         rank = incoming.envelope.rank
-        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel), typed)
+        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel), typed, marks)
+        mark(marks, "taken")
         try:
             self._admit(job)
         except Exception as err:  # noqa: BLE001 - answered (and logged once) with what failed
@@ -290,6 +297,7 @@ class LockServer(RequestHandlers, PullServing):
         else handed to the committer (the reply, and the sum, leave once its records are stored). ``pull_into``: a
         pull's buffer, its values sent after the reply."""
         work = VectorWork(change=buffer.numpy() if buffer is not None else None)
+        mark(job.marks, "judged")
         try:
             with Stopwatch() as watch:
                 request = job.request()
@@ -308,6 +316,7 @@ class LockServer(RequestHandlers, PullServing):
         if work.pull is not None and pull_into is not None and isinstance(request, protocol.Pull):
             self._send_pull(job, work.pull, pull_into, request.tag)
             return
+        mark(job.marks, "submitted")
         if not records and work.change is None and work.unsaved is None:
             self._push(job, reply)
             return
@@ -324,6 +333,7 @@ class LockServer(RequestHandlers, PullServing):
     def _push(self, job: Waiting, reply: Reply) -> None:
         """Answer ``job``: sealed and pushed by the replier thread, after every reply decided before it; one that
         cannot be pushed (the store going away with the round) is logged, never fatal."""
+        mark(job.marks, "answered")
         self._replier.push(job, reply)
 
     def settled(self, deadline: Optional[float] = None) -> bool:
