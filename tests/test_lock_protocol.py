@@ -188,6 +188,8 @@ def test_a_sync_of_the_wrong_shape_is_refused_and_changes_nothing(served: tuple[
 
 def test_a_failed_progress_write_is_answered_and_every_later_request_refused(store: TCPStore,
                                                                              ranks: list[TensorTransport]) -> None:
+    """A grant is answered before its record is stored (commits.py, ``replies_early``); the first request whose
+    reply waits for its record is refused with the write's error, and every request after it."""
     def fail(records: list) -> None:
         raise OSError("disk full")
 
@@ -195,8 +197,10 @@ def test_a_failed_progress_write_is_answered_and_every_later_request_refused(sto
                         np.zeros(1, np.float32), 0, ranks[0], prefix=PREFIX)
     client = LockClient(store, 1, timeout_s=60, prefix=PREFIX, transport=ranks[1])
     try:
-        with pytest.raises(LockServerError, match="OSError: disk full"):
-            client.next_bucket(set(), None, None)
+        kind, bucket, _ = client.next_bucket(set(), None, None)  # a grant leaves before its record is stored
+        assert kind == "bucket" and bucket is not None
+        with pytest.raises(LockServerError, match="OSError: disk full"):  # a reply that waits for its record
+            client.release(sorted(partition_keys(4)[bucket]))
         with pytest.raises(LockServerError, match="could not be saved earlier.*disk full"):
             client.status()
         with pytest.raises(LockServerError, match="could not be saved earlier.*disk full"):
@@ -325,7 +329,9 @@ def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_
     """Every ``compact_every`` records the server writes them again as one segment: a restart then reads fewer
     records than that (and the segments), and replays to the same state. A compaction cut before its snapshot is
     rewritten leaves the last snapshot and its records; one cut after it (before the old records are dropped) the
-    new one: either replays to the state the last answered request left."""
+    new one: either replays to the state of the last request whose records were written: the state the last
+    answered request left, or the one the last grant left if the write that failed was its own (a grant is answered
+    before its record is stored, commits.py: ``replies_early``; the release after it is then refused)."""
     checkpoint = str(tmp_path)
     state = LockState(4, 4, partition_keys(4), world_size=1, version=3)
     log = ProgressLog(checkpoint, "job-a/cfg", 3, compact_every=5)
@@ -348,9 +354,11 @@ def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_
     monkeypatch.setattr(storage, "remove_many", remove_many)
     try:
         finished = None
+        granted = None  # the state the last grant left
         with pytest.raises(LockServerError) if cut else contextlib.nullcontext():
             for _ in range(16):
                 kind, finished, _ = client.next_bucket(set(), finished, {"n": 1} if finished else None)
+                granted = persisted(state)
                 assert kind == "bucket" and finished is not None
                 client.release(sorted(state.bucket_keys[finished]))
             client.next_bucket(set(), finished, {"n": 1})
@@ -365,7 +373,8 @@ def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_
             # each segment holds the records since the one before, never the state so far: together with the
             # records after them they are every change once (a pass writes O(buckets) bytes of progress)
             segments = [json.loads((tmp_path / PROGRESS_LOG / n).read_text()) for n in names if "-seg-" in n]
-            assert len(segments) == 6  # of 5 record objects each
+            # one every 5 record objects (a grant's and the next request's records may share one: commits.py)
+            assert len(segments) == server.stats()["appends"] // 5 >= 5
             kept = [r for part in segments for r in part] + [
                 r for n in records for r in json.loads((tmp_path / PROGRESS_LOG / n).read_text())]
             assert [r for r in kept if r["e"] != "shared"] == resumed.records
@@ -373,7 +382,7 @@ def test_a_compaction_mid_pass_bounds_the_records_a_restart_reads_and_keeps_its_
         again.restore(resumed.state)
         for record in resumed.records:
             again.apply(record)
-        assert persisted(again) == persisted(state)
+        assert persisted(again) == persisted(state) or (cut and persisted(again) == granted)
     finally:
         server.stop()
 

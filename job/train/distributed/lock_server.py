@@ -26,7 +26,7 @@ import torch
 
 import storage_adapters as storage
 from job.train.distributed import protocol
-from job.train.distributed.commits import Batch, Commit, Committer, VectorWork
+from job.train.distributed.commits import Batch, Commit, Committer, VectorWork, replies_early
 from job.train.distributed.cuts import Cuts
 from job.train.distributed.handlers import RequestHandlers
 from job.train.distributed.holders import Holders
@@ -150,7 +150,7 @@ class LockServer(RequestHandlers, PullServing):
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
         self._committer = Committer(self.vector, progress, self._inbox.put)
-        self._unanswered = 0  # requests handed to the committer whose replies have not left yet
+        self._unanswered = 0  # requests handed to the committer whose records are not stored yet
         self.holders = Holders(state.bucket_keys, gone=lambda: self._lost() | set(self._gone))  # partition_handoff
         self.cuts, self.holders.strict = (Cuts(write_behind), True) if write_behind else (None, False)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
@@ -221,6 +221,8 @@ class LockServer(RequestHandlers, PullServing):
                     self._on_request(event[1], event[2], event[3] if len(event) > 3 else None)
                 elif event[0] == "ended":
                     self._on_ended(event[1], event[2])
+                elif event[0] == "ready":
+                    self._on_ready(event[1])
                 elif event[0] == "committed":
                     self._on_committed(event[1])
                 elif event[0] == "gathered":
@@ -257,39 +259,56 @@ class LockServer(RequestHandlers, PullServing):
             self._waiting.append(job)
             self._dispatch_due = True
 
+    def _on_ready(self, batch: Batch) -> None:
+        """A batch's vector work is done (its records not yet stored): answer its early commits (``replies_early``,
+        job/train/distributed/commits.py), and send each that carried a change the sum (one buffer for the batch)."""
+        early = [commit for commit in batch.commits if commit.early]
+        with self.lock:
+            for commit in early:
+                self._push(commit.job, commit.reply)
+        if batch.sum is not None:  # sent to every commit of the batch that carried a whole change, early or not
+            self._sums[id(batch.sum)] = [sum(commit.wants_sum for commit in batch.commits), batch.sum_slot, False]
+            self._send_sum(batch.sum, [commit.job for commit in early if commit.wants_sum])
+        self._dispatch_due = True
+
     def _on_committed(self, batch: Batch) -> None:
-        """A batch's records (and the stored vector) are written: answer each request, and send the sum to each
-        that carried a change (one buffer for all of them)."""
+        """A batch's records (and the stored vector) are written: answer each request not answered yet, and send
+        the sum to each that carried a change."""
         sends = []
         with self.lock:  # answered (handed to the replier, which ``settled`` also waits for) as the count falls
             try:
                 for commit in batch.commits:
+                    if commit.early and batch.ready:
+                        continue  # answered when ready
                     if batch.error is not None:
                         self._refuse(commit.job, LockServerError(
                             f"the progress could not be saved ({batch.error}); the group must restart from what is "
                             "stored"))
                         if commit.buffer is not None:
                             self._slots.settle(commit.slot, commit.buffer, well=True)
+                        if commit.wants_sum and batch.sum is not None:  # its share of the sum's sends: none
+                            self._settle(batch.sum_slot, batch.sum, well=True)
                         continue
                     self._push(commit.job, commit.reply)
                     if commit.wants_sum:
                         sends.append(commit.job)
             finally:
                 self._unanswered -= len(batch.commits)
-        if batch.sum is not None and not sends:  # (a failed write: nothing is sent)
-            self._slots.settle(batch.sum_slot, batch.sum, well=True)
-        elif batch.sum is not None:
-            self._sums[id(batch.sum)] = [len(sends), batch.sum_slot, False]
-            for job in sends:
-                try:
-                    assert job.incoming.envelope.payload is not None
-                    transfer = self.transport.send(batch.sum, job.rank, job.incoming.envelope.payload.tag)
-                except TransferError as err:
-                    self._settle(False, batch.sum, well=False)
-                    self._lose(job.rank, str(err))
-                else:
-                    self._flights.start("send", job, batch.sum, False, transfer)
+        if batch.sum is not None and sends:
+            self._send_sum(batch.sum, sends)
         self._dispatch_due = True
+
+    def _send_sum(self, buffer: torch.Tensor, jobs: list[Waiting]) -> None:
+        """Post the sends of a batch's sum (``buffer``, counted in ``_sums``) to each of ``jobs``."""
+        for job in jobs:
+            try:
+                assert job.incoming.envelope.payload is not None
+                transfer = self.transport.send(buffer, job.rank, job.incoming.envelope.payload.tag)
+            except TransferError as err:
+                self._settle(False, buffer, well=False)
+                self._lose(job.rank, str(err))
+            else:
+                self._flights.start("send", job, buffer, False, transfer)
 
     def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False,
                pull_into: Optional[torch.Tensor] = None) -> None:
@@ -321,9 +340,10 @@ class LockServer(RequestHandlers, PullServing):
             self._push(job, reply)
             return
         with self.lock:
-            self._unanswered += 1
+            self._unanswered += 1  # (until its records are stored, even when answered before)
         self._committer.submit(Commit(job, reply, records, work, buffer, slot,
-                                      wants_sum=buffer is not None and work.rows is None))
+                                      wants_sum=buffer is not None and work.rows is None,
+                                      early=replies_early(request, reply)))
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
         logger.warning("lock server: %s request of rank %s refused: %s: %s", job.incoming.op, job.rank,
