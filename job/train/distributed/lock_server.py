@@ -369,6 +369,12 @@ class LockServer(RequestHandlers, PullServing):
                 or (deadline is not None and self._hopeless(rank, deadline, now))
                 for rank in range(self.state.world_size) if rank not in dead)
 
+    def stored(self) -> bool:
+        """Whether the records of every request decided so far are stored (a grant is answered before its record
+        is: job/train/distributed/commits.py, ``replies_early``)."""
+        with self.lock:
+            return self._unanswered == 0
+
     def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
         """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""
         return rank in self.state.in_flight and not self._clocks.ends_by(rank, deadline, now)
