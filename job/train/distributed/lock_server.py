@@ -4,8 +4,9 @@ group.
 Elsewhere: the messages (protocol.py), the trainer's end (lock_client.py), the scheduling logic (lock_state.py),
 the shared vector (shared_vector.py), transfers (transfers.py), the group (group.py), the training loop's scheduler
 (job/train/schedule/group.py). Requests and replies travel through the rendezvous TCPStore's queues, the shared
-parameters over gloo (transport.py). Every change is persisted before the reply (job/checkpoint/group_progress.py):
-after a lost pod the new rank 0 replays the records and the pass goes on, redoing only the buckets in flight.
+parameters over gloo (transport.py). Every change is persisted before the reply (job/checkpoint/group_progress.py),
+except a grant's, whose reply leaves first (commits.py says why that is safe): after a lost pod the new rank 0
+replays the records and the pass goes on, redoing only the buckets in flight.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class LockServer(RequestHandlers, PullServing):
     malformed field, a change of the wrong shape, a failed progress write, a payload that did not arrive), so a
     client raises at once instead of waiting out its timeout. An answer to a request that carried a change is
     followed by the sum, sent under the request's tag. ``next``, ``written`` and ``release`` persist their changes
-    (``progress.append``) before the reply. After a failed progress write every request is refused with that error:
-    the group restarts from what is stored, never from a state ahead of it. The shared vector's served, stored and
+    (``progress.append``) before the reply, but for a ``next`` that grants a bucket or says ``wait``: answered once
+    its vector work is done, before its record is stored (job/train/distributed/commits.py, ``replies_early``).
+    After a failed progress write every request is refused with that error: the group restarts from what is
+    stored, never from a state ahead of it. The shared vector's served, stored and
     pending parts: ``SharedVector`` (shared_vector.py).
 
     Never waiting on one peer (job/train/distributed/transfers.py): a request's change is received, and its sum sent,
@@ -81,8 +84,9 @@ class LockServer(RequestHandlers, PullServing):
     requests are then answered with an error (the round ends through the heartbeat, as for a dead peer).
 
     What the serving thread does not do (job/train/distributed/commits.py): the vector's arithmetic and the progress
-    writes go to the committer thread, which writes the records of the requests that arrived together as one
-    object and copies one sum for all of them; their replies and sums leave once that write is stored. A request's
+    writes go to the committer's two threads (the vector work, then the records of the requests that arrived together
+    written as one object), one sum copied for all of them; their replies and sums leave once that write is stored,
+    a grant's once its vector work is done. A request's
     MAC and decoding are checked on the reader thread (request_gate.py), a reply's encoding, MAC and push are done
     by the replier thread (replier.py, in the order decided). The serving thread takes the events queued for it
     together (``BATCH_EVENTS``): each judged in its order, as one at a time, with the per-event upkeep done once.
@@ -313,7 +317,8 @@ class LockServer(RequestHandlers, PullServing):
     def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False,
                pull_into: Optional[torch.Tensor] = None) -> None:
         """Handle a request (its change arrived into ``buffer``): answered at once if it changed nothing to store,
-        else handed to the committer (the reply, and the sum, leave once its records are stored). ``pull_into``: a
+        else handed to the committer (the reply, and the sum, leave once its records are stored; a grant's once its
+        vector work is done: commits.py, ``replies_early``). ``pull_into``: a
         pull's buffer, its values sent after the reply."""
         work = VectorWork(change=buffer.numpy() if buffer is not None else None)
         mark(job.marks, "judged")
