@@ -1247,3 +1247,28 @@ def test_a_progress_writes_the_changed_blocks_of_the_shared_vector_and_a_restart
     torn = next(p for p in (tmp_path / PROGRESS_LOG).iterdir() if p.name.endswith(".b32"))
     torn.write_bytes(torn.read_bytes()[:-4])
     assert read_progress(checkpoint, 0, "run") is None
+
+
+def test_the_writes_queued_together_carry_their_changed_blocks_as_one_the_later_values_over_the_earlier() -> None:
+    """The committer's writer takes every batch queued as one progress write (commits.py): their changed blocks
+    merged, each block with the values of the last batch that changed it, and the last batch's tail; applied to
+    the vector, they leave what the batches one by one leave."""
+    from job.checkpoint.group_progress import VectorBlocks
+    from job.train.distributed.commits import Batch, Write, merged_blocks
+
+    def write(index: list[int], value: float, tail: float) -> Write:
+        return Write(Batch([]), [], blocks=VectorBlocks(np.asarray(index, np.int64), np.full((len(index), 4), value,
+                                                                                              np.float32),
+                                                         np.full(2, tail, np.float32), 4))
+
+    group = [write([1, 3], 1.0, 7.0), Write(Batch([]), []), write([0, 3], 2.0, 8.0)]
+    one_by_one = np.zeros(4 * 5 + 2, np.float32)
+    for each in group:
+        if each.blocks is not None:
+            each.blocks.apply(one_by_one)
+    merged = merged_blocks(group)
+    assert merged is not None and merged.index.tolist() == [0, 1, 3]
+    together = np.zeros(4 * 5 + 2, np.float32)
+    merged.apply(together)
+    assert together.tolist() == one_by_one.tolist()
+    assert merged_blocks([Write(Batch([]), [])]) is None

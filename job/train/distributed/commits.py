@@ -8,11 +8,13 @@ with it whenever a bucket was saved), it spent ~42-870 ms per bucket and saturat
 Two threads, in the order the server decided (issue #45):
 
 - the *vector* thread takes every commit queued, applies their vector work, copies the sum once for all of them,
-  takes what the progress write needs of the stored vector (its changed blocks, copied), reports the batch
-  ``("ready", batch)`` and hands it to the writer;
+  takes the stored vector's blocks that changed (copied), reports the batch ``("ready", batch)`` and hands it to
+  the writer;
 - the *writer* thread takes every batch queued and writes all their records as one progress object (the stored
-  vector's changes once), then reports each ``("committed", batch)``. The vector thread never waits for a write:
-  a slow fsync (12-170 ms on the bench's VM) delays only the replies that wait for it.
+  vector's changes once: their blocks merged, or the whole vector copied under the vector's lock as those batches
+  leave it, when most of it changed or a compaction needs it), then reports each ``("committed", batch)``. The
+  vector thread never waits for a write: a slow fsync (12-170 ms on the bench's VM) delays only the replies that
+  wait for it.
 
 Which replies wait for their records (``replies_early``): all, except a ``next`` that grants a bucket or says
 ``wait``, which leaves at ``ready`` (its sum included), before its record is stored. Why that is safe: every later
@@ -30,8 +32,8 @@ unwritten at every step of a pass.
 Memory: the pending updates of buckets done but not yet saved (``SharedVector.pending``) are at most
 ``PENDING_VECTORS`` vectors in memory (job/train/residency/budget.py counts them in ``memory_budget``); beyond
 that they wait in a local temporary file (never needed by a restart, which redoes unsaved buckets). A batch queued
-for the writer holds a copy of its changed blocks (KBs), or of the whole stored vector when most of it changed or
-a compaction is due; the writer merges what is queued into one write.
+for the writer holds a copy of its changed blocks (KBs); a write of the whole vector (most of it changed, or a
+compaction over block files) takes one copy of it while it is written, one at a time.
 """
 
 from __future__ import annotations
@@ -104,15 +106,13 @@ class Batch:
 
 @dataclass
 class Write:
-    """What the writer stores for a batch: its ``records``, the stored vector's changes since the batch before (its
-    changed ``blocks``, or ``whole``: a copy of it), and ``snapshot``: a copy of the stored vector as these records
-    leave it, when a compaction waits for one."""
+    """What the writer stores for a batch: its ``records`` and the stored vector's changes since the batch before:
+    its changed ``blocks``, or ``whole`` (most of it changed: the writer copies it)."""
 
     batch: Batch
     records: list[dict[str, Any]]
-    whole: Optional[np.ndarray] = None
     blocks: Optional[VectorBlocks] = None
-    snapshot: Optional[np.ndarray] = None
+    whole: bool = False
 
 
 @dataclass
@@ -142,7 +142,7 @@ class Committer:
         self._done = done
         self._queue: queue.Queue[Optional[Commit]] = queue.Queue()
         self._writes: queue.Queue[Optional[Write]] = queue.Queue()
-        self._snapshot_wanted = threading.Event()  # the log is due for a compaction: the next batch copies the vector
+        self._compact_due = False  # the log is due for a compaction over block files: the next write is whole
         self.stats = CommitStats()
         self.failed: Optional[str] = None
         self._lock = threading.Lock()
@@ -219,59 +219,63 @@ class Committer:
                     c.buffer = None
             if stored and batch.ready:  # only the blocks that changed, unless most did
                 write.blocks = self.vector.changed_blocks()
-                write.whole = self.vector.stored.copy() if write.blocks is None else None
-            if self._snapshot_wanted.is_set() and batch.ready:
-                self._snapshot_wanted.clear()
-                write.snapshot = self.vector.stored.copy()
-        if added:
-            self._done(("added", added))
-        self._mark(commits, "added")
-        if batch.ready:
-            self._done(("ready", batch))
+                write.whole = write.blocks is None
+            if added:
+                self._done(("added", added))
+            self._mark(commits, "added")
+            if batch.ready:  # (before the writer can report it committed)
+                self._done(("ready", batch))
+            # under the lock: what the writer finds queued is what ``stored`` holds when it takes the lock
+            self._writes.put(write)
         with self._lock:
             self.stats.busy_s += watch.seconds
             self.stats.cpu_s += watch.cpu_seconds
             self.stats.vector_s += watch.seconds
-        self._writes.put(write)
 
     def _write_loop(self) -> None:
         while True:
             first = self._writes.get()
             if first is None:
                 return
-            group = [first]
-            while group[-1].snapshot is None:  # what is queued, up to a compaction's vector: one write
-                try:
-                    more = self._writes.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._writes.put(None)  # stop after this write
-                    break
-                group.append(more)
+            group: list[Write] = [first]
+            stopping = False
+            with self.vector.lock:  # every batch queued, and the stored vector as they leave it if it is written whole
+                while True:
+                    try:
+                        more = self._writes.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stopping = True
+                        break
+                    group.append(more)
+                whole = self.vector.stored.copy() if self.failed is None and (
+                    any(write.whole for write in group) or self._compact_due) else None
             try:
-                self._write(group)
+                self._write(group, whole)
             except Exception:  # noqa: BLE001 - never reached by a write's failure (reported in the batches)
                 logger.exception("lock server: a progress write of %d batches failed", len(group))
+            if stopping:
+                return
 
-    def _write(self, group: list[Write]) -> None:
-        """The writer thread's part: every record of ``group`` as one progress object (with the stored vector's
-        changes, merged), a compaction when due; then each batch ``committed``."""
+    def _write(self, group: list[Write], whole: Optional[np.ndarray]) -> None:
+        """The writer thread's part: every record of ``group`` as one progress object, with the stored vector's
+        changes (``whole``: the vector as they leave it, else their blocks merged), a compaction when due; then
+        each batch ``committed``."""
         with Stopwatch() as watch:
             records = [record for write in group for record in write.records]
-            whole, blocks = merged_vector(group)
+            blocks = merged_blocks(group) if whole is None else None
             if self.failed is None:
                 try:
                     if whole is not None or blocks is not None:
                         due = self.progress.append(records, shared=whole, blocks=blocks)
                     else:
                         due = self.progress.append(records)
-                    # a compaction rewrites the vector only over block files (``ProgressLog.compact``), and the
-                    # vector the records leave is then needed: the next batch copies it, and compacts
-                    if due and (group[-1].snapshot is not None or len(getattr(self.progress, "vector_files", ())) < 2):
-                        self.progress.compact(shared=group[-1].snapshot)
-                    elif due:
-                        self._snapshot_wanted.set()
+                    # a compaction over block files rewrites the vector as the records leave it (``ProgressLog.
+                    # compact``): the next write then carries it whole, and compacts
+                    self._compact_due = bool(due) and len(getattr(self.progress, "vector_files", ())) > 1
+                    if due and not self._compact_due:
+                        self.progress.compact(shared=whole)
                 except Exception as err:  # noqa: BLE001 - the group restarts from what is stored
                     self.failed = f"{type(err).__name__}: {err}"
                     logger.warning("lock server: the progress could not be saved (%s); every request is "
@@ -295,18 +299,12 @@ class Committer:
             mark(getattr(commit.job, "marks", None), name)
 
 
-def merged_vector(group: list[Write]) -> tuple[Optional[np.ndarray], Optional[VectorBlocks]]:
-    """The stored vector's changes of the writes of ``group``, in order, as one: a whole vector (a later write's
-    blocks set in it) or the union of their blocks (a later write's values over an earlier one's: blocks hold
-    values, not differences)."""
-    whole: Optional[np.ndarray] = None
+def merged_blocks(group: list[Write]) -> Optional[VectorBlocks]:
+    """The stored vector's changed blocks of the writes of ``group``, in order, as one: their union, a later
+    write's values over an earlier one's (blocks hold values, not differences)."""
     blocks: Optional[VectorBlocks] = None
     for write in group:
-        if write.whole is not None:
-            whole, blocks = write.whole, None
-        elif write.blocks is not None and whole is not None:
-            write.blocks.apply(whole)  # (a copy of its own)
-        elif write.blocks is not None and blocks is None:
+        if write.blocks is not None and blocks is None:
             blocks = write.blocks
         elif write.blocks is not None and blocks is not None:
             index = np.union1d(blocks.index, write.blocks.index)
@@ -314,4 +312,4 @@ def merged_vector(group: list[Write]) -> tuple[Optional[np.ndarray], Optional[Ve
             values[np.searchsorted(index, blocks.index)] = blocks.values
             values[np.searchsorted(index, write.blocks.index)] = write.blocks.values
             blocks = VectorBlocks(index, values, write.blocks.tail, blocks.block)
-    return whole, blocks
+    return blocks
