@@ -91,7 +91,8 @@ class LockServer(RequestHandlers, PullServing):
     by the replier thread (replier.py, in the order decided). The serving thread takes the events queued for it
     together (``BATCH_EVENTS``): each judged in its order, as one at a time, with the per-event upkeep done once.
 
-    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, the transfer slots and at most
+    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, persisted, the copy a whole-vector
+    progress write takes (commits.py), the transfer slots and at most
     ``PENDING_VECTORS`` updates of buckets done but not yet saved (more wait in local temporary files)."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
