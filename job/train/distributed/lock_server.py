@@ -74,8 +74,8 @@ class LockServer(RequestHandlers, PullServing):
     (``progress.append``) before the reply, but for a ``next`` that grants a bucket or says ``wait``: answered once
     its vector work is done, before its record is stored (job/train/distributed/commits.py, ``replies_early``).
     After a failed progress write every request is refused with that error: the group restarts from what is
-    stored, never from a state ahead of it. The shared vector's served, stored and
-    pending parts: ``SharedVector`` (shared_vector.py).
+    stored, never from a state ahead of it. The shared vector's served, stored and pending parts: ``SharedVector``
+    (shared_vector.py).
 
     Never waiting on one peer (job/train/distributed/transfers.py): a request's change is received, and its sum sent,
     by a transfer posted and waited on off the serving thread, which meanwhile answers the other ranks. A request
@@ -86,14 +86,14 @@ class LockServer(RequestHandlers, PullServing):
     What the serving thread does not do (job/train/distributed/commits.py): the vector's arithmetic and the progress
     writes go to the committer's two threads (the vector work, then the records of the requests that arrived together
     written as one object), one sum copied for all of them; their replies and sums leave once that write is stored,
-    a grant's once its vector work is done. A request's
-    MAC and decoding are checked on the reader thread (request_gate.py), a reply's encoding, MAC and push are done
-    by the replier thread (replier.py, in the order decided). The serving thread takes the events queued for it
+    a grant's once its vector work is done. A request's MAC and decoding are checked on the reader thread
+    (request_gate.py), a reply's encoding, MAC and push are done by the replier thread (replier.py, in the order
+    decided). The serving thread takes the events queued for it
     together (``BATCH_EVENTS``): each judged in its order, as one at a time, with the per-event upkeep done once.
 
     Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, persisted, the copy a whole-vector
-    progress write takes (commits.py), the transfer slots and at most
-    ``PENDING_VECTORS`` updates of buckets done but not yet saved (more wait in local temporary files)."""
+    progress write takes (commits.py), the transfer slots and at most ``PENDING_VECTORS`` updates of buckets done
+    but not yet saved (more wait in local temporary files)."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
