@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from next_breakdown import breakdown  # noqa: E402
 from torch.distributed import PrefixStore, TCPStore  # noqa: E402
 
 from job.checkpoint.group_progress import ProgressLog  # noqa: E402
@@ -123,6 +124,7 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         weights /= weights.sum()
     latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": [],
                                        "next_first": [], "next_later": []}
+    traced: list[list[Any]] = []  # per next: [rank, seq, asked, answered, first] (next_breakdown.py)
     moved: list[int] = []  # shared-parameter bytes of each bucket granted: its pull, then its change (and sum)
     complete: list[int] = []  # ... of the buckets whose change has left
     used: list[int] = []  # relation rows per bucket
@@ -145,10 +147,11 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
             change = buffer
         else:
             change = None
-        started = time.perf_counter()
+        started, asked = time.perf_counter(), time.monotonic()
         kind, bucket, _, _ = client.finish_and_next(held, current, None, change,
                                                     rows=sent.tolist() if sparse and sent is not None else None)
         latency["next"].append(time.perf_counter() - started)
+        traced.append([rank, client.seq, asked, time.monotonic(), len(latency["next"]) == 1])
         # the first: every trainer asks at the same moment (the start's burst); the later ones: the steady state
         latency["next_first" if len(latency["next"]) == 1 else "next_later"].append(latency["next"][-1])
         if change is not None and moved:  # the finished bucket's change (and a dense one's sum back)
@@ -189,7 +192,8 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         trained += 1
         if train_s:
             time.sleep(train_s)
-    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": complete, "rows": used}
+    out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": complete, "rows": used,
+                      "traced": traced}
 
 
 def join_transport(store: Any, rank: int, world: int, made: dict[int, TensorTransport]) -> None:
@@ -246,7 +250,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     log = ProgressLog(str(log_dir), "bench", 1)
     shared = np.zeros(args.values, np.float32)
     log.start(state.to_json(), shared)
-    server = LockServer(store, state, log, shared, 0, made[0], prefix=PREFIX, layout=layout_of(args.values))
+    server = LockServer(store, state, log, shared, 0, made[0], prefix=PREFIX, layout=layout_of(args.values),
+                        **({"trace": True} if args.breakdown else {}))
     out: dict[str, Any] = {}
     started = time.perf_counter()
     store.set("bench/go", "1")
@@ -269,6 +274,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     stats = server.stats()
     threads_cpu = server_threads_cpu()
     server.stop()
+    where = breakdown([t for r in out.values() for t in r.get("traced", [])], server.traces.take()) \
+        if args.breakdown else None
     latency: dict[str, list[float]] = {"next": [], "reserve": [], "release": [], "pull": [], "next_and_pull": [],
                                        "next_first": [], "next_later": []}
     for result in out.values():
@@ -312,6 +319,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         "pending_spilled": stats.get("pending_spilled", 0), "shared": args.shared,
         "shared_bytes_per_bucket": float(np.mean(moved)) if moved else 0.0,
         "rows_per_bucket": {"mean": float(np.mean(used)) if used else 0.0, "max": max(used, default=0)},
+        # where a later `next`'s round trip went, stage by stage (next_breakdown.py)
+        "next_breakdown": where,
     }
 
 
@@ -506,6 +515,8 @@ def main() -> None:
                         help="> 0: a bucket's rows are the relations of this many edges drawn from a Zipf law")
     parser.add_argument("--zipf", type=float, default=1.5, help="the Zipf exponent of the relations' frequencies")
     parser.add_argument("--per-process", type=int, default=16)
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                        help="no stamps of each request (a server without request_trace.py: an older checkout)")
     parser.add_argument("--progress-repeats", type=int, default=50)
     parser.add_argument("--transfer-repeats", type=int, default=20)
     parser.add_argument("--phases", default="progress,transfer,scale")

@@ -595,7 +595,7 @@ def test_memory_budget_sets_aside_the_shared_parameters_sync_vectors_of_a_group(
 
     values = 1_000_000  # 4 MB a copy
     assert sync_memory_bytes(values, serves=False) == 3 * 4 * values
-    server = 3 + TRANSFER_SLOTS + PENDING_VECTORS + SPARSE_TRANSFER_VECTORS
+    server = 4 + TRANSFER_SLOTS + PENDING_VECTORS + SPARSE_TRANSFER_VECTORS
     assert sync_memory_bytes(values, serves=True) == (3 + server) * 4 * values
     config = parse_config({**minimal(), "entities": {"all": {"num_partitions": 24}}, "dimension": 99,
                            "memory_budget": str(3 * 2**20 + 20 * 4_000_000)})

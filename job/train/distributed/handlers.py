@@ -3,7 +3,8 @@
 
 Kept apart from job/train/distributed/lock_server.py, which receives, orders and answers requests: here is only the
 decision (``LockState``, O(P) per request) and what it leaves for the committer (job/train/distributed/commits.py):
-the records to store and the ``VectorWork`` on the shared vector, both done before the reply leaves.
+the records to store and the ``VectorWork`` on the shared vector, both done before the reply leaves (a grant's
+reply leaves once the vector work is done, before its records are stored: job/train/distributed/commits.py).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class RequestHandlers:
 
     def _handle(self, rank: int, request: Request, work: VectorWork) -> tuple[Reply, list[dict[str, Any]]]:
         """The reply to ``request`` of ``rank``, by its type's handler (a request's sum is sent after it), and the
-        records it leaves to store before the reply is sent; ``work``: what it does to the shared vector."""
+        records it leaves to store (before the reply is sent, but for a grant's: commits.py, ``replies_early``);
+        ``work``: what it does to the shared vector."""
         handler = self._handlers().get(type(request))
         if handler is None:
             raise ProtocolError(f"a {request.op!r} request is not served")

@@ -4,8 +4,9 @@ group.
 Elsewhere: the messages (protocol.py), the trainer's end (lock_client.py), the scheduling logic (lock_state.py),
 the shared vector (shared_vector.py), transfers (transfers.py), the group (group.py), the training loop's scheduler
 (job/train/schedule/group.py). Requests and replies travel through the rendezvous TCPStore's queues, the shared
-parameters over gloo (transport.py). Every change is persisted before the reply (job/checkpoint/group_progress.py):
-after a lost pod the new rank 0 replays the records and the pass goes on, redoing only the buckets in flight.
+parameters over gloo (transport.py). Every change is persisted before the reply (job/checkpoint/group_progress.py),
+except a grant's, whose reply leaves first (commits.py says why that is safe): after a lost pod the new rank 0
+replays the records and the pass goes on, redoing only the buckets in flight.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 import storage_adapters as storage
 from job.train.distributed import protocol
-from job.train.distributed.commits import Batch, Commit, Committer, VectorWork
+from job.train.distributed.commits import Batch, Commit, Committer, VectorWork, replies_early
 from job.train.distributed.cuts import Cuts
 from job.train.distributed.handlers import RequestHandlers
 from job.train.distributed.holders import Holders
@@ -42,6 +43,7 @@ from job.train.distributed.protocol import (
 from job.train.distributed.pull_serving import Gatherer, PullServing
 from job.train.distributed.replier import Replier
 from job.train.distributed.request_gate import RequestGate
+from job.train.distributed.request_trace import Traces, mark
 from job.train.distributed.server_stats import ServerStats, Stopwatch
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
@@ -69,9 +71,11 @@ class LockServer(RequestHandlers, PullServing):
     malformed field, a change of the wrong shape, a failed progress write, a payload that did not arrive), so a
     client raises at once instead of waiting out its timeout. An answer to a request that carried a change is
     followed by the sum, sent under the request's tag. ``next``, ``written`` and ``release`` persist their changes
-    (``progress.append``) before the reply. After a failed progress write every request is refused with that error:
-    the group restarts from what is stored, never from a state ahead of it. The shared vector's served, stored and
-    pending parts: ``SharedVector`` (shared_vector.py).
+    (``progress.append``) before the reply, but for a ``next`` that grants a bucket or says ``wait``: answered once
+    its vector work is done, before its record is stored (job/train/distributed/commits.py, ``replies_early``).
+    After a failed progress write every request is refused with that error: the group restarts from what is
+    stored, never from a state ahead of it. The shared vector's served, stored and pending parts: ``SharedVector``
+    (shared_vector.py).
 
     Never waiting on one peer (job/train/distributed/transfers.py): a request's change is received, and its sum sent,
     by a transfer posted and waited on off the serving thread, which meanwhile answers the other ranks. A request
@@ -80,20 +84,22 @@ class LockServer(RequestHandlers, PullServing):
     requests are then answered with an error (the round ends through the heartbeat, as for a dead peer).
 
     What the serving thread does not do (job/train/distributed/commits.py): the vector's arithmetic and the progress
-    writes go to the committer thread, which writes the records of the requests that arrived together as one
-    object and copies one sum for all of them; their replies and sums leave once that write is stored. A request's
-    MAC and decoding are checked on the reader thread (request_gate.py), a reply's encoding, MAC and push are done
-    by the replier thread (replier.py, in the order decided). The serving thread takes the events queued for it
+    writes go to the committer's two threads (the vector work, then the records of the requests that arrived together
+    written as one object), one sum copied for all of them; their replies and sums leave once that write is stored,
+    a grant's once its vector work is done. A request's MAC and decoding are checked on the reader thread
+    (request_gate.py), a reply's encoding, MAC and push are done by the replier thread (replier.py, in the order
+    decided). The serving thread takes the events queued for it
     together (``BATCH_EVENTS``): each judged in its order, as one at a time, with the per-event upkeep done once.
 
-    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, the transfer slots and at most
-    ``PENDING_VECTORS`` updates of buckets done but not yet saved (more wait in local temporary files)."""
+    Memory: ``SERVER_VECTORS`` (job/train/residency/budget.py): served, stored, persisted, the copy a whole-vector
+    progress write takes (commits.py), the transfer slots and at most ``PENDING_VECTORS`` updates of buckets done
+    but not yet saved (more wait in local temporary files)."""
 
     def __init__(self, store: Any, state: LockState, progress: Any, shared: np.ndarray, seed: int,
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
                  lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None,
-                 layout: Optional[RowLayout] = None, write_behind: int = 0) -> None:
+                 layout: Optional[RowLayout] = None, write_behind: int = 0, trace: bool = False) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
         result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
@@ -101,7 +107,8 @@ class LockServer(RequestHandlers, PullServing):
         None while it stands; ``lost``: the ranks declared dead (fenced), whose requests are refused; ``world_size``:
         the group's, whose ranks alone are served (None: any rank >= 0); ``layout``: which values of ``shared`` are
         relation rows, for sparse changes and pulls (job/train/distributed/shared_rows.py; None: none are);
-        ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py)."""
+        ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py);
+        ``trace``: keep where each request's round trip went (request_trace.py; the bench's breakdown)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the replier thread's connection)
@@ -142,12 +149,13 @@ class LockServer(RequestHandlers, PullServing):
         self._stats = ServerStats()  # the serving thread's time (read with ``stats``)
         self.let_in = 0  # requests the reader let in so far
         self._reader_cpu_s = 0.0  # the reader thread's CPU time screening requests (MAC, JSON, replay, fields)
-        self._replier = Replier(self.store, prefix, self._stop.is_set)
+        self.traces = Traces(trace)  # (``traces.take()``: the requests answered so far, with their stamps)
+        self._replier = Replier(self.store, prefix, self._stop.is_set, self.traces.finish)
         self._gatherer = Gatherer(self.vector, self._inbox.put)  # pulls' rows read off the serving thread
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
         self._committer = Committer(self.vector, progress, self._inbox.put)
-        self._unanswered = 0  # requests handed to the committer whose replies have not left yet
+        self._unanswered = 0  # requests handed to the committer whose records are not stored yet
         self.holders = Holders(state.bucket_keys, gone=lambda: self._lost() | set(self._gone))  # partition_handoff
         self.cuts, self.holders.strict = (Cuts(write_behind), True) if write_behind else (None, False)
         # with the caller's storage settings: the progress goes to checkpoint storage (an endpoint of its own, say)
@@ -166,6 +174,7 @@ class LockServer(RequestHandlers, PullServing):
                     logger.warning("lock server: request queue closed")
                 self._inbox.put(("closed",))
                 return
+            marks = self.traces.begin()
             started = time.thread_time()
             kind, incoming, typed = self._gate.screen(raw, self.server_id)  # MAC, JSON, replay, fields: off _serve
             self._reader_cpu_s += time.thread_time() - started  # (this thread's alone: read without a lock)
@@ -173,7 +182,8 @@ class LockServer(RequestHandlers, PullServing):
                 self._inbox.put(("stop",))
                 return
             if incoming is not None:
-                self._inbox.put(("request", incoming, typed))
+                mark(marks, "inbox")
+                self._inbox.put(("request", incoming, typed, marks))
                 self.let_in += 1  # (tests: every request queued for the serving thread)
 
     def _serve(self) -> None:
@@ -213,9 +223,11 @@ class LockServer(RequestHandlers, PullServing):
                 return True
             try:  # no request, however malformed, and no failure of one event stops the serving (issue 44)
                 if event[0] == "request":
-                    self._on_request(event[1], event[2])
+                    self._on_request(event[1], event[2], event[3] if len(event) > 3 else None)
                 elif event[0] == "ended":
                     self._on_ended(event[1], event[2])
+                elif event[0] == "ready":
+                    self._on_ready(event[1])
                 elif event[0] == "committed":
                     self._on_committed(event[1])
                 elif event[0] == "gathered":
@@ -228,10 +240,12 @@ class LockServer(RequestHandlers, PullServing):
                 logger.exception("lock server: an event (%s) failed; serving on", event[0])
         return False
 
-    def _on_request(self, incoming: protocol.Incoming, typed: Any) -> None:
-        """A request the reader let in (authentic, of the group, not a replay: request_gate.py), ``typed``: decoded."""
+    def _on_request(self, incoming: protocol.Incoming, typed: Any, marks: Optional[dict[str, float]] = None) -> None:
+        """A request the reader let in (authentic, of the group, not a replay: request_gate.py), ``typed``: decoded;
+        ``marks``: its stamps so far, when traced."""
         rank = incoming.envelope.rank
-        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel), typed)
+        job = Waiting(incoming, rank, response_queue(self.prefix, rank, incoming.envelope.channel), typed, marks)
+        mark(marks, "taken")
         try:
             self._admit(job)
         except Exception as err:  # noqa: BLE001 - answered (and logged once) with what failed
@@ -250,46 +264,65 @@ class LockServer(RequestHandlers, PullServing):
             self._waiting.append(job)
             self._dispatch_due = True
 
+    def _on_ready(self, batch: Batch) -> None:
+        """A batch's vector work is done (its records not yet stored): answer its early commits (``replies_early``,
+        job/train/distributed/commits.py), and send each that carried a change the sum (one buffer for the batch)."""
+        early = [commit for commit in batch.commits if commit.early]
+        with self.lock:
+            for commit in early:
+                self._push(commit.job, commit.reply)
+        if batch.sum is not None:  # sent to every commit of the batch that carried a whole change, early or not
+            self._sums[id(batch.sum)] = [sum(commit.wants_sum for commit in batch.commits), batch.sum_slot, False]
+            self._send_sum(batch.sum, [commit.job for commit in early if commit.wants_sum])
+        self._dispatch_due = True
+
     def _on_committed(self, batch: Batch) -> None:
-        """A batch's records (and the stored vector) are written: answer each request, and send the sum to each
-        that carried a change (one buffer for all of them)."""
+        """A batch's records (and the stored vector) are written: answer each request not answered yet, and send
+        the sum to each that carried a change."""
         sends = []
         with self.lock:  # answered (handed to the replier, which ``settled`` also waits for) as the count falls
             try:
                 for commit in batch.commits:
+                    if commit.early and batch.ready:
+                        continue  # answered when ready
                     if batch.error is not None:
                         self._refuse(commit.job, LockServerError(
                             f"the progress could not be saved ({batch.error}); the group must restart from what is "
                             "stored"))
                         if commit.buffer is not None:
                             self._slots.settle(commit.slot, commit.buffer, well=True)
+                        if commit.wants_sum and batch.sum is not None:  # its share of the sum's sends: none
+                            self._settle(batch.sum_slot, batch.sum, well=True)
                         continue
                     self._push(commit.job, commit.reply)
                     if commit.wants_sum:
                         sends.append(commit.job)
             finally:
                 self._unanswered -= len(batch.commits)
-        if batch.sum is not None and not sends:  # (a failed write: nothing is sent)
-            self._slots.settle(batch.sum_slot, batch.sum, well=True)
-        elif batch.sum is not None:
-            self._sums[id(batch.sum)] = [len(sends), batch.sum_slot, False]
-            for job in sends:
-                try:
-                    assert job.incoming.envelope.payload is not None
-                    transfer = self.transport.send(batch.sum, job.rank, job.incoming.envelope.payload.tag)
-                except TransferError as err:
-                    self._settle(False, batch.sum, well=False)
-                    self._lose(job.rank, str(err))
-                else:
-                    self._flights.start("send", job, batch.sum, False, transfer)
+        if batch.sum is not None and sends:
+            self._send_sum(batch.sum, sends)
         self._dispatch_due = True
+
+    def _send_sum(self, buffer: torch.Tensor, jobs: list[Waiting]) -> None:
+        """Post the sends of a batch's sum (``buffer``, counted in ``_sums``) to each of ``jobs``."""
+        for job in jobs:
+            try:
+                assert job.incoming.envelope.payload is not None
+                transfer = self.transport.send(buffer, job.rank, job.incoming.envelope.payload.tag)
+            except TransferError as err:
+                self._settle(False, buffer, well=False)
+                self._lose(job.rank, str(err))
+            else:
+                self._flights.start("send", job, buffer, False, transfer)
 
     def _judge(self, job: Waiting, buffer: Optional[torch.Tensor] = None, slot: bool = False,
                pull_into: Optional[torch.Tensor] = None) -> None:
         """Handle a request (its change arrived into ``buffer``): answered at once if it changed nothing to store,
-        else handed to the committer (the reply, and the sum, leave once its records are stored). ``pull_into``: a
+        else handed to the committer (the reply, and the sum, leave once its records are stored; a grant's once its
+        vector work is done: commits.py, ``replies_early``). ``pull_into``: a
         pull's buffer, its values sent after the reply."""
         work = VectorWork(change=buffer.numpy() if buffer is not None else None)
+        mark(job.marks, "judged")
         try:
             with Stopwatch() as watch:
                 request = job.request()
@@ -308,13 +341,15 @@ class LockServer(RequestHandlers, PullServing):
         if work.pull is not None and pull_into is not None and isinstance(request, protocol.Pull):
             self._send_pull(job, work.pull, pull_into, request.tag)
             return
+        mark(job.marks, "submitted")
         if not records and work.change is None and work.unsaved is None:
             self._push(job, reply)
             return
         with self.lock:
-            self._unanswered += 1
+            self._unanswered += 1  # (until its records are stored, even when answered before)
         self._committer.submit(Commit(job, reply, records, work, buffer, slot,
-                                      wants_sum=buffer is not None and work.rows is None))
+                                      wants_sum=buffer is not None and work.rows is None,
+                                      early=replies_early(request, reply)))
 
     def _refuse(self, job: Waiting, err: BaseException) -> None:
         logger.warning("lock server: %s request of rank %s refused: %s: %s", job.incoming.op, job.rank,
@@ -324,6 +359,7 @@ class LockServer(RequestHandlers, PullServing):
     def _push(self, job: Waiting, reply: Reply) -> None:
         """Answer ``job``: sealed and pushed by the replier thread, after every reply decided before it; one that
         cannot be pushed (the store going away with the round) is logged, never fatal."""
+        mark(job.marks, "answered")
         self._replier.push(job, reply)
 
     def settled(self, deadline: Optional[float] = None) -> bool:
@@ -338,6 +374,12 @@ class LockServer(RequestHandlers, PullServing):
                 self.state.settled(rank, saved=self.cuts is None) or rank in self._gave_up
                 or (deadline is not None and self._hopeless(rank, deadline, now))
                 for rank in range(self.state.world_size) if rank not in dead)
+
+    def stored(self) -> bool:
+        """Whether the records of every request decided so far are stored (a grant is answered before its record
+        is: job/train/distributed/commits.py, ``replies_early``)."""
+        with self.lock:
+            return self._unanswered == 0
 
     def _hopeless(self, rank: int, deadline: float, now: float) -> bool:
         """``rank`` still trains a bucket that cannot end by ``deadline``, so waiting for it is waiting in vain."""

@@ -36,10 +36,12 @@ class Replier:
     answers and pushes it to the request's reply queue, in the order pushed. ``stopping``: whether the server is
     stopping (a reply that cannot be pushed then is not worth a warning)."""
 
-    def __init__(self, store: Any, prefix: str, stopping: Callable[[], bool]) -> None:
+    def __init__(self, store: Any, prefix: str, stopping: Callable[[], bool],
+                 pushed: Callable[[Any], None] = lambda job: None) -> None:
         self.store = store  # the replies' own connection (a store client serves one call at a time)
         self.prefix = prefix
         self._stopping = stopping
+        self._pushed = pushed  # told each request whose reply was pushed (request_trace.py: its last stamp)
         self._queue: queue.SimpleQueue[Optional[tuple[Any, Reply]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.pending = 0  # replies handed here and not yet taken by the thread
@@ -85,6 +87,7 @@ class Replier:
             envelope = job.incoming.envelope
             scope = protocol.reply_scope(self.prefix, envelope.rank, envelope.channel, envelope.seq)
             self.store.queue_push(job.reply_to, protocol.encode_reply(reply, scope=scope))
+            self._pushed(job)
         except Exception as err:  # noqa: BLE001
             if not self._stopping():
                 logger.warning("lock server: could not answer rank %s's %s (%s)", job.rank, job.incoming.op, err)

@@ -107,6 +107,7 @@ class Waiting:
     rank: int
     reply_to: str
     typed: Any = None  # the request decoded on the reader thread, or the ProtocolError its fields raised
+    marks: Optional[dict[str, float]] = None  # where its round trip went, when traced (request_trace.py)
 
     def request(self) -> protocol.Request:
         if isinstance(self.typed, protocol.ProtocolError):

@@ -254,8 +254,9 @@ PENDING_VECTORS = 4
 # shared_rows.py), this many vectors' values in all; a sparse payload past them waits for one to end
 SPARSE_TRANSFER_VECTORS = 1
 CLIENT_VECTORS = 3  # synced, the transfer buffer, a sparse payload or pull (at most half a vector)
-# served, stored, persisted (what the progress files hold)
-SERVER_VECTORS = 3 + TRANSFER_SLOTS + PENDING_VECTORS + SPARSE_TRANSFER_VECTORS
+# served, stored, persisted (what the progress files hold), the copy a progress write of the whole vector takes
+# (job/train/distributed/commits.py: one at a time)
+SERVER_VECTORS = 4 + TRANSFER_SLOTS + PENDING_VECTORS + SPARSE_TRANSFER_VECTORS
 
 
 def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[int]]) -> int:
@@ -271,7 +272,8 @@ def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[
 
 def sync_memory_bytes(values: int, serves: bool) -> int:
     """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
-    ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (served, stored, persisted, the transfer
+    ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (served, stored, persisted, the copy
+    a whole-vector progress write takes, the transfer
     slots, the sparse payloads' buffers, and at most ``PENDING_VECTORS`` updates of buckets done but not yet saved:
     the rest wait on local disk)."""
     return 4 * values * (CLIENT_VECTORS + (SERVER_VECTORS if serves else 0))
