@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers_distributed import partition_keys, transports
+from helpers_distributed import partition_keys, transports, wait_until
 from helpers_graphs import base_config
 from torch.distributed import TCPStore
 
@@ -190,6 +190,8 @@ def test_rank_0_does_not_wait_for_a_rank_whose_bucket_cannot_end_by_the_deadline
         kind, second, _ = client.next_bucket(set(), first, None)  # the first timed: ~0.2 s
         assert kind == "bucket" and second is not None
         now = time.monotonic()
+        # a grant is answered before its record is stored (job/train/distributed/commits.py), and settled waits for it
+        assert wait_until(server.stored), "the grant's record was never stored"
         assert not server.settled() and not server.settled(now + 60)  # it may still end by then
         assert server.settled(now - 1)  # a deadline passed: nothing to wait for
         assert server.settled(now + 0.01)  # expected ~0.2 s after its hand-out: past this deadline

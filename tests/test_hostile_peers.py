@@ -65,12 +65,21 @@ class Served:
         self.attacker.queue_len(f"{PREFIX}/requests")  # the push is queued before the next question
 
     def unchanged_after(self, attack: Any) -> None:
-        """Run ``attack``; then the server answers a status and neither its state nor what it persisted moved."""
+        """Run ``attack``; then the server answers a status and neither its state nor what it persisted moved. (A grant
+        is answered before its record is stored, job/train/distributed/commits.py: what was persisted is read once
+        every record decided so far is.)"""
+        wait_stored(self.server)
         state, files = self.rank0.status(), self.persisted()
         attack()
         assert self.rank0.status() == state
+        wait_stored(self.server)
         assert self.persisted() == files
         assert self.server.thread.is_alive()
+
+
+def wait_stored(server: LockServer) -> None:
+    """Until the records of every request ``server`` decided are stored (a hang guard, not a timing threshold)."""
+    assert wait_until(server.stored), "the server's records were never stored"
 
 
 @pytest.fixture
