@@ -453,9 +453,11 @@ def _rank_of(agents: Agents, name: str, world_size: int) -> int:
     return int(found[-1]) if found else -1
 
 
-def _mid_pass(checkpoint_path: str, agents: Agents, world_size: int, deadline: float, first: int = 1) -> set[int]:
+def _mid_pass(checkpoint_path: str, agents: Agents, world_size: int, deadline: float, first: int = 1,
+              spare: tuple[str, ...] = ()) -> set[int]:
     """Wait until the group of ``world_size`` trains a pass (version ``first`` or later) with buckets already done
-    and a rank other than 0 training one; returns the ranks with a bucket in flight."""
+    and a rank other than 0 training one (one whose agent is not in ``spare``); returns the ranks with a bucket in
+    flight."""
     from job.checkpoint.group_progress import current_state
     from job.formats.checkpoint import CheckpointStorage
 
@@ -465,8 +467,9 @@ def _mid_pass(checkpoint_path: str, agents: Agents, world_size: int, deadline: f
         progress = current_state(checkpoint_path) or {}
         formed = all(_rank_of(agents, name, world_size) >= 0 for name in agents.procs)
         in_flight = {int(rank) for rank in progress.get("in_flight", {})}
+        spared = {_rank_of(agents, name, world_size) for name in spare}
         if (formed and version >= first and progress.get("version") == version + 1 and len(progress.get("done", [])) >= 2
-                and in_flight - {0}):
+                and in_flight - {0} - spared):
             return in_flight
         time.sleep(0.02)
     raise AssertionError("training never got going: " + agents.tail())
@@ -482,15 +485,16 @@ def _resumed(agents: Agents) -> list[tuple[int, dict[str, int]]]:
 def _three_ranks_one_killed_mid_pass(path: Path, checkpoint_path: str, tmp_path: Path
                                      ) -> tuple[Agents, int, list[str], dict[str, int]]:
     """Three agents train ``path`` (a 2 s peer timeout); mid-pass one whose rank is training and is not rank 0 is
-    SIGKILLed and the survivors run to their end. Returns the (stopped) agents, the lost rank, the survivors and
-    their exit codes."""
+    SIGKILLed and the survivors run to their end. Never agent ``a``: it hosts the c10d rendezvous store, whose loss
+    ends the job for everyone (exit 77), and its worker is not always rank 0 (ranks follow the rendezvous, not the
+    agents' start order). Returns the (stopped) agents, the lost rank, the survivors and their exit codes."""
     agents = Agents(path, "1:3", tmp_path, env={"BIGGRAPH_PEER_INTERVAL": "0.5", "BIGGRAPH_PEER_TIMEOUT": "2"})
     try:
         for name in "abc":
             agents.start(name)
             time.sleep(0.3)
-        training = _mid_pass(checkpoint_path, agents, 3, time.monotonic() + 240)
-        victim = next(name for name in "abc" if _rank_of(agents, name, 3) in training - {0})
+        training = _mid_pass(checkpoint_path, agents, 3, time.monotonic() + 240, spare=("a",))
+        victim = next(name for name in "bc" if _rank_of(agents, name, 3) in training - {0})
         lost_rank = _rank_of(agents, victim, 3)
         agents.kill_node(victim)
         survivors = [name for name in "abc" if name != victim]
