@@ -245,6 +245,23 @@ def test_a_round_that_ends_in_order_takes_a_cut_first_unless_it_cannot_in_time(
         server.stop()
 
 
+def train_pinning_until_a_cut(client: LockClient, server: Any) -> tuple[str, set]:
+    """One rank (``client`` of ``server``, a ``LockServer``) trains bucket after bucket, releasing the partitions that
+    leave at each switch unwritten with their rows kept (pinned), until ``next`` answers ``cut`` (at most 16
+    buckets); the last answer's kind and what it pinned."""
+    kind, bucket, _, _ = client.finish_and_next(set(), None, None)
+    pinned: set = set()
+    for _ in range(15):
+        keys = sorted(server.state.bucket_keys[bucket])
+        kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
+        if kind == "cut":
+            break
+        leaving = sorted(set(keys) - set(server.state.bucket_keys[bucket]))
+        client.release(leaving, written=False, kept=[(k[0], k[1], "digest") for k in leaving])
+        pinned |= set(leaving)
+    return kind, pinned
+
+
 def test_a_cut_is_due_before_a_ranks_pinned_rows_could_pass_what_memory_budget_allows(
         tmp_path: Path, store: TCPStore, ranks: list[TensorTransport]) -> None:  # noqa: F811
     """Issue 45: the rows a rank released unwritten since the last cut stay pinned in its memory until a cut stores
@@ -257,16 +274,7 @@ def test_a_cut_is_due_before_a_ranks_pinned_rows_could_pass_what_memory_budget_a
         assert server.cuts is not None
         server.cuts.background = False  # (the group stops at one switch from the limit; background: two)
         server.cuts.bound(window_s=25.0, pinned_limit=4)  # a bucket pins 2 at a switch: a cut past 2 pinned
-        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
-        pinned: set = set()
-        for _ in range(15):
-            keys = sorted(server.state.bucket_keys[bucket])  # type: ignore[index]
-            kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
-            if kind == "cut":
-                break
-            leaving = sorted(set(keys) - set(server.state.bucket_keys[bucket]))  # type: ignore[index]
-            client.release(leaving, written=False, kept=[(k[0], k[1], "digest") for k in leaving])
-            pinned |= set(leaving)
+        kind, pinned = train_pinning_until_a_cut(client, server)
         assert kind == "cut" and len(server.state.done) < 16 and len(pinned) + 2 > 4 >= len(pinned), pinned
         step = client.cut()
         assert step.step == "stage"
@@ -413,16 +421,7 @@ def test_memory_budget_calls_a_cut_in_the_background_two_switches_before_the_lim
     try:
         assert server.cuts is not None
         server.cuts.bound(window_s=25.0, pinned_limit=6)  # a bucket pins 2 at a switch: background past 2 pinned
-        kind, bucket, _, _ = client.finish_and_next(set(), None, None)
-        pinned: set = set()
-        for _ in range(15):
-            keys = sorted(server.state.bucket_keys[bucket])  # type: ignore[index]
-            kind, bucket, _, _ = client.finish_and_next(set(keys), bucket, None)
-            if kind == "cut":
-                break
-            leaving = sorted(set(keys) - set(server.state.bucket_keys[bucket]))  # type: ignore[index]
-            client.release(leaving, written=False, kept=[(k[0], k[1], "digest") for k in leaving])
-            pinned |= set(leaving)
+        kind, pinned = train_pinning_until_a_cut(client, server)
         assert kind == "cut" and len(server.state.done) < 16 and len(pinned) + 4 > 6 >= len(pinned) + 2, pinned
         assert server.cuts.behind is not None and not server.cuts.active  # in the background
         step = client.cut()

@@ -250,10 +250,6 @@ class PartitionHandoff(PinnedRows):
             self._hints[key] = (self.rank, digest)
         return digest
 
-    def _trim(self) -> None:  # (under ``_lock``) the oldest unpinned rows beyond ``limit`` go
-        for old in [k for k in self._kept if k not in self._pinned][:max(0, len(self._kept) - self.limit)]:
-            del self._kept[old]
-
     def kept_rows(self, key: PartitionKey) -> Optional[Rows]:
         """The rows this rank keeps of ``key`` (a cut stages them: job/train/distributed/cuts.py), or None."""
         with self._lock:

@@ -29,9 +29,11 @@ class PinnedRows:
     _kept_count: dict[PartitionKey, int]
     _retaken: set[PartitionKey]
     _told_stored: set[PartitionKey]
+    limit: int
 
-    def _trim(self) -> None:
-        raise NotImplementedError
+    def _trim(self) -> None:  # (under ``_lock``) the oldest unpinned rows beyond ``limit`` go
+        for old in [k for k in self._kept if k not in self._pinned][:max(0, len(self._kept) - self.limit)]:
+            del self._kept[old]
 
     def unpin(self) -> None:
         """A cut stored every row kept so far: they may be dropped again, oldest first, beyond ``limit``."""
