@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from closed_queue import Sampler, closed_queue, server_threads_cpu  # noqa: E402
 from next_breakdown import breakdown  # noqa: E402
 from torch.distributed import PrefixStore, TCPStore  # noqa: E402
 
@@ -68,22 +69,6 @@ def percentiles(values: list[float]) -> dict[str, float]:
     a = np.asarray(values) * 1e3
     return {"n": len(values), "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
             "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
-
-
-def server_threads_cpu() -> dict[str, float]:
-    """CPU seconds of this process's lock-server threads alive now, by thread name (``biggraph-*``: serving, reader,
-    replier where there is one, committer, transfer waiters), from /proc: the same count on any checkout."""
-    tick = os.sysconf("SC_CLK_TCK")
-    by_name: dict[str, float] = {}
-    for thread in threading.enumerate():
-        if not thread.name.startswith("biggraph-") or thread.native_id is None:
-            continue
-        try:
-            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        by_name[thread.name] = by_name.get(thread.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return by_name
 
 
 # a trainer: the request sequence of LockServerScheduler, timed ----------------------------------------------------
@@ -136,6 +121,9 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     # round trip (the first `next`s still come all at once, as a group's start: ``next_first``)
     store.add("bench/ready", 1)
     store.wait(["bench/steady"])
+    # the closed queue's terms (bench/RESULTS.md, "The `next` round trip under load"): when this trainer was in the
+    # system, and its own CPU (this thread's; the gloo sends run on it)
+    began, cpu_began = time.monotonic(), time.thread_time()
     while trained < buckets:
         sent = rows if current is not None else None
         if sparse and sent is not None:
@@ -193,7 +181,8 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         if train_s:
             time.sleep(train_s)
     out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": complete, "rows": used,
-                      "traced": traced}
+                      "traced": traced, "began": began, "ended": time.monotonic(),
+                      "thought_s": trained * train_s, "cpu_s": time.thread_time() - cpu_began}
 
 
 def join_transport(store: Any, rank: int, world: int, made: dict[int, TensorTransport]) -> None:
@@ -213,22 +202,24 @@ def child_main(args: argparse.Namespace) -> None:
         t.join()
     store.add("bench/joined", len(ranks))
     store.wait(["bench/go"])
+    cpu_began = time.process_time()
     out: dict[str, Any] = {}
     threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], args.values, args.partitions,
-                                                          args.buckets, args.train_ms / 1e3, args.touched_rows, out,
+                                                          args.buckets, float(args.train_ms) / 1e3, args.touched_rows, out,
                                                           args.shared == "sparse", args.bucket_edges, args.zipf))
                for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    out["process"] = {"cpu_s": time.process_time() - cpu_began}  # the trainers' and their gloo threads' CPU
     print(json.dumps(out), flush=True)
 
 
 # the scale run: server + rank 0's trainer here, the other trainers in child processes ------------------------------
 
 
-def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) -> dict[str, Any]:
+def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path, train_ms: float) -> dict[str, Any]:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     port = store.port
     children = []
@@ -237,7 +228,7 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         children.append(subprocess.Popen(
             [sys.executable, __file__, "--child", "--port", str(port), "--ranks", f"{first},{last}", "--world",
              str(trainers), "--values", str(args.values), "--partitions", str(nparts), "--buckets",
-             str(args.buckets), "--train-ms", str(args.train_ms), "--touched-rows", str(args.touched_rows),
+             str(args.buckets), "--train-ms", str(train_ms), "--touched-rows", str(args.touched_rows),
              "--shared", args.shared, "--bucket-edges", str(args.bucket_edges), "--zipf", str(args.zipf)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))))
@@ -256,23 +247,29 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
     started = time.perf_counter()
     store.set("bench/go", "1")
     own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], args.values, nparts, args.buckets,
-                                                     args.train_ms / 1e3, args.touched_rows, out,
+                                                     train_ms / 1e3, args.touched_rows, out,
                                                      args.shared == "sparse", args.bucket_edges, args.zipf))
     own.start()
     while int(store.add("bench/ready", 0)) < trainers:
         time.sleep(0.01)
+    sampler = Sampler()
     store.set("bench/steady", "1")
     steady = time.perf_counter()
+    trainers_cpu = 0.0
     for child in children:
         stdout, stderr = child.communicate(timeout=3600)
         if child.returncode != 0:
             raise RuntimeError(f"a trainer process failed: {stderr[-3000:]}")
-        out.update(json.loads(stdout.strip().splitlines()[-1]))
+        got = json.loads(stdout.strip().splitlines()[-1])
+        trainers_cpu += got.pop("process")["cpu_s"]
+        out.update(got)
     own.join()
     ended = time.perf_counter()
+    sampler.stop()
     wall = ended - started
     stats = server.stats()
     threads_cpu = server_threads_cpu()
+    trainers_cpu += out["0"]["cpu_s"]
     server.stop()
     where = breakdown([t for r in out.values() for t in r.get("traced", [])], server.traces.take()) \
         if args.breakdown else None
@@ -321,6 +318,7 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path) 
         "rows_per_bucket": {"mean": float(np.mean(used)) if used else 0.0, "max": max(used, default=0)},
         # where a later `next`'s round trip went, stage by stage (next_breakdown.py)
         "next_breakdown": where,
+        "queue": closed_queue(out, trainers=trainers, train_ms=train_ms, trainers_cpu_s=trainers_cpu, cpu=sampler),
     }
 
 
@@ -506,7 +504,8 @@ def main() -> None:
     parser.add_argument("--partitions", default="", help="per trainers figure (comma list); default 2 x trainers")
     parser.add_argument("--values", type=int, default=FREEBASE_RELATION_VALUES)
     parser.add_argument("--buckets", type=int, default=4, help="buckets each trainer trains in a scale run")
-    parser.add_argument("--train-ms", type=float, default=0.0)
+    parser.add_argument("--train-ms", default="0",
+                        help="think time per bucket (its compute), ms; a comma list: one scale run each (a load sweep)")
     parser.add_argument("--touched-rows", type=int, default=300,
                         help=f"relation rows ({ROW} values) each bucket uses, drawn uniformly (without --bucket-edges)")
     parser.add_argument("--shared", choices=("dense", "sparse"), default="dense",
@@ -555,7 +554,8 @@ def main() -> None:
         counts = [int(n) for n in args.trainers.split(",")]
         parts = [int(p) for p in args.partitions.split(",")] if args.partitions else [2 * n for n in counts]
         for trainers, nparts in zip(counts, parts):
-            print(json.dumps(scale_run(args, trainers, nparts, work)), flush=True)
+            for train_ms in (float(t) for t in args.train_ms.split(",")):
+                print(json.dumps(scale_run(args, trainers, nparts, work, train_ms)), flush=True)
     print(json.dumps({"machine_after": {"load": os.getloadavg()}}), flush=True)
 
 

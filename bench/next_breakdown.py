@@ -17,6 +17,10 @@ request add up to its round trip. A stage is named after the stamp it ends at:
 - ``to_serving``: back in the serving thread's inbox until it answered;
 - ``replier``: the replier's queue, sealing and push;
 - ``client``: from the push until the client had its answer (waking, reading and checking the reply).
+
+The same round trip in three parts, queueing against service: ``before_server`` (to_reader), ``server`` (the
+reader taking it to its reply pushed: the server's own part, its waits for a buffer or a batch included) and
+``after_server`` (client).
 """
 
 from __future__ import annotations
@@ -72,7 +76,16 @@ def breakdown(client: list[list[Any]], server: list[tuple[str, int, str, int, di
     slowest = order[int(len(order) * 0.99):] if len(order) >= 100 else order[-1:]
     middle = order[int(len(order) * 0.45):max(int(len(order) * 0.55), int(len(order) * 0.45) + 1)]
     fsync_after = [m["durable"] - m["answered"] for (_, m), (_, early) in zip(rows, per) if early]
+    # queueing against service: before the reader took it (the client's push and the queue of other ranks' requests,
+    # and waiting for a CPU), the server's own part (reader taking it to its reply pushed), after (the client waking)
+    parts = {"before_server": [m["popped"] - m["start"] for _, m in rows],
+             "server": [m.get("pushed", m["got"]) - m["popped"] for _, m in rows],
+             "after_server": [m["got"] - m.get("pushed", m["got"]) for _, m in rows]}
     return {
+        "split_p50_ms": {k: round(1e3 * float(np.percentile(v, 50)), 1) for k, v in parts.items()},
+        "split_p99_ms": {k: round(1e3 * float(np.percentile(v, 99)), 1) for k, v in parts.items()},
+        "split_slowest_1pct_mean_ms": {k: round(1e3 * float(np.mean([v[i] for i in slowest])), 1)
+                                       for k, v in parts.items()},
         "n": len(rows), "p50_ms": round(1e3 * float(np.percentile(totals, 50)), 1),
         "p99_ms": round(1e3 * float(np.percentile(totals, 99)), 1),
         "stage_p50_ms": {n: round(1e3 * float(np.percentile([s.get(n, 0.0) for s, _ in per], 50)), 2) for n in names},
