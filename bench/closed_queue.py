@@ -88,22 +88,23 @@ def closed_queue(out: dict[str, Any], *, trainers: int, train_ms: float, trainer
     x = trained / window
     in_system = sum(r["ended"] - r["began"] for r in results) / window
     outside_think = sum(r["ended"] - r["began"] - r["thought_s"] for r in results) / max(trained, 1)
+    think_s = sum(r["thought_s"] for r in results) / max(trained, 1)  # Z as thought (a spread start's wait included)
     machine_busy_s, machine_all_s, server_cpu_s = cpu.between(start, end)
     cpus = os.cpu_count() or 1
     server_d = server_cpu_s / max(trained, 1)
     machine_d = machine_busy_s / max(trained, 1)
     bound_x = min(1.0 / server_d, cpus / machine_d) if server_d > 0 and machine_d > 0 else float("nan")
     return {
-        "trainers": trainers, "think_ms": train_ms, "window_s": window, "buckets": trained,
+        "trainers": trainers, "think_ms": train_ms, "think_ms_per_bucket": 1e3 * think_s, "window_s": window, "buckets": trained,
         "throughput_buckets_s": x, "trainers_in_system_mean": in_system,
         "r_ms_per_bucket": 1e3 * outside_think,  # measured: a bucket's requests and waits, think excluded
-        "little_r_ms_nominal": 1e3 * (trainers / x - train_ms / 1e3),  # N / X - Z with N = --trainers
-        "little_r_ms": 1e3 * (in_system / x - train_ms / 1e3),  # with the time-averaged N in the system
+        "little_r_ms_nominal": 1e3 * (trainers / x - think_s),  # N / X - Z with N = --trainers
+        "little_r_ms": 1e3 * (in_system / x - think_s),  # with the time-averaged N in the system
         "server_cpu_ms_per_bucket": 1e3 * server_d, "server_busy_fraction": server_cpu_s / window,
         "trainers_cpu_ms_per_bucket": 1e3 * trainers_cpu_s / max(trained, 1),
         "machine_cpu_ms_per_bucket": 1e3 * machine_d, "cpus": cpus,
         "machine_busy_fraction": machine_busy_s / max(machine_all_s, 1e-9),
         "bound_throughput_buckets_s": bound_x, "utilisation_of_bound": x / bound_x,
         # the asymptotic bound of a closed queue: R >= N x D_max - Z (D_max per bucket of the bottleneck)
-        "bound_r_ms": 1e3 * (trainers / bound_x - train_ms / 1e3),
+        "bound_r_ms": 1e3 * (trainers / bound_x - think_s),
     }

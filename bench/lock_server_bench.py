@@ -92,11 +92,13 @@ def bucket_rows(rng: np.random.Generator, weights: Optional[np.ndarray], edges: 
 
 def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, nparts: int, buckets: int,
                 train_s: float, touched: int, out: dict[str, Any], sparse: bool = False, edges: int = 0,
-                zipf: float = 1.5) -> None:
+                zipf: float = 1.5, spread: bool = False) -> None:
     """Train ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of sleep), each
     finished with a change of its rows (``bucket_rows``) that the sum then replaces. ``sparse``: the change
     carries only those rows and the next bucket's rows are pulled (job/train/distributed/shared_rows.py);
-    ``edges`` > 0: a bucket's rows are those of ``edges`` edges whose relations follow a Zipf law of ``zipf``."""
+    ``edges`` > 0: a bucket's rows are those of ``edges`` edges whose relations follow a Zipf law of ``zipf``;
+    ``spread``: each think drawn uniformly from 0.5-1.5 x ``train_s``, and the first request after a uniform
+    0-``train_s`` (pods whose buckets take different times, not all asking in the same instant every ``train_s``)."""
     keys = bucket_keys(nparts)
     client = LockClient(store, rank, timeout_s=TIMEOUT_S, prefix=PREFIX, transport=transport)
     writer = LockClient(store, rank, timeout_s=TIMEOUT_S, channel="/writer", prefix=PREFIX)
@@ -124,6 +126,10 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     # the closed queue's terms (bench/RESULTS.md, "The `next` round trip under load"): when this trainer was in the
     # system, and its own CPU (this thread's; the gloo sends run on it)
     began, cpu_began = time.monotonic(), time.thread_time()
+    thought = 0.0
+    if spread and train_s:
+        thought += rng.uniform(0.0, train_s)
+        time.sleep(thought)
     while trained < buckets:
         sent = rows if current is not None else None
         if sparse and sent is not None:
@@ -179,10 +185,12 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
         held = set(keys[bucket])
         trained += 1
         if train_s:
-            time.sleep(train_s)
+            think = train_s * (rng.uniform(0.5, 1.5) if spread else 1.0)
+            thought += think
+            time.sleep(think)
     out[str(rank)] = {"latency": latency, "trained": trained, "waits": waits, "moved": complete, "rows": used,
                       "traced": traced, "began": began, "ended": time.monotonic(),
-                      "thought_s": trained * train_s, "cpu_s": time.thread_time() - cpu_began}
+                      "thought_s": thought, "cpu_s": time.thread_time() - cpu_began}
 
 
 def join_transport(store: Any, rank: int, world: int, made: dict[int, TensorTransport]) -> None:
@@ -202,14 +210,16 @@ def child_main(args: argparse.Namespace) -> None:
         t.join()
     store.add("bench/joined", len(ranks))
     store.wait(["bench/go"])
-    cpu_began = time.process_time()
     out: dict[str, Any] = {}
     threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], args.values, args.partitions,
                                                           args.buckets, float(args.train_ms) / 1e3, args.touched_rows, out,
-                                                          args.shared == "sparse", args.bucket_edges, args.zipf))
+                                                          args.shared == "sparse", args.bucket_edges, args.zipf),
+                                kwargs={"spread": args.think == "spread"})
                for r in ranks]
     for t in threads:
         t.start()
+    store.wait(["bench/steady"])  # every trainer set up: the CPU from here is the steady state's
+    cpu_began = time.process_time()
     for t in threads:
         t.join()
     out["process"] = {"cpu_s": time.process_time() - cpu_began}  # the trainers' and their gloo threads' CPU
@@ -229,7 +239,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path, 
             [sys.executable, __file__, "--child", "--port", str(port), "--ranks", f"{first},{last}", "--world",
              str(trainers), "--values", str(args.values), "--partitions", str(nparts), "--buckets",
              str(args.buckets), "--train-ms", str(train_ms), "--touched-rows", str(args.touched_rows),
-             "--shared", args.shared, "--bucket-edges", str(args.bucket_edges), "--zipf", str(args.zipf)],
+             "--shared", args.shared, "--bucket-edges", str(args.bucket_edges), "--zipf", str(args.zipf),
+             "--think", args.think],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))))
     made: dict[int, TensorTransport] = {}
@@ -248,7 +259,8 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path, 
     store.set("bench/go", "1")
     own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], args.values, nparts, args.buckets,
                                                      train_ms / 1e3, args.touched_rows, out,
-                                                     args.shared == "sparse", args.bucket_edges, args.zipf))
+                                                     args.shared == "sparse", args.bucket_edges, args.zipf),
+                           kwargs={"spread": args.think == "spread"})
     own.start()
     while int(store.add("bench/ready", 0)) < trainers:
         time.sleep(0.01)
@@ -513,6 +525,9 @@ def main() -> None:
     parser.add_argument("--bucket-edges", type=int, default=0,
                         help="> 0: a bucket's rows are the relations of this many edges drawn from a Zipf law")
     parser.add_argument("--zipf", type=float, default=1.5, help="the Zipf exponent of the relations' frequencies")
+    parser.add_argument("--think", choices=("fixed", "spread"), default="fixed",
+                        help="fixed: every bucket thinks --train-ms; spread: 0.5-1.5 x, and the first request after "
+                             "0-1 x (no lock-step)")
     parser.add_argument("--per-process", type=int, default=16)
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="no stamps of each request (a server without request_trace.py: an older checkout)")
