@@ -152,6 +152,23 @@ def bench_graph_lines(costs: Costs) -> list[str]:
     return lines
 
 
+def round_trip_lines(graph: Graph, costs: Costs, rows: list[tuple[int, int]]) -> list[str]:
+    """The lock server as a closed queue (bench/RESULTS.md, "The `next` round trip under load"): M pods, each a
+    bucket's requests then its compute Z (think time); the server serves at most 1 / D buckets a second, D every
+    lock-server thread's CPU per bucket (one GIL). Offered M / Z against that: past it, Little's law puts a bucket's
+    requests at R = M x D - Z whatever one request costs, and R <= 50 ms needs D <= (50 ms + Z) / M."""
+    d = costs.server_threads_s
+    lines = ["| pods, P | pod | compute Z per bucket | offered buckets/s | server's 1/D | utilisation | R per bucket "
+             "(M D - Z) | D for R <= 50 ms |", "|---|---|---|---|---|---|---|---|"]
+    for pods, parts in rows:
+        for name, rate in (("CPU 200k e/s", 2e5), ("H100 1.8M e/s", 1.8e6)):
+            z = graph.edges / parts**2 / rate
+            offered = pods / z
+            lines.append(f"| {pods}, {parts} | {name} | {1e3 * z:.1f} ms | {offered:.0f} | {1 / d:.0f} | "
+                         f"{offered * d:.2f} | {1e3 * max(d, pods * d - z):.0f} ms | {1e3 * (0.05 + z) / pods:.2f} ms |")
+    return lines
+
+
 def _t(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -174,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\nThe scale bench's graph on pods with their own links and CPUs (today's writes at every switch; queueing "
           "for partitions is not modelled, so the efficiency is an upper bound):")
     print("\n".join(bench_graph_lines(costs)))
+    print("\nThe lock server's queue: a bucket's requests (R) when every pod asks as soon as its bucket is computed:")
+    print("\n".join(round_trip_lines(graph, costs, rows)))
 
 
 if __name__ == "__main__":
