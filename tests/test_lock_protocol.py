@@ -718,7 +718,8 @@ def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional
         group, marks = memo.pop("group"), memo.pop("marks")
     else:
         assert step.step == "stage", step
-        marks = handoff.pinned_marks() if step.behind else None
+        at_turn = handoff.pinned_marks()
+        marks = at_turn if step.behind else None
         tables = {}
         for key in step.keys:
             table = partitions.loaded.get(key)
@@ -737,8 +738,8 @@ def behind_cut(client: LockClient, partitions: PartitionStore, handoff: Optional
         while step.step == "wait":
             step = client.cut()
             yield
-        if step.step == "go" and marks is not None:
-            memo["group"], memo["marks"] = group, marks
+        if step.step == "go":  # a turn in a cut in the background (the group may be stopping meanwhile)
+            memo["group"], memo["marks"] = group, at_turn
             return
     assert step.step == "move", step
     assert not step.keys or sorted(step.keys) == sorted(group.keys), (step.keys, group.keys)

@@ -121,14 +121,17 @@ class BehindWrites:
             if not step.behind:
                 self.store.discard_prefetched()  # the cut of the whole group dropped the reservation
             # what this rank keeps now holds nothing trained after the cut began: unpinned once it is recorded
-            kept_now = self.handoff.pinned_marks() if step.behind else None
+            marks = self.handoff.pinned_marks()
+            kept_now = marks if step.behind else None
             group = self._stage(step.keys)
             if self._late():
                 return self._give_up_cut()
             step = self._ask(staged=group.staged(self.checkpoint))
             self.counts.staged += len(group.keys)
-            if step.step == "go" and kept_now is not None:  # not recorded yet: train on, move at a later turn
-                self._unmoved = (group, kept_now)
+            if step.step == "go":  # a turn in a cut taken in the background, not recorded yet (the group may have
+                # stopped meanwhile, so that the stage did not say `behind`): move at a later turn, unpinning then
+                # what is unchanged since this one
+                self._unmoved = (group, marks)
                 return None
             if step.step != "move":
                 return self._unexpected(step, "move")
