@@ -394,36 +394,3 @@ def test_entity_table_gives_dense_consistent_ids() -> None:
     names = table.names().to_pylist()
     assert [names[i] for i in [*ids, *ids2]] == ["b", "a", "b", "c", "c", "d", "a"]
     assert table.counts[ids].tolist() == [2, 2, 2, 2] and table.counts[3] == 1
-
-
-def test_entity_table_ids_do_not_depend_on_when_recent_ids_are_merged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """New ids wait in a small table of recent ones before the main table takes them (``RECENT_FRACTION``): ids,
-    counts, names and the sorted view are those of a table that takes every batch's new ids at once (numbered in
-    hash order within their batch, as a dict in that order would number them)."""
-    from job.data.importing import table as table_module
-
-    rng = np.random.default_rng(7)
-    batches = [rng.integers(0, 3000 if b < 20 else 9000, size=int(rng.integers(1, 2500))) for b in range(26)]
-    results = []
-    for fraction in (1, 8, 10**9):  # merged every batch; now and then; only when the sorted view is asked for
-        monkeypatch.setattr(table_module, "RECENT_FRACTION", fraction)
-        table, ids = EntityTable(), []
-        for batch in batches:
-            names = pa.array([f"entity-{v}" for v in batch.tolist()])
-            ids.append(table.encode(hash_strings(names)[0], lambda pos, names=names: names.take(pos)))
-        results.append((ids, table))
-    expected: dict[int, int] = {}
-    for batch in batches:
-        hashes = hash_strings(pa.array([f"entity-{v}" for v in batch.tolist()]))[0]
-        by_hash = dict(zip(hashes.tolist(), batch.tolist()))
-        for h in sorted(set(by_hash) - set(expected)):
-            expected[h] = len(expected)
-    for ids, table in results:
-        for batch, got in zip(batches, ids):
-            hashes = hash_strings(pa.array([f"entity-{v}" for v in batch.tolist()]))[0]
-            assert got.tolist() == [expected[h] for h in hashes.tolist()]
-        assert table.size == len(expected)
-        assert table.sorted_hashes.tolist() == sorted(expected)
-        assert table.sorted_ids.tolist() == [expected[h] for h in sorted(expected)]
-        assert np.array_equal(table.counts[: table.size], results[0][1].counts[: table.size])
-        assert table.names().equals(results[0][1].names())

@@ -37,23 +37,17 @@ def _merge_sorted(
     return merged_keys, merged_values
 
 
-# A batch's new ids are merged into a small sorted table of recent ids; that one is merged into the main table once
-# it holds this fraction of it, so the main table is copied a few times per import, not once per batch that brings
-# a new id (every pod of a uniform graph builds a table of ~all ids: 12 copies of 16 MiB each, issue #46).
-RECENT_FRACTION = 8
-
-
 class EntityTable:
     """The distinct ids of one entity type: dense integers (batch by batch, in hash order within a batch), names, counts.
 
-    Lookup is a sorted array of hashes (with the dense id beside each) searched with ``np.searchsorted``, in two
-    parts: the main table, and the ids of the last batches (``RECENT_FRACTION``), searched only for the hashes the
-    main table lacks. ``sorted_hashes``/``sorted_ids`` give the whole table as one sorted array.
+    Lookup is a sorted array of hashes (with the dense id beside each) searched with
+    ``np.searchsorted``; new ids are merged in with ``np.insert`` once per batch, which is
+    linear in the table but amortised over a whole batch of edges.
     """
 
     def __init__(self) -> None:
-        self._main = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
-        self._recent = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
+        self.sorted_hashes = np.zeros(0, dtype=np.uint64)
+        self.sorted_ids = np.zeros(0, dtype=np.int64)
         self.name_chunks: list[pa.Array] = []
         self.counts = np.zeros(0, dtype=np.int64)
         self.size = 0
@@ -80,53 +74,6 @@ class EntityTable:
         self.counts = np.zeros(max(self.size, 1), dtype=np.int64)
         return np.sort(order[repeated])
 
-    @property
-    def sorted_hashes(self) -> np.ndarray:
-        """Every id's hash, ascending."""
-        self._consolidate()
-        return self._main[0]
-
-    @sorted_hashes.setter
-    def sorted_hashes(self, hashes: np.ndarray) -> None:
-        self._consolidate()
-        self._main = (hashes, self._main[1])
-
-    @property
-    def sorted_ids(self) -> np.ndarray:
-        """The dense id beside each of ``sorted_hashes``."""
-        self._consolidate()
-        return self._main[1]
-
-    @sorted_ids.setter
-    def sorted_ids(self, ids: np.ndarray) -> None:
-        self._consolidate()
-        self._main = (self._main[0], ids)
-
-    def _consolidate(self) -> None:
-        """Merge the recent ids into the main table."""
-        recent_hashes, recent_ids = self._recent
-        if len(recent_hashes):
-            main_hashes, main_ids = self._main
-            self._main = _merge_sorted(main_hashes, main_ids, np.searchsorted(main_hashes, recent_hashes),
-                                       recent_hashes, recent_ids)
-            self._recent = (recent_hashes[:0], recent_ids[:0])
-
-    def _lookup(self, unique: np.ndarray, unique_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Set ``unique_ids`` of the sorted distinct ``unique`` hashes the table holds; the positions of the others
-        in ``unique`` (ascending) and where each goes in the recent table."""
-        missing = np.arange(len(unique), dtype=np.int64)
-        where = missing[:0]
-        for part, (hashes, ids) in enumerate((self._main, self._recent)):
-            wanted = unique if part == 0 else unique[missing]
-            where = np.searchsorted(hashes, wanted)
-            known = where < len(hashes)
-            known[known] = hashes[where[known]] == wanted[known]
-            unique_ids[missing[known]] = ids[where[known]]
-            missing, where = missing[~known], where[~known]
-            if not len(missing):
-                break
-        return missing, where
-
     def hashes_of(self, ids: np.ndarray) -> np.ndarray:
         """The hashes of dense ids (the inverse of the lookup table, for the ids given)."""
         by_id = np.empty(self.size, dtype=np.uint64)
@@ -146,16 +93,19 @@ class EntityTable:
         starts = np.flatnonzero(first)
         unique = ordered[starts]
         run_lengths = np.diff(np.append(starts, n))
+        where = np.searchsorted(self.sorted_hashes, unique)
+        known = where < len(self.sorted_hashes)
+        known[known] = self.sorted_hashes[where[known]] == unique[known]
         unique_ids = np.empty(len(unique), dtype=np.int64)
-        new, where = self._lookup(unique, unique_ids)
-        num_new = len(new)
+        unique_ids[known] = self.sorted_ids[where[known]]
+        new = ~known
+        num_new = int(np.count_nonzero(new))
         if num_new:
             new_ids = np.arange(self.size, self.size + num_new, dtype=np.int64)
             unique_ids[new] = new_ids
             self.name_chunks.append(names_at(order[starts[new]]))
-            self._recent = _merge_sorted(*self._recent, where, unique[new], new_ids)
-            if len(self._recent[0]) * RECENT_FRACTION >= len(self._main[0]):
-                self._consolidate()
+            merged = _merge_sorted(self.sorted_hashes, self.sorted_ids, where[new], unique[new], new_ids)
+            self.sorted_hashes, self.sorted_ids = merged
             self.size += num_new
             if self.size > len(self.counts):
                 grown = np.zeros(max(self.size, 2 * len(self.counts)), dtype=np.int64)
