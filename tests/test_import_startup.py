@@ -113,3 +113,34 @@ def test_an_import_process_exits_quickly_with_its_output_whole(tmp_path: Path) -
     failed = subprocess.run([*argv[:5], str(tmp_path / "missing.tsv"), *argv[6:]], capture_output=True, text=True,
                             cwd=REPO)
     assert failed.returncode == 2 and "torn down" in failed.stdout  # an error exits as Python does
+
+
+# an import run to its end in this process (main, not entry: no quick exit), then which modules it loaded
+LOADED = """
+import sys
+from job.cli import main
+code = main(sys.argv[1:])
+print("loaded:", ",".join(m for m in ("pyarrow.compute", "numpy.ma") if m in sys.modules) or "none")
+sys.exit(code)
+"""
+
+
+def test_an_import_runs_its_kernels_without_loading_pyarrow_compute_or_numpy_ma(tmp_path: Path) -> None:
+    """Every import process (each pod) would pay their imports (~33 ms of CPU) for nothing but the kernels' names:
+    the importer calls the kernels from pyarrow's registry (job.data.importing.kernels). Ids with an empty field
+    and a relation-less row take the null-filling and bad-row paths too."""
+    edges = tmp_path / "edges.tsv"
+    edges.write_text("a\tr\tb\nb\tr\tc\nc\ts\ta\nlonger-than-eight-bytes\tr\ta\n\tr\tb\n")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "entities": {"all": {"num_partitions": 2}},
+        "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "translation"}],
+        "dynamic_relations": True, "global_emb": False, "dimension": 4, "entity_path": str(tmp_path / "entities"),
+        "edge_paths": [str(tmp_path / "edges")], "checkpoint_path": str(tmp_path / "model"),
+    }))
+    argv = ["import", str(config), str(edges), "-l", "0", "-r", "2", "--rel-col", "1", "--skip-bad-rows"]
+    run = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert "loaded: none" in run.stdout
+    counts = [int((tmp_path / "entities" / f"entity_count_all_{p}.txt").read_text()) for p in range(2)]
+    assert sum(counts) == 4

@@ -20,6 +20,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing import kernels
 from job.data.importing.bucketing import PIECES_IN_MEMORY
 from job.data.importing.dictionary import MAP_DTYPE, dict_unit, map_file
 from job.data.importing.mapper import group_files
@@ -109,7 +110,7 @@ def _final_side(job: BucketJob, group: int, types: np.ndarray, local: np.ndarray
     if len(job.plan.type_names) == 1:
         return _slice(job, group, 0, part, cache)[local].astype(np.int64)
     out = np.empty(len(local), dtype=np.int64)
-    for type_index in np.unique(types).tolist():
+    for type_index in kernels.distinct(types).tolist():
         rows = np.flatnonzero(types == type_index)
         out[rows] = _slice(job, group, type_index, part, cache)[local[rows]]
     return out

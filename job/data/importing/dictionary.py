@@ -19,6 +19,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing import kernels
 from job.data.importing.mapper import group_files
 from job.data.importing.plan import Plan
 from job.data.importing.staging import Staging
@@ -94,7 +95,6 @@ def _check_duplicates(type_name: str, batches: list[Any], where: tuple[np.ndarra
     differ, have their bytes compared. A uniform graph's groups repeat most ids, so this is what keeps phase 2 from
     copying every repeated name (issue #46)."""
     import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
-    import pyarrow.compute as pc
 
     if not len(pairs[0]):
         return
@@ -107,16 +107,16 @@ def _check_duplicates(type_name: str, batches: list[Any], where: tuple[np.ndarra
 
     def names_at(positions: np.ndarray) -> Any:
         pieces, slots = [], []
-        for g in np.unique(group[positions]).tolist():
+        for g in kernels.distinct(group[positions]).tolist():
             mine = np.flatnonzero(group[positions] == g)
-            pieces.append(batches[g].column(2).take(pa.array(row[positions[mine]])))
+            pieces.append(kernels.take(batches[g].column(2), row[positions[mine]]))
             slots.append(mine)
         back = np.empty(len(positions), dtype=np.int64)
         back[np.concatenate(slots)] = np.arange(len(positions), dtype=np.int64)
-        return pa.concat_arrays(pieces).take(pa.array(back))
+        return kernels.take(pa.concat_arrays(pieces), back)
 
     a, b = names_at(dup), names_at(first)
-    differ = np.flatnonzero(~pc.equal(a, b).to_numpy(zero_copy_only=False))
+    differ = np.flatnonzero(~kernels.equal(a, b).to_numpy(zero_copy_only=False))
     if len(differ):
         i = int(differ[0])
         raise HashCollision(
@@ -136,7 +136,6 @@ def build_dictionary(
     ids each: 4x the entries of one process; issue #46). A hash two groups hold under different names is refused
     (``HashCollision``) rather than merged."""
     import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
-    import pyarrow.compute as pc
 
     type_index, part = unit
     type_name = plan.type_names[type_index]
@@ -154,13 +153,13 @@ def build_dictionary(
     kept = np.flatnonzero(counts >= entity_min_count)
     firsts = order[first][kept]  # one entry per kept id: its name is taken from there alone
     pieces, kept_slots = [], []
-    for g in np.unique(group_of[firsts]).tolist():
+    for g in kernels.distinct(group_of[firsts]).tolist():
         mine = np.flatnonzero(group_of[firsts] == g)
-        pieces.append(batches[g].column(2).take(pa.array(row_of[firsts[mine]])))
+        pieces.append(kernels.take(batches[g].column(2), row_of[firsts[mine]]))
         kept_slots.append(mine)
     kept_names = pa.concat_arrays(pieces) if pieces else pa.array([], pa.large_string())
     slot_of = np.concatenate(kept_slots) if kept_slots else np.zeros(0, np.int64)  # kept index of each name
-    by_name = pc.sort_indices(kept_names).to_numpy()
+    by_name = kernels.sort_indices(kept_names).to_numpy()
     offset_of_kept = np.empty(len(kept), dtype=np.int64)
     offset_of_kept[slot_of[by_name]] = np.arange(len(kept), dtype=np.int64)
     offset = np.full(len(counts), -1, dtype=MAP_DTYPE)
@@ -169,7 +168,7 @@ def build_dictionary(
     entry_offset[order] = offset[distinct]  # in the groups' own order: each group's slice is its map
     with storage.local_file_for_writing(map_file(staging, type_index, part)) as tmp, open(tmp, "wb") as out:
         out.write(entry_offset.tobytes())
-    names = kept_names.take(pa.array(by_name)).to_pylist() if len(kept) else []
+    names = kernels.take(kept_names, by_name).to_pylist() if len(kept) else []
     storage.makedirs(config.entity_path)
     # the same JSON list as write_entity_names, through json's C encoder (no indent): 10x faster
     storage.write_text(ent.names_file(config.entity_path, type_name, part), json.dumps(names))

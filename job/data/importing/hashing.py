@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from job.data.importing import kernels
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -83,8 +85,6 @@ def hash_strings(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     then view the bytes as a (rows, words) uint64 matrix without copying. Non-ASCII or long
     ids take the numpy path, grouping rows by padded width so memory stays ~2x the bytes.
     """
-    import pyarrow.compute as pc  # ~0.3 s: kept off the start-up (module docstring)
-
     offsets, data = _string_buffers(array)
     lengths = np.diff(offsets)
     n = len(lengths)
@@ -93,18 +93,18 @@ def hash_strings(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     longest = int(lengths.max())
     width = max(8, (longest + 7) // 8 * 8)
     if width <= _FAST_WIDTH:
-        padded = pc.utf8_rpad(array, width=width, padding="\x00")
+        padded = kernels.utf8_rpad(array, width=width, padding="\x00")
         padded_offsets, padded_data = _string_buffers(padded)
         if padded_data.size == n * width:  # every id was padded to exactly `width` bytes (ASCII)
             return _hash_words(padded_data.view(np.uint64).reshape(n, width // 8), lengths), lengths
     hashes = np.empty(n, dtype=np.uint64)
     widths = np.maximum(8, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
-    for group_width in np.unique(widths):
+    for group_width in kernels.distinct(widths):
         rows = np.flatnonzero(widths == group_width)
         if len(rows) == n:
             group_offsets, group_data = offsets, data
         else:
-            group_offsets, group_data = _string_buffers(array.take(rows))
+            group_offsets, group_data = _string_buffers(kernels.take(array, rows))
         hashes[rows] = _hash_words(_padded_words(group_offsets, group_data, int(group_width)), lengths[rows])
     return hashes, lengths
 

@@ -26,6 +26,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing import kernels
 from job.data.importing.bucketing import SPILLED, Remap, bucket_spilled_file
 from job.data.importing.hashing import hash_strings
 from job.data.importing.options import ID_DTYPE, ImportOptions, ImportSummary
@@ -60,13 +61,11 @@ class Importer:
 
     def _relation_ids(self, batch: Batch) -> np.ndarray:
         """Relation id of each row: -1 for a name not in the config, -2 for an empty name."""
-        import pyarrow.compute as pc  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
-
         n = len(batch.lhs)
         if batch.rel is None:
             return np.zeros(n, dtype=np.int64)
-        rel = batch.rel.fill_null("") if batch.rel.null_count else batch.rel
-        encoded = pc.dictionary_encode(rel)
+        rel = kernels.fill_null(batch.rel, "") if batch.rel.null_count else batch.rel
+        encoded = kernels.dictionary_encode(rel)
         names = encoded.dictionary.to_pylist()
         if self.plan.dynamic:
             mapping = np.array([self.dynamic_names.setdefault(name, len(self.dynamic_names)) if name else -2 for name in names])
@@ -158,8 +157,8 @@ class Importer:
                 f"has a row with a wrong number of fields: {source.first_malformed!r}",
                 "the same number of fields on every row",
             )
-        lhs = batch.lhs.fill_null("") if batch.lhs.null_count else batch.lhs
-        rhs = batch.rhs.fill_null("") if batch.rhs.null_count else batch.rhs
+        lhs = kernels.fill_null(batch.lhs, "") if batch.lhs.null_count else batch.lhs
+        rhs = kernels.fill_null(batch.rhs, "") if batch.rhs.null_count else batch.rhs
         lhs_hash, lhs_len = hash_strings(lhs)
         rhs_hash, rhs_len = hash_strings(rhs)
         rel = self._relation_ids(batch)

@@ -25,6 +25,7 @@ import numpy as np
 
 import storage_adapters as storage
 from job.config import ConfigSchema
+from job.data.importing import kernels
 from job.data.importing.bucketing import (
     PIECES_IN_MEMORY,
     SPILLED,
@@ -127,9 +128,10 @@ def _write_names(url: str, importer: GroupImporter, layouts: list[_TypeLayout]) 
                 for size in layout.sizes.tolist():
                     rows = layout.order[start : start + size]
                     start += size
-                    picked = names.take(rows).combine_chunks() if names is not None and size else pa.array([], pa.large_string())
+                    picked = kernels.take(names, rows).combine_chunks() if names is not None and size else \
+                        pa.array([], pa.large_string())
                     writer.write_batch(pa.record_batch(
-                        [pa.array(layout.hashes[rows], pa.uint64()), pa.array(table.counts[rows], pa.int64()), picked],
+                        [kernels.uint64_array(layout.hashes[rows]), kernels.int64_array(table.counts[rows]), picked],
                         schema=schema,
                     ))
 
@@ -141,7 +143,7 @@ def _side(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout], single
         packed = layouts[0].packed[ids]
     else:
         packed = np.empty(len(ids), dtype=np.int64)
-        for type_index in np.unique(types).tolist():
+        for type_index in kernels.distinct(types).tolist():
             rows = np.flatnonzero(types == type_index)
             packed[rows] = layouts[type_index].packed[ids[rows]]
     return packed >> 32, packed & 0xFFFFFFFF
@@ -149,7 +151,7 @@ def _side(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout], single
 
 def _hashes(types: np.ndarray, ids: np.ndarray, layouts: list[_TypeLayout]) -> np.ndarray:
     hashes = np.empty(len(ids), dtype=np.uint64)
-    for type_index in np.unique(types).tolist():
+    for type_index in kernels.distinct(types).tolist():
         rows = np.flatnonzero(types == type_index)
         hashes[rows] = layouts[type_index].hashes[ids[rows]]
     return hashes

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import storage_adapters as storage
+from job.data.importing import kernels
 from job.data.importing.options import ImportOptions
 from job.errors import InputFormatError, UserError
 
@@ -283,13 +284,12 @@ class _NewlineTerminated(io.RawIOBase):
 def _as_strings(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """A column of any scalar type as a plain string array (ids may be stored as integers in Parquet)."""
     import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
-    import pyarrow.compute as pc
 
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        column = pc.cast(column, pa.string())
+        column = kernels.cast(column, pa.string())
     return column
 

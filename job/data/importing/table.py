@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from job.data.importing import kernels
 from job.data.importing.hashing import hash_strings
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class EntityTable:
             np.equal(ordered[1:], ordered[:-1], out=repeated[1:])
         self.sorted_hashes = ordered[~repeated]
         self.sorted_ids = order[~repeated].astype(np.int64)
-        self.name_chunks = [names.cast(pa.large_string())] if len(names) else []
+        self.name_chunks = [kernels.cast(names, pa.large_string())] if len(names) else []
         self.size = len(names)
         self.counts = np.zeros(max(self.size, 1), dtype=np.int64)
         return np.sort(order[repeated])
@@ -118,7 +119,8 @@ class EntityTable:
     def names(self) -> pa.ChunkedArray:
         import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
-        return pa.chunked_array([chunk.cast(pa.large_string()) for chunk in self.name_chunks], type=pa.large_string())
+        large = pa.large_string()
+        return pa.chunked_array([kernels.cast(chunk, large) for chunk in self.name_chunks], type=large)
 
 
 def _names_picker(
@@ -136,14 +138,14 @@ def _names_picker(
         is_left = positions < num_left
         picked = pa.concat_arrays(
             [
-                lhs.take(left_rows[from_left]).cast(pa.large_string()),
-                rhs.take(right_rows[from_right]).cast(pa.large_string()),
+                kernels.cast(kernels.take(lhs, left_rows[from_left]), pa.large_string()),
+                kernels.cast(kernels.take(rhs, right_rows[from_right]), pa.large_string()),
             ]
         )
         order = np.empty(len(positions), dtype=np.int64)
         order[np.flatnonzero(is_left)] = np.arange(len(from_left))
         order[np.flatnonzero(~is_left)] = len(from_left) + np.arange(len(from_right))
-        return picked.take(order)
+        return kernels.take(picked, order)
 
     return names_at
 

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 import storage_adapters as storage
+from job.data.importing import kernels
 from job.data.importing.bucketing import SPILLED
 from job.data.importing.options import ID_DTYPE
 from job.data.importing.plan import Plan
@@ -61,7 +62,7 @@ def write_entities(
     for name, table, parts in zip(plan.type_names, tables, members):
         all_names = table.names() if table.size else None
         for part, ids in enumerate(parts):
-            names = all_names.take(ids).to_pylist() if all_names is not None and len(ids) else []
+            names = kernels.take(all_names, ids).to_pylist() if all_names is not None and len(ids) else []
             url = ent.names_file(entity_path, name, part)
             written.append(url)
             # The same JSON list write_entity_names produces, but through json's C encoder (no indent): 10x faster.

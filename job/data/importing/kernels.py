@@ -1,0 +1,103 @@
+"""The few Arrow compute kernels the importer runs, called by name from the kernel registry.
+
+``pyarrow.compute`` builds a documented Python wrapper for each of its ~300 kernels when it is imported
+(~25 ms of CPU here, with pydoc and its docstring parser), and array methods such as ``take`` and ``cast``
+import it on first use; ``pa.array`` of a numpy array also imports ``numpy.ma`` (~8 ms) to check for a
+masked array. Every import process pays both once, so every pod added pays them again: on the 20M-edge
+bench, 4 pods paid them 4 times against once for one process (issue #46, bench/RESULTS.md). The registry's
+own entry point (``call_function``, what every wrapper calls) and the option classes come from pyarrow's
+compiled ``_compute`` module without the wrappers; numpy integer arrays are handed over as Arrow arrays
+sharing their memory. Same kernels, same options, so the same results byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def _registry() -> Any:
+    """pyarrow's compiled compute module (``call_function`` and the option classes), or, should a pyarrow
+    release move it, the public module that re-exports the same names."""
+    try:
+        import pyarrow._compute as compute  # ~5 ms: the registry without ~300 generated wrappers
+    except ImportError:  # pragma: no cover - every pyarrow since 1.0 has it
+        import pyarrow.compute as compute
+    return compute
+
+
+def _numeric_array(values: np.ndarray, dtype: type, arrow_type: Callable[[], pa.DataType]) -> pa.Array:
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
+
+    values = np.ascontiguousarray(values, dtype=dtype)
+    return pa.Array.from_buffers(arrow_type(), len(values), [None, pa.py_buffer(values)])
+
+
+def int64_array(values: np.ndarray) -> pa.Array:
+    """An Arrow int64 array over ``values``' memory (copied only if not already contiguous int64)."""
+    import pyarrow as pa
+
+    return _numeric_array(values, np.int64, pa.int64)
+
+
+def uint64_array(values: np.ndarray) -> pa.Array:
+    """An Arrow uint64 array over ``values``' memory (copied only if not already contiguous uint64)."""
+    import pyarrow as pa
+
+    return _numeric_array(values, np.uint64, pa.uint64)
+
+
+def take(array: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> Any:
+    """``array.take(indices)`` (bounds checked, as the method does)."""
+    compute = _registry()
+    return compute.call_function("take", [array, int64_array(indices)], compute.TakeOptions(boundscheck=True))
+
+
+def cast(array: pa.Array, target: pa.DataType) -> pa.Array:
+    """``array.cast(target)`` (a safe cast, as the method's default); ``array`` itself when already of that type."""
+    if array.type == target:
+        return array
+    compute = _registry()
+    return compute.call_function("cast", [array], compute.CastOptions.safe(target))
+
+
+def fill_null(array: pa.Array, value: str) -> pa.Array:
+    """``array.fill_null(value)`` for a string array."""
+    import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
+
+    return _registry().call_function("coalesce", [array, pa.scalar(value, array.type)])
+
+
+def utf8_rpad(array: pa.Array, width: int, padding: str) -> pa.Array:
+    compute = _registry()
+    return compute.call_function("utf8_rpad", [array], compute.PadOptions(width=width, padding=padding))
+
+
+def dictionary_encode(array: pa.Array) -> pa.Array:
+    return _registry().call_function("dictionary_encode", [array])
+
+
+def sort_indices(array: pa.Array) -> pa.Array:
+    """Ascending, nulls last: ``pyarrow.compute.sort_indices``' defaults."""
+    return _registry().call_function("sort_indices", [array])
+
+
+def equal(left: pa.Array, right: pa.Array) -> pa.Array:
+    return _registry().call_function("equal", [left, right])
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` (sorted, each value once) for the importer's small integer arrays: numpy's own asks
+    ``np.ma`` whether the array is masked, which imports ``numpy.ma`` (the module docstring)."""
+    ordered = np.sort(values, kind="stable")
+    if not len(ordered):
+        return ordered
+    keep = np.empty(len(ordered), dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
