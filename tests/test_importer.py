@@ -394,3 +394,24 @@ def test_entity_table_gives_dense_consistent_ids() -> None:
     names = table.names().to_pylist()
     assert [names[i] for i in [*ids, *ids2]] == ["b", "a", "b", "c", "c", "d", "a"]
     assert table.counts[ids].tolist() == [2, 2, 2, 2] and table.counts[3] == 1
+
+
+def test_entity_table_keeps_ids_across_batches_that_grow_it() -> None:
+    """Many batches, each bringing new ids and repeating old ones: the merges through the reused buffers keep
+    every id where a plain dictionary of first appearances (in hash order within a batch) puts it."""
+    rng = np.random.default_rng(7)
+    table = EntityTable()
+    expected: dict[int, int] = {}
+    for size in (5, 300, 40, 900, 1, 0, 2500, 700):
+        batch = pa.array([f"e{i}" for i in rng.integers(0, 3000, size)], pa.string())
+        hashes = hash_strings(batch)[0]
+        ids = table.encode(hashes, lambda pos, batch=batch: batch.take(pos))
+        for value in sorted(set(hashes.tolist()) - expected.keys()):
+            expected[value] = len(expected)
+        assert ids.tolist() == [expected[value] for value in hashes.tolist()]
+        assert table.size == len(expected) == len(table.sorted_hashes) == len(table.sorted_ids)
+        assert table.sorted_hashes.tolist() == sorted(expected)
+        assert table.sorted_ids.tolist() == [expected[value] for value in sorted(expected)]
+    names = table.names().to_pylist()
+    assert len(set(names)) == table.size
+    assert table.hashes_of(np.arange(table.size)).tolist() == hash_strings(pa.array(names))[0].tolist()
