@@ -21,42 +21,33 @@ if TYPE_CHECKING:
 
 
 def _merge_sorted(
-    keys: np.ndarray, values: np.ndarray, where: np.ndarray, new_keys: np.ndarray, new_values: np.ndarray,
-    out: tuple[np.ndarray, np.ndarray, np.ndarray],
-) -> None:
-    """Insert sorted ``new_keys`` before positions ``where`` (from searchsorted): np.insert without its sort.
-
-    ``out``: the merged keys, values and a scratch mask, each of ``len(keys) + len(new_keys)`` elements and
-    not overlapping the inputs.
-    """
-    merged_keys, merged_values, old = out
+    keys: np.ndarray, values: np.ndarray, where: np.ndarray, new_keys: np.ndarray, new_values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Insert sorted ``new_keys`` before positions ``where`` (from searchsorted): np.insert without its sort."""
+    total = len(keys) + len(new_keys)
     slots = where + np.arange(len(new_keys), dtype=np.int64)
-    old.fill(True)
+    old = np.ones(total, dtype=bool)
     old[slots] = False
+    merged_keys = np.empty(total, dtype=keys.dtype)
+    merged_values = np.empty(total, dtype=values.dtype)
     merged_keys[old] = keys
     merged_keys[slots] = new_keys
     merged_values[old] = values
     merged_values[slots] = new_values
+    return merged_keys, merged_values
 
 
 class EntityTable:
     """The distinct ids of one entity type: dense integers (batch by batch, in hash order within a batch), names, counts.
 
     Lookup is a sorted array of hashes (with the dense id beside each) searched with
-    ``np.searchsorted``; new ids are merged in once per batch, which is linear in the table but
-    amortised over a whole batch of edges. The merge writes into a spare pair of buffers with room
-    to grow (a quarter more than needed), and the pair it read from becomes the next spare: fresh
-    arrays of each new size, as a plain merge makes, leave freed blocks that the next, larger table
-    cannot reuse, which grew every process's heap with pages it had to fault in (issue #46).
+    ``np.searchsorted``; new ids are merged in with ``np.insert`` once per batch, which is
+    linear in the table but amortised over a whole batch of edges.
     """
 
     def __init__(self) -> None:
         self.sorted_hashes = np.zeros(0, dtype=np.uint64)
         self.sorted_ids = np.zeros(0, dtype=np.int64)
-        # The buffers that sorted_hashes/sorted_ids view (or the arrays themselves) and the spare pair.
-        self._current = (self.sorted_hashes, self.sorted_ids)
-        self._spare = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
-        self._mask = np.zeros(0, dtype=bool)
         self.name_chunks: list[pa.Array] = []
         self.counts = np.zeros(0, dtype=np.int64)
         self.size = 0
@@ -78,7 +69,6 @@ class EntityTable:
             np.equal(ordered[1:], ordered[:-1], out=repeated[1:])
         self.sorted_hashes = ordered[~repeated]
         self.sorted_ids = order[~repeated].astype(np.int64)
-        self._current = (self.sorted_hashes, self.sorted_ids)
         self.name_chunks = [kernels.cast(names, pa.large_string())] if len(names) else []
         self.size = len(names)
         self.counts = np.zeros(max(self.size, 1), dtype=np.int64)
@@ -114,7 +104,8 @@ class EntityTable:
             new_ids = np.arange(self.size, self.size + num_new, dtype=np.int64)
             unique_ids[new] = new_ids
             self.name_chunks.append(names_at(order[starts[new]]))
-            self._merge(where[new], unique[new], new_ids)
+            merged = _merge_sorted(self.sorted_hashes, self.sorted_ids, where[new], unique[new], new_ids)
+            self.sorted_hashes, self.sorted_ids = merged
             self.size += num_new
             if self.size > len(self.counts):
                 grown = np.zeros(max(self.size, 2 * len(self.counts)), dtype=np.int64)
@@ -124,22 +115,6 @@ class EntityTable:
         ids = np.empty(n, dtype=np.int64)
         ids[order] = np.repeat(unique_ids, run_lengths)
         return ids
-
-    def _merge(self, where: np.ndarray, new_hashes: np.ndarray, new_ids: np.ndarray) -> None:
-        """Merge sorted new hashes (and their ids) into the table through the spare buffers (class docstring)."""
-        total = len(self.sorted_hashes) + len(new_hashes)
-        spare_hashes, spare_ids = self._spare
-        if len(spare_hashes) < total:
-            capacity = total + total // 4
-            spare_hashes = np.empty(capacity, dtype=np.uint64)
-            spare_ids = np.empty(capacity, dtype=np.int64)
-        if len(self._mask) < total:
-            self._mask = np.empty(total + total // 4, dtype=bool)
-        merged = (spare_hashes[:total], spare_ids[:total], self._mask[:total])
-        _merge_sorted(self.sorted_hashes, self.sorted_ids, where, new_hashes, new_ids, out=merged)
-        self._spare = self._current
-        self._current = (spare_hashes, spare_ids)
-        self.sorted_hashes, self.sorted_ids = merged[0], merged[1]
 
     def names(self) -> pa.ChunkedArray:
         import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
