@@ -186,12 +186,18 @@ class Source:
                         logger.warning("%s is empty", self.url)
                         return
                     raise
-            self._check_columns(len(peek.schema))
+            num_columns = len(peek.schema)
+            # Closed now rather than when this generator ends: the peek reader holds the blocks it parsed and
+            # read ahead (~25 MiB at the first batch of a 20M-edge bench pod) while every batch of the file is
+            # encoded, pages that each import process faults in (issue #46, bench/RESULTS.md).
+            peek.close()
+            del peek
+            self._check_columns(num_columns)
             self._malformed = 0
             self.first_malformed = None
             if self._empty_range():
                 return
-            reader = self._text_reader(self.options.block_size, len(peek.schema))
+            reader = self._text_reader(self.options.block_size, num_columns)
             names = [f"f{c}" for c in self.columns]
             while True:
                 try:
