@@ -92,9 +92,14 @@ def bucket_rows(rng: np.random.Generator, weights: Optional[np.ndarray], edges: 
 
 def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, nparts: int, buckets: int,
                 train_s: float, touched: int, out: dict[str, Any], sparse: bool = False, edges: int = 0,
-                zipf: float = 1.5, spread: bool = False) -> None:
-    """Train ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of sleep), each
-    finished with a change of its rows (``bucket_rows``) that the sum then replaces. ``sparse``: the change
+                zipf: float = 1.5, *, spread: bool = False, world: int = 1) -> None:
+    """Train at least ``buckets`` buckets as ``LockServerScheduler`` asks for them (no training: ``train_s`` of
+    sleep), each finished with a change of its rows (``bucket_rows``) that the sum then replaces. A trainer that has
+    trained its ``buckets`` goes on until all ``world`` trainers have (the store's ``bench/finished`` count): a real
+    trainer asks until its pass ends, and one that stopped alone would keep its last bucket in flight, its
+    partitions' locks and its reservation, which no request of the protocol hands back while the round stands, so
+    the others would starve (``--buckets`` above 3 stalled at 16 trainers / P=32: the leavers held every
+    partition). ``sparse``: the change
     carries only those rows and the next bucket's rows are pulled (job/train/distributed/shared_rows.py);
     ``edges`` > 0: a bucket's rows are those of ``edges`` edges whose relations follow a Zipf law of ``zipf``;
     ``spread``: each think drawn uniformly from 0.5-1.5 x ``train_s``, and the first request after a uniform
@@ -119,6 +124,7 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     held: set = set()
     rows = bucket_rows(rng, weights, edges, touched, layout.rows)
     trained = waits = 0
+    counted = False  # whether this trainer's ``buckets`` are counted in ``bench/finished``
     # every trainer set up (its store connections, its rows) before any asks: a trainer's start-up is not in another's
     # round trip (the first `next`s still come all at once, as a group's start: ``next_first``)
     store.add("bench/ready", 1)
@@ -130,7 +136,13 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
     if spread and train_s:
         thought += rng.uniform(0.0, train_s)
         time.sleep(thought)
-    while trained < buckets:
+    while True:
+        if trained >= buckets:  # its share trained: on only while another has not trained its own
+            if not counted:
+                store.add("bench/finished", 1)
+                counted = True
+            if int(store.add("bench/finished", 0)) >= world:
+                break
         sent = rows if current is not None else None
         if sparse and sent is not None:
             change: Optional[torch.Tensor] = torch.full((layout.count(sent.size),), 1e-6)
@@ -152,7 +164,7 @@ def run_trainer(store: Any, rank: int, transport: TensorTransport, values: int, 
             moved[-1] += change.numel() * 4 * (1 if sparse else 2)
             complete.append(moved[-1])
         current = bucket
-        if kind == "done":
+        if kind == "done":  # the whole pass trained: every other trainer hears the same
             break
         if bucket is None:  # nothing open now: give everything back and ask again, as the scheduler does
             waits += 1
@@ -214,7 +226,7 @@ def child_main(args: argparse.Namespace) -> None:
     threads = [threading.Thread(target=run_trainer, args=(store.clone(), r, made[r], args.values, args.partitions,
                                                           args.buckets, float(args.train_ms) / 1e3, args.touched_rows, out,
                                                           args.shared == "sparse", args.bucket_edges, args.zipf),
-                                kwargs={"spread": args.think == "spread"})
+                                kwargs={"spread": args.think == "spread", "world": args.world})
                for r in ranks]
     for t in threads:
         t.start()
@@ -260,7 +272,7 @@ def scale_run(args: argparse.Namespace, trainers: int, nparts: int, work: Path, 
     own = threading.Thread(target=run_trainer, args=(store.clone(), 0, made[0], args.values, nparts, args.buckets,
                                                      train_ms / 1e3, args.touched_rows, out,
                                                      args.shared == "sparse", args.bucket_edges, args.zipf),
-                           kwargs={"spread": args.think == "spread"})
+                           kwargs={"spread": args.think == "spread", "world": trainers})
     own.start()
     while int(store.add("bench/ready", 0)) < trainers:
         time.sleep(0.01)
@@ -515,7 +527,9 @@ def main() -> None:
     parser.add_argument("--trainers", default="8,32,128")
     parser.add_argument("--partitions", default="", help="per trainers figure (comma list); default 2 x trainers")
     parser.add_argument("--values", type=int, default=FREEBASE_RELATION_VALUES)
-    parser.add_argument("--buckets", type=int, default=4, help="buckets each trainer trains in a scale run")
+    parser.add_argument("--buckets", type=int, default=4,
+                        help="buckets each trainer trains at least in a scale run (each goes on until all have: as "
+                        "in a pass, no trainer stops while the others train)")
     parser.add_argument("--train-ms", default="0",
                         help="think time per bucket (its compute), ms; a comma list: one scale run each (a load sweep)")
     parser.add_argument("--touched-rows", type=int, default=300,
