@@ -10,21 +10,15 @@ end the round (the scale bench's 8 pods met it once cuts lasted longer)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from test_lock_protocol import handoffs, ranks, row_store, serve, store  # noqa: F401 - fixtures
+from test_write_behind import staged_report
 from torch.distributed import TCPStore
 
-from job.checkpoint.write_groups import staged_name
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.transport import TensorTransport
 from job.train.schedule.behind import BehindWrites
-
-
-def _staged(rank: int, keys: Any, token: str) -> list[list[Any]]:
-    """A report of ``keys`` staged under names of their own (the server checks names, sizes and CRC-32s' form)."""
-    return [[k[0], k[1], staged_name(k, 1, f"{token}{rank}"), 10, "0a0b0c0d"] for k in keys]
 
 
 def test_a_turn_owed_to_a_cut_in_the_background_while_the_group_stops_is_moved_at_a_later_turn(
@@ -59,7 +53,7 @@ def test_a_turn_owed_to_a_cut_in_the_background_while_the_group_stops_is_moved_a
         assert client0.finish_and_next(set(keys_of[b2]), b2, None)[0] == "cut"
         step = client0.cut()
         assert step.step == "stage" and not step.behind
-        assert client0.cut(staged=_staged(0, step.keys, "stop")).step == "move" and cut.recorded
+        assert client0.cut(staged=staged_report(0, step.keys, "stop")).step == "move" and cut.recorded
         assert client0.cut(moved=True).step == "go"
 
         # rank 1's next turn is its move; then the cut is over and the stop's own plan may go on

@@ -191,7 +191,8 @@ def test_a_rank_waiting_for_the_end_of_one_cut_is_not_drawn_into_the_next(tmp_pa
         server.stop()
 
 
-def _staged(rank: int, keys: Any, token: str) -> list[list[Any]]:
+def staged_report(rank: int, keys: Any, token: str) -> list[list[Any]]:
+    """A report of ``keys`` staged under names of their own (the server checks names, sizes and CRC-32s' form)."""
     return [[k[0], k[1], staged_name(k, 1, f"{token}{rank}"), 10, "0a0b0c0d"] for k in keys]
 
 
@@ -226,8 +227,8 @@ def test_a_round_that_ends_in_order_takes_a_cut_first_unless_it_cannot_in_time(
             steps = [clients[rank].cut() for rank in (0, 1)]
             assert [s.step for s in steps] == ["stage", "stage"]
             assert sorted(steps[0].keys) == keys[0] and sorted(steps[1].keys) == keys[1]
-            assert clients[0].cut(staged=_staged(0, keys[0], "end")).step == "wait"
-            assert clients[1].cut(staged=_staged(1, keys[1], "end")).step == "move"  # recorded
+            assert clients[0].cut(staged=staged_report(0, keys[0], "end")).step == "wait"
+            assert clients[1].cut(staged=staged_report(1, keys[1], "end")).step == "move"  # recorded
             assert not server.state.unsaved_buckets() and len(server.state.done) == 2
             assert clients[0].cut(moved=True).step == "wait" and clients[1].cut(moved=True).step == "go"
             assert clients[0].cut().step == "go"
@@ -278,7 +279,7 @@ def test_a_cut_is_due_before_a_ranks_pinned_rows_could_pass_what_memory_budget_a
         assert kind == "cut" and len(server.state.done) < 16 and len(pinned) + 2 > 4 >= len(pinned), pinned
         step = client.cut()
         assert step.step == "stage"
-        assert client.cut(staged=_staged(0, step.keys, "pin")).step == "wait"
+        assert client.cut(staged=staged_report(0, step.keys, "pin")).step == "wait"
         assert idle.cut().step == "stage" and idle.cut(staged=[]).step == "move"  # recorded
         assert not server.cuts.pinned and not server.state.unsaved_buckets()  # counted from zero again
     finally:
@@ -336,7 +337,7 @@ def test_a_cut_taken_in_the_background_saves_exactly_its_buckets_while_the_group
         assert cut is not None and cut.buckets == {b0, b1, b2} and not server.cuts.active  # nobody stops
         step = clients[1].cut()
         assert step.step == "stage" and step.behind and set(step.keys) == set(keys_of[b1])
-        assert clients[1].cut(staged=_staged(1, step.keys, "bg")).step == "go"  # b2 still in flight: not recorded
+        assert clients[1].cut(staged=staged_report(1, step.keys, "bg")).step == "go"  # b2 still in flight: not recorded
         kind, b3, _, _ = clients[1].finish_and_next(set(keys_of[b1]), None, None)
         assert kind == "bucket" and b3 not in cut.buckets  # granted during the cut
         assert not keys_of[b3] & (keys_of[b0] | keys_of[b2])  # rank 0 has not staged those yet
@@ -344,7 +345,7 @@ def test_a_cut_taken_in_the_background_saves_exactly_its_buckets_while_the_group
         assert clients[0].finish_and_next(set(keys_of[b2]), b2, None, delta(b2))[0] == "cut"  # its turn first
         step = clients[0].cut()
         assert step.step == "stage" and set(step.keys) == set(keys_of[b0] | keys_of[b2])
-        assert clients[0].cut(staged=_staged(0, step.keys, "bg")).step == "move"  # the last key: recorded
+        assert clients[0].cut(staged=staged_report(0, step.keys, "bg")).step == "move"  # the last key: recorded
         assert server.state.unsaved_buckets() == set() and server.state.dirty == keys_of[b0] | keys_of[b1] | keys_of[b2]
         assert clients[0].cut(moved=True).step == "go"
         assert clients[1].finish_and_next(set(keys_of[b3]), b3, None, delta(b3))[0] == "cut"  # its move is due
@@ -404,7 +405,7 @@ def test_a_cut_of_the_whole_group_waits_for_the_one_in_the_background_and_rows_a
         assert clients[0].cut().step == "stage" and clients[0].cut().behind is False  # its turn, reservation gone
         step = clients[1].cut()
         assert step.step == "stage"
-        assert clients[1].cut(staged=_staged(1, step.keys, "bg")).step == "go"
+        assert clients[1].cut(staged=staged_report(1, step.keys, "bg")).step == "go"
         assert clients[1].cut().step == "wait"  # the stop waits for the background cut
     finally:
         server.stop()
@@ -426,7 +427,7 @@ def test_memory_budget_calls_a_cut_in_the_background_two_switches_before_the_lim
         assert server.cuts.behind is not None and not server.cuts.active  # in the background
         step = client.cut()
         assert step.step == "stage" and step.behind
-        assert client.cut(staged=_staged(0, step.keys, "pin")).step == "move"  # its keys were all: recorded
+        assert client.cut(staged=staged_report(0, step.keys, "pin")).step == "move"  # its keys were all: recorded
         assert client.cut(moved=True).step == "go" and not server.cuts.pinned[0]  # unpinned: counted from zero
         assert not server.state.unsaved_buckets() and server.cuts.behind is not None  # rank 1's turn is owed
         assert idle.finish_and_next(set(), None, None)[0] == "cut"
@@ -458,7 +459,7 @@ def test_during_a_cut_in_the_background_a_partition_its_stager_keeps_pinned_is_h
         cut = server.cuts.behind
         assert cut is not None and cut.buckets == {b0, b1, b2} and all(cut.stager[k] == 0 for k in leaving)
         step = clients[1].cut()
-        assert clients[1].cut(staged=_staged(1, step.keys, "pin")).step == "go"
+        assert clients[1].cut(staged=staged_report(1, step.keys, "pin")).step == "go"
         kind, b3, _, _ = clients[1].finish_and_next(set(keys_of[b1]) | set(leaving), None, None)
         assert kind == "bucket" and b3 not in cut.buckets and keys_of[b3] & set(leaving), (b3, leaving)
         assert cut.turned == {1} and not cut.recorded  # rank 0 has staged nothing yet
