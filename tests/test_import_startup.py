@@ -91,16 +91,22 @@ def test_a_quick_exit_skips_the_teardown_but_not_the_exit_handlers_logs_or_outpu
     assert ("torn down" in run.stdout) is not allowed
 
 
+def _import_config(tmp_path: Path, partitions: int, **extra: object) -> Path:
+    """A one-type, one-relation config for a tiny import into ``tmp_path`` (its outputs under it)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "entities": {"all": {"num_partitions": partitions}},
+        "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "translation"}],
+        "dimension": 4, "entity_path": str(tmp_path / "entities"), "edge_paths": [str(tmp_path / "edges")],
+        "checkpoint_path": str(tmp_path / "model"), **extra,
+    }))
+    return config
+
+
 def test_an_import_process_exits_quickly_with_its_output_whole(tmp_path: Path) -> None:
     edges = tmp_path / "edges.tsv"
     edges.write_text("a\tr\tb\nb\tr\tc\nc\tr\ta\n")
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "entities": {"all": {"num_partitions": 1}},
-        "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "translation"}],
-        "dimension": 4, "entity_path": str(tmp_path / "entities"), "edge_paths": [str(tmp_path / "edges")],
-        "checkpoint_path": str(tmp_path / "model"),
-    }))
+    config = _import_config(tmp_path, partitions=1)
     # a finalizer that would speak at the interpreter's teardown, loaded into the import process through -c
     script = ("import sys, runpy\nclass Noisy:\n    def __del__(self): print('torn down', flush=True)\n"
               "sys.modules['__main__'].kept = Noisy()\nsys.argv = ['job', *sys.argv[1:]]\n"
@@ -131,13 +137,7 @@ def test_an_import_runs_its_kernels_without_loading_pyarrow_compute_or_numpy_ma(
     and a relation-less row take the null-filling and bad-row paths too."""
     edges = tmp_path / "edges.tsv"
     edges.write_text("a\tr\tb\nb\tr\tc\nc\ts\ta\nlonger-than-eight-bytes\tr\ta\n\tr\tb\n")
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "entities": {"all": {"num_partitions": 2}},
-        "relations": [{"name": "r", "lhs": "all", "rhs": "all", "operator": "translation"}],
-        "dynamic_relations": True, "global_emb": False, "dimension": 4, "entity_path": str(tmp_path / "entities"),
-        "edge_paths": [str(tmp_path / "edges")], "checkpoint_path": str(tmp_path / "model"),
-    }))
+    config = _import_config(tmp_path, partitions=2, dynamic_relations=True, global_emb=False)
     argv = ["import", str(config), str(edges), "-l", "0", "-r", "2", "--rel-col", "1", "--skip-bad-rows"]
     run = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0, run.stderr
