@@ -21,9 +21,9 @@ def test_take_and_the_numeric_arrays_match_the_methods() -> None:
     with pytest.raises(IndexError):
         kernels.take(NAMES, np.array([7]))  # bounds checked, as the method is
     strided = np.arange(10, dtype=np.int64)[::2]  # not contiguous: copied, not misread
-    assert kernels.int64_array(strided).to_pylist() == [0, 2, 4, 6, 8]
+    assert kernels.numeric_array(strided, np.int64).to_pylist() == [0, 2, 4, 6, 8]
     hashes = np.array([2**64 - 1, 0, 5], dtype=np.uint64)
-    assert kernels.uint64_array(hashes).equals(pa.array(hashes, pa.uint64()))
+    assert kernels.numeric_array(hashes, np.uint64).equals(pa.array(hashes, pa.uint64()))
 
 
 def test_the_string_kernels_match_pyarrow_compute() -> None:

@@ -12,7 +12,6 @@ sharing their memory. Same kernels, same options, so the same results byte for b
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,31 +30,18 @@ def _registry() -> Any:
     return compute
 
 
-def _numeric_array(values: np.ndarray, dtype: type, arrow_type: Callable[[], pa.DataType]) -> pa.Array:
+def numeric_array(values: np.ndarray, dtype: type) -> pa.Array:
+    """An Arrow array of ``dtype`` over ``values``' memory (copied only if not already contiguous of that type)."""
     import pyarrow as pa  # ~0.3 s: kept off the start-up (see job.data.importing.hashing)
 
     values = np.ascontiguousarray(values, dtype=dtype)
-    return pa.Array.from_buffers(arrow_type(), len(values), [None, pa.py_buffer(values)])
-
-
-def int64_array(values: np.ndarray) -> pa.Array:
-    """An Arrow int64 array over ``values``' memory (copied only if not already contiguous int64)."""
-    import pyarrow as pa
-
-    return _numeric_array(values, np.int64, pa.int64)
-
-
-def uint64_array(values: np.ndarray) -> pa.Array:
-    """An Arrow uint64 array over ``values``' memory (copied only if not already contiguous uint64)."""
-    import pyarrow as pa
-
-    return _numeric_array(values, np.uint64, pa.uint64)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
 def take(array: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> Any:
     """``array.take(indices)`` (bounds checked, as the method does)."""
     compute = _registry()
-    return compute.call_function("take", [array, int64_array(indices)], compute.TakeOptions(boundscheck=True))
+    return compute.call_function("take", [array, numeric_array(indices, np.int64)], compute.TakeOptions(boundscheck=True))
 
 
 def cast(array: pa.Array, target: pa.DataType) -> pa.Array:

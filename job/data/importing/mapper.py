@@ -128,10 +128,11 @@ def _write_names(url: str, importer: GroupImporter, layouts: list[_TypeLayout]) 
                 for size in layout.sizes.tolist():
                     rows = layout.order[start : start + size]
                     start += size
-                    picked = kernels.take(names, rows).combine_chunks() if names is not None and size else \
-                        pa.array([], pa.large_string())
+                    picked = (kernels.take(names, rows).combine_chunks() if names is not None and size
+                              else pa.array([], pa.large_string()))
                     writer.write_batch(pa.record_batch(
-                        [kernels.uint64_array(layout.hashes[rows]), kernels.int64_array(table.counts[rows]), picked],
+                        [kernels.numeric_array(layout.hashes[rows], np.uint64),
+                         kernels.numeric_array(table.counts[rows], np.int64), picked],
                         schema=schema,
                     ))
 
