@@ -146,11 +146,10 @@ class LockServerScheduler(BucketScheduler):
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
                                      world_size=self.ctx.world_size, layout=self.layout,
                                      write_behind=self.config.write_behind_buckets if self.behind else 0)
-            if self.server.cuts is not None:  # seconds between cuts, if any
-                self.server.cuts.cadence(self.config.write_behind_seconds)
             if self.server.cuts is not None and self.handoff is not None:  # an orderly end's window; memory_budget
                 self.server.cuts.bound(window_s=self.ctx.drain_timeout_s, pinned_limit=pinned_partitions(
                     self.config, self.store.capacity))
+                self.server.cuts.cadence(self.config.write_behind_seconds)  # seconds between cuts, if any
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
 
