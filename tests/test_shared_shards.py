@@ -5,9 +5,11 @@ exactness with shards on (a real torchrun group, kills) is in tests/test_shared_
 from __future__ import annotations
 
 import json
+import queue
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,11 +17,13 @@ import torch
 from torch.distributed import TCPStore
 
 from job.train.distributed import auth, shard_wire
+from job.train.distributed.commits import Commit, Committer, VectorWork
 from job.train.distributed.handoff import SocketReader
 from job.train.distributed.shard_client import ShardClient, ShardError
 from job.train.distributed.shard_routing import ShardedRows
 from job.train.distributed.shard_service import ShardRefusal, ShardService, ShardSlice, owned_rows, set_rows
 from job.train.distributed.shared_rows import RowLayout
+from job.train.distributed.shared_vector import SharedVector
 from job.types import Bucket
 
 WORLD = 3
@@ -210,3 +214,98 @@ def test_a_slice_refuses_a_load_of_the_wrong_size() -> None:
     shard = ShardSlice(rank=1, world_size=WORLD, layout=LAYOUT)
     with pytest.raises(ShardRefusal, match="5 values loaded for 3 rows of 4 values"):
         shard.load("0", np.zeros(5, np.float32))
+
+
+@pytest.mark.parametrize("keys, got", [
+    ({"write_behind_buckets": 0, "dynamic_relations": True}, "got write_behind_buckets 0 and dynamic_relations true"),
+    ({"write_behind_buckets": -1, "dynamic_relations": False}, "got write_behind_buckets -1 and dynamic_relations false"),
+])
+def test_shards_asked_for_without_writes_behind_or_relation_rows_are_a_config_error(keys, got) -> None:
+    from job.config import parse_config
+    from job.config.base import ConfigKeyError
+
+    raw = {"entities": {"all": {"num_partitions": 2}}, "relations": [{"name": "r", "lhs": "all", "rhs": "all"}],
+           "dimension": 8, "entity_path": "e", "edge_paths": ["d"], "checkpoint_path": "m", "shared_shards": True,
+           "global_emb": False,
+           **keys}
+    with pytest.raises(ConfigKeyError, match="config key 'shared_shards': only with write_behind_buckets .*" + got) as info:
+        parse_config(raw)
+    assert info.value.exit_code == 2 and "shared_shards" in info.value.keys
+    assert parse_config({**raw, "write_behind_buckets": 4, "dynamic_relations": True}).shared_shards
+
+
+def test_a_model_without_relation_rows_is_refused_at_the_start() -> None:
+    from job.errors import ConfigError
+    from job.train.distributed.shard_routing import shardable
+
+    with pytest.raises(ConfigError, match="'shared_shards': the model's shared parameters have no relation rows"):
+        shardable(RowLayout.dense(12))
+    assert shardable(LAYOUT) is LAYOUT
+
+
+class Log:
+    """A progress log that keeps what each write carried (the stored vector's blocks, or the whole vector)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[list[dict], Any]] = []
+
+    def append(self, records: list[dict], shared: Any = None, blocks: Any = None) -> bool:
+        self.writes.append((records, shared.copy() if shared is not None else blocks))
+        return False
+
+
+def committed(events: queue.Queue) -> Any:
+    while True:
+        event = events.get(timeout=10)
+        if event[0] == "committed":
+            return event[1]
+
+
+def test_the_committer_writes_the_shards_saved_rows_into_the_stored_vector_with_the_record() -> None:
+    vector = SharedVector(np.zeros(LAYOUT.size, np.float32), layout=LAYOUT)
+    asked: list[list[Bucket]] = []
+
+    def shard_save(buckets: list[Bucket]) -> list[tuple[np.ndarray, np.ndarray]]:
+        asked.append(list(buckets))
+        return [(np.array([1, 4]), np.full(2 * WIDTH, 7.0, np.float32)), (np.zeros(0, np.int64), np.zeros(0))]
+
+    events: queue.Queue = queue.Queue()
+    log = Log()
+    committer = Committer(vector, log, events.put, shard_save)
+    try:
+        # a bucket done (rank 0's part: the whole values and row 0), unsaved: nothing asked of the shards
+        committer.submit(Commit(None, None, [{"done": 1}], VectorWork(
+            change=np.ones(LAYOUT.count(1), np.float32), rows=np.array([0]), finished=Bucket(0, 0))))
+        assert not committed(events).error and asked == [] and not vector.stored.any()
+        # the cut's record saves it: the shards save it too, and their rows enter the stored vector before the write
+        committer.submit(Commit(None, None, [{"cut": 1}], VectorWork(unsaved=frozenset())))
+        assert not committed(events).error and asked == [[Bucket(0, 0)]]
+        expect = np.zeros(LAYOUT.size, np.float32)
+        LAYOUT.scatter_add(expect, np.array([0]), np.ones(LAYOUT.count(1), np.float32))
+        set_rows(LAYOUT, expect, np.array([1, 4]), np.full(2 * WIDTH, 7.0, np.float32))
+        assert vector.stored.tolist() == expect.tolist()
+        records, written = log.writes[-1]
+        assert records == [{"cut": 1}] and written is not None  # the stored vector's change went with the record
+    finally:
+        committer.stop()
+
+
+def test_a_shard_that_does_not_save_fails_the_commit_as_a_failed_write() -> None:
+    vector = SharedVector(np.zeros(LAYOUT.size, np.float32), layout=LAYOUT)
+
+    def shard_save(buckets: list[Bucket]) -> list[tuple[np.ndarray, np.ndarray]]:
+        raise ShardError("rank 0: the shard of rank 2 did not answer a save")
+
+    events: queue.Queue = queue.Queue()
+    log = Log()
+    committer = Committer(vector, log, events.put, shard_save)
+    try:
+        committer.submit(Commit(None, None, [{"done": 1}], VectorWork(
+            change=np.ones(LAYOUT.count(1), np.float32), rows=np.array([0]), finished=Bucket(0, 0))))
+        committed(events)
+        committer.submit(Commit(None, None, [{"cut": 1}], VectorWork(unsaved=frozenset())))
+        batch = committed(events)
+        assert batch.error is not None and "shard of rank 2 did not answer a save" in batch.error
+        assert [records for records, _ in log.writes] == [[{"done": 1}]]  # the cut's record never written
+    finally:
+        committer.stop()

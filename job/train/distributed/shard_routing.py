@@ -21,11 +21,21 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from job.errors import ConfigError
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.shard_client import ShardClient
 from job.train.distributed.shard_service import ShardService, ShardSlice, owned_rows, set_rows
 from job.train.distributed.shared_rows import RowLayout
 from job.types import Bucket
+
+
+def shardable(layout: Optional[RowLayout]) -> RowLayout:
+    """``layout``, if it has relation rows to shard; else the config error (exit 2) naming the keys."""
+    if layout is None or layout.rows == 0:
+        raise ConfigError("config key 'shared_shards': the model's shared parameters have no relation rows to shard "
+                          "(it needs dynamic_relations: true and relation operators with parameters); set "
+                          "shared_shards: false")
+    return layout
 
 
 class ShardedRows:

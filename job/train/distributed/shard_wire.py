@@ -47,7 +47,7 @@ class Message:
 
 
 def _bytes(array: np.ndarray, dtype: type) -> memoryview:
-    return memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
+    return np.ascontiguousarray(array, dtype=dtype).data.cast("B")
 
 
 def send(sock: socket.socket, *, kind: str, round_id: str, nonce: str, seq: int, header: dict[str, Any],
@@ -80,10 +80,9 @@ def receive(reader: SocketReader, *, kind: str, round_id: str, nonce: str, seq: 
         raise ShardWireError(f"a message of {count_rows} rows and {count_values} values (at most {limit} in all)")
     rows = np.empty(count_rows, np.int64)
     values = np.empty(count_values, np.float32)
-    reader.into(memoryview(rows).cast("B"))
-    reader.into(memoryview(values).cast("B"))
-    if not auth.verify(mac, kind, round_id, nonce, str(number), text, memoryview(rows).cast("B"),
-                       memoryview(values).cast("B")):
+    reader.into(rows.data.cast("B"))
+    reader.into(values.data.cast("B"))
+    if not auth.verify(mac, kind, round_id, nonce, str(number), text, rows.data.cast("B"), values.data.cast("B")):
         raise ShardWireError(f"a message claiming rank {header.get('rank')} whose MAC fails (not of this group's "
                              "round, or altered on the way)")
     if number != seq:
