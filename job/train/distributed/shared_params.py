@@ -153,12 +153,14 @@ class SharedParameters:
         self.shards.fill(summed.numpy())
         self.assign(summed)
 
-    def settle(self, served: torch.Tensor) -> None:
-        """Rank 0 at a pass's end: take its server's ``served`` values, with the rows other ranks serve from them."""
+    def settle(self, served: torch.Tensor) -> torch.Tensor:
+        """Rank 0 at a pass's end: take its server's ``served`` values, with the rows other ranks serve from them;
+        returns the values taken."""
         if self.shards is not None:
             served = served.clone()
             self.shards.fill(served.numpy())
         self.assign(served)
+        return served
 
 
 def relation_indexed(model: torch.nn.Module, rows: int) -> list[bool]:
