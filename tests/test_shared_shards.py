@@ -9,11 +9,13 @@ import queue
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers_distributed import transports
 from torch.distributed import TCPStore
 
 from job.train.distributed import auth, shard_wire
@@ -309,3 +311,23 @@ def test_a_shard_that_does_not_save_fails_the_commit_as_a_failed_write() -> None
         assert [records for records, _ in log.writes] == [[{"done": 1}]]  # the cut's record never written
     finally:
         committer.stop()
+
+
+@pytest.mark.slow  # ~60 s, as tests/test_lock_protocol.py's others of its kind
+@pytest.mark.parametrize("behind", [3, -1])
+def test_with_shards_each_buckets_update_is_counted_once_across_a_death_at_every_step(
+        tmp_path: Path, behind: int) -> None:
+    """``kill_at_every_step`` (tests/test_lock_protocol.py) with rank 1 serving the odd relation rows: the group dies
+    after every action, among them a rank killed with its bucket's update acknowledged by its shard and its ``next``
+    unsent, and rank 0 killed after the shards saved what a cut's record saves and before that record was stored; the
+    round after resumes from the persisted vector (rank 0 alone): every bucket's update reaches it once."""
+    from test_lock_protocol import kill_at_every_step
+
+    auth.reset_for_tests(b"s" * 32)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    try:
+        points = kill_at_every_step(lambda crash_after: str(tmp_path / str(crash_after) / "checkpoint"), store,
+                                    transports(store, 2), handoff=True, behind=behind, withhold=True, shards=True)
+        assert points > 40
+    finally:
+        auth.reset_for_tests(None)
