@@ -395,7 +395,9 @@ class LockServerScheduler(BucketScheduler):
         if self.handoff is not None:
             logger.info("rank %d: partition hand-off this pass: %s", self.ctx.rank, json.dumps(
                 {**self.handoff.stats.as_record(), **(self.behind.counts.as_record() if self.behind else {}),
-                 **({"shard_bytes": self.shards.bytes_through()} if self.shards is not None else {})}))
+                 **({"shard_bytes": self.shards.bytes_through()} if self.shards is not None else {}),
+                 "shared_link_bytes": self.transport.bytes_sent + self.transport.bytes_received + (
+                     self.shards.bytes_through() if self.shards is not None else 0)}))
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
         try:
             wait_all(self.ctx, f"pass-written-{self.pass_tag}")
