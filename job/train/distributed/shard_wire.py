@@ -27,9 +27,10 @@ from job.train.distributed.handoff import SocketReader
 
 HELLO = "biggraph-shard"
 CONNECT_TIMEOUT_S = 10.0
-# per socket operation: a frozen shard costs its asker this, then the asker fails its bucket (the round ends
-# through the heartbeat, as for a frozen rank 0); a live one answers in milliseconds
-TRANSFER_TIMEOUT_S = 60.0
+# per socket operation (each recv returns as bytes arrive): a frozen shard costs its asker this, then the asker fails
+# its bucket (the round ends through the heartbeat, as for a frozen rank 0); well under the drain deadline (25 s), as
+# the hand-off's (handoff.py)
+TRANSFER_TIMEOUT_S = 15.0
 
 
 class ShardWireError(RuntimeError):

@@ -149,9 +149,20 @@ class SharedParameters:
         self.shards.push_outside(current.numpy(), self.synced.numpy())
         change = current.sub_(self.synced)
         self.shards.zero_others(change.numpy())
+        if not bool(change.any()):  # (a pass's end: every bucket's change went with its ``next``) nothing for rank 0
+            self.gather_all(client)
+            return
         summed = client.sync(change)
         self.shards.fill(summed.numpy())
         self.assign(summed)
+
+    def gather_all(self, client: LockClient) -> None:
+        """With shards: take every value from the rank that serves it (rank 0 sends the whole part and its rows
+        alone, a sparse pull, instead of the whole vector to every rank)."""
+        assert self.shards is not None
+        rows = np.arange(self.layout.rows, dtype=np.int64)
+        self.take_rows(rows, self.shards.pull(client, rows))
+        self.fresh = True
 
     def settle(self, served: torch.Tensor) -> torch.Tensor:
         """Rank 0 at a pass's end: take its server's ``served`` values, with the rows other ranks serve from them;

@@ -28,8 +28,10 @@ class SharedSync(ParameterSync):
         shared.shards = scheduler.shards.rows if scheduler.shards is not None else None
 
     def pull(self) -> None:
-        # (with shards too: at a pass's start rank 0 serves every row as the pass starts from)
-        self.shared.assign(self.scheduler.client.sync(self.shared.no_change()))
+        if self.shared.shards is not None:  # each row from its shard (loaded for the pass: start_pass)
+            self.shared.gather_all(self.scheduler.client)
+        else:
+            self.shared.assign(self.scheduler.client.sync(self.shared.no_change()))
 
     def prepare(self, edges: Any) -> None:
         """The bucket's edges are read: take the group's values of the relation rows they name (the others may stay
