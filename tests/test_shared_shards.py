@@ -331,3 +331,14 @@ def test_with_shards_each_buckets_update_is_counted_once_across_a_death_at_every
         assert points > 40
     finally:
         auth.reset_for_tests(None)
+
+
+def test_memory_budget_counts_a_shards_slice_and_the_trainers_larger_payloads() -> None:
+    from job.train.residency.budget import SHARD_CLIENT_VECTORS, SHARD_VECTORS, sync_memory_bytes
+
+    alone = sync_memory_bytes(1000, serves=False)
+    assert sync_memory_bytes(1000, serves=False, shards=4) == alone + 4 * (1000 * SHARD_CLIENT_VECTORS
+                                                                           + int(1000 * SHARD_VECTORS / 4))
+    assert sync_memory_bytes(1000, serves=True, shards=4) == sync_memory_bytes(1000, serves=True) + \
+        4 * 1000 * SHARD_CLIENT_VECTORS  # rank 0: no slice of its own beyond its server's vectors
+    assert sync_memory_bytes(1000, serves=False, shards=1) == alone  # one pod: nothing sharded

@@ -196,7 +196,8 @@ class Trainer:
         if self.dist is None:
             return 0
         values = shared_values(sum(p.numel() for p in self.model.parameters()), self.config, self.entity_counts)
-        return sync_memory_bytes(values, serves=self.dist.rank == SERVER_RANK)
+        return sync_memory_bytes(values, serves=self.dist.rank == SERVER_RANK,
+                                 shards=self.dist.world_size if self.config.shared_shards else 0)
 
     def _make_scheduler(self) -> tuple[BucketScheduler, ParameterSync]:
         """The one place that knows whether this process trains alone."""
