@@ -95,6 +95,14 @@ class RuntimeKeys:
         "them; with memory_budget a cut comes early enough that they fit in it (without one they are not bounded).",
         default=0,
     )
+    write_behind_seconds: float = field_help(
+        "With write_behind_buckets (N > 0 or -1): a cut in the background also once this many seconds passed since "
+        "the last cut began, whichever comes first; 0: cuts by buckets alone. What a lost pod costs with writes "
+        "behind is the group's work since the last cut, so this bounds it in time (N buckets are minutes of one "
+        "graph and hours of another); a pass shorter than it still writes one checkpoint's bytes (with -1), a "
+        "longer one a checkpoint's more per cut.",
+        default=0.0,
+    )
     shared_shards: bool = field_help(
         "Distributed runs with write_behind_buckets and dynamic_relations: every pod serves a slice of the shared "
         "relation parameters (relation r on pod r mod the group's size, with their Adagrad sums), as PBG's "

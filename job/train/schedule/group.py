@@ -153,6 +153,7 @@ class LockServerScheduler(BucketScheduler):
             if self.server.cuts is not None and self.handoff is not None:  # an orderly end's window; memory_budget
                 self.server.cuts.bound(window_s=self.ctx.drain_timeout_s, pinned_limit=pinned_partitions(
                     self.config, self.store.capacity))
+                self.server.cuts.cadence(self.config.write_behind_seconds)  # seconds between cuts, if any
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
         if self.shards is not None:  # each shard starts from rank 0's vector, before anyone pushes to it
