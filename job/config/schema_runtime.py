@@ -103,6 +103,16 @@ class RuntimeKeys:
         "longer one a checkpoint's more per cut.",
         default=0.0,
     )
+    shared_shards: bool = field_help(
+        "Distributed runs with write_behind_buckets and dynamic_relations: every pod serves a slice of the shared "
+        "relation parameters (relation r on pod r mod the group's size, with their Adagrad sums), as PBG's "
+        "parameter servers do, instead of rank 0 serving all of them: a bucket's changed rows go to the pods that "
+        "serve them and its pulled rows come from there, so rank 0's network link carries about 1/pods of those "
+        "bytes. Each pod listens on one more ephemeral port (authenticated with the group's secret, like the "
+        "partition hand-off). What is persisted and how a restart resumes do not change: rank 0 writes the shards' "
+        "saved rows into the one stored vector with each cut's record. false: rank 0 serves every row.",
+        default=False,
+    )
     partition_buffer: int | None = field_help(
         "How many partitions (of the partitioned entity types, per partition index) stay in memory, >= 2. "
         "Partitions leave the buffer only when it is full, the one needed again latest first. Default: what "
