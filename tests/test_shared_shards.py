@@ -139,7 +139,7 @@ def test_a_message_without_the_groups_mac_or_replayed_is_refused_and_its_connect
         with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as sock:
             reader = SocketReader(sock)
             nonce = shard_wire.read_hello(reader, "shard 1")
-            header = {"op": "push", "rank": 1, "pass": "0", "bucket": [0, 0]}
+            header = {"ask": "push", "rank": 1, "pass": "0", "bucket": [0, 0]}
             rows, values = np.array([1]), np.ones(WIDTH, np.float32)
             if forged == "bad-mac":
                 text = json.dumps(dict(header, seq=1, rows=1, values=WIDTH), sort_keys=True, separators=(",", ":"))
@@ -158,9 +158,34 @@ def test_a_message_without_the_groups_mac_or_replayed_is_refused_and_its_connect
         reader = SocketReader(sock)
         nonce = shard_wire.read_hello(reader, "shard 1")
         shard_wire.send(sock, kind="shard-ask", round_id="r1", nonce=nonce, seq=2,
-                        header={"op": "pull", "rank": 1, "pass": "0"}, rows=np.array([1]), values=np.zeros(0))
+                        header={"ask": "pull", "rank": 1, "pass": "0"}, rows=np.array([1]), values=np.zeros(0))
         reply = shard_wire.receive(reader, kind="shard-reply", round_id="r1", nonce=nonce, seq=1, limit=100)
         assert "message number 2 where 1 was due" in reply.header["error"]
+
+
+@pytest.mark.parametrize("header, error", [
+    ({"ask": "drop", "rank": 1, "pass": "0"}, "no operation 'drop' (one of push, pull, save)"),
+    ({"rank": 1, "pass": "0"}, "does not fit ('ask')"),
+    ({"ask": "push", "rank": "1", "pass": "0"}, "an integer and a string expected"),
+    ({"ask": "push", "rank": 1, "pass": "0", "bucket": [0]}, "bucket [0]: two partition numbers expected"),
+])
+def test_a_request_whose_header_does_not_fit_is_answered_with_what_is_wrong(group, header, error) -> None:
+    """The shard's requests are typed (``shard_wire.Ask``): a MAC'd message whose header is not one of them changes
+    nothing and its answer says which field is wrong."""
+    services, rank0, rank1 = group
+    with socket.create_connection(rank1_address(rank1), timeout=5) as sock:
+        reader = SocketReader(sock)
+        nonce = shard_wire.read_hello(reader, "shard 1")
+        shard_wire.send(sock, kind="shard-ask", round_id="r1", nonce=nonce, seq=1, header=header,
+                        rows=np.array([1]), values=np.ones(WIDTH, np.float32))
+        reply = shard_wire.receive(reader, kind="shard-reply", round_id="r1", nonce=nonce, seq=1, limit=100)
+    assert not reply.header["ok"] and error in reply.header["error"], reply.header
+    assert not services[0].shard.vector.pending
+
+
+def rank1_address(client: ShardClient) -> tuple[str, int]:
+    host, _, port = client._store.get(key("shards/1")).decode().rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def test_an_asker_whose_shard_is_gone_fails_naming_the_shard_and_the_bucket(group) -> None:

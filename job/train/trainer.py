@@ -51,7 +51,7 @@ from job.train.residency.budget import (
 from job.train.residency.partitions import PartitionStore, Residency
 from job.train.resume import GroupBarrier, load_model_state
 from job.train.schedule.group import LockServerScheduler
-from job.train.schedule.interfaces import BucketScheduler, Iteration, LocalScheduler, NoSync, ParameterSync, PassGather
+from job.train.schedule.interfaces import BucketScheduler, Iteration, LocalScheduler, NoSync, ParameterSync, PassGather, PassPlan
 from job.train.schedule.orders import buffer_order, lower_bound_loads, order_buckets
 from job.train.schedule.shared_sync import SharedSync
 from job.train.startup import StartupClock
@@ -60,19 +60,6 @@ from job.types import Bucket
 from storage_adapters.edge_reader import prefetch
 
 logger = logging.getLogger("biggraph")
-
-
-@dataclass(frozen=True)
-class PassPlan:
-    """Which passes a run makes: every (epoch, edge set, chunk) of the config, numbered from ``first_index`` (the
-    committed version the first one follows: ``biggraph grow`` trains on after the version it committed)."""
-
-    first_index: int = 0
-
-    def iterations(self, config: ConfigSchema, num_chunks: int) -> list[Iteration]:
-        triples = ((e, p, c) for e in range(config.num_epochs) for p in range(len(config.edge_paths))
-                   for c in range(num_chunks))
-        return [Iteration(self.first_index + i, e, p, c) for i, (e, p, c) in enumerate(triples)]
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,7 @@ class ShardClient:
                  bucket: Optional[Bucket] = None) -> dict[int, shard_wire.Message]:
         """Send ``op`` with each shard's (rows, values) of ``requests``, then take every reply (see the module
         docstring); ``ShardError`` if any shard fails it."""
-        header: dict[str, Any] = {"op": op, "rank": self.rank, "pass": pass_tag,
-                                  "bucket": [int(bucket[0]), int(bucket[1])] if bucket is not None else None}
+        header = shard_wire.Ask(op, self.rank, pass_tag, bucket).header()
         what = f"{op}" + (f" for bucket {bucket}" if bucket is not None else "")
         with self._lock:
             asked = []

@@ -241,21 +241,16 @@ class ShardService:
 
     def _answer(self, message: shard_wire.Message) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         empty_rows, empty_values = np.zeros(0, np.int64), np.zeros(0, np.float32)
-        header = message.header
         try:
-            asker, op, pass_tag = int(header["rank"]), str(header["op"]), header.get("pass")
-            if op == "push":
-                bucket = header.get("bucket")
-                self.shard.push(asker, pass_tag, Bucket(int(bucket[0]), int(bucket[1])) if bucket else None,
-                                message.rows, message.values)
+            ask = shard_wire.Ask.of(message.header)
+            if ask.what == "push":
+                self.shard.push(ask.rank, ask.pass_tag, ask.bucket, message.rows, message.values)
                 return {"ok": True}, empty_rows, empty_values
-            if op == "pull":
-                return {"ok": True}, empty_rows, self.shard.pull(asker, pass_tag, message.rows)
-            if op == "save":
-                pairs = message.rows.reshape(-1, 2)
-                rows, values = self.shard.save(asker, pass_tag, [Bucket(int(a), int(b)) for a, b in pairs])
-                return {"ok": True}, rows, values
-            raise ShardRefusal(f"shard of rank {self.shard.rank}: no operation {op!r}")
-        except (ShardRefusal, KeyError, TypeError, ValueError) as err:
+            if ask.what == "pull":
+                return {"ok": True}, empty_rows, self.shard.pull(ask.rank, ask.pass_tag, message.rows)
+            pairs = message.rows.reshape(-1, 2)  # "save"
+            rows, values = self.shard.save(ask.rank, ask.pass_tag, [Bucket(int(a), int(b)) for a, b in pairs])
+            return {"ok": True}, rows, values
+        except (ShardRefusal, shard_wire.ShardWireError, KeyError, TypeError, ValueError) as err:
             logger.warning("rank %d: shard request refused: %s", self.shard.rank, err)
             return {"ok": False, "error": str(err)}, empty_rows, empty_values

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from job.train.distributed import auth
 from job.train.distributed.handoff import SocketReader
+from job.types import Bucket
 
 HELLO = "biggraph-shard"
 CONNECT_TIMEOUT_S = 10.0
@@ -37,10 +38,46 @@ class ShardWireError(RuntimeError):
     """A message that is not the group's (its MAC fails), out of order, too large, or cut off."""
 
 
+ASKS = ("push", "pull", "save")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A request's header, typed: ``what`` is asked (one of ``ASKS``), by which ``rank``, for which pass
+    (``pass_tag``) and, for a bucket's push, which ``bucket``. A reply's header is ``{"ok": true}`` or ``{"ok": false,
+    "error": ...}``."""
+
+    what: str
+    rank: int
+    pass_tag: str
+    bucket: Optional[Bucket] = None
+
+    def header(self) -> dict[str, Any]:
+        bucket = [int(self.bucket[0]), int(self.bucket[1])] if self.bucket is not None else None
+        return {"ask": self.what, "rank": self.rank, "pass": self.pass_tag, "bucket": bucket}
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Ask:
+        """The request a header says, checked (``ShardWireError`` naming what does not fit)."""
+        try:
+            what, rank, pass_tag, bucket = header["ask"], header["rank"], header["pass"], header.get("bucket")
+            if what not in ASKS:
+                raise ValueError(f"no operation {what!r} (one of {', '.join(ASKS)})")
+            if not isinstance(rank, int) or not isinstance(pass_tag, str):
+                raise ValueError(f"rank {rank!r} and pass {pass_tag!r}: an integer and a string expected")
+            if bucket is not None and not (isinstance(bucket, list) and len(bucket) == 2
+                                           and all(isinstance(side, int) for side in bucket)):
+                raise ValueError(f"bucket {bucket!r}: two partition numbers expected")
+        except (KeyError, ValueError) as err:
+            raise ShardWireError(f"a request header that does not fit ({err})") from None
+        return cls(what, rank, pass_tag, Bucket(bucket[0], bucket[1]) if bucket is not None else None)
+
+
 @dataclass
 class Message:
-    """One message: its ``header`` (``op``, ``rank``, ``pass``, ``bucket``, ``ok``/``error``), its ``rows`` (int64: relation
-    ids, or a save's buckets as pairs) and ``values`` (float32: each row's values in ``RowLayout`` payload order)."""
+    """One message: its ``header`` (a request's: ``Ask.header``; a reply's: ``ok``/``error``), its ``rows`` (int64:
+    relation ids, or a save's buckets as pairs) and ``values`` (float32: each row's values in ``RowLayout`` payload
+    order)."""
 
     header: dict[str, Any]
     rows: np.ndarray

@@ -7,7 +7,7 @@ whether it runs alone (PBG splits its trainer the same way: a bucket scheduler a
 - ``LockServerScheduler`` (job/train/schedule/group.py) asks the lock server on rank 0
   (job/train/distributed/lock_server.py) for one bucket at a time; rank 0 also keeps every rank's bucket records (across a
   group restart) and commits.
-- ``NoSync`` / ``SharedSync`` (job/train/schedule/group.py): relation parameters, global embeddings and
+- ``NoSync`` / ``SharedSync`` (job/train/schedule/shared_sync.py): relation parameters, global embeddings and
   unpartitioned tables are private to a lone process, and pushed/pulled through the lock server at every bucket
   boundary in a group (the request through the store, the vectors point-to-point with rank 0:
   job/train/distributed/transport.py).
@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from job.config import ConfigSchema
 from job.types import Bucket, PartitionKey
 
 logger = logging.getLogger("biggraph")
@@ -53,6 +54,19 @@ class Iteration:
     epoch: int
     edge_path_idx: int
     chunk_idx: int
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """Which passes a run makes: every (epoch, edge set, chunk) of the config, numbered from ``first_index`` (the
+    committed version the first one follows: ``biggraph grow`` trains on after the version it committed)."""
+
+    first_index: int = 0
+
+    def iterations(self, config: ConfigSchema, num_chunks: int) -> list[Iteration]:
+        triples = ((e, p, c) for e in range(config.num_epochs) for p in range(len(config.edge_paths))
+                   for c in range(num_chunks))
+        return [Iteration(self.first_index + i, e, p, c) for i, (e, p, c) in enumerate(triples)]
 
 
 @dataclass
