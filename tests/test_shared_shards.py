@@ -18,10 +18,11 @@ import torch
 from helpers_distributed import transports
 from torch.distributed import TCPStore
 
-from job.train.distributed import auth, shard_wire
+from job.train.distributed import auth, protocol, shard_wire
 from job.train.distributed.commits import Commit, Committer, VectorWork
+from job.train.distributed.group import round_ended
 from job.train.distributed.handoff import SocketReader
-from job.train.distributed.shard_client import ShardClient, ShardError
+from job.train.distributed.shard_client import ShardClient, ShardError, ShardLost
 from job.train.distributed.shard_routing import ShardedRows
 from job.train.distributed.shard_service import ShardRefusal, ShardService, ShardSlice, owned_rows, set_rows
 from job.train.distributed.shared_rows import RowLayout
@@ -193,8 +194,15 @@ def test_an_asker_whose_shard_is_gone_fails_naming_the_shard_and_the_bucket(grou
     rank1.exchange("pull", "0", {2: (np.array([2]), np.zeros(0, np.float32))})  # connected
     services[1].close()
     rank1._connections[2].sock.shutdown(socket.SHUT_RDWR)  # (the shard's process gone: its sockets with it)
-    with pytest.raises(ShardError, match=r"shard of rank 2 did not (take|answer) a push for bucket \(3, 1\)"):
+    with pytest.raises(ShardError, match=r"shard of rank 2 did not (take|answer) a push for bucket \(3, 1\)") as lost:
         rank1.exchange("push", "0", {2: (np.array([2]), np.ones(WIDTH, np.float32))}, Bucket(3, 1))
+    # a loss, not a crash: the trainer exits with the round-ended code (job/train/elastic/budget.py), as when rank 0
+    # does not answer, and the committer's refusals that quote it read the same way
+    assert isinstance(lost.value, ShardLost) and round_ended(lost.value)
+    assert isinstance(protocol.refusal("next", f"LockServerError: the shards ... did not save: {lost.value}"),
+                      protocol.RoundGone)
+    # a message that is not the group's is a fault, not a loss
+    assert not isinstance(rank1._failure(ValueError("bad"), "x"), ShardLost)
 
 
 def test_a_trainers_change_is_split_by_owner_and_its_pull_gathered_from_them(group) -> None:

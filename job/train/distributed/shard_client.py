@@ -5,8 +5,12 @@ Each asker keeps one connection per shard (opened at its first message; job/trai
 asks every shard concerned at once: it sends every request, then reads every reply, so that a bucket's pushes to M-1
 shards cost about one round trip, not M-1. A shard that does not answer, refuses, or sends a message that is not the
 group's fails the whole call with ``ShardError`` naming the shard's rank, the operation and the bucket: a trainer
-then fails its bucket as when rank 0 is gone (the round ends through the heartbeat), and rank 0's committer fails
-its commit as after a failed write.
+then fails its bucket as when rank 0 is gone, and rank 0's committer fails its commit as after a failed write. A
+shard that is gone or frozen (its connection closed, or no answer within the timeout) is ``ShardLost``, a
+``RoundGone``: its pod is lost to the heartbeat too and the round ends, so the askers exit with the failure budget's
+round-ended code, not as crashes (each one would spend its pod's budget: a frozen pod would cost every other one a
+restart), as a trainer does when rank 0 does not answer; the committer's refusals then say the shard "is treated as
+gone", which the trainers read the same way (``protocol.refusal``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ import numpy as np
 
 from job.train.distributed import shard_wire
 from job.train.distributed.handoff import SocketReader
-from job.train.distributed.protocol import LockServerError
+from job.train.distributed.protocol import LockServerError, RoundGone
 from job.types import Bucket
 
 
 class ShardError(LockServerError):
     """A shard did not do what was asked: gone, frozen past the timeout, refused, or not the group's."""
+
+
+class ShardLost(ShardError, RoundGone):
+    """A shard gone or frozen: the round is over for every rank (see the module docstring)."""
 
 
 @dataclass
@@ -97,8 +105,7 @@ class ShardClient:
                         seq=connection.seq, header=header, rows=rows, values=values)
                 except (OSError, ValueError, shard_wire.ShardWireError) as err:
                     self._drop(shard)
-                    raise ShardError(f"rank {self.rank}: the shard of rank {shard} did not take a {what} ({err}): "
-                                     "it is gone or frozen") from err
+                    raise self._failure(err, f"the shard of rank {shard} did not take a {what}") from err
                 asked.append(shard)
             replies = {}
             for shard in asked:
@@ -108,13 +115,19 @@ class ShardClient:
                                                nonce=connection.nonce, seq=connection.seq, limit=self._limit)
                 except (OSError, ValueError, shard_wire.ShardWireError) as err:
                     self._drop(shard)
-                    raise ShardError(f"rank {self.rank}: the shard of rank {shard} did not answer a {what} ({err}): it "
-                                     "is gone or frozen") from err
+                    raise self._failure(err, f"the shard of rank {shard} did not answer a {what}") from err
                 self.traffic.received += 8 * reply.rows.size + 4 * reply.values.size
                 if not reply.header.get("ok"):
                     raise ShardError(f"rank {self.rank}: {what} refused: {reply.header.get('error')}")
                 replies[shard] = reply
             return replies
+
+    def _failure(self, err: Exception, what: str) -> ShardError:
+        """``ShardLost`` for a connection closed or silent past the timeout (the shard's pod is gone or frozen),
+        ``ShardError`` for a message that is not the group's or cannot be read (not a loss: a fault)."""
+        if isinstance(err, OSError):
+            return ShardLost(f"rank {self.rank}: {what} ({err}): it is gone or frozen and is treated as gone")
+        return ShardError(f"rank {self.rank}: {what} ({err})")
 
     def _drop(self, shard: int) -> None:
         connection = self._connections.pop(shard, None)
