@@ -123,11 +123,12 @@ def test_an_import_process_exits_quickly_with_its_output_whole(tmp_path: Path) -
 
 # an import run to its end in this process (main, not entry: no quick exit), then which modules it loaded
 LOADED = """
-import sys
+import gc, sys
 from job.cli import main
 unused = sys.argv.pop().split(",")
-code = main(sys.argv[1:])
+code = main(sys.argv[1:], own_process=True)
 print("loaded:", ",".join(m for m in unused if m in sys.modules) or "none")
+print("collector:", gc.isenabled(), gc.get_freeze_count() == 0)  # frozen at start-up, unfrozen at the end
 sys.exit(code)
 """
 # What a local import has no use for, and each of its processes (each pod) would pay at start-up: the kernels'
@@ -149,5 +150,36 @@ def test_a_local_import_loads_none_of_what_it_does_not_use(tmp_path: Path) -> No
                          cwd=REPO)
     assert run.returncode == 0, run.stderr
     assert "loaded: none" in run.stdout
+    assert "collector: True True" in run.stdout  # back on, nothing left frozen for the teardown
     counts = [int((tmp_path / "entities" / f"entity_count_all_{p}.txt").read_text()) for p in range(2)]
     assert sum(counts) == 4
+
+
+# the import parser's start-up in a process of its own or not (a test's, a script's), ended by --help or an error;
+# gc.freeze wrapped to count its calls
+SETTLE = """
+import gc, sys
+freezes = []
+freeze = gc.freeze
+gc.freeze = lambda: (freezes.append(gc.isenabled()), freeze())[1]
+from job.cli import main
+try:
+    main(sys.argv[2:], own_process=sys.argv[1] == "own")
+except SystemExit:
+    pass
+print("collector:", gc.isenabled(), gc.get_freeze_count(), freezes)
+"""
+
+
+@pytest.mark.parametrize("argv", [["import", "--help"], ["import", "c.json"], ["train", "--help"]])
+def test_only_an_import_process_of_its_own_freezes_its_start_up(argv: list[str]) -> None:
+    """An import process of its own freezes its start-up's objects once, collector off until then; whatever ends
+    the command, the collector is back on and nothing is left frozen (a frozen object's finalizer would not run at
+    the teardown). A caller's process (own_process=False) and any other command are left as they are."""
+    def state(own: bool) -> str:
+        run = subprocess.run([sys.executable, "-c", SETTLE, "own" if own else "caller", *argv], capture_output=True,
+                             text=True, cwd=REPO, check=True)
+        return run.stdout.strip().splitlines()[-1]
+
+    assert state(own=False) == "collector: True 0 []"
+    assert state(own=True) == ("collector: True 0 [False]" if argv[0] == "import" else "collector: True 0 []")
