@@ -106,11 +106,11 @@ def entry() -> None:
 
 
 def _settle_startup() -> None:
-    """End a start-up run without the cycle collector (a process of its own only, ``entry``: a caller's objects
-    are not frozen): importing a command's module (numpy, h5py, the importer)
-    makes ~40k long-lived objects (modules, functions, classes), and the collector's passes over them while they
-    are made free nothing (~8 ms of CPU, each import pod paying it: issue #46). Frozen, they are left out of the
-    later passes too (until the command ends: ``_run`` unfreezes them, so that their finalizers run at the
+    """End a start-up run without the cycle collector (in a process of its own only, ``entry``: a caller's
+    objects are not frozen). Importing a command's module (numpy, h5py, the importer) makes ~40k long-lived
+    objects (modules, functions, classes), and the collector's passes over them while they are made free
+    nothing: ~8 ms of CPU, which each pod of an import pays (issue #46). Frozen, they are left out of the later
+    passes too, until the command ends (``_run`` unfreezes them then, so that their finalizers run at the
     interpreter's teardown as before); the collector runs as usual from here on."""
     gc.freeze()
     gc.enable()
