@@ -4,6 +4,10 @@ batch arithmetic SIMULATED.
     flock /work/bench.lock .venv/bin/python bench/scale_bench.py --rates 200000,1800000 --rows 1:16,2:16,4:16,8:16,1:32,16:32
     # partitions written behind (write_behind_buckets, with hand-off): today's write groups, a cut every 8, at the commit
     flock /work/bench.lock .venv/bin/python bench/scale_bench.py --rates 1800000 --rows 1:16,8:16 --handoff on --behind 0,8,-1
+    # shared relation rows served by every pod (shared_shards) against rank 0 serving them all: Freebase86m's relation
+    # count, dynamic relations, written behind; what rank 0's link carries for the shared vector
+    flock /work/bench.lock .venv/bin/python bench/scale_bench.py --rates 1800000 --rows 4:16,8:16 --handoff on \
+        --behind -1 --shards off,on --dynamic-relations --relations 14824 --dimension 32 --edges 2000000
 
 Each row is a real group: ``torchrun --standalone --nproc-per-node=M -m job train`` (M trainers = M pods, workers=1
 each), the real lock server and its committer, the real transports (store queues, gloo for the shared vector, TCP
@@ -25,7 +29,10 @@ Per row (one epoch; M pods, P partitions, hand-off on or off, a rate):
 - the lock server's serving thread busy fraction (its wall time over the epoch) and its CPU;
 - CPU seconds of coordination per bucket: ``server`` (serving thread + committer), ``transfers`` (partition
   hand-offs on both ends, digests included), ``client`` (the rest of every trainer process: scheduler calls,
-  partition and edge reads, writes, the commit); and ``cpu_load``: all of it over (epoch x the machine's CPUs).
+  partition and edge reads, writes, the commit); and ``cpu_load``: all of it over (epoch x the machine's CPUs);
+- ``shared_link_mib``: the shared vector's payload bytes through rank 0's link (its lock server's transfers with the
+  other pods, and with ``--shards on`` its own shard traffic and its committer's saves), and the most through any
+  other pod's (``pod_shared_link_mib_max``: its transfers with rank 0 and its shard's traffic, both ways).
 
 ``--model`` prints the paper model of a Freebase86m epoch instead (bench/scale_model.py).
 """
@@ -63,12 +70,13 @@ def write_graph(root: Path, entities: int, edges: int, partitions: int, relation
     """Uniformly random edges over one entity type, written straight to input format v1 (grouped by bucket with
     one sort per block, so that P=32's 1,024 files cost no more than P=1's)."""
     from job.formats.edges import edges_file, write_edges
-    from job.formats.entities import write_entity_count
+    from job.formats.entities import write_dynamic_rel_count, write_entity_count
 
     rng = np.random.default_rng(seed)
     counts = np.array([entities // partitions + (1 if p < entities % partitions else 0) for p in range(partitions)])
     for p, count in enumerate(counts):
         write_entity_count(str(root / "data"), "node", p, int(count))
+    write_dynamic_rel_count(str(root / "data"), relations)  # (read with --dynamic-relations only)
     parts: dict[int, list[tuple[np.ndarray, ...]]] = {}
     block = 5_000_000
     for start in range(0, edges, block):
@@ -96,6 +104,7 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
     pods = [tuple(float(x) for x in m.groups()) for m in POD_LINE.finditer(output)]
     server = SERVER_LINE.search(output)
     handoffs = [json.loads(m.group(2)) for m in HANDOFF_LINE.finditer(output)]
+    link = {int(m.group(1)): int(json.loads(m.group(2)).get("shared_link_bytes", 0)) for m in HANDOFF_LINE.finditer(output)}
     checkpoint_bytes = sum(f.stat().st_size for f in checkpoint_path.glob("embeddings_*.v1.h5"))
     if not pods or server is None:
         raise SystemExit(f"{checkpoint_path}: the trainers' figures are missing from the log")
@@ -125,15 +134,23 @@ def parse_run(output: str, checkpoint_path: Path) -> dict[str, Any]:
         "cpu_ms_per_bucket": {"server": round(1e3 * server_cpu / n, 1), "transfers": round(1e3 * transfers_cpu / n, 1),
                               "client": round(1e3 * (all_cpu - server_cpu - transfers_cpu) / n, 1)},
         "cpu_load": round(all_cpu / (epoch * (os.cpu_count() or 1)), 2),
+        "shared_link_mib": round(link.get(0, 0) / 2**20, 1),
+        "pod_shared_link_mib_max": round(max((b for r, b in link.items() if r != 0), default=0) / 2**20, 1),
     }
 
 
 def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool, rate: float,
-            dimension: int, behind: int = 0, memory_budget: str | None = None) -> dict[str, Any]:
+            dimension: int, behind: int = 0, memory_budget: str | None = None, dynamic: bool = False,
+            shards: bool = False) -> dict[str, Any]:
     label = f"m{pods}-p{partitions}-{'on' if handoff else 'off'}-{int(rate)}" + (f"-behind{behind}" if behind else "")
-    label += f"-budget{memory_budget}" if memory_budget else ""
+    label += (f"-budget{memory_budget}" if memory_budget else "") + ("-shards" if shards else "")
     config = generated_config(root, partitions, 1, dimension, label)
     config.update(num_epochs=1, seed=0, partition_handoff=handoff, checkpoint_path=str(work / f"ckpt_{label}"))
+    if dynamic:  # one operator row per relation type (dynamic_rel_count.txt: write_graph's)
+        config.update(dynamic_relations=True, global_emb=False,
+                      relations=[{"name": "rel", "lhs": "node", "rhs": "node", "operator": "complex_diagonal"}])
+    if shards:
+        config["shared_shards"] = True
     if behind:
         config["write_behind_buckets"] = behind
     if memory_budget:
@@ -143,13 +160,15 @@ def run_row(root: Path, work: Path, *, pods: int, partitions: int, handoff: bool
     write_py_config(path, config)
     # a 60 s peer timeout (default 6 s): 16 pods on 2 shared vCPUs can leave a heartbeat thread unscheduled that long,
     # which would end the round (a real pod has its own CPUs); nothing else of the group's behaviour changes
+    # every push and pull sparse, with shards or without (a generated bucket's uniform relations touch many rows:
+    # the comparison is of where the same sparse bytes go)
     env = {"OMP_NUM_THREADS": "1", SIMULATED_COMPUTE_ENV: str(rate), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "BIGGRAPH_PEER_TIMEOUT": "60"}
+           "BIGGRAPH_PEER_TIMEOUT": "60", "BIGGRAPH_SHARED_SPARSE_AT_MOST": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pods}",
                "-m", "job", "train", str(path)]
     measured = run_measured(command, env=env, log=work / f"{label}.log")
     result = {"pods": pods, "partitions": partitions, "handoff": handoff, "write_behind": behind, "edges_per_s": rate,
-              "memory_budget": memory_budget,
+              "memory_budget": memory_budget, "dynamic_relations": dynamic, "shared_shards": shards,
               "wall_with_startup_s": round(measured["wall"], 1), "peak_pss_mib": round(measured["peak_rss_mib"]),
               **parse_run(measured["output"], Path(config["checkpoint_path"]))}
     shutil.rmtree(config["checkpoint_path"], ignore_errors=True)
@@ -169,6 +188,10 @@ def main() -> None:
                         "(0: write groups at every switch; N: a cut every N buckets; -1: only at the commit)")
     parser.add_argument("--memory-budget", default="", help="memory_budget of every trainer, comma-separated values "
                         "to run each row under ('' none; e.g. ',1GiB': without and with)")
+    parser.add_argument("--shards", default="off", help="shared_shards values for the rows written behind "
+                        "(needs --dynamic-relations)")
+    parser.add_argument("--dynamic-relations", action="store_true", help="one operator row per relation type "
+                        "(--relations of them), as Freebase86m's model")
     parser.add_argument("--work", default=None)
     parser.add_argument("--model", action="store_true", help="print the paper model (bench/scale_model.py) and exit")
     args = parser.parse_args()
@@ -192,14 +215,16 @@ def main() -> None:
             print(json.dumps({"graph": str(root), "partitions": p, "seconds": round(time.perf_counter() - started, 1)}),
                   flush=True)
     for rate in [float(r) for r in args.rates.split(",")]:
-        modes = [(h == "on", int(b)) for h in args.handoff.split(",")
-                 for b in (args.behind.split(",") if h == "on" else ["0"])]
+        modes = [(h == "on", int(b), s == "on") for h in args.handoff.split(",")
+                 for b in (args.behind.split(",") if h == "on" else ["0"])
+                 for s in (args.shards.split(",") if h == "on" and b != "0" else ["off"])]
         budgets = [b or None for b in args.memory_budget.split(",")]
-        for (handoff, behind), budget in [(mode, b) for mode in modes for b in budgets]:
+        for (handoff, behind, shards), budget in [(mode, b) for mode in modes for b in budgets]:
             ones: dict[int, float] = {}
             for pods, p in rows:
                 result = run_row(work / f"graph_p{p}", work, pods=pods, partitions=p, handoff=handoff, rate=rate,
-                                 dimension=args.dimension, behind=behind, memory_budget=budget)
+                                 dimension=args.dimension, behind=behind, memory_budget=budget,
+                                 dynamic=args.dynamic_relations, shards=shards)
                 if pods == 1:
                     ones[p] = result["epoch_s"]
                 if p in ones:

@@ -26,6 +26,10 @@ One rank serves the schedule and, in this design, the shared vector:
   overstates large buckets, whose distinct relations grow slower than e).
 Epoch = max(P^2/M x bucket, P^2 x server_s, P^2 x committer_s, P^2 x server_threads_s, P^2 x 2 x V / bandwidth)
 + the commit.
+With the shared vector sharded (``shared_shards``: relation row r served by pod r mod M), rank 0's link carries its
+slice of every bucket's exchange both ways (1/M of it) and the shards' saved rows (at most the vector once per cut;
+at -1 once an epoch); every pod's own link carries, per bucket it trains, its rows of the other M-1 shards both
+ways and its shard's share of serving the others': 4 x exchange x (M-1)/M, added to the bucket's link time.
 """
 
 from __future__ import annotations
@@ -78,10 +82,11 @@ class Graph:
 
 
 def epoch(graph: Graph, costs: Costs, *, pods: int, partitions: int, rate: float, bandwidth: float, cpu_pod: bool,
-          sparse: bool, behind: bool = False) -> dict[str, Any]:
+          sparse: bool, behind: bool = False, shards: bool = False) -> dict[str, Any]:
     """Seconds of one epoch and of each bound (``bandwidth`` in bytes/s per pod, ``rate`` edges/s per pod).
     ``behind``: storage written behind the training at the issue's target, 1.5 checkpoints an epoch, instead of
-    ``costs.writes`` partitions at every bucket."""
+    ``costs.writes`` partitions at every bucket. ``shards``: the sparse exchange sharded over the pods (see the
+    module docstring)."""
     buckets = partitions**2
     if behind:
         costs = replace(costs, writes=1.5 / partitions)  # 1.5 C over the P^2 buckets: 1.5/P partitions each
@@ -89,6 +94,13 @@ def epoch(graph: Graph, costs: Costs, *, pods: int, partitions: int, rate: float
     partition = graph.checkpoint_bytes / partitions
     compute = edges / rate
     moved = costs.alpha * partition  # in from a peer or storage; as much out to a peer, on average
+    if sparse:
+        rows = min(graph.relations, costs.rows_per_5k * edges / 5_200)
+        exchange = min(graph.vector_bytes, rows * 2 * graph.shared_floats_per_relation * 4)  # never above dense
+    else:
+        exchange = graph.vector_bytes
+    shard_traffic = 4 * exchange * (pods - 1) / pods if shards else 0.0  # a pod's link per bucket it trains
+    moved += shard_traffic  # (on the pod's link, overlapped with the compute as the partitions' are)
     overhead = costs.round_trip_s
     if cpu_pod:  # the coordination's CPU is taken from the pod's 2 vCPUs that train: X s of it costs X/2 of wall
         written = costs.writes * partition
@@ -100,24 +112,21 @@ def epoch(graph: Graph, costs: Costs, *, pods: int, partitions: int, rate: float
     else:  # reads and hand-offs are prefetched; the switch's write group is stored before the release (measured:
         link = (moved + costs.writes * partition) / bandwidth  # a pod blocked on partitions for the bytes it wrote)
         bucket = max(compute + overhead, moved / bandwidth) + costs.writes * partition / bandwidth
-    if sparse:
-        rows = min(graph.relations, costs.rows_per_5k * edges / 5_200)
-        exchange = min(graph.vector_bytes, rows * 2 * graph.shared_floats_per_relation * 4)  # never above dense
-    else:
-        exchange = graph.vector_bytes
     bounds = {
         "pods": buckets / pods * bucket,  # P^2/M buckets per pod
         "server": buckets * costs.server_s,
         "committer": buckets * costs.committer_s,
         "server_gil": buckets * costs.server_threads_s,
-        "rank0_link": buckets * 2 * exchange / bandwidth,
+        "rank0_link": (buckets * 2 * exchange / pods + graph.vector_bytes) / bandwidth if shards
+        else buckets * 2 * exchange / bandwidth,
     }
     commit = graph.checkpoint_bytes / pods / bandwidth  # every pod writes what it holds at the pass's end
     total = max(bounds.values()) + commit
     return {"epoch_s": total, "compute_s": graph.edges / rate / pods, "bucket_s": bucket, "compute_per_bucket_s": compute,
             "overhead_s": overhead,
             "link_per_bucket_s": link, **{f"{k}_s": v for k, v in bounds.items()}, "commit_s": commit,
-            "bound": max(bounds, key=lambda k: bounds[k]), "exchange_mb": exchange / 1e6}
+            "bound": max(bounds, key=lambda k: bounds[k]), "exchange_mb": exchange / 1e6,
+            "pod_shard_gb": buckets / pods * shard_traffic / GB}
 
 
 def table(graph: Graph, costs: Costs, rows: list[tuple[int, int]], behind: bool = False) -> list[str]:
@@ -134,6 +143,24 @@ def table(graph: Graph, costs: Costs, rows: list[tuple[int, int]], behind: bool 
                     f"{dense['overhead_s'] * 1e3 + dense['compute_per_bucket_s'] * 1e3:.0f} / "
                     f"{dense['link_per_bucket_s'] * 1e3:.0f} ms | **{_t(dense['epoch_s'])}** ({dense['bound']}) | "
                     f"**{_t(sparse['epoch_s'])}** ({sparse['exchange_mb']:.2f} MB; {sparse['bound']}) |")
+    return lines
+
+
+def shard_lines(graph: Graph, costs: Costs, rows: list[tuple[int, int]]) -> list[str]:
+    """Written behind, sparse rows: rank 0 serving every row against the rows sharded over the pods."""
+    lines = ["| pods | P | pod | network | epoch, rank 0 serves every row (bound) | epoch, rows sharded (bound) | "
+             "rank 0's link for the vector, per epoch | each pod's shard traffic per epoch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for pods, partitions in rows:
+        for kind, rate, cpu in (("CPU 2 vCPU", 200e3, True), ("H100", 1.8e6, False)):
+            for gbps in (10, 100):
+                one, sharded = (epoch(graph, costs, pods=pods, partitions=partitions, rate=rate,
+                                      bandwidth=gbps * GB / 8, cpu_pod=cpu, sparse=True, behind=True, shards=s)
+                                for s in (False, True))
+                lines.append(
+                    f"| {pods} | {partitions} | {kind} | {gbps} Gb/s | **{_t(one['epoch_s'])}** ({one['bound']}) | "
+                    f"**{_t(sharded['epoch_s'])}** ({sharded['bound']}) | {_t(one['rank0_link_s'])} -> "
+                    f"{_t(sharded['rank0_link_s'])} | {sharded['pod_shard_gb']:.1f} GB |")
     return lines
 
 
@@ -188,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\nWith storage written behind the training (write_behind_buckets; -1 measured 1.0 checkpoint an epoch, "
           "modelled at 1.5):")
     print("\n".join(table(graph, costs, rows, behind=True)))
+    print("\nWritten behind, sparse rows: the shared vector served by rank 0 against sharded over the pods "
+          "(shared_shards):")
+    print("\n".join(shard_lines(graph, costs, rows)))
     print("\nThe scale bench's graph on pods with their own links and CPUs (today's writes at every switch; queueing "
           "for partitions is not modelled, so the efficiency is an upper bound):")
     print("\n".join(bench_graph_lines(costs)))

@@ -1,6 +1,10 @@
 """What ``write_behind_buckets`` trades (issue 45): partition writes per epoch against buckets redone per lost pod.
 
     flock /work/bench.lock .venv/bin/python bench/write_behind_redo.py --pods 16 --partitions 32 --every 0,8,32,128,-1
+    .venv/bin/python bench/write_behind_redo.py --pods 16 --partitions 32 --every -1 --every-s 8,16,32
+
+``--every-s`` adds ``write_behind_seconds``: a cut also once that much simulated time passed since the last one
+began, in units of the mean bucket (a bucket lasts 0.5-1.5 units; an epoch of B buckets on M pods ~B/M units).
 
 No processes, no storage: the lock server's real decisions (``LockState``, and for writes behind the real ``Cuts``
 and ``Holders``) driven as trainers drive them, M pods finishing buckets of random lengths (uniform 0.5-1.5) in
@@ -50,11 +54,15 @@ def turn(cuts: Cuts, state: LockState, holders: Holders, rank: int, pods: int) -
     return len(staged)
 
 
-def epoch(pods: int, partitions: int, every: int, seed: int, background: bool = True) -> dict[str, Any]:
+def epoch(pods: int, partitions: int, every: int, seed: int, background: bool = True,
+          every_s: float = 0.0) -> dict[str, Any]:
     keys = {b: frozenset({("node", b.lhs), ("node", b.rhs)}) for b in all_buckets(partitions, partitions)}
     state = LockState(partitions, partitions, keys, world_size=pods)
     holders = Holders(keys, gone=lambda: ())
     cuts = Cuts(every, background=background) if every else None
+    simulated = [0.0]  # the simulated time now: the cuts' clock
+    if cuts is not None:
+        cuts.cadence(every_s, clock=lambda: simulated[0])
     rng, order = random.Random(seed), random.Random(seed + 1)
     held: dict[int, set] = {rank: set() for rank in range(pods)}
     writes, redo, cut_now = 0, [], False
@@ -63,6 +71,7 @@ def epoch(pods: int, partitions: int, every: int, seed: int, background: bool = 
     current: dict[int, Any] = {}
     while clock:
         now, rank = heapq.heappop(clock)
+        simulated[0] = now
         finished = current.pop(rank, None)
         if finished is not None:  # the moment a bucket ends: what a loss of each pod would redo now
             for lost in range(pods):
@@ -130,18 +139,24 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=16)
     parser.add_argument("--partitions", type=int, default=32)
     parser.add_argument("--every", default="0,8,32,128,-1", help="write_behind_buckets values (0: today's mode)")
+    parser.add_argument("--every-s", default="0",
+                        help="write_behind_seconds values, in mean bucket times (0: cuts by buckets alone); with "
+                             "each --every other than 0")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--stop-the-group", action="store_true",
                         help="take the cuts every N buckets with the group stopped (before issue 45's cuts in the "
                              "background)")
     args = parser.parse_args()
-    for every in [int(e) for e in args.every.split(",")]:
-        runs = [epoch(args.pods, args.partitions, every, seed, background=not args.stop_the_group)
+    settings = [(int(e), float(s) if int(e) else 0.0) for e in args.every.split(",")
+                for s in (args.every_s.split(",") if int(e) else ["0"])]
+    for every, every_s in settings:
+        runs = [epoch(args.pods, args.partitions, every, seed, background=not args.stop_the_group, every_s=every_s)
                 for seed in range(args.epochs)]
         writes = statistics.fmean(r["writes"] for r in runs)
         print(json.dumps({
             "pods": args.pods, "partitions": args.partitions, "buckets": args.partitions ** 2,
-            "write_behind_buckets": every, "cuts_in_background": not args.stop_the_group and every > 0,
+            "write_behind_buckets": every, "write_behind_seconds": every_s,
+            "cuts_in_background": not args.stop_the_group and (every > 0 or every_s > 0),
             "cuts_per_epoch": statistics.fmean(r["cuts"] for r in runs),
             "partition_writes_per_epoch": round(writes, 1), "checkpoints_written": round(writes / args.partitions, 2),
             "buckets_redone_per_lost_pod_mean": round(statistics.fmean(r["redo_mean"] for r in runs), 2),

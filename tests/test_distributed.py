@@ -537,13 +537,16 @@ def test_a_killed_rank_costs_only_its_own_buckets_the_survivors_give_back_theirs
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shards", [False, True])
 def test_written_behind_a_killed_rank_rolls_the_group_back_to_the_last_cut_and_each_bucket_is_still_trained_once(
-        umls_p4: dict, tmp_path: Path) -> None:
+        umls_p4: dict, tmp_path: Path, shards: bool) -> None:
     """``write_behind_buckets`` (job/train/distributed/cuts.py), a cut every 4 buckets: a SIGKILLed peer's kept rows
     were the only copy of buckets no cut stored, so the resumed pass redoes every bucket done since the last cut
-    (whoever did it), and nothing else: every bucket still reaches the committed version once per epoch."""
-    path = write_run_config(umls_p4, "behind-killed", num_epochs=2, partition_handoff=True, write_behind_buckets=4,
-                            **SLOW_BUCKETS)
+    (whoever did it), and nothing else: every bucket still reaches the committed version once per epoch. ``shards``
+    (``shared_shards``): the killed rank served a third of the relation rows too; the two left re-form with the rows
+    split between them, every shard starting from the vector rank 0 persisted."""
+    path = write_run_config(umls_p4, "behind-killed" + ("-shards" if shards else ""), num_epochs=2,
+                            partition_handoff=True, write_behind_buckets=4, shared_shards=shards, **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
     agents, _, survivors, codes = _three_ranks_one_killed_mid_pass(path, checkpoint_path, tmp_path)
     assert codes == dict.fromkeys(survivors, 0), agents.tail()
@@ -558,6 +561,10 @@ def test_written_behind_a_killed_rank_rolls_the_group_back_to_the_last_cut_and_e
     assert len([r for r in records if r.get("pass_summary")]) == 2
     assert_each_bucket_once_per_epoch(records, 2)
     assert "cut_partitions_staged" in agents.text(), agents.tail()
+    if shards:  # rows went through the shards, and each pass's end found rank 0's persisted vector whole
+        assert re.search(r'"shard_bytes": [1-9]', agents.text()), agents.tail()
+        gaps = [float(g) for g in re.findall(r"differs from the served one by at most (\S+) at", agents.text())]
+        assert gaps and max(gaps) < 1e-4, gaps
 
 
 @pytest.mark.slow

@@ -394,18 +394,19 @@ def test_two_ranks_hand_partitions_over_in_memory_and_still_train_each_bucket_on
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("every", [-1, 5])
+@pytest.mark.parametrize("every, seconds", [(-1, 0.0), (5, 0.0), (-1, 0.001)])
 def test_two_ranks_writing_behind_store_partitions_only_at_cuts_and_train_each_bucket_once(umls_p4: dict,
-                                                                                         tmp_path: Path,
-                                                                                         every: int) -> None:
+                                                                                         tmp_path: Path, every: int,
+                                                                                         seconds: float) -> None:
     """2 torchrun agents on loopback, P=4, partitions handed on unwritten and stored only at cuts
     (``write_behind_buckets``, job/train/distributed/cuts.py): only at the pass's end (-1), each pass writes each
     partition once (one checkpoint's partitions: the commit's cut); every 5 buckets, a cut mid-pass too, taken in the
-    background while the group trains (job/train/distributed/cut_behind.py). Every bucket is trained once per epoch,
-    and the version is whole."""
+    background while the group trains (job/train/distributed/cut_behind.py); -1 with ``write_behind_seconds`` (a
+    millisecond here: due at every bucket's end), cuts mid-pass by time. Every bucket is trained once per epoch, and
+    the version is whole."""
     epochs = 3
-    path = write_run_config(umls_p4, f"behind{every}", num_epochs=epochs, partition_handoff=True,
-                            write_behind_buckets=every)
+    path = write_run_config(umls_p4, f"behind{every}-{seconds}", num_epochs=epochs, partition_handoff=True,
+                            write_behind_buckets=every, write_behind_seconds=seconds)
     agents = Agents(path, "2", tmp_path)
     codes = agents.run(["a", "b"], timeout=300)
     assert codes == {"a": 0, "b": 0}, agents.tail()
@@ -417,14 +418,16 @@ def test_two_ranks_writing_behind_store_partitions_only_at_cuts_and_train_each_b
     assert len(summaries) == epochs
     for summary in summaries:
         check_io_stats(summary, sizes)
-        if every == -1:
+        if every == -1 and not seconds:
             assert summary["partition_writes"] == 4, summary  # each partition once: nothing written between cuts
+        elif seconds:
+            assert 4 < summary["partition_writes"] <= 4 * 17, summary  # a cut begun at most at each bucket's end
         else:
             assert 4 < summary["partition_writes"] <= 4 * 4, summary  # at most 4 cuts of 16 buckets
     assert sum(s.get("partition_handoffs", 0) + s.get("partition_kept_hits", 0) for s in summaries) > 0
     check_checkpoint(checkpoint_path, epochs)
     assert "cut_partitions_staged" in agents.text(), agents.text()[-3000:]
-    # every 5 buckets: cuts taken in the background mid-pass (job/train/distributed/cut_behind.py), the group training
-    # on through them; only at the pass's end: none (the commit's cut stops the group)
+    # every 5 buckets or by time: cuts taken in the background mid-pass (job/train/distributed/cut_behind.py), the
+    # group training on through them; only at the pass's end: none (the commit's cut stops the group)
     background = [int(n) for n in re.findall(r'"cuts_in_background": (\d+)', agents.text())]
-    assert len(background) == 2 * epochs and (sum(background) > 0) == (every > 0), background
+    assert len(background) == 2 * epochs and (sum(background) > 0) == (every > 0 or seconds > 0), background

@@ -44,6 +44,9 @@ from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
 from job.train.distributed.protocol import LockServerError, seal
+from job.train.distributed.shard_client import ShardClient
+from job.train.distributed.shard_routing import ShardedRows
+from job.train.distributed.shard_service import ShardService, ShardSlice
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.transport import TensorTransport
 from job.train.residency.partitions import PartitionStore
@@ -520,11 +523,12 @@ class Trainer:
 
 def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: TensorTransport,
           sparse: bool = False, write_behind: int = 0, lost: frozenset[int] = frozenset(),
-          log_of: Callable[[ProgressLog], Any] = lambda log: log) -> LockServer:
+          log_of: Callable[[ProgressLog], Any] = lambda log: log, shard_save: Any = None) -> LockServer:
     """Rank 0's lock server for the pass committing version 1, resumed from ``progress`` if any (as
     ``LockServerScheduler.start_pass`` does); ``sparse``: each of the 16 values is a relation row;
     ``write_behind``: ``write_behind_buckets`` (job/train/distributed/cuts.py); ``lost``: ranks declared dead;
-    ``log_of``: what the server writes its progress through (``Withholding``), given the log."""
+    ``log_of``: what the server writes its progress through (``Withholding``), given the log; ``shard_save``: the
+    shards save what a record saves (``shared_shards``, job/train/distributed/commits.py)."""
     state = LockState(4, 4, partition_keys(4), world_size=2, version=1)
     shared = np.zeros(16, np.float32)
     if progress is not None:
@@ -537,7 +541,7 @@ def serve(store: Any, checkpoint: str, progress: Any, prefix: str, transport: Te
     log.start(state.to_json(), shared)
     layout = RowLayout.of(16, 16, [(0, 1)]) if sparse else None
     return LockServer(store, state, log_of(log), shared, 0, transport, prefix=prefix, layout=layout,
-                      write_behind=write_behind, lost=lambda: lost)
+                      write_behind=write_behind, lost=lambda: lost, shard_save=shard_save)
 
 
 class Withholding:
@@ -545,17 +549,24 @@ class Withholding:
     record (``start``: a ``next`` answered before its record is stored, job/train/distributed/commits.py) and every
     write after it wait, and reach storage never: ``kill`` (the death) fails them."""
 
-    def __init__(self, log: ProgressLog) -> None:
+    def __init__(self, log: ProgressLog, holds: tuple[str, ...] = ("start",)) -> None:
+        """``holds``: the kinds of record whose write is held (a grant's ``start``; with shards a ``cut`` too: rank 0
+        dies after the shards saved what the record saves, before the record is stored)."""
         self.log = log
+        self.holds = holds
+        self.held: set[str] = set()  # the kinds of record of the first write held
         self.armed = False
         self.holding = threading.Event()  # a write is held: a grant's reply left before its record was stored
         self._killed = threading.Event()
 
     def append(self, records: list[dict[str, Any]], shared: Any = None, blocks: Any = None) -> bool:
-        if self.armed and (self.holding.is_set() or any(record.get("e") == "start" for record in records)):
+        if self.armed and (self.holding.is_set() or any(record.get("e") in self.holds for record in records)):
+            if not self.holding.is_set():
+                self.held = {str(record.get("e")) for record in records}
             self.holding.set()
-            self._killed.wait()
-            raise OSError("rank 0 died before this write")
+            if "cut" not in self.held:  # a grant answered early: rank 0 dies while its record waits
+                self._killed.wait()
+            raise OSError("rank 0 died before this write")  # (a cut's: its request, waiting for it, is refused)
         return self.log.append(records, shared=shared, blocks=blocks)
 
     def kill(self) -> None:
@@ -629,8 +640,12 @@ class RowTrainer:
     (``behind_cut``, as tests/test_write_behind.py drives it)."""
 
     def __init__(self, client: LockClient, partitions: PartitionStore, handoff: Optional[PartitionHandoff] = None,
-                 behind: bool = False) -> None:
+                 behind: bool = False, shards: Optional[ShardedRows] = None) -> None:
+        """``shards``: the bucket's slot is a relation row, pushed to the shard of its owner (acknowledged: a point
+        of death) before the ``next`` that carries rank 0's part (``shared_shards``, shard_routing.py)."""
         self.client = client
+        self.shards = shards
+        self.pushed = False  # the last action was a push to a shard, its ``next`` not sent
         self.partitions = partitions
         self.current: Any = None
         self.handoff = handoff  # partition_handoff: leaving rows kept, granted ones taken from their holder
@@ -643,12 +658,19 @@ class RowTrainer:
 
     def actions(self, state: LockState) -> Iterator[None]:
         while True:
-            delta = None
-            if self.current is not None:
+            delta, rows = None, None
+            if self.current is not None and self.shards is not None:
+                delta, mine = self.shards.push(self.current, torch.ones(1),
+                                               np.array([self.current.lhs * 4 + self.current.rhs]))
+                rows = mine.tolist()
+                self.pushed = True
+                yield
+                self.pushed = False
+            elif self.current is not None:
                 delta = torch.zeros(16)
                 delta[self.current.lhs * 4 + self.current.rhs] = 1.0
             held = set(self.partitions.loaded)
-            kind, bucket, dirty, _ = self.client.finish_and_next(held, self.current, None, delta)
+            kind, bucket, dirty, _ = self.client.finish_and_next(held, self.current, None, delta, rows=rows)
             self.partitions.set_written(dirty)
             if self.handoff is not None and bucket is not None:
                 self.handoff.hint(state.bucket_keys[bucket] - held, self.client.last_holders)
@@ -787,8 +809,25 @@ def handoffs(store: TCPStore, round_id: str, on: bool) -> list[Optional[Partitio
     return list(ends)
 
 
+def shard_round(store: TCPStore, round_id: str) -> tuple[ShardService, list[ShardedRows], Callable, list[ShardClient]]:
+    """``shared_shards`` in a round of ranks 0 and 1, the 16 values of the vector 16 relation rows (``serve``'s sparse
+    layout): rank 1's shard (the odd rows, starting from zeros as the server's vector does), each rank's routing,
+    rank 0's committer's saver, and every client (to close with the round)."""
+    layout = RowLayout.of(16, 16, [(0, 1)])
+    slice_ = ShardSlice(rank=1, world_size=2, layout=layout)
+    slice_.load("0", np.zeros(8, np.float32))
+    service = ShardService(slice_, round_id=round_id, store=store, key=lambda name: f"{round_id}/{name}")
+    service.start()
+    clients = [ShardClient(rank=rank, world_size=2, round_id=round_id, store=store,
+                           key=lambda name: f"{round_id}/{name}", limit=1 << 12) for rank in (0, 1, 0)]
+    routing = [ShardedRows(client, layout, 2) for client in clients[:2]]
+    for rows in routing:
+        rows.pass_tag = "0"
+    return service, routing, lambda buckets: clients[2].save("0", buckets), clients
+
+
 def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ranks: list[TensorTransport],
-                       handoff: bool = False, behind: int = 0, withhold: bool = False) -> int:
+                       handoff: bool = False, behind: int = 0, withhold: bool = False, shards: bool = False) -> int:
     """Two ranks train buckets on partition rows kept in real files until the group dies after every number of
     actions of the protocol (requests, each partition file staged and each one moved to its PBG name), ``crash_after``
     0, 1, 2, ... until a pass completes, each in the checkpoint ``checkpoint_of(crash_after)``. The restarted group
@@ -802,43 +841,63 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
     last cut; with ``behind`` > 0 the cuts are taken in the background, so some points of death fall while buckets
     started after a cut began are trained and that cut is not yet over. ``withhold``: where the last action before
     the death is a grant, rank 0 dies after its reply left but before its record (and any record after it) is stored
-    (``Withholding``); such points must occur. Returns the number of points of death."""
+    (``Withholding``); such points must occur. ``shards``: each bucket's update is its slot's relation row, the odd
+    rows served by rank 1's shard (``shard_round``): it goes there before the ``next`` that finishes the bucket, and
+    some points of death must fall between the two; with ``withhold``, where the last action is the request that
+    records a cut, rank 0 dies after the shards saved and before the record is stored, and such points must occur
+    (the round after the death is rank 0 alone: no shards). Returns the number of points of death."""
     expected = np.zeros((4, 16))
     for bucket, keys in partition_keys(4).items():
         for _, part in keys:
             expected[part, bucket.lhs * 4 + bucket.rhs] = 1.0
     initial = row_store(checkpoint_of(-1))
     start = np.stack([initial.get(("node", part)).weight.numpy().copy() for part in range(4)])
-    crash_after, complete, moved, during_cuts, early = 0, False, 0, 0, 0
+    crash_after, complete, moved, during_cuts, early, after_push, saved_unrecorded = 0, False, 0, 0, 0, 0, 0
     while not complete:
         checkpoint = checkpoint_of(crash_after)  # the progress beside the partition files, as in a run
+        sharded = shard_round(store, f"{crash_after}/first") if shards else None
         server = serve(store, checkpoint, None, f"{crash_after}/first/lock", ranks[0], write_behind=behind,
-                       log_of=Withholding)
+                       log_of=lambda log: Withholding(log, ("start", "cut") if shards else ("start",)), sparse=shards,
+                       shard_save=sharded[2] if sharded else None)
         withheld = server.progress
         ends = handoffs(store, f"{crash_after}/first", handoff)
         trainers = [RowTrainer(LockClient(store, rank, timeout_s=60, prefix=f"{crash_after}/first/lock",
                                           transport=ranks[rank]), row_store(checkpoint, store, f"{crash_after}/first"),
-                               ends[rank], behind=bool(behind))
+                               ends[rank], behind=bool(behind), shards=sharded[1][rank] if sharded else None)
                     for rank in (0, 1)]
         running = [trainer.actions(server.state) for trainer in trainers]
+        saves_before = 0
         try:
             done = 0
             while done < crash_after and running:
                 if withhold and done == crash_after - 1:  # the last action: a grant's record is never stored
                     quiet(server)
                     withheld.armed = True
+                    saves_before = sharded[0].shard.stats.saves if sharded is not None else 0
                 rank = done % len(running)
-                if next(running[rank], "over") == "over":
-                    running.pop(rank)
+                try:
+                    if next(running[rank], "over") == "over":
+                        running.pop(rank)
+                except LockServerError:
+                    if "cut" not in withheld.held:
+                        raise
+                    break  # rank 0 died after the shards saved what the cut's record saves, before it was stored
                 done += 1
                 cut = server.cuts.behind if server.cuts is not None else None
                 if cut is not None and set(server.state.in_flight.values()) - cut.buckets:
                     during_cuts += 1  # a bucket started after a cut taken in the background began, before it ended
             complete = not running
+            after_push += any(trainer.pushed for trainer in trainers)
         finally:
             early += withheld.holding.is_set()
+            saved_unrecorded += "cut" in withheld.held and sharded is not None and \
+                sharded[0].shard.stats.saves > saves_before  # the shard saved what the record never stored saves
             withheld.kill()
             server.stop()  # the group dies: what is in memory is gone (rows and shared values alike)
+            if sharded is not None:
+                sharded[0].close()
+                for client in sharded[3]:
+                    client.close()
             for end in ends:
                 if end is not None:
                     moved += end.stats.handed_in + end.stats.kept_hits
@@ -851,7 +910,7 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
         roll_forward(checkpoint, progress.version, progress.staged())  # job/checkpoint/recovery.py: recover_pass
         assert not staged_left(checkpoint)
         server = serve(store, checkpoint, progress, f"{crash_after}/second/lock", ranks[0], write_behind=behind,
-                       lost=frozenset({1}))
+                       lost=frozenset({1}), sparse=shards)
         second_ends = handoffs(store, f"{crash_after}/second", bool(behind))
         survivor = RowTrainer(LockClient(store, 0, timeout_s=60, prefix=f"{crash_after}/second/lock",
                                          transport=ranks[0]), row_store(checkpoint, store, f"{crash_after}/second"),
@@ -879,6 +938,8 @@ def kill_at_every_step(checkpoint_of: Callable[[int], str], store: TCPStore, ran
     assert (moved > 0) == handoff, moved
     assert (during_cuts > 0) == (behind > 0), during_cuts  # training went on through the cuts (every point of them)
     assert (early > 0) == withhold, early
+    assert (after_push > 0) == shards, after_push  # killed with a bucket's update on its shard, its ``next`` unsent
+    assert (saved_unrecorded > 0) == (shards and withhold), saved_unrecorded
     return crash_after
 
 

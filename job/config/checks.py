@@ -111,6 +111,14 @@ def check_ranges(config: ConfigSchema) -> None:
         fail("write_behind_buckets", "config key 'write_behind_buckets': 0 (off), N > 0 or -1, and only with "
              f"partition_handoff: true; got {config.write_behind_buckets} with partition_handoff "
              f"{str(config.partition_handoff).lower()}")
+    if config.write_behind_seconds < 0 or (config.write_behind_seconds > 0 and config.write_behind_buckets == 0):
+        fail("write_behind_seconds", "config key 'write_behind_seconds': seconds between cuts, >= 0, and only with "
+             f"write_behind_buckets N > 0 or -1; got {config.write_behind_seconds:g} with write_behind_buckets "
+             f"{config.write_behind_buckets}")
+    if config.shared_shards and (config.write_behind_buckets == 0 or not config.dynamic_relations):
+        fail("shared_shards", "config key 'shared_shards': only with write_behind_buckets (N > 0 or -1) and "
+             f"dynamic_relations: true; got write_behind_buckets {config.write_behind_buckets} and dynamic_relations "
+             f"{str(config.dynamic_relations).lower()}", ("shared_shards", "write_behind_buckets", "dynamic_relations"))
     if config.hogwild_delay < 0:
         fail("hogwild_delay", f"config key 'hogwild_delay': seconds, must be >= 0, got {config.hogwild_delay}")
     if config.grow_num_epochs < 0:

@@ -15,7 +15,7 @@ NON_PBG_1_0_KEYS = frozenset({
     "regularization_coef", "regularizer", "early_stopping", "num_gpus", "num_groups_for_partition_server",
     "num_groups_per_sharded_partition_server", "partition_shard_size", "half_precision", "compute_dtype",
     "seed", "device", "cuda_graphs", "prefetch_partitions", "partition_handoff", "write_behind_buckets",
-    "partition_buffer", "memory_budget",
+    "write_behind_seconds", "shared_shards", "partition_buffer", "memory_budget",
     "edge_read_mode", "storage_options",
     "eval_protocol",
     "tensorboard_dir", "pushgateway_url", "pushgateway_job", "grow_init", "grow_num_epochs", "grow_replay_fraction",

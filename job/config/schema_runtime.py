@@ -95,6 +95,24 @@ class RuntimeKeys:
         "them; with memory_budget a cut comes early enough that they fit in it (without one they are not bounded).",
         default=0,
     )
+    write_behind_seconds: float = field_help(
+        "With write_behind_buckets (N > 0 or -1): a cut in the background also once this many seconds passed since "
+        "the last cut began, whichever comes first; 0: cuts by buckets alone. What a lost pod costs with writes "
+        "behind is the group's work since the last cut, so this bounds it in time (N buckets are minutes of one "
+        "graph and hours of another); a pass shorter than it still writes one checkpoint's bytes (with -1), a "
+        "longer one a checkpoint's more per cut.",
+        default=0.0,
+    )
+    shared_shards: bool = field_help(
+        "Distributed runs with write_behind_buckets and dynamic_relations: every pod serves a slice of the shared "
+        "relation parameters (relation r on pod r mod the group's size, with their Adagrad sums), as PBG's "
+        "parameter servers do, instead of rank 0 serving all of them: a bucket's changed rows go to the pods that "
+        "serve them and its pulled rows come from there, so rank 0's network link carries about 1/pods of those "
+        "bytes. Each pod listens on one more ephemeral port (authenticated with the group's secret, like the "
+        "partition hand-off). What is persisted and how a restart resumes do not change: rank 0 writes the shards' "
+        "saved rows into the one stored vector with each cut's record. false: rank 0 serves every row.",
+        default=False,
+    )
     partition_buffer: int | None = field_help(
         "How many partitions (of the partitioned entity types, per partition index) stay in memory, >= 2. "
         "Partitions leave the buffer only when it is full, the one needed again latest first. Default: what "

@@ -50,9 +50,10 @@ from job.train.residency.budget import (
 )
 from job.train.residency.partitions import PartitionStore, Residency
 from job.train.resume import GroupBarrier, load_model_state
-from job.train.schedule.group import LockServerScheduler, SharedSync
+from job.train.schedule.group import LockServerScheduler
 from job.train.schedule.interfaces import BucketScheduler, Iteration, LocalScheduler, NoSync, ParameterSync, PassGather
 from job.train.schedule.orders import buffer_order, lower_bound_loads, order_buckets
+from job.train.schedule.shared_sync import SharedSync
 from job.train.startup import StartupClock
 from job.train.validation import Validation
 from job.types import Bucket
@@ -195,7 +196,8 @@ class Trainer:
         if self.dist is None:
             return 0
         values = shared_values(sum(p.numel() for p in self.model.parameters()), self.config, self.entity_counts)
-        return sync_memory_bytes(values, serves=self.dist.rank == SERVER_RANK)
+        return sync_memory_bytes(values, serves=self.dist.rank == SERVER_RANK,
+                                 shards=self.dist.world_size if self.config.shared_shards else 0)
 
     def _make_scheduler(self) -> tuple[BucketScheduler, ParameterSync]:
         """The one place that knows whether this process trains alone."""

@@ -81,9 +81,10 @@ def _padded_words(offsets: np.ndarray, data: np.ndarray, width: int) -> np.ndarr
 def hash_strings(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes and byte lengths of every string of an arrow string array (no nulls), vectorized.
 
-    Fast path: pad every id to the same width with pyarrow's ``utf8_rpad`` (one C++ call),
-    then view the bytes as a (rows, words) uint64 matrix without copying. Non-ASCII or long
-    ids take the numpy path, grouping rows by padded width so memory stays ~2x the bytes.
+    Fast path: pad every id to the same number of bytes with pyarrow's ``ascii_rpad`` (one C++ call; it pads
+    bytes, so any UTF-8 id gets the zero bytes the numpy path gives it), then view the bytes as a (rows, words)
+    uint64 matrix without copying. Long ids take the numpy path, grouping rows by padded width so memory stays
+    ~2x the bytes.
     """
     offsets, data = _string_buffers(array)
     lengths = np.diff(offsets)
@@ -93,9 +94,9 @@ def hash_strings(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     longest = int(lengths.max())
     width = max(8, (longest + 7) // 8 * 8)
     if width <= _FAST_WIDTH:
-        padded = kernels.utf8_rpad(array, width=width, padding="\x00")
+        padded = kernels.ascii_rpad(array, width=width, padding="\x00")
         padded_offsets, padded_data = _string_buffers(padded)
-        if padded_data.size == n * width:  # every id was padded to exactly `width` bytes (ASCII)
+        if padded_data.size == n * width:  # every id was padded to exactly `width` bytes
             return _hash_words(padded_data.view(np.uint64).reshape(n, width // 8), lengths), lengths
     hashes = np.empty(n, dtype=np.uint64)
     widths = np.maximum(8, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))

@@ -104,8 +104,11 @@ class EntityTable:
             new_ids = np.arange(self.size, self.size + num_new, dtype=np.int64)
             unique_ids[new] = new_ids
             self.name_chunks.append(names_at(order[starts[new]]))
-            merged = _merge_sorted(self.sorted_hashes, self.sorted_ids, where[new], unique[new], new_ids)
-            self.sorted_hashes, self.sorted_ids = merged
+            if len(self.sorted_hashes):
+                merged = _merge_sorted(self.sorted_hashes, self.sorted_ids, where[new], unique[new], new_ids)
+                self.sorted_hashes, self.sorted_ids = merged
+            else:  # the first batch: every id is new and ``unique`` is already the sorted lookup, with no merge to pay
+                self.sorted_hashes, self.sorted_ids = unique, new_ids
             self.size += num_new
             if self.size > len(self.counts):
                 grown = np.zeros(max(self.size, 2 * len(self.counts)), dtype=np.int64)

@@ -53,10 +53,14 @@ from job.checkpoint.group_progress import VectorBlocks
 from job.train.distributed.protocol import Granted, Next
 from job.train.distributed.request_trace import mark
 from job.train.distributed.server_stats import Stopwatch
+from job.train.distributed.shard_service import set_rows
 from job.train.distributed.shared_vector import SharedVector
 from job.types import Bucket
 
 logger = logging.getLogger("biggraph")
+
+# what a committer calls to have every shard save buckets: each shard's changed stored rows and their values
+ShardSave = Callable[[list[Bucket]], list[tuple[np.ndarray, np.ndarray]]]
 
 
 @dataclass
@@ -136,8 +140,12 @@ class Committer:
     once its records are stored, and the slots whose change was added (but which do not carry the sum) earlier, as
     ``("added", [buffers])``, so that the next changes can arrive while the batch is written."""
 
-    def __init__(self, vector: SharedVector, progress: Any, done: Callable[[tuple], None]) -> None:
+    def __init__(self, vector: SharedVector, progress: Any, done: Callable[[tuple], None],
+                 shard_save: Optional[ShardSave] = None) -> None:
         self.vector = vector
+        # ``shared_shards``: asks every shard to save the buckets a record saves, and returns each one's stored rows
+        # that changed since its last save, with their values (job/train/distributed/shard_service.py)
+        self.shard_save = shard_save
         self.progress = progress
         self._done = done
         self._queue: queue.Queue[Optional[Commit]] = queue.Queue()
@@ -194,14 +202,21 @@ class Committer:
         self._mark(commits, "commit_start")
         with Stopwatch() as watch, self.vector.lock:
             stored = False
+            saved: list[Bucket] = []  # the buckets whose updates enter ``stored`` now
             for commit in commits:
                 work = commit.work
                 if work.change is not None:
                     self.vector.add(work.change, work.rows)
                 if work.finished is not None and work.change is not None:
-                    stored |= self.vector.finish(work.finished, work.change, saved=work.saved, rows=work.rows)
+                    if self.vector.finish(work.finished, work.change, saved=work.saved, rows=work.rows):
+                        stored = True
+                        saved.append(work.finished)
                 if work.unsaved is not None:
-                    stored |= self.vector.save(work.unsaved)
+                    moved = self.vector.save(work.unsaved)
+                    stored |= bool(moved)
+                    saved += moved
+            if saved and self.shard_save is not None and self.failed is None:
+                stored |= self._save_shards(saved)
             wanting = [c for c in commits if c.buffer is not None and c.work.change is not None and c.wants_sum]
             batch = Batch(commits, ready=self.failed is None)
             write = Write(batch, [record for commit in commits for record in commit.records])
@@ -231,6 +246,25 @@ class Committer:
             self.stats.busy_s += watch.seconds
             self.stats.cpu_s += watch.cpu_seconds
             self.stats.vector_s += watch.seconds
+
+    def _save_shards(self, buckets: list[Bucket]) -> bool:
+        """The shards save ``buckets`` too; their stored rows that changed go into ``stored`` before the record that
+        saves them is written (one persisted vector: docs/design/distributed.md, "Sparse shared parameters"). A shard
+        that does not answer fails the commit as a failed write does (every later request is refused: the round
+        ends); whether ``stored`` changed."""
+        assert self.shard_save is not None
+        try:
+            answers = self.shard_save(buckets)
+        except Exception as err:  # noqa: BLE001 - the group restarts from what is stored
+            self.failed = f"the shards of the shared vector did not save {len(buckets)} bucket(s): {err}"
+            logger.warning("lock server: %s; every request is refused from now on", self.failed)
+            return False
+        changed = False
+        for rows, values in answers:
+            if rows.size:
+                set_rows(self.vector.layout, self.vector.stored, rows, values)
+                changed = True
+        return changed
 
     def _write_loop(self) -> None:
         while True:

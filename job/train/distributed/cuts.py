@@ -5,17 +5,18 @@ With ``partition_handoff`` alone every rank still writes a write group at each s
 before the release that names it the partition's holder, so an epoch writes about as many partitions as it has
 buckets whatever the number of pods. With writes behind, a rank releases a partition to its next holder *unwritten*
 (its rows kept in memory, named with their digest: job/train/distributed/holders.py), and storage receives
-partitions only at cuts: every ``every`` buckets done by the group, and at the pass's end (the commit's).
+partitions only at cuts: every ``every`` buckets done by the group, every ``every_s`` seconds (``cadence``), and at
+the pass's end (the commit's).
 
 Why per-rank records cannot save anything then: a partition handed on unwritten holds the updates of buckets whose
 other partitions may die with their trainer, so a file one rank writes may hold a bucket that a restart redoes
 (counted twice). A cut saves the whole group at once instead, in one of two ways.
 
-*In the background* (job/train/distributed/cut_behind.py, ``behind``): the cuts every ``every`` buckets and those the
-pinned limit calls for at two switches from it. A consistent snapshot of the buckets done or in flight when it
-became due, taken while the group trains: each rank stages its part at its next ``next`` and trains on (at 16 pods
-and N=32 a cut of the whole group cost every pod 70-80 s of waiting per epoch: bench/RESULTS.md). ``background``
-False (tests, the redo bench) takes them as below instead.
+*In the background* (job/train/distributed/cut_behind.py, ``behind``): the cuts every ``every`` buckets or ``every_s``
+seconds and those the pinned limit calls for at two switches from it. A consistent snapshot of the buckets done or in
+flight when it became due, taken while the group trains: each rank stages its part at its next ``next`` and trains on
+(at 16 pods and N=32 a cut of the whole group cost every pod 70-80 s of waiting per epoch: bench/RESULTS.md).
+``background`` False (tests, the redo bench) takes them as below instead.
 
 *Of the whole group*, the group stopped, where that is right: the pass's end (the commit needs every bucket saved
 and none in flight), an orderly end of the round (``before_leaving``: it ends anyway), and a rank one switch from its
@@ -56,7 +57,8 @@ whole group once its next switch could. None (no budget): unbounded.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -102,11 +104,27 @@ class Cuts:
     behind: Optional[BehindCut] = None  # the cut taken in the background now, if any (cut_behind.py)
     background: bool = True  # the cuts every N buckets and at the pinned limit are taken in the background
     abandoned: Optional[str] = None  # why the round's end takes no cut (a loss, the window over): as after a loss
+    every_s: float = 0.0  # ``write_behind_seconds``: a cut once this long after the last one began (0: none)
+    clock: Callable[[], float] = time.monotonic
+    since: float = 0.0  # when the last cut began (at first: when this pass's server started), by ``clock``
 
     def __post_init__(self) -> None:
         if self.every == 0 or self.every < ONLY_AT_THE_COMMIT:
             raise ValueError(f"write_behind_buckets {self.every}: a cut every N > 0 buckets, or -1 (only at the "
                              "commit); 0 is off (no Cuts)")
+        self.since = self.clock()
+
+    def cadence(self, every_s: float, clock: Optional[Callable[[], float]] = None) -> None:
+        """A cut also once ``every_s`` seconds passed since the last one began (0: by buckets alone), counted from
+        now. Why seconds: what a loss costs with writes behind is the group's work since the last cut, and a bound
+        on that is a time (N buckets are minutes on one graph and hours on another); an epoch shorter than
+        ``every_s`` still writes one checkpoint's bytes."""
+        if every_s < 0:
+            raise ValueError(f"write_behind_seconds {every_s}: seconds between cuts, >= 0 (0: none)")
+        self.every_s = every_s
+        if clock is not None:
+            self.clock = clock
+        self.since = self.clock()
 
     @property
     def active(self) -> bool:
@@ -116,11 +134,12 @@ class Cuts:
             live: Collection[int] = ()) -> bool:
         """Whether ``rank``'s ``next`` finishing ``finished`` must be answered ``cut``: it owes a turn to the cut
         taken in the background (``behind``), or a cut of the whole group is under way, or one becomes due: the
-        buckets done and unsaved (``finished`` among them) reach ``every`` (in the background, unless one is under
-        way), or none is left to do and some are unsaved (the pass's last cut, which the commit needs; it stops the
-        group), or the round ends in order (``closing``, it stops the group) with some unsaved, or a rank's pinned
-        rows could pass ``pinned_limit`` at its next switch (in the background at two switches from it; the group
-        stops at one). ``live``: the ranks not lost (those of a cut taken in the background)."""
+        buckets done and unsaved (``finished`` among them) reach ``every``, or ``every_s`` passed since the last cut
+        began (either in the background, unless one is under way), or none is left to do and some are unsaved (the
+        pass's last cut, which the commit needs; it stops the group), or the round ends in order (``closing``, it
+        stops the group) with some unsaved, or a rank's pinned rows could pass ``pinned_limit`` at its next switch (in
+        the background at two switches from it; the group stops at one). ``live``: the ranks not lost (those of a cut
+        taken in the background)."""
         self.record_ready(state)
         if self.behind is not None and self.behind.owes(rank):
             return True
@@ -131,13 +150,13 @@ class Cuts:
         if unsaved == 0:
             return False
         left = state.total - len(state.done) - int(ends)
-        if left == 0 or closing or self._pinned_full(state, switches=1) or (
-                not self.background and self.every > 0 and unsaved >= self.every):
-            self.phase = "drain"
+        cadence = (self.every > 0 and unsaved >= self.every) or (
+            self.every_s > 0 and self.clock() - self.since >= self.every_s)
+        if left == 0 or closing or self._pinned_full(state, switches=1) or (not self.background and cadence):
+            self.phase, self.since = "drain", self.clock()
             return True
-        if self.behind is None and self.background and (
-                (self.every > 0 and unsaved >= self.every) or self._pinned_full(state, switches=2)):
-            self.behind = BehindCut.begin(state, live)
+        if self.behind is None and self.background and (cadence or self._pinned_full(state, switches=2)):
+            self.behind, self.since = BehindCut.begin(state, live), self.clock()
             return self.behind.owes(rank)
         return False
 

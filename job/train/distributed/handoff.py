@@ -168,7 +168,7 @@ class PartitionHandoff(PinnedRows):
             self._listener = socket.create_server(("", 0))
         port = self._listener.getsockname()[1]
         with self._lock:
-            self._store.set(self._key(f"handoff/{self.rank}"), f"{_own_host(self._store)}:{port}")
+            self._store.set(self._key(f"handoff/{self.rank}"), f"{own_host(self._store)}:{port}")
         threading.Thread(target=self._accept, name="biggraph-handoff", daemon=True).start()
 
     def close(self) -> None:
@@ -202,7 +202,7 @@ class PartitionHandoff(PinnedRows):
                 conn.settimeout(TRANSFER_TIMEOUT_S)
                 nonce = secrets.token_hex(16)
                 conn.sendall(f"{HELLO} {nonce}\n".encode())
-                reader = _Reader(conn)
+                reader = SocketReader(conn)
                 ask = json.loads(reader.line())
                 asker, entity_type, part, digest = int(ask["rank"]), str(ask["type"]), int(ask["part"]), str(ask["digest"])
                 if not auth.verify(ask.get("mac"), "handoff-ask", self.round_id, str(asker), entity_type, str(part),
@@ -352,7 +352,7 @@ class PartitionHandoff(PinnedRows):
         host, port = self._address(holder)
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
             sock.settimeout(TRANSFER_TIMEOUT_S)
-            reader = _Reader(sock)
+            reader = SocketReader(sock)
             hello, _, nonce = reader.line().partition(" ")
             if hello != HELLO or not nonce:
                 raise ValueError(f"{host}:{port} is not a hand-off listener")
@@ -397,7 +397,7 @@ def _raw_out(tensor: torch.Tensor) -> memoryview:
     return tensor.numpy().data.cast("B")
 
 
-class _Reader:
+class SocketReader:
     """Lines, then raw bytes, off a socket (what follows a line may arrive with it)."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -426,7 +426,7 @@ class _Reader:
             start += got
 
 
-def _own_host(store: Any) -> str:
+def own_host(store: Any) -> str:
     """The address this rank is reached at: the one it reaches rank 0's store from (a pod's own IP); the host name
     where that cannot be told."""
     target = store_host(store)

@@ -27,7 +27,7 @@ import torch
 
 import storage_adapters as storage
 from job.train.distributed import protocol
-from job.train.distributed.commits import Batch, Commit, Committer, VectorWork, replies_early
+from job.train.distributed.commits import Batch, Commit, Committer, ShardSave, VectorWork, replies_early
 from job.train.distributed.cuts import Cuts
 from job.train.distributed.handlers import RequestHandlers
 from job.train.distributed.holders import Holders
@@ -99,7 +99,8 @@ class LockServer(RequestHandlers, PullServing):
                  transport: TensorTransport, *, prefix: str = DEFAULT_PREFIX,
                  ending: Callable[[], Optional[str]] = lambda: None,
                  lost: Callable[[], frozenset[int]] = lambda: frozenset(), world_size: Optional[int] = None,
-                 layout: Optional[RowLayout] = None, write_behind: int = 0, trace: bool = False) -> None:
+                 layout: Optional[RowLayout] = None, write_behind: int = 0, trace: bool = False,
+                 shard_save: Optional[ShardSave] = None) -> None:
         """``progress``: where the changes go (a ``ProgressLog``, or anything with ``append(records)``, whose true
         result asks for a compaction, ``start(state, shared)``);
         ``transport``: this process's end of the shared-parameter transport (the server's rank's); ``ending``: why
@@ -108,7 +109,8 @@ class LockServer(RequestHandlers, PullServing):
         the group's, whose ranks alone are served (None: any rank >= 0); ``layout``: which values of ``shared`` are
         relation rows, for sparse changes and pulls (job/train/distributed/shared_rows.py; None: none are);
         ``write_behind``: ``write_behind_buckets`` (0: write groups at every switch; job/train/distributed/cuts.py);
-        ``trace``: keep where each request's round trip went (request_trace.py; the bench's breakdown)."""
+        ``trace``: keep where each request's round trip went (request_trace.py; the bench's breakdown); ``shard_save``:
+        ``shared_shards``, the shards save what a record saves (commits.py)."""
         self.requests = request_queue(prefix)
         self.prefix = prefix
         self.store = store.clone()  # the replies (the replier thread's connection)
@@ -154,7 +156,7 @@ class LockServer(RequestHandlers, PullServing):
         self._gatherer = Gatherer(self.vector, self._inbox.put)  # pulls' rows read off the serving thread
         # the sums in flight, each one buffer sent to every request of a batch: id -> [sends left, slot, failed]
         self._sums: dict[int, list[Any]] = {}
-        self._committer = Committer(self.vector, progress, self._inbox.put)
+        self._committer = Committer(self.vector, progress, self._inbox.put, shard_save)  # (shard_save: shared_shards)
         self._unanswered = 0  # requests handed to the committer whose records are not stored yet
         self.holders = Holders(state.bucket_keys, gone=lambda: self._lost() | set(self._gone))  # partition_handoff
         self.cuts, self.holders.strict = (Cuts(write_behind), True) if write_behind else (None, False)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from job.train.distributed.lock_client import LockClient
+from job.train.distributed.shard_routing import ShardedRows
 from job.train.distributed.shared_rows import RowLayout
 
 
@@ -37,6 +38,9 @@ class SharedParameters:
         if self.layout.size != self.synced.numel():
             raise ValueError(f"a row layout of {self.layout.size} values for {self.synced.numel()} shared values")
         self.fresh = True  # every value as the group's at the last whole sync (no pull needed)
+        # ``shared_shards``: the rows other ranks serve go to them and come from them (shard_routing.py); every push
+        # and pull is then sparse, however many rows it names (rank 0's copy of those rows is not the group's)
+        self.shards: Optional[ShardedRows] = None
         self._sent: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # a sparse change's positions and values
         # each tensor: whether it is relation-indexed (its segment's width, else 0) and where its whole values are
         widths = dict(self.layout.segments)
@@ -71,7 +75,7 @@ class SharedParameters:
             return self.change(), None
         current = self._current()
         rows = self.layout.differing(current.numpy(), self.synced.numpy())
-        if not self.layout.worth(rows.size):
+        if not self.layout.worth(rows.size) and self.shards is None:
             return current.sub_(self.synced), None
         positions = torch.from_numpy(self.layout.positions(rows))
         values = current[positions]
@@ -128,14 +132,46 @@ class SharedParameters:
         if self.fresh or self.layout.rows == 0:
             return
         rows = np.unique(relations.detach().cpu().numpy()).astype(np.int64)
-        if self.layout.worth(rows.size):
+        if self.shards is not None:
+            self.take_rows(rows, self.shards.pull(client, rows))
+        elif self.layout.worth(rows.size):
             self.take_rows(rows, client.pull(rows.tolist(), torch.empty(self.layout.count(rows.size))))
         else:
             self.sync(client)
 
     def sync(self, client: LockClient) -> None:
-        """Outside a bucket: push the change, take the sum."""
-        self.assign(client.sync(self.change()))
+        """Outside a bucket: push the change, take the sum. With shards, the change of the rows other ranks serve goes
+        to them, the rest to rank 0 (those rows zeroed), and the sum's values of those rows come from them."""
+        if self.shards is None:
+            self.assign(client.sync(self.change()))
+            return
+        current = self._current()
+        self.shards.push_outside(current.numpy(), self.synced.numpy())
+        change = current.sub_(self.synced)
+        self.shards.zero_others(change.numpy())
+        if not bool(change.any()):  # (a pass's end: every bucket's change went with its ``next``) nothing for rank 0
+            self.gather_all(client)
+            return
+        summed = client.sync(change)
+        self.shards.fill(summed.numpy())
+        self.assign(summed)
+
+    def gather_all(self, client: LockClient) -> None:
+        """With shards: take every value from the rank that serves it (rank 0 sends the whole part and its rows
+        alone, a sparse pull, instead of the whole vector to every rank)."""
+        assert self.shards is not None
+        rows = np.arange(self.layout.rows, dtype=np.int64)
+        self.take_rows(rows, self.shards.pull(client, rows))
+        self.fresh = True
+
+    def settle(self, served: torch.Tensor) -> torch.Tensor:
+        """Rank 0 at a pass's end: take its server's ``served`` values, with the rows other ranks serve from them;
+        returns the values taken."""
+        if self.shards is not None:
+            served = served.clone()
+            self.shards.fill(served.numpy())
+        self.assign(served)
+        return served
 
 
 def relation_indexed(model: torch.nn.Module, rows: int) -> list[bool]:

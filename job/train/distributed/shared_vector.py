@@ -138,9 +138,9 @@ class SharedVector:
             return None
         return VectorBlocks(index, self.stored[:whole].reshape(-1, BLOCK)[index], self.stored[whole:].copy(), BLOCK)
 
-    def save(self, unsaved: Collection[Bucket]) -> bool:
-        """Move the updates of the buckets saved now (pending, and no longer ``unsaved``) into ``stored``; whether
-        there were any."""
+    def save(self, unsaved: Collection[Bucket]) -> list[Bucket]:
+        """Move the updates of the buckets saved now (pending, and no longer ``unsaved``) into ``stored``; those
+        buckets (the shards of the vector save theirs too: job/train/distributed/shard_service.py)."""
         saved = [b for b in self.pending if b not in unsaved]
         for b in saved:
             update = self.pending.pop(b)
@@ -167,7 +167,7 @@ class SharedVector:
                 update.file.seek(0)
                 self.stored += np.frombuffer(update.file.read(), dtype=np.float32)
                 update.file.close()
-        return bool(saved)
+        return saved
 
 
 # a change whose blocks of BLOCK values holding a non-zero value (with their indices, and the few values after the

@@ -100,6 +100,10 @@ class TensorTransport:
         self._tag_lock = threading.Lock()
         self._local: dict[int, tuple[torch.Tensor, threading.Event]] = {}  # hand-overs within this process
         self._local_ready = threading.Condition()
+        # payload bytes posted to and from other ranks (this pod's link; the in-memory hand-overs are not counted):
+        # bench/scale_bench.py reports rank 0's against the shards' (``shared_shards``)
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     @classmethod
     def for_group(cls, rank: int, timeout_s: float = TRANSFER_TIMEOUT_S) -> TensorTransport:
@@ -142,6 +146,7 @@ class TensorTransport:
                     raise TransferError(f"{what}: not taken in {limit_s:.0f} s")
 
             return Transfer(finish=handed_over, timeout_s=self.timeout_s, what=what)
+        self.bytes_sent += tensor.numel() * tensor.element_size()  # (a count, not exact under threads: a figure)
         try:
             work = self._group.send([tensor], peer, tag)
         except Exception as err:
@@ -161,6 +166,7 @@ class TensorTransport:
         if peer == self.rank:
             return Transfer(finish=lambda limit_s: self._take_local(into, tag, what, limit_s), timeout_s=self.timeout_s,
                             what=what)
+        self.bytes_received += into.numel() * into.element_size()
         try:
             work = self._group.recv([into], peer, tag)
         except Exception as err:

@@ -270,10 +270,20 @@ def shared_values(parameters: int, config: ConfigSchema, counts: dict[str, list[
         for t, e in config.entities.items() if e.num_partitions == 1)
 
 
-def sync_memory_bytes(values: int, serves: bool) -> int:
+# ``shared_shards`` (job/train/distributed/shard_routing.py): a trainer's pushes and pulls are sparse whatever their
+# size, up to a whole vector, and a pull is assembled from its owners' parts in one more
+SHARD_CLIENT_VECTORS = 2
+# a shard's slice of 1/M of the rows (shard_service.py): served, stored, persisted, at most ``PENDING_VECTORS`` updates
+SHARD_VECTORS = 3 + PENDING_VECTORS
+
+
+def sync_memory_bytes(values: int, serves: bool, shards: int = 0) -> int:
     """The shared parameters' sync memory of one trainer process (what ``memory_budget`` counts for it): its
     ``CLIENT_VECTORS``, and on the server's rank the server's ``SERVER_VECTORS`` too (served, stored, persisted, the copy
     a whole-vector progress write takes, the transfer
     slots, the sparse payloads' buffers, and at most ``PENDING_VECTORS`` updates of buckets done but not yet saved:
-    the rest wait on local disk)."""
-    return 4 * values * (CLIENT_VECTORS + (SERVER_VECTORS if serves else 0))
+    the rest wait on local disk). ``shards``: with ``shared_shards``, the group's size (each rank but 0 serves a
+    slice of 1/shards of the rows: ``SHARD_VECTORS`` of it; every trainer ``SHARD_CLIENT_VECTORS`` more)."""
+    vectors = CLIENT_VECTORS + (SERVER_VECTORS if serves else 0)
+    shard = values * (SHARD_CLIENT_VECTORS + (0 if serves else SHARD_VECTORS / shards)) if shards > 1 else 0
+    return 4 * (values * vectors + int(shard))

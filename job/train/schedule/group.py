@@ -33,6 +33,7 @@ from job.train.distributed.holders import Holders
 from job.train.distributed.lock_client import LockClient
 from job.train.distributed.lock_server import LockServer
 from job.train.distributed.lock_state import LockState
+from job.train.distributed.shard_routing import GroupShards, shardable
 from job.train.distributed.shared_params import SharedParameters
 from job.train.distributed.shared_rows import RowLayout
 from job.train.elastic.budget import note_progress
@@ -40,7 +41,7 @@ from job.train.residency.budget import pinned_partitions
 from job.train.residency.partitions import PartitionStore
 from job.train.schedule.behind import BehindWrites, CutCounts
 from job.train.schedule.clock import BucketClock
-from job.train.schedule.interfaces import BucketScheduler, ParameterSync, PassGather
+from job.train.schedule.interfaces import BucketScheduler, PassGather
 from job.train.schedule.orders import all_buckets
 from job.types import Bucket, PartitionKey
 
@@ -105,6 +106,8 @@ class LockServerScheduler(BucketScheduler):
         # write_behind_buckets: partitions handed on unwritten, stored at cuts of the group (job/train/schedule/behind.py)
         self.behind = BehindWrites(self.client, store, checkpoint, self.handoff) \
             if config.write_behind_buckets and self.handoff is not None else None
+        # shared_shards: the relation rows other ranks serve go to them (job/train/distributed/shard_routing.py)
+        self.shards = GroupShards(ctx, shardable(layout)) if config.shared_shards and ctx.world_size > 1 else None
 
     def start_pass(self, pass_index: int, seed_base: int, version: int) -> None:
         if self.pass_tag:  # this process saw a pass commit: the round made progress
@@ -145,12 +148,17 @@ class LockServerScheduler(BucketScheduler):
             self.server = LockServer(self.ctx.store, state, log, shared, seed_base, self.transport,
                                      prefix=self.ctx.key("lock"), ending=self.ctx.ending, lost=self.ctx.lost_ranks,
                                      world_size=self.ctx.world_size, layout=self.layout,
-                                     write_behind=self.config.write_behind_buckets if self.behind else 0)
+                                     write_behind=self.config.write_behind_buckets if self.behind else 0,
+                                     shard_save=self.shards.saver(self.pass_tag) if self.shards else None)
             if self.server.cuts is not None and self.handoff is not None:  # an orderly end's window; memory_budget
                 self.server.cuts.bound(window_s=self.ctx.drain_timeout_s, pinned_limit=pinned_partitions(
                     self.config, self.store.capacity))
+                self.server.cuts.cadence(self.config.write_behind_seconds)  # seconds between cuts, if any
             self.server.holders.adopt(self._holders)  # partitions kept at the last commit: its files hold their rows
         wait_all(self.ctx, f"pass-start-{self.pass_tag}")
+        if self.shards is not None:  # each shard starts from rank 0's vector, before anyone pushes to it
+            self.shards.start_pass(self.pass_tag, self.client)
+            wait_all(self.ctx, f"pass-shards-{self.pass_tag}")
 
     def next_bucket(self, finished: Optional[dict[str, Any]]) -> Optional[Bucket]:
         waits = 0
@@ -164,6 +172,8 @@ class LockServerScheduler(BucketScheduler):
                 note_progress()  # this round made progress (the failure budget: job/train/elastic/budget.py)
             held = self.store.resident_partitioned()
             change, rows = carry.outgoing() if carry is not None else (None, None)  # sparse: the rows it changed
+            if rows is not None and change is not None and self.shards is not None:  # theirs acknowledged first
+                change, rows = self.shards.rows.push(self.current, change, rows)
             kind, bucket, dirty, shared = self.client.finish_and_next(held, self.current, finished, change,
                                                                       leaving=leaving,
                                                                       rows=None if rows is None else rows.tolist())
@@ -385,7 +395,10 @@ class LockServerScheduler(BucketScheduler):
     def gather(self, own_io: dict[str, Any]) -> Optional[PassGather]:
         if self.handoff is not None:
             logger.info("rank %d: partition hand-off this pass: %s", self.ctx.rank, json.dumps(
-                {**self.handoff.stats.as_record(), **(self.behind.counts.as_record() if self.behind else {})}))
+                {**self.handoff.stats.as_record(), **(self.behind.counts.as_record() if self.behind else {}),
+                 **({"shard_bytes": self.shards.bytes_through()} if self.shards is not None else {}),
+                 "shared_link_bytes": self.transport.bytes_sent + self.transport.bytes_received + (
+                     self.shards.bytes_through() if self.shards is not None else 0)}))
         self.ctx.store.set(self.ctx.key(f"pass-io/{self.pass_tag}/{self.ctx.rank}"), json.dumps(own_io))
         try:
             wait_all(self.ctx, f"pass-written-{self.pass_tag}")
@@ -418,32 +431,3 @@ class LockServerScheduler(BucketScheduler):
         wait_all(self.ctx, f"pass-committed-{self.pass_tag}")
         published: dict[str, Any] = json.loads(self.ctx.store.get(key))
         return published
-
-
-class SharedSync(ParameterSync):
-    """Push/pull through the lock server of ``scheduler`` (staleness: one bucket). At a bucket's end the change
-    travels with the request that finishes the bucket (``LockServerScheduler.next_bucket``), so that the server
-    stores the bucket as done and its shared update in one step (job/checkpoint/group_progress.py)."""
-
-    def __init__(self, shared: SharedParameters, scheduler: LockServerScheduler) -> None:
-        self.shared = shared
-        self.scheduler = scheduler
-
-    def pull(self) -> None:
-        self.shared.assign(self.scheduler.client.sync(self.shared.no_change()))
-
-    def prepare(self, edges: Any) -> None:
-        """The bucket's edges are read: take the group's values of the relation rows they name (the others may stay
-        stale, nothing reads them: ``SharedParameters.pull``)."""
-        if self.scheduler.current is not None:
-            self.shared.pull(self.scheduler.client, edges.rel)
-
-    def sync(self) -> None:
-        if self.scheduler.current is not None:
-            self.scheduler.carry = self.shared
-        else:
-            self.shared.sync(self.scheduler.client)
-
-    def settle(self) -> None:
-        if self.scheduler.server is not None:
-            self.shared.assign(self.scheduler.server.values())
