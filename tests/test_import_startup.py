@@ -155,6 +155,26 @@ def test_a_local_import_loads_none_of_what_it_does_not_use(tmp_path: Path) -> No
     assert sum(counts) == 4
 
 
+def test_the_pods_of_a_local_import_load_none_of_what_they_do_not_use(tmp_path: Path) -> None:
+    """Two pods (``--pods 2 --pod-index i``, the Indexed Job's code path: staging, waiting on each other, each
+    its share of the buckets), run side by side, each ends with none of ``UNUSED`` loaded."""
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"edges{i}.tsv")
+        files[-1].write_text("".join(f"a{i}-{j}\tr\tb{j}\n" for j in range(20)))  # 40 + 20 ids
+    config = _import_config(tmp_path, partitions=2, edge_paths=[str(tmp_path / f"edges_{i}") for i in range(2)])
+    argv = ["import", str(config), *map(str, files), "-l", "0", "-r", "2", "--rel-col", "1", "--pods", "2",
+            "--staging", str(tmp_path / "staging")]
+    pods = [subprocess.Popen([sys.executable, "-c", LOADED, *argv, "--pod-index", str(i), ",".join(UNUSED)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)]
+    for pod in pods:
+        out, err = pod.communicate(timeout=120)
+        assert pod.returncode == 0, err
+        assert "loaded: none" in out
+    counts = [int((tmp_path / "entities" / f"entity_count_all_{p}.txt").read_text()) for p in range(2)]
+    assert sum(counts) == 60
+
+
 # the import parser's start-up in a process of its own or not (a test's, a script's), ended by --help or an error;
 # gc.freeze wrapped to count its calls
 SETTLE = """
