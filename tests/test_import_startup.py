@@ -134,9 +134,10 @@ sys.exit(code)
 # What a local import has no use for, and each of its processes (each pod) would pay at start-up: the kernels'
 # named wrappers (pyarrow.compute, ~33 ms with numpy.ma) where it calls them from pyarrow's registry
 # (job.data.importing.kernels); fsspec (~14 ms: local paths go through storage_adapters.local); the HTTP, TLS
-# and asyncio modules of remote storage (~15 ms); torch and the trainer's modules.
-UNUSED = ("pyarrow.compute", "numpy.ma", "fsspec", "http.client", "ssl", "asyncio", "torch", "job.train.trainer",
-          "job.checkpoint")
+# and asyncio modules of remote storage (~15 ms); difflib (the config's suggestions for a mistyped key); torch and
+# the trainer's modules.
+UNUSED = ("pyarrow.compute", "numpy.ma", "fsspec", "http.client", "ssl", "asyncio", "difflib", "torch",
+          "job.train.trainer", "job.checkpoint")
 
 
 def test_a_local_import_loads_none_of_what_it_does_not_use(tmp_path: Path) -> None:
