@@ -1,9 +1,11 @@
 """Every path is a URL: one thin layer over fsspec used by all of biggraph's I/O.
 
 Plain paths and ``file://`` go to the local filesystem (and h5py opens them
-directly); any other scheme (``s3://``, ``memory://``, ``gs://``, ``az://`` ...) goes
-through the fsspec backend registered for it, imported lazily so that a missing
-optional package is reported with the name of what to install. URLs are joined as
+directly), through ``os`` (:mod:`~storage_adapters.local`, answering as fsspec's
+``LocalFileSystem`` would, without importing fsspec); any other scheme (``s3://``,
+``memory://``, ``gs://``, ``az://`` ...) goes through the fsspec backend registered for
+it, imported lazily so that a missing optional package is reported with the name of
+what to install. URLs are joined as
 strings, never through ``pathlib.Path`` (which would turn ``s3://b/k`` into ``s3:/b/k``).
 
 Remote calls go through :func:`storage_adapters.retry.call_with_retry`: transient

@@ -8,12 +8,21 @@ import tempfile
 from collections.abc import Sequence
 from typing import IO, Any
 
+from storage_adapters import local
 from storage_adapters.errors import StorageError
 from storage_adapters.fs import FILE_MODE, OBJECT_STORES, S3_SCHEMES, call, get_filesystem, is_local, local_path, scheme_of
 from storage_adapters.multipart import download_file, upload_file
 
 
+def _local_path(url: str) -> str | None:
+    """The absolute OS path of a local URL (the path fsspec's LocalFileSystem would be given), else None: local
+    operations go through :mod:`storage_adapters.local`, without importing fsspec."""
+    return os.path.abspath(local_path(url)) if is_local(url) else None
+
+
 def exists(url: str) -> bool:
+    if (own := _local_path(url)) is not None:
+        return call(url, "exists", lambda: local.exists(own))
     fs, path = get_filesystem(url)
     return bool(call(url, "exists", lambda: fs.exists(path)))
 
@@ -29,12 +38,22 @@ def change_marker(url: str) -> tuple[int, int] | None:
 
 
 def isdir(url: str) -> bool:
+    if (own := _local_path(url)) is not None:
+        return call(url, "isdir", lambda: local.isdir(own))
     fs, path = get_filesystem(url)
     return bool(call(url, "isdir", lambda: fs.isdir(path)))
 
 
 def listdir(url: str) -> list[str]:
     """Base names of the entries directly under ``url`` (empty if it does not exist)."""
+    if (own := _local_path(url)) is not None:
+        def own_entries() -> list[str]:
+            try:
+                return local.entries(own)
+            except FileNotFoundError:
+                return []
+
+        return sorted(set(call(url, "list", own_entries)))
     fs, path = get_filesystem(url)
 
     def ls() -> list[str]:
@@ -85,6 +104,9 @@ def check_bucket(url: str) -> None:
 
 def makedirs(url: str) -> None:
     """Create a directory; on object stores (no directories) check that the bucket exists instead."""
+    if (own := _local_path(url)) is not None:
+        call(url, "makedirs", lambda: local.makedirs(own))
+        return
     fs, path = get_filesystem(url)
     if scheme_of(url) in OBJECT_STORES:
         _check_bucket(url, fs, path)
@@ -93,6 +115,16 @@ def makedirs(url: str) -> None:
 
 
 def remove(url: str, missing_ok: bool = True) -> None:
+    if (own := _local_path(url)) is not None:
+        def rm_local() -> None:
+            try:
+                local.remove(own)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+
+        call(url, "remove", rm_local)
+        return
     fs, path = get_filesystem(url)
 
     def rm() -> None:
@@ -150,6 +182,8 @@ def tree_listing(url: str) -> list[tuple[str, int, str]] | None:
 
 
 def read_bytes(url: str) -> bytes:
+    if (own := _local_path(url)) is not None:
+        return call(url, "read", lambda: local.read_bytes(own))
     fs, path = get_filesystem(url)
     return call(url, "read", lambda: fs.cat_file(path))
 
@@ -268,12 +302,16 @@ def open_file(url: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
 
 
 def size(url: str) -> int:
+    if (own := _local_path(url)) is not None:
+        return call(url, "size", lambda: local.size(own))
     fs, path = get_filesystem(url)
     return int(call(url, "size", lambda: fs.size(path)))
 
 
 def info(url: str) -> dict[str, Any]:
     """The backend's metadata of one object (size, ETag/mtime where it has them)."""
+    if (own := _local_path(url)) is not None:
+        return call(url, "info", lambda: local.info(own))
     fs, path = get_filesystem(url)
     return dict(call(url, "info", lambda: fs.info(path)))
 

@@ -17,12 +17,9 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import http.client
 import logging
 import os
 import random
-import socket
-import ssl
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -50,6 +47,8 @@ _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, getattr(errno, "EREMOTEIO", errn
 @functools.cache
 def _transient_types() -> tuple[type[BaseException], ...]:
     """Connection, timeout and body errors of the HTTP stacks under fsspec's backends (imported if installed)."""
+    import http.client  # here, not at the top: with email and ssl ~9 ms of a process that never goes remote
+
     found: list[type[BaseException]] = [TimeoutError, ConnectionError, http.client.IncompleteRead]
     with contextlib.suppress(ImportError):
         from botocore import exceptions, parsers
@@ -228,16 +227,21 @@ class ConnectFailure(NamedTuple):
 _KIND_RANK = {"certificate": 4, "tls": 3, "dns": 2, "refused": 1}  # the most specific kind in a chain wins
 
 
-# The OS's errors, which botocore and aiohttp keep in the chain of their own (``causes``); most specific first.
-_CONNECT_KINDS: tuple[tuple[str, type[BaseException]], ...] = (
-    ("certificate", ssl.SSLCertVerificationError), ("tls", ssl.SSLError), ("dns", socket.gaierror),
-    ("refused", ConnectionRefusedError))
+@functools.cache
+def _connect_kinds() -> tuple[tuple[str, type[BaseException]], ...]:
+    """The OS's errors, which botocore and aiohttp keep in the chain of their own (``causes``); most specific
+    first. Imported on the first failure to look at: ssl is of no use to a process that stays local."""
+    import socket
+    import ssl
+
+    return (("certificate", ssl.SSLCertVerificationError), ("tls", ssl.SSLError), ("dns", socket.gaierror),
+            ("refused", ConnectionRefusedError))
 
 
 def _connect_kind(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED:
         return "refused"  # aiohttp's ClientConnectorError carries the errno without being a ConnectionRefusedError
-    return next((kind for kind, cls in _CONNECT_KINDS if isinstance(exc, cls)), None)
+    return next((kind for kind, cls in _connect_kinds() if isinstance(exc, cls)), None)
 
 
 def connection_failure(err: BaseException) -> ConnectFailure | None:

@@ -123,24 +123,84 @@ def test_an_import_process_exits_quickly_with_its_output_whole(tmp_path: Path) -
 
 # an import run to its end in this process (main, not entry: no quick exit), then which modules it loaded
 LOADED = """
-import sys
+import gc, sys
 from job.cli import main
-code = main(sys.argv[1:])
-print("loaded:", ",".join(m for m in ("pyarrow.compute", "numpy.ma") if m in sys.modules) or "none")
+unused = sys.argv.pop().split(",")
+code = main(sys.argv[1:], own_process=True)
+print("loaded:", ",".join(m for m in unused if m in sys.modules) or "none")
+print("collector:", gc.isenabled(), gc.get_freeze_count() == 0)  # frozen at start-up, unfrozen at the end
 sys.exit(code)
 """
+# What a local import has no use for, and each of its processes (each pod) would pay at start-up: the kernels'
+# named wrappers (pyarrow.compute, ~33 ms with numpy.ma) where it calls them from pyarrow's registry
+# (job.data.importing.kernels); fsspec (~14 ms: local paths go through storage_adapters.local); the HTTP, TLS
+# and asyncio modules of remote storage (~15 ms); difflib (the config's suggestions for a mistyped key); torch and
+# the trainer's modules.
+UNUSED = ("pyarrow.compute", "numpy.ma", "fsspec", "http.client", "ssl", "asyncio", "difflib", "torch",
+          "job.train.trainer", "job.checkpoint")
 
 
-def test_an_import_runs_its_kernels_without_loading_pyarrow_compute_or_numpy_ma(tmp_path: Path) -> None:
-    """Every import process (each pod) would pay their imports (~33 ms of CPU) for nothing but the kernels' names:
-    the importer calls the kernels from pyarrow's registry (job.data.importing.kernels). Ids with an empty field
-    and a relation-less row take the null-filling and bad-row paths too."""
+def test_a_local_import_loads_none_of_what_it_does_not_use(tmp_path: Path) -> None:
+    """A whole local import (pod 0 of 1) ends with none of ``UNUSED`` loaded. Ids with an empty field and a
+    relation-less row take the null-filling and bad-row paths too."""
     edges = tmp_path / "edges.tsv"
     edges.write_text("a\tr\tb\nb\tr\tc\nc\ts\ta\nlonger-than-eight-bytes\tr\ta\n\tr\tb\n")
     config = _import_config(tmp_path, partitions=2, dynamic_relations=True, global_emb=False)
     argv = ["import", str(config), str(edges), "-l", "0", "-r", "2", "--rel-col", "1", "--skip-bad-rows"]
-    run = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, cwd=REPO)
+    run = subprocess.run([sys.executable, "-c", LOADED, *argv, ",".join(UNUSED)], capture_output=True, text=True,
+                         cwd=REPO)
     assert run.returncode == 0, run.stderr
     assert "loaded: none" in run.stdout
+    assert "collector: True True" in run.stdout  # back on, nothing left frozen for the teardown
     counts = [int((tmp_path / "entities" / f"entity_count_all_{p}.txt").read_text()) for p in range(2)]
     assert sum(counts) == 4
+
+
+def test_the_pods_of_a_local_import_load_none_of_what_they_do_not_use(tmp_path: Path) -> None:
+    """Two pods (``--pods 2 --pod-index i``, the Indexed Job's code path: staging, waiting on each other, each
+    its share of the buckets), run side by side, each ends with none of ``UNUSED`` loaded."""
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"edges{i}.tsv")
+        files[-1].write_text("".join(f"a{i}-{j}\tr\tb{j}\n" for j in range(20)))  # 40 + 20 ids
+    config = _import_config(tmp_path, partitions=2, edge_paths=[str(tmp_path / f"edges_{i}") for i in range(2)])
+    argv = ["import", str(config), *map(str, files), "-l", "0", "-r", "2", "--rel-col", "1", "--pods", "2",
+            "--staging", str(tmp_path / "staging")]
+    pods = [subprocess.Popen([sys.executable, "-c", LOADED, *argv, "--pod-index", str(i), ",".join(UNUSED)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)]
+    for pod in pods:
+        out, err = pod.communicate(timeout=120)
+        assert pod.returncode == 0, err
+        assert "loaded: none" in out
+    counts = [int((tmp_path / "entities" / f"entity_count_all_{p}.txt").read_text()) for p in range(2)]
+    assert sum(counts) == 60
+
+
+# the import parser's start-up in a process of its own or not (a test's, a script's), ended by --help or an error;
+# gc.freeze wrapped to count its calls
+SETTLE = """
+import gc, sys
+freezes = []
+freeze = gc.freeze
+gc.freeze = lambda: (freezes.append(gc.isenabled()), freeze())[1]
+from job.cli import main
+try:
+    main(sys.argv[2:], own_process=sys.argv[1] == "own")
+except SystemExit:
+    pass
+print("collector:", gc.isenabled(), gc.get_freeze_count(), freezes)
+"""
+
+
+@pytest.mark.parametrize("argv", [["import", "--help"], ["import", "c.json"], ["train", "--help"]])
+def test_only_an_import_process_of_its_own_freezes_its_start_up(argv: list[str]) -> None:
+    """An import process of its own freezes its start-up's objects once, collector off until then; whatever ends
+    the command, the collector is back on and nothing is left frozen (a frozen object's finalizer would not run at
+    the teardown). A caller's process (own_process=False) and any other command are left as they are."""
+    def state(own: bool) -> str:
+        run = subprocess.run([sys.executable, "-c", SETTLE, "own" if own else "caller", *argv], capture_output=True,
+                             text=True, cwd=REPO, check=True)
+        return run.stdout.strip().splitlines()[-1]
+
+    assert state(own=False) == "collector: True 0 []"
+    assert state(own=True) == ("collector: True 0 [False]" if argv[0] == "import" else "collector: True 0 []")

@@ -8,6 +8,7 @@ modules import their heavy dependencies (torch, h5py) only when the command runs
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -71,17 +72,19 @@ def setup_logging(verbose: bool, log_format: str) -> None:
 EXIT_BROKEN_PIPE = 141
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Run one ``biggraph`` command; returns its exit code.
 
     A reader that goes away (``biggraph config-help | head``) ends the command quietly with
     ``EXIT_BROKEN_PIPE``, not a ``BrokenPipeError`` traceback. Not 0: the output was cut short,
     and a script that checks must be able to tell. 141 is the status shells already show for
     ``cat`` or ``git log`` under ``| head``, so ``set -o pipefail`` scripts see nothing new.
+    ``own_process``: the process exists for this command alone (``entry``), so its start-up may be tuned for it
+    (``_settle_startup``); a caller's process (a test, a script) is left as it is.
     """
     try:
         try:
-            return _run(argv)
+            return _run(argv, own_process)
         finally:
             sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
     except BrokenPipeError:
@@ -96,10 +99,21 @@ def entry() -> None:
     of ``QUICK_EXIT_COMMANDS`` that succeeded skips the interpreter's teardown (``job.cli.quick_exit``)."""
     quick = QuickExit()
     quick.arm()  # before the command runs: its own exit handlers run before this one
-    code = main()
+    code = main(own_process=True)
     if code == 0 and command_of(sys.argv[1:]) in QUICK_EXIT_COMMANDS:
         quick.allow(code)
     sys.exit(code)
+
+
+def _settle_startup() -> None:
+    """End a start-up run without the cycle collector (in a process of its own only, ``entry``: a caller's
+    objects are not frozen). Importing a command's module (numpy, h5py, the importer) makes ~40k long-lived
+    objects (modules, functions, classes), and the collector's passes over them while they are made free
+    nothing: ~8 ms of CPU, which each pod of an import pays (issue #46). Frozen, they are left out of the later
+    passes too, until the command ends (``_run`` unfreezes them then, so that their finalizers run at the
+    interpreter's teardown as before); the collector runs as usual from here on."""
+    gc.freeze()
+    gc.enable()
 
 
 def _stdout_fd() -> int | None:
@@ -132,10 +146,26 @@ def _discard_stdout() -> None:
         os.close(devnull)
 
 
-def _run(argv: list[str] | None) -> int:
+def _run(argv: list[str] | None, own_process: bool = False) -> int:
     own = OWN_MODULE.get(command_of(sys.argv[1:] if argv is None else argv) or "")
-    parser = build_parser((own,) if own else COMMAND_MODULES)
-    args = parser.parse_args(argv)
+    settle = own_process and own is not None and gc.isenabled()
+    if settle:
+        gc.disable()  # see _settle_startup
+    try:
+        try:
+            parser = build_parser((own,) if own else COMMAND_MODULES)
+            args = parser.parse_args(argv)
+        finally:
+            if settle:
+                _settle_startup()
+        return _call(args, argv)
+    finally:
+        if settle:
+            gc.unfreeze()  # a frozen object's finalizer would not run at the interpreter's teardown (an error's exit)
+
+
+def _call(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Run the parsed command; a user's error is one line on stderr and its exit code."""
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a command may re-launch itself (one process per GPU)
     setup_logging(args.verbose, args.log_format)
     try:

@@ -7,7 +7,6 @@ generated reference (docs/gen_config_reference.py) describe types the same way.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import re
 import types
@@ -41,6 +40,8 @@ def dotted(key: str) -> str:
 
 def did_you_mean(key: str, names: Iterable[str], prefix: str = "") -> str:
     """`` (did you mean 'prefix.close'?)`` for the closest known name, or ``""``."""
+    import difflib  # here: only a config with a mistake needs it, and every process (each import pod) loads this module
+
     close = difflib.get_close_matches(key, list(names), n=1)
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
