@@ -134,8 +134,10 @@ class PartitionHandoff(PinnedRows):
         # hand-off that fails ends the round (``HandoffLost``) instead of reading the older file
         self.strict = False
         self._pinned: set[PartitionKey] = set()
-        # the digest of rows kept when a cut stored them: once dropped, an asker of those rows may read the file
+        # the digest of rows kept when a cut stored them: once dropped, an asker may read the file (the next version's
+        # name); ``_committed``: those an earlier pass's cut stored, in the committed version's files (``new_pass``)
         self._stored: dict[PartitionKey, str] = {}
+        self._committed: dict[PartitionKey, str] = {}
         # a cut taken in the background (job/train/distributed/cut_behind.py) unpins only rows unchanged since this
         # rank's turn: each ``keep`` of a key counts (``_kept_count``), and rows this rank took back to train are marked
         self._kept_count: dict[PartitionKey, int] = {}
@@ -212,7 +214,8 @@ class PartitionHandoff(PinnedRows):
                     return
                 rows = self._served((entity_type, part), digest)
                 if rows is None:
-                    why = "stored" if self._stored.get((entity_type, part)) == digest else "not kept"
+                    why = ("stored" if self._stored.get((entity_type, part)) == digest else
+                           "committed" if self._committed.get((entity_type, part)) == digest else "not kept")
                     conn.sendall(json.dumps({"ok": False, "why": why}).encode() + b"\n")
                     return
                 header = {"ok": True, "weight": list(rows.weight.shape), "sums": list(rows.optim_sum.shape),
@@ -282,9 +285,13 @@ class PartitionHandoff(PinnedRows):
 
     def new_pass(self) -> None:
         """A pass starts: the rows kept stay (the last commit holds them, and its server's record of holders passes to
-        the next pass's), every hint goes (grants give them again), the counts start from zero."""
+        the next pass's), every hint goes (grants give them again), the counts start from zero. Rows a cut stored are
+        in the committed files now: once dropped, an asker is sent there ("committed"; not to the new pass's names)."""
         with self._lock:
             self._hints.clear()
+            self._committed.update(self._stored)
+            self._stored.clear()
+            self._told_stored.clear()
             self.stats = HandoffStats()
 
     def forget(self) -> None:
@@ -293,6 +300,7 @@ class PartitionHandoff(PinnedRows):
             self._kept.clear()
             self._pinned.clear()
             self._stored.clear()
+            self._committed.clear()
             self._retaken.clear()
             self._told_stored.clear()
             self._hints.clear()
@@ -323,7 +331,7 @@ class PartitionHandoff(PinnedRows):
                     return kept[0]
         if holder == self.rank:
             self.stats.add(misses=1)
-            if self.strict and self._stored.get(key) != digest:
+            if self.strict and digest not in (self._stored.get(key), self._committed.get(key)):
                 raise HandoffLost(f"rank {self.rank}: the rows of {key[0]} partition {key[1]} it was to keep are "
                                   "gone; the file is older than they were: the round restarts from the last cut")
             return None
@@ -361,9 +369,10 @@ class PartitionHandoff(PinnedRows):
             sock.sendall(json.dumps(ask).encode() + b"\n")
             header = json.loads(reader.line())
             if not header.get("ok"):
-                if self.strict and header.get("why") != "stored":  # the only copy of rows newer than the file
-                    raise ValueError(f"rank {holder} no longer keeps the rows ({header.get('why')})")
-                if self.strict:  # a recorded cut holds them, moved to the next version's names before they went
+                why = header.get("why")
+                if self.strict and why not in ("stored", "committed"):  # the only copy of rows newer than the file
+                    raise ValueError(f"rank {holder} no longer keeps the rows ({why})")
+                if self.strict and why == "stored":  # this pass's cut holds them, moved to the next version's names
                     with self._lock:
                         self._told_stored.add(key)
                 logger.info("rank %d: rank %d no longer keeps %s partition %d (%s); reading the file", self.rank,
