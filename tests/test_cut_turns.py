@@ -89,10 +89,9 @@ def test_rows_a_cut_stored_in_the_last_pass_send_their_asker_to_the_committed_fi
         assert holder is not None and taker is not None
         holder.strict = taker.strict = True
         weight = torch.arange(48, dtype=torch.float32).reshape(3, 16)
-        digest = holder.keep(("node", 1), weight, torch.zeros(3), 0)
-        holder.unpin()  # the pass's last cut (the commit's) stored them
+        digest = holder.keep(("node", 1), weight, torch.zeros(3), 0)  # pinned until the commit's cut stores them
         for end in ends:
-            end.new_pass()
+            end.new_pass(behind=True)  # (as ``LockServerScheduler.start_pass``: the commit stored what was kept)
         for part in (2, 3):  # the next pass keeps two more: the oldest goes once a cut stores them
             holder.keep(("node", part), weight + part, torch.zeros(3), 0)
         holder.unpin()

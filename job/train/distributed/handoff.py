@@ -134,10 +134,9 @@ class PartitionHandoff(PinnedRows):
         # hand-off that fails ends the round (``HandoffLost``) instead of reading the older file
         self.strict = False
         self._pinned: set[PartitionKey] = set()
-        # the digest of rows kept when a cut stored them: once dropped, an asker may read the file (the next version's
-        # name); ``_committed``: those an earlier pass's cut stored, in the committed version's files (``new_pass``)
-        self._stored: dict[PartitionKey, str] = {}
-        self._committed: dict[PartitionKey, str] = {}
+        # the digest of rows kept when a cut stored them (once dropped, an asker reads the next version's file), and
+        # when an earlier pass's cut did (``_committed``: the committed version's files; ``new_pass``)
+        self._stored, self._committed = dict[PartitionKey, str](), dict[PartitionKey, str]()
         # a cut taken in the background (job/train/distributed/cut_behind.py) unpins only rows unchanged since this
         # rank's turn: each ``keep`` of a key counts (``_kept_count``), and rows this rank took back to train are marked
         self._kept_count: dict[PartitionKey, int] = {}
@@ -283,10 +282,12 @@ class PartitionHandoff(PinnedRows):
                 else:
                     self._hints.pop(key, None)
 
-    def new_pass(self) -> None:
-        """A pass starts: the rows kept stay (the last commit holds them, and its server's record of holders passes to
-        the next pass's), every hint goes (grants give them again), the counts start from zero. Rows a cut stored are
-        in the committed files now: once dropped, an asker is sent there ("committed"; not to the new pass's names)."""
+    def new_pass(self, behind: bool = False) -> None:
+        """A pass starts: the rows kept stay (the last commit holds them; its holders pass to the next pass's server),
+        hints go, counts restart. ``behind``: the commit's cut stored every row kept (unpinned). Rows a cut stored are in
+        the committed files now: once dropped, an asker is sent there ("committed", not to the new pass's names)."""
+        if behind:
+            self.unpin()
         with self._lock:
             self._hints.clear()
             self._committed.update(self._stored)
@@ -294,8 +295,7 @@ class PartitionHandoff(PinnedRows):
             self._told_stored.clear()
             self.stats = HandoffStats()
 
-    def forget(self) -> None:
-        """Drop every kept partition and hint, and count from zero (a pass starts: its server knows no holder)."""
+    def forget(self) -> None:  # a pass starts whose server knows no holder: nothing kept, no hint, counts from zero
         with self._lock:
             self._kept.clear()
             self._pinned.clear()

@@ -116,10 +116,8 @@ class LockServerScheduler(BucketScheduler):
         self._written_seen = None
         self.current = None
         self.ahead = None
-        if self.handoff is not None:
-            self.handoff.new_pass()
-            if self.behind is not None:  # the commit stored every row kept (or newer ones): none is pinned any more
-                self.handoff.unpin()
+        if self.handoff is not None:  # writes behind: the commit stored every row kept (or newer ones)
+            self.handoff.new_pass(behind=self.behind is not None)
         if self.behind is not None:
             self.behind.counts = CutCounts()  # (this pass's, for its log line)
         if self.commits:
