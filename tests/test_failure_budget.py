@@ -16,6 +16,7 @@ import pytest
 import yaml
 from helpers_distributed import Agents, bucket_records, write_run_config
 
+from job.cli.quick_exit import ROUND_ENDED, allowed
 from job.train.elastic.budget import EXIT_ROUND_ENDED, EXIT_ROUND_ENDED_IDLE, judge
 
 CHART_VALUES = Path(__file__).resolve().parents[1] / "charts" / "biggraph" / "values.yaml"
@@ -23,6 +24,16 @@ CHART_VALUES = Path(__file__).resolve().parents[1] / "charts" / "biggraph" / "va
 
 def chart_max_restarts() -> int:
     return int(yaml.safe_load(CHART_VALUES.read_text())["torchrun"]["maxRestarts"])
+
+
+def test_a_trainer_whose_round_ended_leaves_without_the_teardown_that_could_abort_it() -> None:
+    """job/cli/quick_exit.py: a trainer exiting with a round-ended code ends with ``os._exit`` after its exit
+    handlers, so that the interpreter's teardown of the threads it abandoned (its lock server's, gloo's with a dead
+    peer) cannot turn that code into an abort (-6) that the agent counts as a crash; the codes are the budget's."""
+    assert ROUND_ENDED == {EXIT_ROUND_ENDED, EXIT_ROUND_ENDED_IDLE}
+    assert allowed("train", EXIT_ROUND_ENDED) and allowed("train", EXIT_ROUND_ENDED_IDLE)
+    assert not allowed("train", 0) and not allowed("train", 1) and not allowed("train", 2)  # Python's own exit
+    assert allowed("import", 0) and not allowed("import", EXIT_ROUND_ENDED) and not allowed(None, EXIT_ROUND_ENDED)
 
 
 def test_only_rounds_ended_from_outside_after_progress_are_free() -> None:

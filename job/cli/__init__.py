@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from job import __version__
 from job.cli.common import add_config_arguments, overrides_of
 from job.cli.logging_setup import configure_logging
-from job.cli.quick_exit import QUICK_EXIT_COMMANDS, QuickExit
+from job.cli.quick_exit import QuickExit
+from job.cli.quick_exit import allowed as quick_exit_allowed
 from job.errors import UserError
 from storage_adapters.errors import StorageError
 
@@ -96,11 +97,12 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 def entry() -> None:
     """The process entry (the ``biggraph`` script, ``python -m job``): ``main``, then exit with its code. A command
-    of ``QUICK_EXIT_COMMANDS`` that succeeded skips the interpreter's teardown (``job.cli.quick_exit``)."""
+    of ``QUICK_EXIT_COMMANDS`` that succeeded, or a trainer whose round ended, skips the interpreter's teardown
+    (``job.cli.quick_exit``)."""
     quick = QuickExit()
     quick.arm()  # before the command runs: its own exit handlers run before this one
     code = main(own_process=True)
-    if code == 0 and command_of(sys.argv[1:]) in QUICK_EXIT_COMMANDS:
+    if quick_exit_allowed(command_of(sys.argv[1:]), code):
         quick.allow(code)
     sys.exit(code)
 

@@ -6,7 +6,12 @@ measured on a small import, which every pod of a parallel import pays. The proce
 ``QuickExit`` before the command runs; at exit, after Python has joined the non-daemon threads and run every exit
 handler that the command registered (they run last-registered first, so all of them run before this one), it
 flushes the logs and standard streams and ends the process with ``os._exit``. Only for the commands in
-``QUICK_EXIT_COMMANDS`` and only on success: any other exit is Python's own, traceback and all.
+``QUICK_EXIT_COMMANDS`` and only on success, and for a trainer whose round ended from outside (``ROUND_ENDED``: the
+failure budget's codes, job/train/elastic/budget.py): everything a restart needs is in the store and the progress,
+and the threads it abandons (its lock server's, gloo's pairs with a dead peer) made the interpreter's teardown abort
+now and then ("terminate called without an active exception", exit -6: 1 in a 100-event chaos run, 1-6 in 30-event
+runs with shards, where rank 0's trainer meets a lost peer more often), which the agent counts as a crash and a
+restart spent where the round had only ended. Any other exit is Python's own, traceback and all.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ import os
 import sys
 
 QUICK_EXIT_COMMANDS = frozenset({"import"})  # a process per pod, by the dozen: their exit is worth shortening
+ROUND_ENDED = frozenset({75, 76})  # ``EXIT_ROUND_ENDED``, ``EXIT_ROUND_ENDED_IDLE`` (kept torch-free here)
+
+
+def allowed(command: str | None, code: int) -> bool:
+    """Whether a process of ``command`` that returns ``code`` ends without the interpreter's teardown."""
+    return (code == 0 and command in QUICK_EXIT_COMMANDS) or (command == "train" and code in ROUND_ENDED)
 
 
 class QuickExit:
