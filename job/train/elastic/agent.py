@@ -52,6 +52,7 @@ from typing import Any, Optional
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from job.cli.quick_exit import QuickExit
 from job.train.elastic import spare
 from job.train.elastic.budget import EXIT_RENDEZVOUS_LOST, judge
 from job.train.elastic.spare import SparePool
@@ -302,6 +303,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    # an expected end below (the rendezvous gone, a signal) leaves with its code and skips the interpreter's teardown
+    # of torch's abandoned threads, which aborted now and then ("terminate called without an active exception": 134
+    # where 143 was meant; job/cli/quick_exit.py); every exit handler still runs first
+    quick = QuickExit()
+    quick.arm()
     why_not = install_spares()
     if why_not and spare.enabled():
         logger.warning("warm spares: trainers start cold (%s)", why_not)
@@ -310,6 +316,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         record(launch)(config, command, command_args)
     except RendezvousError as err:
         logger.error("rendezvous: %s: %s (exit code %d)", type(err).__name__, err, EXIT_RENDEZVOUS_LOST)
+        quick.allow(EXIT_RENDEZVOUS_LOST)
         sys.exit(EXIT_RENDEZVOUS_LOST)
     except SignalException as err:
         # the pod stopped from outside (deleted, scaled down, evicted): torchrun raises out of its monitor loop once
@@ -318,6 +325,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # scaled-down pod's log
         code = 128 + int(err.sigval)
         logger.warning("agent: stopped by %s, workers stopped (exit code %d)", signal.Signals(err.sigval).name, code)
+        quick.allow(code)
         sys.exit(code)
 
 
