@@ -39,7 +39,7 @@ import torch
 
 from job.train.distributed import auth
 from job.train.distributed.holders import Holder, Kept
-from job.train.distributed.liveness import store_host
+from job.train.distributed.liveness import server_socket, store_host
 from job.train.distributed.pinned import PinnedRows
 from job.train.residency.budget import handoff_kept_partitions
 from job.types import PartitionKey
@@ -160,13 +160,7 @@ class PartitionHandoff(PinnedRows):
     # serving --------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Listen and publish this rank's address under the round's key (before the pass's first barrier)."""
-        if socket.has_dualstack_ipv6():
-            try:
-                self._listener = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-            except OSError:
-                self._listener = None
-        if self._listener is None:
-            self._listener = socket.create_server(("", 0))
+        self._listener = server_socket()
         port = self._listener.getsockname()[1]
         with self._lock:
             self._store.set(self._key(f"handoff/{self.rank}"), f"{own_host(self._store)}:{port}")

@@ -96,7 +96,7 @@ class Liveness:
         what rank 0 knows itself as, only a peer's last resort). Publishes an empty value if it cannot listen, so
         that peers do not wait for it."""
         try:
-            listener = _server_socket(self.world_size)
+            listener = server_socket(self.world_size)
         except OSError as err:
             logger.warning("rank 0: cannot listen for the peers' liveness connections (%s); lost peers are found by "
                            "the heartbeat alone", err)
@@ -427,9 +427,9 @@ def _goodbye(sock: socket.socket) -> None:
     sock.close()
 
 
-def _server_socket(backlog: int) -> socket.socket:
+def server_socket(backlog: int = 0) -> socket.socket:
     """A listening socket on an ephemeral port on every address: IPv4 and IPv6 where the kernel has both (a pod's
-    namespace may have IPv6 off), IPv4 otherwise."""
+    namespace may have IPv6 off), IPv4 otherwise. Also the hand-off's and the shards' listeners."""
     if socket.has_dualstack_ipv6():
         try:
             return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,

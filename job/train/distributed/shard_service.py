@@ -39,6 +39,7 @@ import numpy as np
 
 from job.train.distributed import shard_wire
 from job.train.distributed.handoff import SocketReader, own_host
+from job.train.distributed.liveness import server_socket
 from job.train.distributed.shared_rows import RowLayout
 from job.train.distributed.shared_vector import SharedVector
 from job.types import Bucket
@@ -183,13 +184,7 @@ class ShardService:
 
     def start(self) -> None:
         """Listen, and publish this rank's address (before the pass's first barrier)."""
-        if socket.has_dualstack_ipv6():
-            try:
-                self._listener = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-            except OSError:
-                self._listener = None
-        if self._listener is None:
-            self._listener = socket.create_server(("", 0))
+        self._listener = server_socket()
         port = self._listener.getsockname()[1]
         self._store.set(self._key(f"shards/{self.shard.rank}"), f"{own_host(self._store)}:{port}")
         threading.Thread(target=self._accept, name="biggraph-shard", daemon=True).start()
