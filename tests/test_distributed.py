@@ -607,19 +607,31 @@ def test_written_behind_a_pod_leaving_in_order_takes_a_cut_first_and_nothing_is_
     assert_each_bucket_once_per_epoch(records, 1)
 
 
-def _sigterm_mid_pass(path: Path, tmp_path: Path, env: dict[str, str] | None = None
-                      ) -> tuple[Agents, dict[str, int]]:
+def _sigterm_mid_pass(path: Path, tmp_path: Path, env: dict[str, str] | None = None,
+                      first_until: str | None = None) -> tuple[Agents, dict[str, int]]:
     """Two agents train ``path``; mid-pass every worker's process group gets SIGTERM, as the agent's
-    ``SubprocessHandler.close`` sends it (Hogwild workers included); returns the agents and their exit codes."""
+    ``SubprocessHandler.close`` sends it (Hogwild workers included); returns the agents and their exit codes.
+
+    With ``first_until`` (a pattern) the agent of a rank other than 0 with a bucket in flight gets it first, and
+    rank 0's only once that pattern is in the logs (or 60 s passed): with no drain window rank 0 leaves at once, and
+    a peer that sees its connection close before its own SIGTERM leaves as for a lost rank 0 instead."""
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
     agents = Agents(path, "1:2", tmp_path, env=env)
     try:
         agents.start("a")
         time.sleep(0.3)
         agents.start("b")
-        _mid_pass(checkpoint_path, agents, 2, time.monotonic() + 240)
-        for name in "ab":
+        in_flight = _mid_pass(checkpoint_path, agents, 2, time.monotonic() + 240)
+        order = ["a", "b"]
+        if first_until is not None:
+            ranks = {name: _rank_of(agents, name, 2) for name in order}
+            order.sort(key=lambda name: (ranks[name] == 0, ranks[name] not in in_flight))
+        for name in order:
             agents.terminate_workers(name)
+            if first_until is not None and name == order[0]:
+                until = time.monotonic() + 60
+                while time.monotonic() < until and not re.search(first_until, agents.text()):
+                    time.sleep(0.02)
         codes = agents.wait(["a", "b"], timeout=300)
     finally:
         agents.stop()
@@ -662,11 +674,10 @@ def test_a_bucket_that_cannot_end_before_the_drain_deadline_is_given_up_at_once(
     committed passes hold every bucket once per epoch."""
     path = write_run_config(umls_p4, "given-up", num_epochs=2, **SLOW_BUCKETS)
     checkpoint_path = json.loads(path.read_text())["checkpoint_path"]
-    agents, codes = _sigterm_mid_pass(path, tmp_path, env={"BIGGRAPH_DRAIN_TIMEOUT": "0"})
+    pattern = r"rank (\d+): the round ends \(.*\) and bucket \(\d+, \d+\) cannot finish before the drain deadline"
+    agents, codes = _sigterm_mid_pass(path, tmp_path, env={"BIGGRAPH_DRAIN_TIMEOUT": "0"}, first_until=pattern)
     assert codes == {"a": 0, "b": 0}, agents.tail()
-    text = agents.text()
-    given_up = re.findall(r"rank (\d+): the round ends \(.*\) and bucket \(\d+, \d+\) cannot finish before the drain "
-                          r"deadline", text)
+    given_up = re.findall(pattern, agents.text())
     assert given_up, agents.tail()
     records = bucket_records(checkpoint_path)
     summaries = [r for r in records if r.get("pass_summary")]
