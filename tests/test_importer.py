@@ -417,3 +417,33 @@ def test_entity_table_keeps_ids_across_batches_that_grow_it() -> None:
     names = table.names().to_pylist()
     assert len(set(names)) == table.size
     assert table.hashes_of(np.arange(table.size)).tolist() == hash_strings(pa.array(names))[0].tolist()
+
+
+@pytest.mark.parametrize("merge_min", [1, 64, 1 << 20])
+def test_entity_table_finds_ids_in_both_lookups_until_they_merge(monkeypatch: pytest.MonkeyPatch,
+                                                                 merge_min: int) -> None:
+    """The ids a batch brings go to the recent lookup, merged into the main one only once it outgrows an eighth of
+    it (never, at ``merge_min`` 2^20): every later batch finds each id in whichever lookup holds it, with its first
+    id, and the whole lookup read at the end is the same sorted one."""
+    from job.data.importing import table as table_module
+
+    monkeypatch.setattr(table_module, "MERGE_MIN", merge_min)
+    rng = np.random.default_rng(11)
+    table = EntityTable()
+    expected: dict[int, int] = {}
+    merges = 0
+    for size in (2000, 5, 300, 40, 900, 1, 0, 2500, 700, 3, 60):
+        batch = pa.array([f"id{i}" for i in rng.integers(0, 4000, size)], pa.string())
+        hashes = hash_strings(batch)[0]
+        before = len(table._hashes)
+        ids = table.encode(hashes, lambda pos, batch=batch: batch.take(pos))
+        merges += before != len(table._hashes)
+        for value in sorted(set(hashes.tolist()) - expected.keys()):
+            expected[value] = len(expected)
+        assert ids.tolist() == [expected[value] for value in hashes.tolist()]
+        assert table.size == len(expected)
+    assert len(table._recent_hashes) > 0 or merge_min == 1  # the recent lookup in use at the end
+    assert (merges > 1) == (merge_min < 100)
+    assert table.sorted_hashes.tolist() == sorted(expected)
+    assert table.sorted_ids.tolist() == [expected[value] for value in sorted(expected)]
+    assert not len(table._recent_hashes)

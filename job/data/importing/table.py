@@ -1,6 +1,6 @@
 """The per-type id tables of pass 1: every distinct id of an entity type gets a dense integer.
 
-Lookup is a sorted array of hashes searched with ``np.searchsorted``, so memory is proportional
+Lookup is sorted arrays of hashes searched with ``np.searchsorted``, so memory is proportional
 to the number of distinct entities, not of edges, and no Python object is made per edge.
 """
 
@@ -37,20 +37,50 @@ def _merge_sorted(
     return merged_keys, merged_values
 
 
+# The recent ids' lookup is merged into the main one once it holds more than 1/MERGE_RATIO of it (and at least
+# MERGE_MIN): a batch with a few new ids then merges them into a small array, not into the whole table. Before, each
+# batch that met any new id rewrote the table (~10 ms at 1M ids): a uniform graph meets new ids in nearly every batch
+# of a shard, and each of N pods pays that over its own table of ~all the ids (issue #46).
+MERGE_RATIO = 8
+MERGE_MIN = 1 << 16
+
+
 class EntityTable:
     """The distinct ids of one entity type: dense integers (batch by batch, in hash order within a batch), names, counts.
 
-    Lookup is a sorted array of hashes (with the dense id beside each) searched with
-    ``np.searchsorted``; new ids are merged in with ``np.insert`` once per batch, which is
-    linear in the table but amortised over a whole batch of edges.
+    Lookup is two sorted arrays of hashes (with the dense id beside each) searched with ``np.searchsorted``: the
+    main one, and the ids added since it was last rebuilt. New ids are merged into the second once per batch, and
+    the second into the first once it grows past an eighth of it, so the merges cost amortised linear time in the
+    table however few new ids each batch brings. ``sorted_hashes``/``sorted_ids`` give the whole lookup as one.
     """
 
     def __init__(self) -> None:
-        self.sorted_hashes = np.zeros(0, dtype=np.uint64)
-        self.sorted_ids = np.zeros(0, dtype=np.int64)
+        self._hashes = np.zeros(0, dtype=np.uint64)  # the main lookup: sorted hashes, each with its dense id
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._recent_hashes = np.zeros(0, dtype=np.uint64)  # the ids added since the main lookup was rebuilt
+        self._recent_ids = np.zeros(0, dtype=np.int64)
         self.name_chunks: list[pa.Array] = []
         self.counts = np.zeros(0, dtype=np.int64)
         self.size = 0
+
+    @property
+    def sorted_hashes(self) -> np.ndarray:
+        """Every id's hash, sorted."""
+        self._merge_recent()
+        return self._hashes
+
+    @property
+    def sorted_ids(self) -> np.ndarray:
+        """The dense id of each hash of ``sorted_hashes``."""
+        self._merge_recent()
+        return self._ids
+
+    def _merge_recent(self) -> None:
+        if len(self._recent_hashes):
+            where = np.searchsorted(self._hashes, self._recent_hashes)
+            self._hashes, self._ids = _merge_sorted(self._hashes, self._ids, where, self._recent_hashes, self._recent_ids)
+            self._recent_hashes = self._recent_hashes[:0]
+            self._recent_ids = self._recent_ids[:0]
 
     def preload(self, names: pa.Array) -> np.ndarray:
         """Make ``names`` the ids 0..n-1, in order (``biggraph grow``: an existing model's entities keep their ids).
@@ -67,8 +97,10 @@ class EntityTable:
         repeated = np.zeros(len(ordered), dtype=bool)
         if len(ordered) > 1:
             np.equal(ordered[1:], ordered[:-1], out=repeated[1:])
-        self.sorted_hashes = ordered[~repeated]
-        self.sorted_ids = order[~repeated].astype(np.int64)
+        self._hashes = ordered[~repeated]
+        self._ids = order[~repeated].astype(np.int64)
+        self._recent_hashes = self._recent_hashes[:0]
+        self._recent_ids = self._recent_ids[:0]
         self.name_chunks = [kernels.cast(names, pa.large_string())] if len(names) else []
         self.size = len(names)
         self.counts = np.zeros(max(self.size, 1), dtype=np.int64)
@@ -79,6 +111,24 @@ class EntityTable:
         by_id = np.empty(self.size, dtype=np.uint64)
         by_id[self.sorted_ids] = self.sorted_hashes
         return by_id[ids]
+
+    def _look_up(self, unique: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For sorted distinct ``unique``: (found, their dense ids where found, insertion points into the recent
+        lookup of those not found)."""
+        ids = np.empty(len(unique), dtype=np.int64)
+        where = np.searchsorted(self._hashes, unique)
+        found = where < len(self._hashes)
+        found[found] = self._hashes[where[found]] == unique[found]
+        ids[found] = self._ids[where[found]]
+        missing = np.flatnonzero(~found)
+        recent_where = np.searchsorted(self._recent_hashes, unique[missing])
+        if len(self._recent_hashes) and len(missing):
+            hit = recent_where < len(self._recent_hashes)
+            hit[hit] = self._recent_hashes[recent_where[hit]] == unique[missing[hit]]
+            found[missing[hit]] = True
+            ids[missing[hit]] = self._recent_ids[recent_where[hit]]
+            recent_where = recent_where[~hit]
+        return found, ids, recent_where
 
     def encode(self, hashes: np.ndarray, names_at: Callable[[np.ndarray], pa.Array]) -> np.ndarray:
         """Dense ids of ``hashes``; ``names_at(positions)`` gives the strings at those positions (for new ids)."""
@@ -93,22 +143,21 @@ class EntityTable:
         starts = np.flatnonzero(first)
         unique = ordered[starts]
         run_lengths = np.diff(np.append(starts, n))
-        where = np.searchsorted(self.sorted_hashes, unique)
-        known = where < len(self.sorted_hashes)
-        known[known] = self.sorted_hashes[where[known]] == unique[known]
-        unique_ids = np.empty(len(unique), dtype=np.int64)
-        unique_ids[known] = self.sorted_ids[where[known]]
+        known, unique_ids, recent_where = self._look_up(unique)
         new = ~known
         num_new = int(np.count_nonzero(new))
         if num_new:
             new_ids = np.arange(self.size, self.size + num_new, dtype=np.int64)
             unique_ids[new] = new_ids
             self.name_chunks.append(names_at(order[starts[new]]))
-            if len(self.sorted_hashes):
-                merged = _merge_sorted(self.sorted_hashes, self.sorted_ids, where[new], unique[new], new_ids)
-                self.sorted_hashes, self.sorted_ids = merged
-            else:  # the first batch: every id is new and ``unique`` is already the sorted lookup, with no merge to pay
-                self.sorted_hashes, self.sorted_ids = unique, new_ids
+            if not len(self._hashes):
+                # the first batch: every id is new and ``unique`` is already the sorted lookup, with no merge to pay
+                self._hashes, self._ids = unique, new_ids
+            else:
+                self._recent_hashes, self._recent_ids = _merge_sorted(
+                    self._recent_hashes, self._recent_ids, recent_where, unique[new], new_ids)
+                if len(self._recent_hashes) > max(MERGE_MIN, len(self._hashes) // MERGE_RATIO):
+                    self._merge_recent()
             self.size += num_new
             if self.size > len(self.counts):
                 grown = np.zeros(max(self.size, 2 * len(self.counts)), dtype=np.int64)
