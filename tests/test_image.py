@@ -184,7 +184,11 @@ def test_runtime_stage_holds_the_venv_and_nothing_for_building(image: Image) -> 
     assert len(set(installed) & set(pins)) > 30
     # nothing only a build needs
     assert not (site / "torch" / "include").exists() and not list((site / "torch" / "bin").glob("protoc*"))
-    assert not list(venv.rglob("__pycache__")) and not list(venv.rglob("*.pyc"))
+    # bytecode for what an import, eval or export pod loads (the Dockerfile's BYTECODE_PACKAGES), none for torch
+    compiled = {path.relative_to(site).parts[0] for path in site.rglob("*.pyc")}
+    assert compiled == {"job", "storage_adapters", "numpy", "h5py", "pyarrow", "fsspec", "s3fs", "aiobotocore",
+                        "botocore", "aiohttp", "yaml"}, compiled
+    assert sum(path.stat().st_size for path in site.rglob("*.pyc")) < 40e6
     assert not [p for p in site.rglob("tests") if p.is_dir()]
     assert not (root / "src").exists() and not (root / "wheels").exists() and not (root / "root" / ".cache").exists()
     assert not [c for c in ("gcc", "cc", "g++", "make") if (root / "usr" / "bin" / c).exists()]
@@ -206,6 +210,8 @@ def test_runtime_stage_holds_the_venv_and_nothing_for_building(image: Image) -> 
 PROBE = """
 import errno, json, os, shutil
 import job, job.native as native, kubernetes, s3fs, torch
+import sys, job.cli.importing, job.data.importing.pods, job.data.importing.assemble, storage_adapters, h5py
+import pyarrow.csv
 def writable(path):
     try:
         with open(os.path.join(path, ".probe"), "w"):
@@ -219,6 +225,10 @@ print("PROBE " + json.dumps({
     "root": writable("/"), "venv": writable("/opt/venv"), "tmp": writable("/tmp"), "shm": writable("/dev/shm"),
     "torch": torch.__version__, "biggraph": job.__version__, "cli": shutil.which("biggraph"),
     "native": str(getattr(native.loaded(), "path", None)),
+    # modules an import pod loads that were compiled at this start (no .pyc beside their source)
+    "compiled_at_start": sorted(name for name, module in list(sys.modules.items())
+                                if name.split(".")[0] in {"job", "storage_adapters", "numpy", "h5py", "pyarrow", "s3fs"}
+                                and getattr(module, "__cached__", None) and not os.path.exists(module.__cached__)),
 }))
 """
 
@@ -234,6 +244,8 @@ def test_entrypoint_runs_as_10001_on_a_read_only_root(image: Image, tmp_path: Pa
     assert probe["torch"] == "2.13.0+cpu" and probe["cli"] == "/opt/venv/bin/biggraph"
     # the wheel's kernels load as uid 10001 on a read-only root: no compiler, nothing written
     assert probe["native"] == "/opt/venv/lib/python3.11/site-packages/job/native/_ext/kernels.so"
+    # an import pod's modules start from the image's bytecode: none compiled (and nothing written) at start
+    assert probe["compiled_at_start"] == [], probe["compiled_at_start"]
 
 
 @pytest.fixture(scope="module")
