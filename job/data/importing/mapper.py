@@ -60,22 +60,12 @@ def group_files(staging: Staging, index: int) -> tuple[str, str]:
 
 @dataclass
 class _TypeLayout:
-    """Where each shard-local entity of one type goes: its partition and position there, and its hash."""
+    """Where each shard-local entity of one type goes, and its hash."""
 
-    part: np.ndarray
-    index: np.ndarray
-    hashes: np.ndarray
+    packed: np.ndarray  # ``partition << 32 | position there`` per local id: one gather places an edge's side
+    hashes: np.ndarray  # per local id
     order: np.ndarray  # local ids sorted by (partition, hash)
     sizes: np.ndarray  # entities per partition
-
-    @property
-    def packed(self) -> np.ndarray:
-        """``part << 32 | index`` per local id (computed once)."""
-        if self._packed is None:
-            self._packed = (self.part << 32) | self.index
-        return self._packed
-
-    _packed: np.ndarray | None = None
 
 
 class GroupImporter(Importer):
@@ -95,24 +85,30 @@ class GroupImporter(Importer):
         """Each type's entities ordered by (partition, hash). The table's lookup arrays already hold them in hash
         order (every id once: a group's table is never preloaded), so a stable sort by partition alone finishes the
         order; on a small integer key numpy's stable sort is a radix sort, linear where a two-key lexsort was
-        n log n. Every pod of a uniform graph orders nearly every id, so this is paid once per pod (issue #46)."""
+        n log n. Every pod of a uniform graph orders nearly every id, so this is paid once per pod, and its arrays
+        (a few per id) set a pod's peak memory after the reading: built in place, without an array per id that
+        only leads to another (issue #46)."""
         layouts = []
         for name, table in zip(self.plan.type_names, self.tables):
             num_parts = self.config.entities[name].num_partitions
             by_hash = table.sorted_ids
             assert len(by_hash) == table.size, "a group's table holds each id once"
             part_by_hash = partition_of(table.sorted_hashes, num_parts, self.options.seed)
+            sizes = np.bincount(part_by_hash, minlength=num_parts).astype(np.int64)
             key = part_by_hash.astype(np.int16) if num_parts <= np.iinfo(np.int16).max else part_by_hash
+            del part_by_hash
             order = by_hash[np.argsort(key, kind="stable")]
+            del key
+            # in (partition, hash) order, the i-th id's packed place is partition << 32 | (i - the partition's start)
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            place = np.arange(table.size, dtype=np.int64)
+            place -= np.repeat(starts - (np.arange(num_parts, dtype=np.int64) << 32), sizes)
+            packed = np.empty(table.size, dtype=np.int64)
+            packed[order] = place
+            del place
             hashes = np.empty(table.size, dtype=np.uint64)
             hashes[by_hash] = table.sorted_hashes
-            part = np.empty(table.size, dtype=np.int64)
-            part[by_hash] = part_by_hash
-            sizes = np.bincount(part_by_hash, minlength=num_parts).astype(np.int64)
-            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-            index = np.empty(table.size, dtype=np.int64)
-            index[order] = np.arange(table.size, dtype=np.int64) - np.repeat(starts, sizes)
-            layouts.append(_TypeLayout(part, index, hashes, order, sizes))
+            layouts.append(_TypeLayout(packed, hashes, order, sizes))
         return layouts
 
 
