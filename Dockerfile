@@ -22,7 +22,7 @@ ARG TORCH_VERSION=2.13.0
 # Bytecode only where a pod's start-up pays for it: pip installs with --no-compile, and the last builder step
 # compiles the packages every import, eval or export pod loads (BYTECODE_PACKAGES: ~25 MB of .pyc, ~0.15 s of CPU
 # a process, on a root filesystem too read-only to cache it). torch's 160 MB of .pyc (an eighth of the CPU image,
-# about 1 s of CPU a trainer's start) stay out: a warm spare imports torch during the rendezvous (docs/elasticity.md).
+# about 1 s of CPU a trainer's start) stay out: a warm spare imports torch during the rendezvous (docs/kubernetes.md).
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
