@@ -39,7 +39,7 @@ def _merge_sorted(
 
 # The recent ids' lookup is merged into the main one once it holds more than 1/MERGE_RATIO of it (and at least
 # MERGE_MIN): a batch with a few new ids then merges them into a small array, not into the whole table. Before, each
-# batch that met any new id rewrote the table (~10 ms at 1M ids): a uniform graph meets new ids in nearly every batch
+# batch that met any new id rewrote the table (4-10 ms at 1M ids): a uniform graph meets new ids in nearly every batch
 # of a shard, and each of N pods pays that over its own table of ~all the ids (issue #46).
 MERGE_RATIO = 8
 MERGE_MIN = 1 << 16
